@@ -1,0 +1,462 @@
+"""Running-request capacity per data-parallel replica: all-GPU KV (baseline) vs Hybrid HiSparse.
+
+A re-derivation of vLLM's published HiSparse concurrency calculator
+(vllm-project.github.io `assets/interactive_pages/hisparse_concurrency_calculator.html`, the
+"Concurrency vs. sequence length" version the GLM-5.3 blog embeds). Pure Python; no jax.
+
+Per replica, with pages of 64 tokens, `n = ceil(seq/64)` and KV HBM `kv` GiB per GPU:
+  kv        = round1(gpu_GB*1e9/2^30*util - shared/TP - routed/(DP*TP if EP else TP) - reserve)
+  baseline  = min(max_seqs, floor(floor(kv*2^30/B_base) / n))
+  gpu_limit = floor(floor(kv*2^30/B_gpu) / (n + G*ceil(hot_rows/64) + G*retained + other))
+  host_lim  = floor(floor(host_gib*2^30/B_host) / n)
+  hisparse  = max(baseline, min(max_seqs, gpu_limit, host_lim))
+`round1` is the calculator's 0.1-GiB slider step (17.8 GiB for GLM-5.3, H200, DP1 TP8 EP).
+The `n` term of `gpu_limit` is right: the indexer group stays GPU-resident and one shared-pool
+block holds 64 tokens of *all* full-indexer layers' keys. Each of the G hot groups leases
+ceil(hot_rows/64) blocks per request and keeps `retained` = 2 active tail pages resident.
+The minimum non-limiting host pool is `min(max_seqs, gpu_limit) * n * B_host` bytes (0 when that
+does not beat the baseline); the calculator shows it rounded up to whole GiB (134 at 80K) and
+uses that, clamped to [16, 4096] GiB, as its default host pool.
+
+Block bytes (one 64-token block; L = 78 layers, F = 21 "full" indexer layers for GLM-5.3):
+
+  quantity                                   FP8         BF16
+  MLA row / token / layer (c 512 + kR 64)    576 B       1,152 B   (1 or 2 B per element)
+  indexer key / token / full layer           132 B       132 B     (128 e4m3 + fp32 scale; stays FP8)
+  host      = 64*L*row                       2,875,392   5,750,784 (44,928 = 78*576 B per token)
+  baseline  = host + 64*F*132                3,052,800   5,928,192 (+177,408 = 21*132*64)
+  indexer-group page 64*F*132                177,408     177,408
+  largest hot group (4 layers * 64*row)      147,456     294,912
+  HiSparse GPU = max(the two) rounded up     184,320     294,912   (5*36,864 / 4*73,728)
+                 to whole per-layer pages
+
+Hot groups follow vLLM's `hisparse/layout.py`: each index-share unit (a full layer plus the shared
+layers after it: {0}, {1}, {2..5}, ..., {74..77}) is packed greedily into groups whose summed
+page stays <= the indexer-group page, giving [0,1] + 19 groups of 4 = 20 groups, and the shared
+pool's block is the largest group page. The round-up to whole MLA pages is inferred: it is the
+only rule found that turns 177,408 into the published 184,320 (an FP8 block of 5 layer pages).
+Two departures from FACTS.md: the published FP8 row is 576 B, not FlashMLA's 656-B "ds_mla" row
+(78*656*64 = 3,274,752 != 2,875,392; pass `mla_fp8_layout="ds_mla"` for it), and the BF16
+constants keep the 132-B FP8 indexer key (pass `indexer_dtype="bf16"` for 256 B).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from decimal import ROUND_HALF_UP, Decimal
+from types import SimpleNamespace
+from typing import Any, Sequence
+
+PAGE_TOKENS = 64
+GPU_MEMORY_GB = {"h200": 141, "b200": 180, "b300": 288}  # decimal GB per GPU, as published
+HOST_SLIDER_GIB = (16, 4096)  # the calculator's host-pool slider range (GiB per DP replica)
+# Sweep points: powers of two 8K..1M plus the blog's 74,160-token first turn, the ~86K context
+# after 12 more turns of 753 + 220 tokens (74,160 + 12*973 = 85,836), and the 142,000 admission limit.
+SWEEP_SEQS = tuple(sorted({2 ** k for k in range(13, 21)} | {74_160, 85_836, 142_000}))
+
+
+class CalcError(ValueError):
+    """Invalid calculator input (the CLI prints it and exits 2)."""
+
+
+@dataclass(frozen=True)
+class BlockBytes:
+    """Bytes of one 64-token block: baseline GPU pool, HiSparse shared GPU pool, HiSparse host pool."""
+    baseline: int
+    hisparse_gpu: int
+    host: int
+
+
+def glm_indexer_types(num_layers: int, freq: int = 4, offset: int = 3) -> tuple[str, ...]:
+    """IndexShare pattern: layer i is "full" iff max(i - offset + 1, 0) % freq == 0."""
+    return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers))
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """How one 64-token block is made up for a model config (all sizes in bytes)."""
+    layers: int            # L, sparse-MLA layers (host rows per token)
+    full_layers: int       # F, layers with their own indexer key cache
+    mla_row: int           # bytes per token per layer of c + kR
+    indexer_row: int       # bytes per token per full layer of the indexer key
+    hot_group_layers: tuple[int, ...]  # layers in each HiSparse hot/resident group
+
+    @property
+    def host(self) -> int:
+        return PAGE_TOKENS * self.layers * self.mla_row
+
+    @property
+    def indexer_page(self) -> int:
+        return PAGE_TOKENS * self.full_layers * self.indexer_row
+
+    @property
+    def baseline(self) -> int:
+        return self.host + self.indexer_page
+
+    @property
+    def hisparse_gpu_unpadded(self) -> int:
+        return max(self.indexer_page, PAGE_TOKENS * self.mla_row * max(self.hot_group_layers))
+
+    @property
+    def hisparse_gpu(self) -> int:
+        layer_page = PAGE_TOKENS * self.mla_row
+        return -(-self.hisparse_gpu_unpadded // layer_page) * layer_page
+
+    @property
+    def hot_groups(self) -> int:
+        return len(self.hot_group_layers)
+
+    @property
+    def block_bytes(self) -> BlockBytes:
+        return BlockBytes(self.baseline, self.hisparse_gpu, self.host)
+
+
+def block_layout(cfg: Any, kv_dtype: str = "fp8", *, mla_fp8_layout: str = "fp8",
+                 indexer_dtype: str = "fp8") -> BlockLayout:
+    """Derive the block layout from a config exposing num_hidden_layers, kv_lora_rank,
+    qk_rope_head_dim, index_head_dim and indexer_types ("full"/"shared" per layer)."""
+    c, r, d = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
+    rows = {"bf16": 2 * (c + r), "fp8": c + r, "ds_mla": c + 4 * (-(-c // 128)) + 2 * r}  # ds_mla: 656 B
+    if kv_dtype not in ("fp8", "bf16") or mla_fp8_layout not in ("fp8", "ds_mla") or indexer_dtype not in ("fp8", "bf16"):
+        raise CalcError(f"bad dtype/layout: {kv_dtype!r}, {mla_fp8_layout!r}, indexer {indexer_dtype!r}")
+    mla_row = rows["bf16"] if kv_dtype == "bf16" else rows[mla_fp8_layout]
+    idx_row = d + 4 * (-(-d // 128)) if indexer_dtype == "fp8" else 2 * d  # FP8: 128 e4m3 + fp32 scale
+    types = tuple(cfg.indexer_types) or ("full",) * cfg.num_hidden_layers
+    if len(types) != cfg.num_hidden_layers:
+        raise CalcError(f"indexer_types has {len(types)} entries for {cfg.num_hidden_layers} layers")
+    full = sum(t == "full" for t in types)
+    units: list[int] = []  # layers per index-share unit (a full layer and the shared ones after it)
+    for i, t in enumerate(types):
+        if t == "full" or i == 0:
+            units.append(0)
+        units[-1] += 1
+    limit = PAGE_TOKENS * full * idx_row  # vLLM packs units while the group page <= indexer page
+    groups: list[int] = []
+    for u in units:
+        if groups and (groups[-1] + u) * PAGE_TOKENS * mla_row <= limit:
+            groups[-1] += u
+        else:
+            groups.append(u)
+    return BlockLayout(cfg.num_hidden_layers, full, mla_row, idx_row, tuple(groups))
+
+
+def block_bytes(cfg: Any, kv_dtype: str = "fp8", **kw: str) -> BlockBytes:
+    """BlockBytes(baseline, hisparse_gpu, host) for a model config; see `block_layout`."""
+    return block_layout(cfg, kv_dtype, **kw).block_bytes
+
+
+# KV-cache shape of GLM-5.3 as the published constants imply it (78 layers, 21 full indexers).
+GLM53_KV_SHAPE = SimpleNamespace(num_hidden_layers=78, kv_lora_rank=512, qk_rope_head_dim=64,
+                                 index_head_dim=128, indexer_types=glm_indexer_types(78))
+
+
+def explain_block_bytes(cfg: Any = GLM53_KV_SHAPE) -> str:
+    """A text table of the block-byte derivation for `cfg` in FP8 and BF16."""
+    out = [f"{'per 64-token block (bytes)':34}{'fp8':>12}{'bf16':>12}"]
+    lay = {dt: block_layout(cfg, dt) for dt in ("fp8", "bf16")}
+    for label, key in [("MLA row / token / layer", "mla_row"), ("indexer row / token / layer", "indexer_row"),
+                       ("layers L / full indexers F", None), ("host = 64*L*row", "host"),
+                       ("indexer page = 64*F*idx_row", "indexer_page"), ("baseline = host + indexer", "baseline"),
+                       ("hot groups", "hot_groups"), ("GPU block before page round-up", "hisparse_gpu_unpadded"),
+                       ("HiSparse GPU block", "hisparse_gpu")]:
+        vals = [f"{lay[dt].layers}/{lay[dt].full_layers}" if key is None else f"{getattr(lay[dt], key):,}"
+                for dt in ("fp8", "bf16")]
+        out.append(f"{label:34}{vals[0]:>12}{vals[1]:>12}")
+    return "\n".join(out)
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """Model constants: weights in GiB (shared ones split over TP, routed experts over DP*TP with EP)."""
+    name: str
+    shared_weights_gib: float
+    routed_expert_weights_gib: float
+    fp8: BlockBytes
+    bf16: BlockBytes
+    hot_groups: int
+    num_attention_heads: int
+
+    def blocks(self, kv_dtype: str) -> BlockBytes:
+        if kv_dtype not in ("fp8", "bf16"):
+            raise CalcError(f"kv_dtype must be 'fp8' or 'bf16', got {kv_dtype!r}")
+        return self.fp8 if kv_dtype == "fp8" else self.bf16
+
+
+def preset_from_config(cfg: Any, name: str, shared_weights_gib: float,
+                       routed_expert_weights_gib: float) -> ModelPreset:
+    """A preset whose block bytes and hot-group count are derived from `cfg` (FP8 row = 576-style)."""
+    fp8, bf16 = block_layout(cfg, "fp8"), block_layout(cfg, "bf16")
+    return ModelPreset(name, shared_weights_gib, routed_expert_weights_gib, fp8.block_bytes,
+                       bf16.block_bytes, fp8.hot_groups, int(getattr(cfg, "num_attention_heads", 1)))
+
+
+PRESETS: dict[str, ModelPreset] = {
+    "glm-5.3-blog": ModelPreset("glm-5.3-blog", 19.556, 684.167, BlockBytes(3_052_800, 184_320, 2_875_392),
+                                BlockBytes(5_928_192, 294_912, 5_750_784), hot_groups=20, num_attention_heads=64),
+}
+
+
+@dataclass(frozen=True)
+class CalcInput:
+    """Calculator inputs; defaults are the published calculator's (GLM-5.3, H200, DP1 TP8 EP, 80K).
+
+    host_gib: host pool per DP replica; None = the calculator's default (minimum non-limiting pool
+    rounded up to whole GiB, clamped to [16, 4096]); math.inf = unlimited (the calculator's chart).
+    A finite pool is capped at system_ram_gib / (DP, times TP unless TP ranks share one pool).
+    groups: hot/resident groups; None = the preset's. kv_hbm_gib: override of the HBM estimate.
+    """
+    preset: str | ModelPreset = "glm-5.3-blog"
+    gpu: str = "h200"
+    dp: int = 1
+    tp: int = 8
+    ep: bool = True
+    kv_dtype: str = "fp8"
+    seq: int = 81_920
+    hot_rows: int = 4096
+    groups: int | None = None
+    retained: int = 2
+    other: int = 0
+    host_gib: float | None = None
+    max_seqs: int = 1024
+    gpu_memory_utilization: float = 0.92
+    reserve_gib: float = 15.0
+    kv_hbm_gib: float | None = None
+    round_kv_hbm: bool = True
+    system_ram_gib: float = 4096.0
+    share_host_across_tp: bool = True
+
+
+@dataclass(frozen=True)
+class CalcResult:
+    """Capacity per DP replica (requests) and the quantities behind it (GiB, blocks, bytes)."""
+    baseline_running: int
+    hisparse_running: int
+    hisparse_gpu_limit: int
+    hisparse_host_limit: int | None  # None: unlimited host pool
+    min_host_gib: float              # exact minimum non-limiting host pool per replica
+    min_host_gib_published: int      # the same rounded up to whole GiB, as the calculator shows it
+    host_gib: float                  # host pool actually applied
+    kv_hbm_gib: float
+    weights_per_gpu_gib: float
+    limiting: str                    # "gpu" | "host" | "max_seqs" | "baseline"
+    block_bytes: BlockBytes
+    groups: int
+    baseline_pool_blocks: int
+    hisparse_pool_blocks: int
+    baseline_blocks_per_request: int
+    hisparse_gpu_blocks_per_request: int
+    host_blocks_per_request: int
+    baseline_total: int              # x DP
+    hisparse_total: int
+    inputs: CalcInput = field(repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        inp = d.pop("inputs")
+        if isinstance(self.inputs.preset, ModelPreset):
+            inp["preset"] = self.inputs.preset.name
+        d["inputs"] = inp
+        return d
+
+
+def get_preset(preset: str | ModelPreset) -> ModelPreset:
+    if isinstance(preset, ModelPreset):
+        return preset
+    if preset not in PRESETS:
+        raise CalcError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    return PRESETS[preset]
+
+
+def _check(inp: CalcInput, model: ModelPreset) -> None:
+    if inp.gpu not in GPU_MEMORY_GB:
+        raise CalcError(f"unknown gpu {inp.gpu!r}; known: {', '.join(GPU_MEMORY_GB)}")
+    for name in ("seq", "dp", "tp", "hot_rows", "max_seqs"):
+        if getattr(inp, name) < 1:
+            raise CalcError(f"{name} must be positive, got {getattr(inp, name)}")
+    for name in ("retained", "other", "reserve_gib"):
+        if getattr(inp, name) < 0:
+            raise CalcError(f"{name} must be >= 0, got {getattr(inp, name)}")
+    if inp.groups is not None and inp.groups < 1:
+        raise CalcError(f"groups must be positive, got {inp.groups}")
+    if inp.host_gib is not None and not inp.host_gib >= 0:
+        raise CalcError(f"host_gib must be >= 0, got {inp.host_gib}")
+    if not 0 < inp.gpu_memory_utilization <= 1:
+        raise CalcError(f"gpu_memory_utilization must be in (0, 1], got {inp.gpu_memory_utilization}")
+    if model.num_attention_heads % inp.tp:
+        raise CalcError(f"tp={inp.tp} does not divide the {model.num_attention_heads} attention heads")
+
+
+def weights_per_gpu_gib(model: ModelPreset, dp: int, tp: int, ep: bool) -> float:
+    """Model weights per GPU (GiB): shared / TP + routed experts / (DP*TP with EP, else TP)."""
+    return model.shared_weights_gib / tp + model.routed_expert_weights_gib / (dp * tp if ep else tp)
+
+
+def capacity(inp: CalcInput) -> CalcResult:
+    """Baseline and HiSparse running requests per DP replica; raises CalcError on bad input."""
+    model = get_preset(inp.preset)
+    _check(inp, model)
+    bb = model.blocks(inp.kv_dtype)
+    groups = model.hot_groups if inp.groups is None else inp.groups
+    weights = weights_per_gpu_gib(model, inp.dp, inp.tp, inp.ep)
+    budget = GPU_MEMORY_GB[inp.gpu] * 1e9 / 2 ** 30 * inp.gpu_memory_utilization
+    kv = budget - weights - inp.reserve_gib if inp.kv_hbm_gib is None else inp.kv_hbm_gib
+    if inp.kv_hbm_gib is None and inp.round_kv_hbm:
+        kv = float(Decimal(kv).quantize(Decimal("0.1"), rounding=ROUND_HALF_UP))
+    if kv <= 0:
+        raise CalcError(f"no HBM left for KV: {inp.gpu} x{inp.gpu_memory_utilization} gives {budget:.1f} GiB/GPU, "
+                        f"weights need {weights:.1f} GiB/GPU and the reserve {inp.reserve_gib:g} GiB "
+                        f"(raise TP, enable EP or pick a larger GPU)")
+    n = -(-inp.seq // PAGE_TOKENS)
+    base_pool = math.floor(kv * 2 ** 30 / bb.baseline)
+    baseline = min(inp.max_seqs, base_pool // n)
+    gpu_pool = math.floor(kv * 2 ** 30 / bb.hisparse_gpu)
+    per_req = n + groups * -(-inp.hot_rows // PAGE_TOKENS) + groups * inp.retained + inp.other
+    gpu_limit = gpu_pool // per_req
+    target = min(inp.max_seqs, gpu_limit)
+    min_host = target * n * bb.host / 2 ** 30 if target > baseline else 0.0
+    host = inp.host_gib
+    if host is None:
+        host = float(min(HOST_SLIDER_GIB[1], max(HOST_SLIDER_GIB[0], math.ceil(min_host))))
+    if not math.isinf(host):  # the calculator caps each replica's pool by the system RAM budget
+        host = min(host, inp.system_ram_gib / (inp.dp * (1 if inp.share_host_across_tp else inp.tp)))
+    host_limit = None if math.isinf(host) else math.floor(host * 2 ** 30 / bb.host) // n
+    offloaded = min(target, gpu_limit if host_limit is None else host_limit)
+    hisparse = max(baseline, offloaded)
+    if baseline > 0 and baseline >= offloaded:
+        limiting = "baseline"
+    elif host_limit is not None and host_limit < target:
+        limiting = "host"
+    else:
+        limiting = "gpu" if gpu_limit < inp.max_seqs else "max_seqs"
+    return CalcResult(baseline, hisparse, gpu_limit, host_limit, min_host, math.ceil(min_host), host, kv, weights,
+                      limiting, bb, groups, base_pool, gpu_pool, n, per_req, n, baseline * inp.dp,
+                      hisparse * inp.dp, inp)
+
+
+def sweep(inp: CalcInput, seqs: Sequence[int] = SWEEP_SEQS) -> list[dict[str, Any]]:
+    """Capacity at each sequence length (tokens), other inputs unchanged. With host_gib=None each
+    point gets its own minimum non-limiting host pool, as the calculator's chart assumes."""
+    keys = ("baseline_running", "hisparse_running", "hisparse_gpu_limit", "hisparse_host_limit",
+            "min_host_gib", "limiting", "baseline_total", "hisparse_total")
+    rows = []
+    for s in seqs:
+        d = capacity(replace(inp, seq=int(s))).to_dict()
+        rows.append({"seq": int(s), **{k: d[k] for k in keys}})
+    return rows
+
+
+def plot_sweep(rows: Sequence[dict[str, Any]], path: str) -> None:
+    """Write a PNG of running requests per replica vs sequence length (log x) for both systems."""
+    from matplotlib.figure import Figure  # lazy: matplotlib is optional
+
+    fig = Figure(figsize=(7, 4), tight_layout=True)
+    ax = fig.add_subplot()
+    seqs = [r["seq"] for r in rows]
+    ax.plot(seqs, [r["baseline_running"] for r in rows], "o-", color="0.5", label="all-GPU KV (baseline)")
+    ax.plot(seqs, [r["hisparse_running"] for r in rows], "o-", color="#008768", label="Hybrid HiSparse")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("running requests per DP replica")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=120)
+
+
+def parse_tokens(text: str) -> int:
+    """'81920', '81_920', '80k' (x1024), '1m' (x2^20) -> tokens; raises ArgumentTypeError."""
+    t = text.strip().lower().replace("_", "").replace(",", "")
+    mult = {"k": 1024, "m": 2 ** 20}.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if mult > 1 else t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (use e.g. 81920, 80k, 1m)") from None
+    if not math.isfinite(value) or value != int(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"sequence length must be a positive whole number of tokens, got {text!r}")
+    return int(value)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hisparse calc", description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="glm-5.3-blog", help=f"model constants ({', '.join(PRESETS)})")
+    p.add_argument("--seq", type=parse_tokens, default=81_920, help="tokens: 81920, 80k (=81920), 1m (=1048576)")
+    p.add_argument("--gpu", choices=sorted(GPU_MEMORY_GB), default="h200")
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--ep", action=argparse.BooleanOptionalAction, default=True, help="expert parallel over DP*TP")
+    p.add_argument("--kv-dtype", choices=("fp8", "bf16"), default="fp8")
+    p.add_argument("--hot-rows", type=int, default=4096, help="hot-buffer rows per group (10240 with MTP3)")
+    p.add_argument("--groups", type=int, default=None, help="hot/resident groups (default: the preset's)")
+    p.add_argument("--retained", type=int, default=2, help="retained resident pages per group")
+    p.add_argument("--other", type=int, default=0, help="other GPU blocks per request")
+    p.add_argument("--host-gib", type=float, default=None, help="host pool per DP replica (default: minimum)")
+    p.add_argument("--max-seqs", type=int, default=1024)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.92)
+    p.add_argument("--reserve-gib", type=float, default=15.0)
+    p.add_argument("--kv-hbm-gib", type=float, default=None, help="override the KV HBM estimate per GPU")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--sweep", action="store_true", help="tabulate capacity vs sequence length (8K..1M)")
+    p.add_argument("--plot", metavar="PATH", help="with the sweep, write a PNG plot")
+    return p
+
+
+def _table(r: CalcResult) -> str:
+    i, bb = r.inputs, r.block_bytes
+    host = "unlimited" if r.hisparse_host_limit is None else f"{r.hisparse_host_limit:,}"
+    rows = [("", "baseline", "HiSparse"),
+            ("block bytes (64 tokens)", f"{bb.baseline:,}", f"{bb.hisparse_gpu:,} (host {bb.host:,})"),
+            ("GPU pool (blocks)", f"{r.baseline_pool_blocks:,}", f"{r.hisparse_pool_blocks:,}"),
+            ("GPU blocks / request", f"{r.baseline_blocks_per_request:,}", f"{r.hisparse_gpu_blocks_per_request:,}"),
+            ("GPU limit", f"{r.baseline_running:,}", f"{r.hisparse_gpu_limit:,}"),
+            ("host limit", "-", f"{host} ({r.host_gib:g} GiB pool)"),
+            ("running / replica", f"{r.baseline_running:,}", f"{r.hisparse_running:,} (limit: {r.limiting})"),
+            (f"running total (x DP{i.dp})", f"{r.baseline_total:,}", f"{r.hisparse_total:,}"),
+            ("min host pool / replica", "-", f"{r.min_host_gib:.2f} GiB (shown as {r.min_host_gib_published})")]
+    head = (f"preset {get_preset(i.preset).name}  {i.gpu} DP{i.dp} TP{i.tp} {'EP' if i.ep else 'no-EP'}  "
+            f"{i.kv_dtype}  seq {i.seq:,}  hot rows {i.hot_rows:,}  KV HBM {r.kv_hbm_gib:g} GiB/GPU "
+            f"(weights {r.weights_per_gpu_gib:.2f} GiB/GPU)")
+    return "\n".join([head] + [f"  {a:26}{b:>12}   {c}" for a, b, c in rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`hisparse calc`: 0 on success, 2 (with a message on stderr) on bad input."""
+    parser = _parser()
+    try:
+        a = parser.parse_args(argv)
+    except SystemExit as e:  # argparse already printed usage and the error
+        return int(e.code or 0)
+    inp = CalcInput(preset=a.preset, gpu=a.gpu, dp=a.dp, tp=a.tp, ep=a.ep, kv_dtype=a.kv_dtype, seq=a.seq,
+                    hot_rows=a.hot_rows, groups=a.groups, retained=a.retained, other=a.other, host_gib=a.host_gib,
+                    max_seqs=a.max_seqs, gpu_memory_utilization=a.gpu_memory_utilization,
+                    reserve_gib=a.reserve_gib, kv_hbm_gib=a.kv_hbm_gib)
+    try:
+        result = capacity(inp)
+        rows = sweep(inp) if a.sweep or a.plot else None
+        if a.plot:
+            plot_sweep(rows, a.plot)
+    except (CalcError, ImportError, OSError) as e:
+        print(f"hisparse calc: error: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        out = result.to_dict()
+        if rows is not None:
+            out["sweep"] = rows
+        print(json.dumps(out))
+    elif rows is not None:
+        cols = {"seq": "seq", "baseline_running": "baseline", "hisparse_running": "hisparse",
+                "hisparse_gpu_limit": "gpu limit", "hisparse_host_limit": "host limit",
+                "min_host_gib": "min host GiB", "limiting": "limiting"}
+        print("".join(f"{h:>13}" for h in cols.values()))
+        for row in rows:
+            cells = [f"{row[c]:.1f}" if c == "min_host_gib" else "-" if row[c] is None else
+                     f"{row[c]:,}" if isinstance(row[c], int) else str(row[c]) for c in cols]
+            print("".join(f"{x:>13}" for x in cells))
+    else:
+        print(_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

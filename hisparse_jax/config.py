@@ -1,0 +1,349 @@
+"""Frozen, validated model configuration for sparse-MLA (DSA) decoders.
+
+`ModelConfig` covers the two architectures this project reproduces:
+
+* DeepSeek-V3.2 (`model_type="deepseek_v32"`): every layer has its own lightning indexer, the
+  indexer uses half-split (NeoX) RoPE, YaRN RoPE scaling with mscale.
+* GLM-5 (`model_type="glm_moe_dsa"`): the indexer uses interleaved RoPE and layers may be
+  "shared" (IndexShare): they reuse the most recent "full" layer's top-k.
+
+Field names follow the Hugging Face `config.json` so a reader can map one onto the other.
+Derived sizes are properties; nothing writes back into a config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """RoPE parameters. `rope_type` is "default" or "yarn" (YaRN with DeepSeek's mscale)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.rope_type not in ("default", "yarn"):
+            raise ValueError(f"unsupported rope_type {self.rope_type!r}; supported: 'default', 'yarn'")
+        if self.theta <= 0:
+            raise ValueError(f"rope theta must be positive, got {self.theta}")
+        if self.rope_type == "yarn" and self.original_max_position_embeddings is None:
+            raise ValueError("yarn RoPE needs original_max_position_embeddings")
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a DSA decoder. Axis letters used across the code base:
+
+    B batch, T query tokens, S key positions, D hidden, H attention heads, C latent rank (kv_lora_rank),
+    R rope dim, N nope dim, V value dim, Q q_lora rank, I indexer heads, E experts, F ffn width,
+    K top-k, L layers, P pages.
+    """
+
+    model_type: str = "deepseek_v32"
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 8
+    n_group: int = 8
+    topk_group: int = 4
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 2.5
+    mlp_layer_types: tuple[str, ...] = ()
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 163840
+    rope: RopeConfig = RopeConfig()
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    indexer_types: tuple[str, ...] = ()
+    indexer_rope_interleaved: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: tuple[int, ...] = (1,)
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unknown model_type {self.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        L = self.num_hidden_layers
+        if not self.mlp_layer_types:
+            object.__setattr__(self, "mlp_layer_types", tuple(["dense"] * min(3, L) + ["sparse"] * max(L - 3, 0)))
+        if not self.indexer_types:
+            object.__setattr__(self, "indexer_types", ("full",) * L)
+        object.__setattr__(self, "mlp_layer_types", tuple(self.mlp_layer_types))
+        object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
+        if isinstance(self.eos_token_id, int):
+            object.__setattr__(self, "eos_token_id", (self.eos_token_id,))
+        object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id or ()))
+        problems = []
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
+                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
+                     "index_head_dim", "index_topk", "max_position_embeddings"):
+            if int(getattr(self, name)) <= 0:
+                problems.append(f"{name} must be positive (got {getattr(self, name)})")
+        if len(self.mlp_layer_types) != L or set(self.mlp_layer_types) - {"dense", "sparse"}:
+            problems.append(f"mlp_layer_types must be {L} entries of 'dense'/'sparse', got {self.mlp_layer_types}")
+        if len(self.indexer_types) != L or set(self.indexer_types) - {"full", "shared"}:
+            problems.append(f"indexer_types must be {L} entries of 'full'/'shared', got {self.indexer_types}")
+        elif self.indexer_types[0] != "full":
+            problems.append("the first layer must have a 'full' indexer (shared layers reuse a previous full layer)")
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.index_head_dim:
+            problems.append(
+                f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even and <= index_head_dim ({self.index_head_dim})")
+        if "sparse" in self.mlp_layer_types:
+            E = self.n_routed_experts
+            if E <= 0 or self.num_experts_per_tok <= 0 or self.num_experts_per_tok > E:
+                problems.append(f"need 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= n_routed_experts ({E})")
+            if self.n_group <= 0 or E % self.n_group:
+                problems.append(f"n_routed_experts ({E}) must be divisible by n_group ({self.n_group})")
+            elif self.n_group > 1 and E // self.n_group < 2:
+                problems.append("group-limited routing needs at least 2 experts per group")
+            if not 0 < self.topk_group <= self.n_group:
+                problems.append(f"need 0 < topk_group ({self.topk_group}) <= n_group ({self.n_group})")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            problems.append(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if problems:
+            raise ValueError("invalid ModelConfig: " + "; ".join(problems))
+
+    # ----- derived sizes -------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_row_dim(self) -> int:
+        """Values cached per token and layer: latent c (C) + rope key kR (R)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """tau = qk_head_dim^-0.5, times mscale^2 under YaRN (as DeepSeek and transformers do)."""
+        scale = self.qk_head_dim ** -0.5
+        r = self.rope
+        if r.rope_type != "default" and r.mscale_all_dim:
+            m = yarn_get_mscale(r.factor, r.mscale_all_dim)
+            scale = scale * m * m
+        return scale
+
+    @property
+    def index_score_scale(self) -> float:
+        """Positive constant of the indexer score: index_head_dim^-0.5 * index_n_heads^-0.5."""
+        return self.index_head_dim ** -0.5 * self.index_n_heads ** -0.5
+
+    @property
+    def full_indexer_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.indexer_types) if t == "full")
+
+    @property
+    def num_indexer_layers(self) -> int:
+        return len(self.full_indexer_layers)
+
+    @property
+    def indexer_slot(self) -> tuple[int, ...]:
+        """For every layer, the index (among full layers) of the indexer whose top-k it uses."""
+        slots, cur = [], -1
+        for t in self.indexer_types:
+            cur += t == "full"
+            slots.append(cur)
+        return tuple(slots)
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    # ----- Hugging Face config.json ---------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, path_or_dict: str | os.PathLike | Mapping[str, Any], **overrides) -> "ModelConfig":
+        """Build from a Hugging Face `config.json` (a dict, the file, or its directory)."""
+        if isinstance(path_or_dict, Mapping):
+            d = dict(path_or_dict)
+        else:
+            p = os.fspath(path_or_dict)
+            if os.path.isdir(p):
+                p = os.path.join(p, "config.json")
+            if not os.path.exists(p):
+                raise FileNotFoundError(f"no config.json at {p}")
+            with open(p) as f:
+                d = json.load(f)
+        mt = d.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unknown model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if d.get("attention_bias"):
+            raise ValueError("attention_bias=True is not supported (neither DeepSeek-V3.2 nor GLM-5 uses it)")
+        if d.get("q_lora_rank") in (None, 0):
+            raise ValueError("q_lora_rank is required (the indexer reads the q-LoRA latent)")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {d.get('hidden_act')!r} is not supported (only 'silu')")
+        L = int(d["num_hidden_layers"])
+        mlp_types = d.get("mlp_layer_types")
+        if not mlp_types:
+            n_dense = min(int(d.get("first_k_dense_replace", 3)), L)
+            mlp_types = ["dense"] * n_dense + ["sparse"] * (L - n_dense)
+        idx_types = d.get("indexer_types")
+        if not idx_types:
+            pattern = d.get("index_topk_pattern")
+            if pattern is not None:
+                idx_types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else pattern
+            elif mt == "glm_moe_dsa":
+                freq = max(int(d.get("index_topk_freq", 1)), 1)
+                offset = int(d.get("index_skip_topk_offset", 2))
+                idx_types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(L)]
+            else:
+                idx_types = ["full"] * L
+        rp = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        rope_type = rp.get("rope_type", rp.get("type", "default")) or "default"
+        theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
+        if rope_type == "yarn":
+            orig = rp.get("original_max_position_embeddings", d.get("max_position_embeddings"))
+            factor = rp.get("factor")
+            if factor is None:
+                factor = d["max_position_embeddings"] / orig
+            rope = RopeConfig(theta=float(theta), rope_type="yarn", factor=float(factor),
+                              original_max_position_embeddings=int(orig),
+                              beta_fast=float(rp.get("beta_fast") or 32), beta_slow=float(rp.get("beta_slow") or 1),
+                              mscale=rp.get("mscale"), mscale_all_dim=rp.get("mscale_all_dim"),
+                              attention_factor=rp.get("attention_factor"), truncate=bool(rp.get("truncate", True)))
+        elif rope_type == "default":
+            rope = RopeConfig(theta=float(theta))
+        else:
+            raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, yarn")
+        eos = d.get("eos_token_id", 1)
+        eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
+        dtype = d.get("dtype") or d.get("torch_dtype") or "bfloat16"
+        kw = dict(
+            model_type=mt, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], moe_intermediate_size=d.get("moe_intermediate_size", 0),
+            num_hidden_layers=L, num_attention_heads=d["num_attention_heads"], q_lora_rank=d["q_lora_rank"],
+            kv_lora_rank=d["kv_lora_rank"], qk_nope_head_dim=d["qk_nope_head_dim"],
+            qk_rope_head_dim=d["qk_rope_head_dim"], v_head_dim=d["v_head_dim"],
+            n_routed_experts=d.get("n_routed_experts") or d.get("num_experts") or 0,
+            n_shared_experts=d.get("n_shared_experts") or 0, num_experts_per_tok=d.get("num_experts_per_tok", 0),
+            n_group=d.get("n_group") or 1, topk_group=d.get("topk_group") or 1,
+            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+            mlp_layer_types=tuple(mlp_types), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=d["max_position_embeddings"], rope=rope,
+            index_n_heads=d.get("index_n_heads", 64), index_head_dim=d.get("index_head_dim", 128),
+            index_topk=d.get("index_topk", 2048), indexer_types=tuple(idx_types),
+            indexer_rope_interleaved=(mt == "glm_moe_dsa"), tie_word_embeddings=bool(d.get("tie_word_embeddings")),
+            bos_token_id=d.get("bos_token_id"), eos_token_id=eos,
+            dtype={"bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype),
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The Hugging Face `config.json` dict for this config (readable by transformers)."""
+        arch = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}[self.model_type]
+        r = self.rope
+        rope: dict[str, Any] = {"rope_type": r.rope_type, "rope_theta": r.theta}
+        if r.rope_type == "yarn":
+            rope.update(factor=r.factor, original_max_position_embeddings=r.original_max_position_embeddings,
+                        beta_fast=r.beta_fast, beta_slow=r.beta_slow)
+            for k in ("mscale", "mscale_all_dim", "attention_factor"):
+                if getattr(r, k) is not None:
+                    rope[k] = getattr(r, k)
+        d = {
+            "architectures": [arch], "model_type": self.model_type, "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "moe_intermediate_size": self.moe_intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_attention_heads,
+            "q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim, "n_routed_experts": self.n_routed_experts,
+            "n_shared_experts": self.n_shared_experts, "num_experts_per_tok": self.num_experts_per_tok,
+            "n_group": self.n_group, "topk_group": self.topk_group, "norm_topk_prob": self.norm_topk_prob,
+            "routed_scaling_factor": self.routed_scaling_factor, "mlp_layer_types": list(self.mlp_layer_types),
+            "first_k_dense_replace": self.mlp_layer_types.index("sparse") if "sparse" in self.mlp_layer_types
+            else self.num_hidden_layers,
+            "rms_norm_eps": self.rms_norm_eps, "max_position_embeddings": self.max_position_embeddings,
+            "rope_parameters": rope, "index_n_heads": self.index_n_heads, "index_head_dim": self.index_head_dim,
+            "index_topk": self.index_topk, "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id),
+            "hidden_act": "silu", "attention_bias": False, "dtype": self.dtype,
+        }
+        if self.model_type == "glm_moe_dsa":
+            d["indexer_types"] = list(self.indexer_types)
+        elif any(t != "full" for t in self.indexer_types):
+            raise ValueError("deepseek_v32 has no shared-index layers; use model_type='glm_moe_dsa'")
+        return d
+
+
+def _glm_indexer_types(L: int, freq: int, offset: int) -> tuple[str, ...]:
+    return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(L))
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "deepseek-v3.2": ModelConfig(
+        model_type="deepseek_v32",
+        rope=RopeConfig(theta=10000.0, rope_type="yarn", factor=40.0, original_max_position_embeddings=4096,
+                        beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+    ),
+    "glm-5": ModelConfig(
+        model_type="glm_moe_dsa", vocab_size=154880, hidden_size=6144, intermediate_size=12288,
+        moe_intermediate_size=2048, num_hidden_layers=78, num_attention_heads=64, q_lora_rank=2048,
+        kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, n_group=1, topk_group=1,
+        rms_norm_eps=1e-5, max_position_embeddings=202752, rope=RopeConfig(theta=1e6), index_n_heads=32,
+        index_head_dim=128, index_topk=2048, indexer_rope_interleaved=True,
+        indexer_types=_glm_indexer_types(78, 4, 3),
+    ),
+    # Tiny models with the real cache geometry (latent 512, rope 64, indexer 128) for demos and tests.
+    "tiny-glm": ModelConfig(
+        model_type="glm_moe_dsa", vocab_size=512, hidden_size=128, intermediate_size=256,
+        moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, q_lora_rank=96, kv_lora_rank=512,
+        qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
+        rms_norm_eps=1e-5, max_position_embeddings=65536, rope=RopeConfig(theta=1e6), index_n_heads=16,
+        index_head_dim=128, index_topk=256, indexer_rope_interleaved=True,
+        indexer_types=("full", "shared", "full", "shared"), dtype="float32",
+    ),
+    "tiny-deepseek": ModelConfig(
+        model_type="deepseek_v32", vocab_size=512, hidden_size=128, intermediate_size=256,
+        moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, q_lora_rank=96, kv_lora_rank=512,
+        qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=2, topk_group=1, mlp_layer_types=("dense", "sparse", "sparse"),
+        max_position_embeddings=65536,
+        rope=RopeConfig(theta=10000.0, rope_type="yarn", factor=16.0, original_max_position_embeddings=4096,
+                        mscale=1.0, mscale_all_dim=1.0),
+        index_n_heads=16, index_head_dim=128, index_topk=256, dtype="float32",
+    ),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}") from None

@@ -1,0 +1,161 @@
+"""Batched generation: a prefill forward, then a jitted decode step with fixed shapes.
+
+Shapes are bucketed (batch to a power of two, prompt length to a power of two >= 16, cache length to a
+multiple of 64) so a decode loop compiles once, whatever the step. Every trace of a step increments
+`TRACE_COUNTS`, which the tests use to prove there is no recompilation per step.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hisparse_jax.kv.dense import DenseKV, init_dense_cache
+from hisparse_jax.model.decoder import SparseMLAModel, decode_step
+
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+
+def _bucket_pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+def validate_prompts(model: SparseMLAModel, prompts, max_new_tokens: int) -> list[list[int]]:
+    cfg = model.cfg
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    out = []
+    for i, p in enumerate(prompts):
+        p = [int(t) for t in np.asarray(p).reshape(-1)]
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids out of range [0, {cfg.vocab_size}): {bad[:8]}")
+        if len(p) + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it exceeds the "
+                             f"model's max_position_embeddings ({cfg.max_position_embeddings})")
+        out.append(p)
+    return out
+
+
+def sample_tokens(logits, key, temperature: float, top_p: float):
+    """logits f32[B, V] -> int32[B]. Greedy when temperature == 0, else temperature + nucleus (top-p)."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        cutoff_idx = jnp.sum(cum < top_p, axis=-1, keepdims=True)
+        cutoff = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.lru_cache(maxsize=32)
+def _prefill_fn(graphdef):
+    @jax.jit
+    def prefill(state, ids):
+        TRACE_COUNTS["prefill"] += 1
+        model = nnx.merge(graphdef, state)
+        return model.forward(ids)
+
+    return prefill
+
+
+@functools.lru_cache(maxsize=32)
+def _decode_fn(graphdef, backend, temperature: float, top_p: float):
+    @functools.partial(jax.jit, donate_argnums=(3,))
+    def step(state, tokens, positions, cache, key):
+        TRACE_COUNTS["decode"] += 1
+        model = nnx.merge(graphdef, state)
+        logits, cache, _ = decode_step(model, tokens, positions, cache, backend)
+        return sample_tokens(logits, key, temperature, top_p), logits, cache
+
+    return step
+
+
+def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, key: jax.Array | None = None, eos_token_id: int | Sequence[int] | None = None,
+             return_logits: bool = False):
+    """Generate `max_new_tokens` tokens for each prompt; returns the new tokens (list per prompt).
+
+    Greedy by default. temperature > 0 samples (optionally with nucleus `top_p`) and needs an explicit
+    PRNG `key`. With `eos_token_id`, a sequence's output stops after its first EOS (decoding of the batch
+    stops once every sequence has finished). With `return_logits=True` returns `(tokens, logits)` where
+    logits[i] is float32[len(tokens[i]), V]: the distribution each new token was drawn from.
+    """
+    prompts = validate_prompts(model, prompts, max_new_tokens)
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
+    if temperature > 0 and key is None:
+        raise ValueError("sampling (temperature > 0) needs an explicit PRNG key: key=jax.random.key(seed)")
+    key = key if key is not None else jax.random.key(0)
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    cfg = model.cfg
+    n = len(prompts)
+    B = _bucket_pow2(n)
+    lens = np.array([len(p) for p in prompts] + [1] * (B - n), np.int32)
+    T = _bucket_pow2(int(lens.max()), 16)
+    S = -(-(int(lens.max()) + max_new_tokens) // 64) * 64
+    ids = np.zeros((B, T), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = p
+    graphdef, state = nnx.split(model)
+    logits_all, aux = _prefill_fn(graphdef)(state, jnp.asarray(ids))
+    first_logits = logits_all[jnp.arange(B), jnp.asarray(lens - 1)].astype(jnp.float32)
+    cache = _cache_from_prefill(cfg, aux, B, S, T, model.dtype)
+    backend = DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8)
+    step = _decode_fn(graphdef, backend, float(temperature), float(top_p))
+
+    key, sub = jax.random.split(key)
+    tokens = sample_tokens(first_logits, sub, temperature, top_p)
+    out_tokens, out_logits = [tokens], [first_logits] if return_logits else []
+    positions = jnp.asarray(lens)
+    for t in range(1, max_new_tokens):
+        key, sub = jax.random.split(key)
+        tokens, logits, cache = step(state, tokens, positions, cache, sub)
+        positions = positions + 1
+        out_tokens.append(tokens)
+        if return_logits:
+            out_logits.append(logits)
+        if eos and t % 16 == 0 and _all_finished(out_tokens, n, eos):
+            break
+    toks = np.asarray(jnp.stack(out_tokens, axis=1))[:n]
+    result = []
+    for i in range(n):
+        row = toks[i].tolist()
+        for j, tok in enumerate(row):
+            if tok in eos:
+                row = row[:j + 1]
+                break
+        result.append(row)
+    if not return_logits:
+        return result
+    lg = np.asarray(jnp.stack(out_logits, axis=1))
+    return result, [lg[i, :len(result[i])] for i in range(n)]
+
+
+def _all_finished(out_tokens, n, eos) -> bool:
+    toks = np.asarray(jnp.stack(out_tokens, axis=1))[:n]
+    return all(any(t in eos for t in row) for row in toks.tolist())
+
+
+def _cache_from_prefill(cfg, aux, B, S, T, dtype):
+    cache = init_dense_cache(cfg, B, S, dtype)
+    t = min(T, S)
+    return {
+        "latent": cache["latent"].at[:, :, :t].set(jnp.stack(aux["latent"])[:, :, :t].astype(dtype)),
+        "rope": cache["rope"].at[:, :, :t].set(jnp.stack(aux["rope"])[:, :, :t].astype(dtype)),
+        "index_k": cache["index_k"].at[:, :, :t].set(jnp.stack(aux["index_k"])[:, :, :t].astype(dtype)),
+    }

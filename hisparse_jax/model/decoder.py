@@ -1,0 +1,190 @@
+"""The DSA decoder: embeddings, layers (MLA + indexer, dense MLP or MoE), final norm, LM head.
+
+Two entry points:
+
+* `SparseMLAModel.__call__(input_ids [B, T]) -> logits [B, T, V]` — the full causal forward in which
+  every layer attends only to its indexer's top-k (shared-index layers reuse their leader's), as
+  transformers does. `forward(...)` also returns what a cache needs (per-layer latent rows, indexer
+  keys) and the per-layer top-k.
+* `decode_step(model, tokens [B], positions [B], cache, backend)` — one new token per sequence in
+  the absorbed MLA form. Where the rows come from is the *backend's* business (see `KVBackend`):
+  a contiguous cache here, the tiered paged store and the Pallas kernels elsewhere, without touching
+  the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hisparse_jax.config import ModelConfig
+from hisparse_jax.model.indexer import index_scores, indexer_project, select_topk
+from hisparse_jax.model.layers import MLP, Linear, RMSNorm, _normal
+from hisparse_jax.model.mla import MLA, mla_prefill_attention, mla_project, split_kv_b
+from hisparse_jax.model.moe import MoE
+from hisparse_jax.model.rope import rope_cos_sin, rope_frequencies
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = MLA(cfg, layer, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        if cfg.mlp_layer_types[layer] == "sparse":
+            self.mlp = MoE(cfg, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+
+class SparseMLAModel(nnx.Module):
+    """A DeepSeek-V3.2 / GLM-5 style decoder. Parameters mirror the Hugging Face names
+    (`model.layers.{i}.self_attn.q_a_proj.weight` -> `layers[i].self_attn.q_a_proj.kernel`, transposed).
+
+    Options (static, not parameters): `moe_impl` ("ragged" | "dense"), `indexer_fp8` (emulate DeepSeek's
+    FP8 + Hadamard indexer instead of the exact float32 scores transformers computes).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None, dtype=None, moe_impl: str = "ragged",
+                 indexer_fp8: bool = False):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        dtype = jnp.dtype(dtype or DTYPES[cfg.dtype])
+        self.cfg = cfg
+        self.dtype = dtype
+        self.moe_impl = moe_impl
+        self.indexer_fp8 = indexer_fp8
+        self.embed_tokens = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype,
+                                                                    rngs=rngs)
+
+    # ----- pieces shared by prefill and decode ---------------------------------------------------
+    def rope(self, positions):
+        """positions int[...] -> (cos, sin) f32[..., R/2]."""
+        return rope_cos_sin(positions, *rope_frequencies(self.cfg.rope, self.cfg.qk_rope_head_dim))
+
+    def embed(self, ids):
+        return jnp.take(self.embed_tokens[...], ids, axis=0)
+
+    def logits(self, h):
+        h = self.norm(h)
+        if self.lm_head is None:
+            return jnp.einsum("...d,vd->...v", h, self.embed_tokens[...])
+        return self.lm_head(h)
+
+    def mlp(self, layer: DecoderLayer, h):
+        if isinstance(layer.mlp, MoE):
+            return layer.mlp(h, impl=self.moe_impl)
+        return layer.mlp(h)
+
+    # ----- full causal forward -------------------------------------------------------------------
+    def __call__(self, input_ids):
+        return self.forward(input_ids)[0]
+
+    def forward(self, input_ids, *, topk_override=None):
+        """input_ids int32[B, T] (positions 0..T-1) -> (logits [B, T, V], aux).
+
+        aux = {"latent": [L x [B, T, C]], "rope": [L x [B, T, R]], "index_k": [L_I x [B, T, dI]],
+               "topk": [L_I x int32[B, T, K]]}; top-k rows are -1 padded (K = min(index_topk, T)).
+        topk_override: optional list (one per full indexer) of int32[B, T, K] index sets to use instead of
+        the indexer's — to test the attention math separately from the selection.
+        """
+        cfg = self.cfg
+        B, T = input_ids.shape
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        cos, sin = self.rope(pos)
+        causal = jnp.tril(jnp.ones((T, T), bool))[None]
+        x = self.embed(input_ids)
+        aux = {"latent": [], "rope": [], "index_k": [], "topk": []}
+        attend = None
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q_nope, q_rope, cq, c, k_rope = mla_project(attn, cfg, h, cos, sin)
+            aux["latent"].append(c)
+            aux["rope"].append(k_rope)
+            if attn.indexer is not None:
+                qI, kI, w = indexer_project(attn.indexer, cfg, h, cq, cos, sin)
+                aux["index_k"].append(kI)
+                if topk_override is not None:
+                    topk = topk_override[len(aux["topk"])]
+                else:
+                    scores = index_scores(qI, w, kI, fp8=self.indexer_fp8)
+                    topk = select_topk(scores, jnp.broadcast_to(causal, scores.shape), cfg.index_topk)
+                aux["topk"].append(topk)
+                attend = topk_to_mask(topk, T) & causal
+            w_uk, w_uv = split_kv_b(attn, cfg)
+            o = mla_prefill_attention(q_nope, q_rope, c, k_rope, attend, w_uk, w_uv, cfg.softmax_scale)
+            x = x + attn.o_proj(o.reshape(B, T, -1))
+            x = x + self.mlp(layer, layer.post_attention_layernorm(x))
+        return self.logits(x), aux
+
+
+def topk_to_mask(topk, S: int):
+    """int32[..., K] positions (-1 = none) -> bool[..., S]."""
+    hit = (topk[..., :, None] == jnp.arange(S, dtype=jnp.int32)) & (topk[..., :, None] >= 0)
+    return jnp.any(hit, axis=-2)
+
+
+class KVBackend(Protocol):
+    """Where decode reads and writes KV rows. Methods are pure: they take and return the cache pytree.
+
+    positions int32[B]: the position of the token being decoded (-1 for an idle batch slot, whose
+    writes must be dropped and whose top-k is all -1). Layer numbers and indexer slots are static.
+    """
+
+    def append(self, cache: Any, layer: int, slot: int | None, positions, c, k_rope, k_index) -> Any:
+        """Store this token's rows of `layer`: c [B, C], k_rope [B, R]; k_index [B, dI] when `slot` is a full
+        indexer's slot (else None)."""
+
+    def select(self, cache: Any, slot: int, positions, q_index, w) -> tuple[jnp.ndarray, Any]:
+        """Indexer top-k over keys 0..positions[b]: q_index f32[B, I, dI], w f32[B, I] -> (int32[B, K], cache)."""
+
+    def attend(self, cache: Any, layer: int, topk, q_lat, q_rope, tau: float) -> tuple[jnp.ndarray, Any]:
+        """Absorbed sparse MLA over the rows at `topk` (int32[B, K], -1 padded): q_lat [B, H, C],
+        q_rope [B, H, R] -> (o_lat f32[B, H, C], cache)."""
+
+
+def decode_step(model: SparseMLAModel, tokens, positions, cache, backend: KVBackend):
+    """One decode step: tokens int32[B] at positions int32[B] -> (logits f32[B, V], cache, topk per indexer)."""
+    cfg = model.cfg
+    B = tokens.shape[0]
+    pos = jnp.maximum(positions, 0)[:, None]  # [B, 1]
+    cos, sin = model.rope(pos)
+    x = model.embed(tokens[:, None])  # [B, 1, D]
+    topk, slot, all_topk = None, -1, []
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q_nope, q_rope, cq, c, k_rope = mla_project(attn, cfg, h, cos, sin)
+        if attn.indexer is not None:
+            slot += 1
+            qI, kI, w = indexer_project(attn.indexer, cfg, h, cq, cos, sin)
+            cache = backend.append(cache, i, slot, positions, c[:, 0], k_rope[:, 0], kI[:, 0])
+            topk, cache = backend.select(cache, slot, positions, qI[:, 0], w[:, 0])
+            all_topk.append(topk)
+        else:
+            cache = backend.append(cache, i, None, positions, c[:, 0], k_rope[:, 0], None)
+        w_uk, w_uv = split_kv_b(attn, cfg)
+        q_lat = jnp.einsum("bhn,chn->bhc", q_nope[:, 0], w_uk)
+        o_lat, cache = backend.attend(cache, i, topk, q_lat, q_rope[:, 0], cfg.softmax_scale)
+        o = jnp.einsum("bhc,chv->bhv", o_lat.astype(w_uv.dtype), w_uv)
+        x = x + attn.o_proj(o.reshape(B, 1, -1).astype(x.dtype))
+        x = x + model.mlp(layer, layer.post_attention_layernorm(x))
+    return model.logits(x)[:, 0].astype(jnp.float32), cache, all_topk
+
+
+def index_select_reference(index_k, positions, q_index, w, topk: int, *, fp8: bool = False):
+    """Top-k over a contiguous key cache: index_k [B, S, dI], positions int32[B] -> int32[B, min(topk, S)].
+
+    Keys 0..positions[b] are valid; -1 pads the tail; an idle slot (position -1) gets all -1.
+    """
+    S = index_k.shape[1]
+    scores = index_scores(q_index[:, None], w[:, None], index_k, fp8=fp8)[:, 0]  # [B, S]
+    valid = jnp.arange(S, dtype=jnp.int32)[None] <= positions[:, None]
+    return select_topk(scores, valid, topk)

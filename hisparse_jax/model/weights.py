@@ -1,0 +1,276 @@
+"""Hugging Face checkpoints <-> `SparseMLAModel`, and Orbax save/restore of the parameters.
+
+Checkpoint layout: a directory with `config.json` and one or many `*.safetensors` files (with or
+without `model.safetensors.index.json`), tensors named as transformers names them. Routed experts
+are read either per expert (`mlp.experts.{j}.gate_proj.weight`, the released checkpoints and what
+`save_pretrained` writes) or fused (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj`
+[E, D, F], transformers' in-memory layout). Tensors of layers past `num_hidden_layers` (the MTP
+layer of the released checkpoints) are ignored.
+
+FP8: a `*.weight` stored as float8_e4m3fn with a sibling `*.weight_scale_inv` float32
+[ceil(out/128), ceil(in/128)] is dequantized as weight * scale, block by block.
+
+safetensors 0.8's numpy/flax loaders cannot materialize float8 tensors (NumPy has no float8 type),
+so files are read by memory-mapping them after their JSON header and viewing the bytes with the
+`ml_dtypes` types jax ships; writing uses `safetensors.numpy.save_file`.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from hisparse_jax.config import ModelConfig
+from hisparse_jax.model.decoder import DTYPES, SparseMLAModel
+
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
+    "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+FP8_BLOCK = 128
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model config (lists every problem)."""
+
+
+def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Lazily mapped tensors of one .safetensors file."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+    out = {}
+    for name, info in header.items():
+        if info["dtype"] not in _ST_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        a, b = info["data_offsets"]
+        out[name] = data[a:b].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
+def read_checkpoint_tensors(path: str) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint directory (lazily mapped), by Hugging Face name."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, x) for x in files]
+    else:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    tensors: dict[str, np.ndarray] = {}
+    for fn in files:
+        tensors.update(_read_safetensors(fn))
+    return tensors
+
+
+def dequantize_fp8(w: np.ndarray, scale_inv: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray:
+    """float8 w [out, in] with per-block scales [ceil(out/block), ceil(in/block)] -> float32 [out, in]."""
+    o, i = w.shape
+    s = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), block, 0), block, 1)[:o, :i]
+    return np.asarray(w, np.float32) * s
+
+
+def quantize_fp8(w: np.ndarray, block: int = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse used to build test checkpoints: float [out, in] -> (e4m3 [out, in], scale_inv f32 blocks)."""
+    w = np.asarray(w, np.float32)
+    o, i = w.shape
+    bo, bi = -(-o // block), -(-i // block)
+    pad = np.zeros((bo * block, bi * block), np.float32)
+    pad[:o, :i] = w
+    amax = np.abs(pad.reshape(bo, block, bi, block)).max(axis=(1, 3))
+    scale = np.maximum(amax, 1e-12) / 448.0
+    s = np.repeat(np.repeat(scale, block, 0), block, 1)[:o, :i]
+    return (w / s).astype(ml_dtypes.float8_e4m3fn), scale.astype(np.float32)
+
+
+def _param_paths(model: SparseMLAModel) -> Iterator[tuple[tuple, nnx.Param]]:
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Param):
+            yield path, var
+
+
+def hf_names(path: tuple) -> list[tuple[str, bool, int | None, str | None]]:
+    """Our parameter path -> [(HF name, transpose, expert index or None, part)]. Experts map to many names."""
+    keys = [str(p) for p in path]
+    if keys == ["embed_tokens"]:
+        return [("model.embed_tokens.weight", False, None, None)]
+    if keys[0] == "lm_head":
+        return [("lm_head.weight", True, None, None)]
+    prefix = "model." + ".".join(keys[:-1])
+    leaf = keys[-1]
+    if leaf == "kernel":
+        return [(prefix + ".weight", True, None, None)]
+    if keys[-2:] == ["gate", "weight"] and "mlp" in keys:  # router [D, E] <- [E, D]
+        return [(prefix + ".weight", True, None, None)]
+    return [(prefix + "." + leaf, False, None, None)]
+
+
+def _expert_part_names(prefix: str, part: str, e: int) -> list[str]:
+    proj = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}[part]
+    return [f"{prefix}.{j}.{proj}.weight" for j in range(e)]
+
+
+def load_pretrained(path: str | os.PathLike, dtype=None, **model_kwargs) -> SparseMLAModel:
+    """Read a Hugging Face checkpoint directory into a `SparseMLAModel`.
+
+    dtype: parameter dtype (default: the checkpoint's `dtype`/`torch_dtype`, else bfloat16). The router
+    and the indexer's `weights_proj` stay float32 as in transformers. Raises `CheckpointError` listing
+    every missing or mis-shaped tensor.
+    """
+    path = os.fspath(path)
+    cfg = ModelConfig.from_hf_config(path)
+    if dtype is not None:
+        cfg = cfg.replace(dtype=jnp.dtype(dtype).name)
+    tensors = read_checkpoint_tensors(path)
+    model = nnx.eval_shape(lambda: SparseMLAModel(cfg, rngs=nnx.Rngs(0), **model_kwargs))
+    used, missing, misshaped = set(), [], []
+
+    def fetch(name: str) -> np.ndarray | None:
+        if name not in tensors:
+            missing.append(name)
+            return None
+        used.add(name)
+        w = tensors[name]
+        if w.dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2):
+            sname = name + "_scale_inv"
+            if sname not in tensors:
+                missing.append(sname)
+                return None
+            used.add(sname)
+            return dequantize_fp8(w, tensors[sname])
+        return np.asarray(w)
+
+    values = {}
+    for path_, var in _param_paths(model):
+        keys = [str(p) for p in path_]
+        want = var.value.shape
+        if keys[-2:-1] == ["experts"] and keys[-1] in ("gate", "up", "down"):
+            value = _load_experts(keys, tensors, fetch, used, want)
+        else:
+            [(name, transpose, _, _)] = hf_names(path_)
+            value = fetch(name)
+            if value is not None and transpose:
+                value = value.T
+        if value is None:
+            continue
+        if tuple(value.shape) != tuple(want):
+            misshaped.append(f"{'.'.join(keys)}: expected {tuple(want)}, got {tuple(value.shape)}")
+            continue
+        values[path_] = value.astype(var.value.dtype)
+    if missing or misshaped:
+        lines = []
+        if missing:
+            lines.append(f"{len(missing)} missing tensor(s): " + ", ".join(missing[:20])
+                         + (" ..." if len(missing) > 20 else ""))
+        if misshaped:
+            lines.append(f"{len(misshaped)} mis-shaped tensor(s): " + "; ".join(misshaped[:20]))
+        raise CheckpointError(f"checkpoint {path} does not match its config: " + " | ".join(lines))
+    state = nnx.state(model)
+    flat = dict(nnx.to_flat_state(state))
+    for p, v in values.items():
+        flat[p] = flat[p].replace(jnp.asarray(v))
+    nnx.update(model, nnx.from_flat_state(flat))
+    return model
+
+
+def _load_experts(keys, tensors, fetch, used, want):
+    """Stack per-expert matrices (or split the fused layout) into gate/up [E, D, F] / down [E, F, D]."""
+    prefix = "model." + ".".join(keys[:-1])
+    part = keys[-1]
+    e = want[0]
+    per = _expert_part_names(prefix, part, e)
+    if per[0] in tensors:
+        mats = [fetch(n) for n in per]
+        if any(m is None for m in mats):
+            return None
+        return np.stack([m.T for m in mats])
+    fused = prefix + (".down_proj" if part == "down" else ".gate_up_proj")
+    w = fetch(fused)  # gate_up [E, 2F, D] or down [E, D, F]
+    if w is None:
+        return None
+    if part == "down":
+        return np.swapaxes(w, 1, 2)
+    f = w.shape[1] // 2
+    return np.swapaxes(w[:, :f] if part == "gate" else w[:, f:], 1, 2)
+
+
+def model_to_hf_tensors(model: SparseMLAModel) -> dict[str, np.ndarray]:
+    out = {}
+    for path_, var in _param_paths(model):
+        keys = [str(p) for p in path_]
+        value = np.asarray(jax.device_get(var.value))
+        if keys[-2:-1] == ["experts"] and keys[-1] in ("gate", "up", "down"):
+            for j, name in enumerate(_expert_part_names("model." + ".".join(keys[:-1]), keys[-1], value.shape[0])):
+                out[name] = np.ascontiguousarray(value[j].T)
+            continue
+        [(name, transpose, _, _)] = hf_names(path_)
+        out[name] = np.ascontiguousarray(value.T if transpose else value)
+    return out
+
+
+def save_pretrained(model: SparseMLAModel, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
+    """Write `config.json` and safetensors shards (+ index when sharded) with Hugging Face names."""
+    from safetensors.numpy import save_file
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    cfg = model.cfg.replace(dtype=jnp.dtype(model.dtype).name)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_config(), f, indent=2)
+    tensors = model_to_hf_tensors(model)
+    shards, cur, size = [], {}, 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if cur and size + nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[name] = tensors[name]
+        size += nbytes
+    shards.append(cur)
+    for old in glob.glob(os.path.join(path, "*.safetensors")):
+        os.remove(old)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        fn = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, fn), metadata={"format": "pt"})
+        weight_map.update({n: fn for n in shard})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map},
+                  f, indent=2)
+
+
+def save_params(model: SparseMLAModel, path: str | os.PathLike) -> None:
+    """Orbax checkpoint of the parameters (directory `path`, which must not exist)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.abspath(os.fspath(path)), nnx.state(model, nnx.Param))
+
+
+def restore_params(path: str | os.PathLike, cfg: ModelConfig, **model_kwargs) -> SparseMLAModel:
+    """A `SparseMLAModel` for `cfg` with the parameters of an Orbax checkpoint written by `save_params`."""
+    import orbax.checkpoint as ocp
+
+    abstract = nnx.eval_shape(lambda: SparseMLAModel(cfg, rngs=nnx.Rngs(0), **model_kwargs))
+    target = nnx.state(abstract, nnx.Param)
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(os.path.abspath(os.fspath(path)), target)
+    nnx.update(abstract, restored)
+    return abstract

@@ -1,0 +1,180 @@
+"""Capacity calculator: the published GLM-5.3 numbers, the host-pool threshold, block bytes, CLI."""
+import json
+import math
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from hisparse_jax import calc
+
+GLM = calc.PRESETS["glm-5.3-blog"]
+
+
+def glm_types(n=78, freq=4, offset=3):
+    return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n))
+
+
+# Stand-in for GLM-5.3's KV-relevant config (the real ModelConfig lives elsewhere).
+GLM_CFG = SimpleNamespace(num_hidden_layers=78, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128,
+                          indexer_types=glm_types(), num_attention_heads=64)
+# Tiny demo: layers 0,1,2,6 are full -> units {0},{1},{2..5},{6,7}.
+DEMO_CFG = SimpleNamespace(num_hidden_layers=8, kv_lora_rank=64, qk_rope_head_dim=16, index_head_dim=64,
+                           indexer_types=glm_types(8))
+
+
+# --- published numbers (hand-computed: KV = 17.8 GiB -> 6,260 baseline / 103,692 HiSparse blocks) ---
+
+@pytest.mark.parametrize("seq, hot_rows, baseline, hisparse", [
+    (81_920, 4096, 4, 39),        # 6260//1280; 103692//(1280 + 20*64 + 40 = 2600)
+    (81_920, 10_240, 4, 22),      # 103692//(1280 + 20*160 + 40 = 4520)
+    (142_000, 4096, 2, 29),       # n = 2219: 6260//2219; 103692//3539
+    (1_048_576, 4096, 0, 5),      # n = 16384: 6260//16384; 103692//17704
+])
+def test_published_capacity(seq, hot_rows, baseline, hisparse):
+    r = calc.capacity(calc.CalcInput(seq=seq, hot_rows=hot_rows))
+    assert (r.baseline_running, r.hisparse_running) == (baseline, hisparse)
+    assert r.hisparse_gpu_limit == hisparse and r.limiting == "gpu"
+
+
+def test_defaults_match_calculator():
+    r = calc.capacity(calc.CalcInput())
+    assert r.kv_hbm_gib == pytest.approx(17.8, abs=1e-9)
+    assert (r.baseline_pool_blocks, r.hisparse_pool_blocks) == (6260, 103_692)
+    assert (r.baseline_blocks_per_request, r.hisparse_gpu_blocks_per_request) == (1280, 2600)
+    assert r.groups == 20 and r.block_bytes == GLM.fp8
+    assert r.min_host_gib_published == 134 and r.host_gib == 134  # the calculator's default pool
+    assert r.min_host_gib == pytest.approx(39 * 1280 * 2_875_392 / 2 ** 30)
+
+
+def test_kv_hbm_estimate():
+    budget = 141e9 / 2 ** 30 * 0.92
+    exact = budget - (19.556 / 8 + 684.167 / 8) - 15
+    r = calc.capacity(calc.CalcInput(round_kv_hbm=False))
+    assert r.kv_hbm_gib == pytest.approx(exact) and r.kv_hbm_gib == pytest.approx(17.8, abs=0.1)
+    dp8 = calc.capacity(calc.CalcInput(dp=8))  # routed experts over 64 GPUs
+    assert dp8.kv_hbm_gib == pytest.approx(round(budget - 19.556 / 8 - 684.167 / 64 - 15, 1))
+    assert calc.capacity(calc.CalcInput(dp=8, ep=False)).kv_hbm_gib == pytest.approx(17.8)
+    assert calc.capacity(calc.CalcInput(kv_hbm_gib=30.0)).kv_hbm_gib == 30.0
+
+
+def test_bf16_and_totals():
+    r = calc.capacity(calc.CalcInput(kv_dtype="bf16"))  # 3224//1280; 64807//2600
+    assert (r.baseline_running, r.hisparse_running) == (2, 24)
+    r = calc.capacity(calc.CalcInput(dp=8, ep=False))
+    assert (r.baseline_total, r.hisparse_total) == (32, 312)
+
+
+def test_limiting_labels():
+    assert calc.capacity(calc.CalcInput(max_seqs=16)).limiting == "max_seqs"
+    short = calc.capacity(calc.CalcInput(seq=1024, hot_rows=8192))  # full residency beats hot buffers
+    assert short.limiting == "baseline" and short.hisparse_running == short.baseline_running == 391
+    assert short.min_host_gib == 0
+    small = calc.capacity(calc.CalcInput(host_gib=133))  # 49,665 host blocks // 1280 = 38
+    assert (small.hisparse_running, small.limiting) == (38, "host")
+    assert calc.capacity(calc.CalcInput(host_gib=math.inf)).hisparse_host_limit is None
+
+
+@pytest.mark.parametrize("kw", [{}, {"hot_rows": 10_240}, {"seq": 142_000}, {"seq": 1_048_576},
+                                {"seq": 8192}, {"kv_dtype": "bf16"}, {"gpu": "b300"}, {"max_seqs": 16}])
+def test_min_host_is_the_threshold(kw):
+    free = calc.capacity(calc.CalcInput(host_gib=math.inf, **kw))
+    at = calc.capacity(calc.CalcInput(host_gib=free.min_host_gib, **kw))
+    assert at.limiting != "host" and at.hisparse_running == free.hisparse_running
+    below = calc.capacity(calc.CalcInput(host_gib=free.min_host_gib * (1 - 1e-9), **kw))
+    assert below.limiting == "host" and below.hisparse_running < free.hisparse_running
+    shown = calc.capacity(calc.CalcInput(host_gib=free.min_host_gib_published, **kw))
+    assert shown.hisparse_running == free.hisparse_running
+
+
+# --- block bytes ---
+
+def test_published_constants_decompose():
+    for bb, row in ((GLM.fp8, 576), (GLM.bf16, 1152)):
+        assert bb.host == 64 * 78 * row                     # 78 layers of c + kR
+        assert bb.baseline - bb.host == 64 * 21 * 132       # 21 FP8 indexer keys (128 + 4), both dtypes
+        assert bb.hisparse_gpu % (64 * row) == 0            # whole per-layer MLA pages
+    assert GLM.fp8.hisparse_gpu == 5 * 64 * 576 == 184_320  # 177,408 indexer page rounded up to 5 pages
+    assert GLM.bf16.hisparse_gpu == 4 * 64 * 1152           # largest hot group: 4 layers
+    assert sum(t == "full" for t in glm_types()) == 21
+
+
+def test_block_bytes_from_config_reproduce_preset():
+    for dt in ("fp8", "bf16"):
+        assert calc.block_bytes(GLM_CFG, dt) == GLM.blocks(dt)
+        lay = calc.block_layout(GLM_CFG, dt)
+        assert lay.hot_group_layers == (2,) + (4,) * 19 and lay.hot_groups == 20
+    derived = calc.preset_from_config(GLM_CFG, "glm-5.3-derived", 19.556, 684.167)
+    for seq in (81_920, 142_000, 1_048_576):
+        a = calc.capacity(calc.CalcInput(seq=seq)).to_dict()
+        b = calc.capacity(calc.CalcInput(preset=derived, seq=seq)).to_dict()
+        a.pop("inputs"), b.pop("inputs")
+        assert a == b
+    assert "184,320" in calc.explain_block_bytes(GLM_CFG)
+
+
+def test_block_bytes_demo_config():
+    fp8 = calc.block_layout(DEMO_CFG, "fp8")  # row 80, indexer row 68, 4 full layers
+    assert (fp8.host, fp8.indexer_page, fp8.baseline) == (40_960, 17_408, 58_368)
+    assert fp8.hot_group_layers == (2, 4, 2) and fp8.hisparse_gpu == 20_480
+    bf16 = calc.block_layout(DEMO_CFG, "bf16")  # row 160: pages of 10,240 no longer pair up
+    assert bf16.hot_group_layers == (1, 1, 4, 2) and bf16.block_bytes == calc.BlockBytes(99_328, 40_960, 81_920)
+    ds = SimpleNamespace(num_hidden_layers=61, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128,
+                         indexer_types=("full",) * 61)
+    assert calc.block_layout(ds, "fp8", mla_fp8_layout="ds_mla").mla_row == 656
+    assert calc.block_layout(ds, "bf16", indexer_dtype="bf16").indexer_row == 256
+
+
+# --- sweep and CLI ---
+
+def test_sweep_and_plot(tmp_path):
+    rows = calc.sweep(calc.CalcInput())
+    assert [r["seq"] for r in rows] == list(calc.SWEEP_SEQS) and {74_160, 85_836, 142_000} <= set(calc.SWEEP_SEQS)
+    assert rows[0]["seq"] == 8192 and rows[-1]["seq"] == 2 ** 20
+    for a, b in zip(rows, rows[1:]):
+        assert b["hisparse_running"] <= a["hisparse_running"] and b["baseline_running"] <= a["baseline_running"]
+    assert next(r for r in rows if r["seq"] == 142_000)["hisparse_running"] == 29
+    pytest.importorskip("matplotlib")
+    calc.plot_sweep(rows, str(tmp_path / "sweep.png"))
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("text, tokens", [("81920", 81_920), ("80k", 81_920), ("1m", 2 ** 20), ("81_920", 81_920)])
+def test_parse_tokens(text, tokens):
+    assert calc.parse_tokens(text) == tokens
+
+
+def test_cli_json(capsys):
+    assert calc.main(["--seq", "80k", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("baseline_running", "hisparse_running", "hisparse_gpu_limit", "hisparse_host_limit",
+                "min_host_gib", "kv_hbm_gib", "inputs"):
+        assert key in out
+    assert (out["baseline_running"], out["hisparse_running"], out["inputs"]["seq"]) == (4, 39, 81_920)
+    assert calc.main(["--hot-rows", "10240", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["hisparse_running"] == 22
+
+
+def test_cli_text_and_sweep(capsys, tmp_path):
+    assert calc.main([]) == 0
+    assert "17.8 GiB" in capsys.readouterr().out
+    assert calc.main(["--sweep"]) == 0
+    assert "142,000" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--seq", "0"], "positive"), (["--seq", "lots"], "token count"), (["--preset", "nope"], "unknown preset"),
+    (["--gpu", "a100"], "invalid choice"), (["--tp", "3"], "does not divide"), (["--tp", "4"], "no HBM left"),
+    (["--host-gib", "-1"], "host_gib"), (["--hot-rows", "0"], "hot_rows"),
+])
+def test_cli_bad_input(capsys, argv, needle):
+    assert calc.main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_capacity_rejects_bad_input():
+    with pytest.raises(calc.CalcError):
+        calc.capacity(calc.CalcInput(seq=-1))
+    with pytest.raises(calc.CalcError):
+        calc.capacity(replace(calc.CalcInput(), gpu="h100"))
