@@ -33,8 +33,9 @@ Block bytes (one 64-token block; L = 78 layers, F = 21 "full" indexer layers for
 Hot groups follow vLLM's `hisparse/layout.py`: each index-share unit (a full layer plus the shared
 layers after it: {0}, {1}, {2..5}, ..., {74..77}) is packed greedily into groups whose summed
 page stays <= the indexer-group page, giving [0,1] + 19 groups of 4 = 20 groups, and the shared
-pool's block is the largest group page. The round-up to whole MLA pages is inferred: it is the
-only rule found that turns 177,408 into the published 184,320 (an FP8 block of 5 layer pages).
+pool's block is the largest group page. That gives 177,408 for FP8, not the published 184,320;
+the round-up to whole per-layer MLA pages (5 * 36,864) is inferred from the constants (some block
+stride alignment in vLLM's allocator, not located in the source read), exact for BF16 too.
 Two departures from FACTS.md: the published FP8 row is 576 B, not FlashMLA's 656-B "ds_mla" row
 (78*656*64 = 3,274,752 != 2,875,392; pass `mla_fp8_layout="ds_mla"` for it), and the BF16
 constants keep the 132-B FP8 indexer key (pass `indexer_dtype="bf16"` for 256 B).
@@ -120,7 +121,8 @@ def block_layout(cfg: Any, kv_dtype: str = "fp8", *, mla_fp8_layout: str = "fp8"
     qk_rope_head_dim, index_head_dim and indexer_types ("full"/"shared" per layer)."""
     c, r, d = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
     rows = {"bf16": 2 * (c + r), "fp8": c + r, "ds_mla": c + 4 * (-(-c // 128)) + 2 * r}  # ds_mla: 656 B
-    if kv_dtype not in ("fp8", "bf16") or mla_fp8_layout not in ("fp8", "ds_mla") or indexer_dtype not in ("fp8", "bf16"):
+    if (kv_dtype not in ("fp8", "bf16") or indexer_dtype not in ("fp8", "bf16")
+            or mla_fp8_layout not in ("fp8", "ds_mla")):
         raise CalcError(f"bad dtype/layout: {kv_dtype!r}, {mla_fp8_layout!r}, indexer {indexer_dtype!r}")
     mla_row = rows["bf16"] if kv_dtype == "bf16" else rows[mla_fp8_layout]
     idx_row = d + 4 * (-(-d // 128)) if indexer_dtype == "fp8" else 2 * d  # FP8: 128 e4m3 + fp32 scale

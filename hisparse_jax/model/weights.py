@@ -157,7 +157,7 @@ def load_pretrained(path: str | os.PathLike, dtype=None, **model_kwargs) -> Spar
     values = {}
     for path_, var in _param_paths(model):
         keys = [str(p) for p in path_]
-        want = var.value.shape
+        want = var.get_value().shape
         if keys[-2:-1] == ["experts"] and keys[-1] in ("gate", "up", "down"):
             value = _load_experts(keys, tensors, fetch, used, want)
         else:
@@ -170,7 +170,7 @@ def load_pretrained(path: str | os.PathLike, dtype=None, **model_kwargs) -> Spar
         if tuple(value.shape) != tuple(want):
             misshaped.append(f"{'.'.join(keys)}: expected {tuple(want)}, got {tuple(value.shape)}")
             continue
-        values[path_] = value.astype(var.value.dtype)
+        values[path_] = value.astype(var.get_value().dtype)
     if missing or misshaped:
         lines = []
         if missing:
@@ -212,7 +212,7 @@ def model_to_hf_tensors(model: SparseMLAModel) -> dict[str, np.ndarray]:
     out = {}
     for path_, var in _param_paths(model):
         keys = [str(p) for p in path_]
-        value = np.asarray(jax.device_get(var.value))
+        value = np.asarray(jax.device_get(var.get_value()))
         if keys[-2:-1] == ["experts"] and keys[-1] in ("gate", "up", "down"):
             for j, name in enumerate(_expert_part_names("model." + ".".join(keys[:-1]), keys[-1], value.shape[0])):
                 out[name] = np.ascontiguousarray(value[j].T)
