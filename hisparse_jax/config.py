@@ -108,7 +108,7 @@ class ModelConfig:
             object.__setattr__(self, "eos_token_id", (self.eos_token_id,))
         object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id or ()))
         problems = []
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
                      "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
                      "index_head_dim", "index_topk", "max_position_embeddings"):
             if int(getattr(self, name)) <= 0:
@@ -124,6 +124,9 @@ class ModelConfig:
                 f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even and <= index_head_dim ({self.index_head_dim})")
         if "sparse" in self.mlp_layer_types:
             E = self.n_routed_experts
+            if self.moe_intermediate_size <= 0 or self.n_shared_experts < 0:
+                problems.append(f"MoE layers need moe_intermediate_size > 0 and n_shared_experts >= 0 (got "
+                                f"{self.moe_intermediate_size}, {self.n_shared_experts})")
             if E <= 0 or self.num_experts_per_tok <= 0 or self.num_experts_per_tok > E:
                 problems.append(f"need 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= n_routed_experts ({E})")
             if self.n_group <= 0 or E % self.n_group:
@@ -205,6 +208,11 @@ class ModelConfig:
             raise ValueError("q_lora_rank is required (the indexer reads the q-LoRA latent)")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {d.get('hidden_act')!r} is not supported (only 'silu')")
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings")
+        absent = [k for k in required if k not in d]
+        if absent:
+            raise ValueError(f"config.json lacks required field(s): {', '.join(absent)}")
         L = int(d["num_hidden_layers"])
         mlp_types = d.get("mlp_layer_types")
         if not mlp_types:
@@ -271,6 +279,8 @@ class ModelConfig:
         if r.rope_type == "yarn":
             rope.update(factor=r.factor, original_max_position_embeddings=r.original_max_position_embeddings,
                         beta_fast=r.beta_fast, beta_slow=r.beta_slow)
+            if not r.truncate:
+                rope["truncate"] = False
             for k in ("mscale", "mscale_all_dim", "attention_factor"):
                 if getattr(r, k) is not None:
                     rope[k] = getattr(r, k)
@@ -347,3 +357,72 @@ def get_preset(name: str) -> ModelConfig:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}") from None
+
+
+PAGE_SIZE = 64  # tokens per KV page (FlashMLA / vLLM use 64)
+KV_DTYPES = ("bf16", "fp8", "float32")
+FETCH_MECHANISMS = ("row", "page")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The tiered paged KV store: formats and budgets (in pages of 64 tokens).
+
+    kv_dtype: "bf16" (latent, rope and indexer keys in bf16), "fp8" (latent e4m3 with one fp32 scale per
+      128 values, rope bf16, indexer keys e4m3 of the Hadamard-rotated key with one fp32 scale; the indexer
+      then scores in DeepSeek's FP8 emulation), or "float32" (exact; for equivalence tests).
+    device_pages: device KV pool (latent + rope of every layer); hot buffers are lent from it.
+    host_pages: pinned-host KV pool (the offloaded tier; every token is mirrored here when `mirror_to_host`).
+    index_pages: device indexer-key pool (keys never leave the device); default: device + host pages.
+    hot_rows: hot-buffer rows per request and indexer group; default 2 * index_topk (must be >= index_topk).
+    max_seqs: request slots in the store; max_seq_len: longest sequence a slot can hold.
+    fetch: host -> device mechanism for misses: "row" (host-side gather of the missing rows into a staging
+      buffer, one H2D copy per chunk of `fetch_chunk` rows) or "page" (whole-page H2D slices, each needed
+      page once, the needed rows kept).
+    mirror_to_host: write every new row to its host page as it is appended (eviction then needs no copy).
+    """
+
+    kv_dtype: str = "bf16"
+    device_pages: int = 256
+    host_pages: int = 1024
+    index_pages: int | None = None
+    hot_rows: int | None = None
+    max_seqs: int = 8
+    max_seq_len: int = 8192
+    fetch: str = "row"
+    fetch_chunk: int = 256
+    mirror_to_host: bool = True
+
+    def __post_init__(self):
+        problems = []
+        if self.kv_dtype not in KV_DTYPES:
+            problems.append(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.fetch not in FETCH_MECHANISMS:
+            problems.append(f"fetch must be one of {FETCH_MECHANISMS}, got {self.fetch!r}")
+        for name in ("device_pages", "max_seqs", "max_seq_len", "fetch_chunk"):
+            if int(getattr(self, name)) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.host_pages < 0 or (self.index_pages is not None and self.index_pages < 1):
+            problems.append("host_pages must be >= 0 and index_pages >= 1")
+        if self.hot_rows is not None and self.hot_rows < 1:
+            problems.append(f"hot_rows must be >= 1, got {self.hot_rows}")
+        if problems:
+            raise ValueError("invalid CacheConfig: " + "; ".join(problems))
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_seq_len // PAGE_SIZE)
+
+    @property
+    def num_index_pages(self) -> int:
+        return self.index_pages if self.index_pages is not None else self.device_pages + self.host_pages
+
+    def hot_rows_for(self, model: ModelConfig) -> int:
+        hr = self.hot_rows if self.hot_rows is not None else 2 * model.index_topk
+        if hr < model.index_topk:
+            raise ValueError(f"hot_rows ({hr}) must be >= index_topk ({model.index_topk}): one step can miss every "
+                             "selected row")
+        return hr
+
+    def replace(self, **kw) -> "CacheConfig":
+        return dataclasses.replace(self, **kw)

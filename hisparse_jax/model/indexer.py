@@ -62,13 +62,26 @@ def indexer_project(idx: Indexer, cfg: ModelConfig, x, cq, cos, sin):
 def index_scores(q, w, k, *, fp8: bool = False):
     """q f32[..., T, I, dI], w f32[..., T, I], k [..., S, dI] -> f32[..., T, S] (unmasked)."""
     if fp8:
-        qq, qs = fp8_quantize(hadamard(q), block=q.shape[-1])  # qs [..., T, I]
-        kq, ks = fp8_quantize(hadamard(k.astype(jnp.float32)), block=q.shape[-1])  # ks [..., S]
-        dots = jnp.einsum("...tid,...sd->...tis", qq.astype(jnp.float32), kq.astype(jnp.float32))
-        s = jnp.einsum("...tis,...ti->...ts", jax.nn.relu(dots), w * qs)
-        return s * ks[..., None, :]
+        return index_scores_fp8(q, w, *quantize_index_keys(k))
     dots = jnp.einsum("...tid,...sd->...tis", q, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     return jnp.einsum("...tis,...ti->...ts", jax.nn.relu(dots), w, precision=jax.lax.Precision.HIGHEST)
+
+
+def quantize_index_keys(k):
+    """Indexer keys as DeepSeek caches them: e4m3 of the Hadamard-rotated key + one fp32 scale per key.
+
+    k [..., S, dI] -> (e4m3 [..., S, dI], f32 [..., S])."""
+    return fp8_quantize(hadamard(k.astype(jnp.float32)), block=k.shape[-1])
+
+
+def index_scores_fp8(q, w, k_fp8, k_scale):
+    """FP8 emulation with pre-quantized keys: q f32[..., T, I, dI], w f32[..., T, I],
+    k_fp8 e4m3[..., S, dI], k_scale f32[..., S] -> f32[..., T, S]."""
+    qq, qs = fp8_quantize(hadamard(q), block=q.shape[-1])  # qs [..., T, I]
+    dots = jnp.einsum("...tid,...sd->...tis", qq.astype(jnp.float32), k_fp8.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+    s = jnp.einsum("...tis,...ti->...ts", jax.nn.relu(dots), w * qs, precision=jax.lax.Precision.HIGHEST)
+    return s * k_scale[..., None, :]
 
 
 def select_topk(scores, valid, k: int):

@@ -151,7 +151,13 @@ def load_pretrained(path: str | os.PathLike, dtype=None, **model_kwargs) -> Spar
                 missing.append(sname)
                 return None
             used.add(sname)
-            return dequantize_fp8(w, tensors[sname])
+            scale = tensors[sname]
+            want = tuple(-(-n // FP8_BLOCK) for n in w.shape)
+            if w.ndim != 2 or tuple(scale.shape) != want:
+                misshaped.append(f"{sname}: expected {want} block scales for weight {tuple(w.shape)}, "
+                                 f"got {tuple(scale.shape)}")
+                return None
+            return dequantize_fp8(w, scale)
         return np.asarray(w)
 
     values = {}
@@ -241,7 +247,7 @@ def save_pretrained(model: SparseMLAModel, path: str | os.PathLike, max_shard_by
         cur[name] = tensors[name]
         size += nbytes
     shards.append(cur)
-    for old in glob.glob(os.path.join(path, "*.safetensors")):
+    for old in glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(os.path.join(path, "*.safetensors.index.json")):
         os.remove(old)
     if len(shards) == 1:
         save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,539 @@
+"""Host-side bookkeeping of the tiered paged KV store: which page of which pool belongs to whom.
+
+The device-side store holds three page pools, every page `PAGE_SIZE` (64) tokens long:
+
+* `Tier.DEVICE`: the device KV pool (latent + rope rows of every layer),
+* `Tier.INDEX`:  the device indexer-key pool (indexer keys never leave the device),
+* `Tier.HOST`:   the pinned-host KV pool.
+
+A page id names the same page in every layer. Allocation is decided here, on the host, between jitted
+steps; nothing in this module touches an array on the device (pure NumPy / stdlib, no JAX).
+
+`PagePool` follows nano-vllm's `BlockManager`: `can_allocate` / `allocate` hand out pages with refcount 1
+(lowest free id first, so runs are reproducible), `incref` / `decref` / `free` share and release them,
+and full pages can be registered under a hash chain of their tokens (`page_hash`) so that a later
+request with the same prefix can reuse them (`lookup_prefix`, then `incref`). A registration lives
+exactly as long as its page: it is dropped when the refcount reaches 0.
+
+`RequestPages` is one request's view: per logical page index its device, host and indexer page (or
+`INVALID`), plus the device pages lent to its hot buffer. `owners_of(requests)` turns a batch of them into
+the `owners` argument of `PagePool.check_invariants`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import hashlib
+import heapq
+import operator
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+INVALID = -1      # "no page" in every page table and page list
+PAGE_SIZE = 64    # tokens per page, in every pool
+
+_SNAPSHOT_FORMAT = "hisparse_jax.kv.PagePool"
+_SNAPSHOT_VERSION = 1
+_HASH_BITS = 63   # page hashes are non-negative and fit an int64 (and JSON) exactly
+
+
+class PoolError(RuntimeError):
+    """A page-pool bookkeeping error: double free, bad page id, broken invariant, bad snapshot."""
+
+
+class OutOfPages(PoolError):
+    """`allocate` asked for more pages than the tier has free. Nothing was changed."""
+
+    def __init__(self, tier: "Tier", requested: int, free: int, capacity: int):
+        self.tier, self.requested, self.free, self.capacity = tier, requested, free, capacity
+        super().__init__(f"out of {tier.value} pages: asked for {requested}, {free} free "
+                         f"(capacity {capacity}, {capacity - free} in use)")
+
+
+class Tier(enum.Enum):
+    """Which page pool: device KV, device indexer keys, or pinned-host KV."""
+
+    DEVICE = "device"
+    INDEX = "index"
+    HOST = "host"
+
+
+PREFIX_TIERS = (Tier.DEVICE, Tier.HOST)   # tiers whose pages can be registered as prefix pages
+
+
+def _as_tier(tier: Tier | str) -> Tier:
+    if isinstance(tier, Tier):
+        return tier
+    try:
+        return Tier(tier)
+    except ValueError:
+        raise ValueError(f"unknown tier {tier!r}; expected one of {[t.value for t in Tier]}") from None
+
+
+def _as_int(x: Any, what: str) -> int:
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{what} must be an int, got {x!r}")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(x).__name__} {x!r}") from None
+
+
+def page_hash(prev_hash: int | None, tokens: Sequence[int]) -> int:
+    """Hash of one page of tokens chained onto the hash of everything before it.
+
+    prev_hash: the previous page's `page_hash` (None for the first page of a sequence).
+    tokens: the page's token ids (int32 range; normally exactly `PAGE_SIZE` of them).
+    Returns a 63-bit non-negative int. Deterministic across processes and machines (blake2b over the
+    previous hash and the little-endian int32 token bytes; Python's salted `hash` is never used), and
+    different for a different prefix, a different token order or a different first-page marker.
+    """
+    toks = np.asarray(tokens)
+    if toks.ndim != 1 or toks.size == 0:
+        raise ValueError(f"tokens must be a non-empty 1-D sequence of ints, got shape {toks.shape}")
+    if not np.issubdtype(toks.dtype, np.integer):
+        raise TypeError(f"tokens must be integers, got dtype {toks.dtype}")
+    info = np.iinfo(np.int32)
+    if toks.min() < info.min or toks.max() > info.max:
+        raise ValueError(f"token ids must fit int32, got range [{toks.min()}, {toks.max()}]")
+    h = hashlib.blake2b(digest_size=8, person=b"hisparse-page")
+    if prev_hash is None:
+        h.update(b"\x00")
+    else:
+        prev = _as_int(prev_hash, "prev_hash")
+        if not 0 <= prev < 2 ** 64:
+            raise ValueError(f"prev_hash must be a page_hash value (0 <= h < 2**64), got {prev}")
+        h.update(b"\x01" + prev.to_bytes(8, "little"))
+    h.update(toks.astype("<i4").tobytes())
+    return int.from_bytes(h.digest(), "little") >> (64 - _HASH_BITS)
+
+
+class _TierState:
+    """One pool. Pages >= `next_fresh` have never been handed out (all free); freed pages below it wait
+    in the min-heap `returned`. So "lowest free id first" costs O(log n) and memory grows only with the
+    pages ever touched, not with the capacity (a host pool may hold millions of pages)."""
+
+    __slots__ = ("tier", "capacity", "refcount", "returned", "next_fresh", "used", "hash_to_page", "page_to_hash")
+
+    def __init__(self, tier: Tier, capacity: int):
+        self.tier = tier
+        self.capacity = capacity
+        self.refcount = np.zeros(capacity, np.int32)
+        self.returned: list[int] = []
+        self.next_fresh = 0
+        self.used = 0
+        self.hash_to_page: dict[int, int] = {}
+        self.page_to_hash: dict[int, int] = {}
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+
+class PagePool:
+    """Refcounted page allocator for the three pools of the tiered KV store (host-side, no JAX).
+
+    device_pages / index_pages / host_pages: pool capacities in pages of `PAGE_SIZE` tokens. The device
+    and index pools need at least one page; the host pool may be empty (a device-only store).
+    Every method taking a `tier` accepts a `Tier` or its string value ("device", "index", "host").
+    """
+
+    def __init__(self, device_pages: int, index_pages: int, host_pages: int):
+        caps = {}
+        for tier, n, lo in ((Tier.DEVICE, device_pages, 1), (Tier.INDEX, index_pages, 1), (Tier.HOST, host_pages, 0)):
+            n = _as_int(n, f"{tier.value}_pages")
+            if n < lo:
+                raise ValueError(f"{tier.value}_pages must be >= {lo}, got {n}")
+            caps[tier] = n
+        self._t = {tier: _TierState(tier, n) for tier, n in caps.items()}
+
+    # ----------------------------------------------------------------------------------------- sizes
+    def capacity(self, tier: Tier | str) -> int:
+        """Pages in the tier's pool."""
+        return self._t[_as_tier(tier)].capacity
+
+    def num_used(self, tier: Tier | str) -> int:
+        """Pages with refcount >= 1."""
+        return self._t[_as_tier(tier)].used
+
+    def num_free(self, tier: Tier | str) -> int:
+        """Pages with refcount 0."""
+        return self._t[_as_tier(tier)].free
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """{tier value: {"capacity", "used", "free", "prefix"}} in pages ("prefix": registered prefix pages)."""
+        return {t.value: {"capacity": s.capacity, "used": s.used, "free": s.free, "prefix": len(s.page_to_hash)}
+                for t, s in self._t.items()}
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{t.value}={s.used}/{s.capacity}" for t, s in self._t.items())
+        return f"PagePool(used/capacity: {parts})"
+
+    # ------------------------------------------------------------------------------------ allocation
+    def can_allocate(self, tier: Tier | str, n: int) -> bool:
+        """Whether `allocate(tier, n)` would succeed."""
+        n = _as_int(n, "n")
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of pages ({n})")
+        return n <= self._t[_as_tier(tier)].free
+
+    def allocate(self, tier: Tier | str, n: int) -> list[int]:
+        """`n` free pages of `tier`, lowest id first, each with refcount 1.
+
+        Raises OutOfPages (naming the tier, `n` and the free count) and changes nothing when fewer than
+        `n` pages are free.
+        """
+        s = self._t[_as_tier(tier)]
+        if not self.can_allocate(s.tier, n):
+            raise OutOfPages(s.tier, int(n), s.free, s.capacity)
+        n = int(n)
+        pages = []
+        while len(pages) < n and s.returned:
+            pages.append(heapq.heappop(s.returned))
+        k = n - len(pages)
+        pages.extend(range(s.next_fresh, s.next_fresh + k))
+        s.next_fresh += k
+        s.refcount[pages] = 1
+        s.used += n
+        return pages
+
+    def _check_page(self, s: _TierState, page: Any) -> int:
+        p = _as_int(page, "page id")
+        if not 0 <= p < s.capacity:
+            what = "INVALID (-1)" if p == INVALID else str(p)
+            raise PoolError(f"{s.tier.value} page {what} is out of range [0, {s.capacity})")
+        return p
+
+    def refcount(self, tier: Tier | str, page: int) -> int:
+        """Owners of `page` (0 when free)."""
+        s = self._t[_as_tier(tier)]
+        return int(s.refcount[self._check_page(s, page)])
+
+    def incref(self, tier: Tier | str, page: int) -> None:
+        """One more owner of an in-use page (prefix sharing). A free page must be allocated instead."""
+        s = self._t[_as_tier(tier)]
+        p = self._check_page(s, page)
+        if s.refcount[p] == 0:
+            raise PoolError(f"incref of free {s.tier.value} page {p}; allocate it instead")
+        s.refcount[p] += 1
+
+    def decref(self, tier: Tier | str, page: int) -> bool:
+        """One owner fewer. Returns True when the page became free (its prefix registration is dropped).
+        Raises PoolError for a page that is already free (double free) or out of range."""
+        s = self._t[_as_tier(tier)]
+        p = self._check_page(s, page)
+        if s.refcount[p] == 0:
+            raise PoolError(f"double free: {s.tier.value} page {p} is already free")
+        s.refcount[p] -= 1
+        if s.refcount[p]:
+            return False
+        self._release(s, p)
+        return True
+
+    def _release(self, s: _TierState, p: int) -> None:
+        s.used -= 1
+        heapq.heappush(s.returned, p)
+        h = s.page_to_hash.pop(p, None)
+        if h is not None:
+            del s.hash_to_page[h]
+
+    def free(self, tier: Tier | str, pages: Iterable[int]) -> None:
+        """`decref` every page in `pages` (a page listed twice loses two references). All-or-nothing: if any
+        id is out of range (INVALID included) or would be freed more often than it is referenced, raises
+        PoolError before changing anything."""
+        s = self._t[_as_tier(tier)]
+        counts = collections.Counter(self._check_page(s, p) for p in pages)
+        for p, k in counts.items():
+            if k > s.refcount[p]:
+                state = "already free" if s.refcount[p] == 0 else f"refcount {s.refcount[p]}"
+                raise PoolError(f"double free: {s.tier.value} page {p} freed {k} time(s) but {state}")
+        for p, k in counts.items():
+            s.refcount[p] -= k
+            if s.refcount[p] == 0:
+                self._release(s, p)
+
+    # -------------------------------------------------------------------------------- prefix caching
+    def _prefix_state(self, tier: Tier | str) -> _TierState:
+        t = _as_tier(tier)
+        if t not in PREFIX_TIERS:
+            raise PoolError(f"tier {t.value} cannot hold prefix pages; only {[x.value for x in PREFIX_TIERS]}")
+        return self._t[t]
+
+    def register_prefix(self, tier: Tier | str, h: int, page: int) -> None:
+        """Register the full, in-use `page` as holding the tokens whose hash chain ends in `h`.
+
+        Re-registering the same (h, page) is a no-op. If `h` already names another page, the newer page
+        takes it (the old page stays allocated, unregistered). A page already registered under a different
+        hash raises PoolError (a full page's content does not change). Registration holds no reference: it
+        is dropped when the page is freed.
+        """
+        s = self._prefix_state(tier)
+        p = self._check_page(s, page)
+        h = _as_int(h, "prefix hash")
+        if s.refcount[p] == 0:
+            raise PoolError(f"cannot register free {s.tier.value} page {p} as a prefix page")
+        old_h = s.page_to_hash.get(p)
+        if old_h is not None and old_h != h:
+            raise PoolError(f"{s.tier.value} page {p} is already registered under hash {old_h}, not {h}")
+        old_p = s.hash_to_page.get(h)
+        if old_p is not None and old_p != p:
+            del s.page_to_hash[old_p]
+        s.hash_to_page[h] = p
+        s.page_to_hash[p] = h
+
+    def lookup_prefix(self, tier: Tier | str, h: int) -> int | None:
+        """The in-use page registered under hash `h`, or None. On a hit the caller must `incref` it."""
+        return self._prefix_state(tier).hash_to_page.get(_as_int(h, "prefix hash"))
+
+    def prefix_hash(self, tier: Tier | str, page: int) -> int | None:
+        """The hash `page` is registered under, or None."""
+        s = self._prefix_state(tier)
+        return s.page_to_hash.get(self._check_page(s, page))
+
+    # ------------------------------------------------------------------------------------ invariants
+    def check_invariants(self, owners: Mapping[Tier | str, Iterable[Iterable[int]]] | None = None) -> None:
+        """Raise PoolError (with the tier, the page and the numbers) if the bookkeeping is inconsistent.
+
+        Always checked, per tier: refcounts >= 0; a page is free iff its refcount is 0; the free list has
+        no duplicates and no out-of-range ids; used + free == capacity; prefix registrations are one-to-one,
+        on in-use pages, in prefix tiers only.
+
+        owners: for some or all tiers, an iterable of per-owner page lists (per-request block tables, hot
+        buffers...; INVALID entries are skipped). For each tier given, every page's refcount must equal the
+        number of times the owners reference it: a page referenced k times (prefix sharing: k > 1) has
+        refcount k; fewer references than the refcount is a leak, more is double ownership, and a
+        referenced page must not be free.
+        """
+        for s in self._t.values():
+            self._check_tier(s)
+        if owners is None:
+            return
+        for tier, lists in owners.items():
+            s = self._t[_as_tier(tier)]
+            refs = np.zeros(s.capacity, np.int64)
+            for i, lst in enumerate(lists):
+                arr = np.asarray(list(lst) if not isinstance(lst, np.ndarray) else lst).reshape(-1)
+                if arr.size == 0:
+                    continue
+                if not np.issubdtype(arr.dtype, np.integer):
+                    raise PoolError(f"owner {i} of tier {s.tier.value} holds non-integer page ids ({arr.dtype})")
+                arr = arr[arr != INVALID]
+                bad = arr[(arr < 0) | (arr >= s.capacity)]
+                if bad.size:
+                    raise PoolError(f"owner {i} references {s.tier.value} page {int(bad[0])}, out of range "
+                                    f"[0, {s.capacity})")
+                np.add.at(refs, arr, 1)
+            rc = s.refcount.astype(np.int64)
+            bad = np.flatnonzero(refs != rc)
+            if bad.size == 0:
+                continue
+            msgs = []
+            for p in bad[:5]:
+                k, r = int(refs[p]), int(rc[p])
+                if r == 0:
+                    msgs.append(f"page {p} is referenced by {k} owner(s) but is free")
+                elif k > r:
+                    msgs.append(f"page {p} is referenced {k} times but has refcount {r} (double ownership)")
+                else:
+                    msgs.append(f"page {p} has refcount {r} but only {k} owner reference(s) (leaked)")
+            more = f" (+{bad.size - 5} more)" if bad.size > 5 else ""
+            raise PoolError(f"{s.tier.value} pool disagrees with its owners: " + "; ".join(msgs) + more)
+
+    def _check_tier(self, s: _TierState) -> None:
+        name, rc = s.tier.value, s.refcount
+        if rc.shape != (s.capacity,):
+            raise PoolError(f"{name}: refcount table has shape {rc.shape}, capacity is {s.capacity}")
+        if (rc < 0).any():
+            p = int(np.flatnonzero(rc < 0)[0])
+            raise PoolError(f"{name}: page {p} has negative refcount {int(rc[p])}")
+        if not 0 <= s.next_fresh <= s.capacity:
+            raise PoolError(f"{name}: fresh-page watermark {s.next_fresh} outside [0, {s.capacity}]")
+        ret = np.asarray(s.returned, np.int64)
+        if ret.size:
+            if ret.min() < 0 or ret.max() >= s.next_fresh:
+                raise PoolError(f"{name}: free list holds page ids outside [0, {s.next_fresh}): "
+                                f"{sorted(int(x) for x in ret[(ret < 0) | (ret >= s.next_fresh)])[:5]}")
+            uniq, counts = np.unique(ret, return_counts=True)
+            if (counts > 1).any():
+                raise PoolError(f"{name}: page {int(uniq[counts > 1][0])} is in the free list more than once")
+            if (rc[ret] != 0).any():
+                p = int(ret[rc[ret] != 0][0])
+                raise PoolError(f"{name}: page {p} is in the free list but has refcount {int(rc[p])}")
+        if (rc[s.next_fresh:] != 0).any():
+            p = s.next_fresh + int(np.flatnonzero(rc[s.next_fresh:])[0])
+            raise PoolError(f"{name}: never-allocated page {p} has refcount {int(rc[p])}")
+        zero_below = int(np.count_nonzero(rc[:s.next_fresh] == 0))
+        if zero_below != ret.size:
+            in_free = np.zeros(s.next_fresh, bool)
+            in_free[ret] = True
+            p = int(np.flatnonzero((rc[:s.next_fresh] == 0) & ~in_free)[0])
+            raise PoolError(f"{name}: page {p} has refcount 0 but is not in the free list (lost page)")
+        used = int(np.count_nonzero(rc))
+        free = ret.size + (s.capacity - s.next_fresh)
+        if used != s.used or used + free != s.capacity:
+            raise PoolError(f"{name}: used {used} (counter {s.used}) + free {free} != capacity {s.capacity}")
+        if len(s.hash_to_page) != len(s.page_to_hash):
+            raise PoolError(f"{name}: prefix maps disagree ({len(s.hash_to_page)} hashes, "
+                            f"{len(s.page_to_hash)} pages)")
+        if s.page_to_hash and s.tier not in PREFIX_TIERS:
+            raise PoolError(f"{name}: tier holds prefix registrations but is not a prefix tier")
+        for h, p in s.hash_to_page.items():
+            if s.page_to_hash.get(p) != h:
+                raise PoolError(f"{name}: hash {h} -> page {p}, but page {p} -> hash {s.page_to_hash.get(p)}")
+            if not 0 <= p < s.capacity or rc[p] == 0:
+                raise PoolError(f"{name}: prefix hash {h} names page {p}, which is free or out of range")
+
+    # -------------------------------------------------------------------------------------- snapshot
+    def snapshot(self) -> dict:
+        """JSON-serializable state: capacities, in-use pages with refcounts, prefix registrations.
+
+        The free list is not stored: it is "every page with refcount 0", handed out lowest first, so a
+        restored pool allocates exactly as the original would have.
+        """
+        tiers = {}
+        for t, s in self._t.items():
+            used = np.flatnonzero(s.refcount)
+            tiers[t.value] = {
+                "capacity": s.capacity,
+                "used": [[int(p), int(s.refcount[p])] for p in used],
+                "prefix": [[int(h), int(p)] for p, h in sorted(s.page_to_hash.items())],
+            }
+        return {"format": _SNAPSHOT_FORMAT, "version": _SNAPSHOT_VERSION, "tiers": tiers}
+
+    @classmethod
+    def from_snapshot(cls, d: Mapping) -> "PagePool":
+        """Rebuild a pool from `snapshot()` output (possibly after a JSON round trip). Raises PoolError on a
+        malformed or inconsistent snapshot."""
+        if not isinstance(d, Mapping) or d.get("format") != _SNAPSHOT_FORMAT:
+            raise PoolError(f"not a PagePool snapshot (format {d.get('format') if isinstance(d, Mapping) else d!r})")
+        if d.get("version") != _SNAPSHOT_VERSION:
+            raise PoolError(f"unsupported PagePool snapshot version {d.get('version')!r}; "
+                            f"this code reads version {_SNAPSHOT_VERSION}")
+        tiers = d.get("tiers")
+        if not isinstance(tiers, Mapping) or set(tiers) != {t.value for t in Tier}:
+            raise PoolError(f"snapshot tiers must be exactly {[t.value for t in Tier]}, "
+                            f"got {list(tiers) if isinstance(tiers, Mapping) else tiers!r}")
+        try:
+            pool = cls(tiers["device"]["capacity"], tiers["index"]["capacity"], tiers["host"]["capacity"])
+        except (TypeError, ValueError, KeyError) as e:
+            raise PoolError(f"bad capacities in snapshot: {e}") from e
+        for t, s in pool._t.items():
+            td = tiers[t.value]
+            for entry in td.get("used", []):
+                p, r = (pool._check_page(s, entry[0]), _as_int(entry[1], "refcount"))
+                if r < 1 or s.refcount[p]:
+                    raise PoolError(f"snapshot {t.value}: bad or repeated used entry {entry!r}")
+                s.refcount[p] = r
+            used = np.flatnonzero(s.refcount)
+            s.used = int(used.size)
+            s.next_fresh = int(used[-1]) + 1 if used.size else 0
+            s.returned = [int(p) for p in np.flatnonzero(s.refcount[:s.next_fresh] == 0)]  # sorted: a valid heap
+            prefix = td.get("prefix", [])
+            if prefix and t not in PREFIX_TIERS:
+                raise PoolError(f"snapshot {t.value}: tier cannot hold prefix pages")
+            for h, p in prefix:
+                h = _as_int(h, "prefix hash")
+                if h in s.hash_to_page or p in s.page_to_hash:
+                    raise PoolError(f"snapshot {t.value}: repeated prefix entry ({h}, {p})")
+                pool.register_prefix(t, h, p)
+        pool.check_invariants()
+        return pool
+
+
+@dataclasses.dataclass
+class RequestPages:
+    """One request's pages. Index i of `device` / `host` / `index` is logical page i (tokens
+    [i * PAGE_SIZE, (i + 1) * PAGE_SIZE)):
+
+    device: the device KV page holding it, or INVALID when it lives only on the host.
+    host:   the pinned-host KV page holding it, or INVALID.
+    index:  the device indexer-key page (indexer keys never leave the device).
+    hot:    device KV pages lent to the request's hot buffer (where host pages selected by top-k are
+            loaded); not tied to a logical page.
+    """
+
+    device: list[int] = dataclasses.field(default_factory=list)
+    host: list[int] = dataclasses.field(default_factory=list)
+    index: list[int] = dataclasses.field(default_factory=list)
+    hot: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise PoolError unless device/host/index have one entry per logical page and every logical page has
+        an indexer page and at least one KV copy (device or host)."""
+        n = len(self.device)
+        if len(self.host) != n or len(self.index) != n:
+            raise PoolError(f"RequestPages lists differ in length: device {len(self.device)}, "
+                            f"host {len(self.host)}, index {len(self.index)}")
+        for i, (d, h, x) in enumerate(zip(self.device, self.host, self.index)):
+            if min(d, h, x) < INVALID:
+                raise PoolError(f"logical page {i}: negative page id other than INVALID ({d}, {h}, {x})")
+            if x == INVALID:
+                raise PoolError(f"logical page {i} has no indexer page")
+            if d == INVALID and h == INVALID:
+                raise PoolError(f"logical page {i} has neither a device nor a host KV page")
+        if min(self.hot, default=0) < 0:
+            raise PoolError(f"hot buffer holds an invalid page id: {self.hot}")
+
+    @property
+    def num_pages(self) -> int:
+        """Logical pages."""
+        return len(self.device)
+
+    def num_tokens_capacity(self, page_size: int = PAGE_SIZE) -> int:
+        """Tokens the logical pages can hold."""
+        return self.num_pages * page_size
+
+    def append(self, *, index: int, device: int = INVALID, host: int = INVALID) -> int:
+        """Add one logical page; returns its logical index."""
+        self.device.append(device)
+        self.host.append(host)
+        self.index.append(index)
+        try:
+            self.validate()
+        except PoolError:
+            del self.device[-1], self.host[-1], self.index[-1]
+            raise
+        return self.num_pages - 1
+
+    def resident_pages(self) -> list[int]:
+        """Logical page indices with a device KV page (readable without a host->device copy)."""
+        return [i for i, d in enumerate(self.device) if d != INVALID]
+
+    def host_only_pages(self) -> list[int]:
+        """Logical page indices whose KV lives only on the host."""
+        return [i for i, d in enumerate(self.device) if d == INVALID]
+
+    def owned(self, tier: Tier | str) -> list[int]:
+        """The valid page ids this request holds in `tier` (DEVICE: KV pages then hot-buffer pages), one entry
+        per reference: what to pass to `PagePool.free` when the request finishes."""
+        t = _as_tier(tier)
+        if t is Tier.DEVICE:
+            return [p for p in self.device if p != INVALID] + list(self.hot)
+        src = self.host if t is Tier.HOST else self.index
+        return [p for p in src if p != INVALID]
+
+    def release(self, pool: PagePool) -> None:
+        """Free every page the request holds in every tier and clear its lists."""
+        owned = {t: self.owned(t) for t in Tier}
+        for t in Tier:  # validate all tiers before freeing any: all-or-nothing per call of free, tier by tier
+            s = pool._t[t]
+            for p, k in collections.Counter(owned[t]).items():
+                if not 0 <= p < s.capacity or k > s.refcount[p]:
+                    raise PoolError(f"request holds {t.value} page {p} x{k}, but the pool does not agree "
+                                    f"(capacity {s.capacity})")
+        for t in Tier:
+            pool.free(t, owned[t])
+        self.device.clear(), self.host.clear(), self.index.clear(), self.hot.clear()
+
+
+def owners_of(requests: Iterable[RequestPages]) -> dict[Tier, list[list[int]]]:
+    """The `owners` argument of `PagePool.check_invariants` for a batch of requests: per tier, one page list
+    per request (DEVICE includes hot-buffer pages)."""
+    reqs = list(requests)
+    return {t: [r.owned(t) for r in reqs] for t in Tier}

@@ -1,0 +1,194 @@
+"""The tiered paged KV store: a pytree of device pools, pinned-host pools, tables and hot buffers.
+
+Layout (P device pages, PI indexer pages, PH host pages, all of 64 tokens; Rq request slots,
+MP pages per request, G indexer groups, HR hot rows):
+
+    latent   [L, P, 64, C]     device KV pool: MLA latent c (bf16 / f32, or e4m3 + latent_scale [L, P, 64, C/128])
+    rope     [L, P, 64, R]     device KV pool: rope key kR (bf16 / f32)
+    index_k  [LI, PI, 64, dI]  device indexer keys (e4m3 + index_scale [LI, PI, 64] for fp8); never evicted
+    h_latent [L, PH, 64, C]    pinned-host KV pool (+ h_latent_scale), same page shape
+    h_rope   [L, PH, 64, R]
+    block_table int32[Rq, MP]  device page of each logical page, -1 when not resident
+    host_table  int32[Rq, MP]  host page of each logical page, -1 when it has none
+    index_table int32[Rq, MP]  indexer page of each logical page (always present for written tokens)
+    seq_lens    int32[Rq]      tokens stored per request
+    hot_pages   int32[Rq, NH]  device pages lent to the request's hot buffer (NH = ceil(HR / 64)), -1 = none
+    hot_token   int32[Rq, G, HR] the position each hot slot holds (-1 empty), per indexer group
+    hot_stamp   int32[Rq, G, HR] LRU clock of each slot's last use (-1 never)
+    clock       int32[]        the step counter the stamps refer to
+
+One page id means the same page in every layer. A hot page serves every indexer group at once: layer l
+stores the rows of *its* group's slots in it, so G groups cost one set of pages. Hot slot j of a request
+lives at (hot_pages[j // 64], j % 64). Layers of a group (a full indexer layer and the shared layers
+after it) share their leader's top-k and hence its hot-slot plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+
+from hisparse_jax.config import PAGE_SIZE, CacheConfig, ModelConfig
+
+FP8_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreSpec:
+    """Static geometry of a store (hashable; passed to jitted functions as a static argument)."""
+
+    num_layers: int
+    num_index_layers: int
+    groups: tuple[tuple[int, ...], ...]  # layers of each indexer group, leader first
+    latent_dim: int
+    rope_dim: int
+    index_dim: int
+    device_pages: int
+    index_pages: int
+    host_pages: int
+    max_seqs: int
+    max_pages: int
+    hot_rows: int
+    kv_dtype: str
+    fetch: str
+    fetch_chunk: int
+    mirror_to_host: bool
+    topk: int
+
+    @classmethod
+    def create(cls, model: ModelConfig, cache: CacheConfig) -> "StoreSpec":
+        if cache.kv_dtype == "fp8" and (model.kv_lora_rank % FP8_BLOCK or model.index_head_dim != FP8_BLOCK):
+            raise ValueError(f"the fp8 layout needs kv_lora_rank a multiple of {FP8_BLOCK} and index_head_dim == "
+                             f"{FP8_BLOCK} (got {model.kv_lora_rank}, {model.index_head_dim})")
+        groups, cur = [], []
+        for i, t in enumerate(model.indexer_types):
+            if t == "full" and cur:
+                groups.append(tuple(cur))
+                cur = []
+            cur.append(i)
+        groups.append(tuple(cur))
+        return cls(num_layers=model.num_hidden_layers, num_index_layers=model.num_indexer_layers,
+                   groups=tuple(groups), latent_dim=model.kv_lora_rank, rope_dim=model.qk_rope_head_dim,
+                   index_dim=model.index_head_dim, device_pages=cache.device_pages,
+                   index_pages=cache.num_index_pages, host_pages=cache.host_pages, max_seqs=cache.max_seqs,
+                   max_pages=cache.max_pages_per_seq, hot_rows=cache.hot_rows_for(model), kv_dtype=cache.kv_dtype,
+                   fetch=cache.fetch, fetch_chunk=cache.fetch_chunk, mirror_to_host=cache.mirror_to_host,
+                   topk=model.index_topk)
+
+    @property
+    def hot_pages(self) -> int:
+        return -(-self.hot_rows // PAGE_SIZE)
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_dtype == "fp8"
+
+    @property
+    def value_dtype(self):
+        """dtype of the stored latent / rope / indexer values (before fp8 quantization)."""
+        return jnp.float32 if self.kv_dtype == "float32" else jnp.bfloat16
+
+    @functools.cached_property
+    def group_of_layer(self) -> tuple[int, ...]:
+        out = [0] * self.num_layers
+        for g, layers in enumerate(self.groups):
+            for layer in layers:
+                out[layer] = g
+        return tuple(out)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's KV row in one layer (what a miss moves per layer)."""
+        if self.fp8:
+            return self.latent_dim + 4 * (self.latent_dim // FP8_BLOCK) + 2 * self.rope_dim
+        return jnp.dtype(self.value_dtype).itemsize * (self.latent_dim + self.rope_dim)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one KV page in one layer."""
+        return PAGE_SIZE * self.row_bytes
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVStore:
+    latent: jax.Array
+    rope: jax.Array
+    index_k: jax.Array
+    h_latent: jax.Array
+    h_rope: jax.Array
+    block_table: jax.Array
+    host_table: jax.Array
+    index_table: jax.Array
+    seq_lens: jax.Array
+    hot_pages: jax.Array
+    hot_token: jax.Array
+    hot_stamp: jax.Array
+    clock: jax.Array
+    latent_scale: jax.Array | None = None
+    index_scale: jax.Array | None = None
+    h_latent_scale: jax.Array | None = None
+
+
+def host_sharding(device=None) -> SingleDeviceSharding:
+    device = device or jax.devices()[0]
+    return SingleDeviceSharding(device, memory_kind="pinned_host")
+
+
+def device_sharding(device=None) -> SingleDeviceSharding:
+    device = device or jax.devices()[0]
+    return SingleDeviceSharding(device, memory_kind="device")
+
+
+def store_shardings(spec: StoreSpec, device=None) -> KVStore:
+    """A KVStore of shardings: host pools in pinned_host memory, everything else on the device."""
+    d, h = device_sharding(device), host_sharding(device)
+    return KVStore(latent=d, rope=d, index_k=d, h_latent=h, h_rope=h, block_table=d, host_table=d, index_table=d,
+                   seq_lens=d, hot_pages=d, hot_token=d, hot_stamp=d, clock=d,
+                   latent_scale=d if spec.fp8 else None, index_scale=d if spec.fp8 else None,
+                   h_latent_scale=h if spec.fp8 else None)
+
+
+def init_store(spec: StoreSpec, device=None) -> KVStore:
+    """An empty store: zeroed pools (host pools in pinned_host memory), tables of -1."""
+    L, LI, P, PI, PH = spec.num_layers, spec.num_index_layers, spec.device_pages, spec.index_pages, spec.host_pages
+    C, R, dI, Rq, MP = spec.latent_dim, spec.rope_dim, spec.index_dim, spec.max_seqs, spec.max_pages
+    G, HR = len(spec.groups), spec.hot_rows
+    vdt = spec.value_dtype
+    kdt = jnp.float8_e4m3fn if spec.fp8 else vdt
+    shapes = KVStore(
+        latent=((L, P, PAGE_SIZE, C), kdt), rope=((L, P, PAGE_SIZE, R), vdt),
+        index_k=((LI, PI, PAGE_SIZE, dI), kdt), h_latent=((L, PH, PAGE_SIZE, C), kdt),
+        h_rope=((L, PH, PAGE_SIZE, R), vdt), block_table=((Rq, spec.max_pages), jnp.int32),
+        host_table=((Rq, MP), jnp.int32), index_table=((Rq, MP), jnp.int32), seq_lens=((Rq,), jnp.int32),
+        hot_pages=((Rq, spec.hot_pages), jnp.int32), hot_token=((Rq, G, HR), jnp.int32),
+        hot_stamp=((Rq, G, HR), jnp.int32), clock=((), jnp.int32),
+        latent_scale=((L, P, PAGE_SIZE, C // FP8_BLOCK), jnp.float32) if spec.fp8 else None,
+        index_scale=((LI, PI, PAGE_SIZE), jnp.float32) if spec.fp8 else None,
+        h_latent_scale=((L, PH, PAGE_SIZE, C // FP8_BLOCK), jnp.float32) if spec.fp8 else None,
+    )
+    minus_one = {"block_table", "host_table", "index_table", "hot_pages", "hot_token", "hot_stamp"}
+    shardings = store_shardings(spec, device)
+    out = {}
+    for f in dataclasses.fields(KVStore):
+        sd = getattr(shapes, f.name)
+        if sd is None:
+            out[f.name] = None
+            continue
+        shape, dt = sd
+        fill = -1 if f.name in minus_one else 0
+        out[f.name] = jax.device_put(jnp.full(shape, fill, dt), getattr(shardings, f.name))
+    return KVStore(**out)
+
+
+def store_nbytes(store: KVStore) -> dict[str, int]:
+    """Bytes held per memory kind."""
+    out: dict[str, int] = {}
+    for leaf in jax.tree_util.tree_leaves(store):
+        kind = leaf.sharding.memory_kind if hasattr(leaf, "sharding") else "device"
+        out[kind] = out.get(kind, 0) + leaf.nbytes
+    return out
