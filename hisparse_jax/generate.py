@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hisparse_jax.config import CacheConfig
 from hisparse_jax.kv.dense import DenseKV, init_dense_cache
 from hisparse_jax.model.decoder import SparseMLAModel, decode_step
 
@@ -87,13 +88,19 @@ def _decode_fn(graphdef, backend, temperature: float, top_p: float):
 
 def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, key: jax.Array | None = None, eos_token_id: int | Sequence[int] | None = None,
-             return_logits: bool = False):
+             cache: CacheConfig | None = None, return_stats: bool = False, return_logits: bool = False):
     """Generate `max_new_tokens` tokens for each prompt; returns the new tokens (list per prompt).
 
     Greedy by default. temperature > 0 samples (optionally with nucleus `top_p`) and needs an explicit
     PRNG `key`. With `eos_token_id`, a sequence's output stops after its first EOS (decoding of the batch
-    stops once every sequence has finished). With `return_logits=True` returns `(tokens, logits)` where
-    logits[i] is float32[len(tokens[i]), V]: the distribution each new token was drawn from.
+    stops once every sequence has finished).
+
+    cache: None decodes from a contiguous all-resident cache; a `CacheConfig` decodes through the tiered
+    paged store (device + pinned host pools, hot buffers) under its budgets. With `return_stats=True`
+    (tiered only) the result is `(tokens, stats)`, stats holding totals over the run: hits, misses,
+    resident (rows read per path), h2d_bytes, h2d_transfer_bytes, d2h_bytes, evicted_pages, steps.
+    With `return_logits=True` the logits come last: `(tokens, [stats,] logits)`, logits[i] float32
+    [len(tokens[i]), V] — the distribution each new token was drawn from.
     """
     prompts = validate_prompts(model, prompts, max_new_tokens)
     if temperature < 0 or not 0 < top_p <= 1:
@@ -102,6 +109,11 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
         raise ValueError("sampling (temperature > 0) needs an explicit PRNG key: key=jax.random.key(seed)")
     key = key if key is not None else jax.random.key(0)
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    if cache is not None:
+        return _generate_tiered(model, prompts, max_new_tokens, cache, temperature, top_p, key, eos, return_stats,
+                                return_logits)
+    if return_stats:
+        raise ValueError("return_stats needs the tiered store: pass cache=CacheConfig(...)")
     cfg = model.cfg
     n = len(prompts)
     B = _bucket_pow2(n)
@@ -131,19 +143,90 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
             out_logits.append(logits)
         if eos and t % 16 == 0 and _all_finished(out_tokens, n, eos):
             break
-    toks = np.asarray(jnp.stack(out_tokens, axis=1))[:n]
+    result = _truncate_at_eos(np.asarray(jnp.stack(out_tokens, axis=1))[:n], eos)
+    if not return_logits:
+        return result
+    lg = np.asarray(jnp.stack(out_logits, axis=1))
+    return result, [lg[i, :len(result[i])] for i in range(n)]
+
+
+def _truncate_at_eos(toks: np.ndarray, eos) -> list[list[int]]:
     result = []
-    for i in range(n):
-        row = toks[i].tolist()
+    for row in toks.tolist():
         for j, tok in enumerate(row):
             if tok in eos:
                 row = row[:j + 1]
                 break
         result.append(row)
-    if not return_logits:
-        return result
-    lg = np.asarray(jnp.stack(out_logits, axis=1))
-    return result, [lg[i, :len(result[i])] for i in range(n)]
+    return result
+
+
+@functools.lru_cache(maxsize=32)
+def _sample_fn(temperature: float, top_p: float):
+    return jax.jit(lambda logits, key: sample_tokens(logits, key, temperature, top_p))
+
+
+def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top_p, key, eos, return_stats,
+                     return_logits):
+    from hisparse_jax.kv.manager import TieredCache
+    from hisparse_jax.kv.tiered import decode_step as tiered_step
+
+    cfg = model.cfg
+    n = len(prompts)
+    if n > cache_cfg.max_seqs:
+        raise ValueError(f"{n} prompts but the store has {cache_cfg.max_seqs} request slots (CacheConfig.max_seqs)")
+    tc = TieredCache(cfg, cache_cfg)
+    for p in prompts:
+        tc.check_fits(len(p) + max_new_tokens)
+    graphdef, state = nnx.split(model)
+    prefill = _prefill_fn(graphdef)
+    sample = _sample_fn(float(temperature), float(top_p))
+    slots, first = [], []
+    for p in prompts:
+        T = _bucket_pow2(len(p), 16)
+        ids = np.zeros((1, T), np.int32)
+        ids[0, :len(p)] = p
+        logits, aux = prefill(state, jnp.asarray(ids))
+        slot = tc.admit(len(p))
+        tc.write_prefill(slot, jnp.stack(aux["latent"])[:, 0], jnp.stack(aux["rope"])[:, 0],
+                         jnp.stack(aux["index_k"])[:, 0], len(p))
+        slots.append(slot)
+        first.append(logits[0, len(p) - 1].astype(jnp.float32))
+    B = _bucket_pow2(n)
+    req = jnp.asarray(slots + [-1] * (B - n), jnp.int32)
+    first_logits = jnp.stack(first + [first[0]] * (B - n))
+    key, sub = jax.random.split(key)
+    tokens = sample(first_logits, sub)
+    out_tokens, out_logits = [tokens], [first_logits] if return_logits else []
+    totals = None
+    for t in range(1, max_new_tokens):
+        for s in slots:
+            tc.reserve(s, tc.lengths[s] + 1)
+        logits, tc.store, stats = tiered_step(model, tc.store, {"tokens": tokens, "req": req})
+        tc.advance(slots)
+        totals = stats if totals is None else jax.tree_util.tree_map(jnp.add, totals, stats)
+        key, sub = jax.random.split(key)
+        tokens = sample(logits, sub)
+        out_tokens.append(tokens)
+        if return_logits:
+            out_logits.append(logits)
+        if eos and t % 16 == 0 and _all_finished(out_tokens, n, eos):
+            break
+    result = _truncate_at_eos(np.asarray(jnp.stack(out_tokens, axis=1))[:n], eos)
+    out = [result]
+    if return_stats:
+        st = {k: np.asarray(v) for k, v in (totals or {}).items()}
+        summary = {k: int(v.sum()) for k, v in st.items()}
+        summary.update(per_layer={k: st[k].tolist() for k in ("resident", "hits", "misses") if k in st},
+                       evicted_pages=tc.evicted_pages, steps=len(out_tokens) - 1,
+                       d2h_bytes=summary.get("d2h_bytes", 0) + tc.d2h_bytes)
+        out.append(summary)
+    if return_logits:
+        lg = np.asarray(jnp.stack(out_logits, axis=1))
+        out.append([lg[i, :len(result[i])] for i in range(n)])
+    for s in slots:
+        tc.release(s)
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def _all_finished(out_tokens, n, eos) -> bool:

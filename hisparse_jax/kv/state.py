@@ -132,6 +132,7 @@ class KVStore:
     latent_scale: jax.Array | None = None
     index_scale: jax.Array | None = None
     h_latent_scale: jax.Array | None = None
+    spec: StoreSpec | None = dataclasses.field(default=None, metadata={"static": True})
 
 
 def host_sharding(device=None) -> SingleDeviceSharding:
@@ -147,7 +148,7 @@ def device_sharding(device=None) -> SingleDeviceSharding:
 def store_shardings(spec: StoreSpec, device=None) -> KVStore:
     """A KVStore of shardings: host pools in pinned_host memory, everything else on the device."""
     d, h = device_sharding(device), host_sharding(device)
-    return KVStore(latent=d, rope=d, index_k=d, h_latent=h, h_rope=h, block_table=d, host_table=d, index_table=d,
+    return KVStore(spec=spec, latent=d, rope=d, index_k=d, h_latent=h, h_rope=h, block_table=d, host_table=d, index_table=d,
                    seq_lens=d, hot_pages=d, hot_token=d, hot_stamp=d, clock=d,
                    latent_scale=d if spec.fp8 else None, index_scale=d if spec.fp8 else None,
                    h_latent_scale=h if spec.fp8 else None)
@@ -161,7 +162,7 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
     vdt = spec.value_dtype
     kdt = jnp.float8_e4m3fn if spec.fp8 else vdt
     shapes = KVStore(
-        latent=((L, P, PAGE_SIZE, C), kdt), rope=((L, P, PAGE_SIZE, R), vdt),
+        spec=spec, latent=((L, P, PAGE_SIZE, C), kdt), rope=((L, P, PAGE_SIZE, R), vdt),
         index_k=((LI, PI, PAGE_SIZE, dI), kdt), h_latent=((L, PH, PAGE_SIZE, C), kdt),
         h_rope=((L, PH, PAGE_SIZE, R), vdt), block_table=((Rq, spec.max_pages), jnp.int32),
         host_table=((Rq, MP), jnp.int32), index_table=((Rq, MP), jnp.int32), seq_lens=((Rq,), jnp.int32),
@@ -175,6 +176,8 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
     shardings = store_shardings(spec, device)
     out = {}
     for f in dataclasses.fields(KVStore):
+        if f.name == "spec":
+            continue
         sd = getattr(shapes, f.name)
         if sd is None:
             out[f.name] = None
@@ -182,7 +185,7 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
         shape, dt = sd
         fill = -1 if f.name in minus_one else 0
         out[f.name] = jax.device_put(jnp.full(shape, fill, dt), getattr(shardings, f.name))
-    return KVStore(**out)
+    return KVStore(spec=spec, **out)
 
 
 def store_nbytes(store: KVStore) -> dict[str, int]:

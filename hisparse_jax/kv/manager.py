@@ -1,0 +1,321 @@
+"""`TieredCache`: the host-side owner of a `KVStore` — admission, tail-page reservation, eviction, release.
+
+Everything here runs between jitted steps, on the host, in NumPy: it decides which pages exist where
+(`PagePool`), mirrors the decisions into the device tables with small jitted updates, and never reads a
+pool. The device step never allocates.
+
+Residency rule: a request's pages stay on the device until the pool runs low. Then sealed pages (never
+the last two, which are being written) whose host copy is current are released, coldest first; a
+request with a released page first gets its hot buffer (`hot_rows` slots, lent from the same device
+pool). Coldness is pluggable (`victim_order`): the default releases the oldest logical pages first.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hisparse_jax.config import PAGE_SIZE, CacheConfig, ModelConfig
+from hisparse_jax.kv import ops
+from hisparse_jax.kv.pool import INVALID, OutOfPages, PagePool, PoolError, RequestPages, Tier, owners_of
+from hisparse_jax.kv.state import KVStore, StoreSpec, init_store
+
+TAIL_PAGES = 2
+
+
+class BudgetError(ValueError):
+    """A request can never fit the configured budgets (raised before anything is changed)."""
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _set_tables(store, req, block_row, host_row, index_row, seq_len, hot_row):
+    return ops.set_tables(store, req, block_row, host_row, index_row, seq_len, hot_row)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _evict(store, req, page_idx):
+    return ops.evict_pages(store.spec, store, req, page_idx)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _write_prefill(store, req, latent, rope, index_k, length):
+    return ops.write_prefill(store.spec, store, req, latent, rope, index_k, length)
+
+
+def _pad_pow2(values: list[int], fill: int = -1) -> np.ndarray:
+    n = max(1, 1 << max(len(values) - 1, 0).bit_length())
+    out = np.full(n, fill, np.int32)
+    out[:len(values)] = values
+    return out
+
+
+def oldest_first(cache: "TieredCache", slot: int) -> list[int]:
+    """Default coldness: a request's evictable logical pages, oldest first (vLLM's release order)."""
+    return cache.evictable_pages(slot)
+
+
+class TieredCache:
+    """Owns a `KVStore` (`.store`, device + pinned host) and its `PagePool` (`.pool`)."""
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig, *, device=None,
+                 victim_order: Callable[["TieredCache", int], list[int]] = oldest_first):
+        self.model_cfg, self.cache_cfg = model, cache
+        self.spec = StoreSpec.create(model, cache)
+        self.store: KVStore = init_store(self.spec, device)
+        self.pool = PagePool(self.spec.device_pages, self.spec.index_pages, self.spec.host_pages)
+        self.requests: dict[int, RequestPages] = {}
+        self.lengths: dict[int, int] = {}
+        self.victim_order = victim_order
+        self.evicted_pages = 0
+        self._synced_hot: dict[int, tuple[int, ...]] = {}
+        self.d2h_bytes = 0  # prefill host writes + write-backs (decode mirror bytes are in the step stats)
+
+    # ----- sizes ---------------------------------------------------------------------------------
+    @property
+    def hot_pages_per_request(self) -> int:
+        return self.spec.hot_pages
+
+    def min_device_pages(self, num_pages: int) -> int:
+        """Device pages a request of `num_pages` logical pages needs at the least."""
+        if num_pages <= TAIL_PAGES:
+            return num_pages
+        return TAIL_PAGES + self.hot_pages_per_request
+
+    def free_slots(self) -> list[int]:
+        return [s for s in range(self.spec.max_seqs) if s not in self.requests]
+
+    # ----- admission -----------------------------------------------------------------------------
+    def check_fits(self, num_tokens: int) -> None:
+        """Raise BudgetError when a request of `num_tokens` tokens can never be held, even alone."""
+        n = -(-num_tokens // PAGE_SIZE)
+        if num_tokens > self.spec.max_pages * PAGE_SIZE:
+            raise BudgetError(f"{num_tokens} tokens exceed the store's max_seq_len ({self.spec.max_pages * PAGE_SIZE})")
+        if n > self.spec.index_pages:
+            raise BudgetError(f"{num_tokens} tokens need {n} indexer pages; index_pages is {self.spec.index_pages}")
+        need = self.min_device_pages(n)
+        if need > self.spec.device_pages:
+            raise BudgetError(f"a {num_tokens}-token request needs at least {need} device pages ({TAIL_PAGES} tail "
+                              f"pages + {self.hot_pages_per_request} hot-buffer pages); device_pages is "
+                              f"{self.spec.device_pages}")
+        if n > TAIL_PAGES and self.spec.host_pages < n:
+            raise BudgetError(f"a {num_tokens}-token request needs {n} host pages to be evictable; host_pages is "
+                              f"{self.spec.host_pages}")
+
+    def admit(self, num_tokens: int) -> int:
+        """Reserve a slot and pages for a prompt of `num_tokens` tokens; returns the slot.
+
+        Raises BudgetError (never fits), or OutOfPages / PoolError when it does not fit *now* (nothing changed).
+        """
+        self.check_fits(num_tokens)
+        slots = self.free_slots()
+        if not slots:
+            raise PoolError(f"all {self.spec.max_seqs} request slots are in use")
+        slot = slots[0]
+        self.requests[slot] = RequestPages()
+        self.lengths[slot] = 0
+        try:
+            self._grow(slot, num_tokens)
+        except Exception:
+            self.release(slot)
+            raise
+        self.lengths[slot] = num_tokens
+        self._sync(slot)
+        return slot
+
+    def write_prefill(self, slot: int, latent, rope, index_k, length: int) -> None:
+        """Write a prompt's rows (latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]) into `slot`."""
+        if length != self.lengths[slot]:
+            raise ValueError(f"slot {slot} was admitted for {self.lengths[slot]} tokens, got {length}")
+        self.store, nbytes = _write_prefill(self.store, jnp.int32(slot), latent, rope, index_k, jnp.int32(length))
+        self.d2h_bytes += int(nbytes)
+
+    def reserve(self, slot: int, num_tokens: int) -> None:
+        """Make positions < num_tokens writable (tail pages resident) before a step writes them."""
+        self.check_fits(num_tokens)
+        self._grow(slot, num_tokens)
+
+    def advance(self, slots, n: int = 1) -> None:
+        """Record that a step (or `n` steps) appended one token to each of `slots`."""
+        for s in slots:
+            self.lengths[s] += n
+
+    def release(self, slot: int) -> None:
+        """Free every page of a finished or aborted request and clear its tables."""
+        r = self.requests.pop(slot)
+        r.release(self.pool)
+        self.lengths.pop(slot, None)
+        self._synced_hot.pop(slot, None)
+        mp = self.spec.max_pages
+        self.store = _set_tables(self.store, jnp.int32(slot), jnp.full((mp,), -1, jnp.int32),
+                                 jnp.full((mp,), -1, jnp.int32), jnp.full((mp,), -1, jnp.int32), jnp.int32(0),
+                                 jnp.full((self.spec.hot_pages,), -1, jnp.int32))
+
+    # ----- growth and eviction -------------------------------------------------------------------
+    def _grow(self, slot: int, num_tokens: int) -> None:
+        r = self.requests[slot]
+        n = -(-num_tokens // PAGE_SIZE)
+        new = n - r.num_pages
+        if new <= 0:
+            return
+        mirror = self.spec.mirror_to_host
+        if not self.pool.can_allocate(Tier.INDEX, new):
+            raise OutOfPages(Tier.INDEX, new, self.pool.num_free(Tier.INDEX), self.pool.capacity(Tier.INDEX))
+        if mirror and not self.pool.can_allocate(Tier.HOST, new):
+            raise OutOfPages(Tier.HOST, new, self.pool.num_free(Tier.HOST), self.pool.capacity(Tier.HOST))
+        # device pages for the new pages: at most the last TAIL_PAGES must be resident; older ones may start
+        # on the host (as if written and evicted) when the device is short
+        must = min(new, TAIL_PAGES)
+        self._make_room(slot, new, must, n)
+        k = min(new, self.pool.num_free(Tier.DEVICE) - self._hot_cost(slot, n, new))
+        k = max(k, must)
+        if not mirror and k < new:
+            raise OutOfPages(Tier.DEVICE, new, self.pool.num_free(Tier.DEVICE), self.spec.device_pages)
+        index = self.pool.allocate(Tier.INDEX, new)
+        host = self.pool.allocate(Tier.HOST, new) if mirror else [INVALID] * new
+        if k < new:
+            self._ensure_hot(slot)
+        device = [INVALID] * (new - k) + self.pool.allocate(Tier.DEVICE, k)
+        for i in range(new):
+            r.append(index=index[i], device=device[i], host=host[i])
+        self._sync(slot)
+
+    def _hot_cost(self, slot: int, n_total: int, new: int) -> int:
+        r = self.requests[slot]
+        if r.hot or n_total <= TAIL_PAGES:
+            return 0
+        return self.hot_pages_per_request
+
+    def _make_room(self, slot: int, new: int, must: int, n_total: int) -> None:
+        """Evict cold pages (other requests first, then this request's own) until `must` new device pages
+        (plus this request's hot buffer if it will need one) can be allocated; best effort up to `new`."""
+        def need(goal):
+            r = self.requests[slot]
+            resident_after = len(r.resident_pages()) + goal
+            hot = 0 if r.hot or resident_after >= n_total else self.hot_pages_per_request
+            return goal + hot
+
+        for goal in (new, must):
+            if self.pool.num_free(Tier.DEVICE) >= need(goal):
+                return
+            if goal == must or self.spec.mirror_to_host:
+                self._evict_until(need(goal), exclude=slot if goal == new else None)
+            if self.pool.num_free(Tier.DEVICE) >= need(goal):
+                return
+        if self.pool.num_free(Tier.DEVICE) < need(must):
+            raise OutOfPages(Tier.DEVICE, need(must), self.pool.num_free(Tier.DEVICE), self.spec.device_pages)
+
+    def evictable_pages(self, slot: int) -> list[int]:
+        """Logical pages of `slot` that may be released now: resident, sealed (not among the last two) and
+        with a current host copy. Oldest first."""
+        r = self.requests[slot]
+        limit = r.num_pages - TAIL_PAGES
+        return [i for i in range(max(limit, 0)) if r.device[i] != INVALID and r.host[i] != INVALID]
+
+    def _evict_until(self, free_target: int, exclude: int | None = None) -> None:
+        while self.pool.num_free(Tier.DEVICE) < free_target:
+            victims = [(len(self.evictable_pages(s)), s) for s in self.requests if s != exclude]
+            victims = [(n, s) for n, s in victims if n > 0]
+            if not victims:
+                return
+            # the request holding the most releasable pages gives first; it pays for its hot buffer once
+            _, s = max(victims)
+            r = self.requests[s]
+            pages = self.victim_order(self, s)
+            take = self.pool.num_free(Tier.DEVICE) - free_target  # negative: pages still missing
+            count = min(len(pages), -take + (0 if r.hot else self.hot_pages_per_request))
+            if not r.hot:
+                if count <= self.hot_pages_per_request and len(pages) <= self.hot_pages_per_request:
+                    return  # releasing would not pay for the hot buffer
+                # the hot buffer is lent from the pages being released
+                self.evict(s, pages[:self.hot_pages_per_request])
+                self._ensure_hot(s)
+                pages = self.victim_order(self, s)
+                count = -(self.pool.num_free(Tier.DEVICE) - free_target)
+            self.evict(s, pages[:max(count, 1)])
+
+    def _ensure_hot(self, slot: int) -> None:
+        r = self.requests[slot]
+        if r.hot:
+            return
+        r.hot.extend(self.pool.allocate(Tier.DEVICE, self.hot_pages_per_request))
+        self._sync(slot)
+
+    def evict(self, slot: int, logical_pages: list[int]) -> None:
+        """Release the device copies of `slot`'s logical pages (their host copies must be current)."""
+        r = self.requests[slot]
+        for i in logical_pages:
+            if i >= r.num_pages - TAIL_PAGES:
+                raise PoolError(f"slot {slot}: page {i} is one of the last {TAIL_PAGES} pages (being written)")
+            if r.device[i] == INVALID or r.host[i] == INVALID:
+                raise PoolError(f"slot {slot}: page {i} is not resident with a host copy")
+        if not logical_pages:
+            return
+        req = _pad_pow2([slot] * len(logical_pages))
+        idx = _pad_pow2(list(logical_pages))
+        self.store, d2h = _evict(self.store, jnp.asarray(req), jnp.asarray(idx))
+        self.d2h_bytes += int(d2h)
+        for i in logical_pages:
+            self.pool.free(Tier.DEVICE, [r.device[i]])
+            r.device[i] = INVALID
+        self.evicted_pages += len(logical_pages)
+
+    # ----- device tables -------------------------------------------------------------------------
+    def _sync(self, slot: int) -> None:
+        r = self.requests[slot]
+        mp = self.spec.max_pages
+
+        def row(v):
+            out = np.full(mp, -1, np.int32)
+            out[:len(v)] = v
+            return jnp.asarray(out)
+
+        hot = np.full(self.spec.hot_pages, -1, np.int32)
+        hot[:len(r.hot)] = r.hot
+        # set_tables also clears the hot-slot tags: only when the hot buffer itself changed
+        if self._synced_hot.get(slot) == tuple(r.hot):
+            self.store = _set_rows(self.store, jnp.int32(slot), row(r.device), row(r.host), row(r.index),
+                                   jnp.int32(self.lengths.get(slot, 0)))
+        else:
+            self.store = _set_tables(self.store, jnp.int32(slot), row(r.device), row(r.host), row(r.index),
+                                     jnp.int32(self.lengths.get(slot, 0)), jnp.asarray(hot))
+            self._synced_hot[slot] = tuple(r.hot)
+
+    # ----- checks --------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Pool consistent with the requests (no leak, no double ownership); device tables equal the host's
+        view; every released page has a host copy; the store's lengths match."""
+        self.pool.check_invariants(owners_of(self.requests.values()))
+        bt, ht, it = (np.asarray(x) for x in (self.store.block_table, self.store.host_table, self.store.index_table))
+        hp, sl = np.asarray(self.store.hot_pages), np.asarray(self.store.seq_lens)
+        for s in range(self.spec.max_seqs):
+            r = self.requests.get(s)
+            n = r.num_pages if r else 0
+            for name, table, want in (("block", bt, r.device if r else []), ("host", ht, r.host if r else []),
+                                      ("index", it, r.index if r else [])):
+                if list(table[s, :n]) != list(want) or np.any(table[s, n:] != -1):
+                    raise PoolError(f"slot {s}: device {name} table {table[s, :n + 1].tolist()} != host view {want}")
+            if r:
+                if sorted(hp[s][hp[s] >= 0].tolist()) != sorted(r.hot):
+                    raise PoolError(f"slot {s}: hot pages {hp[s].tolist()} != {r.hot}")
+                if sl[s] != self.lengths[s]:
+                    raise PoolError(f"slot {s}: store seq_len {sl[s]} != {self.lengths[s]}")
+                for i in range(n):
+                    if r.device[i] == INVALID and r.host[i] == INVALID:
+                        raise PoolError(f"slot {s}: page {i} has no copy anywhere")
+                if n < -(-self.lengths[s] // PAGE_SIZE):
+                    raise PoolError(f"slot {s}: {self.lengths[s]} tokens but only {n} pages")
+                for i in range(max(n - TAIL_PAGES, 0), n):
+                    if self.lengths[s] > i * PAGE_SIZE and r.device[i] == INVALID:
+                        raise PoolError(f"slot {s}: tail page {i} is not resident")
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _set_rows(store, slot, block_row, host_row, index_row, seq_len):
+    return ops._replace(store, block_table=store.block_table.at[slot].set(block_row),
+                        host_table=store.host_table.at[slot].set(host_row),
+                        index_table=store.index_table.at[slot].set(index_row),
+                        seq_lens=store.seq_lens.at[slot].set(seq_len))

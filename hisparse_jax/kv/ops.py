@@ -1,0 +1,421 @@
+"""Pure functions over the `KVStore` (the jnp references; Pallas kernels replace the hot parts).
+
+Shapes: B decode rows (a batch bucket; `req` int32[B] names each row's request slot, -1 = idle row),
+K top-k slots (-1 padded), L layers, C latent, R rope, dI indexer dim, 64 tokens per page.
+
+* `append_rows`       write one layer's new rows into the device pools (tail pages must be resident)
+* `mirror_rows`       write the step's new rows of every layer into their host pages (the eager mirror)
+* `index_select`      indexer top-k over a request's paged indexer keys
+* `resolve`           top-k positions -> row addresses: resident page | hot hit (LRU touch) | miss (claims
+                      the LRU slot; returns the fetch plan)
+* `fetch_misses`      copy the missing rows host -> device hot slots; mechanism "row" or "page"
+* `gather_rows`       read (and dequantize) the rows at the resolved addresses
+* `evict_pages` / `write_prefill` / `set_tables`: host-decided table changes applied on the device
+
+Host pools live in `pinned_host` memory. Inside `jit` ops may not mix memory kinds, so host reads are
+`dynamic_slice` + `device_put(Device)` (page mechanism) or a gather placed on the host with
+`compute_on("device_host")` followed by one `device_put(Device)` (row mechanism); host writes are the
+mirror image. On CPU these are semantic only; on a GPU they are the H2D / D2H copies being measured.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.compute_on import compute_on
+
+from hisparse_jax.config import PAGE_SIZE
+from hisparse_jax.kv.state import FP8_BLOCK, KVStore, StoreSpec
+from hisparse_jax.model.indexer import (fp8_quantize, index_scores, index_scores_fp8, quantize_index_keys,
+                                        select_topk)
+
+HOST = jax.memory.Space.Host
+DEVICE = jax.memory.Space.Device
+
+
+# ----- formats ----------------------------------------------------------------------------------
+def encode_latent(spec: StoreSpec, c):
+    """c [..., C] -> (stored values, scales [..., C/128] or None)."""
+    if spec.fp8:
+        return fp8_quantize(c.astype(jnp.float32), block=FP8_BLOCK)
+    return c.astype(spec.value_dtype), None
+
+
+def decode_latent(spec: StoreSpec, values, scales):
+    """Stored latent -> float32 [..., C]."""
+    if spec.fp8:
+        v = values.astype(jnp.float32).reshape(*values.shape[:-1], -1, FP8_BLOCK)
+        return (v * scales[..., None]).reshape(values.shape)
+    return values.astype(jnp.float32)
+
+
+def encode_index(spec: StoreSpec, k):
+    """k [..., dI] -> (stored keys, scale [...] or None)."""
+    if spec.fp8:
+        return quantize_index_keys(k)
+    return k.astype(spec.value_dtype), None
+
+
+def _drop(idx, ok, bound):
+    """Replace indices of dropped writes by an out-of-bounds value (scatters use mode="drop")."""
+    return jnp.where(ok, idx, bound)
+
+
+# ----- writes -----------------------------------------------------------------------------------
+def tail_address(spec: StoreSpec, store: KVStore, req, positions):
+    """For each decode row: (device page, indexer page, host page, row in page, ok) of `positions`."""
+    r = jnp.maximum(req, 0)
+    lp = jnp.clip(positions // PAGE_SIZE, 0, spec.max_pages - 1)
+    row = jnp.maximum(positions, 0) % PAGE_SIZE
+    live = (req >= 0) & (positions >= 0) & (positions < spec.max_pages * PAGE_SIZE)
+    dpage, ipage, hpage = store.block_table[r, lp], store.index_table[r, lp], store.host_table[r, lp]
+    return dpage, ipage, hpage, row, live
+
+
+def append_rows(spec: StoreSpec, store: KVStore, layer: int, slot: int | None, req, positions, c, k_rope, k_index):
+    """Write layer `layer`'s rows of the new tokens: c [B, C], k_rope [B, R], k_index [B, dI] (when `slot`).
+
+    Returns (store, dropped int32[]) where `dropped` counts live rows whose tail page was not resident (the
+    host must reserve tail pages before a step; a non-zero count is a scheduling bug, surfaced in stats).
+    """
+    dpage, ipage, _, row, live = tail_address(spec, store, req, positions)
+    ok = live & (dpage >= 0)
+    dp = _drop(dpage, ok, spec.device_pages)
+    vals, scales = encode_latent(spec, c)
+    latent = store.latent.at[layer, dp, row].set(vals, mode="drop")
+    rope = store.rope.at[layer, dp, row].set(k_rope.astype(store.rope.dtype), mode="drop")
+    upd = dict(latent=latent, rope=rope)
+    if scales is not None:
+        upd["latent_scale"] = store.latent_scale.at[layer, dp, row].set(scales, mode="drop")
+    dropped = jnp.sum(live & (dpage < 0))
+    if slot is not None:
+        iok = live & (ipage >= 0)
+        ip = _drop(ipage, iok, spec.index_pages)
+        kv, ks = encode_index(spec, k_index)
+        upd["index_k"] = store.index_k.at[slot, ip, row].set(kv, mode="drop")
+        if ks is not None:
+            upd["index_scale"] = store.index_scale.at[slot, ip, row].set(ks, mode="drop")
+        dropped = dropped + jnp.sum(live & (ipage < 0))
+    return _replace(store, **upd), dropped.astype(jnp.int32)
+
+
+def mirror_rows(spec: StoreSpec, store: KVStore, req, positions):
+    """Copy the rows just appended at `positions` (all layers) from the device pools to their host pages.
+
+    Reads them back from the device pool so the host copy is bit-identical. Returns (store, d2h_bytes).
+    """
+    dpage, _, hpage, row, live = tail_address(spec, store, req, positions)
+    ok = live & (dpage >= 0) & (hpage >= 0)
+    src = jnp.maximum(dpage, 0)
+    hp = _drop(hpage, ok, spec.host_pages)
+    lat = jax.device_put(store.latent[:, src, row], HOST)  # [L, B, C]
+    rope = jax.device_put(store.rope[:, src, row], HOST)
+    hp_h, row_h = jax.device_put(hp, HOST), jax.device_put(row, HOST)
+    with compute_on("device_host"):
+        h_latent = store.h_latent.at[:, hp_h, row_h].set(lat, mode="drop")
+        h_rope = store.h_rope.at[:, hp_h, row_h].set(rope, mode="drop")
+    upd = dict(h_latent=h_latent, h_rope=h_rope)
+    if spec.fp8:
+        sc = jax.device_put(store.latent_scale[:, src, row], HOST)
+        with compute_on("device_host"):
+            upd["h_latent_scale"] = store.h_latent_scale.at[:, hp_h, row_h].set(sc, mode="drop")
+    nbytes = jnp.sum(ok).astype(jnp.int32) * spec.num_layers * spec.row_bytes
+    return _replace(store, **upd), nbytes
+
+
+# ----- the indexer over paged keys --------------------------------------------------------------
+def index_select(spec: StoreSpec, store: KVStore, slot: int, req, positions, q_index, w):
+    """Top-k of the indexer over keys 0..positions[b] of request req[b] -> int32[B, K] (K = min(topk, MP*64)).
+
+    q_index f32[B, I, dI], w f32[B, I]. fp8 stores score in DeepSeek's FP8 emulation. Idle rows: all -1.
+    """
+    r = jnp.maximum(req, 0)
+    pages = jnp.maximum(store.index_table[r], 0)  # [B, MP]
+    keys = store.index_k[slot][pages].reshape(req.shape[0], -1, spec.index_dim)  # [B, S, dI]
+    if spec.fp8:
+        ks = store.index_scale[slot][pages].reshape(req.shape[0], -1)
+        scores = index_scores_fp8(q_index[:, None], w[:, None], keys, ks)[:, 0]
+    else:
+        scores = index_scores(q_index[:, None], w[:, None], keys)[:, 0]
+    S = keys.shape[1]
+    valid = (jnp.arange(S, dtype=jnp.int32)[None] <= positions[:, None]) & (req >= 0)[:, None]
+    return select_topk(scores, valid, spec.topk)
+
+
+# ----- resolution: resident | hot hit | miss ----------------------------------------------------
+class Plan(NamedTuple):
+    """Where each top-k row is read from, and what must be fetched. All [B, K] unless noted."""
+
+    page: jax.Array  # device page to read (resident page or hot page); 0 where invalid
+    row: jax.Array  # row in that page
+    valid: jax.Array  # bool: a real position (not -1 padding, not an idle row)
+    resident: jax.Array  # bool: read in place from a resident page
+    miss: jax.Array  # bool: fetched from host this step
+    src_page: jax.Array  # host page of a miss (-1 otherwise)
+    src_row: jax.Array
+
+
+def resolve(spec: StoreSpec, store: KVStore, group: int, req, topk):
+    """Resolve the top-k positions of every decode row for indexer group `group`.
+
+    For position t of request r: if block_table[r, t // 64] >= 0 the row is read in place; else if t is
+    in the group's hot buffer it is a hit (stamp := clock); else a miss takes the least-recently-used slot
+    (never one hit or claimed this step; empty slots first, lower slot first among equals) and records the
+    host row to copy into it. Requires hot_rows >= K, so every miss finds a slot.
+    Returns (plan, store) with hot_token / hot_stamp updated.
+    """
+    B, K = topk.shape
+    HR = spec.hot_rows
+    r = jnp.maximum(req, 0)
+    valid = (topk >= 0) & (req >= 0)[:, None]
+    pos = jnp.maximum(topk, 0)
+    lp = pos // PAGE_SIZE
+    dpage = jnp.take_along_axis(store.block_table[r], lp, axis=1)
+    resident = valid & (dpage >= 0)
+    want = valid & ~resident  # served by the hot buffer
+
+    tokens = store.hot_token[r, group]  # [B, HR]
+    stamps = store.hot_stamp[r, group]
+    order = jnp.argsort(tokens, axis=1, stable=True)
+    sorted_tok = jnp.take_along_axis(tokens, order, axis=1)
+    at = jax.vmap(jnp.searchsorted)(sorted_tok, pos)  # [B, K]
+    at = jnp.minimum(at, HR - 1)
+    found = jnp.take_along_axis(sorted_tok, at, axis=1) == pos
+    hit = want & found
+    hit_slot = jnp.take_along_axis(order, at, axis=1)
+    miss = want & ~found
+
+    clock = store.clock
+    bidx = jnp.arange(B)[:, None]
+    stamps = stamps.at[bidx, jnp.where(hit, hit_slot, HR)].set(clock, mode="drop")
+    # LRU victims: the K oldest slots (stamp -1 = never used comes first; ties -> lower slot)
+    _, victims = jax.lax.top_k(-stamps, K)  # [B, K]
+    rank = jnp.cumsum(miss, axis=1) - 1
+    miss_slot = jnp.take_along_axis(victims, jnp.maximum(rank, 0), axis=1)
+    dst = jnp.where(miss, miss_slot, HR)
+    tokens = tokens.at[bidx, dst].set(pos, mode="drop")
+    stamps = stamps.at[bidx, dst].set(clock, mode="drop")
+
+    slot = jnp.where(hit, hit_slot, miss_slot)
+    hot_page = jnp.take_along_axis(store.hot_pages[r], slot // PAGE_SIZE, axis=1)
+    page = jnp.where(resident, dpage, jnp.where(want, hot_page, 0))
+    row = jnp.where(resident, pos % PAGE_SIZE, jnp.where(want, slot % PAGE_SIZE, 0))
+    src_page = jnp.where(miss, jnp.take_along_axis(store.host_table[r], lp, axis=1), -1)
+    plan = Plan(page=jnp.maximum(page, 0), row=row, valid=valid, resident=resident, miss=miss,
+                src_page=src_page, src_row=pos % PAGE_SIZE)
+    rw = jnp.where(req >= 0, req, spec.max_seqs)  # idle rows write nowhere
+    hot_token = store.hot_token.at[rw, group].set(tokens, mode="drop")
+    hot_stamp = store.hot_stamp.at[rw, group].set(stamps, mode="drop")
+    return plan, _replace(store, hot_token=hot_token, hot_stamp=hot_stamp)
+
+
+# ----- host -> device fetch of the misses -------------------------------------------------------
+def fetch_misses(spec: StoreSpec, store: KVStore, layers: tuple[int, ...], plan: Plan):
+    """Copy every miss's row (all `layers`, a contiguous range) from its host page into its hot slot.
+
+    Returns (store, payload_bytes, transfer_bytes): payload = misses x layers x row bytes; transfer = what
+    the mechanism moved (row: whole chunks of `fetch_chunk` rows; page: each distinct host page once).
+    """
+    if spec.fetch == "row":
+        return _fetch_rows(spec, store, layers, plan)
+    return _fetch_pages(spec, store, layers, plan)
+
+
+def _compact_misses(plan: Plan):
+    """Flatten [B, K] and move the misses to the front (stable). Returns (n, src_page, src_row, dst_page,
+    dst_row) as [B*K] arrays sorted by (not miss, src_page)."""
+    miss = plan.miss.reshape(-1)
+    src_page = plan.src_page.reshape(-1)
+    key = jnp.where(miss, src_page, jnp.iinfo(jnp.int32).max)
+    order = jnp.argsort(key, stable=True)
+    take = lambda a: a.reshape(-1)[order]  # noqa: E731
+    return jnp.sum(miss).astype(jnp.int32), take(plan.src_page), take(plan.src_row), take(plan.page), take(plan.row)
+
+
+def _layer_range(layers):
+    lo, hi = min(layers), max(layers) + 1
+    if tuple(range(lo, hi)) != tuple(layers):
+        raise ValueError(f"indexer groups must be contiguous layer ranges, got {layers}")
+    return lo, hi - lo
+
+
+def _fetch_rows(spec, store, layers, plan):
+    lo, nl = _layer_range(layers)
+    n, sp, sr, dp, dr = _compact_misses(plan)
+    chunk = min(spec.fetch_chunk, sp.shape[0])
+    pad = (-sp.shape[0]) % chunk
+    sp, sr = jnp.pad(sp, (0, pad)), jnp.pad(sr, (0, pad))
+    dp, dr = jnp.pad(dp, (0, pad)), jnp.pad(dr, (0, pad))
+    n_chunks = (n + chunk - 1) // chunk
+
+    def body(i, pools):
+        sl = lambda a: jax.lax.dynamic_slice(a, (i * chunk,), (chunk,))  # noqa: E731
+        idx = i * chunk + jnp.arange(chunk)
+        ok = idx < n
+        hp = jax.device_put(jnp.where(ok, sl(sp), 0), HOST)
+        hr = jax.device_put(sl(sr), HOST)
+        dpage = jnp.where(ok, sl(dp), spec.device_pages)
+        drow = sl(dr)
+        out = []
+        for pool, host in zip(pools, _host_pools(store)):
+            with compute_on("device_host"):
+                staged = jax.lax.dynamic_slice_in_dim(host, lo, nl, axis=0)[:, hp, hr]  # [nl, chunk, X]
+            staged = jax.device_put(staged, DEVICE)
+            out.append(pool.at[lo:lo + nl, dpage, drow].set(staged, mode="drop"))
+        return tuple(out)
+
+    pools = jax.lax.fori_loop(0, n_chunks, body, _device_pools(store))
+    payload = n * nl * spec.row_bytes
+    transfer = n_chunks * chunk * nl * spec.row_bytes
+    return _with_device_pools(store, pools), payload, transfer
+
+
+def _fetch_pages(spec, store, layers, plan):
+    lo, nl = _layer_range(layers)
+    n, sp, sr, dp, dr = _compact_misses(plan)
+    first = jnp.concatenate([jnp.ones((1,), bool), sp[1:] != sp[:-1]]) & (jnp.arange(sp.shape[0]) < n)
+    n_pages = jnp.sum(first).astype(jnp.int32)
+    starts = jnp.nonzero(first, size=sp.shape[0], fill_value=n)[0]  # [B*K] start of each distinct page run
+    ends = jnp.concatenate([starts[1:], jnp.full((1,), n)])
+    ends = jnp.minimum(jnp.where(jnp.arange(sp.shape[0]) + 1 < n_pages, ends, n), n)
+
+    def page_body(j, pools):
+        s, e = starts[j], ends[j]
+        hp = sp[s]
+        pages = []
+        for host in _host_pools(store):
+            blk = jax.lax.dynamic_slice(host, (lo, hp) + (0,) * (host.ndim - 2), (nl, 1) + host.shape[2:])
+            pages.append(jax.device_put(blk, DEVICE)[:, 0])  # [nl, 64, X]
+
+        def row_body(m, pools):
+            return tuple(jax.lax.dynamic_update_slice(
+                pool, pg[:, sr[m]][:, None, None], (lo, dp[m], dr[m]) + (0,) * (pool.ndim - 3))
+                for pool, pg in zip(pools, pages))
+
+        return jax.lax.fori_loop(s, e, row_body, pools)
+
+    pools = jax.lax.fori_loop(0, n_pages, page_body, _device_pools(store))
+    payload = n * nl * spec.row_bytes
+    transfer = n_pages * nl * spec.page_bytes
+    return _with_device_pools(store, pools), payload, transfer
+
+
+def _device_pools(store):
+    return tuple(p for p in (store.latent, store.rope, store.latent_scale) if p is not None)
+
+
+def _host_pools(store):
+    return tuple(p for p in (store.h_latent, store.h_rope, store.h_latent_scale) if p is not None)
+
+
+def _with_device_pools(store, pools):
+    upd = dict(latent=pools[0], rope=pools[1])
+    if len(pools) == 3:
+        upd["latent_scale"] = pools[2]
+    return _replace(store, **upd)
+
+
+# ----- reads ------------------------------------------------------------------------------------
+def gather_rows(spec: StoreSpec, store: KVStore, layer: int, plan: Plan):
+    """Rows at the plan's addresses: (latent f32[B, K, C], rope f32[B, K, R]); invalid slots are zeros."""
+    lat = store.latent[layer][plan.page, plan.row]
+    sc = store.latent_scale[layer][plan.page, plan.row] if spec.fp8 else None
+    c = decode_latent(spec, lat, sc)
+    r = store.rope[layer][plan.page, plan.row].astype(jnp.float32)
+    v = plan.valid[..., None]
+    return jnp.where(v, c, 0.0), jnp.where(v, r, 0.0)
+
+
+# ----- host-decided table updates ---------------------------------------------------------------
+def evict_pages(spec: StoreSpec, store: KVStore, req, page_idx):
+    """Release device pages: req / page_idx int32[N] (-1 padded) name logical pages whose host copy is current.
+
+    Without the eager mirror the page is first written back (all layers). Returns (store, d2h_bytes);
+    the caller returns the freed device pages to its `PagePool`.
+    """
+    ok = (req >= 0) & (page_idx >= 0)
+    r, i = jnp.maximum(req, 0), jnp.maximum(page_idx, 0)
+    d2h = jnp.zeros((), jnp.int32)
+    if not spec.mirror_to_host:
+        store, d2h = _write_back(spec, store, jnp.where(ok, store.block_table[r, i], -1),
+                                 jnp.where(ok, store.host_table[r, i], -1))
+    bt = store.block_table.at[jnp.where(ok, r, spec.max_seqs), i].set(-1, mode="drop")
+    return _replace(store, block_table=bt), d2h
+
+
+def _write_back(spec, store, dpages, hpages):
+    """Copy whole device pages to host pages (all layers), one D2H slice per page."""
+    n = dpages.shape[0]
+
+    def body(j, hosts):
+        ok = (dpages[j] >= 0) & (hpages[j] >= 0)
+        out = []
+        for host, dev in zip(hosts, _device_pools(store)):
+            blk = jax.lax.dynamic_slice(dev, (0, jnp.maximum(dpages[j], 0)) + (0,) * (dev.ndim - 2),
+                                        (dev.shape[0], 1) + dev.shape[2:])
+            blk = jax.device_put(blk, HOST)
+            hp = jnp.where(ok, hpages[j], 0)
+            cur = jax.lax.dynamic_slice(host, (0, hp) + (0,) * (host.ndim - 2), blk.shape)
+            with compute_on("device_host"):
+                newblk = jnp.where(jax.device_put(ok, HOST), blk, cur)
+            out.append(jax.lax.dynamic_update_slice(host, newblk, (0, hp) + (0,) * (host.ndim - 2)))
+        return tuple(out)
+
+    hosts = jax.lax.fori_loop(0, n, body, _host_pools(store))
+    upd = dict(h_latent=hosts[0], h_rope=hosts[1])
+    if len(hosts) == 3:
+        upd["h_latent_scale"] = hosts[2]
+    nbytes = jnp.sum((dpages >= 0) & (hpages >= 0)).astype(jnp.int32) * spec.num_layers * spec.page_bytes
+    return _replace(store, **upd), nbytes
+
+
+def set_tables(store: KVStore, req: int, block_row, host_row, index_row, seq_len: int, hot_row):
+    """Replace one request slot's tables (host-decided: admission, growth, release). Rows are int32[MP] / [NH]."""
+    return _replace(
+        store,
+        block_table=store.block_table.at[req].set(block_row), host_table=store.host_table.at[req].set(host_row),
+        index_table=store.index_table.at[req].set(index_row), seq_lens=store.seq_lens.at[req].set(seq_len),
+        hot_pages=store.hot_pages.at[req].set(hot_row),
+        hot_token=store.hot_token.at[req].set(-1), hot_stamp=store.hot_stamp.at[req].set(-1))
+
+
+def write_prefill(spec: StoreSpec, store: KVStore, req, latent, rope, index_k, length):
+    """Write a prompt's rows: latent [L, T, C], rope [L, T, R], index_k [LI, T, dI] of which the first
+    `length` are real, for request slot `req` (scalar). Every token goes to its indexer page, to its device
+    page when resident and to its host page when it has one. Returns (store, d2h_bytes)."""
+    T = latent.shape[1]
+    pos = jnp.arange(T, dtype=jnp.int32)
+    ok = pos < length
+    lp = jnp.minimum(pos // PAGE_SIZE, spec.max_pages - 1)
+    row = pos % PAGE_SIZE
+    dpage, hpage, ipage = store.block_table[req, lp], store.host_table[req, lp], store.index_table[req, lp]
+    dp = _drop(dpage, ok & (dpage >= 0), spec.device_pages)
+    ip = _drop(ipage, ok & (ipage >= 0), spec.index_pages)
+    hp = _drop(hpage, ok & (hpage >= 0), spec.host_pages)
+    vals, scales = encode_latent(spec, latent)
+    rope = rope.astype(store.rope.dtype)
+    kv, ks = encode_index(spec, index_k)
+    upd = dict(latent=store.latent.at[:, dp, row].set(vals, mode="drop"),
+               rope=store.rope.at[:, dp, row].set(rope, mode="drop"),
+               index_k=store.index_k.at[:, ip, row].set(kv, mode="drop"))
+    if spec.fp8:
+        upd["latent_scale"] = store.latent_scale.at[:, dp, row].set(scales, mode="drop")
+        upd["index_scale"] = store.index_scale.at[:, ip, row].set(ks, mode="drop")
+    hp_h, row_h = jax.device_put(hp, HOST), jax.device_put(row, HOST)
+    for name, val in (("h_latent", vals), ("h_rope", rope), ("h_latent_scale", scales)):
+        if val is None:
+            continue
+        val_h = jax.device_put(val, HOST)
+        with compute_on("device_host"):
+            upd[name] = getattr(store, name).at[:, hp_h, row_h].set(val_h, mode="drop")
+    seq_lens = store.seq_lens.at[req].set(length)
+    nbytes = jnp.sum(ok & (hpage >= 0)).astype(jnp.int32) * spec.num_layers * spec.row_bytes
+    return _replace(store, seq_lens=seq_lens, **upd), nbytes
+
+
+def _replace(store: KVStore, **kw) -> KVStore:
+    import dataclasses
+
+    return dataclasses.replace(store, **kw)

@@ -1,0 +1,144 @@
+"""Decoding through the tiered store: the `TieredKV` backend, `decode_step` and `decode_loop`.
+
+`decode_step(model, store, batch) -> (logits, store, stats)` is one jitted step with the store donated
+and fixed shapes: `batch = {"tokens": int32[B], "req": int32[B]}` with B a bucket and req = -1 for idle
+rows. Positions come from `store.seq_lens`. Per step it appends every layer's new rows (device tail page,
+then one host mirror write for all layers), runs each full indexer over the request's paged keys, resolves
+the top-k per indexer group (resident | hot hit | miss fetched from host), and attends over the rows.
+Shared-index layers replay their leader's plan. The host must have reserved the tail pages first.
+
+Stats (per step, arrays): resident / hits / misses int32[L] (rows read per layer by each path; a miss moves
+the row of every layer of its group, so sum(misses) * row_bytes == h2d_bytes), h2d_bytes (payload),
+h2d_transfer_bytes (what the fetch mechanism moved), d2h_bytes (host mirror writes), append_dropped
+(rows whose tail page was not resident: a scheduling bug when non-zero).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hisparse_jax.kv import ops
+from hisparse_jax.kv.state import KVStore, StoreSpec
+from hisparse_jax.model.decoder import SparseMLAModel
+from hisparse_jax.model.decoder import decode_step as model_decode_step
+from hisparse_jax.model.mla import sparse_mla_decode_reference
+
+TRACE_COUNTS: dict[str, int] = {"decode_step": 0, "decode_loop": 0}
+
+
+def empty_stats(spec: StoreSpec) -> dict:
+    L = spec.num_layers
+    z = jnp.zeros((), jnp.int32)
+    return {"resident": jnp.zeros((L,), jnp.int32), "hits": jnp.zeros((L,), jnp.int32),
+            "misses": jnp.zeros((L,), jnp.int32), "h2d_bytes": z, "h2d_transfer_bytes": z, "d2h_bytes": z,
+            "append_dropped": z}
+
+
+@dataclasses.dataclass(frozen=True)
+class TieredKV:
+    """`KVBackend` over a `KVStore`. The cache threaded through the model is
+    {"store": KVStore, "req": int32[B], "plan": ops.Plan | None, "stats": dict}."""
+
+    spec: StoreSpec
+
+    def append(self, cache, layer, slot, positions, c, k_rope, k_index):
+        store, dropped = ops.append_rows(self.spec, cache["store"], layer, slot, cache["req"], positions, c, k_rope,
+                                         k_index)
+        stats = dict(cache["stats"], append_dropped=cache["stats"]["append_dropped"] + dropped)
+        return dict(cache, store=store, stats=stats)
+
+    def select(self, cache, slot, positions, q_index, w):
+        return ops.index_select(self.spec, cache["store"], slot, cache["req"], positions, q_index, w), cache
+
+    def attend(self, cache, layer, topk, q_lat, q_rope, tau):
+        spec = self.spec
+        store, stats = cache["store"], dict(cache["stats"])
+        g = spec.group_of_layer[layer]
+        if layer == spec.groups[g][0]:  # the group's leader resolves and fetches for every layer of the group
+            plan, store = ops.resolve(spec, store, g, cache["req"], topk)
+            store, payload, transfer = ops.fetch_misses(spec, store, spec.groups[g], plan)
+            stats["h2d_bytes"] = stats["h2d_bytes"] + payload
+            stats["h2d_transfer_bytes"] = stats["h2d_transfer_bytes"] + transfer
+        else:
+            plan = cache["plan"]
+        rows_c, rows_r = ops.gather_rows(spec, store, layer, plan)
+        o_lat = sparse_mla_decode_reference(q_lat, q_rope, rows_c, rows_r, plan.valid, tau)
+        n_res = jnp.sum(plan.resident).astype(jnp.int32)
+        n_miss = jnp.sum(plan.miss).astype(jnp.int32)
+        n_hit = jnp.sum(plan.valid & ~plan.resident & ~plan.miss).astype(jnp.int32)
+        stats["resident"] = stats["resident"].at[layer].add(n_res)
+        stats["hits"] = stats["hits"].at[layer].add(n_hit)
+        stats["misses"] = stats["misses"].at[layer].add(n_miss)
+        return o_lat, dict(cache, store=store, plan=plan, stats=stats)
+
+
+def _positions(store: KVStore, req):
+    return jnp.where(req >= 0, store.seq_lens[jnp.maximum(req, 0)], -1)
+
+
+def step_impl(model: SparseMLAModel, store: KVStore, batch: dict):
+    """The un-jitted step (composable inside a user's own jit / scan)."""
+    spec = store.spec
+    req = batch["req"].astype(jnp.int32)
+    positions = _positions(store, req)
+    cache = {"store": store, "req": req, "plan": None, "stats": empty_stats(spec)}
+    logits, cache, _ = model_decode_step(model, batch["tokens"].astype(jnp.int32), positions, cache, TieredKV(spec))
+    store, stats = cache["store"], cache["stats"]
+    if spec.mirror_to_host:
+        store, d2h = ops.mirror_rows(spec, store, req, positions)
+        stats["d2h_bytes"] = stats["d2h_bytes"] + d2h
+    live = req >= 0
+    seq_lens = store.seq_lens.at[jnp.where(live, req, spec.max_seqs)].add(1, mode="drop")
+    store = dataclasses.replace(store, seq_lens=seq_lens, clock=store.clock + 1)
+    return logits, store, stats
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted_step(graphdef):
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(state, store, batch):
+        TRACE_COUNTS["decode_step"] += 1
+        return step_impl(nnx.merge(graphdef, state), store, batch)
+
+    return step
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted_loop(graphdef, num_steps: int):
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def loop(state, store, batch):
+        TRACE_COUNTS["decode_loop"] += 1
+        model = nnx.merge(graphdef, state)
+
+        def body(carry, _):
+            store, tokens = carry
+            logits, store, stats = step_impl(model, store, {"tokens": tokens, "req": batch["req"]})
+            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            return (store, nxt), (nxt, logits, stats)
+
+        (store, _), (tokens, logits, stats) = jax.lax.scan(body, (store, batch["tokens"]), None, length=num_steps)
+        return tokens, logits, store, stats
+
+    return loop
+
+
+def decode_step(model: SparseMLAModel, store: KVStore, batch: dict):
+    """One jitted decode step; the store is donated. Returns (logits f32[B, V], store, stats)."""
+    graphdef, state = nnx.split(model)
+    return _jitted_step(graphdef)(state, store, batch)
+
+
+def decode_loop(model: SparseMLAModel, store: KVStore, batch: dict, num_steps: int):
+    """`num_steps` greedy decode steps in one `lax.scan` (each step feeds its argmax to the next).
+
+    The host must have reserved the tail pages of all `num_steps` positions first. Returns
+    (tokens int32[num_steps, B] (the token *produced* by each step), logits f32[num_steps, B, V], store,
+    stats stacked over steps) — bit-identical to `num_steps` calls of `decode_step`.
+    """
+    graphdef, state = nnx.split(model)
+    return _jitted_loop(graphdef, int(num_steps))(state, store, batch)
