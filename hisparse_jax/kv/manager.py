@@ -263,6 +263,46 @@ class TieredCache:
             r.device[i] = INVALID
         self.evicted_pages += len(logical_pages)
 
+    # ----- checked row-level access (trace replays, tests) ----------------------------------------
+    def _req_array(self, slots) -> jnp.ndarray:
+        slots = [int(x) for x in slots]
+        unknown = [x for x in slots if x != -1 and x not in self.requests]
+        if unknown or len(set(x for x in slots if x >= 0)) != len([x for x in slots if x >= 0]):
+            raise ValueError(f"request slots must be distinct live slots (or -1); unknown or repeated: {slots}")
+        return jnp.asarray(slots, jnp.int32)
+
+    def append(self, slots, latent, rope, index_k) -> None:
+        """Append one token to each of `slots` (all layers): latent [L, B, C], rope [L, B, R], index_k [LI, B, dI].
+        Reserves tail pages (evicting if needed), writes the device pages and the host mirror."""
+        req = self._req_array(slots)
+        for s in slots:
+            if s >= 0:
+                self.reserve(s, self.lengths[s] + 1)
+        self.store = _append_all(self.store, req, latent, rope, index_k)
+        self.advance([s for s in slots if s >= 0])
+
+    def gather(self, slots, topk):
+        """Resolve `topk` (int32[B, K]: positions, -1 padding) for each slot in every indexer group — resident
+        reads, hot hits, misses fetched from host — and return the rows of every layer:
+        (latent f32[L, B, K, C], rope f32[L, B, K, R], valid bool[B, K], payload_h2d_bytes).
+        Advances the LRU clock like a decode step. Raises ValueError on positions outside [0, seq_len)."""
+        req = self._req_array(slots)
+        topk = np.asarray(topk, np.int32)
+        if topk.ndim != 2 or topk.shape[0] != len(slots):
+            raise ValueError(f"topk must be int32[{len(slots)}, K], got shape {topk.shape}")
+        if topk.shape[1] > self.spec.hot_rows:
+            raise ValueError(f"K={topk.shape[1]} exceeds hot_rows={self.spec.hot_rows}")
+        for b, s in enumerate(slots):
+            row = topk[b][topk[b] != -1]
+            bad = row[(row < 0) | (row >= (self.lengths[s] if s >= 0 else 0))]
+            if bad.size:
+                raise ValueError(f"slot {s}: top-k positions {bad[:8].tolist()} are outside [0, "
+                                 f"{self.lengths.get(s, 0)})")
+            if len(set(row.tolist())) != row.size:
+                raise ValueError(f"slot {s}: repeated top-k positions")
+        self.store, lat, rope, valid, nbytes = _gather_all(self.store, req, jnp.asarray(topk))
+        return lat, rope, valid, int(nbytes)
+
     # ----- device tables -------------------------------------------------------------------------
     def _sync(self, slot: int) -> None:
         r = self.requests[slot]
@@ -319,3 +359,40 @@ def _set_rows(store, slot, block_row, host_row, index_row, seq_len):
                         host_table=store.host_table.at[slot].set(host_row),
                         index_table=store.index_table.at[slot].set(index_row),
                         seq_lens=store.seq_lens.at[slot].set(seq_len))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _append_all(store, req, latent, rope, index_k):
+    spec = store.spec
+    positions = jnp.where(req >= 0, store.seq_lens[jnp.maximum(req, 0)], -1)
+    slot = 0
+    for layer, kind in enumerate(_indexer_kinds(spec)):
+        k = index_k[slot] if kind else None
+        store, _ = ops.append_rows(spec, store, layer, slot if kind else None, req, positions, latent[layer],
+                                   rope[layer], k)
+        slot += kind
+    if spec.mirror_to_host:
+        store, _ = ops.mirror_rows(spec, store, req, positions)
+    seq_lens = store.seq_lens.at[jnp.where(req >= 0, req, spec.max_seqs)].add(1, mode="drop")
+    return ops._replace(store, seq_lens=seq_lens)
+
+
+def _indexer_kinds(spec):
+    """1 for the leader (full indexer) layer of each group, else 0."""
+    leaders = {g[0] for g in spec.groups}
+    return [int(layer in leaders) for layer in range(spec.num_layers)]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _gather_all(store, req, topk):
+    spec = store.spec
+    lats, ropes, valid, total = [None] * spec.num_layers, [None] * spec.num_layers, None, 0
+    for g, layers in enumerate(spec.groups):
+        plan, store = ops.resolve(spec, store, g, req, topk)
+        store, payload, _ = ops.fetch_misses(spec, store, layers, plan)
+        total = total + payload
+        for layer in layers:
+            lats[layer], ropes[layer] = ops.gather_rows(spec, store, layer, plan)
+        valid = plan.valid
+    store = ops._replace(store, clock=store.clock + 1)
+    return store, jnp.stack(lats), jnp.stack(ropes), valid, total

@@ -1,0 +1,818 @@
+#!/usr/bin/env python3
+"""One prepared, unattended check of the tiered KV store on a GPU (and, with --cpu-smoke, on a CPU).
+
+    PYTHONPATH=. python3 experiments/gpu_check.py --out DIR [--cpu-smoke] [--only NAME,...] [--budget-s 240]
+
+Contract: shared/gpu/README.md. It imports nothing beyond the standard library, numpy, jax and flax
+(through the package itself), so it runs on the GPU image as it is. Every section is independent: an
+exception is recorded in the JSON (with its traceback) and the next section runs. Sections are skipped
+once the elapsed time passes --budget-s, and a watchdog (--hard-timeout-s) dumps the stacks and exits if
+something hangs. The JSON is rewritten after every section, so a run cut short still leaves what it had.
+
+Sections (`SECTIONS`, in order; extend by adding a function `f(ctx) -> dict` to the dict):
+
+* ceilings: device-to-device copy bandwidth and pinned_host -> device copy bandwidth (plain `device_put`,
+  and inside `jit` as `dynamic_slice(host) -> device_put(Device)`, whole / in chunks / page-sized blocks),
+  plus device -> pinned_host; median of several runs after warm-up, each run ends in `block_until_ready`.
+* fetch: a `KVStore` with the real cache geometry (latent 512, rope 64, indexer 128) and one indexer group
+  of a few layers; host pools filled with random rows, device pools poisoned with NaN; a hand-built
+  `ops.Plan` with 10 / 20 / 30 % of the top-k rows missing; `ops.fetch_misses` timed per mechanism
+  ("row", "page") and row format (bf16, fp8) inside one jitted function with the store donated. Each fetched
+  row is checked byte-for-byte against a NumPy gather of the host pool, and no other row may change.
+  The compiled HLO of each fetch is scanned for host-compute regions vs. plain async copies (recorded as
+  facts, not asserted); the texts go to DIR/hlo_fetch.txt.
+* decode: `hisparse_jax.kv.tiered.decode_step` on the "tiny-glm" preset, side by side through an
+  all-resident store and through stores under pressure (hot buffers + misses from host, both mechanisms).
+
+Units in the JSON: *_s seconds, *_bytes bytes, *_gb_per_s 1e9 bytes per second, *_mib 2**20 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import faulthandler
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GB = 1e9
+MIB = 2 ** 20
+
+# ----- sizes ------------------------------------------------------------------------------------------
+SIZES = {
+    "full": dict(
+        d2d_bytes=2 << 30, h2d_bytes=2 << 30, h2d_chunk_bytes=64 << 20, small_blocks=2048, warmup=2, reps=7,
+        fetch_layers=4, fetch_requests=4, fetch_topk=2048, fetch_ctx=32768, fetch_fracs=(0.1, 0.2, 0.3),
+        fetch_dtypes=("bf16", "fp8"), fetch_warmup=2, fetch_reps=7,
+        decode_requests=4, decode_prompt=4096, decode_warmup=2, decode_steps=20,
+    ),
+    "smoke": dict(
+        d2d_bytes=64 << 20, h2d_bytes=32 << 20, h2d_chunk_bytes=4 << 20, small_blocks=128, warmup=1, reps=3,
+        fetch_layers=2, fetch_requests=2, fetch_topk=128, fetch_ctx=1024, fetch_fracs=(0.1, 0.2, 0.3),
+        fetch_dtypes=("bf16", "fp8"), fetch_warmup=1, fetch_reps=2,
+        decode_requests=2, decode_prompt=1024, decode_warmup=1, decode_steps=3,
+    ),
+}
+MECHANISMS = ("row", "page")
+
+
+class Ctx:
+    def __init__(self, args, sizes_name: str):
+        self.args = args
+        self.sizes_name = sizes_name
+        self.sz = SIZES[sizes_name]
+        self.t0 = time.perf_counter()
+        self.budget_s = args.budget_s
+        self.out_dir = args.out
+        self.report: dict = {}
+        self.hlo_texts: list[tuple[str, str]] = []
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def over_budget(self) -> bool:
+        return self.elapsed() > self.budget_s
+
+    def log(self, *a):
+        print(f"[{self.elapsed():6.1f}s]", *a, flush=True)
+
+    @property
+    def device(self):
+        return jax.devices()[0]
+
+    def sharding(self, kind: str):
+        return jax.sharding.SingleDeviceSharding(self.device, memory_kind=kind)
+
+    def write(self):
+        os.makedirs(self.out_dir, exist_ok=True)
+        self.report["elapsed_s"] = self.elapsed()
+        path = os.path.join(self.out_dir, "gpu_check.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(self.report, f, indent=1, default=_jsonable)
+        os.replace(path + ".tmp", path)
+        if self.hlo_texts:
+            with open(os.path.join(self.out_dir, "hlo_fetch.txt"), "w") as f:
+                for name, text in self.hlo_texts:
+                    f.write(f"\n\n===== {name} =====\n{text}")
+
+
+def _jsonable(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, (np.bool_,)):
+        return bool(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)
+
+
+def _block(x):
+    return jax.block_until_ready(x)
+
+
+def timeit(fn, warmup: int, reps: int, max_s: float = 30.0) -> dict:
+    """Median wall time of fn() (fn must block). Stops early once the timed runs exceed max_s."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(reps, 1)):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+        if sum(times) > max_s:
+            break
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "runs": len(times)}
+
+
+def _bw(nbytes: float, seconds: float) -> float | None:
+    return nbytes / seconds / GB if seconds and seconds > 0 else None
+
+
+# ----- environment ------------------------------------------------------------------------------------
+def environment(ctx: Ctx) -> dict:
+    d = ctx.device
+    env = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(), "platform": platform.platform(), "numpy": np.__version__,
+        "jax": jax.__version__, "jaxlib": getattr(getattr(jax, "lib", None), "__version__", None),
+        "backend": jax.default_backend(), "devices": [str(x) for x in jax.devices()],
+        "device_kind": d.device_kind, "sizes": ctx.sizes_name,
+        "memory_kinds": [m.kind for m in d.addressable_memories()],
+        "default_memory_kind": d.default_memory().kind,
+        "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                              "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "JAX_PLATFORMS")
+                if os.environ.get(k) is not None},
+    }
+    try:
+        import jaxlib
+
+        env["jaxlib"] = jaxlib.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        import flax
+
+        env["flax"] = flax.__version__
+    except Exception as e:  # noqa: BLE001
+        env["flax"] = f"unavailable: {e}"
+    try:
+        ms = d.memory_stats() or {}
+        env["device_memory_bytes_limit"] = ms.get("bytes_limit")
+    except Exception:  # noqa: BLE001
+        pass
+    if jax.default_backend() == "gpu":
+        try:
+            q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,pcie.link.gen.current,"
+                                "pcie.link.width.current", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=20)
+            env["nvidia_smi"] = q.stdout.strip() or q.stderr.strip()
+        except Exception as e:  # noqa: BLE001
+            env["nvidia_smi"] = f"unavailable: {e}"
+    return env
+
+
+# ----- HLO facts --------------------------------------------------------------------------------------
+HLO_PATTERNS = {  # op names are matched as " name(" (instruction names start with "%", so they never match)
+    "host_compute_attr": r'_xla_compute_type="host"',
+    "host_execution_thread": r'execution_thread="host"',
+    "copy_start": r"\scopy-start\(",
+    "copy_done": r"\scopy-done\(",
+    "async_start": r"\sasync-start\(",
+    "host_memory_space_S5": r"S\(5\)",
+    "host_transfer_send_recv": r"is_host_transfer=true",
+    "while": r"\swhile\(",
+    "gather": r"\sgather\(",
+    "scatter": r"\sscatter\(",
+    "dynamic_slice": r"\sdynamic-slice\(",
+    "dynamic_update_slice": r"\sdynamic-update-slice\(",
+    "custom_call": r"\scustom-call\(",
+    "fusion": r"\sfusion\(",
+}
+
+
+def hlo_facts(text: str) -> dict:
+    """Counts of the instructions that tell host compute from plain async copies (facts, not verdicts)."""
+    counts = {k: len(re.findall(p, text)) for k, p in HLO_PATTERNS.items()}
+    targets: dict[str, int] = {}
+    for t in re.findall(r'custom_call_target="([^"]+)"', text):
+        targets[t] = targets.get(t, 0) + 1
+    host_lines = [ln.strip()[:240] for ln in text.splitlines()
+                  if '_xla_compute_type="host"' in ln or 'execution_thread="host"' in ln]
+    host_ops = sorted({m.group(1) for ln in host_lines for m in [re.search(r"=\s.*?\s([a-z][a-z0-9-]*)\(", ln)] if m})
+    return {
+        "counts": counts, "custom_call_targets": targets, "host_compute_ops": host_ops,
+        "host_compute_examples": host_lines[:6], "hlo_chars": len(text),
+        "host_compute_present": bool(counts["host_compute_attr"] or counts["host_execution_thread"]),
+        "async_copies_present": bool(counts["copy_start"]),
+        "host_custom_calls": {t: n for t, n in targets.items() if "host" in t.lower()},
+    }
+
+
+# ----- section: ceilings ------------------------------------------------------------------------------
+def section_ceilings(ctx: Ctx) -> dict:
+    sz = ctx.sz
+    dev_s, host_s = ctx.sharding("device"), ctx.sharding("pinned_host")
+    space = getattr(getattr(jax, "memory", None), "Space", None)
+    to_dev = space.Device if space is not None else dev_s
+    out: dict = {"convention": "bandwidth = bytes copied / median time (a copy reads and writes each byte once; "
+                               "d2d also reports read+write traffic)"}
+    errors = []
+
+    def measure(name, setup):
+        """setup() -> (fn, nbytes, extra); fn() runs one blocking copy. Any failure is recorded, not raised."""
+        if ctx.over_budget():
+            out[name] = {"status": "skipped", "reason": "budget"}
+            return
+        try:
+            fn, nbytes, extra = setup()
+            t = timeit(fn, sz["warmup"], sz["reps"])
+            out[name] = dict(t, bytes=nbytes, gb_per_s=_bw(nbytes, t["median_s"]), **extra)
+            ctx.log(f"ceiling {name}: {out[name]['gb_per_s']:.2f} GB/s ({nbytes / MIB:.0f} MiB, "
+                    f"{t['median_s'] * 1e3:.3f} ms)")
+        except Exception:  # noqa: BLE001
+            out[name] = {"status": "error", "error": traceback.format_exc(limit=8)}
+            errors.append(name)
+            ctx.log(f"ceiling {name}: ERROR\n{out[name]['error']}")
+
+    def drop(y):
+        _block(y)
+        y.delete()
+
+    # (a) device -> device: an elementwise copy kernel (x + 1 on f32: one read and one write per byte)
+    arrays = {}
+
+    def d2d():
+        n = sz["d2d_bytes"] // 4
+        arrays["x"] = jax.device_put(jnp.zeros((n,), jnp.float32), dev_s)
+        copy = jax.jit(lambda a: a + 1.0)
+        return (lambda: drop(copy(arrays["x"]))), n * 4, {"kernel": "jit(x + 1), float32"}
+
+    measure("d2d_copy", d2d)
+    arrays.pop("x", None)
+    if out.get("d2d_copy", {}).get("gb_per_s"):
+        out["d2d_copy"]["rw_gb_per_s"] = 2 * out["d2d_copy"]["gb_per_s"]
+
+    # (b) pinned_host -> device, a large array
+    nh = sz["h2d_bytes"] // 4
+
+    def host_array():
+        if "h" not in arrays:
+            arrays["h"] = _block(jax.device_put(jnp.ones((nh,), jnp.float32), host_s))
+            out["pinned_host_array"] = {"memory_kind": arrays["h"].sharding.memory_kind, "bytes": nh * 4}
+        return arrays["h"]
+
+    def h2d_put():
+        h = host_array()
+        return (lambda: drop(jax.device_put(h, dev_s))), nh * 4, {
+            "how": "jax.device_put(pinned_host array, device sharding)"}
+
+    measure("h2d_device_put", h2d_put)
+
+    def h2d_whole():
+        h = host_array()
+        whole = jax.jit(lambda a, i: jax.device_put(jax.lax.dynamic_slice(a, (i,), (a.shape[0],)), to_dev))
+        i0 = jax.device_put(jnp.int32(0), dev_s)
+        compiled = whole.lower(h, i0).compile()
+        text = compiled.as_text()
+        ctx.hlo_texts.append(("ceiling h2d_jit_whole", text))
+        y = compiled(h, i0)
+        extra = {"how": "jit: dynamic_slice(host, whole array) -> device_put(Device)",
+                 "out_memory_kind": y.sharding.memory_kind, "hlo": hlo_facts(text)}
+        drop(y)
+        return (lambda: drop(compiled(h, i0))), nh * 4, extra
+
+    measure("h2d_jit_whole", h2d_whole)
+
+    def h2d_chunked():
+        h = host_array()
+        chunk = sz["h2d_chunk_bytes"] // 4
+        n_chunks = nh // chunk
+
+        @jax.jit
+        def chunked(a):
+            def body(i, acc):
+                blk = jax.device_put(jax.lax.dynamic_slice(a, (i * chunk,), (chunk,)), to_dev)
+                return jax.lax.dynamic_update_slice(acc, blk, (i * chunk,))
+
+            return jax.lax.fori_loop(0, n_chunks, body, jnp.zeros((n_chunks * chunk,), a.dtype))
+
+        y = chunked(h)
+        ok = bool(np.all(np.asarray(y[:: max(1, chunk // 7)]) == 1.0))  # the host array is all ones
+        drop(y)
+        return (lambda: drop(chunked(h))), n_chunks * chunk * 4, {
+            "how": f"jit: fori_loop of {n_chunks} x dynamic_slice({chunk * 4 / MIB:.0f} MiB) -> device_put -> "
+                   "dynamic_update_slice", "values_ok": ok}
+
+    measure("h2d_jit_chunked", h2d_chunked)
+    arrays.pop("h", None)
+
+    # page-sized blocks: one KV page of one layer in bf16 (64 x 576 x 2 = 73,728 B), one H2D copy each
+    def h2d_blocks():
+        nb = sz["small_blocks"]
+        hb = _block(jax.device_put(jnp.ones((nb, 64, 576), jnp.bfloat16), host_s))
+
+        @jax.jit
+        def blocks(a):
+            def body(i, acc):
+                blk = jax.device_put(jax.lax.dynamic_slice(a, (i, 0, 0), (1, 64, 576)), to_dev)
+                return jax.lax.dynamic_update_slice(acc, blk, (i, 0, 0))
+
+            return jax.lax.fori_loop(0, a.shape[0], body, jnp.zeros(a.shape, a.dtype))
+
+        return (lambda: drop(blocks(hb))), nb * 64 * 576 * 2, {
+            "how": f"jit: fori_loop of {nb} x (one 73,728-byte page block -> device_put)", "block_bytes": 64 * 576 * 2}
+
+    measure("h2d_jit_page_blocks", h2d_blocks)
+
+    # device -> pinned_host (the mirror-write direction)
+    def d2h_put():
+        xd = _block(jax.device_put(jnp.ones((nh,), jnp.float32), dev_s))
+        return (lambda: drop(jax.device_put(xd, host_s))), nh * 4, {
+            "how": "jax.device_put(device array, pinned_host sharding)"}
+
+    measure("d2h_device_put", d2h_put)
+    if errors:
+        out.update(status="error", error=f"failed: {', '.join(errors)}")
+    return out
+
+
+def h2d_ceiling(ctx: Ctx) -> tuple[str, float] | None:
+    c = ctx.report.get("sections", {}).get("ceilings", {})
+    for name in ("h2d_device_put", "h2d_jit_chunked", "h2d_jit_whole"):
+        v = c.get(name, {})
+        if isinstance(v, dict) and v.get("gb_per_s"):
+            return name, v["gb_per_s"]
+    return None
+
+
+# ----- section: fetch ---------------------------------------------------------------------------------
+def _fetch_model(sz):
+    from hisparse_jax.config import PRESETS
+
+    L = sz["fetch_layers"]
+    return PRESETS["tiny-glm"].replace(num_hidden_layers=L, indexer_types=("full",) + ("shared",) * (L - 1),
+                                       mlp_layer_types=("dense",) * L, index_topk=sz["fetch_topk"])
+
+
+def _build_plan(spec, sz, frac: float, seed: int):
+    """A Plan for B requests x K top-k positions, `frac` of them misses with distinct hot-slot destinations."""
+    from hisparse_jax.config import PAGE_SIZE
+
+    rng = np.random.default_rng(seed)
+    B, K, ctx_len, HR = sz["fetch_requests"], sz["fetch_topk"], sz["fetch_ctx"], spec.hot_rows
+    pages_per_req = ctx_len // PAGE_SIZE
+    host_of = rng.permutation(spec.host_pages)[:B * pages_per_req].reshape(B, pages_per_req)
+    NH = spec.hot_pages
+    hot_pages = np.arange(B * NH, dtype=np.int32).reshape(B, NH)  # device pages lent to the hot buffers
+    f = {k: np.zeros((B, K), np.int32) for k in ("page", "row", "src_page", "src_row")}
+    miss = np.zeros((B, K), bool)
+    n_miss = int(round(frac * K))
+    for b in range(B):
+        pos = np.sort(rng.choice(ctx_len, K, replace=False))
+        miss[b, rng.choice(K, n_miss, replace=False)] = True
+        slots = rng.choice(HR, K, replace=False)
+        f["page"][b] = hot_pages[b, slots // PAGE_SIZE]
+        f["row"][b] = slots % PAGE_SIZE
+        f["src_page"][b] = np.where(miss[b], host_of[b, pos // PAGE_SIZE], -1)
+        f["src_row"][b] = pos % PAGE_SIZE
+    valid = np.ones((B, K), bool)
+    return f, miss, valid
+
+
+def _expected_bytes(spec, f, miss, nl: int) -> dict:
+    n = int(miss.sum())
+    chunk = min(spec.fetch_chunk, miss.size)
+    n_pages = len(np.unique(f["src_page"][miss]))
+    return {"misses": n, "distinct_host_pages": n_pages, "payload_bytes": n * nl * spec.row_bytes,
+            "row_transfer_bytes": -(-n // chunk) * chunk * nl * spec.row_bytes,
+            "page_transfer_bytes": n_pages * nl * spec.page_bytes}
+
+
+def _poison_device_pools(ctx, spec, store):
+    """Every device KV pool (latent, rope, latent scales) filled with NaN: a row not copied stays NaN."""
+    upd = {}
+    for name in ("latent", "rope") + (("latent_scale",) if spec.fp8 else ()):
+        a = getattr(store, name)
+        upd[name] = jax.device_put(jnp.full(a.shape, jnp.nan, a.dtype), ctx.sharding("device"))
+    return _block(dataclasses.replace(store, **upd))
+
+
+def _fill_store(ctx, spec, seed: int):
+    """init_store, then random host pools (no NaN) and NaN-poisoned device pools."""
+    from hisparse_jax.kv.state import init_store
+
+    store = init_store(spec, ctx.device)
+    host_s = ctx.sharding("pinned_host")
+    key = jax.random.key(seed)
+    k1, k2, k3 = jax.random.split(key, 3)
+
+    def rnd(k, like, lo=None):
+        if lo is not None:  # positive scales
+            v = jax.random.uniform(k, like.shape, jnp.float32, lo, 2 * lo)
+        else:
+            v = jax.random.normal(k, like.shape, jnp.float32)
+        return jax.device_put(v.astype(like.dtype), host_s)
+
+    upd = {"h_latent": rnd(k1, store.h_latent), "h_rope": rnd(k2, store.h_rope)}
+    if spec.fp8:
+        upd["h_latent_scale"] = rnd(k3, store.h_latent_scale, lo=0.25)
+    return _block(dataclasses.replace(store, **upd))
+
+
+def _as_bytes(a: np.ndarray) -> np.ndarray:
+    """[..., X] of any dtype -> uint8 [..., X * itemsize] (exact comparison, NaN included)."""
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint8).reshape(*a.shape[:-1], -1)
+
+
+def _verify(spec, store_np: dict, host_np: dict, f, miss, layers) -> dict:
+    """Every miss's destination row == its host row (all pools, all layers of the group), byte for byte;
+    every other row of the device pools still holds the NaN poison."""
+    lo, hi = min(layers), max(layers) + 1
+    bi, ki = np.nonzero(miss)
+    dp, dr = f["page"][bi, ki], f["row"][bi, ki]
+    sp, sr = f["src_page"][bi, ki], f["src_row"][bi, ki]
+    pairs = [("latent", "h_latent"), ("rope", "h_rope")] + ([("latent_scale", "h_latent_scale")] if spec.fp8 else [])
+    rows_exact = np.ones(len(bi), bool)
+    untouched_ok = True
+    stray = 0
+    for dn, hn in pairs:
+        dev = _as_bytes(store_np[dn])  # [L, P, 64, X]
+        host = _as_bytes(host_np[hn])
+        got = dev[lo:hi, dp, dr]  # [nl, M, X]
+        want = host[lo:hi, sp, sr]
+        rows_exact &= np.all(got == want, axis=(0, 2))
+        # everything that is not a destination must still be the poison pattern
+        poison = _as_bytes(np.full((store_np[dn].shape[-1],), np.nan, store_np[dn].dtype))
+        is_poison = np.all(dev == poison, axis=-1)  # [L, P, 64]
+        mask = np.ones(is_poison.shape, bool)
+        mask[lo:hi, dp, dr] = False
+        stray_here = int(np.sum(mask & ~is_poison))
+        stray += stray_here
+        untouched_ok &= stray_here == 0
+    return {"rows_checked": int(len(bi)), "rows_exact": int(rows_exact.sum()), "all_exact": bool(rows_exact.all()),
+            "stray_rows_changed": stray, "others_untouched": bool(untouched_ok),
+            "layers_checked": [lo, hi - 1]}
+
+
+def section_fetch(ctx: Ctx) -> dict:
+    from hisparse_jax.config import CacheConfig
+    from hisparse_jax.kv import ops
+    from hisparse_jax.kv.state import StoreSpec
+
+    sz = ctx.sz
+    model = _fetch_model(sz)
+    B, K = sz["fetch_requests"], sz["fetch_topk"]
+    pages_per_req = sz["fetch_ctx"] // 64
+    ceiling = h2d_ceiling(ctx)
+    out: dict = {"geometry": {"layers_in_group": model.num_hidden_layers, "latent": model.kv_lora_rank,
+                              "rope": model.qk_rope_head_dim, "index_dim": model.index_head_dim, "requests": B,
+                              "topk": K, "context_tokens_per_request": sz["fetch_ctx"],
+                              "positions": "uniform random distinct positions per request, sorted",
+                              "host_pages": "random permutation of the host pool"},
+                 "h2d_ceiling": {"name": ceiling[0], "gb_per_s": ceiling[1]} if ceiling else None,
+                 "runs": [], "all_exact": True}
+    layers = None
+    for kvd in sz["fetch_dtypes"]:
+        hot_pages = -(-2 * K // 64)  # the default hot buffer: 2 x top-k rows
+        cache = CacheConfig(kv_dtype=kvd, device_pages=B * hot_pages + 8, host_pages=B * pages_per_req + 8,
+                            max_seqs=B, max_seq_len=sz["fetch_ctx"])
+        spec0 = StoreSpec.create(model, cache)
+        layers = spec0.groups[0]
+        out["geometry"][f"{kvd}_row_bytes"] = spec0.row_bytes
+        out["geometry"][f"{kvd}_page_bytes"] = spec0.page_bytes
+        out["geometry"]["hot_rows"] = spec0.hot_rows
+        for mech in MECHANISMS:
+            if ctx.over_budget():
+                out["runs"].append({"kv_dtype": kvd, "mechanism": mech, "status": "skipped", "reason": "budget"})
+                continue
+            spec = dataclasses.replace(spec0, fetch=mech)
+            try:
+                out["runs"].extend(_fetch_one(ctx, ops, spec, layers, kvd, mech, ceiling))
+            except Exception:  # noqa: BLE001
+                out["runs"].append({"kv_dtype": kvd, "mechanism": mech, "status": "error",
+                                    "error": traceback.format_exc(limit=8)})
+                ctx.log(f"fetch {kvd} {mech}: ERROR\n{out['runs'][-1]['error']}")
+    done = [r for r in out["runs"] if r.get("status") == "ok"]
+    out["all_exact"] = bool(done) and all(r["verify"]["all_exact"] and r["verify"]["others_untouched"]
+                                          and r["bytes_match"] for r in done)
+    out["verified_runs"] = len(done)
+    bad = [r for r in out["runs"] if r.get("status") == "error"]
+    if bad:  # keep the runs that worked; the section counts as failed
+        out.update(status="error", error=f"{len(bad)} fetch run(s) failed; first:\n{bad[0]['error']}")
+    return out
+
+
+def _fetch_one(ctx, ops, spec, layers, kvd, mech, ceiling) -> list[dict]:
+    sz = ctx.sz
+    store = _fill_store(ctx, spec, seed=1)
+    host_np = {n: np.asarray(getattr(store, n)) for n in ("h_latent", "h_rope", "h_latent_scale")
+               if getattr(store, n) is not None}
+    dev_s = ctx.sharding("device")
+
+    def fn(s, plan):
+        return ops.fetch_misses(s.spec, s, layers, plan)
+
+    runs = []
+    compiled = None
+    for frac in sz["fetch_fracs"]:
+        if ctx.over_budget():
+            runs.append({"kv_dtype": kvd, "mechanism": mech, "miss_fraction": frac, "status": "skipped",
+                         "reason": "budget"})
+            continue
+        f, miss, valid = _build_plan(spec, sz, frac, seed=int(frac * 1000) + 7)
+        plan = ops.Plan(page=f["page"], row=f["row"], valid=valid, resident=np.zeros_like(valid), miss=miss,
+                        src_page=f["src_page"], src_row=f["src_row"])
+        plan = jax.device_put(plan, dev_s)
+        store = _poison_device_pools(ctx, spec, store)
+        rec = {"kv_dtype": kvd, "mechanism": mech, "miss_fraction": frac, "status": "ok"}
+        with warnings.catch_warnings(record=True) as wlog:
+            warnings.simplefilter("always")
+            if compiled is None:
+                t = time.perf_counter()
+                lowered = jax.jit(fn, donate_argnums=0).lower(store, plan)
+                compiled = lowered.compile()
+                rec["compile_s"] = time.perf_counter() - t
+                text = compiled.as_text()
+                ctx.hlo_texts.append((f"fetch kv_dtype={kvd} mechanism={mech}", text))
+                rec["hlo"] = hlo_facts(text)
+            store, payload, transfer = compiled(store, plan)
+            _block(store)
+        rec["warnings"] = sorted({str(w.message)[:300] for w in wlog})
+        rec["out_memory_kinds"] = {n: getattr(store, n).sharding.memory_kind for n in ("latent", "h_latent")}
+        exp = _expected_bytes(spec, f, miss, len(layers))
+        rec.update(misses=exp["misses"], distinct_host_pages=exp["distinct_host_pages"],
+                   payload_bytes=int(payload), transfer_bytes=int(transfer), expected_payload_bytes=exp["payload_bytes"],
+                   expected_transfer_bytes=exp[f"{mech}_transfer_bytes"])
+        rec["bytes_match"] = (rec["payload_bytes"] == exp["payload_bytes"]
+                              and rec["transfer_bytes"] == rec["expected_transfer_bytes"])
+        store_np = {n: np.asarray(getattr(store, n)) for n in ("latent", "rope", "latent_scale")
+                    if getattr(store, n) is not None}
+        rec["verify"] = _verify(spec, store_np, host_np, f, miss, layers)
+        del store_np
+
+        def step():
+            nonlocal store
+            store, p, tr = compiled(store, plan)
+            _block((store, p, tr))
+
+        t = timeit(step, sz["fetch_warmup"], sz["fetch_reps"], max_s=20.0)
+        rec.update(time=t, time_s=t["median_s"],
+                   payload_gb_per_s=_bw(rec["payload_bytes"], t["median_s"]),
+                   transfer_gb_per_s=_bw(rec["transfer_bytes"], t["median_s"]))
+        if ceiling:
+            rec["payload_vs_h2d_ceiling"] = rec["payload_gb_per_s"] / ceiling[1]
+            rec["transfer_vs_h2d_ceiling"] = rec["transfer_gb_per_s"] / ceiling[1]
+        v = rec["verify"]
+        ctx.log(f"fetch {kvd:4s} {mech:4s} {frac:.0%}: {t['median_s'] * 1e3:8.3f} ms  payload "
+                f"{rec['payload_bytes'] / MIB:7.2f} MiB  moved {rec['transfer_bytes'] / MIB:8.2f} MiB  "
+                f"exact {v['rows_exact']}/{v['rows_checked']} untouched={v['others_untouched']} "
+                f"bytes_match={rec['bytes_match']}")
+        runs.append(rec)
+    del store
+    return runs
+
+
+# ----- section: decode --------------------------------------------------------------------------------
+def section_decode(ctx: Ctx) -> dict:
+    from flax import nnx
+
+    from hisparse_jax.config import PAGE_SIZE, PRESETS, CacheConfig
+    from hisparse_jax.kv.manager import TieredCache
+    from hisparse_jax.kv.tiered import decode_step
+    from hisparse_jax.model.decoder import SparseMLAModel
+
+    sz = ctx.sz
+    cfg = PRESETS["tiny-glm"]
+    R, P = sz["decode_requests"], sz["decode_prompt"]
+    total = P + sz["decode_warmup"] + sz["decode_steps"] + 1
+    pages = -(-total // PAGE_SIZE)
+    model = SparseMLAModel(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    prefill = jax.jit(lambda st, ids: nnx.merge(graphdef, st).forward(ids))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, P).tolist() for _ in range(R)]
+    t = time.perf_counter()
+    rows, first = [], []
+    for p in prompts:
+        T = max(16, 1 << (len(p) - 1).bit_length())  # generate.py's prompt bucket
+        ids = np.zeros((1, T), np.int32)
+        ids[0, :len(p)] = p
+        logits, aux = prefill(state, jnp.asarray(ids))
+        rows.append((jnp.stack(aux["latent"])[:, 0], jnp.stack(aux["rope"])[:, 0], jnp.stack(aux["index_k"])[:, 0]))
+        first.append(int(jnp.argmax(logits[0, len(p) - 1])))
+    prefill_s = time.perf_counter() - t
+    hot_rows = 2 * cfg.index_topk
+    hot_pages = -(-hot_rows // PAGE_SIZE)
+    common = dict(kv_dtype="bf16", host_pages=R * (pages + 1), max_seqs=R, max_seq_len=(pages + 1) * PAGE_SIZE)
+    configs = {  # the manager keeps room for a hot buffer when it admits: resident needs that slack too
+        "resident": CacheConfig(device_pages=R * (pages + hot_pages + 1), **common),
+        "pressure_row": CacheConfig(device_pages=R * (2 + hot_pages + 2), fetch="row", **common),
+        "pressure_page": CacheConfig(device_pages=R * (2 + hot_pages + 2), fetch="page", **common),
+    }
+    dev = ctx.device
+    runs = {}
+    for name, cc in configs.items():
+        t = time.perf_counter()
+        tc = TieredCache(cfg, cc, device=dev)
+        slots = []
+        for p, (lat, rope, ik) in zip(prompts, rows):
+            s = tc.admit(len(p))
+            tc.write_prefill(s, lat, rope, ik, len(p))
+            slots.append(s)
+        runs[name] = {"tc": tc, "slots": slots, "times": [], "stats": [], "compile_s": [],
+                      "tokens": jax.device_put(jnp.asarray(first, jnp.int32), dev),
+                      "req": jax.device_put(jnp.asarray(slots, jnp.int32), dev),
+                      "device_pages": cc.device_pages, "evicted_at_admission": tc.evicted_pages,
+                      "build_s": time.perf_counter() - t}
+
+    def one_step(r):
+        tc = r["tc"]
+        for s in r["slots"]:
+            tc.reserve(s, tc.lengths[s] + 1)
+        t = time.perf_counter()
+        logits, tc.store, stats = decode_step(model, tc.store, {"tokens": r["tokens"], "req": r["req"]})
+        _block(logits)
+        dt = time.perf_counter() - t
+        tc.advance(r["slots"])
+        r["tokens"] = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return dt, stats
+
+    for _ in range(sz["decode_warmup"]):
+        for name, r in runs.items():
+            dt, _ = one_step(r)
+            r["compile_s"].append(dt)
+    skipped = 0
+    for i in range(sz["decode_steps"]):  # side by side: one step of each store per round
+        if ctx.over_budget() and i >= 2:
+            skipped = sz["decode_steps"] - i
+            break
+        for name, r in runs.items():
+            dt, stats = one_step(r)
+            r["times"].append(dt)
+            r["stats"].append({k: np.asarray(v) for k, v in stats.items()})
+    out: dict = {"model": "tiny-glm", "layers": cfg.num_hidden_layers, "topk": cfg.index_topk, "requests": R,
+                 "prompt_tokens": P, "kv_dtype": "bf16", "hot_rows": hot_rows, "prefill_s": prefill_s,
+                 "timed_steps": len(runs["resident"]["times"]), "skipped_steps_budget": skipped, "stores": {}}
+    for name, r in runs.items():
+        st = r["stats"]
+        n = max(len(st), 1)
+        summ = {k: float(sum(int(np.sum(s[k])) for s in st)) / n
+                for k in ("resident", "hits", "misses", "h2d_bytes", "h2d_transfer_bytes", "d2h_bytes", "append_dropped")}
+        out["stores"][name] = {
+            "device_pages": r["device_pages"], "evicted_pages": r["tc"].evicted_pages,
+            "evicted_at_admission": r["evicted_at_admission"], "build_s": r["build_s"],
+            "warmup_step_s": r["compile_s"], "step_median_s": statistics.median(r["times"]) if r["times"] else None,
+            "step_min_s": min(r["times"]) if r["times"] else None, "per_step_mean": summ,
+        }
+        for s in r["slots"]:
+            r["tc"].release(s)
+    res = out["stores"]["resident"]["per_step_mean"]
+    out["resident_all_in_place"] = res["misses"] == 0 and res["hits"] == 0
+    out["append_dropped_total"] = sum(s["per_step_mean"]["append_dropped"] for s in out["stores"].values())
+    base = out["stores"]["resident"]["step_median_s"]
+    for name in ("pressure_row", "pressure_page"):
+        v = out["stores"][name]["step_median_s"]
+        out[f"ratio_{name}_vs_resident"] = v / base if v and base else None
+        ctx.log(f"decode {name}: {v * 1e3:.3f} ms/step vs resident {base * 1e3:.3f} ms/step "
+                f"(x{v / base:.2f}); misses/step {out['stores'][name]['per_step_mean']['misses']:.0f}")
+    return out
+
+
+SECTIONS = {"ceilings": section_ceilings, "fetch": section_fetch, "decode": section_decode}
+
+
+# ----- summary table ----------------------------------------------------------------------------------
+def summary_table(report: dict) -> str:
+    env = report.get("environment", {})
+    secs = report.get("sections", {})
+    lines = [f"== gpu_check: {env.get('device_kind')} ({env.get('backend')}), jax {env.get('jax')}, "
+             f"{env.get('date_utc')}, sizes={env.get('sizes')}, {report.get('elapsed_s', 0):.0f} s =="]
+
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    c = secs.get("ceilings", {})
+    for name in ("d2d_copy", "h2d_device_put", "h2d_jit_whole", "h2d_jit_chunked", "h2d_jit_page_blocks",
+                 "d2h_device_put"):
+        v = c.get(name)
+        if isinstance(v, dict):
+            lines.append(f"ceiling  {name:22s} {f(v.get('gb_per_s'), '9.2f')} GB/s  "
+                         f"({f(v.get('bytes', 0) / MIB if v.get('bytes') else None, '.0f')} MiB, "
+                         f"{f(v['median_s'] * 1e3 if 'median_s' in v else None, '.3f')} ms)"
+                         + ("" if "gb_per_s" in v else f"  {v.get('status')}"))
+    fe = secs.get("fetch", {})
+    if fe.get("runs"):
+        lines.append("fetch    dtype mech miss     ms   payload MiB  moved MiB  payload GB/s  moved GB/s  "
+                     "%ceil  exact")
+        for r in fe["runs"]:
+            if r.get("status") != "ok":
+                lines.append(f"fetch    {r.get('kv_dtype'):5s} {r.get('mechanism'):4s} "
+                             f"{r.get('status')} {r.get('reason', '')}")
+                continue
+            ok = r["verify"]["all_exact"] and r["verify"]["others_untouched"] and r["bytes_match"]
+            lines.append(
+                f"fetch    {r['kv_dtype']:5s} {r['mechanism']:4s} {r['miss_fraction']:4.0%} {r['time_s'] * 1e3:8.3f} "
+                f"{r['payload_bytes'] / MIB:11.2f} {r['transfer_bytes'] / MIB:10.2f} "
+                f"{f(r['payload_gb_per_s'], '12.2f')} {f(r['transfer_gb_per_s'], '11.2f')} "
+                f"{f(100 * r['payload_vs_h2d_ceiling'] if r.get('payload_vs_h2d_ceiling') else None, '6.1f')}  "
+                f"{'yes' if ok else 'NO'}")
+        hl = [(r["kv_dtype"], r["mechanism"], r["hlo"]) for r in fe["runs"] if r.get("hlo")]
+        for kvd, mech, h in hl:
+            cnt = h["counts"]
+            lines.append(f"hlo      {kvd:5s} {mech:4s} host-compute instrs {cnt['host_compute_attr']:4d}  "
+                         f"copy-start {cnt['copy_start']:3d}  custom-calls {sum(h['custom_call_targets'].values()):3d}"
+                         f"  host ops: {','.join(h['host_compute_ops'][:6]) or '-'}")
+    de = secs.get("decode", {})
+    if de.get("stores"):
+        for name, s in de["stores"].items():
+            lines.append(f"decode   {name:14s} {f(s['step_median_s'] * 1e3 if s['step_median_s'] else None, '9.3f')} "
+                         f"ms/step  misses/step {s['per_step_mean']['misses']:7.0f}  h2d/step "
+                         f"{s['per_step_mean']['h2d_bytes'] / MIB:7.3f} MiB  device pages {s['device_pages']}")
+        for name in ("pressure_row", "pressure_page"):
+            lines.append(f"decode   ratio {name} / resident = {f(de.get(f'ratio_{name}_vs_resident'), '.2f')}")
+    for name, s in secs.items():
+        lines.append(f"section  {name:10s} {s.get('status', 'ok') if isinstance(s, dict) else s}"
+                     f"{'  ' + s.get('error', '').strip().splitlines()[-1][:160] if s.get('status') == 'error' else ''}")
+    return "\n".join(lines)
+
+
+# ----- main -------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="directory for gpu_check.json (and hlo_fetch.txt)")
+    p.add_argument("--cpu-smoke", action="store_true", help="run on the CPU with tiny sizes (< 60 s)")
+    p.add_argument("--only", default="", help=f"comma-separated sections out of {','.join(SECTIONS)}")
+    p.add_argument("--budget-s", type=float, default=240.0, help="skip what remains once this much time has passed")
+    p.add_argument("--hard-timeout-s", type=float, default=290.0,
+                   help="watchdog: dump every thread's stack and exit after this long (0 = off)")
+    args = p.parse_args(argv)
+    only = [s for s in args.only.split(",") if s]
+    unknown = [s for s in only if s not in SECTIONS]
+    if unknown:
+        p.error(f"unknown section(s) {unknown}; known: {', '.join(SECTIONS)}")
+    if args.cpu_smoke:
+        jax.config.update("jax_platforms", "cpu")
+    if args.hard_timeout_s > 0:
+        faulthandler.dump_traceback_later(args.hard_timeout_s, exit=True)
+    sizes = "smoke" if args.cpu_smoke else "full"
+    if not args.cpu_smoke and jax.default_backend() == "cpu":
+        print("note: no accelerator found; using the smoke sizes (pass --cpu-smoke to say so)", flush=True)
+        sizes = "smoke"
+    ctx = Ctx(args, sizes)
+    ctx.report = {"tool": "experiments/gpu_check.py", "argv": sys.argv[1:], "budget_s": args.budget_s,
+                  "units": {"*_s": "seconds", "*_bytes": "bytes", "*_gb_per_s": "1e9 bytes / s", "*_mib": "2**20 bytes",
+                            "miss_fraction": "fraction of the B x K top-k rows fetched from host"},
+                  "sizes": dict(ctx.sz), "sections": {}}
+    try:
+        ctx.report["environment"] = environment(ctx)
+    except Exception:  # noqa: BLE001
+        ctx.report["environment"] = {"status": "error", "error": traceback.format_exc()}
+    env = ctx.report["environment"]
+    ctx.log(f"jax {env.get('jax')} backend {env.get('backend')} device {env.get('device_kind')} "
+            f"memory kinds {env.get('memory_kinds')} python {env.get('python')}")
+    ctx.write()
+    for name, fn in SECTIONS.items():
+        if only and name not in only:
+            continue
+        if ctx.over_budget():
+            ctx.report["sections"][name] = {"status": "skipped", "reason": f"budget {args.budget_s:.0f} s passed"}
+            ctx.log(f"section {name}: skipped (budget)")
+            continue
+        ctx.log(f"section {name} ...")
+        t = time.perf_counter()
+        try:
+            res = dict(fn(ctx))
+            res.setdefault("status", "ok")
+        except Exception:  # noqa: BLE001
+            res = {"status": "error", "error": traceback.format_exc()}
+            ctx.log(f"section {name}: ERROR\n{res['error']}")
+        res["section_s"] = time.perf_counter() - t
+        ctx.report["sections"][name] = res
+        ctx.write()
+    statuses = {k: v.get("status") for k, v in ctx.report["sections"].items()}
+    ctx.report["ok"] = all(s == "ok" for s in statuses.values())
+    ctx.write()
+    faulthandler.cancel_dump_traceback_later()
+    print(summary_table(ctx.report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
