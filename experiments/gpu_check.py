@@ -58,16 +58,17 @@ SIZES = {
         d2d_bytes=2 << 30, h2d_bytes=2 << 30, h2d_chunk_bytes=64 << 20, small_blocks=2048, warmup=2, reps=7,
         fetch_layers=4, fetch_requests=4, fetch_topk=2048, fetch_ctx=32768, fetch_fracs=(0.1, 0.2, 0.3),
         fetch_dtypes=("bf16", "fp8"), fetch_warmup=2, fetch_reps=7,
-        decode_requests=4, decode_prompt=4096, decode_warmup=2, decode_steps=20,
+        decode_requests=4, decode_prompt=4096, decode_warmup=2, decode_steps=20, decode_mechanisms=("row", "page"),
     ),
     "smoke": dict(
         d2d_bytes=64 << 20, h2d_bytes=32 << 20, h2d_chunk_bytes=4 << 20, small_blocks=128, warmup=1, reps=3,
         fetch_layers=2, fetch_requests=2, fetch_topk=128, fetch_ctx=1024, fetch_fracs=(0.1, 0.2, 0.3),
-        fetch_dtypes=("bf16", "fp8"), fetch_warmup=1, fetch_reps=2,
-        decode_requests=2, decode_prompt=1024, decode_warmup=1, decode_steps=3,
+        fetch_dtypes=("bf16", "fp8"), fetch_warmup=0, fetch_reps=2,
+        decode_requests=2, decode_prompt=1024, decode_warmup=1, decode_steps=3, decode_mechanisms=("row",),
     ),
 }
 MECHANISMS = ("row", "page")
+POOL_SCALE = 4
 
 
 class Ctx:
@@ -353,12 +354,14 @@ def section_ceilings(ctx: Ctx) -> dict:
 
 
 def h2d_ceiling(ctx: Ctx) -> tuple[str, float] | None:
+    """The best large pinned_host -> device copy measured (name, GB/s), or None without the ceilings."""
     c = ctx.report.get("sections", {}).get("ceilings", {})
-    for name in ("h2d_device_put", "h2d_jit_chunked", "h2d_jit_whole"):
-        v = c.get(name, {})
-        if isinstance(v, dict) and v.get("gb_per_s"):
-            return name, v["gb_per_s"]
-    return None
+    got = [(v["gb_per_s"], name) for name in ("h2d_device_put", "h2d_jit_whole", "h2d_jit_chunked")
+           for v in [c.get(name)] if isinstance(v, dict) and v.get("gb_per_s")]
+    if not got:
+        return None
+    bw, name = max(got)
+    return name, bw
 
 
 # ----- section: fetch ---------------------------------------------------------------------------------
@@ -487,7 +490,10 @@ def section_fetch(ctx: Ctx) -> dict:
                               "positions": "uniform random distinct positions per request, sorted",
                               "host_pages": "random permutation of the host pool"},
                  "h2d_ceiling": {"name": ceiling[0], "gb_per_s": ceiling[1]} if ceiling else None,
-                 "runs": [], "all_exact": True}
+                 "runs": [], "pool_scaling": [], "all_exact": True,
+                 "pool_scaling_note": f"first miss fraction again with host and device pools {POOL_SCALE}x larger "
+                                      "(same misses): time_ratio_vs_base ~1 means the fetch does not touch "
+                                      "whole pools"}
     layers = None
     for kvd in sz["fetch_dtypes"]:
         hot_pages = -(-2 * K // 64)  # the default hot buffer: 2 x top-k rows
@@ -504,22 +510,40 @@ def section_fetch(ctx: Ctx) -> dict:
                 continue
             spec = dataclasses.replace(spec0, fetch=mech)
             try:
-                out["runs"].extend(_fetch_one(ctx, ops, spec, layers, kvd, mech, ceiling))
+                out["runs"].extend(_fetch_one(ctx, ops, spec, layers, kvd, mech, ceiling, sz["fetch_fracs"]))
             except Exception:  # noqa: BLE001
                 out["runs"].append({"kv_dtype": kvd, "mechanism": mech, "status": "error",
                                     "error": traceback.format_exc(limit=8)})
                 ctx.log(f"fetch {kvd} {mech}: ERROR\n{out['runs'][-1]['error']}")
-    done = [r for r in out["runs"] if r.get("status") == "ok"]
+                continue
+            # the same misses with both pools POOL_SCALE x larger: a fetch should not cost more
+            base = next((r for r in out["runs"] if r.get("status") == "ok" and r["kv_dtype"] == kvd
+                         and r["mechanism"] == mech and r["miss_fraction"] == sz["fetch_fracs"][0]), None)
+            if base is None or ctx.over_budget():
+                continue
+            big = dataclasses.replace(spec, host_pages=spec.host_pages * POOL_SCALE,
+                                      device_pages=spec.device_pages * POOL_SCALE,
+                                      index_pages=spec.index_pages * POOL_SCALE)
+            try:
+                (r,) = _fetch_one(ctx, ops, big, layers, kvd, mech, ceiling, sz["fetch_fracs"][:1])
+                r["pool_scale"] = POOL_SCALE
+                r["base_time_s"] = base["time_s"]
+                r["time_ratio_vs_base"] = r["time_s"] / base["time_s"] if r.get("time_s") else None
+                out["pool_scaling"].append(r)
+            except Exception:  # noqa: BLE001
+                out["pool_scaling"].append({"kv_dtype": kvd, "mechanism": mech, "status": "error",
+                                            "error": traceback.format_exc(limit=8)})
+    done = [r for r in out["runs"] + out["pool_scaling"] if r.get("status") == "ok"]
     out["all_exact"] = bool(done) and all(r["verify"]["all_exact"] and r["verify"]["others_untouched"]
                                           and r["bytes_match"] for r in done)
     out["verified_runs"] = len(done)
-    bad = [r for r in out["runs"] if r.get("status") == "error"]
+    bad = [r for r in out["runs"] + out["pool_scaling"] if r.get("status") == "error"]
     if bad:  # keep the runs that worked; the section counts as failed
         out.update(status="error", error=f"{len(bad)} fetch run(s) failed; first:\n{bad[0]['error']}")
     return out
 
 
-def _fetch_one(ctx, ops, spec, layers, kvd, mech, ceiling) -> list[dict]:
+def _fetch_one(ctx, ops, spec, layers, kvd, mech, ceiling, fracs) -> list[dict]:
     sz = ctx.sz
     store = _fill_store(ctx, spec, seed=1)
     host_np = {n: np.asarray(getattr(store, n)) for n in ("h_latent", "h_rope", "h_latent_scale")
@@ -531,7 +555,7 @@ def _fetch_one(ctx, ops, spec, layers, kvd, mech, ceiling) -> list[dict]:
 
     runs = []
     compiled = None
-    for frac in sz["fetch_fracs"]:
+    for frac in fracs:
         if ctx.over_budget():
             runs.append({"kv_dtype": kvd, "mechanism": mech, "miss_fraction": frac, "status": "skipped",
                          "reason": "budget"})
@@ -541,7 +565,8 @@ def _fetch_one(ctx, ops, spec, layers, kvd, mech, ceiling) -> list[dict]:
                         src_page=f["src_page"], src_row=f["src_row"])
         plan = jax.device_put(plan, dev_s)
         store = _poison_device_pools(ctx, spec, store)
-        rec = {"kv_dtype": kvd, "mechanism": mech, "miss_fraction": frac, "status": "ok"}
+        rec = {"kv_dtype": kvd, "mechanism": mech, "miss_fraction": frac, "status": "ok",
+               "host_pages": spec.host_pages, "device_pages": spec.device_pages}
         with warnings.catch_warnings(record=True) as wlog:
             warnings.simplefilter("always")
             if compiled is None:
@@ -604,6 +629,7 @@ def section_decode(ctx: Ctx) -> dict:
     total = P + sz["decode_warmup"] + sz["decode_steps"] + 1
     pages = -(-total // PAGE_SIZE)
     model = SparseMLAModel(cfg, rngs=nnx.Rngs(0))
+    nnx.update(model, jax.device_put(nnx.state(model), ctx.device))  # committed parameters (one compile per step)
     graphdef, state = nnx.split(model)
     prefill = jax.jit(lambda st, ids: nnx.merge(graphdef, st).forward(ids))
     rng = np.random.default_rng(0)
@@ -621,11 +647,10 @@ def section_decode(ctx: Ctx) -> dict:
     hot_rows = 2 * cfg.index_topk
     hot_pages = -(-hot_rows // PAGE_SIZE)
     common = dict(kv_dtype="bf16", host_pages=R * (pages + 1), max_seqs=R, max_seq_len=(pages + 1) * PAGE_SIZE)
-    configs = {  # the manager keeps room for a hot buffer when it admits: resident needs that slack too
-        "resident": CacheConfig(device_pages=R * (pages + hot_pages + 1), **common),
-        "pressure_row": CacheConfig(device_pages=R * (2 + hot_pages + 2), fetch="row", **common),
-        "pressure_page": CacheConfig(device_pages=R * (2 + hot_pages + 2), fetch="page", **common),
-    }
+    # the manager keeps room for a hot buffer when it admits: "resident" gets that slack too
+    configs = {"resident": CacheConfig(device_pages=R * (pages + hot_pages + 1), **common)}
+    for mech in sz["decode_mechanisms"]:  # under pressure: 2 tail pages + the hot buffer + 2 per request
+        configs[f"pressure_{mech}"] = CacheConfig(device_pages=R * (2 + hot_pages + 2), fetch=mech, **common)
     dev = ctx.device
     runs = {}
     for name, cc in configs.items():
@@ -687,7 +712,7 @@ def section_decode(ctx: Ctx) -> dict:
     out["resident_all_in_place"] = res["misses"] == 0 and res["hits"] == 0
     out["append_dropped_total"] = sum(s["per_step_mean"]["append_dropped"] for s in out["stores"].values())
     base = out["stores"]["resident"]["step_median_s"]
-    for name in ("pressure_row", "pressure_page"):
+    for name in [n for n in out["stores"] if n != "resident"]:
         v = out["stores"][name]["step_median_s"]
         out[f"ratio_{name}_vs_resident"] = v / base if v and base else None
         ctx.log(f"decode {name}: {v * 1e3:.3f} ms/step vs resident {base * 1e3:.3f} ms/step "
@@ -706,17 +731,17 @@ def summary_table(report: dict) -> str:
              f"{env.get('date_utc')}, sizes={env.get('sizes')}, {report.get('elapsed_s', 0):.0f} s =="]
 
     def f(v, fmt):
-        return "-" if v is None else format(v, fmt)
+        return format(v, fmt) if v is not None else format("-", ">" + re.match(r"\d*", fmt).group())
 
     c = secs.get("ceilings", {})
     for name in ("d2d_copy", "h2d_device_put", "h2d_jit_whole", "h2d_jit_chunked", "h2d_jit_page_blocks",
                  "d2h_device_put"):
         v = c.get(name)
-        if isinstance(v, dict):
-            lines.append(f"ceiling  {name:22s} {f(v.get('gb_per_s'), '9.2f')} GB/s  "
-                         f"({f(v.get('bytes', 0) / MIB if v.get('bytes') else None, '.0f')} MiB, "
-                         f"{f(v['median_s'] * 1e3 if 'median_s' in v else None, '.3f')} ms)"
-                         + ("" if "gb_per_s" in v else f"  {v.get('status')}"))
+        if isinstance(v, dict) and v.get("gb_per_s"):
+            lines.append(f"ceiling  {name:22s} {v['gb_per_s']:9.2f} GB/s  ({v['bytes'] / MIB:.0f} MiB, "
+                         f"{v['median_s'] * 1e3:.3f} ms)")
+        elif isinstance(v, dict):
+            lines.append(f"ceiling  {name:22s} {v.get('status')} {v.get('reason', '')}")
     fe = secs.get("fetch", {})
     if fe.get("runs"):
         lines.append("fetch    dtype mech miss     ms   payload MiB  moved MiB  payload GB/s  moved GB/s  "
@@ -733,6 +758,14 @@ def summary_table(report: dict) -> str:
                 f"{f(r['payload_gb_per_s'], '12.2f')} {f(r['transfer_gb_per_s'], '11.2f')} "
                 f"{f(100 * r['payload_vs_h2d_ceiling'] if r.get('payload_vs_h2d_ceiling') else None, '6.1f')}  "
                 f"{'yes' if ok else 'NO'}")
+        for r in fe.get("pool_scaling", []):
+            if r.get("status") == "ok":
+                lines.append(f"fetch    {r['kv_dtype']:5s} {r['mechanism']:4s} pools x{r['pool_scale']}: "
+                             f"{r['time_s'] * 1e3:.3f} ms vs {r['base_time_s'] * 1e3:.3f} ms "
+                             f"(x{r['time_ratio_vs_base']:.2f}), exact "
+                             f"{'yes' if r['verify']['all_exact'] and r['verify']['others_untouched'] else 'NO'}")
+            else:
+                lines.append(f"fetch    {r.get('kv_dtype')} {r.get('mechanism')} pools scaled: {r.get('status')}")
         hl = [(r["kv_dtype"], r["mechanism"], r["hlo"]) for r in fe["runs"] if r.get("hlo")]
         for kvd, mech, h in hl:
             cnt = h["counts"]
@@ -745,7 +778,7 @@ def summary_table(report: dict) -> str:
             lines.append(f"decode   {name:14s} {f(s['step_median_s'] * 1e3 if s['step_median_s'] else None, '9.3f')} "
                          f"ms/step  misses/step {s['per_step_mean']['misses']:7.0f}  h2d/step "
                          f"{s['per_step_mean']['h2d_bytes'] / MIB:7.3f} MiB  device pages {s['device_pages']}")
-        for name in ("pressure_row", "pressure_page"):
+        for name in [n for n in de["stores"] if n != "resident"]:
             lines.append(f"decode   ratio {name} / resident = {f(de.get(f'ratio_{name}_vs_resident'), '.2f')}")
     for name, s in secs.items():
         lines.append(f"section  {name:10s} {s.get('status', 'ok') if isinstance(s, dict) else s}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -149,8 +150,8 @@ def dedupe(row):
 def test_appended_rows_survive_eviction():
     """Rows written by decode (the eager host mirror), not by prefill, are read back exactly after release."""
     rng = np.random.default_rng(5)
-    for fetch in ("row", "page"):
-        tc = TieredCache(MODEL, cache_cfg(fetch=fetch, max_seqs=1))
+    for fetch, kv_dtype in (("row", "float32"), ("page", "float32"), ("row", "bf16")):
+        tc = TieredCache(MODEL, cache_cfg(fetch=fetch, max_seqs=1, kv_dtype=kv_dtype))
         ref = Reference()
         s = admit(tc, ref, rng, 10)
         append_tokens(tc, ref, rng, [s], 250)  # pages 0..3; 0 and 1 become sealed
@@ -159,8 +160,11 @@ def test_appended_rows_survive_eviction():
         for start in range(0, 128, 8):
             topk = np.arange(start, start + 8, dtype=np.int32)[None]
             lat, rope, _, payload = tc.gather([s], topk)
-            assert payload == 8 * 4 * ROW_BYTES
+            assert payload == 8 * 4 * ROW_BYTES or kv_dtype == "bf16"
             want_lat, want_rope = ref.rows([s], topk)
+            if kv_dtype == "bf16":  # stored rounded to bf16, returned exactly
+                want_lat, want_rope = (w.astype(ml_dtypes.bfloat16).astype(np.float32) for w in (want_lat, want_rope))
+                assert payload == 8 * 4 * (C + R) * 2
             np.testing.assert_array_equal(np.asarray(lat), want_lat)
             np.testing.assert_array_equal(np.asarray(rope), want_rope)
 

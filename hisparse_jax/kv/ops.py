@@ -39,7 +39,8 @@ DEVICE = jax.memory.Space.Device
 def encode_latent(spec: StoreSpec, c):
     """c [..., C] -> (stored values, scales [..., C/128] or None)."""
     if spec.fp8:
-        return fp8_quantize(c.astype(jnp.float32), block=FP8_BLOCK)
+        q, scale = fp8_quantize(c.astype(jnp.float32), block=FP8_BLOCK)
+        return q, scale.reshape(*c.shape[:-1], c.shape[-1] // FP8_BLOCK)
     return c.astype(spec.value_dtype), None
 
 
@@ -134,8 +135,9 @@ def index_select(spec: StoreSpec, store: KVStore, slot: int, req, positions, q_i
     r = jnp.maximum(req, 0)
     pages = jnp.maximum(store.index_table[r], 0)  # [B, MP]
     keys = store.index_k[slot][pages].reshape(req.shape[0], -1, spec.index_dim)  # [B, S, dI]
+    keys = jax.lax.optimization_barrier(keys)  # same scores bit for bit whatever the pool size (see tiered.py)
     if spec.fp8:
-        ks = store.index_scale[slot][pages].reshape(req.shape[0], -1)
+        ks = jax.lax.optimization_barrier(store.index_scale[slot][pages].reshape(req.shape[0], -1))
         scores = index_scores_fp8(q_index[:, None], w[:, None], keys, ks)[:, 0]
     else:
         scores = index_scores(q_index[:, None], w[:, None], keys)[:, 0]

@@ -66,7 +66,10 @@ class TieredKV:
             stats["h2d_transfer_bytes"] = stats["h2d_transfer_bytes"] + transfer
         else:
             plan = cache["plan"]
-        rows_c, rows_r = ops.gather_rows(spec, store, layer, plan)
+        # The barrier pins the attention's inputs: XLA then compiles the math identically whatever the pool
+        # sizes, so tiered and all-resident runs agree bit for bit (fusing the gather into the attention
+        # would let the reduction order depend on the store's shape).
+        rows_c, rows_r = jax.lax.optimization_barrier(ops.gather_rows(spec, store, layer, plan))
         o_lat = sparse_mla_decode_reference(q_lat, q_rope, rows_c, rows_r, plan.valid, tau)
         n_res = jnp.sum(plan.resident).astype(jnp.int32)
         n_miss = jnp.sum(plan.miss).astype(jnp.int32)
