@@ -67,7 +67,7 @@ def run(args) -> dict:
     from hisparse_jax.config import PAGE_SIZE, CacheConfig, get_preset
     from hisparse_jax.generate import generate
     from hisparse_jax.kv.manager import TieredCache
-    from hisparse_jax.kv.tiered import decode_step
+    from hisparse_jax.kv.tiered import decode_step, stats_bytes
     from hisparse_jax.model.decoder import SparseMLAModel
 
     t0 = time.perf_counter()
@@ -170,7 +170,7 @@ def run(args) -> dict:
         for r in runs.values():
             dt, stats = one_step(r)
             r["times"].append(dt)
-            r["stats"].append({k: int(np.sum(np.asarray(v))) for k, v in stats.items()})
+            r["stats"].append(stats_bytes(r["tc"].spec, stats))
         if (i + 1) % max(1, N // 4) == 0:
             log(t0, f"  step {i + 1}/{N}")
     timing = {}

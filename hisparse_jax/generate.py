@@ -215,11 +215,13 @@ def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top
     result = _truncate_at_eos(np.asarray(jnp.stack(out_tokens, axis=1))[:n], eos)
     out = [result]
     if return_stats:
-        st = {k: np.asarray(v) for k, v in (totals or {}).items()}
-        summary = {k: int(v.sum()) for k, v in st.items()}
-        summary.update(per_layer={k: st[k].tolist() for k in ("resident", "hits", "misses") if k in st},
+        from hisparse_jax.kv.tiered import empty_stats, stats_bytes
+
+        totals = totals if totals is not None else empty_stats(tc.spec)
+        summary = stats_bytes(tc.spec, totals)
+        summary.update(per_layer={k: np.asarray(totals[k]).tolist() for k in ("resident", "hits", "misses")},
                        evicted_pages=tc.evicted_pages, steps=len(out_tokens) - 1,
-                       d2h_bytes=summary.get("d2h_bytes", 0) + tc.d2h_bytes)
+                       d2h_bytes=summary["d2h_bytes"] + tc.d2h_bytes, h2d_bytes=summary["h2d_bytes"] + tc.h2d_bytes)
         out.append(summary)
     if return_logits:
         lg = np.asarray(jnp.stack(out_logits, axis=1))

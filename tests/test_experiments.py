@@ -6,6 +6,7 @@ stays well under 90 s on two cores.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,8 +15,17 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 240
+
+
+def _section_names():
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "experiments", "gpu_check.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return set(mod.SECTIONS)
 
 
 def _start(args, log_path):
@@ -59,9 +69,7 @@ def test_gpu_check_cpu_smoke(runs):
         report = json.load(f)
     env = report["environment"]
     assert env["backend"] == "cpu" and env["jax"] and "pinned_host" in env["memory_kinds"]
-    from experiments.gpu_check import SECTIONS
-
-    assert set(report["sections"]) == set(SECTIONS)
+    assert set(report["sections"]) == _section_names() >= {"ceilings", "fetch", "decode"}
     for name, sec in report["sections"].items():
         assert sec["status"] == "ok", (name, sec.get("error"))
     assert report["ok"] is True
@@ -80,7 +88,8 @@ def test_gpu_check_cpu_smoke(runs):
         assert v["rows_checked"] > 0 and v["rows_exact"] == v["rows_checked"] and v["all_exact"], r
         assert v["others_untouched"] and v["stray_rows_changed"] == 0, r
         assert r["bytes_match"], r
-        assert r["time_s"] > 0 and r["payload_bytes"] == r["misses"] * 2 * fetch["geometry"][f"{r['kv_dtype']}_row_bytes"]
+        row_bytes = fetch["geometry"][f"{r['kv_dtype']}_row_bytes"]
+        assert r["time_s"] > 0 and r["payload_bytes"] == r["misses"] * fetch["geometry"]["layers_in_group"] * row_bytes
     assert fetch["all_exact"] is True
     # the same misses with larger pools were fetched exactly too (the time ratio is a measurement, not checked)
     assert {(r["kv_dtype"], r["mechanism"]) for r in fetch["pool_scaling"]} == {

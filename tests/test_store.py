@@ -206,8 +206,8 @@ def test_transfer_bytes_per_mechanism():
         topk = jnp.asarray([[0, 1, 2, 63, 64, 100, 130, -1]], jnp.int32)
         plan, store = ops.resolve(tc.spec, tc.store, 0, jnp.asarray([s], jnp.int32), topk)
         _, payload, transfer = ops.fetch_misses(tc.spec, store, (0, 1), plan)
-        assert int(payload) == 4 * 2 * ROW_BYTES
-        assert int(transfer) == (1 * 4 * 2 * ROW_BYTES if fetch == "row" else 1 * 2 * 64 * ROW_BYTES)
+        assert int(payload) * ROW_BYTES == 4 * 2 * ROW_BYTES  # layer-rows; bytes = rows x row_bytes
+        assert int(transfer) * ROW_BYTES == (1 * 4 * 2 * ROW_BYTES if fetch == "row" else 1 * 2 * 64 * ROW_BYTES)
 
 
 def test_host_pools_are_pinned_and_device_pools_are_not():

@@ -37,8 +37,18 @@ def _set_tables(store, req, block_row, host_row, index_row, seq_len, hot_row):
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
+def _clear_page_stamps(store, req):
+    return ops._replace(store, page_stamp=store.page_stamp.at[req].set(-1))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
 def _evict(store, req, page_idx):
     return ops.evict_pages(store.spec, store, req, page_idx)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _load_pages(store, hpages, dpages):
+    return ops.load_pages(store.spec, store, hpages, dpages)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -58,6 +68,17 @@ def oldest_first(cache: "TieredCache", slot: int) -> list[int]:
     return cache.evictable_pages(slot)
 
 
+def least_recently_selected(cache: "TieredCache", slot: int) -> list[int]:
+    """Indexer-recency coldness: evictable pages ordered by the last step the indexer selected any of their
+    positions (never selected first; ties -> older page first). Reads one small table from the device."""
+    stamps = np.asarray(cache.store.page_stamp[slot])
+    pages = cache.evictable_pages(slot)
+    return sorted(pages, key=lambda i: (int(stamps[i]), i))
+
+
+COLDNESS = {"oldest": oldest_first, "recency": least_recently_selected}
+
+
 class TieredCache:
     """Owns a `KVStore` (`.store`, device + pinned host) and its `PagePool` (`.pool`)."""
 
@@ -71,6 +92,10 @@ class TieredCache:
         self.lengths: dict[int, int] = {}
         self.victim_order = victim_order
         self.evicted_pages = 0
+        self.h2d_bytes = 0  # swap-ins (decode misses are in the step stats)
+        self.pinned: set[int] = set()
+        # release single cold pages under pressure (HiSparse); off = a request is resident whole or not at all
+        self.partial_eviction = True  # slots that must stay fully resident (being prefilled, or policy says so)
         self._synced_hot: dict[int, tuple[int, ...]] = {}
         self.d2h_bytes = 0  # prefill host writes + write-backs (decode mirror bytes are in the step stats)
 
@@ -130,13 +155,61 @@ class TieredCache:
         """Write a prompt's rows (latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]) into `slot`."""
         if length != self.lengths[slot]:
             raise ValueError(f"slot {slot} was admitted for {self.lengths[slot]} tokens, got {length}")
-        self.store, nbytes = _write_prefill(self.store, jnp.int32(slot), latent, rope, index_k, jnp.int32(length))
-        self.d2h_bytes += int(nbytes)
+        self.store, rows = _write_prefill(self.store, jnp.int32(slot), latent, rope, index_k, jnp.int32(length))
+        self.d2h_bytes += int(rows) * self.spec.row_bytes
 
     def reserve(self, slot: int, num_tokens: int) -> None:
-        """Make positions < num_tokens writable (tail pages resident) before a step writes them."""
+        """Make positions < num_tokens writable (tail pages resident; every page when `slot` is pinned)
+        before a step writes them."""
         self.check_fits(num_tokens)
         self._grow(slot, num_tokens)
+
+    def can_reserve(self, slot: int, num_tokens: int) -> bool:
+        """Whether `reserve` would succeed now without evicting anything."""
+        r = self.requests[slot]
+        new = max(-(-num_tokens // PAGE_SIZE) - r.num_pages, 0)
+        return (self.pool.num_free(Tier.DEVICE) >= new and self.pool.num_free(Tier.INDEX) >= new
+                and (not self.spec.mirror_to_host or self.pool.num_free(Tier.HOST) >= new))
+
+    def swap_out(self, slot: int) -> int:
+        """Release every device page of `slot` (host copies must be current: needs the eager mirror); the
+        request keeps its indexer pages and host pages. Returns the number of pages released."""
+        if not self.spec.mirror_to_host:
+            raise PoolError("swap_out needs mirror_to_host (host copies of every page)")
+        r = self.requests[slot]
+        pages = [i for i in range(r.num_pages) if r.device[i] != INVALID]
+        for i in pages:
+            self.pool.free(Tier.DEVICE, [r.device[i]])
+            r.device[i] = INVALID
+        if r.hot:
+            self.pool.free(Tier.DEVICE, r.hot)
+            r.hot.clear()
+        self.evicted_pages += len(pages)
+        self._sync(slot)
+        return len(pages)
+
+    def swap_in(self, slot: int) -> int:
+        """Bring every host-only page of `slot` back to the device (whole-page H2D copies). Raises OutOfPages
+        (nothing changed) when the device pool cannot hold them. Returns the pages loaded."""
+        r = self.requests[slot]
+        missing = r.host_only_pages()
+        if not self.pool.can_allocate(Tier.DEVICE, len(missing)):
+            raise OutOfPages(Tier.DEVICE, len(missing), self.pool.num_free(Tier.DEVICE), self.spec.device_pages)
+        if not missing:
+            return 0
+        dev = self.pool.allocate(Tier.DEVICE, len(missing))
+        hp = _pad_pow2([r.host[i] for i in missing])
+        dp = _pad_pow2(dev)
+        self.store, rows = _load_pages(self.store, jnp.asarray(hp), jnp.asarray(dp))
+        self.h2d_bytes += int(rows) * self.spec.row_bytes
+        for i, d in zip(missing, dev):
+            r.device[i] = d
+        self._sync(slot)
+        return len(missing)
+
+    def resident_pages_needed(self, slot: int) -> int:
+        """Device pages `slot` would need to be fully resident."""
+        return len(self.requests[slot].host_only_pages())
 
     def advance(self, slots, n: int = 1) -> None:
         """Record that a step (or `n` steps) appended one token to each of `slots`."""
@@ -146,6 +219,7 @@ class TieredCache:
     def release(self, slot: int) -> None:
         """Free every page of a finished or aborted request and clear its tables."""
         r = self.requests.pop(slot)
+        self.pinned.discard(slot)
         r.release(self.pool)
         self.lengths.pop(slot, None)
         self._synced_hot.pop(slot, None)
@@ -153,6 +227,7 @@ class TieredCache:
         self.store = _set_tables(self.store, jnp.int32(slot), jnp.full((mp,), -1, jnp.int32),
                                  jnp.full((mp,), -1, jnp.int32), jnp.full((mp,), -1, jnp.int32), jnp.int32(0),
                                  jnp.full((self.spec.hot_pages,), -1, jnp.int32))
+        self.store = _clear_page_stamps(self.store, jnp.int32(slot))
 
     # ----- growth and eviction -------------------------------------------------------------------
     def _grow(self, slot: int, num_tokens: int) -> None:
@@ -167,8 +242,8 @@ class TieredCache:
         if mirror and not self.pool.can_allocate(Tier.HOST, new):
             raise OutOfPages(Tier.HOST, new, self.pool.num_free(Tier.HOST), self.pool.capacity(Tier.HOST))
         # device pages for the new pages: at most the last TAIL_PAGES must be resident; older ones may start
-        # on the host (as if written and evicted) when the device is short
-        must = min(new, TAIL_PAGES)
+        # on the host (as if written and evicted) when the device is short — unless the slot is pinned
+        must = new if slot in self.pinned else min(new, TAIL_PAGES)
         self._make_room(slot, new, must, n)
         k = min(new, self.pool.num_free(Tier.DEVICE) - self._hot_cost(slot, n, new))
         k = max(k, must)
@@ -190,21 +265,20 @@ class TieredCache:
         return self.hot_pages_per_request
 
     def _make_room(self, slot: int, new: int, must: int, n_total: int) -> None:
-        """Evict cold pages (other requests first, then this request's own) until `must` new device pages
-        (plus this request's hot buffer if it will need one) can be allocated; best effort up to `new`."""
+        """Evict cold pages (other requests first) until `must` new device pages (plus this request's hot
+        buffer if it will need one) can be allocated; best effort up to `new`. Raises OutOfPages, changing
+        nothing, when even `must` cannot be had (or partial eviction is off and the pool is short)."""
         def need(goal):
             r = self.requests[slot]
             resident_after = len(r.resident_pages()) + goal
             hot = 0 if r.hot or resident_after >= n_total else self.hot_pages_per_request
             return goal + hot
 
-        for goal in (new, must):
-            if self.pool.num_free(Tier.DEVICE) >= need(goal):
-                return
-            if goal == must or self.spec.mirror_to_host:
-                self._evict_until(need(goal), exclude=slot if goal == new else None)
-            if self.pool.num_free(Tier.DEVICE) >= need(goal):
-                return
+        if self.partial_eviction and self.spec.mirror_to_host:
+            for goal in (new, must):
+                if self.pool.num_free(Tier.DEVICE) >= need(goal):
+                    break
+                self._evict_until(need(goal), exclude=slot if goal == new and goal != must else None)
         if self.pool.num_free(Tier.DEVICE) < need(must):
             raise OutOfPages(Tier.DEVICE, need(must), self.pool.num_free(Tier.DEVICE), self.spec.device_pages)
 
@@ -217,7 +291,8 @@ class TieredCache:
 
     def _evict_until(self, free_target: int, exclude: int | None = None) -> None:
         while self.pool.num_free(Tier.DEVICE) < free_target:
-            victims = [(len(self.evictable_pages(s)), s) for s in self.requests if s != exclude]
+            victims = [(len(self.evictable_pages(s)), s) for s in self.requests
+                       if s != exclude and s not in self.pinned]
             victims = [(n, s) for n, s in victims if n > 0]
             if not victims:
                 return
@@ -257,7 +332,7 @@ class TieredCache:
         req = _pad_pow2([slot] * len(logical_pages))
         idx = _pad_pow2(list(logical_pages))
         self.store, d2h = _evict(self.store, jnp.asarray(req), jnp.asarray(idx))
-        self.d2h_bytes += int(d2h)
+        self.d2h_bytes += int(d2h) * self.spec.row_bytes
         for i in logical_pages:
             self.pool.free(Tier.DEVICE, [r.device[i]])
             r.device[i] = INVALID
@@ -300,8 +375,8 @@ class TieredCache:
                                  f"{self.lengths.get(s, 0)})")
             if len(set(row.tolist())) != row.size:
                 raise ValueError(f"slot {s}: repeated top-k positions")
-        self.store, lat, rope, valid, nbytes = _gather_all(self.store, req, jnp.asarray(topk))
-        return lat, rope, valid, int(nbytes)
+        self.store, lat, rope, valid, rows = _gather_all(self.store, req, jnp.asarray(topk))
+        return lat, rope, valid, int(rows) * self.spec.row_bytes
 
     # ----- device tables -------------------------------------------------------------------------
     def _sync(self, slot: int) -> None:

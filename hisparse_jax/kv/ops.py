@@ -105,7 +105,7 @@ def append_rows(spec: StoreSpec, store: KVStore, layer: int, slot: int | None, r
 def mirror_rows(spec: StoreSpec, store: KVStore, req, positions):
     """Copy the rows just appended at `positions` (all layers) from the device pools to their host pages.
 
-    Reads them back from the device pool so the host copy is bit-identical. Returns (store, d2h_bytes).
+    Reads them back from the device pool so the host copy is bit-identical. Returns (store, d2h_rows).
     """
     dpage, _, hpage, row, live = tail_address(spec, store, req, positions)
     ok = live & (dpage >= 0) & (hpage >= 0)
@@ -122,8 +122,7 @@ def mirror_rows(spec: StoreSpec, store: KVStore, req, positions):
         sc = jax.device_put(store.latent_scale[:, src, row], HOST)
         with compute_on("device_host"):
             upd["h_latent_scale"] = store.h_latent_scale.at[:, hp_h, row_h].set(sc, mode="drop")
-    nbytes = jnp.sum(ok).astype(jnp.int32) * spec.num_layers * spec.row_bytes
-    return _replace(store, **upd), nbytes
+    return _replace(store, **upd), jnp.sum(ok).astype(jnp.int32) * spec.num_layers
 
 
 # ----- the indexer over paged keys --------------------------------------------------------------
@@ -210,14 +209,17 @@ def resolve(spec: StoreSpec, store: KVStore, group: int, req, topk):
     rw = jnp.where(req >= 0, req, spec.max_seqs)  # idle rows write nowhere
     hot_token = store.hot_token.at[rw, group].set(tokens, mode="drop")
     hot_stamp = store.hot_stamp.at[rw, group].set(stamps, mode="drop")
-    return plan, _replace(store, hot_token=hot_token, hot_stamp=hot_stamp)
+    page_stamp = store.page_stamp.at[rw[:, None], jnp.where(valid, lp, spec.max_pages)].max(clock, mode="drop")
+    return plan, _replace(store, hot_token=hot_token, hot_stamp=hot_stamp, page_stamp=page_stamp)
 
 
 # ----- host -> device fetch of the misses -------------------------------------------------------
 def fetch_misses(spec: StoreSpec, store: KVStore, layers: tuple[int, ...], plan: Plan):
     """Copy every miss's row (all `layers`, a contiguous range) from its host page into its hot slot.
 
-    Returns (store, payload_bytes, transfer_bytes): payload = misses x layers x row bytes; transfer = what
+    Returns (store, payload_rows, transfer_rows) in layer-rows (one token's row in one layer; bytes =
+    rows x `spec.row_bytes`, computed on the host so nothing overflows int32): payload = misses x layers;
+    transfer = what
     the mechanism moved (row: whole chunks of `fetch_chunk` rows; page: each distinct host page once).
     """
     if spec.fetch == "row":
@@ -269,9 +271,7 @@ def _fetch_rows(spec, store, layers, plan):
         return tuple(out)
 
     pools = jax.lax.fori_loop(0, n_chunks, body, _device_pools(store))
-    payload = n * nl * spec.row_bytes
-    transfer = n_chunks * chunk * nl * spec.row_bytes
-    return _with_device_pools(store, pools), payload, transfer
+    return _with_device_pools(store, pools), n * nl, n_chunks * chunk * nl
 
 
 def _fetch_pages(spec, store, layers, plan):
@@ -299,9 +299,7 @@ def _fetch_pages(spec, store, layers, plan):
         return jax.lax.fori_loop(s, e, row_body, pools)
 
     pools = jax.lax.fori_loop(0, n_pages, page_body, _device_pools(store))
-    payload = n * nl * spec.row_bytes
-    transfer = n_pages * nl * spec.page_bytes
-    return _with_device_pools(store, pools), payload, transfer
+    return _with_device_pools(store, pools), n * nl, n_pages * nl * PAGE_SIZE
 
 
 def _device_pools(store):
@@ -334,7 +332,7 @@ def gather_rows(spec: StoreSpec, store: KVStore, layer: int, plan: Plan):
 def evict_pages(spec: StoreSpec, store: KVStore, req, page_idx):
     """Release device pages: req / page_idx int32[N] (-1 padded) name logical pages whose host copy is current.
 
-    Without the eager mirror the page is first written back (all layers). Returns (store, d2h_bytes);
+    Without the eager mirror the page is first written back (all layers). Returns (store, d2h_rows);
     the caller returns the freed device pages to its `PagePool`.
     """
     ok = (req >= 0) & (page_idx >= 0)
@@ -369,8 +367,28 @@ def _write_back(spec, store, dpages, hpages):
     upd = dict(h_latent=hosts[0], h_rope=hosts[1])
     if len(hosts) == 3:
         upd["h_latent_scale"] = hosts[2]
-    nbytes = jnp.sum((dpages >= 0) & (hpages >= 0)).astype(jnp.int32) * spec.num_layers * spec.page_bytes
-    return _replace(store, **upd), nbytes
+    return _replace(store, **upd), jnp.sum((dpages >= 0) & (hpages >= 0)).astype(jnp.int32) * spec.num_layers * PAGE_SIZE
+
+
+def load_pages(spec: StoreSpec, store: KVStore, hpages, dpages):
+    """Copy whole host pages into device pages (all layers), one H2D slice per page: hpages / dpages int32[N]
+    (-1 padded). Used to swap a request back in. Returns (store, h2d_rows)."""
+    n = hpages.shape[0]
+
+    def body(j, pools):
+        ok = (hpages[j] >= 0) & (dpages[j] >= 0)
+        hp = jnp.maximum(hpages[j], 0)
+        dp = jnp.where(ok, dpages[j], spec.device_pages)  # out of range: the update is skipped below
+        out = []
+        for pool, host in zip(pools, _host_pools(store)):
+            blk = jax.lax.dynamic_slice(host, (0, hp) + (0,) * (host.ndim - 2), (host.shape[0], 1) + host.shape[2:])
+            blk = jax.device_put(blk, DEVICE)
+            out.append(pool.at[:, dp].set(blk[:, 0], mode="drop"))
+        return tuple(out)
+
+    pools = jax.lax.fori_loop(0, n, body, _device_pools(store))
+    rows = jnp.sum((hpages >= 0) & (dpages >= 0)).astype(jnp.int32) * spec.num_layers * PAGE_SIZE
+    return _with_device_pools(store, pools), rows
 
 
 def set_tables(store: KVStore, req: int, block_row, host_row, index_row, seq_len: int, hot_row):
@@ -386,7 +404,7 @@ def set_tables(store: KVStore, req: int, block_row, host_row, index_row, seq_len
 def write_prefill(spec: StoreSpec, store: KVStore, req, latent, rope, index_k, length):
     """Write a prompt's rows: latent [L, T, C], rope [L, T, R], index_k [LI, T, dI] of which the first
     `length` are real, for request slot `req` (scalar). Every token goes to its indexer page, to its device
-    page when resident and to its host page when it has one. Returns (store, d2h_bytes)."""
+    page when resident and to its host page when it has one. Returns (store, d2h_rows)."""
     T = latent.shape[1]
     pos = jnp.arange(T, dtype=jnp.int32)
     ok = pos < length
@@ -413,8 +431,7 @@ def write_prefill(spec: StoreSpec, store: KVStore, req, latent, rope, index_k, l
         with compute_on("device_host"):
             upd[name] = getattr(store, name).at[:, hp_h, row_h].set(val_h, mode="drop")
     seq_lens = store.seq_lens.at[req].set(length)
-    nbytes = jnp.sum(ok & (hpage >= 0)).astype(jnp.int32) * spec.num_layers * spec.row_bytes
-    return _replace(store, seq_lens=seq_lens, **upd), nbytes
+    return _replace(store, seq_lens=seq_lens, **upd), jnp.sum(ok & (hpage >= 0)).astype(jnp.int32) * spec.num_layers
 
 
 def _replace(store: KVStore, **kw) -> KVStore:

@@ -16,6 +16,8 @@ MP pages per request, G indexer groups, HR hot rows):
     hot_token   int32[Rq, G, HR] the position each hot slot holds (-1 empty), per indexer group
     hot_stamp   int32[Rq, G, HR] LRU clock of each slot's last use (-1 never)
     clock       int32[]        the step counter the stamps refer to
+    page_stamp  int32[Rq, MP]  last step the indexer selected a position of each logical page (-1 never):
+                               per-page access recency, for free, for the coldness policies
 
 One page id means the same page in every layer. A hot page serves every indexer group at once: layer l
 stores the rows of *its* group's slots in it, so G groups cost one set of pages. Hot slot j of a request
@@ -129,6 +131,7 @@ class KVStore:
     hot_token: jax.Array
     hot_stamp: jax.Array
     clock: jax.Array
+    page_stamp: jax.Array
     latent_scale: jax.Array | None = None
     index_scale: jax.Array | None = None
     h_latent_scale: jax.Array | None = None
@@ -149,7 +152,7 @@ def store_shardings(spec: StoreSpec, device=None) -> KVStore:
     """A KVStore of shardings: host pools in pinned_host memory, everything else on the device."""
     d, h = device_sharding(device), host_sharding(device)
     return KVStore(spec=spec, latent=d, rope=d, index_k=d, h_latent=h, h_rope=h, block_table=d, host_table=d, index_table=d,
-                   seq_lens=d, hot_pages=d, hot_token=d, hot_stamp=d, clock=d,
+                   seq_lens=d, hot_pages=d, hot_token=d, hot_stamp=d, clock=d, page_stamp=d,
                    latent_scale=d if spec.fp8 else None, index_scale=d if spec.fp8 else None,
                    h_latent_scale=h if spec.fp8 else None)
 
@@ -167,12 +170,12 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
         h_rope=((L, PH, PAGE_SIZE, R), vdt), block_table=((Rq, spec.max_pages), jnp.int32),
         host_table=((Rq, MP), jnp.int32), index_table=((Rq, MP), jnp.int32), seq_lens=((Rq,), jnp.int32),
         hot_pages=((Rq, spec.hot_pages), jnp.int32), hot_token=((Rq, G, HR), jnp.int32),
-        hot_stamp=((Rq, G, HR), jnp.int32), clock=((), jnp.int32),
+        hot_stamp=((Rq, G, HR), jnp.int32), clock=((), jnp.int32), page_stamp=((Rq, MP), jnp.int32),
         latent_scale=((L, P, PAGE_SIZE, C // FP8_BLOCK), jnp.float32) if spec.fp8 else None,
         index_scale=((LI, PI, PAGE_SIZE), jnp.float32) if spec.fp8 else None,
         h_latent_scale=((L, PH, PAGE_SIZE, C // FP8_BLOCK), jnp.float32) if spec.fp8 else None,
     )
-    minus_one = {"block_table", "host_table", "index_table", "hot_pages", "hot_token", "hot_stamp"}
+    minus_one = {"block_table", "host_table", "index_table", "hot_pages", "hot_token", "hot_stamp", "page_stamp"}
     shardings = store_shardings(spec, device)
     out = {}
     for f in dataclasses.fields(KVStore):

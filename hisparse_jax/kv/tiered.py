@@ -7,10 +7,11 @@ then one host mirror write for all layers), runs each full indexer over the requ
 the top-k per indexer group (resident | hot hit | miss fetched from host), and attends over the rows.
 Shared-index layers replay their leader's plan. The host must have reserved the tail pages first.
 
-Stats (per step, arrays): resident / hits / misses int32[L] (rows read per layer by each path; a miss moves
-the row of every layer of its group, so sum(misses) * row_bytes == h2d_bytes), h2d_bytes (payload),
-h2d_transfer_bytes (what the fetch mechanism moved), d2h_bytes (host mirror writes), append_dropped
-(rows whose tail page was not resident: a scheduling bug when non-zero).
+Stats (per step, int32 arrays): resident / hits / misses [L] (rows read per layer by each path; a miss moves
+the row of every layer of its group), h2d_rows (payload layer-rows: == sum(misses)), h2d_transfer_rows (what
+the fetch mechanism moved), d2h_rows (host mirror writes), append_dropped (rows whose tail page was not
+resident: a scheduling bug when non-zero). Bytes are rows x `spec.row_bytes`, computed on the host
+(`stats_bytes`) so counters cannot overflow int32 at production sizes.
 """
 
 from __future__ import annotations
@@ -35,8 +36,16 @@ def empty_stats(spec: StoreSpec) -> dict:
     L = spec.num_layers
     z = jnp.zeros((), jnp.int32)
     return {"resident": jnp.zeros((L,), jnp.int32), "hits": jnp.zeros((L,), jnp.int32),
-            "misses": jnp.zeros((L,), jnp.int32), "h2d_bytes": z, "h2d_transfer_bytes": z, "d2h_bytes": z,
+            "misses": jnp.zeros((L,), jnp.int32), "h2d_rows": z, "h2d_transfer_rows": z, "d2h_rows": z,
             "append_dropped": z}
+
+
+def stats_bytes(spec: StoreSpec, stats: dict) -> dict:
+    """Host-side totals of step stats (one step or stacked / summed steps) as Python ints, with bytes."""
+    out = {k: int(jnp.sum(v)) for k, v in stats.items()}
+    for k in ("h2d", "h2d_transfer", "d2h"):
+        out[f"{k}_bytes"] = out.pop(f"{k}_rows") * spec.row_bytes
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +71,8 @@ class TieredKV:
         if layer == spec.groups[g][0]:  # the group's leader resolves and fetches for every layer of the group
             plan, store = ops.resolve(spec, store, g, cache["req"], topk)
             store, payload, transfer = ops.fetch_misses(spec, store, spec.groups[g], plan)
-            stats["h2d_bytes"] = stats["h2d_bytes"] + payload
-            stats["h2d_transfer_bytes"] = stats["h2d_transfer_bytes"] + transfer
+            stats["h2d_rows"] = stats["h2d_rows"] + payload
+            stats["h2d_transfer_rows"] = stats["h2d_transfer_rows"] + transfer
         else:
             plan = cache["plan"]
         # The barrier pins the attention's inputs: XLA then compiles the math identically whatever the pool
@@ -85,18 +94,22 @@ def _positions(store: KVStore, req):
 
 
 def step_impl(model: SparseMLAModel, store: KVStore, batch: dict):
-    """The un-jitted step (composable inside a user's own jit / scan)."""
+    """The un-jitted step (composable inside a user's own jit / scan).
+
+    batch: tokens int32[B], req int32[B]; optional pos int32[B] — explicit positions, which lets several rows
+    of one request form a prefill chunk (that request must then be fully resident: its rows share no hot
+    buffer state). Without `pos`, each row decodes at its request's seq_len."""
     spec = store.spec
     req = batch["req"].astype(jnp.int32)
-    positions = _positions(store, req)
+    positions = _positions(store, req) if "pos" not in batch else jnp.where(req >= 0, batch["pos"], -1)
     cache = {"store": store, "req": req, "plan": None, "stats": empty_stats(spec)}
     logits, cache, _ = model_decode_step(model, batch["tokens"].astype(jnp.int32), positions, cache, TieredKV(spec))
     store, stats = cache["store"], cache["stats"]
     if spec.mirror_to_host:
         store, d2h = ops.mirror_rows(spec, store, req, positions)
-        stats["d2h_bytes"] = stats["d2h_bytes"] + d2h
+        stats["d2h_rows"] = stats["d2h_rows"] + d2h
     live = req >= 0
-    seq_lens = store.seq_lens.at[jnp.where(live, req, spec.max_seqs)].add(1, mode="drop")
+    seq_lens = store.seq_lens.at[jnp.where(live, req, spec.max_seqs)].max(positions + 1, mode="drop")
     store = dataclasses.replace(store, seq_lens=seq_lens, clock=store.clock + 1)
     return logits, store, stats
 
@@ -133,7 +146,7 @@ def _jitted_loop(graphdef, num_steps: int):
 def decode_step(model: SparseMLAModel, store: KVStore, batch: dict):
     """One jitted decode step; the store is donated. Returns (logits f32[B, V], store, stats)."""
     graphdef, state = nnx.split(model)
-    return _jitted_step(graphdef)(state, store, batch)
+    return _jitted_step(graphdef)(state, store, _commit(store, batch))
 
 
 def decode_loop(model: SparseMLAModel, store: KVStore, batch: dict, num_steps: int):
@@ -144,4 +157,10 @@ def decode_loop(model: SparseMLAModel, store: KVStore, batch: dict, num_steps: i
     stats stacked over steps) — bit-identical to `num_steps` calls of `decode_step`.
     """
     graphdef, state = nnx.split(model)
-    return _jitted_loop(graphdef, int(num_steps))(state, store, batch)
+    return _jitted_loop(graphdef, int(num_steps))(state, store, _commit(store, batch))
+
+
+def _commit(store: KVStore, batch: dict) -> dict:
+    """Put the batch on the store's device: committed and uncommitted arguments compile separately."""
+    dev = store.seq_lens.sharding
+    return {k: jax.device_put(v, dev) for k, v in batch.items()}

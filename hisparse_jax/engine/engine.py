@@ -1,0 +1,266 @@
+"""`Engine`: requests in, tokens out, through the tiered store under a memory policy.
+
+    engine = Engine(model, CacheConfig(...), EngineConfig(policy="hisparse"))
+    engine.add_request("a", prompt_ids, SamplingParams(max_new_tokens=64))
+    while engine.has_unfinished():
+        engine.step()
+    engine.outputs()["a"], engine.metrics()
+
+Each `step` is one jitted call of fixed bucketed shape that carries every running request's decode row
+and up to `prefill_chunk` prompt rows (chunked prefill through the store). Sampling depends only on
+(seed, position), so outputs do not depend on scheduling: the three policies produce the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hisparse_jax.config import CacheConfig
+from hisparse_jax.engine.request import Request, RequestState, SamplingParams
+from hisparse_jax.engine.scheduler import POLICIES, Scheduler, pages
+from hisparse_jax.generate import sample_tokens
+from hisparse_jax.kv.manager import COLDNESS, BudgetError, TieredCache
+from hisparse_jax.kv.tiered import decode_step, stats_bytes
+from hisparse_jax.model.decoder import SparseMLAModel
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """policy: "preempt" | "offload" | "hisparse"; coldness (hisparse): "oldest" | "recency";
+    max_running: admitted requests at most (also the store's request slots); prefill_chunk: prompt tokens
+    per step; min_bucket: smallest batch bucket; log_path: optional JSON-lines log of per-step metrics;
+    check_invariants: verify the allocator after every step (tests)."""
+
+    policy: str = "hisparse"
+    coldness: str = "oldest"
+    max_running: int = 32
+    prefill_chunk: int = 256
+    min_bucket: int = 8
+    log_path: str | None = None
+    check_invariants: bool = False
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.coldness not in COLDNESS:
+            raise ValueError(f"unknown coldness {self.coldness!r}; choose one of {', '.join(COLDNESS)}")
+        if self.max_running < 1 or self.prefill_chunk < 1 or self.min_bucket < 1:
+            raise ValueError("max_running, prefill_chunk and min_bucket must be >= 1")
+
+
+@functools.lru_cache(maxsize=8)
+def _sampler():
+    @jax.jit
+    def sample(logits, seeds, positions, temps, top_ps):
+        def one(lg, seed, pos, t, p):
+            key = jax.random.fold_in(jax.random.key(seed), pos)
+            greedy = jnp.argmax(lg).astype(jnp.int32)
+            scaled = lg / jnp.maximum(t, 1e-6)
+            sorted_l = jnp.sort(scaled)[::-1]
+            cum = jnp.cumsum(jax.nn.softmax(sorted_l))
+            cutoff = sorted_l[jnp.sum(cum < p)]
+            masked = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+            drawn = jax.random.categorical(key, masked).astype(jnp.int32)
+            return jnp.where(t > 0, drawn, greedy)
+
+        return jax.vmap(one)(logits, seeds, positions, temps, top_ps)
+
+    return sample
+
+
+class Engine:
+    def __init__(self, model: SparseMLAModel, cache: CacheConfig, config: EngineConfig = EngineConfig()):
+        self.model, self.config = model, config
+        if config.policy == "preempt":
+            cache = cache.replace(mirror_to_host=False)
+        cache = cache.replace(max_seqs=config.max_running)
+        self.cache = TieredCache(model.cfg, cache, victim_order=COLDNESS[config.coldness])
+        self.cache.partial_eviction = config.policy == "hisparse"
+        self.scheduler = Scheduler(self.cache, config.policy, max_running=config.max_running,
+                                   prefill_chunk=config.prefill_chunk)
+        self.requests: dict[str, Request] = {}
+        self.step_count = 0
+        self.history: list[dict] = []
+        self._log = open(config.log_path, "a") if config.log_path else None
+
+    # ----- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams = SamplingParams()) -> Request:
+        cfg = self.model.cfg
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token ids out of range [0, {cfg.vocab_size}): {bad[:8]}")
+        total = len(prompt) + params.max_new_tokens
+        if total > cfg.max_position_embeddings:
+            raise ValueError(f"request {request_id!r}: {len(prompt)} prompt + {params.max_new_tokens} new tokens "
+                             f"exceed max_position_embeddings ({cfg.max_position_embeddings})")
+        self._check_ever_fits(request_id, total, len(prompt))
+        r = Request(request_id, prompt, params, arrival=self.step_count)
+        self.requests[request_id] = r
+        self.scheduler.waiting.append(r)
+        return r
+
+    def _check_ever_fits(self, rid: str, total: int, prompt_len: int) -> None:
+        c, spec = self.cache, self.cache.spec
+        try:
+            c.check_fits(total)
+        except BudgetError as e:
+            raise BudgetError(f"request {rid!r} can never be admitted: {e}") from None
+        n = pages(total)
+        if self.config.policy != "hisparse" and n + 1 > spec.device_pages:
+            raise BudgetError(f"request {rid!r} can never be admitted under {self.config.policy!r}: its {n} pages "
+                              f"(+1) exceed device_pages ({spec.device_pages}) — only 'hisparse' runs requests "
+                              f"larger than the device")
+        if pages(prompt_len) + 1 > spec.device_pages:
+            raise BudgetError(f"request {rid!r}: its prompt must be resident while it is prefilled, "
+                              f"{pages(prompt_len) + 1} pages > device_pages ({spec.device_pages})")
+        if n > spec.index_pages or (spec.mirror_to_host and n > spec.host_pages):
+            raise BudgetError(f"request {rid!r}: {n} pages exceed index_pages ({spec.index_pages}) or host_pages "
+                              f"({spec.host_pages})")
+
+    def abort(self, request_id: str) -> None:
+        r = self.requests[request_id]
+        if not r.finished:
+            self.scheduler.finish(r, RequestState.ABORTED)
+            r.finish_step = self.step_count
+
+    def has_unfinished(self) -> bool:
+        return any(not r.finished for r in self.requests.values())
+
+    def outputs(self) -> dict[str, list[int]]:
+        return {rid: list(r.output) for rid, r in self.requests.items()}
+
+    # ----- one step ------------------------------------------------------------------------------
+    def step(self) -> dict:
+        t0 = time.perf_counter()
+        sched = self.scheduler
+        plan = sched.schedule(self.step_count)
+        rows_tok, rows_req, rows_pos, decode_rows, last_prefill_row = [], [], [], [], {}
+        for r in plan.decode:
+            decode_rows.append((len(rows_tok), r))
+            rows_tok.append(r.output[-1])
+            rows_req.append(r.slot)
+            rows_pos.append(len(r.prompt) + len(r.output) - 1)
+        prefill_tokens = 0
+        for r, start, n in plan.prefill:
+            toks = r.kv_tokens[start:start + n]
+            rows_tok += toks
+            rows_req += [r.slot] * n
+            rows_pos += list(range(start, start + n))
+            last_prefill_row[r.request_id] = len(rows_tok) - 1
+            prefill_tokens += n
+        stats = {}
+        new_tokens = 0
+        if rows_tok:
+            B = max(self.config.min_bucket, 1 << (len(rows_tok) - 1).bit_length())
+            pad = B - len(rows_tok)
+            batch = {"tokens": jnp.asarray(rows_tok + [0] * pad, jnp.int32),
+                     "req": jnp.asarray(rows_req + [-1] * pad, jnp.int32),
+                     "pos": jnp.asarray(rows_pos + [-1] * pad, jnp.int32)}
+            logits, self.cache.store, stats = decode_step(self.model, self.cache.store, batch)
+            # which rows produce a token: decode rows, and the last row of a completed prompt
+            emit = list(decode_rows)
+            for r, start, n in plan.prefill:
+                r.computed = start + n
+                self.cache.lengths[r.slot] = r.computed
+                if r.computed == len(r.kv_tokens):
+                    sched.cache.pinned.discard(r.slot)
+                    r.state = RequestState.RUNNING
+                    if not r.output:
+                        emit.append((last_prefill_row[r.request_id], r))
+            for _, r in decode_rows:
+                self.cache.lengths[r.slot] += 1
+            if emit:
+                idx = jnp.asarray([i for i, _ in emit], jnp.int32)
+                rs = [r for _, r in emit]
+                toks = _sampler()(logits[idx], jnp.asarray([r.params.seed for r in rs], jnp.uint32),
+                                  jnp.asarray([len(r.prompt) + len(r.output) for r in rs], jnp.int32),
+                                  jnp.asarray([r.params.temperature for r in rs], jnp.float32),
+                                  jnp.asarray([r.params.top_p for r in rs], jnp.float32))
+                for r, tok in zip(rs, np.asarray(toks).tolist()):
+                    r.output.append(int(tok))
+                    new_tokens += 1
+                    if r.first_token_step is None:
+                        r.first_token_step = self.step_count
+                    if r.done_generating():
+                        sched.finish(r, RequestState.FINISHED)
+                        r.finish_step = self.step_count
+        if self.config.check_invariants:
+            self.cache.check_invariants()
+        dt = time.perf_counter() - t0
+        st = stats_bytes(self.cache.spec, stats) if stats else {}
+        m = {
+            "step": self.step_count, "running": len(plan.decode),
+            "admitted": len(sched.active), "prefilling": sum(r.state is RequestState.PREFILLING for r in sched.active),
+            "swapped": sum(r.state is RequestState.SWAPPED for r in sched.active), "waiting": len(sched.waiting),
+            "preemptions": len(plan.preempted), "swaps_out": len(plan.swapped_out),
+            "swaps_in": len(plan.swapped_in), "tokens": new_tokens, "prefill_tokens": prefill_tokens,
+            "hits": st.get("hits", 0), "misses": st.get("misses", 0), "resident": st.get("resident", 0),
+            "h2d_bytes": st.get("h2d_bytes", 0), "d2h_bytes": st.get("d2h_bytes", 0),
+            "device_pages_used": self.cache.pool.num_used("device"), "step_time_s": dt,
+        }
+        self.history.append(m)
+        if self._log:
+            self._log.write(json.dumps(m) + "\n")
+            self._log.flush()
+        self.step_count += 1
+        return m
+
+    def run(self, progress=None) -> None:
+        """Step until every request has finished. `progress(engine)` is called after each step."""
+        while self.has_unfinished():
+            m = self.step()
+            moved = m["running"] or m["prefill_tokens"] or m["swaps_in"] or m["preemptions"] or m["swaps_out"]
+            if not moved:
+                w = self.scheduler.waiting
+                raise RuntimeError(f"no progress at step {m['step']}: {len(self.scheduler.active)} admitted, "
+                                   f"{len(w)} waiting (first: {w[0].request_id if w else None}); "
+                                   f"pool {self.cache.pool.stats()}")
+            if progress:
+                progress(self)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[list[int]]:
+        """Add `prompts`, run to completion, return their outputs in order."""
+        base = len(self.requests)
+        ids = [f"gen-{base + i}" for i in range(len(prompts))]
+        for rid, p in zip(ids, prompts):
+            self.add_request(rid, p, params)
+        self.run()
+        return [self.requests[rid].output for rid in ids]
+
+    # ----- metrics -------------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        """Totals and per-step series (`history`) for the run so far."""
+        h = self.history
+        decode_steps = [m for m in h if m["running"]]
+        total_time = sum(m["step_time_s"] for m in h)
+        hits, misses = sum(m["hits"] for m in h), sum(m["misses"] for m in h)
+        tokens = sum(m["tokens"] for m in h)
+        return {
+            "policy": self.config.policy, "steps": len(h),
+            "mean_running": float(np.mean([m["running"] for m in decode_steps])) if decode_steps else 0.0,
+            "max_running": max((m["running"] for m in h), default=0),
+            "preemptions": sum(m["preemptions"] for m in h), "swaps": sum(m["swaps_out"] for m in h),
+            "tokens": tokens, "prefill_tokens": sum(m["prefill_tokens"] for m in h),
+            "time_s": total_time, "tokens_per_s": tokens / total_time if total_time else 0.0,
+            "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
+            "h2d_bytes": sum(m["h2d_bytes"] for m in h) + self.cache.h2d_bytes,
+            "d2h_bytes": sum(m["d2h_bytes"] for m in h) + self.cache.d2h_bytes,
+            "evicted_pages": self.cache.evicted_pages, "history": h,
+        }
+
+    def close(self) -> None:
+        if self._log:
+            self._log.close()
+            self._log = None

@@ -1,0 +1,67 @@
+"""Requests and their sampling parameters."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued: not admitted yet, or preempted (its KV dropped; recomputed on readmission)
+    PREFILLING = "prefilling"  # admitted; its prompt (or recomputed tokens) is being written chunk by chunk
+    RUNNING = "running"  # decoding
+    SWAPPED = "swapped"  # offload policy: its whole KV is on the host; must be swapped in before decoding
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """max_new_tokens; temperature 0 = greedy; top_p nucleus; seed: per-request PRNG stream (a token's draw
+    depends only on (seed, position), so outputs do not depend on batching or scheduling)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    eos_token_id: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {self.temperature}, {self.top_p})")
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: int = 0
+    state: RequestState = RequestState.WAITING
+    slot: int = -1
+    output: list[int] = dataclasses.field(default_factory=list)
+    computed: int = 0  # tokens of `kv_tokens` whose KV is in the store
+    preemptions: int = 0
+    swaps: int = 0
+    first_token_step: int | None = None
+    finish_step: int | None = None
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        """Tokens whose KV must be in the store before the next decode step: the prompt and every generated
+        token but the last (which the next step feeds in)."""
+        return self.prompt + self.output[:-1] if self.output else list(self.prompt)
+
+    @property
+    def max_len(self) -> int:
+        return len(self.prompt) + self.params.max_new_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+
+    def done_generating(self) -> bool:
+        p = self.params
+        return len(self.output) >= p.max_new_tokens or (bool(self.output) and self.output[-1] in p.eos_token_id)

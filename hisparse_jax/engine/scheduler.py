@@ -1,0 +1,178 @@
+"""Continuous batching under three memory policies, over the same budgets.
+
+Each step the scheduler (host side, between jitted steps) makes every running request's next tail page
+writable, admits waiting requests while the budgets allow, and hands out at most `prefill_chunk` prompt
+tokens to prefilling requests. What happens when the device KV pool runs out is the policy:
+
+* `preempt`  — all KV on the device; the newest running request is preempted (its KV dropped) and
+               recomputed when readmitted (vLLM's default).
+* `offload`  — traditional offloading: the newest running request is swapped to the host whole (its pages
+               are mirrored there already) and must be swapped back whole before it decodes again.
+* `hisparse` — requests release their coldest written-back pages (never the two tail pages), keep a hot
+               buffer for what the indexer asks for, and keep decoding. Admission checks the device budget
+               (indexer pages + hot buffers + tail pages, the prompt resident while it is prefilled) and the
+               host budget; a request that does not fit waits (never fails).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from hisparse_jax.config import PAGE_SIZE
+from hisparse_jax.engine.request import Request, RequestState
+from hisparse_jax.kv.manager import TAIL_PAGES, TieredCache
+from hisparse_jax.kv.pool import OutOfPages, Tier
+
+POLICIES = ("preempt", "offload", "hisparse")
+
+
+def pages(n_tokens: int) -> int:
+    return -(-n_tokens // PAGE_SIZE)
+
+
+@dataclasses.dataclass
+class StepPlan:
+    decode: list[Request]  # one row each: feed output[-1]
+    prefill: list[tuple[Request, int, int]]  # (request, start, length) rows of kv_tokens
+    preempted: list[Request]
+    swapped_out: list[Request]
+    swapped_in: list[Request]
+
+
+class Scheduler:
+    def __init__(self, cache: TieredCache, policy: str, *, max_running: int, prefill_chunk: int):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        self.cache, self.policy = cache, policy
+        self.max_running, self.prefill_chunk = max_running, prefill_chunk
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []  # admitted: PREFILLING, RUNNING or SWAPPED, in admission order
+
+    # ----- budgets -------------------------------------------------------------------------------
+    def _committed(self, tier: Tier) -> int:
+        """Pages the admitted requests may still need in `tier` (index / host: their whole max length)."""
+        return sum(pages(r.max_len) for r in self.active)
+
+    def _device_floor(self) -> int:
+        """Device pages the admitted requests cannot go below."""
+        c = self.cache
+        total = 0
+        for r in self.active:
+            if r.state is RequestState.SWAPPED:
+                continue
+            n = c.requests[r.slot].num_pages
+            if self.policy == "hisparse" and r.state is RequestState.RUNNING:
+                total += c.min_device_pages(max(n, TAIL_PAGES + 1))
+            else:
+                total += n + 1
+        return total
+
+    def can_admit(self, r: Request) -> bool:
+        c = self.cache
+        if len(self.active) >= self.max_running or not c.free_slots():
+            return False
+        if any(x.state is RequestState.PREFILLING for x in self.active):
+            return False  # one prompt resident at a time keeps the device floor predictable
+        n_max = pages(r.max_len)
+        if self._committed(Tier.INDEX) + n_max > c.spec.index_pages:
+            return False
+        if c.spec.mirror_to_host and self._committed(Tier.HOST) + n_max > c.spec.host_pages:
+            return False
+        prompt_pages = pages(len(r.kv_tokens)) + 1
+        if self.policy == "hisparse":
+            return self._device_floor() + prompt_pages <= c.spec.device_pages
+        return c.pool.num_free(Tier.DEVICE) >= prompt_pages
+
+    # ----- one step ------------------------------------------------------------------------------
+    def schedule(self, step: int) -> StepPlan:
+        plan = StepPlan([], [], [], [], [])
+        c = self.cache
+        # 1. swapped requests come back first (offload), when their whole KV fits again
+        for r in [x for x in self.active if x.state is RequestState.SWAPPED]:
+            if c.pool.num_free(Tier.DEVICE) >= c.resident_pages_needed(r.slot) + 1:
+                c.swap_in(r.slot)
+                r.state = RequestState.RUNNING
+                plan.swapped_in.append(r)
+        # 2. every running request needs its next position writable
+        for r in list(self.active):
+            if r.state is not RequestState.RUNNING:
+                continue
+            need = len(r.prompt) + len(r.output)
+            if not self._make_writable(r, need, plan):
+                continue
+            plan.decode.append(r)
+        # 3. admit waiting requests
+        while self.waiting and self.can_admit(self.waiting[0]):
+            r = self.waiting.popleft()
+            r.slot = c.admit(0)
+            c.pinned.add(r.slot)
+            r.state, r.computed = RequestState.PREFILLING, 0
+            self.active.append(r)
+        # 4. prompt chunks
+        budget = self.prefill_chunk
+        for r in self.active:
+            if r.state is not RequestState.PREFILLING or budget <= 0:
+                continue
+            todo = len(r.kv_tokens) - r.computed
+            n = min(todo, budget)
+            try:
+                c.reserve(r.slot, r.computed + n)
+            except OutOfPages:
+                continue
+            plan.prefill.append((r, r.computed, n))
+            budget -= n
+        return plan
+
+    def _make_writable(self, r: Request, need: int, plan: StepPlan) -> bool:
+        """Reserve the tail page of position need-1 for `r`, applying the policy when the device is full.
+        Returns False when `r` itself was preempted or swapped out."""
+        c = self.cache
+        while True:
+            if self.policy == "hisparse":
+                c.reserve(r.slot, need)  # evicts cold pages (others' first) as needed
+                return True
+            if c.can_reserve(r.slot, need):
+                c.reserve(r.slot, need)
+                return True
+            victim = self._newest_running(exclude_prefilling=True)
+            if victim is None:
+                raise OutOfPages(Tier.DEVICE, 1, c.pool.num_free(Tier.DEVICE), c.spec.device_pages)
+            if self.policy == "preempt":
+                self._preempt(victim, plan)
+            else:
+                self._swap_out(victim, plan)
+            if victim is r:
+                return False
+
+    def _newest_running(self, exclude_prefilling: bool):
+        for x in reversed(self.active):
+            if x.state is RequestState.RUNNING:
+                return x
+        return None
+
+    def _preempt(self, r: Request, plan: StepPlan) -> None:
+        self.cache.release(r.slot)
+        self.active.remove(r)
+        if r in plan.decode:
+            plan.decode.remove(r)
+        r.slot, r.computed, r.state = -1, 0, RequestState.WAITING
+        r.preemptions += 1
+        self.waiting.appendleft(r)
+        plan.preempted.append(r)
+
+    def _swap_out(self, r: Request, plan: StepPlan) -> None:
+        self.cache.swap_out(r.slot)
+        r.state = RequestState.SWAPPED
+        r.swaps += 1
+        if r in plan.decode:
+            plan.decode.remove(r)
+        plan.swapped_out.append(r)
+
+    def finish(self, r: Request, state: RequestState) -> None:
+        if r in self.active:
+            self.active.remove(r)
+            self.cache.release(r.slot)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        r.slot, r.state = -1, state

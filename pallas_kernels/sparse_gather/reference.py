@@ -1,0 +1,102 @@
+"""The spec of the fused HiSparse resolver for one indexer group (pure jnp).
+
+Shapes: B decode rows, K top-k slots, Rq request slots, MP pages per request, NH hot pages per request,
+HR hot rows (slots) per request; 64 tokens per page.
+
+For top-k position t of decode row b (request r = req[b]):
+
+* invalid    t == -1 (padding) or r == -1 (idle row): page 0, row 0, nothing changes.
+* resident   block_table[r, t // 64] >= 0: read in place at (that page, t % 64).
+* hot hit    the hot buffer holds t (the lowest slot j with hot_token[r, j] == t, looked up in the
+             buffer as it was *before* this step): read slot j; LRU touch hot_stamp[r, j] := clock.
+* miss       otherwise: the q-th miss of the row (q counted in top-k order) claims the q-th smallest
+             (stamp, slot) pair, stamps read *after* this step's touches — i.e. the least recently used
+             slot, never-used slots (stamp -1) first, the lower slot first among equal stamps. The slot
+             gets hot_token := t, hot_stamp := clock, and the plan names the host row to copy into it:
+             (src_page, src_row) = (host_table[r, t // 64], t % 64).
+
+Slot j lives at (hot_pages[r, j // 64], j % 64); a hot page of -1 reads as page 0. Positions at or beyond
+MP * 64 are a caller error (they read as "not resident" with a source page of INT_MIN, as jnp's
+out-of-bounds fill does). Live rows must name distinct requests. hot_rows >= K, so every miss finds a
+slot. Bit-identical to `hisparse_jax.kv.ops.resolve` for one group.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+PAGE = 64
+
+
+@functools.partial(jax.jit, static_argnames=("hot_rows", "interpret"))
+def sparse_gather_reference(topk, req, block_table, host_table, hot_pages, hot_token, hot_stamp, clock, *,
+                            hot_rows: int, interpret: bool = False):
+    """Resolve int32[B, K] top-k positions (-1 padded) of decode rows `req` int32[B] (-1 idle).
+
+    block_table / host_table int32[Rq, MP], hot_pages int32[Rq, NH], hot_token / hot_stamp int32[Rq, HR]
+    (this group's slice), clock int32[]. Returns (page, row, valid, resident, miss, src_page, src_row)
+    [B, K] (int32 / bool; src_page -1 where not a miss; src_row = t % 64 everywhere) and the updated
+    (hot_token, hot_stamp) int32[Rq, HR]. `interpret` is accepted for signature parity and ignored.
+    """
+    del interpret
+    check_shapes(topk, req, block_table, host_table, hot_pages, hot_token, hot_stamp, hot_rows)
+    B, K = topk.shape
+    HR = hot_rows
+    r = jnp.maximum(req, 0)
+    valid = (topk >= 0) & (req >= 0)[:, None]
+    pos = jnp.maximum(topk, 0)
+    lp = pos // PAGE
+    dpage = jnp.take_along_axis(block_table[r], lp, axis=1)  # [B, K]; out of range -> INT_MIN
+    resident = valid & (dpage >= 0)
+    want = valid & ~resident
+
+    tokens, stamps = hot_token[r], hot_stamp[r]  # [B, HR]
+    # hit lookup: the stable sort keeps equal tags in slot order, so searchsorted finds the lowest slot
+    order = jnp.argsort(tokens, axis=1, stable=True)
+    sorted_tok = jnp.take_along_axis(tokens, order, axis=1)
+    at = jnp.minimum(jax.vmap(jnp.searchsorted)(sorted_tok, pos), HR - 1)  # [B, K]
+    found = jnp.take_along_axis(sorted_tok, at, axis=1) == pos
+    hit, miss = want & found, want & ~found
+    hit_slot = jnp.take_along_axis(order, at, axis=1)
+
+    bidx = jnp.arange(B)[:, None]
+    clock = jnp.asarray(clock, jnp.int32)
+    stamps = stamps.at[bidx, jnp.where(hit, hit_slot, HR)].set(clock, mode="drop")
+    # victims: the K smallest (stamp, slot) pairs; lax.top_k puts the lower index first among equals
+    _, victims = jax.lax.top_k(-stamps, K)  # [B, K]
+    rank = jnp.cumsum(miss, axis=1) - 1
+    miss_slot = jnp.take_along_axis(victims, jnp.maximum(rank, 0), axis=1)
+    dst = jnp.where(miss, miss_slot, HR)
+    tokens = tokens.at[bidx, dst].set(pos, mode="drop")
+    stamps = stamps.at[bidx, dst].set(clock, mode="drop")
+
+    slot = jnp.where(hit, hit_slot, miss_slot)
+    hot_page = jnp.take_along_axis(hot_pages[r], slot // PAGE, axis=1)
+    page = jnp.where(resident, dpage, jnp.where(want, hot_page, 0))
+    row = jnp.where(resident, pos % PAGE, jnp.where(want, slot % PAGE, 0))
+    src_page = jnp.where(miss, jnp.take_along_axis(host_table[r], lp, axis=1), -1)
+    rw = jnp.where(req >= 0, req, hot_token.shape[0])  # idle rows write nowhere
+    hot_token = hot_token.at[rw].set(tokens, mode="drop")
+    hot_stamp = hot_stamp.at[rw].set(stamps, mode="drop")
+    return (jnp.maximum(page, 0), row, valid, resident, miss, src_page, pos % PAGE, hot_token, hot_stamp)
+
+
+def check_shapes(topk, req, block_table, host_table, hot_pages, hot_token, hot_stamp, hot_rows):
+    """Shared input checks of the reference and the kernel (ValueError naming the limit)."""
+    B, K = topk.shape
+    Rq, HR = hot_token.shape
+    if req.shape != (B,):
+        raise ValueError(f"req must be int32[{B}], got {req.shape}")
+    if HR != hot_rows or hot_stamp.shape != (Rq, HR):
+        raise ValueError(f"hot_token / hot_stamp must be int32[Rq, hot_rows={hot_rows}], got "
+                         f"{hot_token.shape} / {hot_stamp.shape}")
+    if block_table.shape[0] != Rq or host_table.shape != block_table.shape or hot_pages.shape[0] != Rq:
+        raise ValueError(f"tables must have Rq={Rq} rows: block_table {block_table.shape}, host_table "
+                         f"{host_table.shape}, hot_pages {hot_pages.shape}")
+    if hot_pages.shape[1] * PAGE < HR:
+        raise ValueError(f"hot_pages holds {hot_pages.shape[1]} pages, too few for hot_rows={HR}")
+    if HR < K:
+        raise ValueError(f"hot_rows={HR} must be >= K={K} so that every miss finds a slot")

@@ -1,0 +1,82 @@
+"""The spec of sparse absorbed-MLA decode over paged rows (pure jnp, precision HIGHEST).
+
+Shapes: B sequences (one query token each), H heads, C latent (512), R rope (64), K selected rows,
+P device pages of 64 rows (one layer's pool).
+
+    o[b, h] = sum_k softmax_k(tau * (q_lat[b, h] . c_k + q_rope[b, h] . kR_k)) c_k
+
+over the K rows k with valid[b, k], where row k of sequence b lives at (page[b, k], row[b, k]) of the
+pools: c_k = latent_pages[page, row] (times its per-128 scale for fp8), kR_k = rope_pages[page, row].
+Invalid slots are ignored whatever their address holds (NaN included); a sequence without a valid row
+returns zeros. Optionally the pools are the store's stacked [L, P, 64, *] arrays and `layer` picks one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from hisparse_jax.model.mla import sparse_mla_decode_reference as rows_reference
+
+FP8_BLOCK = 128
+
+
+def gather_rows(latent_pages, rope_pages, page, row, valid, latent_scale=None):
+    """Rows at (page, row) [B, K] -> (latent f32[B, K, C], rope f32[B, K, R]); invalid slots read page 0."""
+    page = jnp.where(valid, page, 0)
+    row = jnp.where(valid, row, 0)
+    c = latent_pages[page, row].astype(jnp.float32)  # [B, K, C]
+    if latent_scale is not None:
+        scale = latent_scale[page, row]  # [B, K, C / 128]
+        c = (c.reshape(*c.shape[:-1], -1, FP8_BLOCK) * scale[..., None]).reshape(c.shape)
+    return c, rope_pages[page, row].astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("tau", "interpret"))
+def sparse_mla_decode_reference(q_lat, q_rope, latent_pages, rope_pages, page, row, valid, *, tau: float,
+                                latent_scale=None, layer=None, interpret: bool = False):
+    """q_lat [B, H, C], q_rope [B, H, R], latent_pages [P, 64, C] (bf16 / f32, or float8_e4m3fn with
+    latent_scale f32[P, 64, C / 128]), rope_pages [P, 64, R], page / row int32[B, K], valid bool[B, K]
+    -> f32[B, H, C]. With `layer` (int or int32 scalar) the pools carry a leading layer axis [L, ...] and
+    layer `layer` is used. `interpret` is accepted for signature parity and ignored."""
+    del interpret
+    check_shapes(q_lat, q_rope, *per_layer(latent_pages, rope_pages, latent_scale, layer), page, row, valid)
+    if layer is not None:
+        latent_pages, rope_pages = latent_pages[layer], rope_pages[layer]
+        latent_scale = None if latent_scale is None else latent_scale[layer]
+    rows_c, rows_r = gather_rows(latent_pages, rope_pages, page, row, valid, latent_scale)
+    return rows_reference(q_lat, q_rope, rows_c, rows_r, valid, tau)
+
+
+def per_layer(latent_pages, rope_pages, latent_scale, layer):
+    """Shape/dtype views of one layer's pools (drops the leading layer axis when `layer` is given)."""
+    def view(x):
+        if x is None or layer is None:
+            return x
+        if x.ndim != 4:
+            raise ValueError(f"with `layer` the pools must be [L, P, 64, *], got {x.shape}")
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+
+    return view(latent_pages), view(rope_pages), view(latent_scale)
+
+
+def check_shapes(q_lat, q_rope, latent_pages, rope_pages, latent_scale, page, row, valid):
+    """Shared input checks of the reference and the kernel (ValueError naming the problem)."""
+    B, H, C = q_lat.shape
+    P, page_size, _ = latent_pages.shape
+    R = q_rope.shape[-1]
+    if q_rope.shape != (B, H, R):
+        raise ValueError(f"q_rope must be [B={B}, H={H}, R], got {q_rope.shape}")
+    if latent_pages.shape[-1] != C or rope_pages.shape != (P, page_size, R):
+        raise ValueError(f"pools must be [P, 64, C={C}] and [P, 64, R={R}], got {latent_pages.shape} and "
+                         f"{rope_pages.shape}")
+    if page.shape != row.shape or valid.shape != page.shape or page.shape[0] != B:
+        raise ValueError(f"page / row / valid must all be [B={B}, K], got {page.shape}, {row.shape}, {valid.shape}")
+    fp8 = latent_pages.dtype == jnp.float8_e4m3fn
+    if fp8 != (latent_scale is not None):
+        raise ValueError("latent_scale is required exactly when latent_pages is float8_e4m3fn")
+    if fp8 and (C % FP8_BLOCK or latent_scale.shape != (P, page_size, C // FP8_BLOCK)):
+        raise ValueError(f"fp8 needs C a multiple of {FP8_BLOCK} and latent_scale [P, 64, C / {FP8_BLOCK}], got "
+                         f"C={C}, {latent_scale.shape}")

@@ -1,0 +1,262 @@
+"""Paged indexer top-k: Pallas kernel (interpret mode on CPU) == jnp reference == select_topk(index_scores).
+
+Exact comparisons use integer-valued data (q, k small integers, w dyadic), so every score is exact in
+f32 whatever the summation order and ties are frequent: order is compared slot by slot under the
+documented tie-break (lower position first). Random continuous data is compared per slot up to a
+near-tie tolerance. Pools are NaN-poisoned wherever no valid position reads, block tables are permuted.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hisparse_jax.model.indexer import hadamard, index_scores, quantize_index_keys, select_topk
+from pallas_kernels.indexer_topk import MAX_TOPK, indexer_topk, indexer_topk_reference, paged_index_scores
+from pallas_kernels.indexer_topk.kernel import RADIX_BITS, _float_to_key, indexer_topk_chunked
+
+PAGE = 64
+B, I, D, MP, P = 4, 8, 32, 6, 30  # S = MP * PAGE = 384 positions per row; P >= B * MP pool pages
+S = MP * PAGE
+TOPK = 128
+CHUNK = 128  # small selection chunks: 3 per row, so the cross-chunk offsets are exercised
+
+DTYPES = {  # name -> (q dtype, key dtype)
+    "bf16": (jnp.float32, jnp.bfloat16),
+    "bf16q": (jnp.bfloat16, jnp.bfloat16),
+    "f32": (jnp.float32, jnp.float32),
+    "fp8": (jnp.float32, jnp.float8_e4m3fn),
+}
+
+
+def make_case(seed, seq_lens, dtype, *, integer=True, topk=TOPK, mp=MP, pool=P):
+    """A paged case and its contiguous twin.
+
+    Returns (args, kwargs) for the kernel / reference, and (q, w, keys, fp8) for the contiguous
+    `index_scores` path: keys [B, S, dI] as stored (bf16 / f32) or raw (FP8: `index_scores(fp8=True)`
+    quantizes them per key exactly as the pool does).
+    """
+    rng = np.random.default_rng(seed)
+    qd, kd = DTYPES[dtype]
+    fp8 = kd == jnp.float8_e4m3fn
+    s = mp * PAGE
+    nb = len(seq_lens)
+    if integer:
+        q = rng.integers(-3, 4, (nb, I, D)).astype(np.float32)
+        k = rng.integers(-3, 4, (nb, s, D)).astype(np.float32)
+        w = rng.integers(-4, 9, (nb, I)).astype(np.float32) / 8  # some negative: negative scores too
+        if fp8:  # rotation is an involution: the quantized operands come back as exact small integers
+            q, k = np.asarray(hadamard(jnp.asarray(q))), np.asarray(hadamard(jnp.asarray(k)))
+    else:
+        q = rng.standard_normal((nb, I, D)).astype(np.float32)
+        k = rng.standard_normal((nb, s, D)).astype(np.float32)
+        w = rng.standard_normal((nb, I)).astype(np.float32) / np.sqrt(I * D)
+    q = jnp.asarray(q, qd)
+    if fp8:
+        stored, scale = (np.asarray(x) for x in quantize_index_keys(jnp.asarray(k)))
+        keys = jnp.asarray(k)
+    else:
+        stored, scale = np.asarray(jnp.asarray(k, kd)), None
+        keys = jnp.asarray(stored)
+    # permuted block tables; every pool row that no valid position reads is NaN
+    pages = rng.permutation(pool)[: nb * mp].reshape(nb, mp)
+    k_pages = np.full((pool, PAGE, D), np.nan, np.float32).astype(stored.dtype)
+    k_scale = np.full((pool, PAGE), np.nan, np.float32)
+    block_table = pages.copy()
+    for b, n in enumerate(seq_lens):
+        for j in range(mp):
+            rows = min(max(n - j * PAGE, 0), PAGE)
+            if rows:
+                k_pages[pages[b, j], :rows] = stored[b, j * PAGE: j * PAGE + rows]
+                if fp8:
+                    k_scale[pages[b, j], :rows] = scale[b, j * PAGE: j * PAGE + rows]
+            elif j % 2:
+                block_table[b, j] = -1  # unused entries: -1, or a NaN page
+    kwargs = dict(topk=topk, k_scale=jnp.asarray(k_scale) if fp8 else None)
+    args = (q, jnp.asarray(w), jnp.asarray(k_pages), jnp.asarray(block_table, jnp.int32),
+            jnp.asarray(seq_lens, jnp.int32))
+    return args, kwargs, (q, jnp.asarray(w), keys, fp8)
+
+
+def contiguous_topk(q, w, keys, fp8, seq_lens, topk):
+    """select_topk(index_scores(...)) over unpaged keys, -1 padded to topk columns."""
+    scores = index_scores(q.astype(jnp.float32)[:, None], w[:, None], keys, fp8=fp8)[:, 0]
+    valid = jnp.arange(keys.shape[1])[None] < jnp.asarray(seq_lens)[:, None]
+    idx = np.asarray(select_topk(scores, valid, topk))
+    return np.pad(idx, ((0, 0), (0, topk - idx.shape[1])), constant_values=-1)
+
+
+def kernel(*args, max_chunk=CHUNK, **kwargs):
+    return np.asarray(indexer_topk_chunked(*args, interpret=True, max_chunk=max_chunk, **kwargs))
+
+
+def check_well_formed(got, seq_lens, topk):
+    for row, n in zip(got, seq_lens):
+        m = min(n, topk)
+        assert (row[m:] == -1).all(), row
+        assert ((row[:m] >= 0) & (row[:m] < n)).all() and len(set(row[:m].tolist())) == m, row
+
+
+def assert_same_up_to_near_ties(got, want, scores, seq_lens, rtol=1e-5):
+    """Same -1 padding, and slot by slot the same score up to a near tie (so the same order and set
+    wherever the scores are separated by more than the tolerance)."""
+    scores = np.asarray(scores)
+    for b, n in enumerate(seq_lens):
+        m = min(n, got.shape[1])
+        assert (got[b, m:] == -1).all() and (want[b, m:] == -1).all()
+        np.testing.assert_allclose(scores[b, got[b, :m]], scores[b, want[b, :m]], rtol=rtol, atol=1e-6)
+
+
+def test_float_keys_preserve_order_and_merge_signed_zeros():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(4096) * 10.0 ** rng.integers(-30, 30, 4096)).astype(np.float32)
+    x = np.concatenate([x, np.float32([0.0, -0.0, np.inf, -np.inf, 1e-45, -1e-45])])
+    keys = np.asarray(_float_to_key(jnp.asarray(x)))
+    order = np.argsort(x, kind="stable")
+    assert (np.diff(keys[order]) >= 0).all()
+    assert ((np.diff(x[order]) == 0) == (np.diff(keys[order]) == 0)).all()  # equal keys iff equal floats
+    assert keys[-6] == keys[-5] == 0
+
+
+SWEEP = [  # each a batch; seq_len 0 is an idle row
+    [1, 63, 64, 0],
+    [65, TOPK - 1, TOPK, TOPK + 1],
+    [S, 200, 0, 255],
+]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_kernel_equals_reference_equals_select_topk(dtype):
+    for i, seq_lens in enumerate(SWEEP):
+        args, kw, contig = make_case(i, seq_lens, dtype)
+        got = kernel(*args, **kw)
+        ref = np.asarray(indexer_topk_reference(*args, **kw))
+        want = contiguous_topk(*contig, seq_lens, TOPK)
+        np.testing.assert_array_equal(ref, want)
+        np.testing.assert_array_equal(got, ref)  # order included
+        for g, r in zip(got, ref):
+            assert set(g.tolist()) == set(r.tolist())
+        check_well_formed(got, seq_lens, TOPK)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_random_scores_match_up_to_near_ties(dtype):
+    seq_lens = [S, 130, 0, 64]
+    args, kw, _ = make_case(7, seq_lens, dtype, integer=False)
+    got = kernel(*args, **kw)
+    ref = np.asarray(indexer_topk_reference(*args, **kw))
+    scores = paged_index_scores(*args[:4], k_scale=kw["k_scale"])
+    assert_same_up_to_near_ties(got, ref, scores, seq_lens)
+    check_well_formed(got, seq_lens, TOPK)
+
+
+def test_default_chunk_and_public_entry():
+    """The public function (one chunk per row here) agrees with the small-chunk path."""
+    seq_lens = [S, 65, 0, 129]
+    args, kw, _ = make_case(3, seq_lens, "bf16")
+    got = np.asarray(indexer_topk(*args, interpret=True, **kw))
+    np.testing.assert_array_equal(got, kernel(*args, **kw))
+    np.testing.assert_array_equal(got, np.asarray(indexer_topk_reference(*args, **kw)))
+
+
+@pytest.mark.parametrize("topk", [16, 512])
+def test_topk_smaller_than_a_page_and_larger_than_the_table(topk):
+    seq_lens = [S, 10, 0, 200]
+    args, kw, contig = make_case(4, seq_lens, "bf16", topk=topk)
+    got = kernel(*args, **kw)
+    np.testing.assert_array_equal(got, contiguous_topk(*contig, seq_lens, topk))
+    check_well_formed(got, seq_lens, topk)
+
+
+def test_causality_keys_past_seq_len_never_matter():
+    seq_lens = [100, 1, 64, 250]
+    args, kw, _ = make_case(5, seq_lens, "bf16")
+    q, w, k_pages, block_table, sl = args
+    base = kernel(*args, **kw)
+    rng = np.random.default_rng(0)
+    kp = np.array(k_pages.astype(jnp.float32))
+    bt = np.asarray(block_table)
+    for b, n in enumerate(seq_lens):  # huge keys at every position >= seq_len of every row
+        for j in range(MP):
+            lo = max(n - j * PAGE, 0)
+            if bt[b, j] >= 0 and lo < PAGE:
+                kp[bt[b, j], lo:] = 100.0 * rng.integers(1, 4, (PAGE - lo, D))
+    kp[np.isnan(kp)] = 1000.0  # and the rest of the pool
+    changed = (q, w, jnp.asarray(kp, jnp.bfloat16), block_table, sl)
+    np.testing.assert_array_equal(kernel(*changed, **kw), base)
+    np.testing.assert_array_equal(np.asarray(indexer_topk_reference(*changed, **kw)), base)
+
+
+def test_ties_lower_position_wins():
+    seq_lens = [S, 300, 0, 129]
+    args, kw, _ = make_case(6, seq_lens, "bf16")
+    q, w, k_pages, block_table, sl = args
+    zero_q = (jnp.zeros_like(q), w, k_pages, block_table, sl)  # every valid score is 0.0
+    got = kernel(*zero_q, **kw)
+    for row, n in zip(got, seq_lens):
+        m = min(n, TOPK)
+        assert row[:m].tolist() == list(range(m))
+    # three score levels: position p scores 2 if p % 3 == 0, 1 if p % 3 == 1, else 0
+    kp = np.array(k_pages.astype(jnp.float32))
+    bt = np.asarray(block_table)
+    for b, n in enumerate(seq_lens):
+        for j in range(MP):
+            rows = min(max(n - j * PAGE, 0), PAGE)
+            if rows:
+                pos = j * PAGE + np.arange(rows)
+                kp[bt[b, j], :rows] = 0.0
+                kp[bt[b, j], :rows, 0] = np.select([pos % 3 == 0, pos % 3 == 1], [2.0, 1.0], 0.0)
+    ones = jnp.zeros_like(q).at[:, :, 0].set(1.0)
+    tied = (ones, jnp.ones_like(w), jnp.asarray(kp, jnp.bfloat16), block_table, sl)
+    got = kernel(*tied, **kw)
+    for row, n in zip(got, seq_lens):
+        pos = np.arange(n)
+        order = np.concatenate([pos[pos % 3 == 0], pos[pos % 3 == 1], pos[pos % 3 == 2]])[:TOPK]
+        assert row[: len(order)].tolist() == order.tolist()
+    np.testing.assert_array_equal(got, np.asarray(indexer_topk_reference(*tied, **kw)))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), seq_lens=st.lists(st.integers(0, S + 70), min_size=B, max_size=B))
+def test_property_random_lengths(seed, seq_lens):
+    args, kw, contig = make_case(seed, seq_lens, "bf16")
+    got = kernel(*args, **kw)
+    np.testing.assert_array_equal(got, contiguous_topk(*contig, seq_lens, TOPK))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(D=48), "power-of-two head dim"),
+    (dict(topk=100), "topk a power of two"),
+    (dict(topk=2 * MAX_TOPK), "MAX_TOPK"),
+    (dict(fp8_no_scale=True), "k_scale"),
+])
+def test_unsupported_shapes_raise(bad, match):
+    d = bad.get("D", D)
+    q = jax.ShapeDtypeStruct((2, I, d), jnp.float32)
+    w = jax.ShapeDtypeStruct((2, I), jnp.float32)
+    kd = jnp.float8_e4m3fn if bad.get("fp8_no_scale") else jnp.bfloat16
+    k_pages = jax.ShapeDtypeStruct((P, PAGE, d), kd)
+    bt = jax.ShapeDtypeStruct((2, MP), jnp.int32)
+    sl = jax.ShapeDtypeStruct((2,), jnp.int32)
+    with pytest.raises(ValueError, match=match):
+        jax.jit(partial(indexer_topk, topk=bad.get("topk", TOPK))).trace(q, w, k_pages, bt, sl)
+
+
+@pytest.mark.parametrize("q_dtype, k_dtype", [(jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.bfloat16),
+                                              (jnp.float32, jnp.float8_e4m3fn)])
+def test_lowers_for_cuda_at_realistic_shapes(q_dtype, k_dtype):
+    """B=4, 64 heads x 128, 128K context (2048 pages of 64), top-2048: Pallas -> Triton lowering."""
+    Bg, Hg, Dg, MPg, Pg = 4, 64, 128, 2048, 9001  # any pool size
+    sds = jax.ShapeDtypeStruct
+    args = (sds((Bg, Hg, Dg), q_dtype), sds((Bg, Hg), jnp.float32), sds((Pg, PAGE, Dg), k_dtype),
+            sds((Bg, MPg), jnp.int32), sds((Bg,), jnp.int32))
+    kw = dict(k_scale=sds((Pg, PAGE), jnp.float32)) if k_dtype == jnp.float8_e4m3fn else {}
+    lowered = jax.jit(partial(indexer_topk, topk=2048)).trace(*args, **kw).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 4 + 32 // RADIX_BITS  # scores, radix rounds, ties, compact, rank

@@ -1,0 +1,169 @@
+"""Sparse absorbed-MLA decode over paged rows: Pallas (interpret) == reference == library math.
+
+Pools are NaN-poisoned everywhere except the rows a sequence really owns, pages come through a permuted
+block table, and invalid top-k slots point at poisoned rows, so any stray read shows up as NaN. The CUDA
+lowering test runs the Pallas -> Triton lowering at production shapes on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hisparse_jax.model.mla import sparse_mla_decode_reference as rows_reference
+from pallas_kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_reference
+
+TAU = 0.13523378
+
+
+def make_case(seed, *, B=3, H=4, C=128, R=64, K=40, P=12, seq_lens=None, kv="float32", q_dtype=jnp.float32):
+    """Random paged pools + addresses. Sequence b owns positions 0..seq_lens[b]-1 through a permuted block
+    table; its top-k is min(K, seq_len) of them (the rest -1 padding, addressed at poisoned rows)."""
+    rng = np.random.default_rng(seed)
+    seq_lens = [K + 7] * B if seq_lens is None else seq_lens
+    lat = np.full((P, 64, C), np.nan, np.float32)
+    rope = np.full((P, 64, R), np.nan, np.float32)
+    scale = np.full((P, 64, C // 128 or 1), np.nan, np.float32)
+    page = rng.integers(0, P, (B, K)).astype(np.int32)  # junk addresses for the padding slots
+    row = rng.integers(0, 64, (B, K)).astype(np.int32)
+    valid = np.zeros((B, K), bool)
+    free = list(rng.permutation(P))
+    for b, n in enumerate(seq_lens):
+        table = [free.pop() for _ in range(-(-n // 64))]  # permuted block table of sequence b
+        pos = np.arange(n)
+        lat[np.array(table)[pos // 64], pos % 64] = rng.standard_normal((n, C))
+        rope[np.array(table)[pos // 64], pos % 64] = rng.standard_normal((n, R))
+        scale[np.array(table)[pos // 64], pos % 64] = 2.0 ** rng.integers(-4, 2, (n, scale.shape[-1]))
+        sel = rng.permutation(n)[:min(n, K)]
+        slots = rng.permutation(K)[:sel.size]  # valid slots scattered among the padding
+        page[b, slots], row[b, slots], valid[b, slots] = np.array(table)[sel // 64], sel % 64, True
+    if kv == "fp8":
+        latent = jnp.asarray(lat).astype(jnp.float8_e4m3fn)
+        kw = dict(latent_scale=jnp.asarray(scale))
+    else:
+        latent, kw = jnp.asarray(lat, kv), {}
+    rope_dt = jnp.float32 if kv == "float32" else jnp.bfloat16
+    q_lat = jnp.asarray(rng.standard_normal((B, H, C)), q_dtype)
+    q_rope = jnp.asarray(rng.standard_normal((B, H, R)), q_dtype)
+    args = (q_lat, q_rope, latent, jnp.asarray(rope, rope_dt), jnp.asarray(page), jnp.asarray(row), jnp.asarray(valid))
+    return args, kw
+
+
+def check(args, kw, rtol=2e-6):
+    ref = np.asarray(sparse_mla_decode_reference(*args, tau=TAU, **kw))
+    out = np.asarray(sparse_mla_decode(*args, tau=TAU, interpret=True, **kw))
+    assert out.shape == ref.shape and out.dtype == np.float32
+    assert np.all(np.isfinite(ref)) and np.all(np.isfinite(out))
+    err = np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30)
+    assert err <= rtol, err
+    return ref, out
+
+
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "fp8"])
+def test_kernel_matches_reference(kv):
+    check(*make_case(0, kv=kv))
+
+
+def test_bf16_queries_run_bf16_matmuls():
+    """bf16 q: tensor-core numerics (p rounded to bf16 for p @ c), as FlashMLA; close, not exact."""
+    args, kw = make_case(1, kv="bfloat16", q_dtype=jnp.bfloat16)
+    check(args, kw, rtol=5e-3)
+
+
+@pytest.mark.parametrize("seq_len", [1, 63, 64, 65, 39, 40, 41, 200])
+def test_seq_len_boundaries(seq_len):
+    """K = 40: seq_len in {1, 63, 64, 65, K-1, K, K+1, several pages}; the batch mixes lengths."""
+    check(*make_case(seq_len, seq_lens=[seq_len, 65, 1], kv="bfloat16"))
+
+
+@pytest.mark.parametrize("H,K,C", [(20, 33, 64), (16, 1, 16), (2, 97, 256)])
+def test_awkward_sizes(H, K, C):
+    """Heads padded to the head block, K not a multiple of the row block, small / large latent widths."""
+    check(*make_case(H + K + C, H=H, K=K, C=C, R=16 if C == 16 else 64, seq_lens=[K + 3, K, max(K - 1, 1)]))
+
+
+def test_fp8_wide_latent_uses_every_scale():
+    """C = 256: two fp8 scale blocks per row, each applied to its own 128 columns."""
+    args, kw = make_case(5, C=256, kv="fp8")
+    ref, _ = check(args, kw)
+    kw_flat = dict(latent_scale=kw["latent_scale"].at[..., 1].multiply(2.0))
+    assert not np.allclose(ref, np.asarray(sparse_mla_decode_reference(*args, tau=TAU, **kw_flat)))
+
+
+def test_no_valid_row_gives_zeros():
+    args, kw = make_case(2)
+    args = args[:6] + (jnp.zeros_like(args[6]).at[0].set(args[6][0]),)  # only sequence 0 has rows
+    ref, out = check(args, kw)
+    assert np.all(out[1:] == 0) and np.all(ref[1:] == 0) and np.any(out[0] != 0)
+
+
+def test_reference_equals_library_math_on_gathered_rows():
+    """The spec is the library's row-wise reference applied to the rows at the addresses."""
+    args, kw = make_case(3, kv="fp8")
+    q_lat, q_rope, latent, rope, page, row, valid = args
+    c = latent[page, row].astype(jnp.float32)
+    c = (c.reshape(*c.shape[:-1], -1, 128) * kw["latent_scale"][page, row][..., None]).reshape(c.shape)
+    want = rows_reference(q_lat, q_rope, c, rope[page, row].astype(jnp.float32), valid, TAU)
+    np.testing.assert_array_equal(np.asarray(sparse_mla_decode_reference(*args, tau=TAU, **kw)), np.asarray(want))
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8"])
+def test_layer_of_stacked_pools(kv):
+    """`layer=` reads one layer of the store's [L, P, 64, *] pools in place (a traced layer index)."""
+    args, kw = make_case(6, kv=kv)
+    q_lat, q_rope, latent, rope, page, row, valid = args
+    junk = lambda x: jnp.stack([jnp.full_like(x, jnp.nan), x, jnp.full_like(x, jnp.nan)])  # noqa: E731
+    stacked = (q_lat, q_rope, junk(latent), junk(rope), page, row, valid)
+    kw3 = {k: junk(v) for k, v in kw.items()}
+    want = np.asarray(sparse_mla_decode_reference(*args, tau=TAU, **kw))
+    ref = np.asarray(sparse_mla_decode_reference(*stacked, tau=TAU, layer=1, **kw3))
+    out = np.asarray(sparse_mla_decode(*stacked, tau=TAU, layer=jnp.int32(1), interpret=True, **kw3))
+    np.testing.assert_array_equal(ref, want)
+    np.testing.assert_allclose(out, want, rtol=0, atol=2e-6 * np.max(np.abs(want)))
+
+
+def test_rejects_unsupported_shapes():
+    args, _ = make_case(0, C=96, K=8)
+    with pytest.raises(ValueError, match="powers of two"):
+        sparse_mla_decode(*args, tau=TAU, interpret=True)
+    args, kw = make_case(0, C=64, K=8, kv="fp8")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        sparse_mla_decode(*args, tau=TAU, interpret=True, **kw)
+    args, _ = make_case(0, K=8, kv="fp8")
+    with pytest.raises(ValueError, match="latent_scale is required"):
+        sparse_mla_decode(*args, tau=TAU, interpret=True)
+
+
+@pytest.mark.parametrize("H,kv,q_dtype", [(128, "bf16", jnp.bfloat16), (64, "fp8", jnp.bfloat16),
+                                          (128, "fp8", jnp.float32), (64, "f32", jnp.float32)])
+def test_lowers_for_cuda(H, kv, q_dtype):
+    """Pallas -> Triton lowering at production shapes: B=32, C=512, R=64, K=2048, P=4096 pages."""
+    B, C, R, K, P = 32, 512, 64, 2048, 4096
+    sds = jax.ShapeDtypeStruct
+    pool_dt = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "f32": jnp.float32}[kv]
+    args = [sds((B, H, C), q_dtype), sds((B, H, R), q_dtype), sds((P, 64, C), pool_dt),
+            sds((P, 64, R), jnp.float32 if kv == "f32" else jnp.bfloat16), sds((B, K), jnp.int32),
+            sds((B, K), jnp.int32), sds((B, K), jnp.bool_)]
+    if kv == "fp8":
+        args.append(sds((P, 64, C // 128), jnp.float32))
+        fn = lambda *a: sparse_mla_decode(*a[:7], tau=TAU, latent_scale=a[7])  # noqa: E731
+    else:
+        fn = functools.partial(sparse_mla_decode, tau=TAU)
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1
+
+
+def test_lowers_for_cuda_on_stacked_pools():
+    """The store's whole fp8 pool (78 layers x 4096 pages: > 4 GiB, so 64-bit offsets) read at a traced layer."""
+    B, H, C, R, K, P, L = 32, 64, 512, 64, 2048, 4096, 78
+    sds = jax.ShapeDtypeStruct
+    args = [sds((B, H, C), jnp.bfloat16), sds((B, H, R), jnp.bfloat16), sds((L, P, 64, C), jnp.float8_e4m3fn),
+            sds((L, P, 64, R), jnp.bfloat16), sds((B, K), jnp.int32), sds((B, K), jnp.int32), sds((B, K), jnp.bool_),
+            sds((L, P, 64, C // 128), jnp.float32), sds((), jnp.int32)]
+    fn = lambda *a: sparse_mla_decode(*a[:7], tau=TAU, latent_scale=a[7], layer=a[8])  # noqa: E731
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1
