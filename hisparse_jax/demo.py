@@ -1,87 +1,183 @@
-"""`hisparse demo`: sparse-MLA decoding on an embedded tiny model with the real cache geometry.
+"""`hisparse demo`: preemption vs traditional KV offloading vs HiSparse on the same workload and budgets.
 
-The model (`tiny-glm` preset: latent 512, rope 64, indexer 128, shared-index layers, MoE) has seeded
-random weights, so nothing is downloaded. The demo prefills a batch of long prompts, decodes with the
-jitted sparse step (each token attends to its indexer's top-k rows only), and checks the decoded
-logits against a full causal forward over prompt + generated tokens.
+An embedded tiny model with the real cache geometry (latent 512, rope 64, indexer keys 128, shared-index
+layers, MoE; seeded random weights, nothing downloaded) serves >= 16 concurrent long-context requests
+(thousands of tokens each, generated locally) three times, once per memory policy, under one device byte
+budget (split into KV and indexer pages as each policy needs) and one host budget. It prints a table of
+mean / max running requests, preemptions, swaps, tokens/s, hit rate and bytes moved, writes a PNG of
+running requests over time, and checks that every policy produced the same tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hisparse_jax.config import PRESETS, get_preset
-from hisparse_jax.generate import generate
+from hisparse_jax.config import CacheConfig, get_preset
+from hisparse_jax.engine import Engine, EngineConfig, SamplingParams, device_budget
+from hisparse_jax.engine.scheduler import POLICIES, pages
 from hisparse_jax.model.decoder import SparseMLAModel
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hisparse demo", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="tiny-glm", choices=sorted(k for k in PRESETS if k.startswith("tiny")))
-    p.add_argument("--requests", type=int, default=4, help="number of prompts in the batch (default 4)")
-    p.add_argument("--prompt-len", type=int, default=1024, help="longest prompt, tokens (default 1024)")
-    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt (default 32)")
+    p.add_argument("--preset", default="demo-glm", help="model preset (default demo-glm)")
+    p.add_argument("--requests", type=int, default=16, help="concurrent requests (default 16)")
+    p.add_argument("--prompt-len", type=int, default=2048, help="longest prompt in tokens (default 2048)")
+    p.add_argument("--new-tokens", type=int, default=192, help="tokens generated per request (default 192)")
+    p.add_argument("--device-requests", type=float, default=3.0,
+                   help="device budget, in whole-request KV footprints (KV + indexer keys) of the longest "
+                        "request (default 3.0)")
+    p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8", "float32"))
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES))
+    p.add_argument("--prefill-chunk", type=int, default=240, help="prompt tokens per engine step (default 240)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default="hisparse_demo.png", help="PNG of running requests over time ('' = none)")
+    p.add_argument("--log-dir", default="", help="write one JSON-lines metrics log per policy here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p
+
+
+def workload(vocab: int, n: int, longest: int, seed: int) -> list[list[int]]:
+    """n prompts of 55%-100% of `longest` tokens with a little repeated structure (random walks over a
+    few hundred token ids), generated locally."""
+    rng = np.random.default_rng(seed)
+    lens = np.linspace(longest * 0.55, longest, n).astype(int)
+    rng.shuffle(lens)
+    out = []
+    for n_tok in lens:
+        base = rng.integers(0, vocab, 64)
+        walk = base[rng.integers(0, 64, n_tok)]
+        noise = rng.random(n_tok) < 0.3
+        out.append(np.where(noise, rng.integers(0, vocab, n_tok), walk).astype(int).tolist())
+    return out
 
 
 def run(args) -> dict:
     cfg = get_preset(args.preset)
     model = SparseMLAModel(cfg, rngs=nnx.Rngs(args.seed))
-    rng = np.random.default_rng(args.seed)
-    lens = [max(16, int(args.prompt_len * f)) for f in np.linspace(1.0, 0.6, args.requests)]
-    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]
-    log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
-    log(f"model {args.preset}: {cfg.num_hidden_layers} layers, indexer {cfg.indexer_types}, top-k {cfg.index_topk}")
-    log(f"compiling and warming up ({args.requests} prompts of {min(lens)}-{max(lens)} tokens) ...")
-    generate(model, prompts, 2)
-    t0 = time.perf_counter()
-    generate(model, prompts, 1)
-    prefill_s = time.perf_counter() - t0
-    log("decoding ...")
-    t0 = time.perf_counter()
-    tokens, logits = generate(model, prompts, args.new_tokens, return_logits=True)
-    total_s = time.perf_counter() - t0
-    decode_s = max(total_s - prefill_s, 1e-9)
-    # check: the last decoded distribution == a full causal forward over prompt + generated tokens
-    seq = prompts[0] + tokens[0][:-1]
-    full = nnx.jit(lambda m, x: m(x))(model, jnp.asarray([seq], jnp.int32))
-    err = float(np.max(np.abs(np.asarray(full[0, -1]) - logits[0][-1])))
-    ctx = [n + args.new_tokens for n in lens]
-    return {
-        "preset": args.preset, "requests": args.requests, "prompt_tokens": lens, "new_tokens": args.new_tokens,
-        "index_topk": cfg.index_topk, "attended_fraction_at_end": [min(1.0, cfg.index_topk / c) for c in ctx],
-        "prefill_s": prefill_s, "decode_s": decode_s,
-        "decode_tokens_per_s": args.requests * (args.new_tokens - 1) / decode_s,
-        "decode_vs_full_forward_max_abs_logit_diff": err, "jax_backend": jax.default_backend(),
+    prompts = workload(cfg.vocab_size, args.requests, args.prompt_len, args.seed)
+    max_len = max(len(p) for p in prompts) + args.new_tokens
+    base = CacheConfig(kv_dtype=args.kv_dtype, max_seq_len=pages(max_len) * 64, max_seqs=args.requests,
+                       host_pages=args.requests * pages(max_len), device_pages=1)
+    probe = device_budget(cfg, base, 1 << 40, "preempt", max_running=args.requests, max_len=max_len)
+    per_page = (1 << 40) / probe.device_pages  # bytes of one KV page + one indexer page
+    device_bytes = int(args.device_requests * pages(max_len) * per_page)
+    params = SamplingParams(max_new_tokens=args.new_tokens)
+    quiet = args.json
+    results, outputs = {}, {}
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for pol in policies:
+        cc = device_budget(cfg, base, device_bytes, pol, max_running=args.requests, max_len=max_len)
+        log_path = os.path.join(args.log_dir, f"{pol}.jsonl") if args.log_dir else None
+        eng = Engine(model, cc, EngineConfig(policy=pol, max_running=args.requests,
+                                             prefill_chunk=args.prefill_chunk, log_path=log_path))
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, params)
+        t0 = time.perf_counter()
+
+        def progress(e, pol=pol, t0=t0):
+            if quiet or e.step_count % 10:
+                return
+            done = sum(r.finished for r in e.requests.values())
+            m = e.history[-1]
+            print(f"\r{pol:>8}: step {e.step_count:4d}  finished {done:2d}/{len(e.requests)}  running "
+                  f"{m['running']:2d}  waiting {m['waiting']:2d}  {time.perf_counter() - t0:6.1f}s",
+                  end="", file=sys.stderr, flush=True)
+
+        eng.run(progress=progress)
+        if not quiet:
+            print(file=sys.stderr)
+        m = eng.metrics()
+        outputs[pol] = eng.outputs()
+        results[pol] = {
+            "mean_running": m["mean_running"], "max_running": m["max_running"], "preemptions": m["preemptions"],
+            "swaps": m["swaps"], "tokens_per_s": m["tokens_per_s"], "hit_rate": m["hit_rate"],
+            "hits": m["hits"], "misses": m["misses"], "h2d_bytes": m["h2d_bytes"], "d2h_bytes": m["d2h_bytes"],
+            "evicted_pages": m["evicted_pages"], "steps": m["steps"], "wall_s": time.perf_counter() - t0,
+            "compile_s": m["compile_time_s"], "device_pages": cc.device_pages, "index_pages": cc.num_index_pages,
+            "host_pages": cc.host_pages if pol != "preempt" else 0,
+            "running_over_time": [h["running"] for h in m["history"]],
+        }
+        eng.close()
+    first = outputs[policies[0]]
+    out = {
+        "preset": args.preset, "requests": args.requests, "prompt_tokens": [len(p) for p in prompts],
+        "new_tokens": args.new_tokens, "kv_dtype": args.kv_dtype, "device_budget_bytes": device_bytes,
+        "host_pages": base.host_pages, "policies": results,
+        "outputs_identical": all(outputs[p] == first for p in policies),
     }
+    if "hisparse" in results and "offload" in results and results["offload"]["mean_running"]:
+        out["hisparse_over_offload_mean_running"] = results["hisparse"]["mean_running"] / results["offload"][
+            "mean_running"]
+    if args.plot:
+        out["plot"] = plot(results, args.plot)
+    return out
+
+
+def plot(results: dict, path: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'hisparse-jax[plot]')", file=sys.stderr)
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for pol, r in results.items():
+        ax.plot(r["running_over_time"], label=f"{pol} (mean {r['mean_running']:.1f})", lw=1.5)
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("running requests")
+    ax.set_title("Requests decoding per step, same device and host budgets")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _table(out: dict) -> str:
+    cols = [("mean running", "mean_running", "{:.2f}"), ("max running", "max_running", "{}"),
+            ("preemptions", "preemptions", "{}"), ("swaps", "swaps", "{}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
+            ("hit rate", "hit_rate", "{:.3f}"), ("H2D MiB", "h2d_bytes", "{:.1f}"), ("D2H MiB", "d2h_bytes", "{:.1f}"),
+            ("device KV pages", "device_pages", "{}"), ("wall s", "wall_s", "{:.1f}")]
+    pols = list(out["policies"])
+    w = max(len(c[0]) for c in cols)
+    lines = [f"{'':<{w}}  " + "  ".join(f"{p:>10}" for p in pols)]
+    for name, key, fmt in cols:
+        vals = []
+        for p in pols:
+            v = out["policies"][p][key]
+            vals.append(fmt.format(v / 2 ** 20 if key.endswith("_bytes") else v))
+        lines.append(f"{name:<{w}}  " + "  ".join(f"{v:>10}" for v in vals))
+    lines.append(f"outputs identical across policies: {out['outputs_identical']}")
+    if "hisparse_over_offload_mean_running" in out:
+        lines.append(f"HiSparse / offload mean running requests: {out['hisparse_over_offload_mean_running']:.2f}x")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.requests < 1 or args.prompt_len < 16 or args.new_tokens < 2:
-        print("hisparse demo: need --requests >= 1, --prompt-len >= 16, --new-tokens >= 2", file=sys.stderr)
+    bad = [p for p in args.policies.split(",") if p.strip() and p.strip() not in POLICIES]
+    if bad or args.requests < 1 or args.prompt_len < 64 or args.new_tokens < 1 or args.device_requests <= 0:
+        print(f"hisparse demo: bad arguments (unknown policies {bad}; need --requests >= 1, --prompt-len >= 64, "
+              "--new-tokens >= 1, --device-requests > 0)", file=sys.stderr)
         return 2
-    r = run(args)
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
+    out = run(args)
     if args.json:
-        print(json.dumps(r))
-        return 0
-    rows = [("requests", r["requests"]), ("prompt tokens", f"{min(r['prompt_tokens'])}-{max(r['prompt_tokens'])}"),
-            ("index top-k", r["index_topk"]),
-            ("attended fraction (end)", f"{min(r['attended_fraction_at_end']):.1%}-"
-                                        f"{max(r['attended_fraction_at_end']):.1%}"),
-            ("prefill (s)", f"{r['prefill_s']:.2f}"), ("decode tokens/s", f"{r['decode_tokens_per_s']:.1f}"),
-            ("decode vs full forward, max |dlogit|", f"{r['decode_vs_full_forward_max_abs_logit_diff']:.2e}")]
-    w = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{w}}  {v}")
+        print(json.dumps(out))
+    else:
+        print(_table(out))
+        if out.get("plot"):
+            print(f"plot: {out['plot']}")
     return 0

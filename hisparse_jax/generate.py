@@ -88,7 +88,8 @@ def _decode_fn(graphdef, backend, temperature: float, top_p: float):
 
 def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, key: jax.Array | None = None, eos_token_id: int | Sequence[int] | None = None,
-             cache: CacheConfig | None = None, return_stats: bool = False, return_logits: bool = False):
+             cache: CacheConfig | None = None, return_stats: bool = False, return_logits: bool = False,
+             kernels: str = "reference"):
     """Generate `max_new_tokens` tokens for each prompt; returns the new tokens (list per prompt).
 
     Greedy by default. temperature > 0 samples (optionally with nucleus `top_p`) and needs an explicit
@@ -101,6 +102,9 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     resident (rows read per path), h2d_bytes, h2d_transfer_bytes, d2h_bytes, evicted_pages, steps.
     With `return_logits=True` the logits come last: `(tokens, [stats,] logits)`, logits[i] float32
     [len(tokens[i]), V] — the distribution each new token was drawn from.
+
+    kernels (tiered only): "reference" (jnp), "pallas" (the Pallas GPU kernels for the indexer top-k, the fused
+    resolver and the sparse MLA decode) or "pallas_interpret" (the same kernels interpreted, e.g. on a CPU).
     """
     prompts = validate_prompts(model, prompts, max_new_tokens)
     if temperature < 0 or not 0 < top_p <= 1:
@@ -110,10 +114,12 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     key = key if key is not None else jax.random.key(0)
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     if cache is not None:
+        from hisparse_jax.kv.tiered import check_kernels
+
         return _generate_tiered(model, prompts, max_new_tokens, cache, temperature, top_p, key, eos, return_stats,
-                                return_logits)
-    if return_stats:
-        raise ValueError("return_stats needs the tiered store: pass cache=CacheConfig(...)")
+                                return_logits, check_kernels(kernels))
+    if return_stats or kernels != "reference":
+        raise ValueError("return_stats and kernels need the tiered store: pass cache=CacheConfig(...)")
     cfg = model.cfg
     n = len(prompts)
     B = _bucket_pow2(n)
@@ -167,7 +173,7 @@ def _sample_fn(temperature: float, top_p: float):
 
 
 def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top_p, key, eos, return_stats,
-                     return_logits):
+                     return_logits, kernels="reference"):
     from hisparse_jax.kv.manager import TieredCache
     from hisparse_jax.kv.tiered import decode_step as tiered_step
 
@@ -202,7 +208,7 @@ def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top
     for t in range(1, max_new_tokens):
         for s in slots:
             tc.reserve(s, tc.lengths[s] + 1)
-        logits, tc.store, stats = tiered_step(model, tc.store, {"tokens": tokens, "req": req})
+        logits, tc.store, stats = tiered_step(model, tc.store, {"tokens": tokens, "req": req}, kernels=kernels)
         tc.advance(slots)
         totals = stats if totals is None else jax.tree_util.tree_map(jnp.add, totals, stats)
         key, sub = jax.random.split(key)

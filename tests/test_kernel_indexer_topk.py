@@ -35,7 +35,7 @@ DTYPES = {  # name -> (q dtype, key dtype)
 }
 
 
-def make_case(seed, seq_lens, dtype, *, integer=True, topk=TOPK, mp=MP, pool=P):
+def make_case(seed, seq_lens, dtype, *, integer=True, topk=TOPK, mp=MP, pool=P, heads=I, dim=D):
     """A paged case and its contiguous twin.
 
     Returns (args, kwargs) for the kernel / reference, and (q, w, keys, fp8) for the contiguous
@@ -48,15 +48,15 @@ def make_case(seed, seq_lens, dtype, *, integer=True, topk=TOPK, mp=MP, pool=P):
     s = mp * PAGE
     nb = len(seq_lens)
     if integer:
-        q = rng.integers(-3, 4, (nb, I, D)).astype(np.float32)
-        k = rng.integers(-3, 4, (nb, s, D)).astype(np.float32)
-        w = rng.integers(-4, 9, (nb, I)).astype(np.float32) / 8  # some negative: negative scores too
+        q = rng.integers(-3, 4, (nb, heads, dim)).astype(np.float32)
+        k = rng.integers(-3, 4, (nb, s, dim)).astype(np.float32)
+        w = rng.integers(-4, 9, (nb, heads)).astype(np.float32) / 8  # some negative: negative scores too
         if fp8:  # rotation is an involution: the quantized operands come back as exact small integers
             q, k = np.asarray(hadamard(jnp.asarray(q))), np.asarray(hadamard(jnp.asarray(k)))
     else:
-        q = rng.standard_normal((nb, I, D)).astype(np.float32)
-        k = rng.standard_normal((nb, s, D)).astype(np.float32)
-        w = rng.standard_normal((nb, I)).astype(np.float32) / np.sqrt(I * D)
+        q = rng.standard_normal((nb, heads, dim)).astype(np.float32)
+        k = rng.standard_normal((nb, s, dim)).astype(np.float32)
+        w = rng.standard_normal((nb, heads)).astype(np.float32) / np.sqrt(heads * dim)
     q = jnp.asarray(q, qd)
     if fp8:
         stored, scale = (np.asarray(x) for x in quantize_index_keys(jnp.asarray(k)))
@@ -66,7 +66,7 @@ def make_case(seed, seq_lens, dtype, *, integer=True, topk=TOPK, mp=MP, pool=P):
         keys = jnp.asarray(stored)
     # permuted block tables; every pool row that no valid position reads is NaN
     pages = rng.permutation(pool)[: nb * mp].reshape(nb, mp)
-    k_pages = np.full((pool, PAGE, D), np.nan, np.float32).astype(stored.dtype)
+    k_pages = np.full((pool, PAGE, dim), np.nan, np.float32).astype(stored.dtype)
     k_scale = np.full((pool, PAGE), np.nan, np.float32)
     block_table = pages.copy()
     for b, n in enumerate(seq_lens):
@@ -260,3 +260,15 @@ def test_lowers_for_cuda_at_realistic_shapes(q_dtype, k_dtype):
     lowered = jax.jit(partial(indexer_topk, topk=2048)).trace(*args, **kw).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert text.count("__gpu$xla.gpu.triton") == 4 + 32 // RADIX_BITS  # scores, radix rounds, ties, compact, rank
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", ["bf16q", "fp8", "f32"])
+def test_gpu_compiled_kernel_equals_reference(dtype):
+    """The compiled Triton kernels at 64 heads x 128, 16K context, top-2048 (integer data: exact scores)."""
+    seq_lens = [256 * PAGE, 1, 0, 5000]
+    args, kw, _ = make_case(11, seq_lens, dtype, topk=2048, mp=256, pool=1100, heads=64, dim=128)
+    got = np.asarray(indexer_topk(*args, **kw))
+    np.testing.assert_array_equal(got, np.asarray(indexer_topk_reference(*args, **kw)))
+    check_well_formed(got, seq_lens, 2048)

@@ -260,3 +260,18 @@ def test_errors_are_clear_and_change_nothing():
     with pytest.raises(PoolError, match="last 2"):
         tc.evict(s, [r.num_pages - 1])
     assert INVALID not in r.device
+
+
+def test_lone_request_grows_under_pressure():
+    """A single request longer than the device pool keeps growing: its own sealed pages make room."""
+    rng = np.random.default_rng(6)
+    tc = TieredCache(MODEL, cache_cfg(device_pages=4, max_seqs=1))  # 2 tail pages + 1 hot page + 1
+    ref = Reference()
+    s = admit(tc, ref, rng, 64 * 3)
+    append_tokens(tc, ref, rng, [s], 64 * 4)  # crosses four page boundaries
+    tc.check_invariants()
+    assert tc.evicted_pages >= 4
+    topk = np.array([[0, 70, 130, 200, 260, 300, 400, 447]], np.int32)
+    lat, rope, _, _ = tc.gather([s], topk)
+    want_lat, want_rope = ref.rows([s], topk)
+    np.testing.assert_array_equal(np.asarray(lat), want_lat)

@@ -27,6 +27,8 @@ from hisparse_jax.engine.request import Request, RequestState, SamplingParams
 from hisparse_jax.engine.scheduler import POLICIES, Scheduler, pages
 from hisparse_jax.generate import sample_tokens
 from hisparse_jax.kv.manager import COLDNESS, BudgetError, TieredCache
+from hisparse_jax.kv import tiered
+from hisparse_jax.kv.state import StoreSpec
 from hisparse_jax.kv.tiered import decode_step, stats_bytes
 from hisparse_jax.model.decoder import SparseMLAModel
 
@@ -144,6 +146,7 @@ class Engine:
     # ----- one step ------------------------------------------------------------------------------
     def step(self) -> dict:
         t0 = time.perf_counter()
+        traces = tiered.TRACE_COUNTS["decode_step"]
         sched = self.scheduler
         plan = sched.schedule(self.step_count)
         rows_tok, rows_req, rows_pos, decode_rows, last_prefill_row = [], [], [], [], {}
@@ -209,6 +212,7 @@ class Engine:
             "hits": st.get("hits", 0), "misses": st.get("misses", 0), "resident": st.get("resident", 0),
             "h2d_bytes": st.get("h2d_bytes", 0), "d2h_bytes": st.get("d2h_bytes", 0),
             "device_pages_used": self.cache.pool.num_used("device"), "step_time_s": dt,
+            "compiled": tiered.TRACE_COUNTS["decode_step"] > traces,
         }
         self.history.append(m)
         if self._log:
@@ -245,6 +249,8 @@ class Engine:
         h = self.history
         decode_steps = [m for m in h if m["running"]]
         total_time = sum(m["step_time_s"] for m in h)
+        warm = [m for m in h if not m["compiled"]]
+        warm_time = sum(m["step_time_s"] for m in warm)
         hits, misses = sum(m["hits"] for m in h), sum(m["misses"] for m in h)
         tokens = sum(m["tokens"] for m in h)
         return {
@@ -253,7 +259,9 @@ class Engine:
             "max_running": max((m["running"] for m in h), default=0),
             "preemptions": sum(m["preemptions"] for m in h), "swaps": sum(m["swaps_out"] for m in h),
             "tokens": tokens, "prefill_tokens": sum(m["prefill_tokens"] for m in h),
-            "time_s": total_time, "tokens_per_s": tokens / total_time if total_time else 0.0,
+            "time_s": total_time, "compile_steps": len(h) - len(warm), "compile_time_s": total_time - warm_time,
+            # throughput over the steps that did not compile (the step compiles once per batch bucket)
+            "tokens_per_s": sum(m["tokens"] for m in warm) / warm_time if warm_time else 0.0,
             "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
             "h2d_bytes": sum(m["h2d_bytes"] for m in h) + self.cache.h2d_bytes,
             "d2h_bytes": sum(m["d2h_bytes"] for m in h) + self.cache.d2h_bytes,
@@ -264,3 +272,27 @@ class Engine:
         if self._log:
             self._log.close()
             self._log = None
+
+
+def device_budget(model_cfg, cache: CacheConfig, device_bytes: int, policy: str, *, max_running: int,
+                  max_len: int) -> CacheConfig:
+    """Split one device byte budget into KV pages and indexer pages, as a shared pool would for `policy`.
+
+    preempt / offload keep every page whole on the device: one KV page + one indexer page per 64 tokens.
+    hisparse keeps every request's indexer keys resident, plus two tail pages and a hot buffer per running
+    request, plus one prompt resident while it is prefilled: the indexer pool is sized for as many requests
+    as that leaves room for (at most `max_running`), the KV pool gets the rest.
+    """
+    spec = StoreSpec.create(model_cfg, cache.replace(device_pages=1, index_pages=1))
+    kv_page = spec.page_bytes * spec.num_layers
+    idx_page = 64 * spec.num_index_layers * (spec.index_dim + 4 if spec.fp8 else 2 * spec.index_dim
+                                             if spec.kv_dtype == "bf16" else 4 * spec.index_dim)
+    n = pages(max_len)
+    if policy != "hisparse":
+        p = device_bytes // (kv_page + idx_page)
+        return cache.replace(device_pages=int(p), index_pages=int(p))
+    per_request = n * idx_page + (2 + spec.hot_pages) * kv_page
+    c = max(1, min(max_running, (device_bytes - (n + 1) * kv_page) // per_request))
+    index_pages = c * n
+    return cache.replace(device_pages=int((device_bytes - index_pages * idx_page) // kv_page),
+                         index_pages=int(index_pages))

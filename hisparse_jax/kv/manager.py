@@ -94,6 +94,7 @@ class TieredCache:
         self.evicted_pages = 0
         self.h2d_bytes = 0  # swap-ins (decode misses are in the step stats)
         self.pinned: set[int] = set()
+        self._growing: tuple[int, int] | None = None  # (slot, pages being added) during _grow
         # release single cold pages under pressure (HiSparse); off = a request is resident whole or not at all
         self.partial_eviction = True  # slots that must stay fully resident (being prefilled, or policy says so)
         self._synced_hot: dict[int, tuple[int, ...]] = {}
@@ -244,7 +245,11 @@ class TieredCache:
         # device pages for the new pages: at most the last TAIL_PAGES must be resident; older ones may start
         # on the host (as if written and evicted) when the device is short — unless the slot is pinned
         must = new if slot in self.pinned else min(new, TAIL_PAGES)
-        self._make_room(slot, new, must, n)
+        self._growing = (slot, new)
+        try:
+            self._make_room(slot, new, must, n)
+        finally:
+            self._growing = None
         k = min(new, self.pool.num_free(Tier.DEVICE) - self._hot_cost(slot, n, new))
         k = max(k, must)
         if not mirror and k < new:
@@ -283,10 +288,11 @@ class TieredCache:
             raise OutOfPages(Tier.DEVICE, need(must), self.pool.num_free(Tier.DEVICE), self.spec.device_pages)
 
     def evictable_pages(self, slot: int) -> list[int]:
-        """Logical pages of `slot` that may be released now: resident, sealed (not among the last two) and
-        with a current host copy. Oldest first."""
+        """Logical pages of `slot` that may be released now: resident, sealed (not among the last two — counting
+        the pages a growth in progress is about to add) and with a current host copy. Oldest first."""
         r = self.requests[slot]
-        limit = r.num_pages - TAIL_PAGES
+        growing = self._growing[1] if self._growing and self._growing[0] == slot else 0
+        limit = r.num_pages + growing - TAIL_PAGES
         return [i for i in range(max(limit, 0)) if r.device[i] != INVALID and r.host[i] != INVALID]
 
     def _evict_until(self, free_target: int, exclude: int | None = None) -> None:
@@ -322,8 +328,9 @@ class TieredCache:
     def evict(self, slot: int, logical_pages: list[int]) -> None:
         """Release the device copies of `slot`'s logical pages (their host copies must be current)."""
         r = self.requests[slot]
+        growing = self._growing[1] if self._growing and self._growing[0] == slot else 0
         for i in logical_pages:
-            if i >= r.num_pages - TAIL_PAGES:
+            if i >= r.num_pages + growing - TAIL_PAGES:
                 raise PoolError(f"slot {slot}: page {i} is one of the last {TAIL_PAGES} pages (being written)")
             if r.device[i] == INVALID or r.host[i] == INVALID:
                 raise PoolError(f"slot {slot}: page {i} is not resident with a host copy")

@@ -48,12 +48,38 @@ def stats_bytes(spec: StoreSpec, stats: dict) -> dict:
     return out
 
 
+KERNELS = ("reference", "pallas", "pallas_interpret")
+
+
+def check_kernels(kernels: str) -> str:
+    """Validate the kernel choice: "reference" (jnp), "pallas" (GPU kernels; needs a GPU backend), or
+    "pallas_interpret" (the same kernels in Pallas interpret mode, on any backend). Never a silent fallback."""
+    if kernels not in KERNELS:
+        raise ValueError(f"unknown kernels {kernels!r}; choose one of {', '.join(KERNELS)}")
+    if kernels == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError(f"kernels='pallas' needs a GPU backend (this one is {jax.default_backend()!r}); "
+                         "use kernels='pallas_interpret' to run the kernels on the CPU")
+    return kernels
+
+
 @dataclasses.dataclass(frozen=True)
 class TieredKV:
     """`KVBackend` over a `KVStore`. The cache threaded through the model is
-    {"store": KVStore, "req": int32[B], "plan": ops.Plan | None, "stats": dict}."""
+    {"store": KVStore, "req": int32[B], "plan": ops.Plan | None, "stats": dict}.
+
+    kernels: "reference" (jnp ops), "pallas" / "pallas_interpret": the indexer top-k, the fused resolver
+    and the sparse MLA decode run as Pallas kernels (`pallas_kernels`)."""
 
     spec: StoreSpec
+    kernels: str = "reference"
+
+    @property
+    def _pallas(self) -> bool:
+        return self.kernels != "reference"
+
+    @property
+    def _interpret(self) -> bool:
+        return self.kernels == "pallas_interpret"
 
     def append(self, cache, layer, slot, positions, c, k_rope, k_index):
         store, dropped = ops.append_rows(self.spec, cache["store"], layer, slot, cache["req"], positions, c, k_rope,
@@ -62,14 +88,24 @@ class TieredKV:
         return dict(cache, store=store, stats=stats)
 
     def select(self, cache, slot, positions, q_index, w):
-        return ops.index_select(self.spec, cache["store"], slot, cache["req"], positions, q_index, w), cache
+        if not self._pallas:
+            return ops.index_select(self.spec, cache["store"], slot, cache["req"], positions, q_index, w), cache
+        from pallas_kernels import indexer_topk
+
+        spec, store, req = self.spec, cache["store"], cache["req"]
+        seq = jnp.where(req >= 0, positions + 1, 0)
+        table = store.index_table[jnp.maximum(req, 0)]
+        topk = indexer_topk(q_index, w, store.index_k[slot], table, seq, topk=spec.topk,
+                            k_scale=store.index_scale[slot] if spec.fp8 else None, interpret=self._interpret)
+        return topk[:, :min(spec.topk, spec.max_pages * 64)], cache
 
     def attend(self, cache, layer, topk, q_lat, q_rope, tau):
         spec = self.spec
         store, stats = cache["store"], dict(cache["stats"])
         g = spec.group_of_layer[layer]
         if layer == spec.groups[g][0]:  # the group's leader resolves and fetches for every layer of the group
-            plan, store = ops.resolve(spec, store, g, cache["req"], topk)
+            plan, store = (self._resolve_pallas(store, g, cache["req"], topk) if self._pallas
+                           else ops.resolve(spec, store, g, cache["req"], topk))
             store, payload, transfer = ops.fetch_misses(spec, store, spec.groups[g], plan)
             stats["h2d_rows"] = stats["h2d_rows"] + payload
             stats["h2d_transfer_rows"] = stats["h2d_transfer_rows"] + transfer
@@ -78,8 +114,15 @@ class TieredKV:
         # The barrier pins the attention's inputs: XLA then compiles the math identically whatever the pool
         # sizes, so tiered and all-resident runs agree bit for bit (fusing the gather into the attention
         # would let the reduction order depend on the store's shape).
-        rows_c, rows_r = jax.lax.optimization_barrier(ops.gather_rows(spec, store, layer, plan))
-        o_lat = sparse_mla_decode_reference(q_lat, q_rope, rows_c, rows_r, plan.valid, tau)
+        if self._pallas:
+            from pallas_kernels import sparse_mla_decode
+
+            o_lat = sparse_mla_decode(q_lat, q_rope, store.latent, store.rope, plan.page, plan.row, plan.valid,
+                                      tau=tau, latent_scale=store.latent_scale, layer=layer,
+                                      interpret=self._interpret)
+        else:
+            rows_c, rows_r = jax.lax.optimization_barrier(ops.gather_rows(spec, store, layer, plan))
+            o_lat = sparse_mla_decode_reference(q_lat, q_rope, rows_c, rows_r, plan.valid, tau)
         n_res = jnp.sum(plan.resident).astype(jnp.int32)
         n_miss = jnp.sum(plan.miss).astype(jnp.int32)
         n_hit = jnp.sum(plan.valid & ~plan.resident & ~plan.miss).astype(jnp.int32)
@@ -89,11 +132,27 @@ class TieredKV:
         return o_lat, dict(cache, store=store, plan=plan, stats=stats)
 
 
+    def _resolve_pallas(self, store, g, req, topk):
+        from pallas_kernels import sparse_gather
+
+        out = sparse_gather(topk, req, store.block_table, store.host_table, store.hot_pages, store.hot_token[:, g],
+                            store.hot_stamp[:, g], store.clock, hot_rows=self.spec.hot_rows,
+                            interpret=self._interpret)
+        plan = ops.Plan(*out[:7])
+        hot_token, hot_stamp = out[7], out[8]
+        rw = jnp.where(req >= 0, req, self.spec.max_seqs)
+        lp = jnp.where(plan.valid, jnp.maximum(topk, 0) // 64, self.spec.max_pages)
+        page_stamp = store.page_stamp.at[rw[:, None], lp].max(store.clock, mode="drop")
+        store = dataclasses.replace(store, hot_token=store.hot_token.at[:, g].set(hot_token),
+                                    hot_stamp=store.hot_stamp.at[:, g].set(hot_stamp), page_stamp=page_stamp)
+        return plan, store
+
+
 def _positions(store: KVStore, req):
     return jnp.where(req >= 0, store.seq_lens[jnp.maximum(req, 0)], -1)
 
 
-def step_impl(model: SparseMLAModel, store: KVStore, batch: dict):
+def step_impl(model: SparseMLAModel, store: KVStore, batch: dict, kernels: str = "reference"):
     """The un-jitted step (composable inside a user's own jit / scan).
 
     batch: tokens int32[B], req int32[B]; optional pos int32[B] — explicit positions, which lets several rows
@@ -103,7 +162,8 @@ def step_impl(model: SparseMLAModel, store: KVStore, batch: dict):
     req = batch["req"].astype(jnp.int32)
     positions = _positions(store, req) if "pos" not in batch else jnp.where(req >= 0, batch["pos"], -1)
     cache = {"store": store, "req": req, "plan": None, "stats": empty_stats(spec)}
-    logits, cache, _ = model_decode_step(model, batch["tokens"].astype(jnp.int32), positions, cache, TieredKV(spec))
+    logits, cache, _ = model_decode_step(model, batch["tokens"].astype(jnp.int32), positions, cache,
+                                         TieredKV(spec, kernels))
     store, stats = cache["store"], cache["stats"]
     if spec.mirror_to_host:
         store, d2h = ops.mirror_rows(spec, store, req, positions)
@@ -115,17 +175,17 @@ def step_impl(model: SparseMLAModel, store: KVStore, batch: dict):
 
 
 @functools.lru_cache(maxsize=32)
-def _jitted_step(graphdef):
+def _jitted_step(graphdef, kernels: str):
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(state, store, batch):
         TRACE_COUNTS["decode_step"] += 1
-        return step_impl(nnx.merge(graphdef, state), store, batch)
+        return step_impl(nnx.merge(graphdef, state), store, batch, kernels)
 
     return step
 
 
 @functools.lru_cache(maxsize=32)
-def _jitted_loop(graphdef, num_steps: int):
+def _jitted_loop(graphdef, num_steps: int, kernels: str):
     @functools.partial(jax.jit, donate_argnums=(1,))
     def loop(state, store, batch):
         TRACE_COUNTS["decode_loop"] += 1
@@ -133,7 +193,7 @@ def _jitted_loop(graphdef, num_steps: int):
 
         def body(carry, _):
             store, tokens = carry
-            logits, store, stats = step_impl(model, store, {"tokens": tokens, "req": batch["req"]})
+            logits, store, stats = step_impl(model, store, {"tokens": tokens, "req": batch["req"]}, kernels)
             nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             return (store, nxt), (nxt, logits, stats)
 
@@ -143,13 +203,15 @@ def _jitted_loop(graphdef, num_steps: int):
     return loop
 
 
-def decode_step(model: SparseMLAModel, store: KVStore, batch: dict):
-    """One jitted decode step; the store is donated. Returns (logits f32[B, V], store, stats)."""
+def decode_step(model: SparseMLAModel, store: KVStore, batch: dict, *, kernels: str = "reference"):
+    """One jitted decode step; the store is donated. Returns (logits f32[B, V], store, stats).
+    kernels: "reference" | "pallas" | "pallas_interpret" (see `TieredKV`)."""
     graphdef, state = nnx.split(model)
-    return _jitted_step(graphdef)(state, store, _commit(store, batch))
+    return _jitted_step(graphdef, check_kernels(kernels))(state, store, _commit(store, batch))
 
 
-def decode_loop(model: SparseMLAModel, store: KVStore, batch: dict, num_steps: int):
+def decode_loop(model: SparseMLAModel, store: KVStore, batch: dict, num_steps: int, *,
+                kernels: str = "reference"):
     """`num_steps` greedy decode steps in one `lax.scan` (each step feeds its argmax to the next).
 
     The host must have reserved the tail pages of all `num_steps` positions first. Returns
@@ -157,7 +219,7 @@ def decode_loop(model: SparseMLAModel, store: KVStore, batch: dict, num_steps: i
     stats stacked over steps) — bit-identical to `num_steps` calls of `decode_step`.
     """
     graphdef, state = nnx.split(model)
-    return _jitted_loop(graphdef, int(num_steps))(state, store, _commit(store, batch))
+    return _jitted_loop(graphdef, int(num_steps), check_kernels(kernels))(state, store, _commit(store, batch))
 
 
 def _commit(store: KVStore, batch: dict) -> dict:

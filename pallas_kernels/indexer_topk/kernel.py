@@ -246,8 +246,11 @@ def _compact_kernel(thr_ref, need_ref, sel_off_ref, eq_off_ref, keys_ref, _ck_in
 def _compact(keys, thr, need, sel_off, eq_off, cand_key, cand_pos, *, chunk, interpret):
     B, Sp = keys.shape
     KC = cand_key.shape[1]
-    whole = lambda x: pl.BlockSpec(x.shape, lambda b, c: (0,) * x.ndim)  # noqa: E731
     row = pl.BlockSpec((None, KC), lambda b, c: (b, 0))
+
+    def whole(x):
+        return pl.BlockSpec(x.shape, lambda b, c: (0,) * x.ndim)
+
     return pl.pallas_call(
         _compact_kernel,
         out_shape=(jax.ShapeDtypeStruct((B, KC), jnp.int32),) * 2,

@@ -169,12 +169,13 @@ def _assign_kernel(req_ref, clock_ref, topk_ref, kind_ref, addr_ref, host_table_
         def rank_tile(i, carry):
             ok_i, v_i, s_i = members(i)
 
-            def count(j, rank):
+            def count_before(j, rank):  # rank [TK] += #{members of tile j ordered before each of tile i}
                 ok_j, v_j, s_j = members(j)
-                before = (s_j[None, :] < s_i[:, None]) | ((s_j[None, :] == s_i[:, None]) & (v_j[None, :] < v_i[:, None]))
+                s_j, v_j = s_j[None, :], v_j[None, :]
+                before = (s_j < s_i[:, None]) | ((s_j == s_i[:, None]) & (v_j < v_i[:, None]))  # [TK, TK]
                 return rank + jnp.sum((before & ok_j[None, :]).astype(jnp.int32), axis=1)
 
-            rank = lax.fori_loop(0, n_tiles, count, jnp.zeros((tk,), jnp.int32))
+            rank = lax.fori_loop(0, n_tiles, count_before, jnp.zeros((tk,), jnp.int32))
             plgpu.store(order_ref.at[b, jnp.where(ok_i, rank, kp)], v_i, mask=ok_i)
             return carry
 
