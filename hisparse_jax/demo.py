@@ -30,11 +30,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="demo-glm", help="model preset (default demo-glm)")
     p.add_argument("--requests", type=int, default=16, help="concurrent requests (default 16)")
     p.add_argument("--prompt-len", type=int, default=2048, help="longest prompt in tokens (default 2048)")
-    p.add_argument("--new-tokens", type=int, default=192, help="tokens generated per request (default 192)")
+    p.add_argument("--new-tokens", type=int, default=160, help="tokens generated per request (default 160)")
     p.add_argument("--device-requests", type=float, default=3.0,
                    help="device budget, in whole-request KV footprints (KV + indexer keys) of the longest "
                         "request (default 3.0)")
-    p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8", "float32"))
+    p.add_argument("--kv-dtype", default="float32", choices=("bf16", "fp8", "float32"),
+                   help="KV format (default float32: XLA:CPU converts bf16/fp8 pools around every scatter, which
+                        "makes them slow on a CPU; use bf16 or fp8 on a GPU)")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES))
     p.add_argument("--prefill-chunk", type=int, default=240, help="prompt tokens per engine step (default 240)")
     p.add_argument("--seed", type=int, default=0)
