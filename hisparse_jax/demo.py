@@ -35,8 +35,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="device budget, in whole-request KV footprints (KV + indexer keys) of the longest "
                         "request (default 3.0)")
     p.add_argument("--kv-dtype", default="float32", choices=("bf16", "fp8", "float32"),
-                   help="KV format (default float32: XLA:CPU converts bf16/fp8 pools around every scatter, which
-                        "makes them slow on a CPU; use bf16 or fp8 on a GPU)")
+                   help="KV format (default float32: XLA:CPU converts bf16/fp8 pools around every scatter, "
+                        "which is slow on a CPU; use bf16 or fp8 on a GPU)")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES))
     p.add_argument("--prefill-chunk", type=int, default=240, help="prompt tokens per engine step (default 240)")
     p.add_argument("--seed", type=int, default=0)
