@@ -34,7 +34,6 @@ import dataclasses
 import datetime
 import faulthandler
 import json
-import math
 import os
 import platform
 import re
@@ -676,12 +675,7 @@ def section_decode(ctx: Ctx) -> dict:
     # ratio. That per-call overhead is measured separately below ("public_decode_step").
     from hisparse_jax.kv import tiered as tiered_mod
 
-    jitted = getattr(tiered_mod, "_jitted_step", None)
-    if jitted is not None:
-        jfn = jitted(graphdef)
-        step_fn, step_how = (lambda store, batch: jfn(state, store, batch)), "tiered._jitted_step(graphdef), split once"
-    else:
-        step_fn, step_how = (lambda store, batch: decode_step(model, store, batch)), "tiered.decode_step"
+    step_fn, step_how = tiered_mod.make_decode_step(model), "tiered.make_decode_step(model): split once"
 
     def one_step(r, fn=step_fn):
         tc = r["tc"]

@@ -38,7 +38,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="KV format (default float32: XLA:CPU converts bf16/fp8 pools around every scatter, "
                         "which is slow on a CPU; use bf16 or fp8 on a GPU)")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES))
-    p.add_argument("--prefill-chunk", type=int, default=240, help="prompt tokens per engine step (default 240)")
+    p.add_argument("--prefill", default="whole", choices=("whole", "chunked"),
+                   help="prompt prefill for every policy: one causal forward per prompt written into the store "
+                        "(default), or chunks through the store within the decode batch")
+    p.add_argument("--prefill-chunk", type=int, default=240, help="prompt tokens per step when chunked (240)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default="hisparse_demo.png", help="PNG of running requests over time ('' = none)")
     p.add_argument("--log-dir", default="", help="write one JSON-lines metrics log per policy here")
@@ -76,9 +79,10 @@ def run(args) -> dict:
     results, outputs = {}, {}
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for pol in policies:
-        cc = device_budget(cfg, base, device_bytes, pol, max_running=args.requests, max_len=max_len)
+        cc = device_budget(cfg, base, device_bytes, pol, max_running=args.requests, max_len=max_len,
+                           prefill=args.prefill)
         log_path = os.path.join(args.log_dir, f"{pol}.jsonl") if args.log_dir else None
-        eng = Engine(model, cc, EngineConfig(policy=pol, max_running=args.requests,
+        eng = Engine(model, cc, EngineConfig(policy=pol, max_running=args.requests, prefill=args.prefill,
                                              prefill_chunk=args.prefill_chunk, log_path=log_path))
         for i, p in enumerate(prompts):
             eng.add_request(f"r{i}", p, params)

@@ -54,6 +54,15 @@ def test_policies_produce_identical_tokens_equal_to_generate(model, prompts, run
         assert res == ref, pol
 
 
+@pytest.mark.parametrize("policy", ["offload", "hisparse"])
+def test_whole_prompt_prefill_gives_the_same_tokens(model, prompts, runs, policy):
+    eng = Engine(model, cache_for(policy, model), EngineConfig(policy=policy, max_running=6, prefill="whole",
+                                                                check_invariants=True))
+    res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW))
+    assert res == runs[policy][0]
+    assert eng.metrics()["preemptions"] == 0
+
+
 def test_hisparse_runs_more_requests_without_preemption(runs):
     h, o = runs["hisparse"][1], runs["offload"][1]
     assert h["preemptions"] == 0 and h["swaps"] == 0

@@ -3,7 +3,6 @@ resolves; invariants after every step; exact byte accounting; memory kinds; clea
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np

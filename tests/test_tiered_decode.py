@@ -3,7 +3,6 @@ compile for 100+ steps, scan == separate calls bit for bit, persistence resumes 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -24,8 +24,7 @@ import numpy as np
 
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
-from hisparse_jax.engine.scheduler import POLICIES, Scheduler, pages
-from hisparse_jax.generate import sample_tokens
+from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, pages
 from hisparse_jax.kv.manager import COLDNESS, BudgetError, TieredCache
 from hisparse_jax.kv import tiered
 from hisparse_jax.kv.state import StoreSpec
@@ -36,12 +35,15 @@ from hisparse_jax.model.decoder import SparseMLAModel
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """policy: "preempt" | "offload" | "hisparse"; coldness (hisparse): "oldest" | "recency";
+    prefill: "chunked" (prompt rows ride in the decode batch, `prefill_chunk` per step) | "whole" (one full
+    causal forward per admitted prompt, written straight into the store);
     max_running: admitted requests at most (also the store's request slots); prefill_chunk: prompt tokens
     per step; min_bucket: smallest batch bucket; log_path: optional JSON-lines log of per-step metrics;
     check_invariants: verify the allocator after every step (tests)."""
 
     policy: str = "hisparse"
     coldness: str = "oldest"
+    prefill: str = "chunked"
     max_running: int = 32
     prefill_chunk: int = 256
     min_bucket: int = 8
@@ -53,6 +55,8 @@ class EngineConfig:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.coldness not in COLDNESS:
             raise ValueError(f"unknown coldness {self.coldness!r}; choose one of {', '.join(COLDNESS)}")
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(f"unknown prefill mode {self.prefill!r}; choose one of {', '.join(PREFILL_MODES)}")
         if self.max_running < 1 or self.prefill_chunk < 1 or self.min_bucket < 1:
             raise ValueError("max_running, prefill_chunk and min_bucket must be >= 1")
 
@@ -86,7 +90,7 @@ class Engine:
         self.cache = TieredCache(model.cfg, cache, victim_order=COLDNESS[config.coldness])
         self.cache.partial_eviction = config.policy == "hisparse"
         self.scheduler = Scheduler(self.cache, config.policy, max_running=config.max_running,
-                                   prefill_chunk=config.prefill_chunk)
+                                   prefill_chunk=config.prefill_chunk, prefill=config.prefill)
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self.history: list[dict] = []
@@ -156,6 +160,10 @@ class Engine:
             rows_req.append(r.slot)
             rows_pos.append(len(r.prompt) + len(r.output) - 1)
         prefill_tokens = 0
+        whole = [(r, n) for r, start, n in plan.prefill if self.config.prefill == "whole"]
+        plan.prefill = [x for x in plan.prefill if self.config.prefill != "whole"]
+        first_logits = [self._prefill_whole(r) for r, _ in whole]
+        prefill_tokens += sum(n for _, n in whole)
         for r, start, n in plan.prefill:
             toks = r.kv_tokens[start:start + n]
             rows_tok += toks
@@ -165,6 +173,14 @@ class Engine:
             prefill_tokens += n
         stats = {}
         new_tokens = 0
+        emit_logits = []  # (logits [V], request) of whole prompts prefilled this step
+        for (r, _), lg in zip(whole, first_logits):
+            r.computed = len(r.kv_tokens)
+            r.state = RequestState.RUNNING
+            if not r.output:
+                emit_logits.append((lg, r))
+        if emit_logits:
+            new_tokens += self._emit(jnp.stack([lg for lg, _ in emit_logits]), [r for _, r in emit_logits])
         if rows_tok:
             B = max(self.config.min_bucket, 1 << (len(rows_tok) - 1).bit_length())
             pad = B - len(rows_tok)
@@ -186,19 +202,7 @@ class Engine:
                 self.cache.lengths[r.slot] += 1
             if emit:
                 idx = jnp.asarray([i for i, _ in emit], jnp.int32)
-                rs = [r for _, r in emit]
-                toks = _sampler()(logits[idx], jnp.asarray([r.params.seed for r in rs], jnp.uint32),
-                                  jnp.asarray([len(r.prompt) + len(r.output) for r in rs], jnp.int32),
-                                  jnp.asarray([r.params.temperature for r in rs], jnp.float32),
-                                  jnp.asarray([r.params.top_p for r in rs], jnp.float32))
-                for r, tok in zip(rs, np.asarray(toks).tolist()):
-                    r.output.append(int(tok))
-                    new_tokens += 1
-                    if r.first_token_step is None:
-                        r.first_token_step = self.step_count
-                    if r.done_generating():
-                        sched.finish(r, RequestState.FINISHED)
-                        r.finish_step = self.step_count
+                new_tokens += self._emit(logits[idx], [r for _, r in emit])
         if self.config.check_invariants:
             self.cache.check_invariants()
         dt = time.perf_counter() - t0
@@ -220,6 +224,37 @@ class Engine:
             self._log.flush()
         self.step_count += 1
         return m
+
+    def _emit(self, logits, rs: list[Request]) -> int:
+        """Sample one token per request from logits [n, V]; finish those that are done."""
+        toks = _sampler()(logits, jnp.asarray([r.params.seed for r in rs], jnp.uint32),
+                          jnp.asarray([len(r.prompt) + len(r.output) for r in rs], jnp.int32),
+                          jnp.asarray([r.params.temperature for r in rs], jnp.float32),
+                          jnp.asarray([r.params.top_p for r in rs], jnp.float32))
+        for r, tok in zip(rs, np.asarray(toks).tolist()):
+            r.output.append(int(tok))
+            if r.first_token_step is None:
+                r.first_token_step = self.step_count
+            if r.done_generating():
+                self.scheduler.finish(r, RequestState.FINISHED)
+                r.finish_step = self.step_count
+        return len(rs)
+
+    def _prefill_whole(self, r: Request):
+        """One full causal forward over r's KV tokens, written into its pages; returns the last logits [V]."""
+        from flax import nnx
+
+        from hisparse_jax.generate import _bucket_pow2, _prefill_fn
+
+        toks = r.kv_tokens
+        T = _bucket_pow2(len(toks), 16)
+        ids = np.zeros((1, T), np.int32)
+        ids[0, :len(toks)] = toks
+        graphdef, state = nnx.split(self.model)
+        logits, aux = _prefill_fn(graphdef)(state, jnp.asarray(ids))
+        self.cache.write_prefill(r.slot, jnp.stack(aux["latent"])[:, 0], jnp.stack(aux["rope"])[:, 0],
+                                 jnp.stack(aux["index_k"])[:, 0], len(toks))
+        return logits[0, len(toks) - 1].astype(jnp.float32)
 
     def run(self, progress=None) -> None:
         """Step until every request has finished. `progress(engine)` is called after each step."""
@@ -275,12 +310,13 @@ class Engine:
 
 
 def device_budget(model_cfg, cache: CacheConfig, device_bytes: int, policy: str, *, max_running: int,
-                  max_len: int) -> CacheConfig:
+                  max_len: int, prefill: str = "chunked") -> CacheConfig:
     """Split one device byte budget into KV pages and indexer pages, as a shared pool would for `policy`.
 
     preempt / offload keep every page whole on the device: one KV page + one indexer page per 64 tokens.
     hisparse keeps every request's indexer keys resident, plus two tail pages and a hot buffer per running
-    request, plus one prompt resident while it is prefilled: the indexer pool is sized for as many requests
+    request, plus (chunked prefill) one prompt resident while it is prefilled: the indexer pool is sized for
+    as many requests
     as that leaves room for (at most `max_running`), the KV pool gets the rest.
     """
     spec = StoreSpec.create(model_cfg, cache.replace(device_pages=1, index_pages=1))
@@ -292,7 +328,8 @@ def device_budget(model_cfg, cache: CacheConfig, device_bytes: int, policy: str,
         p = device_bytes // (kv_page + idx_page)
         return cache.replace(device_pages=int(p), index_pages=int(p))
     per_request = n * idx_page + (2 + spec.hot_pages) * kv_page
-    c = max(1, min(max_running, (device_bytes - (n + 1) * kv_page) // per_request))
+    reserve = (n + 1) * kv_page if prefill == "chunked" else 0
+    c = max(1, min(max_running, (device_bytes - reserve) // per_request))
     index_pages = c * n
     return cache.replace(device_pages=int((device_bytes - index_pages * idx_page) // kv_page),
                          index_pages=int(index_pages))

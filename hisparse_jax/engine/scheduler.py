@@ -25,6 +25,10 @@ from hisparse_jax.kv.manager import TAIL_PAGES, TieredCache
 from hisparse_jax.kv.pool import OutOfPages, Tier
 
 POLICIES = ("preempt", "offload", "hisparse")
+# chunked: prompt rows go through the store with the decode batch (the prompt stays resident while it is
+# written, since its rows read each other's top-k); whole: one full causal forward per prompt, written straight
+# into the store — under HiSparse only the tail pages need to be on the device.
+PREFILL_MODES = ("chunked", "whole")
 
 
 def pages(n_tokens: int) -> int:
@@ -41,10 +45,13 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cache: TieredCache, policy: str, *, max_running: int, prefill_chunk: int):
+    def __init__(self, cache: TieredCache, policy: str, *, max_running: int, prefill_chunk: int,
+                 prefill: str = "chunked"):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-        self.cache, self.policy = cache, policy
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"unknown prefill mode {prefill!r}; choose one of {', '.join(PREFILL_MODES)}")
+        self.cache, self.policy, self.prefill = cache, policy, prefill
         self.max_running, self.prefill_chunk = max_running, prefill_chunk
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # admitted: PREFILLING, RUNNING or SWAPPED, in admission order
@@ -72,7 +79,7 @@ class Scheduler:
         c = self.cache
         if len(self.active) >= self.max_running or not c.free_slots():
             return False
-        if any(x.state is RequestState.PREFILLING for x in self.active):
+        if self.prefill == "chunked" and any(x.state is RequestState.PREFILLING for x in self.active):
             return False  # one prompt resident at a time keeps the device floor predictable
         n_max = pages(r.max_len)
         if self._committed(Tier.INDEX) + n_max > c.spec.index_pages:
@@ -80,6 +87,8 @@ class Scheduler:
         if c.spec.mirror_to_host and self._committed(Tier.HOST) + n_max > c.spec.host_pages:
             return False
         prompt_pages = pages(len(r.kv_tokens)) + 1
+        if self.policy == "hisparse" and self.prefill == "whole":
+            return self._device_floor() + c.min_device_pages(prompt_pages) <= c.spec.device_pages
         if self.policy == "hisparse":
             return self._device_floor() + prompt_pages <= c.spec.device_pages
         return c.pool.num_free(Tier.DEVICE) >= prompt_pages
@@ -105,12 +114,19 @@ class Scheduler:
         # 3. admit waiting requests
         while self.waiting and self.can_admit(self.waiting[0]):
             r = self.waiting.popleft()
+            if self.prefill == "whole":
+                # the whole prompt's pages; under HiSparse older ones may start on the host
+                r.slot = c.admit(len(r.kv_tokens), resident=self.policy != "hisparse")
+                r.state, r.computed = RequestState.PREFILLING, 0
+                self.active.append(r)
+                plan.prefill.append((r, 0, len(r.kv_tokens)))
+                continue
             r.slot = c.admit(0)
             c.pinned.add(r.slot)
             r.state, r.computed = RequestState.PREFILLING, 0
             self.active.append(r)
         # 4. prompt chunks
-        budget = self.prefill_chunk
+        budget = self.prefill_chunk if self.prefill == "chunked" else 0
         for r in self.active:
             if r.state is not RequestState.PREFILLING or budget <= 0:
                 continue

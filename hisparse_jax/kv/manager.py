@@ -131,8 +131,9 @@ class TieredCache:
             raise BudgetError(f"a {num_tokens}-token request needs {n} host pages to be evictable; host_pages is "
                               f"{self.spec.host_pages}")
 
-    def admit(self, num_tokens: int) -> int:
-        """Reserve a slot and pages for a prompt of `num_tokens` tokens; returns the slot.
+    def admit(self, num_tokens: int, *, resident: bool = False) -> int:
+        """Reserve a slot and pages for a prompt of `num_tokens` tokens; returns the slot. With `resident`, every
+        page is placed on the device (else older pages may start on the host when the device is short).
 
         Raises BudgetError (never fits), or OutOfPages / PoolError when it does not fit *now* (nothing changed).
         """
@@ -143,11 +144,16 @@ class TieredCache:
         slot = slots[0]
         self.requests[slot] = RequestPages()
         self.lengths[slot] = 0
+        if resident:
+            self.pinned.add(slot)
         try:
             self._grow(slot, num_tokens)
         except Exception:
             self.release(slot)
             raise
+        finally:
+            if resident:
+                self.pinned.discard(slot)
         self.lengths[slot] = num_tokens
         self._sync(slot)
         return slot

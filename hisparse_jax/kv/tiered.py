@@ -210,6 +210,18 @@ def decode_step(model: SparseMLAModel, store: KVStore, batch: dict, *, kernels: 
     return _jitted_step(graphdef, check_kernels(kernels))(state, store, _commit(store, batch))
 
 
+def make_decode_step(model: SparseMLAModel, *, kernels: str = "reference"):
+    """`decode_step` bound to `model` with the model split once: step(store, batch) -> (logits, store, stats).
+    Saves the per-call `nnx.split` (milliseconds of host time) in tight loops; do not mutate `model` after."""
+    graphdef, state = nnx.split(model)
+    jitted = _jitted_step(graphdef, check_kernels(kernels))
+
+    def step(store: KVStore, batch: dict):
+        return jitted(state, store, _commit(store, batch))
+
+    return step
+
+
 def decode_loop(model: SparseMLAModel, store: KVStore, batch: dict, num_steps: int, *,
                 kernels: str = "reference"):
     """`num_steps` greedy decode steps in one `lax.scan` (each step feeds its argmax to the next).

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from hisparse_jax.config import ModelConfig
-from hisparse_jax.model.decoder import DTYPES, SparseMLAModel
+from hisparse_jax.model.decoder import SparseMLAModel
 
 _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,

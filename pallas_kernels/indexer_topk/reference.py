@@ -6,7 +6,6 @@ per row in the block table, S = MP * page key positions, K top-k slots.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from hisparse_jax.model.indexer import index_scores, index_scores_fp8, select_topk
