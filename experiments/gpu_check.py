@@ -14,6 +14,10 @@ Sections (`SECTIONS`, in order; extend by adding a function `f(ctx) -> dict` to 
 * ceilings: device-to-device copy bandwidth and pinned_host -> device copy bandwidth (plain `device_put`,
   and inside `jit` as `dynamic_slice(host) -> device_put(Device)`, whole / in chunks / page-sized blocks),
   plus device -> pinned_host; median of several runs after warm-up, each run ends in `block_until_ready`.
+* kernels: every Pallas kernel (indexer_topk, sparse_gather, sparse_mla_decode) against its jnp reference on
+  fresh random inputs (NaN-poisoned unused rows, permuted tables): exact for the top-k and the resolver, max
+  abs / rel error for MLA decode; then kernel vs jitted reference times and bandwidth against the d2d ceiling
+  measured in the same run (interpret=True on the CPU).
 * fetch: a `KVStore` with the real cache geometry (latent 512, rope 64, indexer 128) and one indexer group
   of a few layers; host pools filled with random rows, device pools poisoned with NaN; a hand-built
   `ops.Plan` with 10 / 20 / 30 % of the top-k rows missing; `ops.fetch_misses` timed per mechanism
@@ -59,6 +63,14 @@ SIZES = {
         fetch_dtypes=("bf16", "fp8"), fetch_warmup=2, fetch_reps=7,
         decode_requests=4, decode_prompt=4096, decode_warmup=2, decode_steps=20, decode_mechanisms=("row", "page"),
         decode_public_steps=5,
+        kernels_max_s=110.0, kernels_time=True, kernels_warmup=2, kernels_reps=10,
+        idx_B=4, idx_heads=64, idx_dim=128, idx_topk=2048, idx_contexts=(131072, 32768), idx_dtypes=("bf16", "fp8"),
+        gather_B=32, gather_K=2048, gather_hot_rows=4096, gather_ctx=32768,
+        mla_B=32, mla_C=512, mla_R=64, mla_K=2048,
+        mla_variants=((128, "bf16", "bf16"), (128, "fp8", "bf16"), (64, "bf16", "bf16"), (64, "fp8", "bf16"),
+                      (128, "bf16", "f32")),
+        kernels_order=("indexer_topk bf16 ctx=131072", "sparse_gather", "sparse_mla_decode H=128 bf16 q=bf16",
+                       "sparse_mla_decode H=128 fp8", "indexer_topk fp8 ctx=131072", "indexer_topk"),
     ),
     "smoke": dict(
         d2d_bytes=64 << 20, h2d_bytes=32 << 20, h2d_chunk_bytes=4 << 20, small_blocks=128, warmup=1, reps=3,
@@ -66,6 +78,12 @@ SIZES = {
         fetch_dtypes=("bf16", "fp8"), fetch_warmup=0, fetch_reps=2,
         decode_requests=2, decode_prompt=1024, decode_warmup=1, decode_steps=3, decode_mechanisms=("row",),
         decode_public_steps=2,
+        kernels_max_s=60.0, kernels_time=True, kernels_warmup=0, kernels_reps=1,
+        idx_B=4, idx_heads=8, idx_dim=32, idx_topk=64, idx_contexts=(256,), idx_dtypes=("bf16", "fp8"),
+        gather_B=2, gather_K=64, gather_hot_rows=128, gather_ctx=1024,
+        mla_B=2, mla_C=128, mla_R=64, mla_K=64,
+        mla_variants=((16, "bf16", "bf16"), (16, "fp8", "bf16"), (16, "bf16", "f32")),
+        kernels_order=(),
     ),
 }
 MECHANISMS = ("row", "page")
@@ -363,6 +381,314 @@ def h2d_ceiling(ctx: Ctx) -> tuple[str, float] | None:
         return None
     bw, name = max(got)
     return name, bw
+
+
+# ----- section: kernels -------------------------------------------------------------------------------
+def d2d_ceiling(ctx: Ctx) -> dict | None:
+    """The device-copy ceiling of this run: {copy_gb_per_s, rw_gb_per_s (read + write traffic)}, or None."""
+    c = ctx.report.get("sections", {}).get("ceilings", {}).get("d2d_copy")
+    if not (isinstance(c, dict) and c.get("gb_per_s")):
+        return None
+    return {"copy_gb_per_s": c["gb_per_s"], "rw_gb_per_s": c.get("rw_gb_per_s") or 2 * c["gb_per_s"]}
+
+
+def _time_pair(ctx, kernel_fn, ref_fn, nbytes=None) -> dict:
+    """Median times of kernel_fn() and ref_fn() (jitted; both already compiled by the correctness run)."""
+    sz = ctx.sz
+    if not sz["kernels_time"]:
+        return {"timed": False}
+    tk = timeit(lambda: _block(kernel_fn()), sz["kernels_warmup"], sz["kernels_reps"], max_s=8.0)
+    tr = timeit(lambda: _block(ref_fn()), sz["kernels_warmup"], sz["kernels_reps"], max_s=8.0)
+    rec = {"timed": True, "kernel_time": tk, "reference_time": tr, "kernel_s": tk["median_s"],
+           "reference_s": tr["median_s"], "speedup_vs_reference": tr["median_s"] / tk["median_s"]}
+    if nbytes:
+        ceil = d2d_ceiling(ctx)
+        rec.update(bytes_read=nbytes, kernel_gb_per_s=_bw(nbytes, tk["median_s"]),
+                   reference_gb_per_s=_bw(nbytes, tr["median_s"]))
+        if ceil:
+            rec["kernel_vs_d2d_copy"] = rec["kernel_gb_per_s"] / ceil["copy_gb_per_s"]
+            rec["kernel_vs_d2d_rw"] = rec["kernel_gb_per_s"] / ceil["rw_gb_per_s"]
+    return rec
+
+
+def _indexer_case(seed: int, B: int, I: int, D: int, S: int, kd: str):
+    """Integer-valued q / k (every score exact in f32, many ties: order compared slot by slot), a permuted
+    block table, NaN in every pool row no valid position reads, -1 in some unused block-table entries."""
+    from hisparse_jax.model.indexer import hadamard, quantize_index_keys
+
+    PAGE = 64
+    MP = S // PAGE
+    P = B * MP + 16
+    rng = np.random.default_rng(seed)
+    lens = [S, S - 1, max(S - 65, 1), S // 2 + 3]
+    seq_lens = np.array([lens[b % 4] for b in range(B)], np.int32)
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.randint(k1, (B, I, D), -3, 4).astype(jnp.float32)
+    k = jax.random.randint(k2, (B, S, D), -3, 4).astype(jnp.float32)
+    w = jax.random.randint(k3, (B, I), -4, 9).astype(jnp.float32) / 8
+    fp8 = kd == "fp8"
+    if fp8:  # the rotation is an involution: quantized operands come back as exact small integers
+        q, k = hadamard(q), hadamard(k)
+        stored, scale = quantize_index_keys(k)
+    else:
+        q, stored, scale = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), None
+    del k
+    live = jnp.arange(S)[None, :] < jnp.asarray(seq_lens)[:, None]  # [B, S]
+    stored = jnp.where(live[..., None], stored, jnp.asarray(jnp.nan, stored.dtype))
+    pages = rng.permutation(P)[:B * MP].reshape(B, MP)
+    k_pages = jnp.full((P, PAGE, D), jnp.nan, stored.dtype).at[pages.reshape(-1)].set(
+        stored.reshape(B * MP, PAGE, D))
+    kw = {}
+    if fp8:
+        scale = jnp.where(live, scale, jnp.nan)
+        kw["k_scale"] = jnp.full((P, PAGE), jnp.nan, jnp.float32).at[pages.reshape(-1)].set(
+            scale.reshape(B * MP, PAGE))
+    bt = pages.copy()
+    for b, n in enumerate(seq_lens):
+        for j in range(MP):
+            if j * PAGE >= n and j % 2:
+                bt[b, j] = -1
+    args = (q, w, k_pages, jnp.asarray(bt, jnp.int32), jnp.asarray(seq_lens))
+    key_bytes = B * S * (D * (1 if fp8 else 2) + (4 if fp8 else 0))
+    return _block(args), _block(kw), seq_lens, key_bytes
+
+
+def _kernel_indexer(ctx, S: int, kd: str, seed: int) -> dict:
+    from functools import partial
+
+    from pallas_kernels.indexer_topk import indexer_topk, indexer_topk_reference
+
+    sz = ctx.sz
+    B, I, D, topk = sz["idx_B"], sz["idx_heads"], sz["idx_dim"], sz["idx_topk"]
+    args, kw, seq_lens, key_bytes = _indexer_case(seed, B, I, D, S, kd)
+    kern = jax.jit(partial(indexer_topk, topk=topk, interpret=ctx.interpret))
+    ref = jax.jit(partial(indexer_topk_reference, topk=topk))
+    got, want = np.asarray(kern(*args, **kw)), np.asarray(ref(*args, **kw))
+    well_formed = True
+    for row, n in zip(got, seq_lens):
+        m = min(int(n), topk)
+        well_formed &= bool((row[m:] == -1).all() and ((row[:m] >= 0) & (row[:m] < n)).all()
+                            and len(set(row[:m].tolist())) == m)
+    sets_equal = all(set(a.tolist()) == set(b.tolist()) for a, b in zip(got, want))
+    order_equal = bool(np.array_equal(got, want))
+    rec = {"kernel": "indexer_topk", "variant": kd, "q_dtype": str(args[0].dtype), "key_dtype": str(args[2].dtype),
+           "B": B, "heads": I, "dim": D, "context": S, "pages": S // 64, "topk": topk,
+           "seq_lens": seq_lens.tolist(), "interpret": ctx.interpret,
+           "correct": {"sets_equal": sets_equal, "order_equal": order_equal, "well_formed": well_formed,
+                       "slots_differing": int((got != want).sum())},
+           "passed": sets_equal and order_equal and well_formed}
+    rec.update(_time_pair(ctx, lambda: kern(*args, **kw), lambda: ref(*args, **kw)))
+    ceil = d2d_ceiling(ctx)
+    rec["key_bytes"] = key_bytes
+    if rec.get("timed") and ceil:
+        t_read = key_bytes / (ceil["rw_gb_per_s"] * GB)
+        rec["keys_read_once_s_at_d2d"] = t_read
+        rec["kernel_vs_keys_read_once"] = rec["kernel_s"] / t_read
+        rec["reference_vs_keys_read_once"] = rec["reference_s"] / t_read
+    return rec
+
+
+def _gather_case(seed: int, B: int, K: int, HR: int, S: int, hit_frac=0.5, resident_p=0.25, fill=0.75, clock=1000):
+    """Resolver inputs with resident pages, hot-buffer hits (about hit_frac of the non-resident top-k
+    positions are held) and misses; permuted tables, LRU stamps random, some empty slots (-1)."""
+    rng = np.random.default_rng(seed)
+    PAGE = 64
+    MP, Rq, NH = S // PAGE, B + 2, -(-HR // PAGE)
+    topk = np.stack([rng.choice(S, K, replace=False) for _ in range(B)]).astype(np.int32)
+    req = rng.permutation(Rq)[:B].astype(np.int32)
+    block_table = np.where(rng.random((Rq, MP)) < resident_p,
+                           rng.permutation(4 * Rq * MP)[:Rq * MP].reshape(Rq, MP), -1).astype(np.int32)
+    host_table = rng.permutation(4 * Rq * MP)[:Rq * MP].reshape(Rq, MP).astype(np.int32)
+    hot_pages = rng.permutation(2 * Rq * NH)[:Rq * NH].reshape(Rq, NH).astype(np.int32)
+    tok = np.full((Rq, HR), -1, np.int32)
+    stamp = np.full((Rq, HR), -1, np.int32)
+    owner = {int(r): b for b, r in enumerate(req)}
+    for r in range(Rq):
+        if r in owner:
+            t = topk[owner[r]]
+            nonres = t[block_table[r, t // PAGE] < 0]
+            held = nonres[rng.random(nonres.size) < hit_frac]
+            others = np.setdiff1d(np.arange(S), t)
+        else:
+            held, others = np.zeros(0, np.int64), np.arange(S)
+        n_other = max(int(fill * HR) - held.size, 0)
+        tags = np.concatenate([held, rng.choice(others, n_other, replace=False)])[:HR]
+        slots = rng.permutation(HR)[:tags.size]
+        tok[r, slots], stamp[r, slots] = tags, rng.integers(0, clock, tags.size)
+    case = (topk, req, block_table, host_table, hot_pages, tok, stamp, np.int32(clock))
+    return tuple(jnp.asarray(x) for x in case)
+
+
+GATHER_FIELDS = ("page", "row", "valid", "resident", "miss", "src_page", "src_row", "hot_token", "hot_stamp")
+
+
+def _kernel_gather(ctx, seed: int) -> dict:
+    from functools import partial
+
+    from pallas_kernels.sparse_gather import sparse_gather, sparse_gather_reference
+
+    sz = ctx.sz
+    B, K, HR, S = sz["gather_B"], sz["gather_K"], sz["gather_hot_rows"], sz["gather_ctx"]
+    args = _block(_gather_case(seed, B, K, HR, S))
+    kern = jax.jit(partial(sparse_gather, hot_rows=HR, interpret=ctx.interpret))
+    ref = jax.jit(partial(sparse_gather_reference, hot_rows=HR))
+    got = [np.asarray(x) for x in kern(*args)]
+    want = [np.asarray(x) for x in ref(*args)]
+    fields = {name: bool(a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b))
+              for name, a, b in zip(GATHER_FIELDS, got, want)}
+    valid, resident, miss = want[2], want[3], want[4]
+    counts = {"slots": int(valid.size), "valid": int(valid.sum()), "resident": int(resident.sum()),
+              "hits": int((valid & ~resident & ~miss).sum()), "misses": int(miss.sum())}
+    MP, NH = S // 64, -(-HR // 64)
+    # bytes one call must touch: top-k, the B rows of both tables, of hot_pages and of the hot state (read and
+    # written), and the plan (4 int32 + 3 bool per slot)
+    nbytes = B * K * 4 + B * 4 + 2 * B * MP * 4 + B * NH * 4 + 2 * 2 * B * HR * 4 + B * K * (4 * 4 + 3)
+    rec = {"kernel": "sparse_gather", "variant": "mixed", "B": B, "K": K, "hot_rows": HR, "context": S,
+           "interpret": ctx.interpret, "counts": counts,
+           "correct": {"fields_identical": fields, "plan_identical": all(fields[f] for f in GATHER_FIELDS[:7]),
+                       "hot_state_identical": fields["hot_token"] and fields["hot_stamp"]},
+           "passed": all(fields.values()) and counts["hits"] > 0 and counts["misses"] > 0,
+           "bytes_note": "bytes_read = top-k + the B rows of block/host tables and hot_pages + hot state read and "
+                         "written + the plan written (the resolver is compare-bound, not bandwidth-bound)"}
+    rec.update(_time_pair(ctx, lambda: kern(*args), lambda: ref(*args), nbytes))
+    return rec
+
+
+def _mla_case(seed: int, B: int, H: int, C: int, R: int, K: int, pool: str, q_dtype):
+    """Each sequence owns 2K/64 pages of a permuted pool and selects K distinct rows of them; ~1/32 of the
+    slots are invalid and point at junk addresses. Every pool row no valid slot selects is NaN."""
+    rng = np.random.default_rng(seed)
+    own = max(2 * K // 64, 1)
+    P = B * own + 8
+    perm = rng.permutation(P)
+    page = rng.integers(0, P, (B, K)).astype(np.int32)
+    row = rng.integers(0, 64, (B, K)).astype(np.int32)
+    valid = rng.random((B, K)) >= 1 / 32
+    valid[:, 0] = True
+    for b in range(B):
+        table = perm[b * own:(b + 1) * own]
+        sel = rng.choice(own * 64, K, replace=False)
+        page[b] = np.where(valid[b], table[sel // 64], page[b])
+        row[b] = np.where(valid[b], sel % 64, row[b])
+    vp, vr = jnp.asarray(page[valid]), jnp.asarray(row[valid])
+    n = int(valid.sum())
+    k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(seed), 5)
+    rope = jnp.full((P, 64, R), jnp.nan, jnp.bfloat16).at[vp, vr].set(
+        jax.random.normal(k2, (n, R)).astype(jnp.bfloat16))
+    lat_vals = jax.random.normal(k1, (n, C))
+    kw = {}
+    if pool == "fp8":
+        latent = jnp.full((P, 64, C), jnp.nan, jnp.float8_e4m3fn).at[vp, vr].set(lat_vals.astype(jnp.float8_e4m3fn))
+        sc = 2.0 ** jax.random.randint(k3, (n, C // 128), -4, 2).astype(jnp.float32)
+        kw["latent_scale"] = jnp.full((P, 64, C // 128), jnp.nan, jnp.float32).at[vp, vr].set(sc)
+    else:
+        latent = jnp.full((P, 64, C), jnp.nan, jnp.bfloat16).at[vp, vr].set(lat_vals.astype(jnp.bfloat16))
+    q_lat = jax.random.normal(k4, (B, H, C)).astype(q_dtype)
+    q_rope = jax.random.normal(k5, (B, H, R)).astype(q_dtype)
+    args = (q_lat, q_rope, latent, rope, jnp.asarray(page), jnp.asarray(row), jnp.asarray(valid))
+    row_bytes = C * (1 if pool == "fp8" else 2) + R * 2 + (C // 128 * 4 if pool == "fp8" else 0)
+    return _block(args), _block(kw), n, row_bytes, P
+
+
+def _kernel_mla(ctx, H: int, pool: str, q_name: str, seed: int) -> dict:
+    from functools import partial
+
+    from pallas_kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_reference
+
+    sz = ctx.sz
+    B, C, R, K = sz["mla_B"], sz["mla_C"], sz["mla_R"], sz["mla_K"]
+    q_dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32}[q_name]
+    tol = {"bf16": 2e-2, "f32": 1e-4}[q_name]
+    tau = float(1 / np.sqrt(192))
+    args, kw, n_valid, row_bytes, P = _mla_case(seed, B, H, C, R, K, pool, q_dtype)
+    kern = jax.jit(partial(sparse_mla_decode, tau=tau, interpret=ctx.interpret))
+    ref = jax.jit(partial(sparse_mla_decode_reference, tau=tau))
+    got = np.asarray(kern(*args, **kw))
+    want = np.asarray(ref(*args, **kw))
+    finite = bool(np.all(np.isfinite(got)) and np.all(np.isfinite(want)))
+    max_abs = float(np.max(np.abs(got - want))) if finite else None
+    rel = max_abs / max(float(np.max(np.abs(want))), 1e-30) if finite else None
+    rec = {"kernel": "sparse_mla_decode", "variant": f"H{H} {pool} pool, q {q_name}", "B": B, "H": H, "C": C, "R": R,
+           "K": K, "pool": pool, "q_dtype": q_name, "pool_pages": P, "valid_rows": n_valid, "row_bytes": row_bytes,
+           "interpret": ctx.interpret,
+           "correct": {"finite": finite, "shape_dtype_ok": got.shape == want.shape and got.dtype == np.float32,
+                       "max_abs_err": max_abs, "max_rel_err": rel, "rel_tol": tol,
+                       "rel_err_is": "max |kernel - reference| / max |reference|"},
+           "passed": finite and got.shape == want.shape and rel is not None and rel <= tol,
+           "bytes_note": "bytes_read = valid rows x (latent + rope + fp8 scales) bytes"}
+    rec.update(_time_pair(ctx, lambda: kern(*args, **kw), lambda: ref(*args, **kw), n_valid * row_bytes))
+    return rec
+
+
+def section_kernels(ctx: Ctx) -> dict:
+    """Each Pallas kernel against its reference: correctness on fresh random inputs, then kernel vs reference
+    times, and bandwidth against the device-copy ceiling of this run."""
+    sz = ctx.sz
+    ctx.interpret = jax.default_backend() != "gpu"
+    deadline = ctx.elapsed() + sz["kernels_max_s"]
+    plan = []
+    for i, S in enumerate(sz["idx_contexts"]):
+        for j, kd in enumerate(sz["idx_dtypes"]):
+            plan.append((f"indexer_topk {kd} ctx={S}", lambda S=S, kd=kd, s=10 * i + j: _kernel_indexer(ctx, S, kd, s)))
+    plan.append(("sparse_gather mixed", lambda: _kernel_gather(ctx, 100)))
+    for i, (H, pool, qn) in enumerate(sz["mla_variants"]):
+        plan.append((f"sparse_mla_decode H={H} {pool} q={qn}",
+                     lambda H=H, pool=pool, qn=qn, s=200 + i: _kernel_mla(ctx, H, pool, qn, s)))
+    order = sz["kernels_order"]
+    plan.sort(key=lambda p: next((k for k, pre in enumerate(order) if p[0].startswith(pre)), len(order)))
+    runs, errors, failed = [], [], []
+    for name, fn in plan:
+        if ctx.over_budget() or ctx.elapsed() > deadline:
+            runs.append({"name": name, "status": "skipped", "reason": "budget"})
+            ctx.log(f"kernels {name}: skipped (budget)")
+            continue
+        t = time.perf_counter()
+        try:
+            rec = {"name": name, "status": "ok", **fn()}
+        except Exception:  # noqa: BLE001
+            rec = {"name": name, "status": "error", "error": traceback.format_exc(limit=12)}
+            errors.append(name)
+            ctx.log(f"kernels {name}: ERROR\n{rec['error']}")
+        rec["variant_s"] = time.perf_counter() - t
+        runs.append(rec)
+        if rec["status"] == "ok":
+            if not rec["passed"]:
+                failed.append(name)
+            ctx.log(f"kernels {name}: correct={rec['passed']} {_kernel_line(rec)}")
+        ctx.report["sections"]["kernels"] = {"status": "running", "runs": runs}  # a cut-short run keeps these
+        ctx.write()
+    ok_runs = [r for r in runs if r["status"] == "ok"]
+    out = {"interpret": ctx.interpret, "d2d_ceiling": d2d_ceiling(ctx), "runs": runs,
+           "all_correct": bool(ok_runs) and not failed and not errors,
+           "skipped": [r["name"] for r in runs if r["status"] == "skipped"],
+           "convention": "kernel_gb_per_s = bytes the kernel must read / median time; kernel_vs_d2d_rw compares it "
+                         "with the d2d copy's read+write traffic rate (kernel_vs_d2d_copy: with bytes copied / s); "
+                         "indexer: kernel time / time to read the keys once at the d2d traffic rate"}
+    if errors or failed:
+        out.update(status="error", error=f"errors: {', '.join(errors) or '-'}; incorrect: {', '.join(failed) or '-'}")
+    return out
+
+
+def _kernel_line(r: dict) -> str:
+    """One table line of a kernels run (after the name)."""
+    c = r.get("correct", {})
+    if r["kernel"] == "sparse_mla_decode":
+        rel = c.get("max_rel_err")
+        acc = f"rel {rel if rel is not None else float('nan'):.1e}"
+    elif r["kernel"] == "indexer_topk":
+        acc = f"diff {c.get('slots_differing')}"
+    else:
+        acc = f"hit {r['counts']['hits']} miss {r['counts']['misses']}"
+    if not r.get("timed"):
+        return acc
+    s = f"{acc:16s} kernel {r['kernel_s'] * 1e3:8.3f} ms  ref {r['reference_s'] * 1e3:8.3f} ms  x{r['speedup_vs_reference']:.2f}"
+    if r.get("kernel_gb_per_s") is not None:
+        s += f"  {r['kernel_gb_per_s']:8.1f} GB/s"
+        if r.get("kernel_vs_d2d_rw") is not None:
+            s += f" ({100 * r['kernel_vs_d2d_rw']:.1f}% d2d)"
+    if r.get("kernel_vs_keys_read_once") is not None:
+        s += f"  x{r['kernel_vs_keys_read_once']:.1f} of keys-read-once"
+    return s
 
 
 # ----- section: fetch ---------------------------------------------------------------------------------
@@ -740,7 +1066,8 @@ def section_decode(ctx: Ctx) -> dict:
     return out
 
 
-SECTIONS = {"ceilings": section_ceilings, "fetch": section_fetch, "decode": section_decode}
+SECTIONS = {"ceilings": section_ceilings, "kernels": section_kernels, "fetch": section_fetch,
+            "decode": section_decode}
 
 
 # ----- summary table ----------------------------------------------------------------------------------
@@ -762,6 +1089,14 @@ def summary_table(report: dict) -> str:
                          f"{v['median_s'] * 1e3:.3f} ms)")
         elif isinstance(v, dict):
             lines.append(f"ceiling  {name:22s} {v.get('status')} {v.get('reason', '')}")
+    ke = secs.get("kernels", {})
+    for r in ke.get("runs", []):
+        if r.get("status") == "ok":
+            lines.append(f"kernels  {r['name']:38s} {'ok' if r['passed'] else 'WRONG'}  {_kernel_line(r)}")
+        else:
+            err = (r.get("error") or "").strip().splitlines()
+            lines.append(f"kernels  {r['name']:38s} {r.get('status')} {r.get('reason', '')}"
+                         + (f" {err[-1][:120]}" if err else ""))
     fe = secs.get("fetch", {})
     if fe.get("runs"):
         lines.append("fetch    dtype mech miss     ms   payload MiB  moved MiB  payload GB/s  moved GB/s  "

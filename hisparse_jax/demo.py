@@ -31,9 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=16, help="concurrent requests (default 16)")
     p.add_argument("--prompt-len", type=int, default=2048, help="longest prompt in tokens (default 2048)")
     p.add_argument("--new-tokens", type=int, default=160, help="tokens generated per request (default 160)")
-    p.add_argument("--device-requests", type=float, default=3.0,
+    p.add_argument("--device-requests", type=float, default=3.5,
                    help="device budget, in whole-request KV footprints (KV + indexer keys) of the longest "
-                        "request (default 3.0)")
+                        "request (default 3.5)")
     p.add_argument("--kv-dtype", default="float32", choices=("bf16", "fp8", "float32"),
                    help="KV format (default float32: XLA:CPU converts bf16/fp8 pools around every scatter, "
                         "which is slow on a CPU; use bf16 or fp8 on a GPU)")

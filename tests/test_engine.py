@@ -137,3 +137,22 @@ def test_full_host_pool_makes_requests_wait(model, prompts):
     res = eng.generate(prompts[:3], SamplingParams(max_new_tokens=8))
     assert max(m["admitted"] for m in eng.history) == 1
     assert res == [generate(model, [p], 8)[0] for p in prompts[:3]]
+
+
+def test_demo_cli_json(capsys, tmp_path):
+    """`hisparse demo --json` prints one JSON object with the per-policy figures (tiny options)."""
+    import json
+
+    from hisparse_jax.cli import main
+
+    rc = main(["demo", "--json", "--requests", "4", "--prompt-len", "320", "--new-tokens", "6",
+               "--device-requests", "1.5", "--plot", str(tmp_path / "p.png")])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["policies"]) == {"preempt", "offload", "hisparse"}
+    for r in out["policies"].values():
+        for k in ("mean_running", "max_running", "preemptions", "tokens_per_s", "hit_rate", "h2d_bytes"):
+            assert k in r
+    assert out["outputs_identical"] is True
+    assert (tmp_path / "p.png").exists()
+    assert main(["demo", "--policies", "lru"]) == 2

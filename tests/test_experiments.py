@@ -69,7 +69,7 @@ def test_gpu_check_cpu_smoke(runs):
         report = json.load(f)
     env = report["environment"]
     assert env["backend"] == "cpu" and env["jax"] and "pinned_host" in env["memory_kinds"]
-    assert set(report["sections"]) == _section_names() >= {"ceilings", "fetch", "decode"}
+    assert set(report["sections"]) == _section_names() >= {"ceilings", "kernels", "fetch", "decode"}
     for name, sec in report["sections"].items():
         assert sec["status"] == "ok", (name, sec.get("error"))
     assert report["ok"] is True
@@ -78,6 +78,25 @@ def test_gpu_check_cpu_smoke(runs):
     for name in ("d2d_copy", "h2d_device_put", "h2d_jit_whole", "h2d_jit_chunked", "d2h_device_put"):
         assert ceil[name]["gb_per_s"] > 0, name
     assert ceil["h2d_jit_chunked"]["values_ok"] is True
+    # every Pallas kernel ran (interpret mode) and matched its reference exactly / within tolerance
+    kern = report["sections"]["kernels"]
+    assert kern["interpret"] is True and kern["all_correct"] is True and not kern["skipped"]
+    assert {r["kernel"] for r in kern["runs"]} == {"indexer_topk", "sparse_gather", "sparse_mla_decode"}
+    assert {r["variant"] for r in kern["runs"] if r["kernel"] == "indexer_topk"} == {"bf16", "fp8"}
+    assert {r["pool"] for r in kern["runs"] if r["kernel"] == "sparse_mla_decode"} == {"bf16", "fp8"}
+    for r in kern["runs"]:
+        assert r["status"] == "ok" and r["passed"] is True, r
+        c = r["correct"]
+        if r["kernel"] == "indexer_topk":
+            assert c["sets_equal"] and c["order_equal"] and c["well_formed"] and c["slots_differing"] == 0, r
+        elif r["kernel"] == "sparse_gather":
+            assert c["plan_identical"] and c["hot_state_identical"] and all(c["fields_identical"].values()), r
+            assert r["counts"]["hits"] > 0 and r["counts"]["misses"] > 0 and r["counts"]["resident"] > 0, r
+        else:
+            assert c["finite"] and c["max_rel_err"] <= c["rel_tol"], r
+        if r.get("timed"):
+            assert r["kernel_s"] > 0 and r["reference_s"] > 0 and r["speedup_vs_reference"] > 0, r
+    assert sum(ln.startswith("kernels  ") for ln in out.splitlines()) >= len(kern["runs"])
     # every fetch run (both mechanisms, both row formats, every miss fraction) was verified exact
     fetch = report["sections"]["fetch"]
     run_keys = {(r["kv_dtype"], r["mechanism"], r["miss_fraction"]) for r in fetch["runs"]}
