@@ -110,7 +110,7 @@ def simulate(trace, hot_rows: int, policy: str = "lru", *, max_pos: int | None =
             elif policy == "lru2":
                 victims = np.lexsort((np.arange(HR), stamp, np.where(protected, 1 << 50, prev)))[:nm]
             elif policy == "opt":
-                key = np.where(tokens < 0, -1, -nextuse)  # farthest next use first
+                key = np.where(tokens < 0, -(1 << 40), -nextuse)  # empty, then farthest next use first
                 victims = np.lexsort((np.arange(HR), np.where(protected, 1 << 50, key)))[:nm]
             else:  # clock
                 victims = np.empty(nm, np.int64)
@@ -354,7 +354,7 @@ def main(argv=None) -> int:
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "row_bytes": ROW_BYTES,
            "layers": LAYERS, "sizes": list(SIZES), "traces": {}}
     if not a.no_demo:
-        n_req, plen, start = (1, 512, 128) if a.quick else (3, 2048, 256)
+        n_req, plen, start = (1, 384, 64) if a.quick else (2, 1024, 128)
         t1 = time.perf_counter()
         traces, k, lens = record_demo_traces(n_req, plen, start, a.seed)
         rec = time.perf_counter() - t1

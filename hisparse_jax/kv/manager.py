@@ -256,10 +256,13 @@ class TieredCache:
             self._make_room(slot, new, must, n)
         finally:
             self._growing = None
-        k = min(new, self.pool.num_free(Tier.DEVICE) - self._hot_cost(slot, n, new))
-        k = max(k, must)
-        if not mirror and k < new:
-            raise OutOfPages(Tier.DEVICE, new, self.pool.num_free(Tier.DEVICE), self.spec.device_pages)
+        free = self.pool.num_free(Tier.DEVICE)
+        if free >= new:
+            k = new  # all resident (a request with host-only pages already has its hot buffer)
+        else:  # the oldest new pages start on the host; the request needs its hot buffer
+            k = min(new, free - (0 if r.hot else self.hot_pages_per_request))
+            if k < must or not mirror:
+                raise OutOfPages(Tier.DEVICE, new, free, self.spec.device_pages)
         index = self.pool.allocate(Tier.INDEX, new)
         host = self.pool.allocate(Tier.HOST, new) if mirror else [INVALID] * new
         if k < new:
@@ -268,12 +271,6 @@ class TieredCache:
         for i in range(new):
             r.append(index=index[i], device=device[i], host=host[i])
         self._sync(slot)
-
-    def _hot_cost(self, slot: int, n_total: int, new: int) -> int:
-        r = self.requests[slot]
-        if r.hot or n_total <= TAIL_PAGES:
-            return 0
-        return self.hot_pages_per_request
 
     def _make_room(self, slot: int, new: int, must: int, n_total: int) -> None:
         """Evict cold pages (other requests first) until `must` new device pages (plus this request's hot
@@ -290,7 +287,7 @@ class TieredCache:
                 if self.pool.num_free(Tier.DEVICE) >= need(goal):
                     break
                 self._evict_until(need(goal), exclude=slot if goal == new and goal != must else None)
-        if self.pool.num_free(Tier.DEVICE) < need(must):
+        if self.pool.num_free(Tier.DEVICE) < min(need(new), need(must)):
             raise OutOfPages(Tier.DEVICE, need(must), self.pool.num_free(Tier.DEVICE), self.spec.device_pages)
 
     def evictable_pages(self, slot: int) -> list[int]:
@@ -302,27 +299,29 @@ class TieredCache:
         return [i for i in range(max(limit, 0)) if r.device[i] != INVALID and r.host[i] != INVALID]
 
     def _evict_until(self, free_target: int, exclude: int | None = None) -> None:
+        """Release cold pages until `free_target` device pages are free (or nothing more can be released).
+        Requests that already have a hot buffer give first (every release is a net gain); one without pays
+        for its hot buffer out of the pages it releases, so it is used only when it has more than that."""
+        nh = self.hot_pages_per_request
         while self.pool.num_free(Tier.DEVICE) < free_target:
-            victims = [(len(self.evictable_pages(s)), s) for s in self.requests
-                       if s != exclude and s not in self.pinned]
-            victims = [(n, s) for n, s in victims if n > 0]
-            if not victims:
+            cands = []
+            for s in self.requests:
+                if s == exclude or s in self.pinned:
+                    continue
+                n = len(self.evictable_pages(s))
+                has_hot = bool(self.requests[s].hot)
+                if n and (has_hot or n > nh):
+                    cands.append((has_hot, n, s))
+            if not cands:
                 return
-            # the request holding the most releasable pages gives first; it pays for its hot buffer once
-            _, s = max(victims)
+            _, _, s = max(cands)
             r = self.requests[s]
-            pages = self.victim_order(self, s)
-            take = self.pool.num_free(Tier.DEVICE) - free_target  # negative: pages still missing
-            count = min(len(pages), -take + (0 if r.hot else self.hot_pages_per_request))
-            if not r.hot:
-                if count <= self.hot_pages_per_request and len(pages) <= self.hot_pages_per_request:
-                    return  # releasing would not pay for the hot buffer
-                # the hot buffer is lent from the pages being released
-                self.evict(s, pages[:self.hot_pages_per_request])
+            if not r.hot:  # the hot buffer is lent from the pages being released
+                self.evict(s, self.victim_order(self, s)[:nh])
                 self._ensure_hot(s)
-                pages = self.victim_order(self, s)
-                count = -(self.pool.num_free(Tier.DEVICE) - free_target)
-            self.evict(s, pages[:max(count, 1)])
+            missing = free_target - self.pool.num_free(Tier.DEVICE)
+            if missing > 0:
+                self.evict(s, self.victim_order(self, s)[:missing])
 
     def _ensure_hot(self, slot: int) -> None:
         r = self.requests[slot]

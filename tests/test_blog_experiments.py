@@ -1,0 +1,102 @@
+"""Fast checks of experiments/reproduce_blog.py and experiments/hot_buffer_policies.py."""
+import importlib.util
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "experiments", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+blog = _load("reproduce_blog")
+hb = _load("hot_buffer_policies")
+
+
+def test_calculator_table_json(tmp_path):
+    assert blog.main(["--no-engine", "--out", str(tmp_path)]) == 0
+    rows = json.load(open(tmp_path / "blog_calculator.json"))["rows"]
+    got = {(r["seq"], r["hot_rows"]): (r["baseline_running"], r["hisparse_running"]) for r in rows}
+    assert set(got) == {(s, h) for s in blog.SEQS for h in blog.HOT_ROWS}
+    assert got[(142_000, 4096)] == (2, 29) and got[(1_048_576, 4096)] == (0, 5)
+    assert got[(85_836, 4096)][0] == 4 and got[(85_836, 10_240)][1] == 22
+    assert all(r["limiting"] and r["min_host_gib"] > 0 for r in rows)
+
+
+def test_blog_device_requests():
+    assert blog.blog_device_requests() == pytest.approx(6260 / 1280)
+
+
+def _resolve_reference(trace, HR, K):
+    """Run hisparse_jax.kv.ops.resolve on a one-request, all-offloaded store over `trace`."""
+    from types import SimpleNamespace
+
+    from hisparse_jax.kv import ops
+
+    spec = SimpleNamespace(hot_rows=HR, max_seqs=1, max_pages=64)
+    fields = dict(block_table=-jnp.ones((1, 64), jnp.int32), host_table=jnp.arange(64, dtype=jnp.int32)[None],
+                  hot_pages=jnp.arange(-(-HR // 64), dtype=jnp.int32)[None],
+                  hot_token=-jnp.ones((1, 1, HR), jnp.int32), hot_stamp=-jnp.ones((1, 1, HR), jnp.int32),
+                  page_stamp=-jnp.ones((1, 64), jnp.int32))
+    store = SimpleNamespace(**fields, clock=jnp.int32(0))
+    orig = ops._replace
+    ops._replace = lambda s, **kw: SimpleNamespace(**{**vars(s), **kw})
+    try:
+        hits, misses = [], []
+        for t, q in enumerate(trace):
+            store.clock = jnp.int32(t)
+            topk = jnp.asarray(np.asarray(q, np.int32)[None])
+            plan, store = ops.resolve(spec, store, 0, jnp.asarray([0], jnp.int32), topk)
+            m = int(np.asarray(plan.miss).sum())
+            misses.append(m)
+            hits.append(len(q) - m)
+    finally:
+        ops._replace = orig
+    return np.array(hits), np.array(misses), np.asarray(store.hot_token)[0, 0], np.asarray(store.hot_stamp)[0, 0]
+
+
+def test_lru_matches_ops_resolve():
+    rng = np.random.default_rng(0)
+    K, HR, steps, ctx = 16, 24, 40, 256
+    hot = rng.choice(ctx, 40, replace=False)
+    trace = []
+    for _ in range(steps):
+        a = rng.choice(hot, 10, replace=False)
+        b = rng.choice(ctx, 12, replace=False)
+        q = np.unique(np.concatenate([a, b]))[:K]
+        rng.shuffle(q)  # resolve takes misses in top-k order
+        trace.append(q)
+    h_ref, m_ref, tok_ref, stamp_ref = _resolve_reference(trace, HR, K)
+    h, m, tok, stamp = hb.simulate(trace, HR, "lru", return_state=True)
+    np.testing.assert_array_equal(h, h_ref)
+    np.testing.assert_array_equal(m, m_ref)
+    np.testing.assert_array_equal(tok, tok_ref)
+    np.testing.assert_array_equal(stamp, stamp_ref)
+
+
+@pytest.mark.parametrize("policy", hb.POLICIES)
+def test_policies_sane(policy):
+    rng = np.random.default_rng(1)
+    trace = [rng.choice(200, 32, replace=False) for _ in range(30)]
+    h, m = hb.simulate(trace, 64, policy)
+    assert (h + m == 32).all() and m[0] == 32
+    big_h, big_m = hb.simulate(trace, 256, policy)  # everything fits: only compulsory misses
+    assert big_m.sum() == len(np.unique(np.concatenate(trace)))
+    opt_m = hb.simulate(trace, 64, "opt")[1].sum()
+    assert opt_m <= m.sum()
+
+
+def test_synthetic_calibration():
+    tr = hb.synthetic_trace(128, seed=0, **hb.SYNTH_DEFAULTS)
+    assert all(len(np.unique(t)) == hb.SYNTH_DEFAULTS["k"] for t in tr)
+    c = hb.calibration(tr, hb.SYNTH_DEFAULTS["k"])
+    assert c["adjacent_overlap"] == pytest.approx(0.44, abs=0.05)
+    assert c["lru_hit_rate_2x"] == pytest.approx(0.94, abs=0.02)
