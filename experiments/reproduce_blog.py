@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import sys
 import time
 
-import numpy as np
 
 from hisparse_jax import calc
 
@@ -68,17 +66,10 @@ def blog_device_requests() -> float:
 
 
 def workload(vocab: int, n: int, longest: int, seed: int, low: float = 74_160 / 85_836) -> list[list[int]]:
-    """n prompts of low..100 % of `longest` tokens (random walks over a few token ids plus noise)."""
-    rng = np.random.default_rng(seed)
-    lens = np.linspace(longest * low, longest, n).astype(int)
-    rng.shuffle(lens)
-    out = []
-    for n_tok in lens:
-        base = rng.integers(0, vocab, 64)
-        walk = base[rng.integers(0, 64, n_tok)]
-        noise = rng.random(n_tok) < 0.3
-        out.append(np.where(noise, rng.integers(0, vocab, n_tok), walk).astype(int).tolist())
-    return out
+    """The demo's prompt generator with the blog's spread of context lengths (74K..86K, scaled)."""
+    from hisparse_jax.demo import workload as demo_workload
+
+    return demo_workload(vocab, n, longest, seed, low)
 
 
 def engine_run(a) -> dict:

@@ -49,11 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def workload(vocab: int, n: int, longest: int, seed: int) -> list[list[int]]:
-    """n prompts of 55%-100% of `longest` tokens with a little repeated structure (random walks over a
-    few hundred token ids), generated locally."""
+def workload(vocab: int, n: int, longest: int, seed: int, low: float = 0.55) -> list[list[int]]:
+    """n prompts of low..100 % of `longest` tokens with a little repeated structure (random walks over a
+    few dozen token ids plus noise), generated locally."""
     rng = np.random.default_rng(seed)
-    lens = np.linspace(longest * 0.55, longest, n).astype(int)
+    lens = np.linspace(longest * low, longest, n).astype(int)
     rng.shuffle(lens)
     out = []
     for n_tok in lens:
