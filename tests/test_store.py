@@ -274,3 +274,16 @@ def test_lone_request_grows_under_pressure():
     lat, rope, _, _ = tc.gather([s], topk)
     want_lat, want_rope = ref.rows([s], topk)
     np.testing.assert_array_equal(np.asarray(lat), want_lat)
+
+
+def test_recency_coldness_orders_by_last_selection():
+    """The indexer-recency rule releases the pages selected least recently (never-selected first)."""
+    from hisparse_jax.kv.manager import least_recently_selected, oldest_first
+
+    rng = np.random.default_rng(8)
+    tc = TieredCache(MODEL, cache_cfg(max_seqs=1))
+    s = admit(tc, Reference(), rng, 64 * 6)  # pages 0..3 evictable
+    assert oldest_first(tc, s) == [0, 1, 2, 3]
+    tc.gather([s], np.array([[0, 200, -1, -1, -1, -1, -1, -1]], np.int32))  # touches pages 0 and 3
+    tc.gather([s], np.array([[70, -1, -1, -1, -1, -1, -1, -1]], np.int32))  # then page 1
+    assert least_recently_selected(tc, s) == [2, 0, 3, 1]
