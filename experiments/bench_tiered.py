@@ -122,21 +122,13 @@ def run(args) -> dict:
         gen[name]["tokens_match_resident"] = tokens[name] == tokens["resident"]
 
     # ---- 2. per-step timing, side by side -----------------------------------------------------------------
-    graphdef, state = nnx.split(model)
-    try:  # share the compiled prefill with generate() when the private helper is there
-        from hisparse_jax.generate import _prefill_fn
+    from hisparse_jax.generate import prefill_rows
 
-        prefill = _prefill_fn(graphdef)
-    except ImportError:
-        prefill = jax.jit(lambda st, ids: nnx.merge(graphdef, st).forward(ids))
     rows, first = [], []
     for p in prompts:
-        T = max(16, 1 << (len(p) - 1).bit_length())
-        ids = np.zeros((1, T), np.int32)
-        ids[0, :len(p)] = p
-        logits, aux = prefill(state, jnp.asarray(ids))
-        rows.append((jnp.stack(aux["latent"])[:, 0], jnp.stack(aux["rope"])[:, 0], jnp.stack(aux["index_k"])[:, 0]))
-        first.append(int(jnp.argmax(logits[0, len(p) - 1])))
+        last, lat, rope, ik = prefill_rows(model, p)
+        rows.append((lat, rope, ik))
+        first.append(int(jnp.argmax(last)))
     runs = {}
     for name, cc in configs.items():
         tc = TieredCache(cfg, cc)

@@ -74,6 +74,21 @@ def _prefill_fn(graphdef):
     return prefill
 
 
+def prefill_rows(model: SparseMLAModel, tokens: Sequence[int]):
+    """One causal forward over `tokens` (length bucketed to a power of two, so prompts share compiles).
+
+    Returns (last logits f32[V], latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]) with T the bucket length
+    (the first len(tokens) rows are real; `TieredCache.write_prefill(slot, ..., len(tokens))` stores those, and
+    keeping T bucketed keeps its compiles bounded too) and the logits the first new token is drawn from."""
+    n = len(tokens)
+    ids = np.zeros((1, _bucket_pow2(n, 16)), np.int32)
+    ids[0, :n] = tokens
+    graphdef, state = nnx.split(model)
+    logits, aux = _prefill_fn(graphdef)(state, jnp.asarray(ids))
+    rows = (jnp.stack(aux[k])[:, 0] for k in ("latent", "rope", "index_k"))
+    return (logits[0, n - 1].astype(jnp.float32), *rows)
+
+
 @functools.lru_cache(maxsize=32)
 def _decode_fn(graphdef, backend, temperature: float, top_p: float):
     @functools.partial(jax.jit, donate_argnums=(3,))
@@ -184,20 +199,14 @@ def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top
     tc = TieredCache(cfg, cache_cfg)
     for p in prompts:
         tc.check_fits(len(p) + max_new_tokens)
-    graphdef, state = nnx.split(model)
-    prefill = _prefill_fn(graphdef)
     sample = _sample_fn(float(temperature), float(top_p))
     slots, first = [], []
     for p in prompts:
-        T = _bucket_pow2(len(p), 16)
-        ids = np.zeros((1, T), np.int32)
-        ids[0, :len(p)] = p
-        logits, aux = prefill(state, jnp.asarray(ids))
+        last, latent, rope, index_k = prefill_rows(model, p)
         slot = tc.admit(len(p))
-        tc.write_prefill(slot, jnp.stack(aux["latent"])[:, 0], jnp.stack(aux["rope"])[:, 0],
-                         jnp.stack(aux["index_k"])[:, 0], len(p))
+        tc.write_prefill(slot, latent, rope, index_k, len(p))
         slots.append(slot)
-        first.append(logits[0, len(p) - 1].astype(jnp.float32))
+        first.append(last)
     B = _bucket_pow2(n)
     req = jnp.asarray(slots + [-1] * (B - n), jnp.int32)
     first_logits = jnp.stack(first + [first[0]] * (B - n))

@@ -80,18 +80,16 @@ def test_tiered_equals_all_resident_in_compressed_formats(kv_dtype):
 
 def _start(model, prompts, cc):
     """A TieredCache with `prompts` prefilled; returns (cache, slots, first tokens)."""
-    from hisparse_jax.generate import _prefill_fn
+    from hisparse_jax.generate import prefill_rows
 
     tc = TieredCache(model.cfg, cc)
-    graphdef, state = nnx.split(model)
     slots, toks = [], []
     for p in prompts:
-        logits, aux = _prefill_fn(graphdef)(state, jnp.asarray([p], jnp.int32))
+        last, latent, rope, index_k = prefill_rows(model, p)
         s = tc.admit(len(p))
-        tc.write_prefill(s, jnp.stack(aux["latent"])[:, 0], jnp.stack(aux["rope"])[:, 0],
-                         jnp.stack(aux["index_k"])[:, 0], len(p))
+        tc.write_prefill(s, latent, rope, index_k, len(p))
         slots.append(s)
-        toks.append(int(jnp.argmax(logits[0, -1])))
+        toks.append(int(jnp.argmax(last)))
     return tc, slots, jnp.asarray(toks, jnp.int32)
 
 

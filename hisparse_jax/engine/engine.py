@@ -242,19 +242,12 @@ class Engine:
 
     def _prefill_whole(self, r: Request):
         """One full causal forward over r's KV tokens, written into its pages; returns the last logits [V]."""
-        from flax import nnx
-
-        from hisparse_jax.generate import _bucket_pow2, _prefill_fn
+        from hisparse_jax.generate import prefill_rows
 
         toks = r.kv_tokens
-        T = _bucket_pow2(len(toks), 16)
-        ids = np.zeros((1, T), np.int32)
-        ids[0, :len(toks)] = toks
-        graphdef, state = nnx.split(self.model)
-        logits, aux = _prefill_fn(graphdef)(state, jnp.asarray(ids))
-        self.cache.write_prefill(r.slot, jnp.stack(aux["latent"])[:, 0], jnp.stack(aux["rope"])[:, 0],
-                                 jnp.stack(aux["index_k"])[:, 0], len(toks))
-        return logits[0, len(toks) - 1].astype(jnp.float32)
+        last, latent, rope, index_k = prefill_rows(self.model, toks)
+        self.cache.write_prefill(r.slot, latent, rope, index_k, len(toks))
+        return last
 
     def run(self, progress=None) -> None:
         """Step until every request has finished. `progress(engine)` is called after each step."""
