@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import json
 import subprocess
 import sys
@@ -40,9 +41,9 @@ def test_allocation_order_lowest_free_first():
     assert pool.allocate(Tier.INDEX, 0) == []
     assert all(pool.refcount(Tier.DEVICE, p) == 1 for p in [0, 1, 2, 3, 4, 5])
     assert pool.capacity(Tier.HOST) == 6
-    assert pool.stats() == {"device": {"capacity": 8, "used": 6, "free": 2, "prefix": 0},
-                            "index": {"capacity": 4, "used": 4, "free": 0, "prefix": 0},
-                            "host": {"capacity": 6, "used": 2, "free": 4, "prefix": 0}}
+    assert pool.stats() == {"device": {"capacity": 8, "used": 6, "free": 2, "prefix": 0, "cached": 0},
+                            "index": {"capacity": 4, "used": 4, "free": 0, "prefix": 0, "cached": 0},
+                            "host": {"capacity": 6, "used": 2, "free": 4, "prefix": 0, "cached": 0}}
     pool.check_invariants()
 
 
@@ -142,10 +143,9 @@ def test_prefix_registration_errors_and_rebinding():
     x, y = pool.allocate(Tier.DEVICE, 2)
     with pytest.raises(PoolError, match="free device page"):
         pool.register_prefix(Tier.DEVICE, 1, 3)
-    with pytest.raises(PoolError, match="cannot hold prefix pages"):
-        pool.register_prefix(Tier.INDEX, 1, pool.allocate(Tier.INDEX, 1)[0])
-    with pytest.raises(PoolError, match="cannot hold prefix pages"):
-        pool.lookup_prefix(Tier.INDEX, 1)
+    ix = pool.allocate(Tier.INDEX, 1)[0]       # indexer-key pages are shared under the same hash as KV pages
+    pool.register_prefix(Tier.INDEX, 7, ix)
+    assert pool.lookup_prefix(Tier.INDEX, 7) == ix and pool.lookup_prefix(Tier.HOST, 7) is None
     pool.register_prefix(Tier.DEVICE, 7, x)
     with pytest.raises(PoolError, match="already registered under hash 7"):
         pool.register_prefix(Tier.DEVICE, 8, x)
@@ -291,29 +291,40 @@ TIERS = list(Tier)
 
 
 class PoolMachine(RuleBasedStateMachine):
-    """Random allocate / share / free / prefix traffic against a plain-dict model of the pool."""
+    """Random allocate / share / free / prefix traffic (with and without retention of freed prefix pages)
+    against a plain-dict model of the pool."""
 
-    @initialize(dev=st.integers(1, 8), idx=st.integers(1, 6), host=st.integers(0, 6))
-    def setup(self, dev, idx, host):
-        self.pool = PagePool(dev, idx, host)
+    @initialize(dev=st.integers(1, 8), idx=st.integers(1, 6), host=st.integers(0, 6), retain=st.booleans())
+    def setup(self, dev, idx, host, retain):
+        self.pool = PagePool(dev, idx, host, retain_prefix=retain)
+        self.retain = retain
         self.owners: list[tuple[Tier, list[int]]] = []       # every live owner: (tier, its pages)
         self.registered: dict[Tier, dict[int, int]] = {t: {} for t in TIERS}   # model: hash -> page
+        self.cached: dict[Tier, list[int]] = {t: [] for t in TIERS}            # model: reclaim order
 
     def model_refcounts(self, tier):
         return collections.Counter(p for t, pages in self.owners if t is tier for p in pages)
 
+    def unregister(self, tier, p):
+        self.registered[tier] = {h: q for h, q in self.registered[tier].items() if q != p}
+
     @rule(tier=st.sampled_from(TIERS), n=st.integers(0, 5))
     def allocate(self, tier, n):
         rc = self.model_refcounts(tier)
-        free = [p for p in range(self.pool.capacity(tier)) if rc[p] == 0]
-        if n > len(free):
+        cached = self.cached[tier]
+        free = [p for p in range(self.pool.capacity(tier)) if rc[p] == 0 and p not in cached]
+        if n > len(free) + len(cached):
             before = self.pool.snapshot()
             with pytest.raises(OutOfPages):
                 self.pool.allocate(tier, n)
             assert self.pool.snapshot() == before
         else:
             pages = self.pool.allocate(tier, n)
-            assert pages == free[:n]                             # lowest free first
+            reclaimed = cached[:max(0, n - len(free))]
+            assert pages == free[:n] + reclaimed     # lowest free first, then cached ones, least recently freed first
+            for p in reclaimed:
+                cached.remove(p)
+                self.unregister(tier, p)
             self.owners.append((tier, pages))
 
     @precondition(lambda self: any(pages for _, pages in self.owners))
@@ -326,6 +337,18 @@ class PoolMachine(RuleBasedStateMachine):
             self.pool.incref(tier, p)
         self.owners.append((tier, sub))
 
+    @precondition(lambda self: any(self.cached.values()))
+    @rule(data=st.data())
+    def revive(self, data):
+        """A lookup finds a cached free page and takes it back with its registration."""
+        tier = data.draw(st.sampled_from([t for t in TIERS if self.cached[t]]))
+        p = data.draw(st.sampled_from(self.cached[tier]))
+        h = next(h for h, q in self.registered[tier].items() if q == p)
+        assert self.pool.lookup_prefix(tier, h) == p
+        self.pool.incref(tier, p)
+        self.cached[tier].remove(p)
+        self.owners.append((tier, [p]))
+
     @precondition(lambda self: self.owners)
     @rule(data=st.data())
     def release(self, data):
@@ -333,18 +356,19 @@ class PoolMachine(RuleBasedStateMachine):
         tier, pages = self.owners.pop(i)
         self.pool.free(tier, pages)
         rc = self.model_refcounts(tier)
-        for p in pages:
+        for p in dict.fromkeys(pages):
             if rc[p] == 0:
                 with pytest.raises(PoolError, match="double free"):
                     self.pool.decref(tier, p)
-        if tier in (Tier.DEVICE, Tier.HOST):
-            self.registered[tier] = {h: p for h, p in self.registered[tier].items() if rc[p] > 0}
+                if self.retain and p in self.registered[tier].values():
+                    self.cached[tier].append(p)
+                else:
+                    self.unregister(tier, p)
 
-    @precondition(lambda self: any(t in (Tier.DEVICE, Tier.HOST) and pages for t, pages in self.owners))
+    @precondition(lambda self: any(pages for _, pages in self.owners))
     @rule(data=st.data(), h=st.integers(0, 3))
     def register(self, data, h):
-        tier, pages = data.draw(st.sampled_from(
-            [o for o in self.owners if o[0] in (Tier.DEVICE, Tier.HOST) and o[1]]))
+        tier, pages = data.draw(st.sampled_from([o for o in self.owners if o[1]]))
         p = data.draw(st.sampled_from(pages))
         reg = self.registered[tier]
         if any(q == p and g != h for g, q in reg.items()):
@@ -352,6 +376,9 @@ class PoolMachine(RuleBasedStateMachine):
                 self.pool.register_prefix(tier, h, p)
         else:
             self.pool.register_prefix(tier, h, p)
+            old = reg.get(h)
+            if old is not None and old != p and old in self.cached[tier]:
+                self.cached[tier].remove(old)   # a cached page that loses its hash is plainly free
             reg[h] = p
 
     @invariant()
@@ -363,7 +390,7 @@ class PoolMachine(RuleBasedStateMachine):
             rc = self.model_refcounts(t)
             assert self.pool.num_used(t) == len(rc)
             assert self.pool.num_used(t) + self.pool.num_free(t) == self.pool.capacity(t)
-        for t in (Tier.DEVICE, Tier.HOST):
+            assert self.pool.num_cached(t) == len(self.cached[t])
             for h in range(4):
                 assert self.pool.lookup_prefix(t, h) == self.registered[t].get(h)
 
@@ -373,11 +400,17 @@ class PoolMachine(RuleBasedStateMachine):
         snap = self.pool.snapshot()
         restored = PagePool.from_snapshot(json.loads(json.dumps(snap)))
         assert restored.snapshot() == snap
+        for t in TIERS:  # the restored pool hands out the same pages in the same order
+            n = self.pool.num_free(t)
+            assert restored.allocate(t, n) == copy.deepcopy(self.pool).allocate(t, n)
         for tier, pages in self.owners:
             self.pool.free(tier, pages)
         self.pool.check_invariants({t: [] for t in TIERS})
+        self.pool.set_retain_prefix(False)  # drops the cached pages for good
+        self.pool.check_invariants({t: [] for t in TIERS})
         for t in TIERS:
             assert self.pool.num_used(t) == 0 and self.pool.num_free(t) == self.pool.capacity(t)
+            assert self.pool.stats()[t.value]["prefix"] == 0
             assert self.pool.allocate(t, self.pool.capacity(t)) == list(range(self.pool.capacity(t)))
 
 

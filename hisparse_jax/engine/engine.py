@@ -39,7 +39,9 @@ class EngineConfig:
     causal forward per admitted prompt, written straight into the store);
     max_running: admitted requests at most (also the store's request slots); prefill_chunk: prompt tokens
     per step; min_bucket: smallest batch bucket; log_path: optional JSON-lines log of per-step metrics;
-    check_invariants: verify the allocator after every step (tests)."""
+    check_invariants: verify the allocator after every step (tests);
+    prefix_caching: share full prompt pages (hash-chained, refcounted, on every tier) across requests and
+    prefill only what is not cached."""
 
     policy: str = "hisparse"
     coldness: str = "oldest"
@@ -49,6 +51,7 @@ class EngineConfig:
     min_bucket: int = 8
     log_path: str | None = None
     check_invariants: bool = False
+    prefix_caching: bool = True
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -89,6 +92,7 @@ class Engine:
         cache = cache.replace(max_seqs=config.max_running)
         self.cache = TieredCache(model.cfg, cache, victim_order=COLDNESS[config.coldness])
         self.cache.partial_eviction = config.policy == "hisparse"
+        self.cache.prefix_caching = config.prefix_caching
         self.scheduler = Scheduler(self.cache, config.policy, max_running=config.max_running,
                                    prefill_chunk=config.prefill_chunk, prefill=config.prefill)
         self.requests: dict[str, Request] = {}
@@ -159,11 +163,8 @@ class Engine:
             rows_tok.append(r.output[-1])
             rows_req.append(r.slot)
             rows_pos.append(len(r.prompt) + len(r.output) - 1)
-        prefill_tokens = 0
-        whole = [(r, n) for r, start, n in plan.prefill if self.config.prefill == "whole"]
-        plan.prefill = [x for x in plan.prefill if self.config.prefill != "whole"]
-        first_logits = [self._prefill_whole(r) for r, _ in whole]
-        prefill_tokens += sum(n for _, n in whole)
+        first_logits = [self._prefill_whole(r) for r in plan.whole]
+        prefill_tokens = sum(len(r.kv_tokens) for r in plan.whole)
         for r, start, n in plan.prefill:
             toks = r.kv_tokens[start:start + n]
             rows_tok += toks
@@ -174,7 +175,7 @@ class Engine:
         stats = {}
         new_tokens = 0
         emit_logits = []  # (logits [V], request) of whole prompts prefilled this step
-        for (r, _), lg in zip(whole, first_logits):
+        for r, lg in zip(plan.whole, first_logits):
             r.computed = len(r.kv_tokens)
             r.state = RequestState.RUNNING
             if not r.output:
@@ -195,6 +196,7 @@ class Engine:
                 self.cache.lengths[r.slot] = r.computed
                 if r.computed == len(r.kv_tokens):
                     sched.cache.pinned.discard(r.slot)
+                    self.cache.register_prefix(r.slot, r.kv_tokens)
                     r.state = RequestState.RUNNING
                     if not r.output:
                         emit.append((last_prefill_row[r.request_id], r))
@@ -213,6 +215,7 @@ class Engine:
             "swapped": sum(r.state is RequestState.SWAPPED for r in sched.active), "waiting": len(sched.waiting),
             "preemptions": len(plan.preempted), "swaps_out": len(plan.swapped_out),
             "swaps_in": len(plan.swapped_in), "tokens": new_tokens, "prefill_tokens": prefill_tokens,
+            "cached_tokens": plan.cached_tokens,
             "hits": st.get("hits", 0), "misses": st.get("misses", 0), "resident": st.get("resident", 0),
             "h2d_bytes": st.get("h2d_bytes", 0), "d2h_bytes": st.get("d2h_bytes", 0),
             "device_pages_used": self.cache.pool.num_used("device"), "step_time_s": dt,
@@ -247,6 +250,7 @@ class Engine:
         toks = r.kv_tokens
         last, latent, rope, index_k = prefill_rows(self.model, toks)
         self.cache.write_prefill(r.slot, latent, rope, index_k, len(toks))
+        self.cache.register_prefix(r.slot, toks)
         return last
 
     def run(self, progress=None) -> None:
@@ -281,12 +285,15 @@ class Engine:
         warm_time = sum(m["step_time_s"] for m in warm)
         hits, misses = sum(m["hits"] for m in h), sum(m["misses"] for m in h)
         tokens = sum(m["tokens"] for m in h)
+        cached, prefill = sum(m["cached_tokens"] for m in h), sum(m["prefill_tokens"] for m in h)
         return {
             "policy": self.config.policy, "steps": len(h),
             "mean_running": float(np.mean([m["running"] for m in decode_steps])) if decode_steps else 0.0,
             "max_running": max((m["running"] for m in h), default=0),
             "preemptions": sum(m["preemptions"] for m in h), "swaps": sum(m["swaps_out"] for m in h),
             "tokens": tokens, "prefill_tokens": sum(m["prefill_tokens"] for m in h),
+            # prompt tokens served by the prefix cache, and their share of all prompt tokens admitted
+            "cached_tokens": cached, "prefix_hit_rate": cached / (cached + prefill) if cached + prefill else 0.0,
             "time_s": total_time, "compile_steps": len(h) - len(warm), "compile_time_s": total_time - warm_time,
             # throughput over the steps that did not compile (the step compiles once per batch bucket)
             "tokens_per_s": sum(m["tokens"] for m in warm) / warm_time if warm_time else 0.0,

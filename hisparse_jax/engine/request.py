@@ -43,6 +43,7 @@ class Request:
     slot: int = -1
     output: list[int] = dataclasses.field(default_factory=list)
     computed: int = 0  # tokens of `kv_tokens` whose KV is in the store
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed (all admissions)
     preemptions: int = 0
     swaps: int = 0
     first_token_step: int | None = None

@@ -12,6 +12,11 @@ tokens to prefilling requests. What happens when the device KV pool runs out is 
                buffer for what the indexer asks for, and keep decoding. Admission checks the device budget
                (indexer pages + hot buffers + tail pages, the prompt resident while it is prefilled) and the
                host budget; a request that does not fit waits (never fails).
+
+With prefix caching on (`TieredCache.prefix_caching`), a waiting request whose prompt starts with registered
+full pages shares them at admission and prefills only the rest, through the store (even in "whole" mode: the
+shared rows are read back from the store, so the rest is written chunk by chunk with the prompt resident;
+when the device cannot hold the prompt now but a whole prefill fits, it is prefilled whole without sharing).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections import deque
 from hisparse_jax.config import PAGE_SIZE
 from hisparse_jax.engine.request import Request, RequestState
 from hisparse_jax.kv.manager import TAIL_PAGES, TieredCache
-from hisparse_jax.kv.pool import OutOfPages, Tier
+from hisparse_jax.kv.pool import INVALID, OutOfPages, Tier
 
 POLICIES = ("preempt", "offload", "hisparse")
 # chunked: prompt rows go through the store with the decode batch (the prompt stays resident while it is
@@ -38,10 +43,12 @@ def pages(n_tokens: int) -> int:
 @dataclasses.dataclass
 class StepPlan:
     decode: list[Request]  # one row each: feed output[-1]
-    prefill: list[tuple[Request, int, int]]  # (request, start, length) rows of kv_tokens
+    prefill: list[tuple[Request, int, int]]  # (request, start, length) rows of kv_tokens, through the store
     preempted: list[Request]
     swapped_out: list[Request]
     swapped_in: list[Request]
+    whole: list[Request] = dataclasses.field(default_factory=list)  # one full causal forward each
+    cached_tokens: int = 0  # prompt tokens shared from the prefix cache by this step's admissions
 
 
 class Scheduler:
@@ -58,40 +65,64 @@ class Scheduler:
 
     # ----- budgets -------------------------------------------------------------------------------
     def _committed(self, tier: Tier) -> int:
-        """Pages the admitted requests may still need in `tier` (index / host: their whole max length)."""
-        return sum(pages(r.max_len) for r in self.active)
+        """Pages of `tier` (index / host) the admitted requests hold or may still need: the pages in use (a shared
+        page counts once) plus every request's growth up to its max length."""
+        c = self.cache
+        return c.pool.num_used(tier) + sum(max(pages(r.max_len) - c.requests[r.slot].num_pages, 0)
+                                           for r in self.active)
 
     def _device_floor(self) -> int:
-        """Device pages the admitted requests cannot go below."""
+        """Device pages the admitted requests cannot go below. A page shared by several requests counts once
+        (and cannot be released while shared)."""
         c = self.cache
-        total = 0
+        shared = c.shared_device_pages() if c.prefix_caching else set()
+        total = len(shared)
         for r in self.active:
             if r.state is RequestState.SWAPPED:
                 continue
-            n = c.requests[r.slot].num_pages
+            rp = c.requests[r.slot]
             if self.policy == "hisparse" and r.state is RequestState.RUNNING:
-                total += c.min_device_pages(max(n, TAIL_PAGES + 1))
+                total += c.min_device_pages(max(rp.num_pages, TAIL_PAGES + 1))
             else:
-                total += n + 1
+                total += rp.num_pages - sum(d in shared for d in rp.device) + 1
         return total
 
     def can_admit(self, r: Request) -> bool:
+        return self._admission(r) is not None
+
+    def _admission(self, r: Request) -> str | None:
+        """How `r` would be admitted now: "chunked" (its rows written through the store, prompt resident;
+        shares its cached prefix when prefix caching is on), "whole" (one forward, nothing shared), or None."""
         c = self.cache
         if len(self.active) >= self.max_running or not c.free_slots():
-            return False
-        if self.prefill == "chunked" and any(x.state is RequestState.PREFILLING for x in self.active):
-            return False  # one prompt resident at a time keeps the device floor predictable
-        n_max = pages(r.max_len)
-        if self._committed(Tier.INDEX) + n_max > c.spec.index_pages:
-            return False
-        if c.spec.mirror_to_host and self._committed(Tier.HOST) + n_max > c.spec.host_pages:
-            return False
+            return None
+        hits = c.match_prefix(r.kv_tokens) if c.prefix_caching else []
+        for tier, col in ((Tier.INDEX, 1), (Tier.HOST, 3)):
+            if tier is Tier.HOST and not c.spec.mirror_to_host:
+                continue
+            rc = c.pool._t[tier].refcount  # hit pages in use cost nothing (whether or not the hits are taken)
+            n_max = pages(r.max_len) - sum(1 for h in hits if h[col] != INVALID and rc[h[col]] > 0)
+            if self._committed(tier) + n_max > c.pool.capacity(tier):
+                return None
         prompt_pages = pages(len(r.kv_tokens)) + 1
-        if self.policy == "hisparse" and self.prefill == "whole":
-            return self._device_floor() + c.min_device_pages(prompt_pages) <= c.spec.device_pages
-        if self.policy == "hisparse":
-            return self._device_floor() + prompt_pages <= c.spec.device_pages
-        return c.pool.num_free(Tier.DEVICE) >= prompt_pages
+        hisparse = self.policy == "hisparse"
+        # one prompt resident at a time while written through the store keeps the device floor predictable
+        chunking = any(x.state is RequestState.PREFILLING and x.slot in c.pinned for x in self.active)
+        if self.prefill == "chunked" or hits:
+            rc = c.pool._t[Tier.DEVICE].refcount
+            if hisparse:  # a hit page already shared by several requests is in the floor already
+                new = prompt_pages - sum(1 for _, _, d, _ in hits if d != INVALID and rc[d] > 1)
+                fits = self._device_floor() + new <= c.spec.device_pages
+            else:  # a hit page in use costs nothing; a cached one is revived out of the free pages
+                new = prompt_pages - sum(1 for _, _, d, _ in hits if d != INVALID and rc[d] > 0)
+                fits = c.pool.num_free(Tier.DEVICE) >= new
+            if fits:  # (a prefix hit waits for the prompt being written: its suffix is short to write)
+                return None if chunking else "chunked"
+            if self.prefill == "chunked":
+                return None
+        fits = (self._device_floor() + c.min_device_pages(prompt_pages) <= c.spec.device_pages if hisparse
+                else c.pool.num_free(Tier.DEVICE) >= prompt_pages)
+        return "whole" if fits else None
 
     # ----- one step ------------------------------------------------------------------------------
     def schedule(self, step: int) -> StepPlan:
@@ -112,23 +143,25 @@ class Scheduler:
                 continue
             plan.decode.append(r)
         # 3. admit waiting requests
-        while self.waiting and self.can_admit(self.waiting[0]):
+        while self.waiting and (mode := self._admission(self.waiting[0])):
             r = self.waiting.popleft()
-            if self.prefill == "whole":
+            if mode == "whole":
                 # the whole prompt's pages; under HiSparse older ones may start on the host
                 r.slot = c.admit(len(r.kv_tokens), resident=self.policy != "hisparse")
                 r.state, r.computed = RequestState.PREFILLING, 0
                 self.active.append(r)
-                plan.prefill.append((r, 0, len(r.kv_tokens)))
+                plan.whole.append(r)
                 continue
-            r.slot = c.admit(0)
+            r.slot = c.admit(0, tokens=r.kv_tokens)  # shares the cached prefix (resident) if there is one
             c.pinned.add(r.slot)
-            r.state, r.computed = RequestState.PREFILLING, 0
+            r.state, r.computed = RequestState.PREFILLING, c.cached_tokens[r.slot]
+            r.cached_tokens += r.computed
+            plan.cached_tokens += r.computed
             self.active.append(r)
         # 4. prompt chunks
-        budget = self.prefill_chunk if self.prefill == "chunked" else 0
+        budget = self.prefill_chunk
         for r in self.active:
-            if r.state is not RequestState.PREFILLING or budget <= 0:
+            if r.state is not RequestState.PREFILLING or r in plan.whole or budget <= 0:
                 continue
             todo = len(r.kv_tokens) - r.computed
             n = min(todo, budget)

@@ -8,6 +8,19 @@ Residency rule: a request's pages stay on the device until the pool runs low. Th
 the last two, which are being written) whose host copy is current are released, coldest first; a
 request with a released page first gets its hot buffer (`hot_rows` slots, lent from the same device
 pool). Coldness is pluggable (`victim_order`): the default releases the oldest logical pages first.
+
+Prefix caching (`prefix_caching = True`): a full page of tokens whose rows are written is registered under
+the hash chain of its tokens (`page_hash`) in every tier that holds it — its indexer-key page, its device
+page, its host page. A request admitted with `tokens=` shares the longest run of registered pages (one
+reference more on each: `incref`), never the page of its last token (whose logits must be computed), and
+skips writing them; `cached_tokens[slot]` says how many tokens that covers. Shared pages are immutable (only
+full pages are shared; decode writes past them). A request releases a shared page by dropping its own
+reference. When the last reference goes the page is free but stays registered, as a cached page that later
+requests can still share, until the pool needs it (cached pages are reclaimed last, least recently freed
+first, and then lose their registration). Under pressure a device page held by several requests is not a
+release candidate (releasing it frees nothing); once one holder is left it is cold like any other page. A
+prefix page found only on the host is loaded into a fresh device page of the new request (and registered
+there), since a prompt is resident while it is prefilled.
 """
 
 from __future__ import annotations
@@ -21,7 +34,8 @@ import numpy as np
 
 from hisparse_jax.config import PAGE_SIZE, CacheConfig, ModelConfig
 from hisparse_jax.kv import ops
-from hisparse_jax.kv.pool import INVALID, OutOfPages, PagePool, PoolError, RequestPages, Tier, owners_of
+from hisparse_jax.kv.pool import (INVALID, OutOfPages, PagePool, PoolError, RequestPages, Tier, owners_of,
+                                  page_hash)
 from hisparse_jax.kv.state import KVStore, StoreSpec, init_store
 
 TAIL_PAGES = 2
@@ -52,8 +66,8 @@ def _load_pages(store, hpages, dpages):
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _write_prefill(store, req, latent, rope, index_k, length):
-    return ops.write_prefill(store.spec, store, req, latent, rope, index_k, length)
+def _write_prefill(store, req, latent, rope, index_k, length, start):
+    return ops.write_prefill(store.spec, store, req, latent, rope, index_k, length, start)
 
 
 def _pad_pow2(values: list[int], fill: int = -1) -> np.ndarray:
@@ -94,11 +108,24 @@ class TieredCache:
         self.evicted_pages = 0
         self.h2d_bytes = 0  # swap-ins (decode misses are in the step stats)
         self.pinned: set[int] = set()
+        self.swapped: set[int] = set()  # slots swapped out whole (no device page until swap_in)
         self._growing: tuple[int, int] | None = None  # (slot, pages being added) during _grow
         # release single cold pages under pressure (HiSparse); off = a request is resident whole or not at all
         self.partial_eviction = True  # slots that must stay fully resident (being prefilled, or policy says so)
         self._synced_hot: dict[int, tuple[int, ...]] = {}
         self.d2h_bytes = 0  # prefill host writes + write-backs (decode mirror bytes are in the step stats)
+        self.prefix_hashes: dict[int, list[int]] = {}  # slot -> hash chain of its registered / shared pages
+        self.cached_tokens: dict[int, int] = {}  # slot -> prompt tokens shared at admission (not recomputed)
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Register written full pages and share them at admission (`admit(..., tokens=...)`); freed registered
+        pages stay cached (reclaimed last) so a later request can still find them."""
+        return self.pool.retain_prefix
+
+    @prefix_caching.setter
+    def prefix_caching(self, on: bool) -> None:
+        self.pool.set_retain_prefix(on)
 
     # ----- sizes ---------------------------------------------------------------------------------
     @property
@@ -131,22 +158,29 @@ class TieredCache:
             raise BudgetError(f"a {num_tokens}-token request needs {n} host pages to be evictable; host_pages is "
                               f"{self.spec.host_pages}")
 
-    def admit(self, num_tokens: int, *, resident: bool = False) -> int:
+    def admit(self, num_tokens: int, *, resident: bool = False, tokens=None) -> int:
         """Reserve a slot and pages for a prompt of `num_tokens` tokens; returns the slot. With `resident`, every
         page is placed on the device (else older pages may start on the host when the device is short).
 
+        tokens: the prompt's token ids. With `prefix_caching` on, the longest run of registered full pages of
+        `tokens` is shared (made resident) instead of allocated; `cached_tokens[slot]` is the tokens it covers
+        and the slot's length is at least that. Without `tokens` nothing is shared.
         Raises BudgetError (never fits), or OutOfPages / PoolError when it does not fit *now* (nothing changed).
         """
-        self.check_fits(num_tokens)
+        self.check_fits(max(num_tokens, len(tokens) if tokens is not None else 0))
         slots = self.free_slots()
         if not slots:
             raise PoolError(f"all {self.spec.max_seqs} request slots are in use")
         slot = slots[0]
         self.requests[slot] = RequestPages()
         self.lengths[slot] = 0
+        self.cached_tokens[slot] = 0
         if resident:
             self.pinned.add(slot)
         try:
+            if tokens is not None and self.prefix_caching:
+                self._share_prefix(slot, self.match_prefix(tokens))
+            num_tokens = max(num_tokens, self.cached_tokens[slot])
             self._grow(slot, num_tokens)
         except Exception:
             self.release(slot)
@@ -158,11 +192,101 @@ class TieredCache:
         self._sync(slot)
         return slot
 
-    def write_prefill(self, slot: int, latent, rope, index_k, length: int) -> None:
-        """Write a prompt's rows (latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]) into `slot`."""
+    # ----- prefix caching ------------------------------------------------------------------------
+    def match_prefix(self, tokens) -> list[tuple[int, int, int, int]]:
+        """The registered pages `tokens` could share: the longest run of full pages from the start whose hash
+        chain is registered with an indexer page and a KV copy (with the host mirror on: a host copy), never
+        the page holding the last token. Returns [(hash, index page, device page or INVALID, host page or
+        INVALID)], one per page, in order. Read-only."""
+        tokens = np.asarray(tokens, np.int64).reshape(-1)
+        out, h = [], None
+        for i in range(max(len(tokens) - 1, 0) // PAGE_SIZE):
+            h = page_hash(h, tokens[i * PAGE_SIZE:(i + 1) * PAGE_SIZE])
+            x = self.pool.lookup_prefix(Tier.INDEX, h)
+            d = self.pool.lookup_prefix(Tier.DEVICE, h)
+            hp = self.pool.lookup_prefix(Tier.HOST, h) if self.spec.mirror_to_host else None
+            if x is None or (hp is None if self.spec.mirror_to_host else d is None):
+                break
+            out.append((h, x, INVALID if d is None else d, INVALID if hp is None else hp))
+        return out
+
+    def _share_prefix(self, slot: int, hits: list[tuple[int, int, int, int]]) -> None:
+        """Take one reference on each hit page (reviving cached free ones); load host-only ones into fresh device
+        pages (registered there)."""
+        r = self.requests[slot]
+        assert r.num_pages == 0, "prefix pages are shared into an empty request"
+        loads = [i for i, (_, _, d, _) in enumerate(hits) if d == INVALID]
+        rc = self.pool._t[Tier.DEVICE].refcount
+
+        def free_after_revival():  # reviving cached device pages uses up free pages too
+            return self.pool.num_free(Tier.DEVICE) - sum(1 for _, _, d, _ in hits if d != INVALID and rc[d] == 0)
+
+        if loads and free_after_revival() < len(loads) and self.partial_eviction:
+            self._evict_until(self.pool.num_free(Tier.DEVICE) - free_after_revival() + len(loads), exclude=slot)
+            hits = [(h, x, INVALID if d == INVALID or self.pool.lookup_prefix(Tier.DEVICE, h) != d else d, hp)
+                    for h, x, d, hp in hits]  # (an eviction may have freed a hit page: it stays cached)
+            loads = [i for i, (_, _, d, _) in enumerate(hits) if d == INVALID]
+        # share as far as the pages that must be loaded can be had (a shorter prefix is still a prefix)
+        free = free_after_revival()
+        if len(loads) > free:
+            hits = hits[:loads[max(free, 0)]]
+            loads = loads[:max(free, 0)]
+        for h, x, d, hp in hits:  # references first: a cached page must be revived before anything is allocated
+            self.pool.incref(Tier.INDEX, x)
+            if hp != INVALID:
+                self.pool.incref(Tier.HOST, hp)
+            if d != INVALID:
+                self.pool.incref(Tier.DEVICE, d)
+        fresh = self.pool.allocate(Tier.DEVICE, len(loads))
+        device = [d for _, _, d, _ in hits]
+        for i, d in zip(loads, fresh):
+            device[i] = d
+            self.pool.register_prefix(Tier.DEVICE, hits[i][0], d)
+        for i, (h, x, d, hp) in enumerate(hits):
+            r.append(index=x, device=device[i], host=hp)
+        if loads:
+            hpg = _pad_pow2([hits[i][3] for i in loads])
+            self.store, rows = _load_pages(self.store, jnp.asarray(hpg), jnp.asarray(_pad_pow2(fresh)))
+            self.h2d_bytes += int(rows) * self.spec.row_bytes
+        self.prefix_hashes[slot] = [h for h, _, _, _ in hits]
+        self.cached_tokens[slot] = len(hits) * PAGE_SIZE
+
+    def register_prefix(self, slot: int, tokens) -> int:
+        """Register `slot`'s full pages of `tokens` (whose rows must be written: positions < len(tokens)) as
+        prefix pages in every tier that holds them. Returns the number of pages registered. No-op unless
+        `prefix_caching` is on."""
+        if not self.prefix_caching:
+            return 0
+        tokens = np.asarray(tokens, np.int64).reshape(-1)
+        r = self.requests[slot]
+        n = min(len(tokens) // PAGE_SIZE, r.num_pages)
+        chain = self.prefix_hashes.setdefault(slot, [])
+        for i in range(n):
+            if i == len(chain):
+                chain.append(page_hash(chain[-1] if chain else None, tokens[i * PAGE_SIZE:(i + 1) * PAGE_SIZE]))
+            h = chain[i]
+            for tier, page in ((Tier.INDEX, r.index[i]), (Tier.DEVICE, r.device[i]), (Tier.HOST, r.host[i])):
+                # a hash already naming a page (another request's, or cached) keeps it: no churn
+                if page != INVALID and self.pool.lookup_prefix(tier, h) is None:
+                    self.pool.register_prefix(tier, h, page)
+        return n
+
+    def shared_device_pages(self) -> set[int]:
+        """Device KV pages held by more than one request (not release candidates)."""
+        rc = self.pool._t[Tier.DEVICE].refcount
+        return {d for r in self.requests.values() for d in r.device if d != INVALID and rc[d] > 1}
+
+    def write_prefill(self, slot: int, latent, rope, index_k, length: int, start: int = 0) -> None:
+        """Write a prompt's rows (latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]; row t is position t)
+        for positions start..length-1 into `slot`. `start` must not be below the slot's shared prefix
+        (`cached_tokens[slot]`): shared pages are never written."""
         if length != self.lengths[slot]:
             raise ValueError(f"slot {slot} was admitted for {self.lengths[slot]} tokens, got {length}")
-        self.store, rows = _write_prefill(self.store, jnp.int32(slot), latent, rope, index_k, jnp.int32(length))
+        if not self.cached_tokens.get(slot, 0) <= start <= length:
+            raise PoolError(f"slot {slot}: write_prefill start {start} must lie in [{self.cached_tokens.get(slot, 0)} "
+                            f"(its shared prefix tokens), {length}]; shared pages are never written")
+        self.store, rows = _write_prefill(self.store, jnp.int32(slot), latent, rope, index_k, jnp.int32(length),
+                                          jnp.int32(start))
         self.d2h_bytes += int(rows) * self.spec.row_bytes
 
     def reserve(self, slot: int, num_tokens: int) -> None:
@@ -192,6 +316,7 @@ class TieredCache:
             self.pool.free(Tier.DEVICE, r.hot)
             r.hot.clear()
         self.evicted_pages += len(pages)
+        self.swapped.add(slot)
         self._sync(slot)
         return len(pages)
 
@@ -199,20 +324,33 @@ class TieredCache:
         """Bring every host-only page of `slot` back to the device (whole-page H2D copies). Raises OutOfPages
         (nothing changed) when the device pool cannot hold them. Returns the pages loaded."""
         r = self.requests[slot]
-        missing = r.host_only_pages()
-        if not self.pool.can_allocate(Tier.DEVICE, len(missing)):
-            raise OutOfPages(Tier.DEVICE, len(missing), self.pool.num_free(Tier.DEVICE), self.spec.device_pages)
-        if not missing:
-            return 0
-        dev = self.pool.allocate(Tier.DEVICE, len(missing))
-        hp = _pad_pow2([r.host[i] for i in missing])
-        dp = _pad_pow2(dev)
-        self.store, rows = _load_pages(self.store, jnp.asarray(hp), jnp.asarray(dp))
-        self.h2d_bytes += int(rows) * self.spec.row_bytes
-        for i, d in zip(missing, dev):
+        chain = self.prefix_hashes.get(slot, [])
+        shared = {}  # prefix pages still on the device (another request's, or cached): take a reference, no copy
+        for i in r.host_only_pages():
+            d = self.pool.lookup_prefix(Tier.DEVICE, chain[i]) if i < len(chain) else None
+            if d is not None:
+                shared[i] = d
+        missing = [i for i in r.host_only_pages() if i not in shared]
+        rc = self.pool._t[Tier.DEVICE].refcount
+        need = len(missing) + sum(1 for d in shared.values() if rc[d] == 0)
+        if not self.pool.can_allocate(Tier.DEVICE, need):
+            raise OutOfPages(Tier.DEVICE, need, self.pool.num_free(Tier.DEVICE), self.spec.device_pages)
+        self.swapped.discard(slot)
+        for i, d in shared.items():
+            self.pool.incref(Tier.DEVICE, d)
             r.device[i] = d
+        if missing:
+            dev = self.pool.allocate(Tier.DEVICE, len(missing))
+            hp = _pad_pow2([r.host[i] for i in missing])
+            dp = _pad_pow2(dev)
+            self.store, rows = _load_pages(self.store, jnp.asarray(hp), jnp.asarray(dp))
+            self.h2d_bytes += int(rows) * self.spec.row_bytes
+            for i, d in zip(missing, dev):
+                r.device[i] = d
+                if i < len(chain):
+                    self.pool.register_prefix(Tier.DEVICE, chain[i], d)
         self._sync(slot)
-        return len(missing)
+        return len(missing) + len(shared)
 
     def resident_pages_needed(self, slot: int) -> int:
         """Device pages `slot` would need to be fully resident."""
@@ -227,9 +365,12 @@ class TieredCache:
         """Free every page of a finished or aborted request and clear its tables."""
         r = self.requests.pop(slot)
         self.pinned.discard(slot)
+        self.swapped.discard(slot)
         r.release(self.pool)
         self.lengths.pop(slot, None)
         self._synced_hot.pop(slot, None)
+        self.prefix_hashes.pop(slot, None)
+        self.cached_tokens.pop(slot, None)
         mp = self.spec.max_pages
         self.store = _set_tables(self.store, jnp.int32(slot), jnp.full((mp,), -1, jnp.int32),
                                  jnp.full((mp,), -1, jnp.int32), jnp.full((mp,), -1, jnp.int32), jnp.int32(0),
@@ -292,11 +433,14 @@ class TieredCache:
 
     def evictable_pages(self, slot: int) -> list[int]:
         """Logical pages of `slot` that may be released now: resident, sealed (not among the last two — counting
-        the pages a growth in progress is about to add) and with a current host copy. Oldest first."""
+        the pages a growth in progress is about to add), with a current host copy, and held by this request
+        alone (releasing a shared page frees nothing). Oldest first."""
         r = self.requests[slot]
         growing = self._growing[1] if self._growing and self._growing[0] == slot else 0
         limit = r.num_pages + growing - TAIL_PAGES
-        return [i for i in range(max(limit, 0)) if r.device[i] != INVALID and r.host[i] != INVALID]
+        rc = self.pool._t[Tier.DEVICE].refcount
+        return [i for i in range(max(limit, 0)) if r.device[i] != INVALID and r.host[i] != INVALID
+                and rc[r.device[i]] == 1]
 
     def _evict_until(self, free_target: int, exclude: int | None = None) -> None:
         """Release cold pages until `free_target` device pages are free (or nothing more can be released).
@@ -331,7 +475,8 @@ class TieredCache:
         self._sync(slot)
 
     def evict(self, slot: int, logical_pages: list[int]) -> None:
-        """Release the device copies of `slot`'s logical pages (their host copies must be current)."""
+        """Release the device copies of `slot`'s logical pages (their host copies must be current). A page
+        shared with other requests loses only this request's reference (it stays resident for them)."""
         r = self.requests[slot]
         growing = self._growing[1] if self._growing and self._growing[0] == slot else 0
         for i in logical_pages:
@@ -433,10 +578,19 @@ class TieredCache:
                 for i in range(n):
                     if r.device[i] == INVALID and r.host[i] == INVALID:
                         raise PoolError(f"slot {s}: page {i} has no copy anywhere")
+                chain = self.prefix_hashes.get(s, [])
+                if len(chain) > n:
+                    raise PoolError(f"slot {s}: {len(chain)} prefix hashes for {n} pages")
+                for i, h in enumerate(chain):  # a registered page holds the tokens its hash names
+                    for tier, page in ((Tier.INDEX, r.index[i]), (Tier.DEVICE, r.device[i]), (Tier.HOST, r.host[i])):
+                        got = self.pool.prefix_hash(tier, page) if page != INVALID else None
+                        if got is not None and got != h:
+                            raise PoolError(f"slot {s}: {tier.value} page {page} (logical {i}) is registered under "
+                                            f"hash {got}, but the slot's page {i} has hash {h}")
                 if n < -(-self.lengths[s] // PAGE_SIZE):
                     raise PoolError(f"slot {s}: {self.lengths[s]} tokens but only {n} pages")
                 for i in range(max(n - TAIL_PAGES, 0), n):
-                    if self.lengths[s] > i * PAGE_SIZE and r.device[i] == INVALID:
+                    if self.lengths[s] > i * PAGE_SIZE and r.device[i] == INVALID and s not in self.swapped:
                         raise PoolError(f"slot {s}: tail page {i} is not resident")
 
 

@@ -401,13 +401,14 @@ def set_tables(store: KVStore, req: int, block_row, host_row, index_row, seq_len
         hot_token=store.hot_token.at[req].set(-1), hot_stamp=store.hot_stamp.at[req].set(-1))
 
 
-def write_prefill(spec: StoreSpec, store: KVStore, req, latent, rope, index_k, length):
-    """Write a prompt's rows: latent [L, T, C], rope [L, T, R], index_k [LI, T, dI] of which the first
-    `length` are real, for request slot `req` (scalar). Every token goes to its indexer page, to its device
-    page when resident and to its host page when it has one. Returns (store, d2h_rows)."""
+def write_prefill(spec: StoreSpec, store: KVStore, req, latent, rope, index_k, length, start=0):
+    """Write a prompt's rows: latent [L, T, C], rope [L, T, R], index_k [LI, T, dI] (row t = position t) of
+    which positions start..length-1 are written (earlier ones, e.g. a shared prefix, are left alone), for
+    request slot `req` (scalar). Every token goes to its indexer page, to its device page when resident and
+    to its host page when it has one. Returns (store, d2h_rows)."""
     T = latent.shape[1]
     pos = jnp.arange(T, dtype=jnp.int32)
-    ok = pos < length
+    ok = (pos >= start) & (pos < length)
     lp = jnp.minimum(pos // PAGE_SIZE, spec.max_pages - 1)
     row = pos % PAGE_SIZE
     dpage, hpage, ipage = store.block_table[req, lp], store.host_table[req, lp], store.index_table[req, lp]

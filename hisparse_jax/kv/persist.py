@@ -41,6 +41,9 @@ def save_cache(cache: TieredCache, path: str | os.PathLike) -> None:
         "requests": {str(s): dataclasses.asdict(r) for s, r in cache.requests.items()},
         "lengths": {str(s): n for s, n in cache.lengths.items()},
         "evicted_pages": cache.evicted_pages, "d2h_bytes": cache.d2h_bytes,
+        "prefix_caching": cache.prefix_caching, "swapped": sorted(cache.swapped),
+        "prefix_hashes": {str(s): h for s, h in cache.prefix_hashes.items()},
+        "cached_tokens": {str(s): n for s, n in cache.cached_tokens.items()},
     }
     with open(os.path.join(path, "cache.json"), "w") as f:
         json.dump(meta, f)
@@ -74,5 +77,9 @@ def load_cache(path: str | os.PathLike, device=None) -> TieredCache:
     cache.lengths = {int(s): n for s, n in meta["lengths"].items()}
     cache._synced_hot = {s: tuple(r.hot) for s, r in cache.requests.items()}
     cache.evicted_pages, cache.d2h_bytes = meta["evicted_pages"], meta["d2h_bytes"]
+    cache.prefix_caching = meta.get("prefix_caching", False)
+    cache.swapped = set(meta.get("swapped", []))
+    cache.prefix_hashes = {int(s): list(h) for s, h in meta.get("prefix_hashes", {}).items()}
+    cache.cached_tokens = {int(s): n for s, n in meta.get("cached_tokens", {}).items()}
     cache.check_invariants()
     return cache

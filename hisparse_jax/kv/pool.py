@@ -12,8 +12,12 @@ steps; nothing in this module touches an array on the device (pure NumPy / stdli
 `PagePool` follows nano-vllm's `BlockManager`: `can_allocate` / `allocate` hand out pages with refcount 1
 (lowest free id first, so runs are reproducible), `incref` / `decref` / `free` share and release them,
 and full pages can be registered under a hash chain of their tokens (`page_hash`) so that a later
-request with the same prefix can reuse them (`lookup_prefix`, then `incref`). A registration lives
-exactly as long as its page: it is dropped when the refcount reaches 0.
+request with the same prefix can reuse them (`lookup_prefix`, then `incref`). Without `retain_prefix` a
+registration lives exactly as long as its page: it is dropped when the refcount reaches 0. With it (vLLM's
+prefix cache), a registered page whose last owner lets go stays registered as a *cached free* page: it
+counts as free, `lookup_prefix` still finds it and `incref` revives it with its contents; `allocate` hands
+out never-registered free pages first and only then reclaims cached ones, least recently freed first
+(dropping their registration).
 
 `RequestPages` is one request's view: per logical page index its device, host and indexer page (or
 `INVALID`), plus the device pages lent to its hot buffer. `owners_of(requests)` turns a batch of them into
@@ -61,7 +65,9 @@ class Tier(enum.Enum):
     HOST = "host"
 
 
-PREFIX_TIERS = (Tier.DEVICE, Tier.HOST)   # tiers whose pages can be registered as prefix pages
+# A shared prefix page is one page in each tier registered under the same hash: its indexer keys (INDEX),
+# and its KV on the device (DEVICE) and/or the host (HOST).
+PREFIX_TIERS = (Tier.DEVICE, Tier.INDEX, Tier.HOST)
 
 
 def _as_tier(tier: Tier | str) -> Tier:
@@ -116,7 +122,8 @@ class _TierState:
     in the min-heap `returned`. So "lowest free id first" costs O(log n) and memory grows only with the
     pages ever touched, not with the capacity (a host pool may hold millions of pages)."""
 
-    __slots__ = ("tier", "capacity", "refcount", "returned", "next_fresh", "used", "hash_to_page", "page_to_hash")
+    __slots__ = ("tier", "capacity", "refcount", "returned", "next_fresh", "used", "hash_to_page", "page_to_hash",
+                 "cached")
 
     def __init__(self, tier: Tier, capacity: int):
         self.tier = tier
@@ -127,6 +134,7 @@ class _TierState:
         self.used = 0
         self.hash_to_page: dict[int, int] = {}
         self.page_to_hash: dict[int, int] = {}
+        self.cached: dict[int, None] = {}  # free pages still registered (retain_prefix), least recently freed first
 
     @property
     def free(self) -> int:
@@ -138,10 +146,12 @@ class PagePool:
 
     device_pages / index_pages / host_pages: pool capacities in pages of `PAGE_SIZE` tokens. The device
     and index pools need at least one page; the host pool may be empty (a device-only store).
+    retain_prefix: keep freed registered pages as cached free pages (see the module docstring); turning it
+    off later (`set_retain_prefix(False)`) drops them.
     Every method taking a `tier` accepts a `Tier` or its string value ("device", "index", "host").
     """
 
-    def __init__(self, device_pages: int, index_pages: int, host_pages: int):
+    def __init__(self, device_pages: int, index_pages: int, host_pages: int, *, retain_prefix: bool = False):
         caps = {}
         for tier, n, lo in ((Tier.DEVICE, device_pages, 1), (Tier.INDEX, index_pages, 1), (Tier.HOST, host_pages, 0)):
             n = _as_int(n, f"{tier.value}_pages")
@@ -149,6 +159,15 @@ class PagePool:
                 raise ValueError(f"{tier.value}_pages must be >= {lo}, got {n}")
             caps[tier] = n
         self._t = {tier: _TierState(tier, n) for tier, n in caps.items()}
+        self.retain_prefix = bool(retain_prefix)
+
+    def set_retain_prefix(self, retain: bool) -> None:
+        """Switch retention of freed prefix pages; switching it off frees every cached page for good."""
+        self.retain_prefix = bool(retain)
+        if not retain:
+            for s in self._t.values():
+                for p in list(s.cached):
+                    self._drop_cached(s, p)
 
     # ----------------------------------------------------------------------------------------- sizes
     def capacity(self, tier: Tier | str) -> int:
@@ -164,9 +183,14 @@ class PagePool:
         return self._t[_as_tier(tier)].free
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """{tier value: {"capacity", "used", "free", "prefix"}} in pages ("prefix": registered prefix pages)."""
-        return {t.value: {"capacity": s.capacity, "used": s.used, "free": s.free, "prefix": len(s.page_to_hash)}
-                for t, s in self._t.items()}
+        """{tier value: {"capacity", "used", "free", "prefix", "cached"}} in pages ("prefix": registered pages,
+        in use or cached; "cached": free pages kept for their prefix, part of "free")."""
+        return {t.value: {"capacity": s.capacity, "used": s.used, "free": s.free, "prefix": len(s.page_to_hash),
+                          "cached": len(s.cached)} for t, s in self._t.items()}
+
+    def num_cached(self, tier: Tier | str) -> int:
+        """Free pages kept registered for their prefix (reclaimed by `allocate` when nothing else is free)."""
+        return len(self._t[_as_tier(tier)].cached)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{t.value}={s.used}/{s.capacity}" for t, s in self._t.items())
@@ -181,7 +205,8 @@ class PagePool:
         return n <= self._t[_as_tier(tier)].free
 
     def allocate(self, tier: Tier | str, n: int) -> list[int]:
-        """`n` free pages of `tier`, lowest id first, each with refcount 1.
+        """`n` free pages of `tier`, lowest id first (cached prefix pages last, least recently freed first, their
+        registration dropped), each with refcount 1.
 
         Raises OutOfPages (naming the tier, `n` and the free count) and changes nothing when fewer than
         `n` pages are free.
@@ -193,9 +218,14 @@ class PagePool:
         pages = []
         while len(pages) < n and s.returned:
             pages.append(heapq.heappop(s.returned))
-        k = n - len(pages)
+        k = min(n - len(pages), s.capacity - s.next_fresh)
         pages.extend(range(s.next_fresh, s.next_fresh + k))
         s.next_fresh += k
+        while len(pages) < n:  # reclaim cached prefix pages, least recently freed first
+            p = next(iter(s.cached))
+            del s.cached[p]
+            self._unregister(s, p)
+            pages.append(p)
         s.refcount[pages] = 1
         s.used += n
         return pages
@@ -213,11 +243,15 @@ class PagePool:
         return int(s.refcount[self._check_page(s, page)])
 
     def incref(self, tier: Tier | str, page: int) -> None:
-        """One more owner of an in-use page (prefix sharing). A free page must be allocated instead."""
+        """One more owner of an in-use page (prefix sharing), or the first owner of a cached free prefix page
+        (revived with its contents). Any other free page must be allocated instead."""
         s = self._t[_as_tier(tier)]
         p = self._check_page(s, page)
         if s.refcount[p] == 0:
-            raise PoolError(f"incref of free {s.tier.value} page {p}; allocate it instead")
+            if p not in s.cached:
+                raise PoolError(f"incref of free {s.tier.value} page {p}; allocate it instead")
+            del s.cached[p]
+            s.used += 1
         s.refcount[p] += 1
 
     def decref(self, tier: Tier | str, page: int) -> bool:
@@ -235,10 +269,21 @@ class PagePool:
 
     def _release(self, s: _TierState, p: int) -> None:
         s.used -= 1
+        if self.retain_prefix and p in s.page_to_hash:
+            s.cached[p] = None  # most recently freed last
+            return
         heapq.heappush(s.returned, p)
+        self._unregister(s, p)
+
+    def _unregister(self, s: _TierState, p: int) -> None:
         h = s.page_to_hash.pop(p, None)
         if h is not None:
             del s.hash_to_page[h]
+
+    def _drop_cached(self, s: _TierState, p: int) -> None:
+        del s.cached[p]
+        self._unregister(s, p)
+        heapq.heappush(s.returned, p)
 
     def free(self, tier: Tier | str, pages: Iterable[int]) -> None:
         """`decref` every page in `pages` (a page listed twice loses two references). All-or-nothing: if any
@@ -257,10 +302,7 @@ class PagePool:
 
     # -------------------------------------------------------------------------------- prefix caching
     def _prefix_state(self, tier: Tier | str) -> _TierState:
-        t = _as_tier(tier)
-        if t not in PREFIX_TIERS:
-            raise PoolError(f"tier {t.value} cannot hold prefix pages; only {[x.value for x in PREFIX_TIERS]}")
-        return self._t[t]
+        return self._t[_as_tier(tier)]
 
     def register_prefix(self, tier: Tier | str, h: int, page: int) -> None:
         """Register the full, in-use `page` as holding the tokens whose hash chain ends in `h`.
@@ -280,12 +322,16 @@ class PagePool:
             raise PoolError(f"{s.tier.value} page {p} is already registered under hash {old_h}, not {h}")
         old_p = s.hash_to_page.get(h)
         if old_p is not None and old_p != p:
-            del s.page_to_hash[old_p]
+            if old_p in s.cached:
+                self._drop_cached(s, old_p)
+            else:
+                del s.page_to_hash[old_p]
         s.hash_to_page[h] = p
         s.page_to_hash[p] = h
 
     def lookup_prefix(self, tier: Tier | str, h: int) -> int | None:
-        """The in-use page registered under hash `h`, or None. On a hit the caller must `incref` it."""
+        """The page registered under hash `h` (in use, or cached free with `retain_prefix`), or None. On a hit
+        the caller must `incref` it before anything is allocated."""
         return self._prefix_state(tier).hash_to_page.get(_as_int(h, "prefix hash"))
 
     def prefix_hash(self, tier: Tier | str, page: int) -> int | None:
@@ -299,7 +345,7 @@ class PagePool:
 
         Always checked, per tier: refcounts >= 0; a page is free iff its refcount is 0; the free list has
         no duplicates and no out-of-range ids; used + free == capacity; prefix registrations are one-to-one,
-        on in-use pages, in prefix tiers only.
+        on in-use pages.
 
         owners: for some or all tiers, an iterable of per-owner page lists (per-request block tables, hot
         buffers...; INVALID entries are skipped). For each tier given, every page's refcount must equal the
@@ -365,32 +411,44 @@ class PagePool:
         if (rc[s.next_fresh:] != 0).any():
             p = s.next_fresh + int(np.flatnonzero(rc[s.next_fresh:])[0])
             raise PoolError(f"{name}: never-allocated page {p} has refcount {int(rc[p])}")
+        cached = np.asarray(list(s.cached), np.int64)
+        if cached.size:
+            if not self.retain_prefix:
+                raise PoolError(f"{name}: {cached.size} cached free pages but retain_prefix is off")
+            if cached.min() < 0 or cached.max() >= s.next_fresh or (rc[cached] != 0).any():
+                raise PoolError(f"{name}: cached free pages must be free pages below {s.next_fresh}, got "
+                                f"{[(int(p), int(rc[p]) if 0 <= p < s.capacity else None) for p in cached[:5]]}")
+            if np.intersect1d(cached, ret).size:
+                raise PoolError(f"{name}: page {int(np.intersect1d(cached, ret)[0])} is both cached and in the free list")
+            unreg = [int(p) for p in cached if int(p) not in s.page_to_hash]
+            if unreg:
+                raise PoolError(f"{name}: cached free page {unreg[0]} has no prefix registration")
         zero_below = int(np.count_nonzero(rc[:s.next_fresh] == 0))
-        if zero_below != ret.size:
+        if zero_below != ret.size + cached.size:
             in_free = np.zeros(s.next_fresh, bool)
             in_free[ret] = True
+            in_free[cached] = True
             p = int(np.flatnonzero((rc[:s.next_fresh] == 0) & ~in_free)[0])
             raise PoolError(f"{name}: page {p} has refcount 0 but is not in the free list (lost page)")
         used = int(np.count_nonzero(rc))
-        free = ret.size + (s.capacity - s.next_fresh)
+        free = ret.size + cached.size + (s.capacity - s.next_fresh)
         if used != s.used or used + free != s.capacity:
             raise PoolError(f"{name}: used {used} (counter {s.used}) + free {free} != capacity {s.capacity}")
         if len(s.hash_to_page) != len(s.page_to_hash):
             raise PoolError(f"{name}: prefix maps disagree ({len(s.hash_to_page)} hashes, "
                             f"{len(s.page_to_hash)} pages)")
-        if s.page_to_hash and s.tier not in PREFIX_TIERS:
-            raise PoolError(f"{name}: tier holds prefix registrations but is not a prefix tier")
         for h, p in s.hash_to_page.items():
             if s.page_to_hash.get(p) != h:
                 raise PoolError(f"{name}: hash {h} -> page {p}, but page {p} -> hash {s.page_to_hash.get(p)}")
-            if not 0 <= p < s.capacity or rc[p] == 0:
-                raise PoolError(f"{name}: prefix hash {h} names page {p}, which is free or out of range")
+            if not 0 <= p < s.capacity or (rc[p] == 0 and p not in s.cached):
+                raise PoolError(f"{name}: prefix hash {h} names page {p}, which is free (not cached) or out of range")
 
     # -------------------------------------------------------------------------------------- snapshot
     def snapshot(self) -> dict:
-        """JSON-serializable state: capacities, in-use pages with refcounts, prefix registrations.
+        """JSON-serializable state: capacities, in-use pages with refcounts, prefix registrations, cached free
+        pages in their reclaim order.
 
-        The free list is not stored: it is "every page with refcount 0", handed out lowest first, so a
+        The free list is not stored: it is "every other page with refcount 0", handed out lowest first, so a
         restored pool allocates exactly as the original would have.
         """
         tiers = {}
@@ -400,8 +458,10 @@ class PagePool:
                 "capacity": s.capacity,
                 "used": [[int(p), int(s.refcount[p])] for p in used],
                 "prefix": [[int(h), int(p)] for p, h in sorted(s.page_to_hash.items())],
+                "cached": [int(p) for p in s.cached],
             }
-        return {"format": _SNAPSHOT_FORMAT, "version": _SNAPSHOT_VERSION, "tiers": tiers}
+        return {"format": _SNAPSHOT_FORMAT, "version": _SNAPSHOT_VERSION, "retain_prefix": self.retain_prefix,
+                "tiers": tiers}
 
     @classmethod
     def from_snapshot(cls, d: Mapping) -> "PagePool":
@@ -417,7 +477,8 @@ class PagePool:
             raise PoolError(f"snapshot tiers must be exactly {[t.value for t in Tier]}, "
                             f"got {list(tiers) if isinstance(tiers, Mapping) else tiers!r}")
         try:
-            pool = cls(tiers["device"]["capacity"], tiers["index"]["capacity"], tiers["host"]["capacity"])
+            pool = cls(tiers["device"]["capacity"], tiers["index"]["capacity"], tiers["host"]["capacity"],
+                       retain_prefix=bool(d.get("retain_prefix", False)))
         except (TypeError, ValueError, KeyError) as e:
             raise PoolError(f"bad capacities in snapshot: {e}") from e
         for t, s in pool._t.items():
@@ -427,18 +488,23 @@ class PagePool:
                 if r < 1 or s.refcount[p]:
                     raise PoolError(f"snapshot {t.value}: bad or repeated used entry {entry!r}")
                 s.refcount[p] = r
+            cached = [pool._check_page(s, p) for p in td.get("cached", [])]
+            if len(set(cached)) != len(cached) or any(s.refcount[p] for p in cached):
+                raise PoolError(f"snapshot {t.value}: cached pages must be distinct free pages, got {cached[:5]}")
             used = np.flatnonzero(s.refcount)
             s.used = int(used.size)
-            s.next_fresh = int(used[-1]) + 1 if used.size else 0
-            s.returned = [int(p) for p in np.flatnonzero(s.refcount[:s.next_fresh] == 0)]  # sorted: a valid heap
-            prefix = td.get("prefix", [])
-            if prefix and t not in PREFIX_TIERS:
-                raise PoolError(f"snapshot {t.value}: tier cannot hold prefix pages")
-            for h, p in prefix:
-                h = _as_int(h, "prefix hash")
+            s.next_fresh = max([int(used[-1]) if used.size else -1] + cached) + 1
+            s.cached = dict.fromkeys(cached)
+            s.returned = [int(p) for p in np.flatnonzero(s.refcount[:s.next_fresh] == 0)
+                          if int(p) not in s.cached]  # sorted: a valid heap
+            for h, p in td.get("prefix", []):
+                h, p = _as_int(h, "prefix hash"), pool._check_page(s, p)
                 if h in s.hash_to_page or p in s.page_to_hash:
                     raise PoolError(f"snapshot {t.value}: repeated prefix entry ({h}, {p})")
-                pool.register_prefix(t, h, p)
+                if p in s.cached:
+                    s.hash_to_page[h], s.page_to_hash[p] = p, h
+                else:
+                    pool.register_prefix(t, h, p)
         pool.check_invariants()
         return pool
 
