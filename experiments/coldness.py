@@ -32,21 +32,16 @@ def main(argv=None) -> int:
 
     from flax import nnx
 
-    from hisparse_jax.config import CacheConfig, get_preset
-    from hisparse_jax.demo import workload
+    from hisparse_jax.config import get_preset
+    from hisparse_jax.demo import budgets, workload
     from hisparse_jax.engine import Engine, EngineConfig, SamplingParams, device_budget
-    from hisparse_jax.engine.scheduler import pages
     from hisparse_jax.model.decoder import SparseMLAModel
 
     cfg = get_preset("demo-glm")
     model = SparseMLAModel(cfg, rngs=nnx.Rngs(0))
     prompts = workload(cfg.vocab_size, a.requests, a.prompt_len, 0)
     max_len = max(len(x) for x in prompts) + a.new_tokens
-    base = CacheConfig(kv_dtype="float32", max_seq_len=pages(max_len) * 64, max_seqs=a.requests,
-                       host_pages=a.requests * pages(max_len), device_pages=1)
-    per_page = (1 << 40) / device_budget(cfg, base, 1 << 40, "offload", max_running=a.requests,
-                                         max_len=max_len).device_pages
-    device_bytes = int(a.device_requests * pages(max_len) * per_page)
+    base, device_bytes = budgets(cfg, a.requests, max_len, a.device_requests)
     # chunked prefill: each prompt is written resident, so under pressure there is a real choice of which of
     # its sealed pages to release (with whole prefill most pages start on the host and there is none)
     cc = device_budget(cfg, base, device_bytes, "hisparse", max_running=a.requests, max_len=max_len,

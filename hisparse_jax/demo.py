@@ -64,16 +64,23 @@ def workload(vocab: int, n: int, longest: int, seed: int, low: float = 0.55) -> 
     return out
 
 
+def budgets(cfg, requests: int, max_len: int, device_requests: float, kv_dtype: str = "float32"):
+    """The demo's budgets for `requests` requests of up to `max_len` tokens: (a base CacheConfig whose host pool
+    holds all of them, the device bytes of `device_requests` whole longest requests' KV + indexer keys). Pass both
+    to `device_budget` to get each policy's split."""
+    base = CacheConfig(kv_dtype=kv_dtype, max_seq_len=pages(max_len) * 64, max_seqs=requests,
+                       host_pages=requests * pages(max_len), device_pages=1)
+    probe = device_budget(cfg, base, 1 << 40, "preempt", max_running=requests, max_len=max_len)
+    per_page = (1 << 40) / probe.device_pages  # bytes of one KV page + one indexer page
+    return base, int(device_requests * pages(max_len) * per_page)
+
+
 def run(args) -> dict:
     cfg = get_preset(args.preset)
     model = SparseMLAModel(cfg, rngs=nnx.Rngs(args.seed))
     prompts = workload(cfg.vocab_size, args.requests, args.prompt_len, args.seed)
     max_len = max(len(p) for p in prompts) + args.new_tokens
-    base = CacheConfig(kv_dtype=args.kv_dtype, max_seq_len=pages(max_len) * 64, max_seqs=args.requests,
-                       host_pages=args.requests * pages(max_len), device_pages=1)
-    probe = device_budget(cfg, base, 1 << 40, "preempt", max_running=args.requests, max_len=max_len)
-    per_page = (1 << 40) / probe.device_pages  # bytes of one KV page + one indexer page
-    device_bytes = int(args.device_requests * pages(max_len) * per_page)
+    base, device_bytes = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype)
     params = SamplingParams(max_new_tokens=args.new_tokens)
     quiet = args.json
     results, outputs = {}, {}

@@ -54,3 +54,13 @@ def hf_pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return request.param, model, hj.load_pretrained(path, dtype=jnp.float32)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """Drop every compiled program when a test module ends (the next module compiles its own anyway). Keeping
+    all executables of the whole suite alive in one process made XLA:CPU crash while compiling late tests."""
+    yield
+    import jax
+
+    jax.clear_caches()

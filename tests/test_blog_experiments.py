@@ -100,3 +100,15 @@ def test_synthetic_calibration():
     c = hb.calibration(tr, hb.SYNTH_DEFAULTS["k"])
     assert c["adjacent_overlap"] == pytest.approx(0.44, abs=0.05)
     assert c["lru_hit_rate_2x"] == pytest.approx(0.94, abs=0.02)
+
+
+def test_prefix_sharing_experiment_quick(tmp_path):
+    """experiments/prefix_sharing.py runs end to end (HiSparse only, tiny): the cache serves the shared prefix,
+    the computed prompt tokens drop accordingly, and the outputs are the same with the cache on and off."""
+    ps = _load("prefix_sharing")
+    out = tmp_path / "ps.json"
+    assert ps.main(["--quick", "--policies", "hisparse", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    on, off = res["policies"]["hisparse"]["on"], res["policies"]["hisparse"]["off"]
+    assert res["outputs_identical"] and off["cached_tokens"] == 0 and on["cached_tokens"] > 0
+    assert on["prefill_tokens"] + on["cached_tokens"] == off["prefill_tokens"]

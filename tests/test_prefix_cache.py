@@ -179,6 +179,30 @@ def test_host_only_prefix_page_is_loaded_and_shared_pages_are_not_release_candid
     assert_all_free(tc.pool)
 
 
+def test_pressure_releases_shared_pages_from_every_holder():
+    """Once no request has a cold page of its own left, a shared page is released from all its holders at once
+    (each gets a hot buffer first): the page is freed, stays cached, and both read it back through the host."""
+    tc = TieredCache(MODEL, cache_cfg(max_seqs=3, device_pages=24))
+    tc.prefix_caching = True
+    a_toks, b_toks = DOC[:300], DOC[:290] + [4]
+    a, b = prefill(tc, a_toks), prefill(tc, b_toks)
+    ra, rb = tc.requests[a], tc.requests[b]
+    assert ra.device[:4] == rb.device[:4] and tc.evictable_pages(a) == tc.evictable_pages(b) == []
+    tc.pinned.add(b)  # a holder that must stay resident blocks the release
+    assert tc.shared_release_candidates() == []
+    tc.pinned.discard(b)
+    assert [d for d, _ in tc.shared_release_candidates()] == ra.device[:3]  # page 3 is a tail page of both
+    shared, free0 = ra.device[:3], tc.pool.num_free(Tier.DEVICE)
+    tc._evict_until(free0 + 1)
+    assert ra.hot and rb.hot and tc.pool.num_free(Tier.DEVICE) >= free0 + 1
+    released = [d for d in shared if d not in ra.device]
+    assert released and all(d not in rb.device for d in released)
+    assert all(tc.pool.refcount(Tier.DEVICE, d) == 0 for d in released) and tc.pool.num_cached(Tier.DEVICE) >= 1
+    tc.check_invariants()
+    check_rows(tc, a, a_toks, range(0, 300, 9))
+    check_rows(tc, b, b_toks, range(0, 291, 9))
+
+
 def test_swap_in_reshares_resident_prefix_pages():
     tc = TieredCache(MODEL, cache_cfg(max_seqs=2))
     tc.prefix_caching = True
@@ -207,6 +231,25 @@ def test_write_prefill_never_touches_shared_pages():
     lat, rope, idx = rows_for(DOC, 0, 150)
     with pytest.raises(PoolError, match="shared"):
         tc.write_prefill(b, jnp.asarray(lat), jnp.asarray(rope), jnp.asarray(idx), 150)
+
+
+def test_save_restore_keeps_the_prefix_cache(tmp_path):
+    from hisparse_jax.kv.persist import load_cache, save_cache
+
+    tc = TieredCache(MODEL, cache_cfg(max_seqs=3))
+    tc.prefix_caching = True
+    a = prefill(tc, DOC[:300])
+    b = prefill(tc, DOC[:200] + [1])
+    tc.release(a)  # a's page 3 is cached now; pages 0-2 are b's (shared)
+    save_cache(tc, tmp_path / "cache")
+    tc2 = load_cache(tmp_path / "cache")
+    assert tc2.prefix_caching and tc2.pool.snapshot() == tc.pool.snapshot()
+    assert tc2.prefix_hashes == tc.prefix_hashes and tc2.cached_tokens == tc.cached_tokens
+    c = prefill(tc2, DOC[:300])
+    assert tc2.cached_tokens[c] == 256 and tc2.h2d_bytes == 0
+    check_rows(tc2, c, DOC[:300], range(0, 300, 5))
+    check_rows(tc2, b, DOC[:200] + [1], range(0, 201, 5))
+    tc2.check_invariants()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -286,6 +286,7 @@ class Engine:
         hits, misses = sum(m["hits"] for m in h), sum(m["misses"] for m in h)
         tokens = sum(m["tokens"] for m in h)
         cached, prefill = sum(m["cached_tokens"] for m in h), sum(m["prefill_tokens"] for m in h)
+        done = [r for r in self.requests.values() if r.state is RequestState.FINISHED]
         return {
             "policy": self.config.policy, "steps": len(h),
             "mean_running": float(np.mean([m["running"] for m in decode_steps])) if decode_steps else 0.0,
@@ -300,13 +301,22 @@ class Engine:
             "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
             "h2d_bytes": sum(m["h2d_bytes"] for m in h) + self.cache.h2d_bytes,
             "d2h_bytes": sum(m["d2h_bytes"] for m in h) + self.cache.d2h_bytes,
-            "evicted_pages": self.cache.evicted_pages, "history": h,
+            "evicted_pages": self.cache.evicted_pages,
+            # in engine steps, from arrival (add_request) to the first token / to the last, finished requests only
+            "mean_ttft_steps": _mean(r.first_token_step - r.arrival for r in done if r.first_token_step is not None),
+            "mean_latency_steps": _mean(r.finish_step - r.arrival for r in done),
+            "history": h,
         }
 
     def close(self) -> None:
         if self._log:
             self._log.close()
             self._log = None
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return float(np.mean(xs)) if xs else 0.0
 
 
 def device_budget(model_cfg, cache: CacheConfig, device_bytes: int, policy: str, *, max_running: int,

@@ -71,21 +71,26 @@ class Scheduler:
         return c.pool.num_used(tier) + sum(max(pages(r.max_len) - c.requests[r.slot].num_pages, 0)
                                            for r in self.active)
 
-    def _device_floor(self) -> int:
-        """Device pages the admitted requests cannot go below. A page shared by several requests counts once
-        (and cannot be released while shared)."""
+    def _device_floor(self) -> tuple[int, set[int]]:
+        """Device pages the admitted requests cannot go below, and the resident pages among them (a page shared
+        by several requests counts once). A prefilling request (or any under preempt / offload) keeps all its
+        pages plus one; a decoding HiSparse request keeps its tail pages and its hot buffer (it can release
+        every other page, shared ones together with their other holders)."""
         c = self.cache
-        shared = c.shared_device_pages() if c.prefix_caching else set()
-        total = len(shared)
+        held: set[int] = set()
+        extra = 0
         for r in self.active:
             if r.state is RequestState.SWAPPED:
                 continue
             rp = c.requests[r.slot]
             if self.policy == "hisparse" and r.state is RequestState.RUNNING:
-                total += c.min_device_pages(max(rp.num_pages, TAIL_PAGES + 1))
+                tail = [d for d in rp.device[-TAIL_PAGES:] if d != INVALID]
+                held.update(tail)
+                extra += c.min_device_pages(max(rp.num_pages, TAIL_PAGES + 1)) - len(tail)
             else:
-                total += rp.num_pages - sum(d in shared for d in rp.device) + 1
-        return total
+                held.update(d for d in rp.device if d != INVALID)
+                extra += 1 + len(rp.host_only_pages())
+        return len(held) + extra, held
 
     def can_admit(self, r: Request) -> bool:
         return self._admission(r) is not None
@@ -110,9 +115,10 @@ class Scheduler:
         chunking = any(x.state is RequestState.PREFILLING and x.slot in c.pinned for x in self.active)
         if self.prefill == "chunked" or hits:
             rc = c.pool._t[Tier.DEVICE].refcount
-            if hisparse:  # a hit page already shared by several requests is in the floor already
-                new = prompt_pages - sum(1 for _, _, d, _ in hits if d != INVALID and rc[d] > 1)
-                fits = self._device_floor() + new <= c.spec.device_pages
+            if hisparse:  # a hit page the floor holds already costs nothing more
+                floor, held = self._device_floor()
+                new = prompt_pages - sum(1 for _, _, d, _ in hits if d in held)
+                fits = floor + new <= c.spec.device_pages
             else:  # a hit page in use costs nothing; a cached one is revived out of the free pages
                 new = prompt_pages - sum(1 for _, _, d, _ in hits if d != INVALID and rc[d] > 0)
                 fits = c.pool.num_free(Tier.DEVICE) >= new
@@ -120,7 +126,7 @@ class Scheduler:
                 return None if chunking else "chunked"
             if self.prefill == "chunked":
                 return None
-        fits = (self._device_floor() + c.min_device_pages(prompt_pages) <= c.spec.device_pages if hisparse
+        fits = (self._device_floor()[0] + c.min_device_pages(prompt_pages) <= c.spec.device_pages if hisparse
                 else c.pool.num_free(Tier.DEVICE) >= prompt_pages)
         return "whole" if fits else None
 

@@ -17,8 +17,9 @@ skips writing them; `cached_tokens[slot]` says how many tokens that covers. Shar
 full pages are shared; decode writes past them). A request releases a shared page by dropping its own
 reference. When the last reference goes the page is free but stays registered, as a cached page that later
 requests can still share, until the pool needs it (cached pages are reclaimed last, least recently freed
-first, and then lose their registration). Under pressure a device page held by several requests is not a
-release candidate (releasing it frees nothing); once one holder is left it is cold like any other page. A
+first, and then lose their registration). Under pressure a device page held by several requests is not
+released by one of them alone (that frees nothing): requests give their own cold pages first, then shared
+pages are released from all their holders at once (each holder reading them through its hot buffer). A
 prefix page found only on the host is loaded into a fresh device page of the new request (and registered
 there), since a prompt is resident while it is prefilled.
 """
@@ -271,11 +272,6 @@ class TieredCache:
                     self.pool.register_prefix(tier, h, page)
         return n
 
-    def shared_device_pages(self) -> set[int]:
-        """Device KV pages held by more than one request (not release candidates)."""
-        rc = self.pool._t[Tier.DEVICE].refcount
-        return {d for r in self.requests.values() for d in r.device if d != INVALID and rc[d] > 1}
-
     def write_prefill(self, slot: int, latent, rope, index_k, length: int, start: int = 0) -> None:
         """Write a prompt's rows (latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]; row t is position t)
         for positions start..length-1 into `slot`. `start` must not be below the slot's shared prefix
@@ -457,7 +453,9 @@ class TieredCache:
                 if n and (has_hot or n > nh):
                     cands.append((has_hot, n, s))
             if not cands:
-                return
+                if not self._release_shared_page(exclude):
+                    return
+                continue
             _, _, s = max(cands)
             r = self.requests[s]
             if not r.hot:  # the hot buffer is lent from the pages being released
@@ -466,6 +464,38 @@ class TieredCache:
             missing = free_target - self.pool.num_free(Tier.DEVICE)
             if missing > 0:
                 self.evict(s, self.victim_order(self, s)[:missing])
+
+    def shared_release_candidates(self, exclude: int | None = None) -> list[tuple[int, list[tuple[int, int]]]]:
+        """Device pages held by several requests that all of them may release now: sealed for every holder,
+        with a host copy, no holder pinned (or `exclude`). Returns [(page, [(slot, logical page)])], oldest
+        (lowest logical page) first."""
+        rc = self.pool._t[Tier.DEVICE].refcount
+        holders: dict[int, list[tuple[int, int, bool]]] = {}
+        for s, r in self.requests.items():
+            growing = self._growing[1] if self._growing and self._growing[0] == s else 0
+            limit = r.num_pages + growing - TAIL_PAGES
+            for i, d in enumerate(r.device):
+                if d != INVALID and rc[d] > 1:
+                    ok = i < limit and r.host[i] != INVALID and s not in self.pinned and s != exclude
+                    holders.setdefault(d, []).append((s, i, ok))
+        out = [(d, [(s, i) for s, i, _ in hs]) for d, hs in holders.items()
+               if len(hs) == rc[d] and all(ok for _, _, ok in hs)]
+        return sorted(out, key=lambda x: (min(i for _, i in x[1]), x[0]))
+
+    def _release_shared_page(self, exclude: int | None) -> bool:
+        """Release one shared device page from every holder (HiSparse under pressure, once no request has a
+        page of its own left to give). Holders without a hot buffer get one first, when the pool can lend
+        it. Returns whether anything changed."""
+        nh = self.hot_pages_per_request
+        for d, holders in self.shared_release_candidates(exclude):
+            need = nh * sum(1 for s, _ in holders if not self.requests[s].hot)
+            if need > self.pool.num_free(Tier.DEVICE):
+                continue
+            for s, i in holders:
+                self._ensure_hot(s)
+                self.evict(s, [i])
+            return True
+        return False
 
     def _ensure_hot(self, slot: int) -> None:
         r = self.requests[slot]
