@@ -134,9 +134,7 @@ def run(args) -> dict:
         tc = TieredCache(cfg, cc)
         slots = []
         for p, (lat, rope, ik) in zip(prompts, rows):
-            s = tc.admit(len(p))
-            tc.write_prefill(s, lat, rope, ik, len(p))
-            slots.append(s)
+            slots.append(tc.admit_prefilled(lat, rope, ik, len(p)))
         # as in generate(): tokens come out of a jitted function (committed), req is a host-made constant
         runs[name] = {"tc": tc, "slots": slots, "times": [], "warm": [], "stats": [],
                       "tokens": jax.device_put(jnp.asarray(first, jnp.int32), dev),

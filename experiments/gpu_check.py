@@ -987,9 +987,7 @@ def section_decode(ctx: Ctx) -> dict:
         tc = TieredCache(cfg, cc, device=dev)
         slots = []
         for p, (lat, rope, ik) in zip(prompts, rows):
-            s = tc.admit(len(p))
-            tc.write_prefill(s, lat, rope, ik, len(p))
-            slots.append(s)
+            slots.append(tc.admit_prefilled(lat, rope, ik, len(p)))
         runs[name] = {"tc": tc, "slots": slots, "times": [], "stats": [], "compile_s": [],
                       "tokens": jax.device_put(jnp.asarray(first, jnp.int32), dev),
                       "req": jax.device_put(jnp.asarray(slots, jnp.int32), dev),

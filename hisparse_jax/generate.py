@@ -203,9 +203,7 @@ def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top
     slots, first = [], []
     for p in prompts:
         last, latent, rope, index_k = prefill_rows(model, p)
-        slot = tc.admit(len(p))
-        tc.write_prefill(slot, latent, rope, index_k, len(p))
-        slots.append(slot)
+        slots.append(tc.admit_prefilled(latent, rope, index_k, len(p)))
         first.append(last)
     B = _bucket_pow2(n)
     req = jnp.asarray(slots + [-1] * (B - n), jnp.int32)

@@ -134,6 +134,16 @@ def test_prefix_caching_off_shares_nothing_and_different_prefix_misses():
     tc.check_invariants()
 
 
+def test_admit_prefilled_registers_pages_for_later_requests():
+    tc = TieredCache(MODEL, cache_cfg(max_seqs=2))
+    tc.prefix_caching = True
+    a = tc.admit_prefilled(*(jnp.asarray(x) for x in rows_for(DOC, 0, 200)), 200, tokens=DOC[:200])
+    b = prefill(tc, DOC[:200])
+    assert tc.cached_tokens[b] == 192 and tc.requests[b].device[:3] == tc.requests[a].device[:3]
+    check_rows(tc, b, DOC[:200], range(0, 200, 7))
+    tc.check_invariants()
+
+
 def test_host_only_prefix_page_is_loaded_and_shared_pages_are_not_release_candidates():
     tc = TieredCache(MODEL, cache_cfg(max_seqs=3, device_pages=40))
     tc.prefix_caching = True

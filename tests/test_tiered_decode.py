@@ -86,9 +86,7 @@ def _start(model, prompts, cc):
     slots, toks = [], []
     for p in prompts:
         last, latent, rope, index_k = prefill_rows(model, p)
-        s = tc.admit(len(p))
-        tc.write_prefill(s, latent, rope, index_k, len(p))
-        slots.append(s)
+        slots.append(tc.admit_prefilled(latent, rope, index_k, len(p)))
         toks.append(int(jnp.argmax(last)))
     return tc, slots, jnp.asarray(toks, jnp.int32)
 

@@ -102,11 +102,12 @@ class Scheduler:
         if len(self.active) >= self.max_running or not c.free_slots():
             return None
         hits = c.match_prefix(r.kv_tokens) if c.prefix_caching else []
-        for tier, col in ((Tier.INDEX, 1), (Tier.HOST, 3)):
+        for tier, field in ((Tier.INDEX, "index"), (Tier.HOST, "host")):
             if tier is Tier.HOST and not c.spec.mirror_to_host:
                 continue
-            rc = c.pool._t[tier].refcount  # hit pages in use cost nothing (whether or not the hits are taken)
-            n_max = pages(r.max_len) - sum(1 for h in hits if h[col] != INVALID and rc[h[col]] > 0)
+            rc = c.pool.refcounts(tier)  # hit pages in use cost nothing (whether or not the hits are taken)
+            n_max = pages(r.max_len) - sum(1 for x in hits if getattr(x, field) != INVALID
+                                           and rc[getattr(x, field)] > 0)
             if self._committed(tier) + n_max > c.pool.capacity(tier):
                 return None
         prompt_pages = pages(len(r.kv_tokens)) + 1
@@ -114,13 +115,13 @@ class Scheduler:
         # one prompt resident at a time while written through the store keeps the device floor predictable
         chunking = any(x.state is RequestState.PREFILLING and x.slot in c.pinned for x in self.active)
         if self.prefill == "chunked" or hits:
-            rc = c.pool._t[Tier.DEVICE].refcount
+            rc = c.pool.refcounts(Tier.DEVICE)
             if hisparse:  # a hit page the floor holds already costs nothing more
                 floor, held = self._device_floor()
-                new = prompt_pages - sum(1 for _, _, d, _ in hits if d in held)
+                new = prompt_pages - sum(1 for x in hits if x.device in held)
                 fits = floor + new <= c.spec.device_pages
             else:  # a hit page in use costs nothing; a cached one is revived out of the free pages
-                new = prompt_pages - sum(1 for _, _, d, _ in hits if d != INVALID and rc[d] > 0)
+                new = prompt_pages - sum(1 for x in hits if x.device != INVALID and rc[x.device] > 0)
                 fits = c.pool.num_free(Tier.DEVICE) >= new
             if fits:  # (a prefix hit waits for the prompt being written: its suffix is short to write)
                 return None if chunking else "chunked"

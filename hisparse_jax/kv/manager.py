@@ -27,7 +27,7 @@ there), since a prompt is resident while it is prefilled.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,15 @@ from hisparse_jax.kv.pool import (INVALID, OutOfPages, PagePool, PoolError, Requ
 from hisparse_jax.kv.state import KVStore, StoreSpec, init_store
 
 TAIL_PAGES = 2
+
+
+class PrefixHit(NamedTuple):
+    """One registered page a prompt can share: its hash and its page in each tier (INVALID where none)."""
+
+    hash: int
+    index: int
+    device: int
+    host: int
 
 
 class BudgetError(ValueError):
@@ -194,11 +203,10 @@ class TieredCache:
         return slot
 
     # ----- prefix caching ------------------------------------------------------------------------
-    def match_prefix(self, tokens) -> list[tuple[int, int, int, int]]:
+    def match_prefix(self, tokens) -> list[PrefixHit]:
         """The registered pages `tokens` could share: the longest run of full pages from the start whose hash
         chain is registered with an indexer page and a KV copy (with the host mirror on: a host copy), never
-        the page holding the last token. Returns [(hash, index page, device page or INVALID, host page or
-        INVALID)], one per page, in order. Read-only."""
+        the page holding the last token. One `PrefixHit` per page, in order. Read-only."""
         tokens = np.asarray(tokens, np.int64).reshape(-1)
         out, h = [], None
         for i in range(max(len(tokens) - 1, 0) // PAGE_SIZE):
@@ -208,48 +216,47 @@ class TieredCache:
             hp = self.pool.lookup_prefix(Tier.HOST, h) if self.spec.mirror_to_host else None
             if x is None or (hp is None if self.spec.mirror_to_host else d is None):
                 break
-            out.append((h, x, INVALID if d is None else d, INVALID if hp is None else hp))
+            out.append(PrefixHit(h, x, INVALID if d is None else d, INVALID if hp is None else hp))
         return out
 
-    def _share_prefix(self, slot: int, hits: list[tuple[int, int, int, int]]) -> None:
+    def _share_prefix(self, slot: int, hits: list[PrefixHit]) -> None:
         """Take one reference on each hit page (reviving cached free ones); load host-only ones into fresh device
         pages (registered there)."""
         r = self.requests[slot]
         assert r.num_pages == 0, "prefix pages are shared into an empty request"
-        loads = [i for i, (_, _, d, _) in enumerate(hits) if d == INVALID]
-        rc = self.pool._t[Tier.DEVICE].refcount
+        rc = self.pool.refcounts(Tier.DEVICE)
 
         def free_after_revival():  # reviving cached device pages uses up free pages too
-            return self.pool.num_free(Tier.DEVICE) - sum(1 for _, _, d, _ in hits if d != INVALID and rc[d] == 0)
+            return self.pool.num_free(Tier.DEVICE) - sum(1 for x in hits if x.device != INVALID and rc[x.device] == 0)
 
+        loads = [i for i, x in enumerate(hits) if x.device == INVALID]
         if loads and free_after_revival() < len(loads) and self.partial_eviction:
             self._evict_until(self.pool.num_free(Tier.DEVICE) - free_after_revival() + len(loads), exclude=slot)
-            hits = [(h, x, INVALID if d == INVALID or self.pool.lookup_prefix(Tier.DEVICE, h) != d else d, hp)
-                    for h, x, d, hp in hits]  # (an eviction may have freed a hit page: it stays cached)
-            loads = [i for i, (_, _, d, _) in enumerate(hits) if d == INVALID]
+            # an eviction may have freed a hit page (it stays cached, and registered, unless reclaimed)
+            hits = [x if x.device == INVALID or self.pool.lookup_prefix(Tier.DEVICE, x.hash) == x.device
+                    else x._replace(device=INVALID) for x in hits]
+            loads = [i for i, x in enumerate(hits) if x.device == INVALID]
         # share as far as the pages that must be loaded can be had (a shorter prefix is still a prefix)
-        free = free_after_revival()
+        free = max(free_after_revival(), 0)
         if len(loads) > free:
-            hits = hits[:loads[max(free, 0)]]
-            loads = loads[:max(free, 0)]
-        for h, x, d, hp in hits:  # references first: a cached page must be revived before anything is allocated
-            self.pool.incref(Tier.INDEX, x)
-            if hp != INVALID:
-                self.pool.incref(Tier.HOST, hp)
-            if d != INVALID:
-                self.pool.incref(Tier.DEVICE, d)
+            hits, loads = hits[:loads[free]], loads[:free]
+        for x in hits:  # references first: a cached page must be revived before anything is allocated
+            self.pool.incref(Tier.INDEX, x.index)
+            if x.host != INVALID:
+                self.pool.incref(Tier.HOST, x.host)
+            if x.device != INVALID:
+                self.pool.incref(Tier.DEVICE, x.device)
         fresh = self.pool.allocate(Tier.DEVICE, len(loads))
-        device = [d for _, _, d, _ in hits]
         for i, d in zip(loads, fresh):
-            device[i] = d
-            self.pool.register_prefix(Tier.DEVICE, hits[i][0], d)
-        for i, (h, x, d, hp) in enumerate(hits):
-            r.append(index=x, device=device[i], host=hp)
+            hits[i] = hits[i]._replace(device=d)
+            self.pool.register_prefix(Tier.DEVICE, hits[i].hash, d)
+        for x in hits:
+            r.append(index=x.index, device=x.device, host=x.host)
         if loads:
-            hpg = _pad_pow2([hits[i][3] for i in loads])
+            hpg = _pad_pow2([hits[i].host for i in loads])
             self.store, rows = _load_pages(self.store, jnp.asarray(hpg), jnp.asarray(_pad_pow2(fresh)))
             self.h2d_bytes += int(rows) * self.spec.row_bytes
-        self.prefix_hashes[slot] = [h for h, _, _, _ in hits]
+        self.prefix_hashes[slot] = [x.hash for x in hits]
         self.cached_tokens[slot] = len(hits) * PAGE_SIZE
 
     def register_prefix(self, slot: int, tokens) -> int:
@@ -284,6 +291,16 @@ class TieredCache:
         self.store, rows = _write_prefill(self.store, jnp.int32(slot), latent, rope, index_k, jnp.int32(length),
                                           jnp.int32(start))
         self.d2h_bytes += int(rows) * self.spec.row_bytes
+
+    def admit_prefilled(self, latent, rope, index_k, length: int, *, tokens=None) -> int:
+        """`admit` a prompt of `length` tokens and `write_prefill` its rows computed outside the store (e.g. by
+        `generate.prefill_rows`); with `tokens` (and `prefix_caching` on) its full pages are registered for later
+        requests. Returns the slot."""
+        slot = self.admit(length)
+        self.write_prefill(slot, latent, rope, index_k, length)
+        if tokens is not None:
+            self.register_prefix(slot, tokens)
+        return slot
 
     def reserve(self, slot: int, num_tokens: int) -> None:
         """Make positions < num_tokens writable (tail pages resident; every page when `slot` is pinned)
@@ -327,7 +344,7 @@ class TieredCache:
             if d is not None:
                 shared[i] = d
         missing = [i for i in r.host_only_pages() if i not in shared]
-        rc = self.pool._t[Tier.DEVICE].refcount
+        rc = self.pool.refcounts(Tier.DEVICE)
         need = len(missing) + sum(1 for d in shared.values() if rc[d] == 0)
         if not self.pool.can_allocate(Tier.DEVICE, need):
             raise OutOfPages(Tier.DEVICE, need, self.pool.num_free(Tier.DEVICE), self.spec.device_pages)
@@ -434,7 +451,7 @@ class TieredCache:
         r = self.requests[slot]
         growing = self._growing[1] if self._growing and self._growing[0] == slot else 0
         limit = r.num_pages + growing - TAIL_PAGES
-        rc = self.pool._t[Tier.DEVICE].refcount
+        rc = self.pool.refcounts(Tier.DEVICE)
         return [i for i in range(max(limit, 0)) if r.device[i] != INVALID and r.host[i] != INVALID
                 and rc[r.device[i]] == 1]
 
@@ -469,7 +486,7 @@ class TieredCache:
         """Device pages held by several requests that all of them may release now: sealed for every holder,
         with a host copy, no holder pinned (or `exclude`). Returns [(page, [(slot, logical page)])], oldest
         (lowest logical page) first."""
-        rc = self.pool._t[Tier.DEVICE].refcount
+        rc = self.pool.refcounts(Tier.DEVICE)
         holders: dict[int, list[tuple[int, int, bool]]] = {}
         for s, r in self.requests.items():
             growing = self._growing[1] if self._growing and self._growing[0] == s else 0

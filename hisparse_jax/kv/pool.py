@@ -242,6 +242,12 @@ class PagePool:
         s = self._t[_as_tier(tier)]
         return int(s.refcount[self._check_page(s, page)])
 
+    def refcounts(self, tier: Tier | str) -> np.ndarray:
+        """Every page's refcount in `tier` (a read-only view: int32[capacity])."""
+        rc = self._t[_as_tier(tier)].refcount.view()
+        rc.flags.writeable = False
+        return rc
+
     def incref(self, tier: Tier | str, page: int) -> None:
         """One more owner of an in-use page (prefix sharing), or the first owner of a cached free prefix page
         (revived with its contents). Any other free page must be allocated instead."""
