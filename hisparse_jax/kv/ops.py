@@ -14,7 +14,7 @@ K top-k slots (-1 padded), L layers, C latent, R rope, dI indexer dim, 64 tokens
 
 Host pools live in `pinned_host` memory. Inside `jit` ops may not mix memory kinds, so host reads are
 `dynamic_slice` + `device_put(Device)` (page mechanism) or a gather placed on the host with
-`compute_on("device_host")` followed by one `device_put(Device)` (row mechanism); host writes are the
+`compute_on("device_host")` (`compat.on_host`) followed by one `device_put(Device)` (row mechanism); host writes are the
 mirror image. On CPU these are semantic only; on a GPU they are the H2D / D2H copies being measured.
 """
 
@@ -24,16 +24,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.compute_on import compute_on
 
+from hisparse_jax.compat import DEVICE, HOST, on_host
 from hisparse_jax.config import PAGE_SIZE
 from hisparse_jax.kv.state import FP8_BLOCK, KVStore, StoreSpec
 from hisparse_jax.model.indexer import (fp8_quantize, index_scores, index_scores_fp8, quantize_index_keys,
                                         select_topk)
-
-HOST = jax.memory.Space.Host
-DEVICE = jax.memory.Space.Device
-
 
 # ----- formats ----------------------------------------------------------------------------------
 def encode_latent(spec: StoreSpec, c):
@@ -114,14 +110,11 @@ def mirror_rows(spec: StoreSpec, store: KVStore, req, positions):
     lat = jax.device_put(store.latent[:, src, row], HOST)  # [L, B, C]
     rope = jax.device_put(store.rope[:, src, row], HOST)
     hp_h, row_h = jax.device_put(hp, HOST), jax.device_put(row, HOST)
-    with compute_on("device_host"):
-        h_latent = store.h_latent.at[:, hp_h, row_h].set(lat, mode="drop")
-        h_rope = store.h_rope.at[:, hp_h, row_h].set(rope, mode="drop")
-    upd = dict(h_latent=h_latent, h_rope=h_rope)
+    upd = dict(h_latent=on_host(_scatter_rows, store.h_latent, hp_h, row_h, lat),
+               h_rope=on_host(_scatter_rows, store.h_rope, hp_h, row_h, rope))
     if spec.fp8:
         sc = jax.device_put(store.latent_scale[:, src, row], HOST)
-        with compute_on("device_host"):
-            upd["h_latent_scale"] = store.h_latent_scale.at[:, hp_h, row_h].set(sc, mode="drop")
+        upd["h_latent_scale"] = on_host(_scatter_rows, store.h_latent_scale, hp_h, row_h, sc)
     return _replace(store, **upd), jnp.sum(ok).astype(jnp.int32) * spec.num_layers
 
 
@@ -264,8 +257,8 @@ def _fetch_rows(spec, store, layers, plan):
         drow = sl(dr)
         out = []
         for pool, host in zip(pools, _host_pools(store)):
-            with compute_on("device_host"):
-                staged = jax.lax.dynamic_slice_in_dim(host, lo, nl, axis=0)[:, hp, hr]  # [nl, chunk, X]
+            staged = on_host(lambda h, p, r: jax.lax.dynamic_slice_in_dim(h, lo, nl, axis=0)[:, p, r],
+                             host, hp, hr)  # [nl, chunk, X]
             staged = jax.device_put(staged, DEVICE)
             out.append(pool.at[lo:lo + nl, dpage, drow].set(staged, mode="drop"))
         return tuple(out)
@@ -358,8 +351,7 @@ def _write_back(spec, store, dpages, hpages):
             blk = jax.device_put(blk, HOST)
             hp = jnp.where(ok, hpages[j], 0)
             cur = jax.lax.dynamic_slice(host, (0, hp) + (0,) * (host.ndim - 2), blk.shape)
-            with compute_on("device_host"):
-                newblk = jnp.where(jax.device_put(ok, HOST), blk, cur)
+            newblk = on_host(jnp.where, jax.device_put(ok, HOST), blk, cur)
             out.append(jax.lax.dynamic_update_slice(host, newblk, (0, hp) + (0,) * (host.ndim - 2)))
         return tuple(out)
 
@@ -428,11 +420,14 @@ def write_prefill(spec: StoreSpec, store: KVStore, req, latent, rope, index_k, l
     for name, val in (("h_latent", vals), ("h_rope", rope), ("h_latent_scale", scales)):
         if val is None:
             continue
-        val_h = jax.device_put(val, HOST)
-        with compute_on("device_host"):
-            upd[name] = getattr(store, name).at[:, hp_h, row_h].set(val_h, mode="drop")
+        upd[name] = on_host(_scatter_rows, getattr(store, name), hp_h, row_h, jax.device_put(val, HOST))
     seq_lens = store.seq_lens.at[req].set(length)
     return _replace(store, seq_lens=seq_lens, **upd), jnp.sum(ok & (hpage >= 0)).astype(jnp.int32) * spec.num_layers
+
+
+def _scatter_rows(pool, pages, rows, values):
+    """pool[:, pages, rows] = values (entries whose page is out of range are dropped); run on the host."""
+    return pool.at[:, pages, rows].set(values, mode="drop")
 
 
 def _replace(store: KVStore, **kw) -> KVStore:

@@ -1,0 +1,32 @@
+"""Differences between the supported jax versions (0.10.2 to the newest), in one place.
+
+Everything version-dependent that the library and its experiments touch goes through here, so the rest of
+the code reads as if there were one jax. Each shim says which versions differ and how.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+from jax.experimental.compute_on import compute_on as _compute_on
+
+JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+HOST = jax.memory.Space.Host
+DEVICE = jax.memory.Space.Device
+
+# jax <= 0.11.0: `with compute_on("device_host"): ...` (a context manager).
+# jax >= 0.11.1: only the decorator form `compute_on(compute_type=..., out_memory_spaces=...)(fn)`.
+_COMPUTE_ON_DECORATOR = "out_memory_spaces" in inspect.signature(_compute_on).parameters
+
+
+def on_host(fn, *args):
+    """`fn(*args)` computed on the host (XLA `compute_on("device_host")`), every output in host memory.
+
+    The arguments must already live in host memory (`jax.device_put(x, HOST)` or a `pinned_host` array).
+    Inside `jit` this is how a gather from, or a scatter into, a pinned-host pool stays on the host: ops may
+    not mix memory kinds, and the host-side program moves only the rows it touches."""
+    if _COMPUTE_ON_DECORATOR:
+        return _compute_on(compute_type="device_host", out_memory_spaces=HOST)(fn)(*args)
+    with _compute_on("device_host"):
+        return fn(*args)
