@@ -22,6 +22,7 @@ from flax import nnx
 from hisparse_jax.config import CacheConfig, get_preset
 from hisparse_jax.engine import Engine, EngineConfig, SamplingParams, device_budget
 from hisparse_jax.engine.scheduler import POLICIES, pages
+from hisparse_jax.kv.tiered import KERNELS, check_kernels
 from hisparse_jax.model.decoder import SparseMLAModel
 
 
@@ -42,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="prompt prefill for every policy: one causal forward per prompt written into the store "
                         "(default), or chunks through the store within the decode batch")
     p.add_argument("--prefill-chunk", type=int, default=240, help="prompt tokens per step when chunked (240)")
+    p.add_argument("--kernels", default="reference", choices=KERNELS,
+                   help="decode step: jnp references (default), the Pallas GPU kernels (needs a GPU), or the same "
+                        "kernels interpreted (any backend; slow)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default="hisparse_demo.png", help="PNG of running requests over time ('' = none)")
     p.add_argument("--log-dir", default="", help="write one JSON-lines metrics log per policy here")
@@ -90,7 +94,8 @@ def run(args) -> dict:
                            prefill=args.prefill)
         log_path = os.path.join(args.log_dir, f"{pol}.jsonl") if args.log_dir else None
         eng = Engine(model, cc, EngineConfig(policy=pol, max_running=args.requests, prefill=args.prefill,
-                                             prefill_chunk=args.prefill_chunk, log_path=log_path))
+                                             prefill_chunk=args.prefill_chunk, log_path=log_path,
+                                             kernels=args.kernels))
         for i, p in enumerate(prompts):
             eng.add_request(f"r{i}", p, params)
         t0 = time.perf_counter()
@@ -123,7 +128,7 @@ def run(args) -> dict:
     out = {
         "preset": args.preset, "requests": args.requests, "prompt_tokens": [len(p) for p in prompts],
         "new_tokens": args.new_tokens, "kv_dtype": args.kv_dtype, "device_budget_bytes": device_bytes,
-        "host_pages": base.host_pages, "policies": results,
+        "host_pages": base.host_pages, "kernels": args.kernels, "policies": results,
         "outputs_identical": all(outputs[p] == first for p in policies),
     }
     if "hisparse" in results and "offload" in results and results["offload"]["mean_running"]:
@@ -183,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad or args.requests < 1 or args.prompt_len < 64 or args.new_tokens < 1 or args.device_requests <= 0:
         print(f"hisparse demo: bad arguments (unknown policies {bad}; need --requests >= 1, --prompt-len >= 64, "
               "--new-tokens >= 1, --device-requests > 0)", file=sys.stderr)
+        return 2
+    try:
+        check_kernels(args.kernels)
+    except ValueError as e:
+        print(f"hisparse demo: {e}", file=sys.stderr)
         return 2
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)

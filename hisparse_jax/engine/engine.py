@@ -41,7 +41,9 @@ class EngineConfig:
     per step; min_bucket: smallest batch bucket; log_path: optional JSON-lines log of per-step metrics;
     check_invariants: verify the allocator after every step (tests);
     prefix_caching: share full prompt pages (hash-chained, refcounted, on every tier) across requests and
-    prefill only what is not cached."""
+    prefill only what is not cached;
+    kernels: what the decode step runs, as in `generate`: "reference" (jnp), "pallas" (the Pallas GPU kernels;
+    needs a GPU backend) or "pallas_interpret" (the same kernels interpreted, on any backend)."""
 
     policy: str = "hisparse"
     coldness: str = "oldest"
@@ -52,6 +54,7 @@ class EngineConfig:
     log_path: str | None = None
     check_invariants: bool = False
     prefix_caching: bool = True
+    kernels: str = "reference"
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -62,6 +65,8 @@ class EngineConfig:
             raise ValueError(f"unknown prefill mode {self.prefill!r}; choose one of {', '.join(PREFILL_MODES)}")
         if self.max_running < 1 or self.prefill_chunk < 1 or self.min_bucket < 1:
             raise ValueError("max_running, prefill_chunk and min_bucket must be >= 1")
+        if self.kernels not in tiered.KERNELS:
+            raise ValueError(f"unknown kernels {self.kernels!r}; choose one of {', '.join(tiered.KERNELS)}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -87,6 +92,7 @@ def _sampler():
 class Engine:
     def __init__(self, model: SparseMLAModel, cache: CacheConfig, config: EngineConfig = EngineConfig()):
         self.model, self.config = model, config
+        tiered.check_kernels(config.kernels)  # "pallas" needs a GPU backend: refused here, never a silent fallback
         if config.policy == "preempt":
             cache = cache.replace(mirror_to_host=False)
         cache = cache.replace(max_seqs=config.max_running)
@@ -188,7 +194,8 @@ class Engine:
             batch = {"tokens": jnp.asarray(rows_tok + [0] * pad, jnp.int32),
                      "req": jnp.asarray(rows_req + [-1] * pad, jnp.int32),
                      "pos": jnp.asarray(rows_pos + [-1] * pad, jnp.int32)}
-            logits, self.cache.store, stats = decode_step(self.model, self.cache.store, batch)
+            logits, self.cache.store, stats = decode_step(self.model, self.cache.store, batch,
+                                                          kernels=self.config.kernels)
             # which rows produce a token: decode rows, and the last row of a completed prompt
             emit = list(decode_rows)
             for r, start, n in plan.prefill:
