@@ -194,11 +194,9 @@ def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top
 
     cfg = model.cfg
     n = len(prompts)
-    if n > cache_cfg.max_seqs:
-        raise ValueError(f"{n} prompts but the store has {cache_cfg.max_seqs} request slots (CacheConfig.max_seqs)")
     tc = TieredCache(cfg, cache_cfg)
-    for p in prompts:
-        tc.check_fits(len(p) + max_new_tokens)
+    # the last new token is sampled, never written: the cache holds prompt + max_new_tokens - 1 positions
+    tc.check_batch_fits([len(p) + max_new_tokens - 1 for p in prompts])
     sample = _sample_fn(float(temperature), float(top_p))
     slots, first = [], []
     for p in prompts:

@@ -121,29 +121,26 @@ class Engine:
         if total > cfg.max_position_embeddings:
             raise ValueError(f"request {request_id!r}: {len(prompt)} prompt + {params.max_new_tokens} new tokens "
                              f"exceed max_position_embeddings ({cfg.max_position_embeddings})")
-        self._check_ever_fits(request_id, total, len(prompt))
+        self._check_ever_fits(request_id, total - 1, len(prompt))  # the last new token is never written
         r = Request(request_id, prompt, params, arrival=self.step_count)
         self.requests[request_id] = r
         self.scheduler.waiting.append(r)
         return r
 
-    def _check_ever_fits(self, rid: str, total: int, prompt_len: int) -> None:
+    def _check_ever_fits(self, rid: str, kv_len: int, prompt_len: int) -> None:
+        """Refuse (BudgetError) a request that could not run even alone: `check_fits` under this policy (all pages
+        resident unless HiSparse may release them; indexer pages; host pages when pages are mirrored), and a
+        prompt written through the store ("chunked" prefill) must be resident while it is written."""
         c, spec = self.cache, self.cache.spec
         try:
-            c.check_fits(total)
+            c.check_fits(kv_len)
         except BudgetError as e:
-            raise BudgetError(f"request {rid!r} can never be admitted: {e}") from None
-        n = pages(total)
-        if self.config.policy != "hisparse" and n + 1 > spec.device_pages:
-            raise BudgetError(f"request {rid!r} can never be admitted under {self.config.policy!r}: its {n} pages "
-                              f"(+1) exceed device_pages ({spec.device_pages}) — only 'hisparse' runs requests "
-                              f"larger than the device")
-        if pages(prompt_len) + 1 > spec.device_pages:
-            raise BudgetError(f"request {rid!r}: its prompt must be resident while it is prefilled, "
-                              f"{pages(prompt_len) + 1} pages > device_pages ({spec.device_pages})")
-        if n > spec.index_pages or (spec.mirror_to_host and n > spec.host_pages):
-            raise BudgetError(f"request {rid!r}: {n} pages exceed index_pages ({spec.index_pages}) or host_pages "
-                              f"({spec.host_pages})")
+            raise BudgetError(f"request {rid!r} can never be admitted under {self.config.policy!r}: {e}") from None
+        if self.config.prefill == "chunked" and pages(prompt_len) > spec.device_pages:
+            raise BudgetError(f"request {rid!r} can never be admitted: device_pages is too small: its prompt is "
+                              f"written through the store and must be resident meanwhile, {pages(prompt_len)} "
+                              f"pages; device_pages is {spec.device_pages}, {pages(prompt_len) - spec.device_pages} "
+                              f"short")
 
     def abort(self, request_id: str) -> None:
         r = self.requests[request_id]

@@ -60,6 +60,11 @@ class Request:
         return len(self.prompt) + self.params.max_new_tokens
 
     @property
+    def max_kv_len(self) -> int:
+        """Cache positions the request holds at its longest: the last sampled token is never written."""
+        return self.max_len - 1
+
+    @property
     def finished(self) -> bool:
         return self.state in (RequestState.FINISHED, RequestState.ABORTED)
 

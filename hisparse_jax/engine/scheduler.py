@@ -68,7 +68,7 @@ class Scheduler:
         """Pages of `tier` (index / host) the admitted requests hold or may still need: the pages in use (a shared
         page counts once) plus every request's growth up to its max length."""
         c = self.cache
-        return c.pool.num_used(tier) + sum(max(pages(r.max_len) - c.requests[r.slot].num_pages, 0)
+        return c.pool.num_used(tier) + sum(max(pages(r.max_kv_len) - c.requests[r.slot].num_pages, 0)
                                            for r in self.active)
 
     def _device_floor(self) -> tuple[int, set[int]]:
@@ -86,7 +86,10 @@ class Scheduler:
             if self.policy == "hisparse" and r.state is RequestState.RUNNING:
                 tail = [d for d in rp.device[-TAIL_PAGES:] if d != INVALID]
                 held.update(tail)
-                extra += c.min_device_pages(max(rp.num_pages, TAIL_PAGES + 1)) - len(tail)
+                # what it needs at its longest: all its pages, or tail + hot buffer once it has one
+                least = (TAIL_PAGES + c.hot_pages_per_request if rp.hot else
+                         c.min_device_pages(max(pages(r.max_kv_len), rp.num_pages)))
+                extra += max(least - len(tail), 0)
             else:
                 held.update(d for d in rp.device if d != INVALID)
                 extra += 1 + len(rp.host_only_pages())
@@ -106,11 +109,12 @@ class Scheduler:
             if tier is Tier.HOST and not c.spec.mirror_to_host:
                 continue
             rc = c.pool.refcounts(tier)  # hit pages in use cost nothing (whether or not the hits are taken)
-            n_max = pages(r.max_len) - sum(1 for x in hits if getattr(x, field) != INVALID
+            n_max = pages(r.max_kv_len) - sum(1 for x in hits if getattr(x, field) != INVALID
                                            and rc[getattr(x, field)] > 0)
             if self._committed(tier) + n_max > c.pool.capacity(tier):
                 return None
-        prompt_pages = pages(len(r.kv_tokens)) + 1
+        # the prompt's pages, and the page its first decode step writes when it grows past them
+        prompt_pages = max(min(pages(len(r.kv_tokens)) + 1, pages(r.max_kv_len)), pages(len(r.kv_tokens)))
         hisparse = self.policy == "hisparse"
         # one prompt resident at a time while written through the store keeps the device floor predictable
         chunking = any(x.state is RequestState.PREFILLING and x.slot in c.pinned for x in self.active)
@@ -137,7 +141,8 @@ class Scheduler:
         c = self.cache
         # 1. swapped requests come back first (offload), when their whole KV fits again
         for r in [x for x in self.active if x.state is RequestState.SWAPPED]:
-            if c.pool.num_free(Tier.DEVICE) >= c.resident_pages_needed(r.slot) + 1:
+            growth = 1 if pages(r.max_kv_len) > c.requests[r.slot].num_pages else 0
+            if c.pool.num_free(Tier.DEVICE) >= c.resident_pages_needed(r.slot) + growth:
                 c.swap_in(r.slot)
                 r.state = RequestState.RUNNING
                 plan.swapped_in.append(r)

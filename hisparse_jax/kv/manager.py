@@ -143,10 +143,11 @@ class TieredCache:
         return self.spec.hot_pages
 
     def min_device_pages(self, num_pages: int) -> int:
-        """Device pages a request of `num_pages` logical pages needs at the least."""
-        if num_pages <= TAIL_PAGES:
+        """Device pages a request of `num_pages` logical pages needs at the least: all of them, or (when pages
+        can be released to the host) its last `TAIL_PAGES` plus its hot buffer, whichever is fewer."""
+        if not self.spec.mirror_to_host or not self.partial_eviction:
             return num_pages
-        return TAIL_PAGES + self.hot_pages_per_request
+        return min(num_pages, TAIL_PAGES + self.hot_pages_per_request)
 
     def free_slots(self) -> list[int]:
         return [s for s in range(self.spec.max_seqs) if s not in self.requests]
@@ -154,19 +155,42 @@ class TieredCache:
     # ----- admission -----------------------------------------------------------------------------
     def check_fits(self, num_tokens: int) -> None:
         """Raise BudgetError when a request of `num_tokens` tokens can never be held, even alone."""
-        n = -(-num_tokens // PAGE_SIZE)
-        if num_tokens > self.spec.max_pages * PAGE_SIZE:
-            raise BudgetError(f"{num_tokens} tokens exceed the store's max_seq_len ({self.spec.max_pages * PAGE_SIZE})")
-        if n > self.spec.index_pages:
-            raise BudgetError(f"{num_tokens} tokens need {n} indexer pages; index_pages is {self.spec.index_pages}")
-        need = self.min_device_pages(n)
-        if need > self.spec.device_pages:
-            raise BudgetError(f"a {num_tokens}-token request needs at least {need} device pages ({TAIL_PAGES} tail "
-                              f"pages + {self.hot_pages_per_request} hot-buffer pages); device_pages is "
-                              f"{self.spec.device_pages}")
-        if n > TAIL_PAGES and self.spec.host_pages < n:
-            raise BudgetError(f"a {num_tokens}-token request needs {n} host pages to be evictable; host_pages is "
-                              f"{self.spec.host_pages}")
+        self.check_batch_fits([num_tokens])
+
+    def check_batch_fits(self, num_tokens: list[int]) -> None:
+        """`num_tokens`: the cache positions each request will hold at its longest (prompt + new tokens - 1: the
+        last sampled token is never written). Raise BudgetError (naming the budget, what is needed and by how much it falls short) unless requests
+        of these lengths can all be held at once, each at its full length. Exact: every smaller budget of that
+        tier fails, and a batch that passes decodes to the end (pages are only ever added, and the cheapest way
+        to hold a request never grows by more than the page it adds)."""
+        spec = self.spec
+        n = [-(-t // PAGE_SIZE) for t in num_tokens]
+        if len(n) > spec.max_seqs:
+            raise BudgetError(f"max_seqs is too small: {len(n)} requests need {len(n)} request slots; max_seqs is "
+                              f"{spec.max_seqs}, {len(n) - spec.max_seqs} short")
+        too_long = [t for t in num_tokens if t > spec.max_pages * PAGE_SIZE]
+        if too_long:
+            raise BudgetError(f"max_seq_len is too small: a request needs {too_long[0]} cache positions; the store "
+                              f"holds {spec.max_pages * PAGE_SIZE} per request")
+
+        def shortfall(name: str, have: int, need: list[int], how: str) -> None:
+            if sum(need) > have:
+                what = (f"a {num_tokens[0]}-token request ({n[0]} pages)" if len(n) == 1 else
+                        f"{len(n)} requests of {num_tokens} tokens ({n} pages)")
+                parts = " + ".join(str(x) for x in need)
+                raise BudgetError(f"{name} is too small: {what} need{'s' if len(n) == 1 else ''} "
+                                  f"{parts + ' = ' if len(need) > 1 else ''}{sum(need)} {how}; {name} is {have}, "
+                                  f"{sum(need) - have} short")
+
+        shortfall("index_pages", spec.index_pages, n, "indexer pages (every page's keys stay on the device)")
+        if spec.mirror_to_host:
+            shortfall("host_pages", spec.host_pages, n, "host pages (every page is mirrored to the host)")
+        dev = [self.min_device_pages(k) for k in n]
+        how = ("device pages (no page can be released)" if dev == n and not
+               (spec.mirror_to_host and self.partial_eviction) else
+               f"device pages at the least (all pages, or {TAIL_PAGES} tail pages + "
+               f"{self.hot_pages_per_request} hot-buffer pages, whichever is fewer)")
+        shortfall("device_pages", spec.device_pages, dev, how)
 
     def admit(self, num_tokens: int, *, resident: bool = False, tokens=None) -> int:
         """Reserve a slot and pages for a prompt of `num_tokens` tokens; returns the slot. With `resident`, every
@@ -450,7 +474,7 @@ class TieredCache:
         alone (releasing a shared page frees nothing). Oldest first."""
         r = self.requests[slot]
         growing = self._growing[1] if self._growing and self._growing[0] == slot else 0
-        limit = r.num_pages + growing - TAIL_PAGES
+        limit = min(r.num_pages + growing - TAIL_PAGES, r.num_pages)  # pages being added are not there yet
         rc = self.pool.refcounts(Tier.DEVICE)
         return [i for i in range(max(limit, 0)) if r.device[i] != INVALID and r.host[i] != INVALID
                 and rc[r.device[i]] == 1]

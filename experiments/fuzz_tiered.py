@@ -1,0 +1,449 @@
+"""Differential fuzzer: tiered generation under memory pressure against the contiguous cache.
+
+    PYTHONPATH=. python experiments/fuzz_tiered.py [--long] [--examples N] [--seed S] [--only generate|engine]
+                                                   [--out experiments/results/fuzz_tiered.json]
+
+Draws random workloads and budgets — prompt counts and lengths (1 to several pages, page-boundary lengths),
+`max_new_tokens`, `device_pages` from one below the smallest workable budget upwards, `host_pages`,
+`index_pages`, `hot_rows` (top-k to 4x), `max_seqs`, both fetch mechanisms, float32 / bf16 / fp8 formats —
+and for the engine also the policy, coldness rule, prefill mode, prefix caching with shared prefixes, random
+arrivals and aborts. Each run is checked against an oracle that knows nothing of the store's internals:
+
+* **Refusal is exact.** `budget_shortfall` says, from page arithmetic alone, whether the requests can be held
+  (each request needs its pages on the indexer and host tiers, and on the device all its pages or its two tail
+  pages + its hot buffer, whichever is fewer). A run the oracle calls infeasible must be refused up front with
+  a `BudgetError` (a `ValueError`); a feasible one must complete — never an exception or `OutOfPages` midway,
+  never a stall.
+* **Tokens.** float32: exactly the greedy tokens of the contiguous cache (`generate(model, prompts, n)`);
+  bf16 / fp8: exactly those of the same format with every page resident.
+* **Bookkeeping.** Allocator invariants after every step; every pool empty at the end; with the row mechanism
+  the H2D bytes equal misses x row bytes.
+
+The test suite runs a fixed, derandomized profile (`tests/test_fuzz_tiered.py`); `--long` runs the deep one.
+The model is a 2-layer tiny GLM (one full indexer layer and one shared, top-k 64) so compiles stay cheap and
+budgets of a few pages already tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import platform
+import sys
+import time
+import traceback
+
+import numpy as np
+
+PAGE = 64
+TAIL = 2
+FORMATS = ("float32", "bf16", "fp8")
+
+
+def fuzz_model_config():
+    from hisparse_jax.config import get_preset
+
+    return get_preset("tiny-glm").replace(num_hidden_layers=2, indexer_types=("full", "shared"),
+                                          mlp_layer_types=("dense", "sparse"), index_topk=64)
+
+
+_MODEL = None
+
+
+def fuzz_model():
+    """The fuzzer's model (built once per process; random weights, seed 0)."""
+    global _MODEL
+    if _MODEL is None:
+        from flax import nnx
+
+        from hisparse_jax.model.decoder import SparseMLAModel
+
+        _MODEL = SparseMLAModel(fuzz_model_config(), rngs=nnx.Rngs(0))
+    return _MODEL
+
+
+def pages(tokens: int) -> int:
+    return -(-tokens // PAGE)
+
+
+# ----- the oracle ---------------------------------------------------------------------------------
+def budget_shortfall(kv_lengths: list[int], *, device_pages: int, host_pages: int, index_pages: int,
+                     hot_rows: int, max_seqs: int, max_seq_len: int, can_release: bool = True) -> str | None:
+    """Why requests needing `kv_lengths` cache positions can never be held together, or None if they can.
+    Page arithmetic only: the oracle the fuzzer holds the store to."""
+    n = [pages(t) for t in kv_lengths]
+    hot = pages(hot_rows)
+    dev = [min(k, TAIL + hot) if can_release else k for k in n]
+    if len(n) > max_seqs:
+        return "max_seqs"
+    if max(kv_lengths) > pages(max_seq_len) * PAGE:
+        return "max_seq_len"
+    if sum(n) > index_pages:
+        return "index_pages"
+    if can_release and sum(n) > host_pages:
+        return "host_pages"
+    if sum(dev) > device_pages:
+        return "device_pages"
+    return None
+
+
+# ----- generate -----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class GenerateCase:
+    prompts: list[list[int]]
+    max_new_tokens: int
+    kv_dtype: str
+    fetch: str
+    device_pages: int
+    host_pages: int
+    index_pages: int | None
+    hot_rows: int
+    max_seqs: int
+    max_seq_len: int
+
+    def cache_config(self):
+        from hisparse_jax.config import CacheConfig
+
+        return CacheConfig(kv_dtype=self.kv_dtype, fetch=self.fetch, device_pages=self.device_pages,
+                           host_pages=self.host_pages, index_pages=self.index_pages, hot_rows=self.hot_rows,
+                           max_seqs=self.max_seqs, max_seq_len=self.max_seq_len)
+
+    def kv_lengths(self) -> list[int]:
+        # the last new token is sampled, never written: the cache holds prompt + max_new_tokens - 1 positions
+        return [len(p) + self.max_new_tokens - 1 for p in self.prompts]
+
+    def expected_refusal(self) -> str | None:
+        c = self.cache_config()
+        return budget_shortfall(self.kv_lengths(), device_pages=c.device_pages, host_pages=c.host_pages,
+                                index_pages=c.num_index_pages, hot_rows=self.hot_rows, max_seqs=self.max_seqs,
+                                max_seq_len=self.max_seq_len)
+
+
+def draw_prompt_length(rng) -> int:
+    """1 to 5 pages, a third of the time exactly at a page boundary (+-1)."""
+    if rng.random() < 0.35:
+        return max(1, int(rng.integers(1, 5)) * PAGE + int(rng.integers(-1, 2)))
+    return int(rng.integers(1, 5 * PAGE))
+
+
+def draw_generate_case(rng, topk: int = 64, vocab: int = 512) -> GenerateCase:
+    n = int(rng.integers(1, 5))
+    prompts = [rng.integers(0, vocab, draw_prompt_length(rng)).tolist() for _ in range(n)]
+    max_new = int(rng.choice([1, 2, int(rng.integers(3, 40)), int(rng.integers(40, 130))]))
+    hot_rows = int(rng.choice([topk, topk + topk // 2, 2 * topk, 3 * topk, 4 * topk]))
+    kv = [len(p) + max_new - 1 for p in prompts]
+    need = [pages(t) for t in kv]
+    dmin = sum(min(k, TAIL + pages(hot_rows)) for k in need)
+    # one case in four makes exactly one budget one unit too small (it must be refused); the rest are workable
+    short = rng.choice(["device", "host", "index", "max_seqs", "max_seq_len"]) if rng.random() < 0.25 else None
+    device = dmin + int(rng.choice([0, 0, 1, 2, int(rng.integers(0, sum(need) + 3))]))
+    host = sum(need) + int(rng.choice([0, 0, 1, int(rng.integers(0, 16))]))
+    index = None if rng.random() < 0.7 else sum(need) + int(rng.choice([0, 3]))
+    max_seqs = n + int(rng.choice([0, 0, 0, 2]))
+    max_seq_len = pages(max(kv)) * PAGE + int(rng.choice([0, 0, PAGE, 5 * PAGE]))
+    if short == "device":
+        device = dmin - 1
+    elif short == "host":
+        host = sum(need) - 1
+    elif short == "index":
+        index = sum(need) - 1
+    elif short == "max_seqs":
+        max_seqs = n - 1
+    elif short == "max_seq_len":
+        max_seq_len = pages(max(kv)) * PAGE - PAGE
+    device, max_seqs, max_seq_len = max(device, 1), max(max_seqs, 1), max(max_seq_len, PAGE)
+    index = None if index is None else max(index, 1)
+    return GenerateCase(prompts, max_new, str(rng.choice(FORMATS, p=[0.5, 0.3, 0.2])), str(rng.choice(["row", "page"])),
+                        device, max(host, 0), index, hot_rows, max_seqs, max_seq_len)
+
+
+@contextlib.contextmanager
+def watch_caches():
+    """Check the allocator invariants after every `TieredCache.advance` (once per decode step) and record every
+    `TieredCache` built meanwhile, so the caller can check that its pools end empty."""
+    from hisparse_jax.kv.manager import TieredCache
+
+    made: list = []
+    init, advance = TieredCache.__init__, TieredCache.advance
+
+    def init_watch(self, *a, **kw):
+        init(self, *a, **kw)
+        made.append(self)
+
+    def advance_watch(self, slots, n=1):
+        advance(self, slots, n)
+        self.check_invariants()
+
+    TieredCache.__init__, TieredCache.advance = init_watch, advance_watch
+    try:
+        yield made
+    finally:
+        TieredCache.__init__, TieredCache.advance = init, advance
+
+
+def assert_pools_empty(caches) -> None:
+    from hisparse_jax.kv.pool import Tier
+
+    for c in caches:
+        used = {t.value: c.pool.num_used(t) for t in Tier}
+        assert not c.requests and not any(used.values()), f"pages still in use at the end: {used}"
+
+
+def _reference_tokens(model, case: GenerateCase):
+    from hisparse_jax.generate import generate
+
+    if case.kv_dtype == "float32":
+        return generate(model, case.prompts, case.max_new_tokens)
+    need = sum(pages(t) for t in case.kv_lengths())
+    roomy = case.cache_config().replace(device_pages=need + 2, host_pages=need, index_pages=None,
+                                        max_seqs=max(case.max_seqs, len(case.prompts)))
+    return generate(model, case.prompts, case.max_new_tokens, cache=roomy)
+
+
+def run_generate_case(case: GenerateCase, model=None) -> dict:
+    """Run one case and check it against the oracle; raises AssertionError on any disagreement."""
+    from hisparse_jax.generate import generate
+    from hisparse_jax.kv.manager import BudgetError
+
+    model = model or fuzz_model()
+    expect = case.expected_refusal()
+    with watch_caches() as caches:
+        try:
+            toks, stats = generate(model, case.prompts, case.max_new_tokens, cache=case.cache_config(),
+                                   return_stats=True)
+        except BudgetError as e:
+            assert expect is not None, f"refused although the budgets suffice: {e}"
+            assert str(e).startswith(expect), f"refused for the wrong reason (expected {expect}): {e}"
+            return {"outcome": "refused", "reason": expect}
+    assert expect is None, f"not refused although {expect} is too small"
+    assert_pools_empty(caches)
+    ref = _reference_tokens(model, case)
+    assert toks == ref, f"tokens differ from the reference:\n tiered {toks}\n ref    {ref}"
+    if case.fetch == "row":
+        row_bytes = caches[0].spec.row_bytes
+        assert stats["h2d_bytes"] == stats["misses"] * row_bytes, (stats["h2d_bytes"], stats["misses"], row_bytes)
+    return {"outcome": "identical", "hits": stats["hits"], "misses": stats["misses"],
+            "evicted_pages": stats["evicted_pages"]}
+
+
+# ----- engine -------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class EngineCase:
+    prompts: list[list[int]]
+    max_new: list[int]
+    arrivals: list[int]  # engine step at which each request is added
+    aborts: dict[int, int]  # request index -> engine step at which it is aborted
+    policy: str
+    coldness: str
+    prefill: str
+    prefix_caching: bool
+    kv_dtype: str
+    fetch: str
+    device_pages: int
+    host_pages: int
+    hot_rows: int
+    max_running: int
+    prefill_chunk: int
+
+    def cache_config(self):
+        from hisparse_jax.config import CacheConfig
+
+        longest = max(len(p) + m for p, m in zip(self.prompts, self.max_new))
+        return CacheConfig(kv_dtype=self.kv_dtype, fetch=self.fetch, device_pages=self.device_pages,
+                           host_pages=self.host_pages, hot_rows=self.hot_rows, max_seq_len=pages(longest) * PAGE)
+
+    def engine_config(self):
+        from hisparse_jax.engine.engine import EngineConfig
+
+        return EngineConfig(policy=self.policy, coldness=self.coldness, prefill=self.prefill,
+                            prefix_caching=self.prefix_caching, max_running=self.max_running,
+                            prefill_chunk=self.prefill_chunk, check_invariants=True, min_bucket=8)
+
+    def expected_refusal(self, i: int) -> str | None:
+        """Whether request i alone can never run (then `add_request` must refuse it)."""
+        kv = len(self.prompts[i]) + self.max_new[i] - 1
+        hisparse = self.policy == "hisparse"
+        why = budget_shortfall([kv], device_pages=self.device_pages, host_pages=self.host_pages,
+                               index_pages=self.device_pages + self.host_pages, hot_rows=self.hot_rows,
+                               max_seqs=self.max_running, max_seq_len=10 ** 9, can_release=hisparse)
+        if why is None and self.policy != "preempt" and pages(kv) > self.host_pages:
+            why = "host_pages"  # offload swaps a request out whole: every page has a host copy
+        if why is None and self.prefill == "chunked" and pages(len(self.prompts[i])) > self.device_pages:
+            why = "device_pages"  # a prompt written through the store is resident while it is written
+        return why
+
+
+def draw_engine_case(rng, topk: int = 64, vocab: int = 512) -> EngineCase:
+    n = int(rng.integers(1, 6))
+    shared = rng.integers(0, vocab, int(rng.choice([0, PAGE, 2 * PAGE, 2 * PAGE + 17]))).tolist()
+    prompts = []
+    for _ in range(n):
+        own = rng.integers(0, vocab, draw_prompt_length(rng) // 2 + 1).tolist()
+        prompts.append((shared if rng.random() < 0.7 else []) + own)
+    max_new = [int(rng.integers(1, 70)) for _ in range(n)]
+    arrivals = sorted(int(rng.integers(0, 12)) for _ in range(n))
+    aborts = {i: arrivals[i] + int(rng.integers(0, 20)) for i in range(n) if rng.random() < 0.15}
+    policy = str(rng.choice(["preempt", "offload", "hisparse"]))
+    hot_rows = int(rng.choice([topk, 2 * topk, 4 * topk]))
+    need = [pages(len(p) + m - 1) for p, m in zip(prompts, max_new)]
+    biggest = max(min(k, TAIL + pages(hot_rows)) if policy == "hisparse" else k for k in need)
+    device = max(1, biggest + int(rng.choice([-1, 0, 1, 2, int(rng.integers(0, sum(need) + 2))])))
+    host = max(0, max(need) + int(rng.choice([-1, 0, 2, sum(need)])))
+    kv_dtype = str(rng.choice(FORMATS, p=[0.6, 0.25, 0.15]))
+    # bf16 / fp8 prefill through the store only: a whole-prompt forward computes from unrounded keys, so its
+    # tokens legitimately differ from rows read back in the store's format (recomputation after preemption too)
+    prefill = str(rng.choice(["chunked", "whole"])) if kv_dtype == "float32" else "chunked"
+    return EngineCase(prompts, max_new, arrivals, aborts, policy, str(rng.choice(["oldest", "recency"])), prefill,
+                      bool(rng.random() < 0.6), kv_dtype, str(rng.choice(["row", "page"])), device, host, hot_rows,
+                      int(rng.integers(1, 5)), int(rng.choice([64, 100, 256])))
+
+
+def run_engine_case(case: EngineCase, model=None, max_steps: int = 2000) -> dict:
+    """Run one engine case against the oracle (refusals at add_request, tokens, invariants, pools empty)."""
+    from hisparse_jax.engine.engine import Engine
+    from hisparse_jax.kv.manager import BudgetError
+
+    model = model or fuzz_model()
+    eng = Engine(model, case.cache_config(), case.engine_config())
+    accepted, refused = [], []
+    order = sorted(range(len(case.prompts)), key=lambda i: case.arrivals[i])
+    pending = list(order)
+    while pending or eng.has_unfinished():
+        while pending and case.arrivals[pending[0]] <= eng.step_count:
+            i = pending.pop(0)
+            from hisparse_jax.engine.request import SamplingParams
+
+            expect = case.expected_refusal(i)
+            try:
+                eng.add_request(f"r{i}", case.prompts[i], SamplingParams(max_new_tokens=case.max_new[i]))
+            except BudgetError as e:
+                assert expect is not None, f"request {i} refused although it fits alone: {e}"
+                refused.append(i)
+                continue
+            assert expect is None, f"request {i} accepted although {expect} can never hold it"
+            accepted.append(i)
+        for i, at in case.aborts.items():
+            if at == eng.step_count and f"r{i}" in eng.requests:
+                eng.abort(f"r{i}")
+        if not eng.has_unfinished():
+            if pending:
+                eng.step_count = case.arrivals[pending[0]]  # idle until the next arrival
+            continue
+        m = eng.step()
+        assert m["step"] < max_steps, "no end in sight"
+        moved = m["running"] or m["prefill_tokens"] or m["swaps_in"] or m["preemptions"] or m["swaps_out"]
+        assert moved or pending or any(at > eng.step_count for at in case.aborts.values()), \
+            f"stalled at step {m['step']}: {m}"
+    pools_empty = not any(eng.cache.pool.num_used(t) for t in ("device", "index", "host"))
+    assert pools_empty and not eng.cache.requests, f"pages still in use at the end: {eng.cache.pool.stats()}"
+    done = [i for i in accepted if eng.requests[f"r{i}"].state.value == "finished"]
+    outputs = {i: eng.requests[f"r{i}"].output for i in done}
+    if done:
+        ref = _engine_reference(model, case, done)
+        for i in done:
+            assert outputs[i] == ref[i], f"request {i}: tokens differ\n engine {outputs[i]}\n ref    {ref[i]}"
+    met = eng.metrics()
+    return {"outcome": "identical", "finished": len(done), "refused": len(refused), "preemptions": met["preemptions"],
+            "swaps": met["swaps"], "hits": met["hits"], "misses": met["misses"], "evicted_pages": met["evicted_pages"],
+            "cached_tokens": met["cached_tokens"]}
+
+
+def _engine_reference(model, case: EngineCase, idx: list[int]) -> dict[int, list[int]]:
+    """float32: the contiguous cache's greedy tokens. bf16 / fp8 (whose cases prefill through the store, where
+    rows are read back in the store's format): an engine of the same format with every page resident."""
+    from hisparse_jax.engine.engine import Engine, EngineConfig
+    from hisparse_jax.engine.request import SamplingParams
+    from hisparse_jax.generate import generate
+
+    prompts = [case.prompts[i] for i in idx]
+    n = max(case.max_new[i] for i in idx)
+    if case.kv_dtype == "float32":
+        toks = generate(model, prompts, n)
+    else:
+        need = sum(pages(len(p) + n) for p in prompts)
+        roomy = case.cache_config().replace(device_pages=need + 2, host_pages=need,
+                                            max_seq_len=pages(max(map(len, prompts)) + n) * PAGE)
+        eng = Engine(model, roomy, EngineConfig(policy="hisparse", prefill="chunked", prefix_caching=False,
+                                                max_running=len(prompts), prefill_chunk=case.prefill_chunk))
+        toks = eng.generate(prompts, SamplingParams(max_new_tokens=n))
+    return {i: t[:case.max_new[i]] for i, t in zip(idx, toks)}
+
+
+# ----- hypothesis ---------------------------------------------------------------------------------
+class HypothesisChoices:
+    """The subset of `numpy.random.Generator` the draw functions use, answered by hypothesis's `data.draw`, so
+    the test suite's cases shrink (bulk token ids come from a drawn seed: their values matter little)."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def integers(self, low, high=None, size=None):
+        from hypothesis import strategies as st
+
+        if high is None:
+            low, high = 0, low
+        if size is not None:
+            seed = self.data.draw(st.integers(0, 2 ** 16), label="token seed")
+            return np.random.default_rng(seed).integers(low, high, size)
+        return self.data.draw(st.integers(int(low), int(high) - 1))
+
+    def choice(self, options, p=None):
+        from hypothesis import strategies as st
+
+        return self.data.draw(st.sampled_from(list(options)))
+
+    def random(self):
+        from hypothesis import strategies as st
+
+        return self.data.draw(st.sampled_from([0.0, 0.2, 0.5, 0.8, 0.99]))
+
+
+# ----- the long run -------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--long", action="store_true", help="the deep profile (400 generate + 200 engine cases)")
+    ap.add_argument("--examples", type=int, default=None, help="cases of each kind (default 40, or --long's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", choices=["generate", "engine"], default=None)
+    ap.add_argument("--out", default="experiments/results/fuzz_tiered.json")
+    a = ap.parse_args(argv)
+    if a.examples is not None and a.examples < 1:
+        ap.error("--examples must be >= 1")
+    counts = {"generate": 400 if a.long else 40, "engine": 200 if a.long else 20}
+    if a.examples:
+        counts = {k: a.examples for k in counts}
+    kinds = [a.only] if a.only else ["generate", "engine"]
+    draw = {"generate": draw_generate_case, "engine": draw_engine_case}
+    run = {"generate": run_generate_case, "engine": run_engine_case}
+    model = fuzz_model()
+    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "seed": a.seed,
+           "profile": "long" if a.long else "default", "kinds": {}}
+    failures = 0
+    for kind in kinds:
+        rng = np.random.default_rng([a.seed, kinds.index(kind)])
+        tally, fails, t0 = {}, [], time.time()
+        for k in range(counts[kind]):
+            case = draw[kind](rng)
+            try:
+                res = run[kind](case, model)
+                tally[res["outcome"]] = tally.get(res["outcome"], 0) + 1
+            except Exception as e:  # noqa: BLE001 - every failure is recorded with its case
+                fails.append({"case": dataclasses.asdict(case), "error": f"{type(e).__name__}: {e}"[:2000],
+                              "traceback": traceback.format_exc()[-3000:]})
+                print(f"[{kind} {k}] FAIL {type(e).__name__}: {str(e)[:300]}", flush=True)
+            if (k + 1) % 10 == 0 or k + 1 == counts[kind]:
+                print(f"{kind}: {k + 1}/{counts[kind]} cases, {tally}, {len(fails)} failures, "
+                      f"{time.time() - t0:.0f} s", flush=True)
+        out["kinds"][kind] = {"cases": counts[kind], "outcomes": tally, "failures": fails,
+                              "seconds": round(time.time() - t0, 1)}
+        failures += len(fails)
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {a.out}: {failures} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

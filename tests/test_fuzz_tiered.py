@@ -1,0 +1,123 @@
+"""Tiered generation under memory pressure never crashes: refused up front, or exactly the reference tokens.
+
+The differential fuzzer lives in `experiments/fuzz_tiered.py` (oracle, case generators, `--long` profile);
+here: the cases that crashed before (as regression tests) and a fixed, derandomized hypothesis profile of it.
+Set HISPARSE_FUZZ_EXAMPLES to run more examples of each kind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+from flax import nnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hisparse_jax as hj
+from experiments import fuzz_tiered as fz
+from hisparse_jax.config import CacheConfig
+from hisparse_jax.kv.manager import BudgetError
+
+EXAMPLES = int(os.environ.get("HISPARSE_FUZZ_EXAMPLES", "0"))
+
+
+@pytest.fixture(scope="module")
+def tiny_glm():
+    return hj.SparseMLAModel(hj.get_preset("tiny-glm"), rngs=nnx.Rngs(0))
+
+
+def _numbers_add_up(msg: str) -> None:
+    """'... need a + b = s ...; X is h, d short': the terms sum to s and s - h = d."""
+    m = re.search(r"need[s]? ((?:\d+ \+ )*\d+)(?: = (\d+))? .*?; \w+ is (\d+), (\d+) short", msg)
+    assert m, msg
+    terms = [int(x) for x in m.group(1).split(" + ")]
+    total = int(m.group(2)) if m.group(2) else terms[0]
+    assert sum(terms) == total and total - int(m.group(3)) == int(m.group(4)), msg
+
+
+# The three reports: each was an IndexError or an OutOfPages midway; each must now be refused up front (the
+# tiny-glm hot buffer is 8 pages: a request over 10 pages needs 2 tail + 8 hot-buffer pages on the device).
+REPORTED = [
+    ([[1, 2, 3] * 200, [7, 8] * 300], dict(device_pages=12, host_pages=256, max_seqs=4, fetch="row"), 20),
+    ([[(i * 7 + j) % 100 for j in range(n)] for i, n in enumerate([450, 520, 580, 610])],
+     dict(device_pages=14, host_pages=256, max_seqs=4), 39),
+    ([[(i * 7 + j) % 100 for j in range(n)] for i, n in enumerate([900, 70])],
+     dict(device_pages=10, host_pages=256, max_seqs=4), 13),
+]
+
+
+@pytest.mark.parametrize("prompts,budget,least", REPORTED)
+def test_reported_crashes_are_refused_up_front(tiny_glm, prompts, budget, least):
+    with pytest.raises(BudgetError, match="device_pages is too small") as e:
+        hj.generate(tiny_glm, prompts, 64, return_stats=True, cache=CacheConfig(**budget))
+    _numbers_add_up(str(e.value))
+    assert f"need {least} " in str(e.value) or f"= {least} " in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize("fetch", ["row", "page"])
+def test_smallest_accepted_budget_tiers_and_matches_contiguous(tiny_glm, fetch):
+    """The first report at the smallest device budget the check accepts (20 pages): it completes, really tiers
+    (evictions, hits and misses), and gives exactly the contiguous cache's tokens; one page less is refused."""
+    prompts = REPORTED[0][0]
+    ref = hj.generate(tiny_glm, prompts, 64)
+    with pytest.raises(BudgetError, match="1 short"):
+        hj.generate(tiny_glm, prompts, 64, cache=CacheConfig(device_pages=19, host_pages=256, max_seqs=4))
+    toks, stats = hj.generate(tiny_glm, prompts, 64, return_stats=True,
+                              cache=CacheConfig(kv_dtype="float32", device_pages=20, host_pages=256, max_seqs=4,
+                                                fetch=fetch))
+    assert toks == ref
+    assert stats["evicted_pages"] > 0 and stats["hits"] > 0 and stats["misses"] > 0
+
+
+def test_reported_mixed_lengths_at_the_smallest_budget(tiny_glm):
+    prompts, budget, least = REPORTED[2]
+    toks, stats = hj.generate(tiny_glm, prompts, 64, return_stats=True,
+                              cache=CacheConfig(**{**budget, "device_pages": least, "kv_dtype": "float32"}))
+    assert toks == hj.generate(tiny_glm, prompts, 64)
+    assert stats["misses"] > 0
+
+
+def test_check_counts_written_positions_not_sampled_tokens():
+    """A prompt of 64 tokens and 1 new token holds 64 positions (1 page): the last sampled token is never
+    written, so a one-page store is enough; the refusal for 2 pages names host_pages exactly."""
+    model = hj.SparseMLAModel(fz.fuzz_model_config(), rngs=nnx.Rngs(0))
+    out = hj.generate(model, [[5] * 64], 1, cache=CacheConfig(kv_dtype="float32", device_pages=1, host_pages=1,
+                                                              max_seqs=1, max_seq_len=64))
+    assert len(out[0]) == 1
+    with pytest.raises(BudgetError, match="host_pages is too small") as e:
+        hj.generate(model, [[5] * 64], 2, cache=CacheConfig(device_pages=2, host_pages=1, max_seqs=1))
+    _numbers_add_up(str(e.value))
+
+
+# ----- regressions found by the fuzzer (shrunk) --------------------------------------------------------
+def test_engine_fp8_chunked_prefill_reference_is_through_the_store():
+    """Found by the fuzzer: with fp8 and chunked prefill, a prompt's rows read each other back in fp8, so the
+    reference is an all-resident engine of the same format, not a whole-prompt forward (the first token
+    already differs). The engine itself was right; the oracle now prefills the same way."""
+    case = fz.EngineCase(prompts=[[(7 * j) % 500 for j in range(225)], [(11 * j) % 500 for j in range(224)]],
+                         max_new=[14, 13], arrivals=[3, 10], aborts={}, policy="preempt", coldness="recency",
+                         prefill="chunked", prefix_caching=True, kv_dtype="fp8", fetch="page", device_pages=6,
+                         host_pages=3, hot_rows=256, max_running=2, prefill_chunk=256)
+    assert fz.run_engine_case(case)["outcome"] == "identical"
+
+
+# ----- the fuzzer's CI profile -------------------------------------------------------------------------
+_SETTINGS = dict(derandomize=True, deadline=None, database=None, print_blob=True,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@settings(max_examples=EXAMPLES or 8, **_SETTINGS)
+@given(st.data())
+def test_fuzz_generate(data):
+    case = fz.draw_generate_case(fz.HypothesisChoices(data))
+    fz.run_generate_case(case)
+
+
+@settings(max_examples=EXAMPLES or 3, **_SETTINGS)
+@given(st.data())
+def test_fuzz_engine(data):
+    case = fz.draw_engine_case(fz.HypothesisChoices(data))
+    fz.run_engine_case(case)
