@@ -1,0 +1,352 @@
+"""The GPU program is BUILT for an H100 / H200 (sm_90) on every CI run, on a CPU-only machine.
+
+XLA's deviceless AOT compilation (`tests/deviceless.py`) runs the whole XLA:GPU pipeline: HLO passes
+(host offloading included), Triton for the Pallas kernels, LLVM -> PTX, ptxas. Lowering alone
+(`tests/test_kernel_*.py::test_lowers_for_cuda*`) stops before all of that.
+
+1. every Pallas kernel variant at production shapes (DeepSeek-V3.2 / GLM-5 geometry) compiles;
+2. the whole jitted tiered decode step (`hisparse_jax.kv.tiered._jitted_step`, the function
+   `decode_step` runs, store donated) of a 4-layer GLM-5 compiles for both fetch mechanisms, bf16 and
+   fp8 KV, reference and Pallas kernels, and its compiled HLO shows that
+   (a) every store buffer is donated (an input_output_alias from each store parameter to its result),
+   (b) the pinned-host pools stay in host memory (S(5)) as parameters and as results,
+   (c) no instruction materializes a whole-pool-sized buffer besides the aliased parameter / result;
+3. a Pallas kernel whose block does not fit in shared memory fails to build (errors are real).
+
+Compile seconds per case are printed at the end of the module (and written as JSON to
+$HISPARSE_GPU_BUILD_JSON when set). Skips, with the reason, without the CUDA plugin / ptxas / libdevice.
+It proves a program builds, not what it computes (the interpret-mode tests do) nor how fast it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import deviceless as dl
+
+pytestmark = pytest.mark.skipif(dl.unavailable_reason() is not None, reason=str(dl.unavailable_reason()))
+
+TAU = 0.13523378
+sds = dl.abstract_on_cpu
+
+
+# ----- compile-time record ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def build_log(request):
+    log: list[dict] = []
+    yield log
+    if not log:
+        return
+    lines = [f"sm_90 deviceless builds (jax {jax.__version__}, target {dl.gpu_target().device_kind}):"]
+    lines += [f"  {r['status']:4s} {r['seconds']:6.1f} s  {r['case']}" for r in log]
+    lines.append(f"  total {sum(r['seconds'] for r in log):.1f} s of compilation")
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    for line in lines:
+        (reporter.write_line if reporter else print)(line)
+    path = os.environ.get("HISPARSE_GPU_BUILD_JSON")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"jax": jax.__version__, "target": dl.gpu_target().device_kind, "cases": log}, f, indent=1)
+
+
+def timed_build(log, case, build, **extra):
+    t = time.perf_counter()
+    try:
+        exe = build()
+    except Exception:
+        log.append(dict(case=case, status="FAIL", seconds=round(time.perf_counter() - t, 2), **extra))
+        raise
+    log.append(dict(case=case, status="OK", seconds=round(time.perf_counter() - t, 2), **extra))
+    return exe
+
+
+# ----- 1. kernels at production shapes ---------------------------------------------------------
+def _mla_case(H, kv, q_dtype, *, B=32, C=512, R=64, K=2048, P=4096):
+    pool_dt = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}[kv]
+    args = [sds((B, H, C), q_dtype), sds((B, H, R), q_dtype), sds((P, 64, C), pool_dt), sds((P, 64, R), jnp.bfloat16),
+            sds((B, K), jnp.int32), sds((B, K), jnp.int32), sds((B, K), jnp.bool_)]
+    if kv == "fp8":
+        args.append(sds((P, 64, C // 128), jnp.float32))
+        return (lambda *a: sparse_mla_decode()(*a[:7], tau=TAU, latent_scale=a[7])), args, {}
+    return functools.partial(lambda *a: sparse_mla_decode()(*a, tau=TAU)), args, {}
+
+
+def _mla_stacked_case(H=64, B=32, C=512, R=64, K=2048, P=4096, L=78):
+    """The store's whole fp8 pools (78 layers x 4096 pages: 8.6 GB of latent, > 4 GiB so 64-bit offsets)
+    read in place at a traced layer."""
+    args = [sds((B, H, C), jnp.bfloat16), sds((B, H, R), jnp.bfloat16), sds((L, P, 64, C), jnp.float8_e4m3fn),
+            sds((L, P, 64, R), jnp.bfloat16), sds((B, K), jnp.int32), sds((B, K), jnp.int32), sds((B, K), jnp.bool_),
+            sds((L, P, 64, C // 128), jnp.float32), sds((), jnp.int32)]
+    return (lambda *a: sparse_mla_decode()(*a[:7], tau=TAU, latent_scale=a[7], layer=a[8])), args, {}
+
+
+def _gather_case(HR, B=32, K=2048, Rq=64, MP=2048):
+    from pallas_kernels.sparse_gather import sparse_gather
+
+    i32 = lambda *s: sds(s, jnp.int32)  # noqa: E731
+    args = [i32(B, K), i32(B), i32(Rq, MP), i32(Rq, MP), i32(Rq, HR // 64), i32(Rq, HR), i32(Rq, HR), i32()]
+    return functools.partial(sparse_gather, hot_rows=HR), args, {}
+
+
+def _indexer_case(q_dtype, k_dtype, B=32, I=64, D=128, MP=2048, P=20480):
+    from pallas_kernels.indexer_topk import indexer_topk
+
+    args = [sds((B, I, D), q_dtype), sds((B, I), jnp.float32), sds((P, 64, D), k_dtype), sds((B, MP), jnp.int32),
+            sds((B,), jnp.int32)]
+    kw = dict(k_scale=sds((P, 64), jnp.float32)) if k_dtype == jnp.float8_e4m3fn else {}
+    return functools.partial(indexer_topk, topk=2048), args, kw
+
+
+def sparse_mla_decode():
+    from pallas_kernels.sparse_mla_decode import sparse_mla_decode as f
+    return f
+
+
+_BF, _F32, _FP8 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn
+KERNEL_CASES = {
+    **{f"sparse_mla_decode H={H} kv={kv} q={jnp.dtype(q).name} (B=32 K=2048 P=4096)": functools.partial(_mla_case, H, kv, q)
+       for H in (128, 16) for kv in ("bf16", "fp8") for q in (_BF, _F32)},
+    "sparse_mla_decode stacked fp8 pools L=78 (8.6 GB latent), layer= traced, H=64": _mla_stacked_case,
+    **{f"sparse_gather hot_rows={HR} (B=32 K=2048 MP=2048)": functools.partial(_gather_case, HR) for HR in (4096, 10240)},
+    **{f"indexer_topk q={jnp.dtype(q).name} k={jnp.dtype(k).name} (B=32 I=64 128K ctx top-2048)":
+       functools.partial(_indexer_case, q, k) for q, k in ((_F32, _BF), (_BF, _BF), (_F32, _FP8), (_BF, _FP8))},
+}
+
+
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_kernel_builds_for_sm90(case, build_log):
+    fn, args, kw = KERNEL_CASES[case]()
+    exe = timed_build(build_log, case, lambda: dl.compile_for_gpu(fn, *args, **kw))
+    text = dl.hlo_text(exe)
+    assert "__triton" in text or "triton" in text, "no Triton kernel in the compiled module"
+
+
+# ----- 2. the whole tiered decode step ---------------------------------------------------------
+NUM_LAYERS = 4  # GLM-5 layers 0-3: three dense layers with full indexers, one MoE layer sharing layer 2's index
+BATCH = 32
+HOST_POOLS = ("h_latent", "h_rope", "h_latent_scale")
+
+
+def glm5_layers(n: int):
+    from hisparse_jax.config import PRESETS
+
+    base = PRESETS["glm-5"]
+    return base.replace(num_hidden_layers=n, indexer_types=base.indexer_types[:n],
+                        mlp_layer_types=base.mlp_layer_types[:n])
+
+
+def abstract_step_args(cfg, cache):
+    """(graphdef, params, store, batch): every array an abstract ShapeDtypeStruct (nothing is allocated);
+    the pinned-host pools with a pinned_host memory kind."""
+    from flax import nnx
+
+    from hisparse_jax.kv.state import StoreSpec, init_store, store_shardings
+    from hisparse_jax.model.decoder import SparseMLAModel
+
+    spec = StoreSpec.create(cfg, cache)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: SparseMLAModel(cfg, rngs=nnx.Rngs(0))))
+    cpu = jax.devices("cpu")[0]
+    shapes = jax.eval_shape(functools.partial(init_store, spec, cpu))
+    store = jax.tree.map(lambda s, sh: sds(s.shape, s.dtype, sh.memory_kind), shapes, store_shardings(spec, cpu))
+    batch = {"tokens": sds((BATCH,), jnp.int32), "req": sds((BATCH,), jnp.int32)}
+    return graphdef, dl.abstractify(params), store, batch
+
+
+# A pairwise covering set of (kv, fetch, kernels): every pair of values of two axes is built once. Each
+# build takes 20-50 s on a 2-core machine; HISPARSE_GPU_BUILD_ALL=1 builds all 8 combinations.
+STEP_CASES = [("bf16", "row", "reference"), ("fp8", "page", "reference"), ("bf16", "page", "pallas"),
+              ("fp8", "row", "pallas")]
+if os.environ.get("HISPARSE_GPU_BUILD_ALL"):
+    STEP_CASES = [(kv, fetch, kernels) for kernels in ("reference", "pallas") for kv in ("bf16", "fp8")
+                  for fetch in ("row", "page")]
+
+
+@pytest.fixture(scope="module", params=STEP_CASES, ids=lambda c: "-".join(c))
+def built_step(request, build_log):
+    """(case, store, compiled HLO text, memory stats) of tiered decode_step's jitted function."""
+    from hisparse_jax.config import CacheConfig
+    from hisparse_jax.kv import tiered
+
+    kv, fetch, kernels = request.param
+    cfg = glm5_layers(NUM_LAYERS)
+    cache = CacheConfig(kv_dtype=kv, device_pages=4096, host_pages=16384, max_seqs=32, max_seq_len=131072,
+                        fetch=fetch)
+    graphdef, params, store, batch = abstract_step_args(cfg, cache)
+    # The jitted function decode_step / make_decode_step call (donate_argnums=(1,): the store). Taken from the
+    # cache directly because tiered.check_kernels refuses kernels="pallas" on a CPU backend, rightly.
+    step = tiered._jitted_step(graphdef, kernels)
+    case = f"tiered decode_step glm-5[{NUM_LAYERS} layers] kv={kv} fetch={fetch} kernels={kernels} (B={BATCH})"
+    exe = timed_build(build_log, case, lambda: dl.compile_lowered(dl.lower_for_gpu(step, params, store, batch)))
+    text = dl.hlo_text(exe)
+    return request.param, store, text, exe.get_compiled_memory_stats()
+
+
+def store_fields(store):
+    return [f.name for f in dataclasses.fields(store) if f.name != "spec" and getattr(store, f.name) is not None]
+
+
+def entry_parameters(text: str) -> dict[str, int]:
+    """{store field: entry parameter number}, from the parameters' metadata op_name="store.<field>"."""
+    entry = text[text.index("\nENTRY "):]
+    out = {}
+    for m in re.finditer(r"parameter\((\d+)\)[^\n]*?op_name=\"store\.(\w+)\"", entry):
+        out[m.group(2)] = int(m.group(1))
+    return out
+
+
+def test_step_store_is_donated(built_step):
+    """(a) every store buffer (pools, host pools, tables, hot-buffer state) aliases an output of its shape."""
+    case, store, text, _ = built_step
+    params, results = dl.entry_layout(text)
+    aliases = dl.input_output_aliases(text)
+    by_param = {p: out for out, (p, _) in aliases.items()}
+    pnum = entry_parameters(text)
+    report, missing = [], []
+    for name in store_fields(store):
+        leaf = getattr(store, name)
+        assert name in pnum, f"store.{name} is not an entry parameter (pruned as unused?)"
+        p = pnum[name]
+        assert params[p]["dims"] == tuple(leaf.shape), (name, params[p], leaf.shape)
+        out = by_param.get(p)
+        if out is None or results[out]["dims"] != tuple(leaf.shape):
+            missing.append(name)
+        report.append(f"store.{name}: param {p} -> output {out}")
+    print(f"\n[{'-'.join(case)}] input_output_alias:", "; ".join(report))
+    assert not missing, f"store buffers not donated (no input_output_alias): {missing}"
+
+
+def test_step_host_pools_stay_in_host_memory(built_step):
+    """(b) each pinned-host pool is an S(5) (host memory space) parameter and result; device pools are not."""
+    case, store, text, _ = built_step
+    params, results = dl.entry_layout(text)
+    aliases = dl.input_output_aliases(text)
+    by_param = {p: out for out, (p, _) in aliases.items()}
+    pnum = entry_parameters(text)
+    report = []
+    for name in store_fields(store):
+        p = pnum[name]
+        want = 5 if name in HOST_POOLS else 0
+        got_in = params[p]["memory_space"]
+        got_out = results[by_param[p]]["memory_space"] if p in by_param else None
+        report.append(f"store.{name}: in S({got_in}) out S({got_out})")
+        assert (got_in, got_out) == (want, want), f"store.{name}: {params[p]['text']} -> " \
+            f"{results[by_param[p]]['text'] if p in by_param else 'not aliased'}; want S({want})"
+    print(f"\n[{'-'.join(case)}] memory spaces:", "; ".join(report))
+
+
+# Opcodes that make no new buffer of their result shape (views, or in-place updates of their operand).
+VIEW_OPS = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+            "dynamic-update-slice", "scatter", "optimization-barrier"}
+
+
+def pool_sized_instructions(text: str, pool_dims: dict[str, tuple]):
+    """Every instruction outside fused computations whose result has a pool's full dims, classified:
+    (kind, pool, computation, line) with kind "view" (no new buffer), "in-place" (a fusion rooted at a
+    scatter / dynamic-update-slice, a custom call aliasing an operand) or "NEW" (a new pool-sized buffer)."""
+    fused = set(re.findall(r"calls=(%[\w.\-]+)", text))
+    roots = {}  # fused computation -> opcode of its root
+    comp = None
+    for line in text.splitlines():
+        m = re.match(r"^(?:ENTRY\s+)?(%[\w.\-]+)\s.*\{$", line)
+        if m:
+            comp = m.group(1)
+        r = re.match(r"^\s*ROOT\s+%[\w.\-]+\s*=\s*\S+\s+([a-z][\w\-]*)\(", line)
+        if r and comp:
+            roots[comp] = r.group(1)
+    async_calls = {m.group(1): m.group(2) for m in re.finditer(
+        r"^\s*(%[\w.\-]+) = [^\n]*? fusion-start\([^\n]*?calls=(%[\w.\-]+)", text, re.M)}
+    by_dims = {}
+    for name, dims in pool_dims.items():
+        by_dims.setdefault(dims, []).append(name)
+    found = []
+    for comp, name, shape, op, line in dl.instructions(text):
+        if comp in fused:
+            continue
+        try:
+            dims = dl.parse_shape(shape)["dims"]
+        except ValueError:
+            continue
+        if dims not in by_dims:
+            continue
+        if op in VIEW_OPS:
+            kind = "view"
+        elif op == "fusion" and roots.get(re.search(r"calls=(%[\w.\-]+)", line).group(1)) in (
+                "scatter", "dynamic-update-slice"):
+            kind = "in-place"
+        elif op == "custom-call" and "output_to_operand_aliasing" in line:
+            kind = "in-place"
+        elif op == "fusion-done" and roots.get(async_calls.get(re.search(r"fusion-done\((%[\w.\-]+)", line).group(1))) in (
+                "scatter", "dynamic-update-slice"):
+            kind = "in-place"  # an async dynamic-update-slice (host offloading: the D2H row write into a host pool)
+        else:
+            kind = "NEW"
+        found.append((kind, "/".join(by_dims[dims]), comp, line[:300]))
+    # Tuple-valued custom-call-done / async-done (host calls) return fresh buffers: a pool-sized element is one.
+    for m in re.finditer(r"^\s*(%[\w.\-]+) = \(([^\n]*?)\) (custom-call-done|async-done)\(", text, re.M):
+        for el in dl.split_top(m.group(2)):
+            try:
+                dims = dl.parse_shape(el)["dims"]
+            except ValueError:
+                continue
+            if dims in by_dims:
+                found.append(("NEW", "/".join(by_dims[dims]), "host call output", m.group(0)[:300]))
+    return found
+
+
+def test_step_makes_no_pool_sized_temporary(built_step):
+    """(c) no copy / convert / fusion / host-call result of a whole pool's shape: the step touches rows."""
+    case, store, text, mem = built_step
+    pools = {n: tuple(getattr(store, n).shape) for n in store_fields(store)
+             if n in ("latent", "rope", "index_k", "latent_scale", "index_scale") + HOST_POOLS}
+    found = pool_sized_instructions(text, pools)
+    new = [f for f in found if f[0] == "NEW"]
+    print(f"\n[{'-'.join(case)}] pool-sized instructions: "
+          f"{sum(f[0] == 'view' for f in found)} views, {sum(f[0] == 'in-place' for f in found)} in-place, "
+          f"{len(new)} new buffers; device temp {mem.temp_size_in_bytes / 2**20:.0f} MiB, "
+          f"host temp {mem.host_temp_size_in_bytes / 2**20:.0f} MiB")
+    for f in new:
+        print("   NEW", f[1], "in", f[2], ":", f[3])
+    smallest_host = min(getattr(store, n).size * getattr(store, n).dtype.itemsize for n in HOST_POOLS
+                        if getattr(store, n, None) is not None)
+    assert not new, f"{len(new)} whole-pool-sized buffers, e.g. {new[0][3]}"
+    assert mem.host_temp_size_in_bytes < smallest_host, \
+        f"host temp {mem.host_temp_size_in_bytes} B >= a host pool ({smallest_host} B)"
+
+
+# ----- 3. errors are real ----------------------------------------------------------------------
+def _triton_matmul(bm: int):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    def kernel(x_ref, y_ref, o_ref):
+        def body(k, acc):
+            return acc + jnp.dot(x_ref[:, pl.ds(k * bm, bm)], y_ref[pl.ds(k * bm, bm), :],
+                                 preferred_element_type=jnp.float32)
+        o_ref[...] = jax.lax.fori_loop(0, x_ref.shape[1] // bm, body, jnp.zeros((bm, bm), jnp.float32))
+
+    def f(x, y):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), jnp.float32),
+                              grid=(x.shape[0] // bm, y.shape[1] // bm),
+                              in_specs=[pl.BlockSpec((bm, x.shape[1]), lambda i, j: (i, 0)),
+                                        pl.BlockSpec((x.shape[1], bm), lambda i, j: (0, j))],
+                              out_specs=pl.BlockSpec((bm, bm), lambda i, j: (i, j)),
+                              compiler_params=plt.CompilerParams(num_warps=4, num_stages=4))(x, y)
+    return f
+
+
+def test_oversized_block_fails_to_build(build_log):
+    """A 512x512-block bf16 matmul needs > 227 KiB of shared memory per block: the build must fail."""
+    x = sds((2048, 2048), jnp.bfloat16)
+    timed_build(build_log, "control: Pallas-Triton matmul, 64x64 blocks", lambda: dl.compile_for_gpu(_triton_matmul(64), x, x))
+    with pytest.raises(Exception, match=r"(?i)shared memory") as err:
+        dl.compile_for_gpu(_triton_matmul(512), x, x)
+    print("\nexpected failure:", str(err.value).splitlines()[0][:300])
