@@ -30,3 +30,19 @@ def on_host(fn, *args):
         return _compute_on(compute_type="device_host", out_memory_spaces=HOST)(fn)(*args)
     with _compute_on("device_host"):
         return fn(*args)
+
+
+# The GPU a Pallas-Triton kernel is lowered for when no GPU is attached: the H100 / H200's sm_90.
+GPU_TARGET_KIND = "NVIDIA H100"
+
+
+def gpu_lowering_target(device_kind: str = GPU_TARGET_KIND):
+    """Context manager: lower Pallas-Triton kernels for a GPU of this kind on a machine without one.
+
+    `with gpu_lowering_target(): jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))`.
+    jax <= 0.10.x: the Triton lowering falls back to compute capability 9.0 when no GPU is attached.
+    jax >= 0.11: it reads the target from the abstract mesh's `AbstractDevice` and, with neither a GPU nor one
+    set, fails ("No supported GPU devices found, please specify an abstract GPU device"). Setting a one-device
+    abstract mesh naming the GPU works on every supported version (0.10.2 ignores it), so this does not branch."""
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("_gpu",), abstract_device=device))

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hisparse_jax.compat import gpu_lowering_target
 from hisparse_jax.model.indexer import hadamard, index_scores, quantize_index_keys, select_topk
 from pallas_kernels.indexer_topk import MAX_TOPK, indexer_topk, indexer_topk_reference, paged_index_scores
 from pallas_kernels.indexer_topk.kernel import RADIX_BITS, _float_to_key, indexer_topk_chunked
@@ -257,7 +258,9 @@ def test_lowers_for_cuda_at_realistic_shapes(q_dtype, k_dtype):
     args = (sds((Bg, Hg, Dg), q_dtype), sds((Bg, Hg), jnp.float32), sds((Pg, PAGE, Dg), k_dtype),
             sds((Bg, MPg), jnp.int32), sds((Bg,), jnp.int32))
     kw = dict(k_scale=sds((Pg, PAGE), jnp.float32)) if k_dtype == jnp.float8_e4m3fn else {}
-    lowered = jax.jit(partial(indexer_topk, topk=2048)).trace(*args, **kw).lower(lowering_platforms=("cuda",))
+    with gpu_lowering_target():  # jax >= 0.11 needs the target GPU named
+        lowered = jax.jit(partial(indexer_topk, topk=2048)).trace(*args, **kw).lower(
+            lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert text.count("__gpu$xla.gpu.triton") == 4 + 32 // RADIX_BITS  # scores, radix rounds, ties, compact, rank
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hisparse_jax.compat import gpu_lowering_target
 from hisparse_jax.kv import ops
 from hisparse_jax.kv.state import StoreSpec, init_store
 from pallas_kernels.sparse_gather import sparse_gather, sparse_gather_reference
@@ -190,7 +191,9 @@ def test_lowers_for_cuda(HR):
     B, K, Rq, MP = 32, 2048, 64, 2048
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     args = (i32(B, K), i32(B), i32(Rq, MP), i32(Rq, MP), i32(Rq, HR // 64), i32(Rq, HR), i32(Rq, HR), i32())
-    lowered = jax.jit(functools.partial(sparse_gather, hot_rows=HR)).trace(*args).lower(lowering_platforms=("cuda",))
+    with gpu_lowering_target():  # jax >= 0.11 needs the target GPU named
+        lowered = jax.jit(functools.partial(sparse_gather, hot_rows=HR)).trace(*args).lower(
+            lowering_platforms=("cuda",))
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hisparse_jax.compat import gpu_lowering_target
 from hisparse_jax.model.mla import sparse_mla_decode_reference as rows_reference
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_reference
 
@@ -153,7 +154,8 @@ def test_lowers_for_cuda(H, kv, q_dtype):
         fn = lambda *a: sparse_mla_decode(*a[:7], tau=TAU, latent_scale=a[7])  # noqa: E731
     else:
         fn = functools.partial(sparse_mla_decode, tau=TAU)
-    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    with gpu_lowering_target():  # jax >= 0.11 needs the target GPU named
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1
 
 
@@ -165,5 +167,6 @@ def test_lowers_for_cuda_on_stacked_pools():
             sds((L, P, 64, R), jnp.bfloat16), sds((B, K), jnp.int32), sds((B, K), jnp.int32), sds((B, K), jnp.bool_),
             sds((L, P, 64, C // 128), jnp.float32), sds((), jnp.int32)]
     fn = lambda *a: sparse_mla_decode(*a[:7], tau=TAU, latent_scale=a[7], layer=a[8])  # noqa: E731
-    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    with gpu_lowering_target():  # jax >= 0.11 needs the target GPU named
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1
