@@ -24,6 +24,7 @@ TIMEOUT_S = 240
 def _section_names():
     spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "experiments", "gpu_check.py"))
     mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, mod)  # dataclasses look their module up there while the class is built
     spec.loader.exec_module(mod)
     return set(mod.SECTIONS)
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
+from conftest import REFERENCE_SKIP_REASON
 
 from hisparse_jax.generate import generate
+
+torch = pytest.importorskip("torch", reason=REFERENCE_SKIP_REASON)
+pytest.importorskip("transformers", reason=REFERENCE_SKIP_REASON)
 
 SEQ = 40  # > index_topk (8): the sparse path is exercised
 

@@ -26,6 +26,7 @@ from hisparse_jax.model.weights import (FP8_BLOCK, dequantize_fp8, model_to_hf_t
                                         read_checkpoint_tensors)
 
 F8 = ml_dtypes.float8_e4m3fn
+REFERENCE_SKIP_REASON = "needs torch + transformers (the numerical references; installed by the 'test' extra)"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -44,8 +45,8 @@ def tiny_hf_kwargs(**over):
 
 def build_hf_model(arch: str, seed: int = 0):
     """A tiny random transformers model: 'deepseek_v32' (YaRN, group routing) or 'glm_moe_dsa' (shared layers)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch", reason=REFERENCE_SKIP_REASON)
+    transformers = pytest.importorskip("transformers", reason=REFERENCE_SKIP_REASON)
     torch.manual_seed(seed)
     if arch == "deepseek_v32":
         kw = tiny_hf_kwargs(n_group=2, topk_group=1, rope_parameters={
