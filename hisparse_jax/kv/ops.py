@@ -102,20 +102,32 @@ def mirror_rows(spec: StoreSpec, store: KVStore, req, positions):
     """Copy the rows just appended at `positions` (all layers) from the device pools to their host pages.
 
     Reads them back from the device pool so the host copy is bit-identical. Returns (store, d2h_rows).
+    Each row is a `dynamic_update_slice` of a `device_put(HOST)` row into the pinned-host pool, which XLA
+    does in place (a host-side scatter under `compute_on` returned a new pool: on a GPU that was a copy of
+    every host pool per step, see tests/test_gpu_build.py).
     """
     dpage, _, hpage, row, live = tail_address(spec, store, req, positions)
     ok = live & (dpage >= 0) & (hpage >= 0)
     src = jnp.maximum(dpage, 0)
-    hp = _drop(hpage, ok, spec.host_pages)
-    lat = jax.device_put(store.latent[:, src, row], HOST)  # [L, B, C]
-    rope = jax.device_put(store.rope[:, src, row], HOST)
-    hp_h, row_h = jax.device_put(hp, HOST), jax.device_put(row, HOST)
-    upd = dict(h_latent=on_host(_scatter_rows, store.h_latent, hp_h, row_h, lat),
-               h_rope=on_host(_scatter_rows, store.h_rope, hp_h, row_h, rope))
+    order = jnp.argsort(~ok, stable=True)  # the rows to write first
+    n = jnp.sum(ok).astype(jnp.int32)
+    hp = jnp.maximum(hpage, 0)
+    upd = dict(h_latent=_write_host_rows(store.h_latent, store.latent[:, src, row], hp, row, order, n),
+               h_rope=_write_host_rows(store.h_rope, store.rope[:, src, row], hp, row, order, n))
     if spec.fp8:
-        sc = jax.device_put(store.latent_scale[:, src, row], HOST)
-        upd["h_latent_scale"] = on_host(_scatter_rows, store.h_latent_scale, hp_h, row_h, sc)
-    return _replace(store, **upd), jnp.sum(ok).astype(jnp.int32) * spec.num_layers
+        upd["h_latent_scale"] = _write_host_rows(store.h_latent_scale, store.latent_scale[:, src, row], hp, row,
+                                                 order, n)
+    return _replace(store, **upd), n * spec.num_layers
+
+
+def _write_host_rows(host, vals, pages, rows, order, n):
+    """host[:, pages[b], rows[b]] = vals[:, b] for b in order[:n], one row (all layers) at a time."""
+    def body(j, host):
+        b = order[j]
+        upd = jax.device_put(jax.lax.dynamic_index_in_dim(vals, b, axis=1)[:, :, None], HOST)  # [L, 1, 1, X]
+        return jax.lax.dynamic_update_slice(host, upd, (0, pages[b], rows[b]) + (0,) * (host.ndim - 3))
+
+    return jax.lax.fori_loop(0, n, body, host)
 
 
 # ----- the indexer over paged keys --------------------------------------------------------------
