@@ -1,24 +1,44 @@
 # Two entry points for a fresh clone: `make demo` (the main job) and `make test` (the test suite).
-PYTHON ?= python3
-VENV   ?= .venv
-PIP     = $(VENV)/bin/pip
+#
+# Knobs (CI sets them; a user needs none):
+#   PYTHON       interpreter the venv is made from (python3)
+#   VENV         where the venv goes (.venv)
+#   TEST_EXTRAS  extras `make test` installs: `test` (with the torch + transformers references) or `test-core`
+#   CONSTRAINTS  a pip constraints file, e.g. ci/jax-lowest.txt to pin the lowest supported jax
+#   GPU_BUILD=1  also install the deviceless sm_90 compile tools: jax-cuda13-plugin / -pjrt of exactly the
+#                installed jax version, nvidia-cuda-nvcc (ptxas) and nvidia-nvvm (libdevice); jax >= 0.11 only
+PYTHON      ?= python3
+VENV        ?= .venv
+TEST_EXTRAS ?= test
+CONSTRAINTS ?=
+GPU_BUILD   ?=
+PIP          = $(VENV)/bin/pip
+PIP_INSTALL  = $(PIP) install --quiet $(if $(CONSTRAINTS),--constraint $(CONSTRAINTS))
 
-.PHONY: demo test clean
+.PHONY: demo test gpu-build-tools clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -e '.[plot]'
+	$(PIP_INSTALL) -e '.[plot]'
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
-	$(PIP) install --quiet -e '.[test]'
+$(VENV)/.installed-$(TEST_EXTRAS): $(VENV)/.installed pyproject.toml
+	$(PIP_INSTALL) -e '.[$(TEST_EXTRAS)]'
 	touch $@
+
+# The CUDA plugin must be the installed jax's own version (jaxlib refuses another); read it, don't guess it.
+$(VENV)/.installed-gpu-build: $(VENV)/.installed
+	v=$$($(VENV)/bin/python -c 'import jax; print(jax.__version__)') && \
+	$(PIP_INSTALL) "jax-cuda13-plugin==$$v" "jax-cuda13-pjrt==$$v" nvidia-cuda-nvcc nvidia-nvvm
+	touch $@
+
+gpu-build-tools: $(VENV)/.installed-gpu-build
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/hisparse demo
 
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-$(TEST_EXTRAS) $(if $(GPU_BUILD),$(VENV)/.installed-gpu-build)
 	$(VENV)/bin/python -m pytest -q
 
 clean:
