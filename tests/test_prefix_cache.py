@@ -362,7 +362,7 @@ def shared_prompts():
 def shared_refs(engine_model, shared_prompts):
     from hisparse_jax.generate import generate
 
-    return [generate(engine_model, [p], ENGINE_NEW)[0] for p in shared_prompts]
+    return generate(engine_model, shared_prompts, ENGINE_NEW)  # batched: one compile (== one by one: test_parity)
 
 
 def run_engine(model, prompts, policy, prefill="chunked", prefix_caching=True, stagger=True):
@@ -444,7 +444,7 @@ def test_engine_hisparse_pressure_with_shared_prefix(engine_model, shared_prompt
     from hisparse_jax.generate import generate
 
     new = 100
-    refs = [generate(engine_model, [p], new)[0] for p in shared_prompts]
+    refs = generate(engine_model, shared_prompts, new)  # batched: one compile
     cc = CacheConfig(kv_dtype="float32", device_pages=11, index_pages=40, host_pages=64, max_seq_len=704)
     eng = Engine(engine_model, cc, EngineConfig(policy="hisparse", max_running=4, prefill_chunk=128,
                                                 check_invariants=True))
