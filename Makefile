@@ -5,6 +5,7 @@
 #   VENV         where the venv goes (.venv)
 #   TEST_EXTRAS  extras `make test` installs: `test` (with the torch + transformers references) or `test-core`
 #   CONSTRAINTS  a pip constraints file, e.g. ci/jax-lowest.txt to pin the lowest supported jax
+#   PYTEST_ARGS  extra pytest arguments (CI: --durations=25, to watch its time budget)
 #   GPU_BUILD=1  also install the deviceless sm_90 compile tools: jax-cuda13-plugin / -pjrt of exactly the
 #                installed jax version, nvidia-cuda-nvcc (ptxas) and nvidia-nvvm (libdevice); jax >= 0.11 only
 PYTHON      ?= python3
@@ -12,6 +13,7 @@ VENV        ?= .venv
 TEST_EXTRAS ?= test
 CONSTRAINTS ?=
 GPU_BUILD   ?=
+PYTEST_ARGS ?=
 PIP          = $(VENV)/bin/pip
 PIP_INSTALL  = $(PIP) install --quiet $(if $(CONSTRAINTS),--constraint $(CONSTRAINTS))
 
@@ -39,7 +41,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/hisparse demo
 
 test: $(VENV)/.installed-$(TEST_EXTRAS) $(if $(GPU_BUILD),$(VENV)/.installed-gpu-build)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
