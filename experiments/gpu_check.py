@@ -100,7 +100,7 @@ SIZES = {
         big_layers=40, big_pages=4096, big_H=128, big_B=32, big_K=2048,  # 40 x 4096 x 64 x 512 B = 5 GiB fp8
     ),
     "smoke": dict(
-        d2d_bytes=64 << 20, h2d_bytes=32 << 20, h2d_chunk_bytes=4 << 20, small_blocks=128, warmup=1, reps=3,
+        d2d_bytes=16 << 20, h2d_bytes=8 << 20, h2d_chunk_bytes=2 << 20, small_blocks=32, warmup=1, reps=3,
         fetch_layers=2, fetch_requests=2, fetch_topk=64, fetch_ctx=512, fetch_fracs=(0.1, 0.3),
         fetch_dtypes=("bf16", "fp8"), fetch_warmup=0, fetch_reps=1, fetch_pool_scaling=(("bf16", "row"),),
         compile_decode_fetches=("row",),
@@ -344,6 +344,7 @@ def section_ceilings(ctx: Ctx) -> dict:
             out[name] = {"status": "error", "error": traceback.format_exc(limit=8)}
             errors.append(name)
             ctx.log(f"ceiling {name}: ERROR\n{out[name]['error']}")
+        ctx.partial(**out)
 
     def drop(y):
         _block(y)
@@ -1127,6 +1128,7 @@ def section_fetch(ctx: Ctx) -> dict:
             spec = dataclasses.replace(spec0, fetch=mech)
             try:
                 out["runs"].extend(_fetch_one(ctx, ops, spec, layers, kvd, mech, ceiling, sz["fetch_fracs"]))
+                ctx.partial(**out)
             except Exception:  # noqa: BLE001
                 out["runs"].append({"kv_dtype": kvd, "mechanism": mech, "status": "error",
                                     "error": traceback.format_exc(limit=8)})
@@ -1146,6 +1148,7 @@ def section_fetch(ctx: Ctx) -> dict:
                 r["base_time_s"] = base["time_s"]
                 r["time_ratio_vs_base"] = r["time_s"] / base["time_s"] if r.get("time_s") else None
                 out["pool_scaling"].append(r)
+                ctx.partial(**out)
             except Exception:  # noqa: BLE001
                 out["pool_scaling"].append({"kv_dtype": kvd, "mechanism": mech, "status": "error",
                                             "error": traceback.format_exc(limit=8)})
@@ -1326,6 +1329,7 @@ def section_decode(ctx: Ctx) -> dict:
         for name, r in runs.items():
             dt, _ = one_step(r)
             r["compile_s"].append(dt)
+    ctx.partial(prefill_s=prefill_s, warmup_step_s={name: r["compile_s"] for name, r in runs.items()})
     skipped = 0
     for i in range(sz["decode_steps"]):  # side by side: one step of each store per round
         if ctx.over_budget() and i >= 2:
