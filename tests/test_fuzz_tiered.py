@@ -116,7 +116,7 @@ def test_fuzz_generate(data):
     fz.run_generate_case(case)
 
 
-@settings(max_examples=EXAMPLES or 3, **_SETTINGS)
+@settings(max_examples=EXAMPLES or 4, **_SETTINGS)
 @given(st.data())
 def test_fuzz_engine(data):
     case = fz.draw_engine_case(fz.HypothesisChoices(data))
