@@ -14,8 +14,10 @@ K top-k slots (-1 padded), L layers, C latent, R rope, dI indexer dim, 64 tokens
 
 Host pools live in `pinned_host` memory. Inside `jit` ops may not mix memory kinds, so host reads are
 `dynamic_slice` + `device_put(Device)` (page mechanism) or a gather placed on the host with
-`compute_on("device_host")` (`compat.on_host`) followed by one `device_put(Device)` (row mechanism); host writes are the
-mirror image. On CPU these are semantic only; on a GPU they are the H2D / D2H copies being measured.
+`compute_on("device_host")` (`compat.on_host`) followed by one `device_put(Device)` (row mechanism). Host writes are
+a `device_put(Host)` row or page block `dynamic_update_slice`d into the pinned-host pool, which XLA does in place; a
+host-side scatter under `compute_on` returns a new pool (on a GPU: a copy of the whole host pool per call, see
+tests/test_gpu_build.py). On CPU these are semantic only; on a GPU they are the H2D / D2H copies being measured.
 """
 
 from __future__ import annotations
@@ -351,27 +353,24 @@ def evict_pages(spec: StoreSpec, store: KVStore, req, page_idx):
 
 
 def _write_back(spec, store, dpages, hpages):
-    """Copy whole device pages to host pages (all layers), one D2H slice per page."""
-    n = dpages.shape[0]
+    """Copy whole device pages to host pages (all layers): each page a [L, 1, 64, X] device slice put in host
+    memory and written with `dynamic_update_slice` into the pinned-host pool (in place; pairs with a -1 are
+    skipped, not written)."""
+    ok = (dpages >= 0) & (hpages >= 0)
+    order = jnp.argsort(~ok, stable=True)  # the pages to write first, in their order
+    n = jnp.sum(ok).astype(jnp.int32)
 
     def body(j, hosts):
-        ok = (dpages[j] >= 0) & (hpages[j] >= 0)
+        k = order[j]
         out = []
         for host, dev in zip(hosts, _device_pools(store)):
-            blk = jax.lax.dynamic_slice(dev, (0, jnp.maximum(dpages[j], 0)) + (0,) * (dev.ndim - 2),
-                                        (dev.shape[0], 1) + dev.shape[2:])
-            blk = jax.device_put(blk, HOST)
-            hp = jnp.where(ok, hpages[j], 0)
-            cur = jax.lax.dynamic_slice(host, (0, hp) + (0,) * (host.ndim - 2), blk.shape)
-            newblk = on_host(jnp.where, jax.device_put(ok, HOST), blk, cur)
-            out.append(jax.lax.dynamic_update_slice(host, newblk, (0, hp) + (0,) * (host.ndim - 2)))
+            blk = jax.lax.dynamic_slice(dev, (0, dpages[k]) + (0,) * (dev.ndim - 2), (dev.shape[0], 1) + dev.shape[2:])
+            out.append(jax.lax.dynamic_update_slice(host, jax.device_put(blk, HOST),
+                                                    (0, hpages[k]) + (0,) * (host.ndim - 2)))
         return tuple(out)
 
     hosts = jax.lax.fori_loop(0, n, body, _host_pools(store))
-    upd = dict(h_latent=hosts[0], h_rope=hosts[1])
-    if len(hosts) == 3:
-        upd["h_latent_scale"] = hosts[2]
-    return _replace(store, **upd), jnp.sum((dpages >= 0) & (hpages >= 0)).astype(jnp.int32) * spec.num_layers * PAGE_SIZE
+    return _with_host_pools(store, hosts), n * spec.num_layers * PAGE_SIZE
 
 
 def load_pages(spec: StoreSpec, store: KVStore, hpages, dpages):
@@ -418,7 +417,6 @@ def write_prefill(spec: StoreSpec, store: KVStore, req, latent, rope, index_k, l
     dpage, hpage, ipage = store.block_table[req, lp], store.host_table[req, lp], store.index_table[req, lp]
     dp = _drop(dpage, ok & (dpage >= 0), spec.device_pages)
     ip = _drop(ipage, ok & (ipage >= 0), spec.index_pages)
-    hp = _drop(hpage, ok & (hpage >= 0), spec.host_pages)
     vals, scales = encode_latent(spec, latent)
     rope = rope.astype(store.rope.dtype)
     kv, ks = encode_index(spec, index_k)
@@ -428,18 +426,61 @@ def write_prefill(spec: StoreSpec, store: KVStore, req, latent, rope, index_k, l
     if spec.fp8:
         upd["latent_scale"] = store.latent_scale.at[:, dp, row].set(scales, mode="drop")
         upd["index_scale"] = store.index_scale.at[:, ip, row].set(ks, mode="drop")
-    hp_h, row_h = jax.device_put(hp, HOST), jax.device_put(row, HOST)
-    for name, val in (("h_latent", vals), ("h_rope", rope), ("h_latent_scale", scales)):
-        if val is None:
-            continue
-        upd[name] = on_host(_scatter_rows, getattr(store, name), hp_h, row_h, jax.device_put(val, HOST))
+    hosts = _write_host_pages(spec, store, store.host_table[req], (vals, rope, scales), start, jnp.minimum(length, T))
     seq_lens = store.seq_lens.at[req].set(length)
-    return _replace(store, seq_lens=seq_lens, **upd), jnp.sum(ok & (hpage >= 0)).astype(jnp.int32) * spec.num_layers
+    return (_replace(_with_host_pools(_replace(store, **upd), hosts), seq_lens=seq_lens),
+            jnp.sum(ok & (hpage >= 0)).astype(jnp.int32) * spec.num_layers)
 
 
-def _scatter_rows(pool, pages, rows, values):
-    """pool[:, pages, rows] = values (entries whose page is out of range are dropped); run on the host."""
-    return pool.at[:, pages, rows].set(values, mode="drop")
+def _write_host_pages(spec, store, host_row, values, start, end):
+    """Write rows start..end-1 of `values` ([L, T, X] each: latent, rope, latent scale or None; row t is
+    position t) into their host pages (`host_row` int32[MP]: logical page -> host page, -1 none), a whole
+    [L, 1, 64, X] page block at a time with `dynamic_update_slice` into the pinned-host pools (in place).
+    A page only partly in [start, end) is read from the host first and merged on the device, so its other
+    rows are kept. Returns the host pools."""
+    T = values[0].shape[1]
+    NP = -(-T // PAGE_SIZE)
+    q = jnp.arange(NP, dtype=jnp.int32)
+    hp = jnp.where(q < spec.max_pages, host_row[jnp.minimum(q, spec.max_pages - 1)], -1)
+    lo, hi = q * PAGE_SIZE, (q + 1) * PAGE_SIZE
+    touched = (hp >= 0) & (lo < end) & (hi > start) & (start < end)  # pages with a row to write
+    full = touched & (lo >= start) & (hi <= end)
+    partial = touched & ~full  # at most two: the pages of start and of end
+    pos = lo[:, None] + jnp.arange(PAGE_SIZE, dtype=jnp.int32)[None]
+    keep_new = (pos >= start) & (pos < end)  # [NP, 64]
+    blocks = [None if v is None else
+              jnp.pad(v, ((0, 0), (0, NP * PAGE_SIZE - T)) + ((0, 0),) * (v.ndim - 2)).reshape(
+                  v.shape[0], NP, PAGE_SIZE, *v.shape[2:]) for v in values]  # [L, NP, 64, X]
+    blocks = [b for b in blocks if b is not None]
+
+    def page_loop(sel, merge, hosts):
+        order = jnp.argsort(~sel, stable=True)  # the selected pages first, in page order
+        n = jnp.sum(sel).astype(jnp.int32)
+
+        def body(j, hosts):
+            k = order[j]
+            out = []
+            for host, blk in zip(hosts, blocks):
+                at = (0, hp[k]) + (0,) * (host.ndim - 2)
+                new = jax.lax.dynamic_slice_in_dim(blk, k, 1, axis=1)  # [L, 1, 64, X]
+                if merge:
+                    cur = jax.device_put(jax.lax.dynamic_slice(host, at, new.shape), DEVICE)
+                    m = keep_new[k].reshape((1, 1, PAGE_SIZE) + (1,) * (host.ndim - 3))
+                    new = jnp.where(m, new, cur)
+                out.append(jax.lax.dynamic_update_slice(host, jax.device_put(new, HOST), at))
+            return tuple(out)
+
+        return jax.lax.fori_loop(0, n, body, hosts)
+
+    hosts = page_loop(full, False, _host_pools(store))
+    return page_loop(partial, True, hosts)
+
+
+def _with_host_pools(store, hosts):
+    upd = dict(h_latent=hosts[0], h_rope=hosts[1])
+    if len(hosts) == 3:
+        upd["h_latent_scale"] = hosts[2]
+    return _replace(store, **upd)
 
 
 def _replace(store: KVStore, **kw) -> KVStore:
