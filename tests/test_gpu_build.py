@@ -409,13 +409,9 @@ STORE_CASES = {
 GATHER_CASE = f"gather_all kv=bf16 fetch=page (B={BATCH} K=2048)"
 if os.environ.get("HISPARSE_GPU_BUILD_ALL"):
     STORE_CASES[GATHER_CASE] = ("gather_all", "bf16", dict(fetch="page"))
-# Known whole-pool temporaries, {case: why}; check (c) xfails on them and fails once they are gone.
-KNOWN_POOL_COPIES = {
-    GATHER_CASE: "manager._gather_all: each indexer group's fetch_misses loop updates the device pools in place "
-                 "while nothing orders the previous group's gather_rows reads before it, so XLA copies both device "
-                 "pools before each group's loop (3 x 1.1 GiB; 2.1 GiB device temp); an optimization_barrier over "
-                 "(store, rows) after each group's gathers removes them",
-}
+# Known whole-pool temporaries, {case: why}; check (c) xfails on them and fails once they are gone. (gather_all's
+# copies of the device pools, one per indexer group, went with an optimization_barrier after each group's reads.)
+KNOWN_POOL_COPIES: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module", params=list(STORE_CASES))

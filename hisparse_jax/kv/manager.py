@@ -705,6 +705,8 @@ def _gather_all(store, req, topk):
         total = total + payload
         for layer in layers:
             lats[layer], ropes[layer] = ops.gather_rows(spec, store, layer, plan)
+        # the next group's fetch updates the pools in place: its reads must come first, or XLA copies the pools
+        store, lats, ropes = jax.lax.optimization_barrier((store, lats, ropes))
         valid = plan.valid
     store = ops._replace(store, clock=store.clock + 1)
     return store, jnp.stack(lats), jnp.stack(ropes), valid, total
