@@ -418,6 +418,8 @@ def main(argv=None) -> int:
     kinds = [a.only] if a.only else ["generate", "engine"]
     draw = {"generate": draw_generate_case, "engine": draw_engine_case}
     run = {"generate": run_generate_case, "engine": run_engine_case}
+    import jax
+
     model = fuzz_model()
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "seed": a.seed,
            "profile": "long" if a.long else "default", "kinds": {}}
@@ -434,6 +436,10 @@ def main(argv=None) -> int:
                 fails.append({"case": dataclasses.asdict(case), "error": f"{type(e).__name__}: {e}"[:2000],
                               "traceback": traceback.format_exc()[-3000:]})
                 print(f"[{kind} {k}] FAIL {type(e).__name__}: {str(e)[:300]}", flush=True)
+            if (k + 1) % 8 == 0:
+                # every case compiles programs of its own shapes; dropping them keeps the process under the
+                # kernel's memory-map limit (vm.max_map_count), which a long run would otherwise reach
+                jax.clear_caches()
             if (k + 1) % 10 == 0 or k + 1 == counts[kind]:
                 print(f"{kind}: {k + 1}/{counts[kind]} cases, {tally}, {len(fails)} failures, "
                       f"{time.time() - t0:.0f} s", flush=True)
