@@ -122,10 +122,11 @@ class GenerateCase:
 
 
 def draw_prompt_length(rng) -> int:
-    """1 to 5 pages, a third of the time exactly at a page boundary (+-1)."""
+    """1 token to 9 pages (a request tiers once it outgrows its 2 tail pages + hot buffer: 3-6 pages here), a
+    third of the time exactly at a page boundary (+-1)."""
     if rng.random() < 0.35:
-        return max(1, int(rng.integers(1, 5)) * PAGE + int(rng.integers(-1, 2)))
-    return int(rng.integers(1, 5 * PAGE))
+        return max(1, int(rng.integers(1, 9)) * PAGE + int(rng.integers(-1, 2)))
+    return int(rng.integers(1, 9 * PAGE))
 
 
 def draw_generate_case(rng, topk: int = 64, vocab: int = 512) -> GenerateCase:
@@ -280,7 +281,7 @@ def draw_engine_case(rng, topk: int = 64, vocab: int = 512) -> EngineCase:
     shared = rng.integers(0, vocab, int(rng.choice([0, PAGE, 2 * PAGE, 2 * PAGE + 17]))).tolist()
     prompts = []
     for _ in range(n):
-        own = rng.integers(0, vocab, draw_prompt_length(rng) // 2 + 1).tolist()
+        own = rng.integers(0, vocab, draw_prompt_length(rng)).tolist()
         prompts.append((shared if rng.random() < 0.7 else []) + own)
     max_new = [int(rng.integers(1, 70)) for _ in range(n)]
     arrivals = sorted(int(rng.integers(0, 12)) for _ in range(n))
@@ -427,11 +428,16 @@ def main(argv=None) -> int:
     for kind in kinds:
         rng = np.random.default_rng([a.seed, kinds.index(kind)])
         tally, fails, t0 = {}, [], time.time()
+        totals, under_pressure = {}, {}  # sums of the runs' counters, and how many runs had each > 0
         for k in range(counts[kind]):
             case = draw[kind](rng)
             try:
                 res = run[kind](case, model)
                 tally[res["outcome"]] = tally.get(res["outcome"], 0) + 1
+                for key, v in res.items():  # how much pressure the cases exercised
+                    if isinstance(v, int) and key != "outcome":
+                        totals[key] = totals.get(key, 0) + v
+                        under_pressure[key] = under_pressure.get(key, 0) + (v > 0)
             except Exception as e:  # noqa: BLE001 - every failure is recorded with its case
                 fails.append({"case": dataclasses.asdict(case), "error": f"{type(e).__name__}: {e}"[:2000],
                               "traceback": traceback.format_exc()[-3000:]})
@@ -442,8 +448,9 @@ def main(argv=None) -> int:
                 jax.clear_caches()
             if (k + 1) % 10 == 0 or k + 1 == counts[kind]:
                 print(f"{kind}: {k + 1}/{counts[kind]} cases, {tally}, {len(fails)} failures, "
-                      f"{time.time() - t0:.0f} s", flush=True)
-        out["kinds"][kind] = {"cases": counts[kind], "outcomes": tally, "failures": fails,
+                      f"{time.time() - t0:.0f} s; cases with > 0: {under_pressure}", flush=True)
+        out["kinds"][kind] = {"cases": counts[kind], "outcomes": tally, "totals": totals,
+                              "cases_with_nonzero": under_pressure, "failures": fails,
                               "seconds": round(time.time() - t0, 1)}
         failures += len(fails)
     with open(a.out, "w") as f:
