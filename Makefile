@@ -4,7 +4,7 @@
 #   PYTHON       interpreter the venv is made from (python3)
 #   VENV         where the venv goes (.venv)
 #   TEST_EXTRAS  extras `make test` installs: `test` (with the torch + transformers references) or `test-core`
-#   CONSTRAINTS  a pip constraints file, e.g. ci/jax-lowest.txt to pin the lowest supported jax
+#   CONSTRAINTS  a pip constraints file, e.g. .ci/jax-lowest.txt to pin the lowest supported jax
 #   PYTEST_ARGS  extra pytest arguments (CI: --durations=25, to watch its time budget)
 #   GPU_BUILD=1  also install the deviceless sm_90 compile tools: jax-cuda13-plugin / -pjrt of exactly the
 #                installed jax version, nvidia-cuda-nvcc (ptxas) and nvidia-nvvm (libdevice); jax >= 0.11 only
