@@ -212,6 +212,13 @@ def entry_parameters(text: str) -> dict[str, int]:
     return out
 
 
+def entry_signature(text: str):
+    """(entry parameters, entry results, {parameter: aliased output}, {store field: parameter})."""
+    params, results = dl.entry_layout(text)
+    by_param = {p: out for out, (p, _) in dl.input_output_aliases(text).items()}
+    return params, results, by_param, entry_parameters(text)
+
+
 def test_step_store_is_donated(built_step):
     """(a) every store buffer (pools, host pools, tables, hot-buffer state) aliases an output of its shape."""
     case, store, text, _ = built_step
@@ -219,10 +226,7 @@ def test_step_store_is_donated(built_step):
 
 
 def check_store_donated(label, store, text):
-    params, results = dl.entry_layout(text)
-    aliases = dl.input_output_aliases(text)
-    by_param = {p: out for out, (p, _) in aliases.items()}
-    pnum = entry_parameters(text)
+    params, results, by_param, pnum = entry_signature(text)
     report, missing = [], []
     for name in store_fields(store):
         leaf = getattr(store, name)
@@ -244,10 +248,7 @@ def test_step_host_pools_stay_in_host_memory(built_step):
 
 
 def check_host_pools_in_host_memory(label, store, text):
-    params, results = dl.entry_layout(text)
-    aliases = dl.input_output_aliases(text)
-    by_param = {p: out for out, (p, _) in aliases.items()}
-    pnum = entry_parameters(text)
+    params, results, by_param, pnum = entry_signature(text)
     report = []
     for name in store_fields(store):
         p = pnum[name]
