@@ -283,16 +283,21 @@ def draw_engine_case(rng, topk: int = 64, vocab: int = 512) -> EngineCase:
     for _ in range(n):
         own = rng.integers(0, vocab, draw_prompt_length(rng)).tolist()
         prompts.append((shared if rng.random() < 0.7 else []) + own)
-    max_new = [int(rng.integers(1, 70)) for _ in range(n)]
-    arrivals = sorted(int(rng.integers(0, 12)) for _ in range(n))
+    max_new = [int(rng.integers(1, 130)) for _ in range(n)]
+    arrivals = sorted(int(rng.integers(0, 8)) for _ in range(n))
     aborts = {i: arrivals[i] + int(rng.integers(0, 20)) for i in range(n) if rng.random() < 0.15}
     policy = str(rng.choice(["preempt", "offload", "hisparse"]))
     hot_rows = int(rng.choice([topk, 2 * topk, 4 * topk]))
     need = [pages(len(p) + m - 1) for p, m in zip(prompts, max_new)]
     biggest = max(min(k, TAIL + pages(hot_rows)) if policy == "hisparse" else k for k in need)
-    # first options first: hypothesis shrinks towards them (the tightest workable budgets)
-    device = max(1, biggest + int(rng.choice([0, 1, 2, int(rng.integers(0, sum(need) + 2)), -1])))
-    host = max(0, max(need) + int(rng.choice([0, 2, sum(need), -1])))
+    # the device holds a share of what all requests need at their longest (pressure: preemptions, swaps,
+    # releases), never less than the largest alone needs; one case in ten is one page short (refused)
+    share = float(rng.choice([0.5, 0.3, 0.7, 1.0]))
+    device = max(biggest, int(round(sum(need) * share))) + int(rng.choice([0, 1]))
+    if rng.random() < 0.1:
+        device = max(biggest - 1, 1)
+    # first options first: hypothesis shrinks towards them
+    host = max(0, int(rng.choice([sum(need), max(need), 2 * max(need), max(need) - 1])))
     kv_dtype = str(rng.choice(FORMATS, p=[0.6, 0.25, 0.15]))
     # bf16 / fp8 prefill through the store only: a whole-prompt forward computes from unrounded keys, so its
     # tokens legitimately differ from rows read back in the store's format (recomputation after preemption too)
