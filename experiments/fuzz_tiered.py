@@ -277,11 +277,14 @@ class EngineCase:
 
 
 def draw_engine_case(rng, topk: int = 64, vocab: int = 512) -> EngineCase:
-    n = int(rng.choice([3, 2, 4, 5, 1]))  # several requests: pressure needs company
+    n = int(rng.choice([4, 3, 5, 2, 1]))  # several requests: pressure needs company
     shared = rng.integers(0, vocab, int(rng.choice([0, PAGE, 2 * PAGE, 2 * PAGE + 17]))).tolist()
     prompts = []
     for _ in range(n):
-        own = rng.integers(0, vocab, draw_prompt_length(rng)).tolist()
+        length = draw_prompt_length(rng)
+        if rng.random() < 0.7:  # mostly long: a request tiers once it outgrows its tail + hot buffer
+            length = max(length, int(rng.integers(4 * PAGE, 8 * PAGE)))
+        own = rng.integers(0, vocab, length).tolist()
         prompts.append((shared if rng.random() < 0.7 else []) + own)
     max_new = [int(rng.integers(1, 130)) for _ in range(n)]
     arrivals = sorted(int(rng.integers(0, 5)) for _ in range(n))
@@ -292,7 +295,7 @@ def draw_engine_case(rng, topk: int = 64, vocab: int = 512) -> EngineCase:
     biggest = max(min(k, TAIL + pages(hot_rows)) if policy == "hisparse" else k for k in need)
     # the device holds a share of what all requests need at their longest (pressure: preemptions, swaps,
     # releases), never less than the largest alone needs; one case in ten is one page short (refused)
-    share = float(rng.choice([0.5, 0.3, 0.7, 1.0]))
+    share = float(rng.choice([0.7, 0.5, 0.85, 1.0]))
     device = max(biggest, int(round(sum(need) * share))) + int(rng.choice([0, 1]))
     if rng.random() < 0.1:
         device = max(biggest - 1, 1)
@@ -304,7 +307,7 @@ def draw_engine_case(rng, topk: int = 64, vocab: int = 512) -> EngineCase:
     prefill = str(rng.choice(["chunked", "whole"])) if kv_dtype == "float32" else "chunked"
     return EngineCase(prompts, max_new, arrivals, aborts, policy, str(rng.choice(["oldest", "recency"])), prefill,
                       bool(rng.random() < 0.6), kv_dtype, str(rng.choice(["row", "page"])), device, host, hot_rows,
-                      int(rng.choice([3, 2, 4, 1])), int(rng.choice([64, 100, 256])))
+                      int(rng.choice([4, 3, 2, 1])), int(rng.choice([64, 100, 256])))
 
 
 def run_engine_case(case: EngineCase, model=None, max_steps: int = 2000) -> dict:
