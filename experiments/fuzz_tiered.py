@@ -286,17 +286,27 @@ def draw_engine_case(rng, topk: int = 64, vocab: int = 512) -> EngineCase:
             length = max(length, int(rng.integers(4 * PAGE, 8 * PAGE)))
         own = rng.integers(0, vocab, length).tolist()
         prompts.append((shared if rng.random() < 0.7 else []) + own)
-    max_new = [int(rng.integers(1, 130)) for _ in range(n)]
+    max_new = [int(rng.integers(1, 200)) for _ in range(n)]
     arrivals = sorted(int(rng.integers(0, 5)) for _ in range(n))
     aborts = {i: arrivals[i] + int(rng.integers(0, 20)) for i in range(n) if rng.random() < 0.15}
     policy = str(rng.choice(["preempt", "offload", "hisparse"]))
     hot_rows = int(rng.choice([topk, 2 * topk, 4 * topk]))
     need = [pages(len(p) + m - 1) for p, m in zip(prompts, max_new)]
     biggest = max(min(k, TAIL + pages(hot_rows)) if policy == "hisparse" else k for k in need)
-    # the device holds a share of what all requests need at their longest (pressure: preemptions, swaps,
-    # releases), never less than the largest alone needs; one case in ten is one page short (refused)
-    share = float(rng.choice([0.7, 0.5, 0.85, 1.0]))
-    device = max(biggest, int(round(sum(need) * share))) + int(rng.choice([0, 1]))
+    max_running = int(rng.choice([4, 3, 2, 1]))
+    # the device either just admits the first `max_running` requests (their prompts, or under HiSparse the
+    # others' tail + hot buffer), so their growth is what runs out (preemptions, swaps, releases), or holds
+    # a share of what all requests need; never less than the largest alone needs; one case in ten is one
+    # page short (refused)
+    first = list(range(min(n, max_running)))
+    if policy == "hisparse":
+        just = sum(min(need[i], TAIL + pages(hot_rows)) for i in first[:-1]) + pages(len(prompts[first[-1]])) + 1
+    else:
+        just = sum(pages(len(prompts[i])) + 1 for i in first)
+    if rng.random() < 0.6:
+        device = max(biggest, just + int(rng.choice([0, 0, 1])))
+    else:
+        device = max(biggest, int(round(sum(need) * float(rng.choice([0.7, 0.5, 0.85, 1.0])))))
     if rng.random() < 0.1:
         device = max(biggest - 1, 1)
     # first options first: hypothesis shrinks towards them
@@ -307,7 +317,7 @@ def draw_engine_case(rng, topk: int = 64, vocab: int = 512) -> EngineCase:
     prefill = str(rng.choice(["chunked", "whole"])) if kv_dtype == "float32" else "chunked"
     return EngineCase(prompts, max_new, arrivals, aborts, policy, str(rng.choice(["oldest", "recency"])), prefill,
                       bool(rng.random() < 0.6), kv_dtype, str(rng.choice(["row", "page"])), device, host, hot_rows,
-                      int(rng.choice([4, 3, 2, 1])), int(rng.choice([64, 100, 256])))
+                      max_running, int(rng.choice([64, 100, 256])))
 
 
 def run_engine_case(case: EngineCase, model=None, max_steps: int = 2000) -> dict:
