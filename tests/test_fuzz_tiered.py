@@ -104,6 +104,20 @@ def test_engine_fp8_chunked_prefill_reference_is_through_the_store():
     assert fz.run_engine_case(case)["outcome"] == "identical"
 
 
+def test_engine_prompt_that_fills_the_device_is_admitted():
+    """Found by the fuzzer (long profile, engine case 50): HiSparse, chunked prefill, one 524-token prompt (9
+    pages) that grows to 11 pages, device_pages=9. It fits (the prompt is resident while written; then the
+    request releases pages into a hot buffer), so `add_request` accepted it, but admission asked for the prompt's
+    pages + 1 and the request waited forever. Admission now asks for the pages of the prompt and of its first
+    decode row only."""
+    case = fz.EngineCase(prompts=[[(13 * j) % 500 for j in range(524)]], max_new=[146], arrivals=[0], aborts={},
+                         policy="hisparse", coldness="oldest", prefill="chunked", prefix_caching=True,
+                         kv_dtype="float32", fetch="row", device_pages=9, host_pages=22, hot_rows=128, max_running=2,
+                         prefill_chunk=256)
+    res = fz.run_engine_case(case)
+    assert res["finished"] == 1 and res["evicted_pages"] > 0 and res["misses"] > 0
+
+
 # ----- the fuzzer's CI profile -------------------------------------------------------------------------
 _SETTINGS = dict(derandomize=True, deadline=None, database=None, print_blob=True,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -113,8 +113,14 @@ class Scheduler:
                                            and rc[getattr(x, field)] > 0)
             if self._committed(tier) + n_max > c.pool.capacity(tier):
                 return None
-        # the prompt's pages, and the page its first decode step writes when it grows past them
-        prompt_pages = max(min(pages(len(r.kv_tokens)) + 1, pages(r.max_kv_len)), pages(len(r.kv_tokens)))
+        # the prompt's pages and one growth page (slack the HiSparse floor relies on when pages are shared); a
+        # request admitted alone needs only the pages of its prompt and first decode row — exactly what
+        # `Engine.add_request` checked, so a request that fits alone is never left waiting forever
+        n_kv = len(r.kv_tokens)
+        if self.active:
+            prompt_pages = max(min(pages(n_kv) + 1, pages(r.max_kv_len)), pages(n_kv))
+        else:
+            prompt_pages = max(pages(n_kv), pages(min(n_kv + 1, r.max_kv_len)))
         hisparse = self.policy == "hisparse"
         # one prompt resident at a time while written through the store keeps the device floor predictable
         chunking = any(x.state is RequestState.PREFILLING and x.slot in c.pinned for x in self.active)
