@@ -423,7 +423,8 @@ class HypothesisChoices:
 # ----- the long run -------------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--long", action="store_true", help="the deep profile (200 generate + 80 engine cases; 1-2 hours on 2 cores)")
+    ap.add_argument("--long", action="store_true",
+                    help="the deep profile (200 generate + 80 engine cases; 1-2 hours on 2 cores)")
     ap.add_argument("--examples", type=int, default=None, help="cases of each kind (default 40, or --long's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", choices=["generate", "engine"], default=None)

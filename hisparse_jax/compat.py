@@ -11,7 +11,6 @@ import inspect
 import jax
 from jax.experimental.compute_on import compute_on as _compute_on
 
-JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 HOST = jax.memory.Space.Host
 DEVICE = jax.memory.Space.Device
 

@@ -159,8 +159,8 @@ class TieredCache:
 
     def check_batch_fits(self, num_tokens: list[int]) -> None:
         """`num_tokens`: the cache positions each request will hold at its longest (prompt + new tokens - 1: the
-        last sampled token is never written). Raise BudgetError (naming the budget, what is needed and by how much it falls short) unless requests
-        of these lengths can all be held at once, each at its full length. Exact: every smaller budget of that
+        last sampled token is never written). Raise BudgetError (naming the budget, what is needed and by how
+        much it falls short) unless requests of these lengths can all be held at once, each at its full length. Exact: every smaller budget of that
         tier fails, and a batch that passes decodes to the end (pages are only ever added, and the cheapest way
         to hold a request never grows by more than the page it adds)."""
         spec = self.spec
