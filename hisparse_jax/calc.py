@@ -51,6 +51,8 @@ from decimal import ROUND_HALF_UP, Decimal
 from types import SimpleNamespace
 from typing import Any, Sequence
 
+from hisparse_jax.cli_args import bounded_float, check_output_file, choice, int_at_least
+
 PAGE_TOKENS = 64
 GPU_MEMORY_GB = {"h200": 141, "b200": 180, "b300": 288}  # decimal GB per GPU, as published
 HOST_SLIDER_GIB = (16, 4096)  # the calculator's host-pool slider range (GiB per DP replica)
@@ -278,9 +280,14 @@ def _check(inp: CalcInput, model: ModelPreset) -> None:
     for name in ("seq", "dp", "tp", "hot_rows", "max_seqs"):
         if getattr(inp, name) < 1:
             raise CalcError(f"{name} must be positive, got {getattr(inp, name)}")
-    for name in ("retained", "other", "reserve_gib"):
+    for name in ("retained", "other"):
         if getattr(inp, name) < 0:
             raise CalcError(f"{name} must be >= 0, got {getattr(inp, name)}")
+    if not 0 <= inp.reserve_gib < math.inf:
+        raise CalcError(f"reserve_gib must be finite and >= 0, got {inp.reserve_gib}")
+    hbm = GPU_MEMORY_GB[inp.gpu] * 1e9 / 2 ** 30
+    if inp.kv_hbm_gib is not None and not 0 < inp.kv_hbm_gib <= hbm:
+        raise CalcError(f"kv_hbm_gib must be > 0 and at most the {inp.gpu}'s {hbm:.1f} GiB, got {inp.kv_hbm_gib}")
     if inp.groups is not None and inp.groups < 1:
         raise CalcError(f"groups must be positive, got {inp.groups}")
     if inp.host_gib is not None and not inp.host_gib >= 0:
@@ -305,7 +312,7 @@ def capacity(inp: CalcInput) -> CalcResult:
     weights = weights_per_gpu_gib(model, inp.dp, inp.tp, inp.ep)
     budget = GPU_MEMORY_GB[inp.gpu] * 1e9 / 2 ** 30 * inp.gpu_memory_utilization
     kv = budget - weights - inp.reserve_gib if inp.kv_hbm_gib is None else inp.kv_hbm_gib
-    if inp.kv_hbm_gib is None and inp.round_kv_hbm:
+    if inp.kv_hbm_gib is None and inp.round_kv_hbm and kv > 0:  # (a huge negative kv would overflow Decimal)
         kv = float(Decimal(kv).quantize(Decimal("0.1"), rounding=ROUND_HALF_UP))
     if kv <= 0:
         raise CalcError(f"no HBM left for KV: {inp.gpu} x{inp.gpu_memory_utilization} gives {budget:.1f} GiB/GPU, "
@@ -381,23 +388,31 @@ def parse_tokens(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """Every value is checked as it is parsed (a bad one is a usage error, exit 2); messages name the
+    CalcInput field too."""
     p = argparse.ArgumentParser(prog="hisparse calc", description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="glm-5.3-blog", help=f"model constants ({', '.join(PRESETS)})")
+    p.add_argument("--preset", type=choice(PRESETS, "preset"), default="glm-5.3-blog",
+                   help=f"model constants ({', '.join(PRESETS)})")
     p.add_argument("--seq", type=parse_tokens, default=81_920, help="tokens: 81920, 80k (=81920), 1m (=1048576)")
     p.add_argument("--gpu", choices=sorted(GPU_MEMORY_GB), default="h200")
-    p.add_argument("--dp", type=int, default=1)
-    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--dp", type=int_at_least(1, "dp"), default=1)
+    p.add_argument("--tp", type=int_at_least(1, "tp"), default=8)
     p.add_argument("--ep", action=argparse.BooleanOptionalAction, default=True, help="expert parallel over DP*TP")
     p.add_argument("--kv-dtype", choices=("fp8", "bf16"), default="fp8")
-    p.add_argument("--hot-rows", type=int, default=4096, help="hot-buffer rows per group (10240 with MTP3)")
-    p.add_argument("--groups", type=int, default=None, help="hot/resident groups (default: the preset's)")
-    p.add_argument("--retained", type=int, default=2, help="retained resident pages per group")
-    p.add_argument("--other", type=int, default=0, help="other GPU blocks per request")
-    p.add_argument("--host-gib", type=float, default=None, help="host pool per DP replica (default: minimum)")
-    p.add_argument("--max-seqs", type=int, default=1024)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.92)
-    p.add_argument("--reserve-gib", type=float, default=15.0)
-    p.add_argument("--kv-hbm-gib", type=float, default=None, help="override the KV HBM estimate per GPU")
+    p.add_argument("--hot-rows", type=int_at_least(1, "hot_rows"), default=4096,
+                   help="hot-buffer rows per group (10240 with MTP3)")
+    p.add_argument("--groups", type=int_at_least(1, "groups"), default=None,
+                   help="hot/resident groups (default: the preset's)")
+    p.add_argument("--retained", type=int_at_least(0, "retained"), default=2, help="retained resident pages per group")
+    p.add_argument("--other", type=int_at_least(0, "other"), default=0, help="other GPU blocks per request")
+    p.add_argument("--host-gib", type=bounded_float(0, allow_inf=True, name="host_gib"), default=None,
+                   help="host pool per DP replica (default: minimum; inf = unlimited)")
+    p.add_argument("--max-seqs", type=int_at_least(1, "max_seqs"), default=1024)
+    p.add_argument("--gpu-memory-utilization", type=bounded_float(0, 1, low_inclusive=False,
+                                                                  name="gpu_memory_utilization"), default=0.92)
+    p.add_argument("--reserve-gib", type=bounded_float(0, name="reserve_gib"), default=15.0)
+    p.add_argument("--kv-hbm-gib", type=bounded_float(0, low_inclusive=False, name="kv_hbm_gib"), default=None,
+                   help="override the KV HBM estimate per GPU")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--sweep", action="store_true", help="tabulate capacity vs sequence length (8K..1M)")
     p.add_argument("--plot", metavar="PATH", help="with the sweep, write a PNG plot")
@@ -427,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     try:
         a = parser.parse_args(argv)
+        if a.plot:
+            check_output_file(parser, "--plot", a.plot)
     except SystemExit as e:  # argparse already printed usage and the error
         return int(e.code or 0)
     inp = CalcInput(preset=a.preset, gpu=a.gpu, dp=a.dp, tp=a.tp, ep=a.ep, kv_dtype=a.kv_dtype, seq=a.seq,

@@ -10,15 +10,21 @@ COMMANDS = {
 }
 
 
+USAGE = "usage: hisparse {" + ",".join(COMMANDS) + "} [options]"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run a subcommand: 0 on success, 2 on a usage error (usage and the error on stderr, as argparse does;
+    each subcommand's `main` returns 2 for its own bad arguments instead of raising SystemExit)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: hisparse {" + ",".join(COMMANDS) + "} [options]\n")
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE + "\n")
         for name, (_, text) in COMMANDS.items():
             print(f"  {name:<6} {text}")
-        return 0 if argv else 2
-    if argv[0] not in COMMANDS:
-        print(f"hisparse: unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        problem = f"unknown command {argv[0]!r}" if argv else "a command is required"
+        print(f"{USAGE}\nhisparse: error: {problem}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     import importlib
 

@@ -19,7 +19,9 @@ import time
 import numpy as np
 from flax import nnx
 
-from hisparse_jax.config import CacheConfig, get_preset
+from hisparse_jax.cli_args import (bounded_float, check_output_dir, check_output_file, choice, int_at_least,
+                                   name_list, nonnegative_int, positive_int)
+from hisparse_jax.config import PRESETS, CacheConfig, get_preset
 from hisparse_jax.engine import Engine, EngineConfig, SamplingParams, device_budget
 from hisparse_jax.engine.scheduler import POLICIES, pages
 from hisparse_jax.kv.tiered import KERNELS, check_kernels
@@ -28,25 +30,28 @@ from hisparse_jax.model.decoder import SparseMLAModel
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hisparse demo", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="demo-glm", help="model preset (default demo-glm)")
-    p.add_argument("--requests", type=int, default=16, help="concurrent requests (default 16)")
-    p.add_argument("--prompt-len", type=int, default=2048, help="longest prompt in tokens (default 2048)")
-    p.add_argument("--new-tokens", type=int, default=160, help="tokens generated per request (default 160)")
-    p.add_argument("--device-requests", type=float, default=3.5,
+    p.add_argument("--preset", type=choice(sorted(PRESETS), "preset"), default="demo-glm",
+                   help="model preset (default demo-glm)")
+    p.add_argument("--requests", type=positive_int, default=16, help="concurrent requests (default 16)")
+    p.add_argument("--prompt-len", type=int_at_least(64), default=2048,
+                   help="longest prompt in tokens, >= 64 (default 2048)")
+    p.add_argument("--new-tokens", type=positive_int, default=160, help="tokens generated per request (default 160)")
+    p.add_argument("--device-requests", type=bounded_float(0, low_inclusive=False), default=3.5,
                    help="device budget, in whole-request KV footprints (KV + indexer keys) of the longest "
                         "request (default 3.5)")
     p.add_argument("--kv-dtype", default="float32", choices=("bf16", "fp8", "float32"),
                    help="KV format (default float32: XLA:CPU converts bf16/fp8 pools around every scatter, "
                         "which is slow on a CPU; use bf16 or fp8 on a GPU)")
-    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES))
+    p.add_argument("--policies", type=name_list(POLICIES, "policy"), default=",".join(POLICIES),
+                   help="comma-separated subset of " + ",".join(POLICIES))
     p.add_argument("--prefill", default="whole", choices=("whole", "chunked"),
                    help="prompt prefill for every policy: one causal forward per prompt written into the store "
                         "(default), or chunks through the store within the decode batch")
-    p.add_argument("--prefill-chunk", type=int, default=240, help="prompt tokens per step when chunked (240)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=240, help="prompt tokens per step when chunked (240)")
     p.add_argument("--kernels", default="reference", choices=KERNELS,
                    help="decode step: jnp references (default), the Pallas GPU kernels (needs a GPU), or the same "
                         "kernels interpreted (any backend; slow)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--plot", default="hisparse_demo.png", help="PNG of running requests over time ('' = none)")
     p.add_argument("--log-dir", default="", help="write one JSON-lines metrics log per policy here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -88,7 +93,7 @@ def run(args) -> dict:
     params = SamplingParams(max_new_tokens=args.new_tokens)
     quiet = args.json
     results, outputs = {}, {}
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    policies = list(args.policies)
     for pol in policies:
         cc = device_budget(cfg, base, device_bytes, pol, max_running=args.requests, max_len=max_len,
                            prefill=args.prefill)
@@ -182,20 +187,28 @@ def _table(out: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    bad = [p for p in args.policies.split(",") if p.strip() and p.strip() not in POLICIES]
-    if bad or args.requests < 1 or args.prompt_len < 64 or args.new_tokens < 1 or args.device_requests <= 0:
-        print(f"hisparse demo: bad arguments (unknown policies {bad}; need --requests >= 1, --prompt-len >= 64, "
-              "--new-tokens >= 1, --device-requests > 0)", file=sys.stderr)
-        return 2
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The checked arguments: a bad one is a usage error (SystemExit(2)) before any work starts; this creates
+    --log-dir."""
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
         check_kernels(args.kernels)
     except ValueError as e:
-        print(f"hisparse demo: {e}", file=sys.stderr)
-        return 2
+        parser.error(f"argument --kernels: {e}")
+    if args.plot:
+        check_output_file(parser, "--plot", args.plot)
     if args.log_dir:
-        os.makedirs(args.log_dir, exist_ok=True)
+        check_output_dir(parser, "--log-dir", args.log_dir)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`hisparse demo`: 0 on success, 2 (usage and the error on stderr) on a bad argument."""
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:  # argparse already printed usage and the error
+        return int(e.code or 0)
     out = run(args)
     if args.json:
         print(json.dumps(out))

@@ -1,0 +1,129 @@
+"""Every bad `hisparse` argument is a usage error: exit code 2, `usage:` and `error: argument --option: ...` naming
+the value on stderr, no traceback, and no work started (`demo.run` / `calc.capacity` would raise here)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hisparse_jax import calc, cli, demo
+from hisparse_jax.engine.scheduler import POLICIES
+
+# {file}: a regular file; {dir}: an existing writable directory (both under tmp_path).
+UNWRITABLE_DIRS = ["{file}/sub", "/proc/hisparse_x"]
+UNWRITABLE_FILES = ["{file}/x.png", "/proc/x.png", "{dir}/missing/x.png", "{dir}"]
+
+DEMO_BAD = [
+    *[("--device-requests", v) for v in ("nan", "inf", "-inf", "0", "-1", "lots")],
+    *[("--policies", v) for v in (",", "", " , ", "foo", "hisparse,foo", "hisparse,hisparse", "hisparse,")],
+    ("--preset", "nope"), ("--prefill-chunk", "0"), ("--prefill-chunk", "-5"),
+    ("--requests", "0"), ("--requests", "-1"), ("--requests", "2.5"), ("--prompt-len", "10"), ("--prompt-len", "63"),
+    ("--new-tokens", "0"), ("--seed", "-1"), ("--kernels", "nope"), ("--kv-dtype", "nope"), ("--prefill", "nope"),
+    *[("--log-dir", v) for v in UNWRITABLE_DIRS], *[("--plot", v) for v in UNWRITABLE_FILES],
+]
+
+CALC_BAD = [
+    *[("--kv-hbm-gib", v) for v in ("nan", "inf", "-inf", "-5", "0")],
+    *[("--host-gib", v) for v in ("nan", "-inf", "-5", "x")],
+    *[("--gpu-memory-utilization", v) for v in ("nan", "inf", "0", "-0.5", "1.5")],
+    *[("--reserve-gib", v) for v in ("nan", "inf", "-5")],
+    *[(opt, v) for opt in ("--dp", "--tp", "--hot-rows", "--groups", "--max-seqs") for v in ("0", "-1", "1.5")],
+    ("--retained", "-1"), ("--other", "-1"),
+    *[("--seq", v) for v in ("0", "-5", "1.3k", "0.5", "nan", "inf", "lots")],
+    ("--gpu", "nope"), ("--kv-dtype", "nope"), ("--preset", "nope"),
+    *[("--plot", v) for v in UNWRITABLE_FILES],
+]
+
+# Valid one at a time, impossible together or for the model: the calculator's own error (exit 2, no usage).
+CALC_ERRORS = [(["--tp", "3"], "does not divide"), (["--tp", "4"], "no HBM left"),
+               (["--reserve-gib", "1e300"], "no HBM left"), (["--kv-hbm-gib", "1e308"], "at most the h200's")]
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("work started despite a bad argument")
+
+    monkeypatch.setattr(demo, "run", refuse)
+    monkeypatch.setattr(calc, "capacity", refuse)
+
+
+@pytest.fixture
+def paths(tmp_path):
+    (tmp_path / "file").write_text("x")
+    return {"file": str(tmp_path / "file"), "dir": str(tmp_path)}
+
+
+def _arg(option: str, value: str) -> list[str]:
+    """`--opt value`, or `--opt=value` where argparse would take the value for an option (`-inf`)."""
+    return [f"{option}={value}"] if value.startswith("-") and value.lstrip("-")[:1].isalpha() else [option, value]
+
+
+def _usage_error(capsys, argv: list[str], option: str, value: str) -> str:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "usage: hisparse" in err and f"error: argument {option}: " in err, err
+    assert value in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("option, value", DEMO_BAD)
+def test_demo_bad_argument(no_work, paths, capsys, option, value):
+    value = value.format(**paths)
+    _usage_error(capsys, ["demo", *_arg(option, value)], option, value)
+
+
+@pytest.mark.parametrize("option, value", CALC_BAD)
+def test_calc_bad_argument(no_work, paths, capsys, option, value):
+    value = value.format(**paths)
+    _usage_error(capsys, ["calc", "--sweep", *_arg(option, value)], option, value)
+
+
+def test_demo_pallas_without_gpu_is_a_usage_error(no_work, capsys):
+    if __import__("jax").default_backend() == "gpu":
+        pytest.skip("the pallas kernels run here")
+    err = _usage_error(capsys, ["demo", "--kernels", "pallas"], "--kernels", "pallas")
+    assert "GPU backend" in err
+
+
+def test_policy_message_names_the_problem(no_work, capsys):
+    assert "unknown policy 'foo'" in _usage_error(capsys, ["demo", "--policies", "hisparse,foo"], "--policies", "foo")
+    assert "at least one policy" in _usage_error(capsys, ["demo", "--policies", ","], "--policies", ",")
+    assert "repeated policy" in _usage_error(capsys, ["demo", "--policies", "offload,offload"], "--policies", "offload")
+
+
+@pytest.mark.parametrize("argv, needle", CALC_ERRORS)
+def test_calc_inconsistent_input(capsys, argv, needle):
+    assert cli.main(["calc", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "hisparse calc: error: " in err and needle in err and "Traceback" not in err, err
+
+
+def test_top_level(no_work, capsys):
+    assert cli.main([]) == 2 and "usage: hisparse" in capsys.readouterr().err
+    assert cli.main(["nope"]) == 2 and "unknown command 'nope'" in capsys.readouterr().err
+    for argv in (["-h"], ["--help"], ["demo", "-h"], ["calc", "--help"]):
+        assert cli.main(argv) == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_valid_arguments_parse(tmp_path):
+    d = demo._parser().parse_args([])
+    assert (d.preset, d.requests, d.prompt_len, d.new_tokens, d.device_requests, d.policies, d.prefill_chunk,
+            d.seed, d.plot, d.log_dir) == ("demo-glm", 16, 2048, 160, 3.5, tuple(POLICIES), 240, 0,
+                                           "hisparse_demo.png", "")
+    logs, png = tmp_path / "logs" / "deep", tmp_path / "p.png"
+    d = demo.parse_args(["--requests", "1", "--prompt-len", "64", "--new-tokens", "1", "--device-requests", "0.5",
+                         "--policies", " offload , hisparse", "--prefill-chunk", "1", "--seed", "7",
+                         "--log-dir", str(logs), "--plot", str(png), "--preset", "tiny-glm"])
+    assert d.policies == ("offload", "hisparse") and d.device_requests == 0.5 and d.preset == "tiny-glm"
+    assert logs.is_dir() and not png.exists() and list(tmp_path.iterdir()) == [tmp_path / "logs"]
+    assert demo.parse_args(["--plot", ""]).plot == ""
+
+    c = calc._parser().parse_args(["--seq", "1.5k", "--host-gib", "inf", "--retained", "0", "--other", "0",
+                                   "--reserve-gib", "0", "--gpu-memory-utilization", "1", "--kv-hbm-gib", "30"])
+    assert (c.seq, c.host_gib, c.retained, c.reserve_gib, c.gpu_memory_utilization, c.kv_hbm_gib) == (
+        1536, math.inf, 0, 0.0, 1.0, 30.0)
+    c = calc._parser().parse_args([])
+    assert (c.preset, c.seq, c.dp, c.tp, c.host_gib, c.kv_hbm_gib, c.groups) == ("glm-5.3-blog", 81_920, 1, 8, None,
+                                                                                 None, None)
