@@ -20,7 +20,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import struct
 from typing import Iterator
 
 import jax
@@ -31,50 +30,9 @@ from flax import nnx
 
 from hisparse_jax.config import ModelConfig
 from hisparse_jax.model.decoder import SparseMLAModel
+from hisparse_jax.model.safetensors_io import _ST_DTYPES, CheckpointError, read_checkpoint_tensors  # noqa: F401
 
-_ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
-    "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
-}
 FP8_BLOCK = 128
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model config (lists every problem)."""
-
-
-def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """Lazily mapped tensors of one .safetensors file."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
-    out = {}
-    for name, info in header.items():
-        if info["dtype"] not in _ST_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        a, b = info["data_offsets"]
-        out[name] = data[a:b].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
-    return out
-
-
-def read_checkpoint_tensors(path: str) -> dict[str, np.ndarray]:
-    """All tensors of a checkpoint directory (lazily mapped), by Hugging Face name."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        files = [os.path.join(path, x) for x in files]
-    else:
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
-    tensors: dict[str, np.ndarray] = {}
-    for fn in files:
-        tensors.update(_read_safetensors(fn))
-    return tensors
 
 
 def dequantize_fp8(w: np.ndarray, scale_inv: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray:
