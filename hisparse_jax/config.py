@@ -14,10 +14,13 @@ Derived sizes are properties; nothing writes back into a config.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 from typing import Any, Mapping
+
+from hisparse_jax.validation import check_float, check_int, check_optional_float, check_token_list
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
@@ -40,10 +43,31 @@ class RopeConfig:
     def __post_init__(self):
         if self.rope_type not in ("default", "yarn"):
             raise ValueError(f"unsupported rope_type {self.rope_type!r}; supported: 'default', 'yarn'")
-        if self.theta <= 0:
-            raise ValueError(f"rope theta must be positive, got {self.theta}")
+        problems: list[str] = []
+        put = functools.partial(_checked, self, problems)
+        put("theta", check_float, lo=0, lo_open=True)
+        put("factor", check_float, lo=0, lo_open=True)
+        put("beta_fast", check_float)
+        put("beta_slow", check_float)
+        for name in ("mscale", "mscale_all_dim"):
+            put(name, check_optional_float)
+        put("attention_factor", check_optional_float, lo=0, lo_open=True)
+        if self.original_max_position_embeddings is not None:
+            put("original_max_position_embeddings", check_int, lo=1)
+        if not isinstance(self.truncate, bool):
+            problems.append(f"truncate must be a bool, got {self.truncate!r}")
         if self.rope_type == "yarn" and self.original_max_position_embeddings is None:
-            raise ValueError("yarn RoPE needs original_max_position_embeddings")
+            problems.append("yarn RoPE needs original_max_position_embeddings")
+        if problems:
+            raise ValueError("invalid RoPE parameters: " + "; ".join(problems))
+
+
+def _checked(obj, problems: list[str], name: str, check, **kw) -> None:
+    """Set frozen `obj.name` to `check(name, value, **kw)`, or record the problem (the field keeps its value)."""
+    try:
+        object.__setattr__(obj, name, check(name, getattr(obj, name), **kw))
+    except ValueError as e:
+        problems.append(str(e))
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -97,6 +121,27 @@ class ModelConfig:
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unknown model_type {self.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        problems: list[str] = []
+        put = functools.partial(_checked, self, problems)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                     "index_n_heads", "index_head_dim", "index_topk", "max_position_embeddings"):
+            put(name, check_int, lo=1)
+        for name in ("moe_intermediate_size", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+                     "n_group", "topk_group"):
+            put(name, check_int, lo=0)
+        put("rms_norm_eps", check_float, lo=0, lo_open=True)  # eps <= 0 divides by zero on a zero row
+        put("routed_scaling_factor", check_float, lo=0, lo_open=True)
+        put("eos_token_id", check_token_list)
+        if self.bos_token_id is not None:
+            put("bos_token_id", check_int, lo=0)
+        for name in ("norm_topk_prob", "indexer_rope_interleaved", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.rope, RopeConfig):
+            problems.append(f"rope must be a RopeConfig, got {type(self.rope).__name__}")
+        if problems:  # the checks below assume the types are right
+            raise ValueError("invalid ModelConfig: " + "; ".join(problems))
         L = self.num_hidden_layers
         if not self.mlp_layer_types:
             object.__setattr__(self, "mlp_layer_types", tuple(["dense"] * min(3, L) + ["sparse"] * max(L - 3, 0)))
@@ -104,15 +149,6 @@ class ModelConfig:
             object.__setattr__(self, "indexer_types", ("full",) * L)
         object.__setattr__(self, "mlp_layer_types", tuple(self.mlp_layer_types))
         object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
-        if isinstance(self.eos_token_id, int):
-            object.__setattr__(self, "eos_token_id", (self.eos_token_id,))
-        object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id or ()))
-        problems = []
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
-                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
-                     "index_head_dim", "index_topk", "max_position_embeddings"):
-            if int(getattr(self, name)) <= 0:
-                problems.append(f"{name} must be positive (got {getattr(self, name)})")
         if len(self.mlp_layer_types) != L or set(self.mlp_layer_types) - {"dense", "sparse"}:
             problems.append(f"mlp_layer_types must be {L} entries of 'dense'/'sparse', got {self.mlp_layer_types}")
         if len(self.indexer_types) != L or set(self.indexer_types) - {"full", "shared"}:
@@ -213,41 +249,49 @@ class ModelConfig:
         absent = [k for k in required if k not in d]
         if absent:
             raise ValueError(f"config.json lacks required field(s): {', '.join(absent)}")
-        L = int(d["num_hidden_layers"])
+        L = check_int("num_hidden_layers", d["num_hidden_layers"], lo=1)
         mlp_types = d.get("mlp_layer_types")
         if not mlp_types:
-            n_dense = min(int(d.get("first_k_dense_replace", 3)), L)
+            n_dense = min(check_int("first_k_dense_replace", d.get("first_k_dense_replace", 3), lo=0), L)
             mlp_types = ["dense"] * n_dense + ["sparse"] * (L - n_dense)
         idx_types = d.get("indexer_types")
         if not idx_types:
             pattern = d.get("index_topk_pattern")
-            if pattern is not None:
-                idx_types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else pattern
+            if isinstance(pattern, str):
+                unknown = sorted(set(pattern) - set("FS"))
+                if unknown:
+                    raise ValueError(f"index_topk_pattern {pattern!r} has letters other than F (full) and S (shared): "
+                                     f"{', '.join(map(repr, unknown))}")
+                idx_types = [{"F": "full", "S": "shared"}[c] for c in pattern]
+            elif pattern is not None:
+                idx_types = pattern
             elif mt == "glm_moe_dsa":
-                freq = max(int(d.get("index_topk_freq", 1)), 1)
-                offset = int(d.get("index_skip_topk_offset", 2))
+                freq = check_int("index_topk_freq", d.get("index_topk_freq", 1), lo=1)
+                offset = check_int("index_skip_topk_offset", d.get("index_skip_topk_offset", 2), lo=0)
                 idx_types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(L)]
             else:
                 idx_types = ["full"] * L
-        rp = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if not isinstance(rp, Mapping):
+            raise ValueError(f"rope_parameters must be an object, got {rp!r}")
+        rp = dict(rp)
         rope_type = rp.get("rope_type", rp.get("type", "default")) or "default"
         theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
         if rope_type == "yarn":
             orig = rp.get("original_max_position_embeddings", d.get("max_position_embeddings"))
+            orig = check_int("rope_parameters.original_max_position_embeddings", orig, lo=1)
             factor = rp.get("factor")
             if factor is None:
-                factor = d["max_position_embeddings"] / orig
-            rope = RopeConfig(theta=float(theta), rope_type="yarn", factor=float(factor),
-                              original_max_position_embeddings=int(orig),
-                              beta_fast=float(rp.get("beta_fast") or 32), beta_slow=float(rp.get("beta_slow") or 1),
+                factor = check_int("max_position_embeddings", d["max_position_embeddings"], lo=1) / orig
+            rope = RopeConfig(theta=theta, rope_type="yarn", factor=factor, original_max_position_embeddings=orig,
+                              beta_fast=rp.get("beta_fast") or 32, beta_slow=rp.get("beta_slow") or 1,
                               mscale=rp.get("mscale"), mscale_all_dim=rp.get("mscale_all_dim"),
-                              attention_factor=rp.get("attention_factor"), truncate=bool(rp.get("truncate", True)))
+                              attention_factor=rp.get("attention_factor"), truncate=_json_bool(rp, "truncate", True))
         elif rope_type == "default":
-            rope = RopeConfig(theta=float(theta))
+            rope = RopeConfig(theta=theta)
         else:
             raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, yarn")
-        eos = d.get("eos_token_id", 1)
-        eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
+        eos = check_token_list("eos_token_id", d.get("eos_token_id", 1))
         dtype = d.get("dtype") or d.get("torch_dtype") or "bfloat16"
         kw = dict(
             model_type=mt, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
@@ -258,13 +302,13 @@ class ModelConfig:
             n_routed_experts=d.get("n_routed_experts") or d.get("num_experts") or 0,
             n_shared_experts=d.get("n_shared_experts") or 0, num_experts_per_tok=d.get("num_experts_per_tok", 0),
             n_group=d.get("n_group") or 1, topk_group=d.get("topk_group") or 1,
-            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-            mlp_layer_types=tuple(mlp_types), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            norm_topk_prob=_json_bool(d, "norm_topk_prob", True),
+            routed_scaling_factor=d.get("routed_scaling_factor", 1.0),
+            mlp_layer_types=tuple(mlp_types), rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             max_position_embeddings=d["max_position_embeddings"], rope=rope,
             index_n_heads=d.get("index_n_heads", 64), index_head_dim=d.get("index_head_dim", 128),
             index_topk=d.get("index_topk", 2048), indexer_types=tuple(idx_types),
-            indexer_rope_interleaved=(mt == "glm_moe_dsa"), tie_word_embeddings=bool(d.get("tie_word_embeddings")),
+            indexer_rope_interleaved=(mt == "glm_moe_dsa"), tie_word_embeddings=_json_bool(d, "tie_word_embeddings", False),
             bos_token_id=d.get("bos_token_id"), eos_token_id=eos,
             dtype={"bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype),
         )
@@ -309,6 +353,16 @@ class ModelConfig:
         elif any(t != "full" for t in self.indexer_types):
             raise ValueError("deepseek_v32 has no shared-index layers; use model_type='glm_moe_dsa'")
         return d
+
+
+def _json_bool(d: Mapping[str, Any], name: str, default: bool) -> bool:
+    """A config.json flag: true/false (null or absent = the default); "false" or 0 are refused, not coerced."""
+    v = d.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ValueError(f"{name} must be true or false, got {v!r}")
+    return v
 
 
 def _glm_indexer_types(L: int, freq: int, offset: int) -> tuple[str, ...]:

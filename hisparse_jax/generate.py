@@ -19,6 +19,7 @@ from flax import nnx
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.kv.dense import DenseKV, init_dense_cache
 from hisparse_jax.model.decoder import SparseMLAModel, decode_step
+from hisparse_jax.validation import check_float, check_int, check_prompt, check_token_list
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
 
@@ -28,19 +29,15 @@ def _bucket_pow2(n: int, minimum: int = 1) -> int:
 
 
 def validate_prompts(model: SparseMLAModel, prompts, max_new_tokens: int) -> list[list[int]]:
+    """prompts: a non-empty list of 1-D token-id sequences (lists, tuples or arrays of integers in range) ->
+    lists of ints. Refuses (ValueError naming the prompt) anything else; nothing is coerced."""
     cfg = model.cfg
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
         raise ValueError("prompts must be a non-empty list of token-id lists")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, lo=1)
     out = []
     for i, p in enumerate(prompts):
-        p = [int(t) for t in np.asarray(p).reshape(-1)]
-        if not p:
-            raise ValueError(f"prompt {i} is empty")
-        bad = [t for t in p if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i} has token ids out of range [0, {cfg.vocab_size}): {bad[:8]}")
+        p = check_prompt(f"prompt {i}", p, cfg.vocab_size)
         if len(p) + max_new_tokens > cfg.max_position_embeddings:
             raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it exceeds the "
                              f"model's max_position_embeddings ({cfg.max_position_embeddings})")
@@ -122,12 +119,13 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     resolver and the sparse MLA decode) or "pallas_interpret" (the same kernels interpreted, e.g. on a CPU).
     """
     prompts = validate_prompts(model, prompts, max_new_tokens)
+    temperature, top_p = check_float("temperature", temperature), check_float("top_p", top_p)
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
     if temperature > 0 and key is None:
         raise ValueError("sampling (temperature > 0) needs an explicit PRNG key: key=jax.random.key(seed)")
     key = key if key is not None else jax.random.key(0)
-    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    eos = set(check_token_list("eos_token_id", eos_token_id))
     if cache is not None:
         from hisparse_jax.kv.tiered import check_kernels
 

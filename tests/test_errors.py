@@ -354,7 +354,9 @@ def test_bad_sampling_parameters(gen_model, kw):
 
 
 def test_validate_prompts_accepts_arrays(gen_model):
-    assert validate_prompts(gen_model, [np.array([3, 4]), (5,), jnp.array([[6, 7]])], 1) == [[3, 4], [5], [6, 7]]
+    assert validate_prompts(gen_model, [np.array([3, 4]), (5,), jnp.array([6, 7])], 1) == [[3, 4], [5], [6, 7]]
+    with pytest.raises(ValueError, match=r"prompt 0 must be a 1-D sequence of token ids, got shape \(1, 2\)"):
+        validate_prompts(gen_model, [jnp.array([[6, 7]])], 1)  # a [1, T] batch is not a prompt: not flattened
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -376,10 +378,10 @@ def test_validate_prompts_accepts_arrays(gen_model):
     (dict(mlp_layer_types=("dense", "moe")), "mlp_layer_types must be 2 entries of 'dense'/'sparse'"),
     (dict(qk_rope_head_dim=7), r"qk_rope_head_dim \(7\) must be even"),
     (dict(qk_rope_head_dim=32), r"qk_rope_head_dim \(32\) must be even and <= index_head_dim \(16\)"),
-    (dict(vocab_size=0), r"vocab_size must be positive \(got 0\)"),
-    (dict(kv_lora_rank=-1), r"kv_lora_rank must be positive \(got -1\)"),
-    (dict(index_topk=0), "index_topk must be positive"),
-    (dict(max_position_embeddings=0), "max_position_embeddings must be positive"),
+    (dict(vocab_size=0), "vocab_size must be >= 1, got 0"),
+    (dict(kv_lora_rank=-1), "kv_lora_rank must be >= 1, got -1"),
+    (dict(index_topk=0), "index_topk must be >= 1"),
+    (dict(max_position_embeddings=0), "max_position_embeddings must be >= 1"),
     (dict(dtype="float64"), "dtype must be float32, bfloat16 or float16, got 'float64'"),
 ])
 def test_invalid_model_config(change, words):
@@ -409,7 +411,7 @@ def test_moe_checks_only_apply_with_sparse_layers():
 
 @pytest.mark.parametrize("kw, words", [
     (dict(rope_type="dynamic"), "rope_type 'dynamic'"),
-    (dict(theta=0.0), "theta must be positive"),
+    (dict(theta=0.0), "theta must be > 0, got 0.0"),
     (dict(rope_type="yarn", factor=4.0), "original_max_position_embeddings"),
 ])
 def test_invalid_rope_config(kw, words):

@@ -30,6 +30,7 @@ from hisparse_jax.kv import tiered
 from hisparse_jax.kv.state import StoreSpec
 from hisparse_jax.kv.tiered import decode_step, stats_bytes
 from hisparse_jax.model.decoder import SparseMLAModel
+from hisparse_jax.validation import check_prompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,13 @@ def _sampler():
     return sample
 
 
+class UnknownRequest(KeyError):
+    """A request id this engine never saw."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class Engine:
     def __init__(self, model: SparseMLAModel, cache: CacheConfig, config: EngineConfig = EngineConfig()):
         self.model, self.config = model, config
@@ -105,18 +113,22 @@ class Engine:
         self.step_count = 0
         self.history: list[dict] = []
         self._log = open(config.log_path, "a") if config.log_path else None
+        self._store_lost = False
 
     # ----- requests ------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams = SamplingParams()) -> Request:
+    def add_request(self, request_id: str, prompt, params: SamplingParams = SamplingParams()) -> Request:
+        """Queue a request. Refused at the door (`ValueError`, naming what was wrong): a non-string or reused id, a
+        prompt that is not a non-empty 1-D sequence of integer token ids in range, params that are not
+        `SamplingParams`, a length past max_position_embeddings, or budgets it could never run under
+        (`BudgetError`)."""
         cfg = self.model.cfg
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise ValueError(f"request {request_id!r}: token ids out of range [0, {cfg.vocab_size}): {bad[:8]}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
+        prompt = check_prompt(f"request {request_id!r}: prompt", prompt, cfg.vocab_size)
         total = len(prompt) + params.max_new_tokens
         if total > cfg.max_position_embeddings:
             raise ValueError(f"request {request_id!r}: {len(prompt)} prompt + {params.max_new_tokens} new tokens "
@@ -143,10 +155,18 @@ class Engine:
                               f"short")
 
     def abort(self, request_id: str) -> None:
-        r = self.requests[request_id]
+        """Finish a request now (its pages are freed); a finished one is left as it is."""
+        r = self._request(request_id)
         if not r.finished:
             self.scheduler.finish(r, RequestState.ABORTED)
             r.finish_step = self.step_count
+
+    def _request(self, request_id: str) -> Request:
+        try:
+            return self.requests[request_id]
+        except (KeyError, TypeError):
+            known = ", ".join(map(repr, list(self.requests)[:8])) + (" ..." if len(self.requests) > 8 else "")
+            raise UnknownRequest(f"no request {request_id!r} in this engine (known: {known or 'none'})") from None
 
     def has_unfinished(self) -> bool:
         return any(not r.finished for r in self.requests.values())
@@ -156,59 +176,87 @@ class Engine:
 
     # ----- one step ------------------------------------------------------------------------------
     def step(self) -> dict:
+        """One engine step: schedule, each request's own work, one batched device call, then commit.
+
+        All-or-nothing: a request whose own work raises (its sampling arguments, its whole-prompt prefill) is
+        finished with state FAILED and `error` set, its pages freed, and the other requests go on in the same
+        step. If the batched call (or the sampling after it) raises, nothing of it is committed: lengths,
+        outputs and prompt progress are as before, the exception propagates and `step()` can be called again —
+        unless the call consumed the store it was given (donated buffers), after which every step refuses."""
+        if self._store_lost:
+            raise RuntimeError("a failed decode step consumed the KV store; this engine cannot continue "
+                               "(its requests' outputs so far are in outputs())")
         t0 = time.perf_counter()
         traces = tiered.TRACE_COUNTS["decode_step"]
         sched = self.scheduler
         plan = sched.schedule(self.step_count)
-        rows_tok, rows_req, rows_pos, decode_rows, last_prefill_row = [], [], [], [], {}
-        for r in plan.decode:
-            decode_rows.append((len(rows_tok), r))
-            rows_tok.append(r.output[-1])
-            rows_req.append(r.slot)
-            rows_pos.append(len(r.prompt) + len(r.output) - 1)
-        first_logits = [self._prefill_whole(r) for r in plan.whole]
-        prefill_tokens = sum(len(r.kv_tokens) for r in plan.whole)
-        for r, start, n in plan.prefill:
-            toks = r.kv_tokens[start:start + n]
-            rows_tok += toks
-            rows_req += [r.slot] * n
-            rows_pos += list(range(start, start + n))
-            last_prefill_row[r.request_id] = len(rows_tok) - 1
-            prefill_tokens += n
-        stats = {}
-        new_tokens = 0
-        emit_logits = []  # (logits [V], request) of whole prompts prefilled this step
-        for r, lg in zip(plan.whole, first_logits):
+        failed: list[Request] = []
+        # 1. each request's own checks: what would only fail inside the batched call fails here, for that request
+        for r in plan.decode + plan.whole + [r for r, _, _ in plan.prefill]:
+            if not r.finished:
+                self._guard(r, failed, self._sampling_row, r)
+        plan.decode[:] = [r for r in plan.decode if not r.finished]
+        plan.whole[:] = [r for r in plan.whole if not r.finished]
+        plan.prefill[:] = [x for x in plan.prefill if not x[0].finished]
+        # 2. whole-prompt prefills, one request at a time (each commits on its own)
+        new_tokens, prefill_tokens, emit_logits = 0, 0, []
+        for r in list(plan.whole):
+            ok, lg = self._guard(r, failed, self._prefill_whole, r)
+            if not ok:
+                plan.whole.remove(r)
+                continue
+            prefill_tokens += len(r.kv_tokens)
             r.computed = len(r.kv_tokens)
             r.state = RequestState.RUNNING
             if not r.output:
                 emit_logits.append((lg, r))
         if emit_logits:
-            new_tokens += self._emit(jnp.stack([lg for lg, _ in emit_logits]), [r for _, r in emit_logits])
+            rs = [r for _, r in emit_logits]
+            new_tokens += self._commit_tokens(rs, self._sample(jnp.stack([lg for lg, _ in emit_logits]), rs))
+        # 3. one batched call: every decode row and this step's prompt chunks
+        rows_tok, rows_req, rows_pos, emit = [], [], [], []
+        for r in plan.decode:
+            emit.append((len(rows_tok), r))
+            rows_tok.append(r.output[-1])
+            rows_req.append(r.slot)
+            rows_pos.append(len(r.prompt) + len(r.output) - 1)
+        completed = []  # prompts whose last chunk is in this batch
+        for r, start, n in plan.prefill:
+            rows_tok += r.kv_tokens[start:start + n]
+            rows_req += [r.slot] * n
+            rows_pos += list(range(start, start + n))
+            prefill_tokens += n
+            if start + n == len(r.kv_tokens):
+                completed.append(r)
+                if not r.output:
+                    emit.append((len(rows_tok) - 1, r))
+        stats = {}
         if rows_tok:
             B = max(self.config.min_bucket, 1 << (len(rows_tok) - 1).bit_length())
             pad = B - len(rows_tok)
             batch = {"tokens": jnp.asarray(rows_tok + [0] * pad, jnp.int32),
                      "req": jnp.asarray(rows_req + [-1] * pad, jnp.int32),
                      "pos": jnp.asarray(rows_pos + [-1] * pad, jnp.int32)}
-            logits, self.cache.store, stats = decode_step(self.model, self.cache.store, batch,
-                                                          kernels=self.config.kernels)
-            # which rows produce a token: decode rows, and the last row of a completed prompt
-            emit = list(decode_rows)
+            store = self.cache.store
+            try:
+                logits, new_store, stats = decode_step(self.model, store, batch, kernels=self.config.kernels)
+                toks = self._sample(logits[jnp.asarray([i for i, _ in emit], jnp.int32)],
+                                    [r for _, r in emit]) if emit else []
+            except Exception:
+                self._store_lost = any(x.is_deleted() for x in jax.tree.leaves(store))
+                raise
+            # 4. commit (host bookkeeping only)
+            self.cache.store = new_store
             for r, start, n in plan.prefill:
                 r.computed = start + n
                 self.cache.lengths[r.slot] = r.computed
-                if r.computed == len(r.kv_tokens):
-                    sched.cache.pinned.discard(r.slot)
-                    self.cache.register_prefix(r.slot, r.kv_tokens)
-                    r.state = RequestState.RUNNING
-                    if not r.output:
-                        emit.append((last_prefill_row[r.request_id], r))
-            for _, r in decode_rows:
+            for r in completed:
+                sched.cache.pinned.discard(r.slot)
+                self.cache.register_prefix(r.slot, r.kv_tokens)
+                r.state = RequestState.RUNNING
+            for r in plan.decode:
                 self.cache.lengths[r.slot] += 1
-            if emit:
-                idx = jnp.asarray([i for i, _ in emit], jnp.int32)
-                new_tokens += self._emit(logits[idx], [r for _, r in emit])
+            new_tokens += self._commit_tokens([r for _, r in emit], toks)
         if self.config.check_invariants:
             self.cache.check_invariants()
         dt = time.perf_counter() - t0
@@ -219,7 +267,7 @@ class Engine:
             "swapped": sum(r.state is RequestState.SWAPPED for r in sched.active), "waiting": len(sched.waiting),
             "preemptions": len(plan.preempted), "swaps_out": len(plan.swapped_out),
             "swaps_in": len(plan.swapped_in), "tokens": new_tokens, "prefill_tokens": prefill_tokens,
-            "cached_tokens": plan.cached_tokens,
+            "cached_tokens": plan.cached_tokens, "failed": len(failed),
             "hits": st.get("hits", 0), "misses": st.get("misses", 0), "resident": st.get("resident", 0),
             "h2d_bytes": st.get("h2d_bytes", 0), "d2h_bytes": st.get("d2h_bytes", 0),
             "device_pages_used": self.cache.pool.num_used("device"), "step_time_s": dt,
@@ -232,13 +280,33 @@ class Engine:
         self.step_count += 1
         return m
 
-    def _emit(self, logits, rs: list[Request]) -> int:
-        """Sample one token per request from logits [n, V]; finish those that are done."""
-        toks = _sampler()(logits, jnp.asarray([r.params.seed for r in rs], jnp.uint32),
-                          jnp.asarray([len(r.prompt) + len(r.output) for r in rs], jnp.int32),
-                          jnp.asarray([r.params.temperature for r in rs], jnp.float32),
-                          jnp.asarray([r.params.top_p for r in rs], jnp.float32))
-        for r, tok in zip(rs, np.asarray(toks).tolist()):
+    def _guard(self, r: Request, failed: list[Request], fn, *args) -> tuple[bool, object]:
+        """(True, fn(*args)); if it raises, `r` is finished FAILED with the error kept and (False, None)."""
+        try:
+            return True, fn(*args)
+        except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
+            self.scheduler.finish(r, RequestState.FAILED)
+            r.error = f"{type(e).__name__}: {e}"
+            r.finish_step = self.step_count
+            failed.append(r)
+            return False, None
+
+    @staticmethod
+    def _sampling_row(r: Request) -> tuple:
+        """(seed, position, temperature, top_p) of r's next token, in the sampler's dtypes (raises if one does not
+        fit, e.g. a seed outside uint32)."""
+        p = r.params
+        return (np.uint32(p.seed), np.int32(len(r.prompt) + len(r.output)), np.float32(p.temperature),
+                np.float32(p.top_p))
+
+    def _sample(self, logits, rs: list[Request]) -> list[int]:
+        """One token per request from logits [n, V] (checked by `_sampling_row` earlier in the step)."""
+        seeds, pos, temps, top_ps = (np.asarray(c) for c in zip(*(self._sampling_row(r) for r in rs)))
+        return np.asarray(_sampler()(logits, seeds, pos, temps, top_ps)).tolist()
+
+    def _commit_tokens(self, rs: list[Request], toks: list[int]) -> int:
+        """Append each request's new token; finish those that are done."""
+        for r, tok in zip(rs, toks):
             r.output.append(int(tok))
             if r.first_token_step is None:
                 r.first_token_step = self.step_count
@@ -261,7 +329,8 @@ class Engine:
         """Step until every request has finished. `progress(engine)` is called after each step."""
         while self.has_unfinished():
             m = self.step()
-            moved = m["running"] or m["prefill_tokens"] or m["swaps_in"] or m["preemptions"] or m["swaps_out"]
+            moved = (m["running"] or m["prefill_tokens"] or m["swaps_in"] or m["preemptions"] or m["swaps_out"]
+                     or m["failed"])
             if not moved:
                 w = self.scheduler.waiting
                 raise RuntimeError(f"no progress at step {m['step']}: {len(self.scheduler.active)} admitted, "
@@ -296,6 +365,7 @@ class Engine:
             "mean_running": float(np.mean([m["running"] for m in decode_steps])) if decode_steps else 0.0,
             "max_running": max((m["running"] for m in h), default=0),
             "preemptions": sum(m["preemptions"] for m in h), "swaps": sum(m["swaps_out"] for m in h),
+            "failed": sum(r.state is RequestState.FAILED for r in self.requests.values()),
             "tokens": tokens, "prefill_tokens": sum(m["prefill_tokens"] for m in h),
             # prompt tokens served by the prefix cache, and their share of all prompt tokens admitted
             "cached_tokens": cached, "prefix_hit_rate": cached / (cached + prefill) if cached + prefill else 0.0,

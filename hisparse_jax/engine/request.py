@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+
+from hisparse_jax.validation import check_float, check_int, check_token_list
+
+SEED_RANGE = 2 ** 32  # a request's PRNG stream is keyed by a uint32 seed
 
 
 class RequestState(enum.Enum):
@@ -13,12 +18,17 @@ class RequestState(enum.Enum):
     SWAPPED = "swapped"  # offload policy: its whole KV is on the host; must be swapped in before decoding
     FINISHED = "finished"
     ABORTED = "aborted"
+    FAILED = "failed"  # its own work raised inside a step (`Request.error` says what); the others went on
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """max_new_tokens; temperature 0 = greedy; top_p nucleus; seed: per-request PRNG stream (a token's draw
-    depends only on (seed, position), so outputs do not depend on batching or scheduling)."""
+    """max_new_tokens; temperature 0 = greedy; top_p nucleus; seed: per-request PRNG stream in [0, 2**32) (a
+    token's draw depends only on (seed, position), so outputs do not depend on batching or scheduling);
+    eos_token_id: one id or a sequence of ids that end the output.
+
+    Every field is checked here, at the door (types and ranges, `ValueError` naming the field): a value that
+    would only fail inside an engine step is refused before the request exists."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -27,10 +37,12 @@ class SamplingParams:
     eos_token_id: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {self.temperature}, {self.top_p})")
+        put = functools.partial(object.__setattr__, self)
+        put("max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, lo=1))
+        put("temperature", check_float("temperature", self.temperature, lo=0))
+        put("top_p", check_float("top_p", self.top_p, lo=0, lo_open=True, hi=1))
+        put("seed", check_int("seed", self.seed, lo=0, hi=SEED_RANGE - 1))
+        put("eos_token_id", check_token_list("eos_token_id", self.eos_token_id))
 
 
 @dataclasses.dataclass
@@ -48,6 +60,7 @@ class Request:
     swaps: int = 0
     first_token_step: int | None = None
     finish_step: int | None = None
+    error: str | None = None  # why it FAILED
 
     @property
     def kv_tokens(self) -> list[int]:
@@ -66,7 +79,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+        return self.state in (RequestState.FINISHED, RequestState.ABORTED, RequestState.FAILED)
 
     def done_generating(self) -> bool:
         p = self.params

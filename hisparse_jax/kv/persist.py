@@ -2,7 +2,13 @@
 host-side bookkeeping, so decoding continues exactly where it stopped.
 
 Layout of `path`: `store/` (an Orbax checkpoint of the `KVStore` arrays) and `cache.json` (configs, the
-`PagePool` snapshot, each request's pages and length). Restored host pools are `pinned_host` arrays again.
+`PagePool` snapshot, each request's pages and length, and a manifest of every array's dtype, shape and SHA-256).
+Restored host pools are `pinned_host` arrays again.
+
+Integrity: `load_cache` refuses (`CheckpointError`, naming the file and array) a `cache.json` that was edited or
+damaged (it carries its own checksum), arrays whose saved dtype or shape differ from what the described configs
+imply (checked before anything is read), arrays whose bytes differ from their checksums, and bookkeeping that
+fails the allocator's invariants.
 """
 
 from __future__ import annotations
@@ -13,12 +19,15 @@ import os
 
 import jax
 
+from hisparse_jax import integrity
 from hisparse_jax.config import CacheConfig, ModelConfig, RopeConfig
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.pool import PagePool, RequestPages
+from hisparse_jax.integrity import CheckpointError
 from hisparse_jax.kv.state import KVStore, store_shardings
 
 FORMAT = "hisparse_jax.TieredCache"
+VERSION = 2  # 2: array manifest + metadata checksum
 
 
 def _arrays(store: KVStore) -> dict:
@@ -32,10 +41,11 @@ def save_cache(cache: TieredCache, path: str | os.PathLike) -> None:
 
     path = os.path.abspath(os.fspath(path))
     os.makedirs(path, exist_ok=True)
+    arrays = _arrays(cache.store)
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.join(path, "store"), _arrays(cache.store))
+        ckptr.save(os.path.join(path, "store"), arrays)
     meta = {
-        "format": FORMAT, "version": 1,
+        "format": FORMAT, "version": VERSION, "arrays": integrity.manifest(arrays),
         "model": dataclasses.asdict(cache.model_cfg), "cache": dataclasses.asdict(cache.cache_cfg),
         "pool": cache.pool.snapshot(),
         "requests": {str(s): dataclasses.asdict(r) for s, r in cache.requests.items()},
@@ -45,6 +55,7 @@ def save_cache(cache: TieredCache, path: str | os.PathLike) -> None:
         "prefix_hashes": {str(s): h for s, h in cache.prefix_hashes.items()},
         "cached_tokens": {str(s): n for s, n in cache.cached_tokens.items()},
     }
+    meta["meta_sha256"] = integrity.json_digest(meta)
     with open(os.path.join(path, "cache.json"), "w") as f:
         json.dump(meta, f)
 
@@ -58,19 +69,43 @@ def _model_from_dict(d: dict) -> ModelConfig:
 
 
 def load_cache(path: str | os.PathLike, device=None) -> TieredCache:
-    """Restore a `TieredCache` written by `save_cache` (host pools land in pinned_host memory)."""
+    """Restore a `TieredCache` written by `save_cache` (host pools land in pinned_host memory); refuses a damaged
+    or mismatched one with `CheckpointError` (see the module docstring)."""
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.fspath(path))
-    with open(os.path.join(path, "cache.json")) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a saved TieredCache (format {meta.get('format')!r})")
-    cache = TieredCache(_model_from_dict(meta["model"]), CacheConfig(**meta["cache"]), device=device)
+    fn = os.path.join(path, "cache.json")
+    if not os.path.exists(fn):
+        raise FileNotFoundError(f"no saved TieredCache at {path} (no cache.json)")
+    try:
+        with open(fn) as f:
+            meta = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{fn}: not readable JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a saved TieredCache (format "
+                              f"{meta.get('format') if isinstance(meta, dict) else None!r})")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{fn}: saved by format version {meta.get('version')!r}; this version reads {VERSION} "
+                              "(version 1 carried no checksums: save it again with the version that wrote it)")
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    if meta.get("meta_sha256") != integrity.json_digest(body):
+        raise CheckpointError(f"{fn}: checksum mismatch — the cache description (configs, page tables, lengths) was "
+                              "edited or damaged")
+    try:
+        cache = TieredCache(_model_from_dict(meta["model"]), CacheConfig(**meta["cache"]), device=device)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{fn}: the saved configs are invalid ({type(e).__name__}: {e})") from None
+    expected = _arrays(cache.store)
+    integrity.check_description(meta["arrays"], expected, os.path.join(path, "store"), "cache.json's configs")
     shardings = _arrays(store_shardings(cache.spec, device))
-    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in _arrays(cache.store).items()}
-    with ocp.StandardCheckpointer() as ckptr:
-        arrays = ckptr.restore(os.path.join(path, "store"), target)
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in expected.items()}
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            arrays = ckptr.restore(os.path.join(path, "store"), target)
+    except Exception as e:  # Orbax/TensorStore errors do not say which array or why
+        raise CheckpointError(f"{path}/store: the arrays could not be restored ({type(e).__name__}: {e})") from e
+    integrity.verify(meta["arrays"], arrays, os.path.join(path, "store"))
     cache.store = dataclasses.replace(cache.store, **arrays)
     cache.pool = PagePool.from_snapshot(meta["pool"])
     cache.requests = {int(s): RequestPages(**r) for s, r in meta["requests"].items()}

@@ -1,0 +1,87 @@
+"""Integrity of what the project saves: a manifest of every array (dtype, shape, SHA-256 of its bytes) written at
+save time and checked at restore time.
+
+Orbax stores no checksums: a flipped byte in a saved array restores without error and decodes garbage. So
+`save_params`, `save_cache` and `save_pretrained` write a manifest next to the data, and their loaders
+(1) compare the manifest's dtypes and shapes with what the description (config, cache config) expects, before
+reading anything, and (2) hash every restored array and compare. Any difference is a `CheckpointError` naming
+the file and the array.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+ALGORITHM = "sha256"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint, saved cache or exported file that is damaged or does not match its description; the message
+    names the file and the tensor or array."""
+
+
+def digest(x: Any) -> str:
+    """SHA-256 of an array's bytes (C order), after fetching it to the host."""
+    a = np.ascontiguousarray(jax.device_get(x))
+    return hashlib.sha256(a.reshape(-1).view(np.uint8)).hexdigest()
+
+
+def json_digest(obj: Any) -> str:
+    """SHA-256 of a JSON-serialisable object in canonical form (sorted keys)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def named_leaves(tree: Any) -> dict[str, Any]:
+    """Leaves of a pytree by dotted key path ("layers.0.self_attn.q_b_proj.kernel"), the names manifests use (a
+    Variable's own `.value` level is left out, so the names do not depend on how flax flattens variables)."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    out = {}
+    for path, leaf in leaves:
+        parts = [str(next((getattr(k, a) for a in ("key", "idx", "name") if hasattr(k, a)), k)) for k in path]
+        while parts and parts[-1] in ("value", "raw_value"):
+            parts.pop()
+        out[".".join(parts)] = leaf
+    return out
+
+
+def manifest(arrays: Mapping[str, Any]) -> dict[str, dict]:
+    """{name: {"dtype", "shape", "sha256"}} of named arrays."""
+    return {name: {"dtype": np.dtype(a.dtype).name, "shape": list(a.shape), ALGORITHM: digest(a)}
+            for name, a in arrays.items()}
+
+
+def check_description(man: Mapping[str, Mapping], expected: Mapping[str, Any], where: str, described_by: str) -> None:
+    """Refuse a manifest whose arrays (names, dtypes, shapes) differ from `expected` ({name: array-like with
+    .dtype/.shape}, derived from the description), before any data is read."""
+    problems = []
+    for name in sorted(set(expected) - set(man)):
+        problems.append(f"array {name} is missing")
+    for name in sorted(set(man) - set(expected)):
+        problems.append(f"array {name} is not expected by {described_by}")
+    for name in sorted(set(man) & set(expected)):
+        m, e = man[name], expected[name]
+        try:
+            saved = (np.dtype(m["dtype"]).name, tuple(int(n) for n in m["shape"]))
+        except (KeyError, TypeError, ValueError) as err:
+            problems.append(f"array {name} has a malformed manifest entry {m!r} ({err})")
+            continue
+        want = (np.dtype(e.dtype).name, tuple(e.shape))
+        if saved != want:
+            problems.append(f"array {name} was saved as {saved[0]}{list(saved[1])}, expected {want[0]}{list(want[1])} "
+                            f"from {described_by}")
+    if problems:
+        raise CheckpointError(f"{where}: does not match its description: " + "; ".join(problems[:12])
+                              + (f" (and {len(problems) - 12} more)" if len(problems) > 12 else ""))
+
+
+def verify(man: Mapping[str, Mapping], arrays: Mapping[str, Any], where: str) -> None:
+    """Refuse restored arrays whose bytes differ from the checksums written at save time."""
+    bad = [name for name, a in arrays.items() if digest(a) != man[name].get(ALGORITHM)]
+    if bad:
+        raise CheckpointError(f"{where}: checksum mismatch in {len(bad)} array(s): {', '.join(bad[:12])}"
+                              + (" ..." if len(bad) > 12 else "") + " — the saved data is damaged")
