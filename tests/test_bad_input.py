@@ -216,7 +216,7 @@ def test_saved_params_round_trip(saved_params, model, tmp_path):
 def test_flipped_byte_in_saved_params_is_refused_naming_the_parameter(saved_params, model, tmp_path):
     path = copy_of(saved_params, tmp_path)
     flip_byte(path)
-    with pytest.raises(CheckpointError, match=r"checksum mismatch in 1 array\(s\): [\w.]+\.kernel .*damaged"):
+    with pytest.raises(CheckpointError, match=r"checksum mismatch in 1 array\(s\): (layers|embed_tokens|lm_head|norm)[\w.]* .*damaged"):
         restore_params(path, model.cfg)
     restore_params(path, model.cfg, verify=False)  # the damage is silent without the check: why it exists
 

@@ -102,6 +102,22 @@ def test_symlink_inside_the_folder_is_followed(tmp_path):
     assert list(read_checkpoint_tensors(str(tmp_path))) == ["w"]
 
 
+def test_hub_cache_snapshot_links_into_blobs(tmp_path):
+    """A Hugging Face hub cache snapshot's files are symlinks into the repository's blobs/: they load; a link to
+    anywhere else from the same snapshot does not."""
+    repo = tmp_path / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    save_file({"w": np.arange(3, dtype=np.float32)}, str(repo / "blobs" / "0f1e2d"))
+    os.symlink(os.path.join("..", "..", "blobs", "0f1e2d"), snap / "model.safetensors")
+    np.testing.assert_array_equal(read_checkpoint_tensors(str(snap))["w"], np.arange(3, dtype=np.float32))
+    save_file({"v": np.ones(1, np.float32)}, str(tmp_path / "elsewhere.safetensors"))
+    os.symlink(str(tmp_path / "elsewhere.safetensors"), snap / "extra.safetensors")
+    with pytest.raises(CheckpointError, match="outside the folder"):
+        read_checkpoint_tensors(str(snap))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # folders: confinement, the index honoured, no name in two files
 # ----------------------------------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ One file (`read_safetensors`), in order:
 A folder (`read_checkpoint_tensors`):
   - with `model.safetensors.index.json`: the index is a JSON object whose `weight_map` maps tensor names to
     file names (strings); a file name is relative, has no `..` part, and resolves (symlinks followed)
-    inside the folder to an existing regular file; each tensor is read from the file the index assigns it,
+    inside the folder to an existing regular file (in a Hugging Face hub cache snapshot,
+    `<repo>/snapshots/<rev>/`, inside `<repo>/blobs/`, where the hub keeps the files its links point to); each tensor is read from the file the index assigns it,
     which must contain it; tensors a file holds but the index does not assign to it are not read;
   - without an index: every `*.safetensors` file in the folder (confined the same way); a tensor name
     found in two files is an error naming both.
@@ -40,6 +41,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from hisparse_jax.integrity import CheckpointError
+
 _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
@@ -49,10 +52,6 @@ MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit
 _MAX_NDIM = 32  # the smallest NumPy limit (NumPy 1.x); NumPy 2 allows 64
 _MAX_INTP = np.iinfo(np.intp).max
 INDEX_NAME = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """A damaged or inconsistent checkpoint, or one that does not match the model config."""
 
 
 class _RepeatedKey(ValueError):
@@ -171,6 +170,15 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
             for name, (dtype, shape, begin, end) in entries.items()}
 
 
+def _roots(root: str) -> list[str]:
+    """Where a checkpoint folder's files may live: the folder itself, and for a Hugging Face hub cache snapshot
+    (`<repo>/snapshots/<revision>`, whose files are symlinks into `<repo>/blobs`) that repository's blobs."""
+    parent = os.path.dirname(root)
+    if os.path.basename(parent) == "snapshots":
+        return [root, os.path.join(os.path.dirname(parent), "blobs")]
+    return [root]
+
+
 def _confined_file(folder: str, name: str, where: str) -> str:
     """folder/name, checked to be a relative name resolving to a regular file inside `folder`."""
     if (not name or "\0" in name or os.path.isabs(name)
@@ -178,7 +186,7 @@ def _confined_file(folder: str, name: str, where: str) -> str:
         raise CheckpointError(f"{where}: file name {name!r} is not a relative name inside the folder")
     full = os.path.join(folder, name)
     root, real = os.path.realpath(folder), os.path.realpath(full)
-    if real == root or os.path.commonpath([root, real]) != root:
+    if not any(real != r and os.path.commonpath([r, real]) == r for r in _roots(root)):
         raise CheckpointError(f"{where}: file {name!r} resolves to {real}, outside the folder {root}")
     if not os.path.isfile(real):
         raise CheckpointError(f"{where}: file {name!r} does not exist or is not a regular file")

@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from hisparse_jax import integrity
 from hisparse_jax.config import ModelConfig
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.model.safetensors_io import _ST_DTYPES, CheckpointError, read_checkpoint_tensors  # noqa: F401
@@ -220,21 +221,62 @@ def save_pretrained(model: SparseMLAModel, path: str | os.PathLike, max_shard_by
                   f, indent=2)
 
 
+PARAMS_MANIFEST = "hisparse_manifest.json"  # next to Orbax's files: dtype, shape and SHA-256 of every parameter
+PARAMS_FORMAT = "hisparse_jax.params"
+
+
 def save_params(model: SparseMLAModel, path: str | os.PathLike) -> None:
-    """Orbax checkpoint of the parameters (directory `path`, which must not exist)."""
+    """Orbax checkpoint of the parameters (directory `path`, which must not exist), with a manifest of every
+    parameter's dtype, shape and checksum that `restore_params` verifies."""
     import orbax.checkpoint as ocp
 
+    path = os.path.abspath(os.fspath(path))
+    state = nnx.state(model, nnx.Param)
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.abspath(os.fspath(path)), nnx.state(model, nnx.Param))
+        ckptr.save(path, state)
+    with open(os.path.join(path, PARAMS_MANIFEST), "w") as f:
+        json.dump({"format": PARAMS_FORMAT, "version": 1, "arrays": integrity.manifest(integrity.named_leaves(state))},
+                  f)
 
 
-def restore_params(path: str | os.PathLike, cfg: ModelConfig, **model_kwargs) -> SparseMLAModel:
-    """A `SparseMLAModel` for `cfg` with the parameters of an Orbax checkpoint written by `save_params`."""
+def restore_params(path: str | os.PathLike, cfg: ModelConfig, verify: bool = True, **model_kwargs) -> SparseMLAModel:
+    """A `SparseMLAModel` for `cfg` with the parameters of an Orbax checkpoint written by `save_params`.
+
+    Before reading, the saved parameters' dtypes and shapes are compared with those `cfg` implies; after, every
+    parameter's checksum. A difference, a missing manifest or data Orbax cannot read is a `CheckpointError`
+    naming the parameter. `verify=False` skips the checks (for checkpoints written without a manifest)."""
     import orbax.checkpoint as ocp
 
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no parameter checkpoint at {path}")
     abstract = nnx.eval_shape(lambda: SparseMLAModel(cfg, rngs=nnx.Rngs(0), **model_kwargs))
     target = nnx.state(abstract, nnx.Param)
-    with ocp.StandardCheckpointer() as ckptr:
-        restored = ckptr.restore(os.path.abspath(os.fspath(path)), target)
+    man = _read_params_manifest(path) if verify else None
+    if man is not None:
+        integrity.check_description(man, integrity.named_leaves(target), path, "the model config")
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            restored = ckptr.restore(path, target)
+    except Exception as e:  # Orbax/TensorStore errors name neither the cause nor the parameter clearly
+        raise CheckpointError(f"{path}: the parameters could not be restored ({type(e).__name__}: {e})") from e
+    if man is not None:
+        integrity.verify(man, integrity.named_leaves(restored), path)
     nnx.update(abstract, restored)
     return abstract
+
+
+def _read_params_manifest(path: str) -> dict:
+    fn = os.path.join(path, PARAMS_MANIFEST)
+    if not os.path.exists(fn):
+        raise CheckpointError(f"{path}: no {PARAMS_MANIFEST}, so the parameters cannot be verified (written by "
+                              "an older save_params, or not a save_params checkpoint); restore_params(..., "
+                              "verify=False) skips the checks")
+    try:
+        with open(fn) as f:
+            meta = json.load(f)
+        if meta.get("format") != PARAMS_FORMAT or not isinstance(meta.get("arrays"), dict):
+            raise ValueError(f"format {meta.get('format')!r}")
+    except (ValueError, AttributeError) as e:
+        raise CheckpointError(f"{fn}: not a readable parameter manifest ({e})") from None
+    return meta["arrays"]
