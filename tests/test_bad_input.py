@@ -235,6 +235,19 @@ def test_params_without_a_manifest(saved_params, model, tmp_path):
     restore_params(path, model.cfg, verify=False)
 
 
+def test_flipped_byte_in_an_exported_checkpoint_is_refused_naming_the_tensor(model, tmp_path):
+    hj.save_pretrained(model, tmp_path / "export")
+    fn = str(tmp_path / "export" / "model.safetensors")
+    assert np.array_equal(np.asarray(hj.load_pretrained(tmp_path / "export").embed_tokens.get_value()),
+                          np.asarray(model.embed_tokens.get_value()))
+    b = bytearray(open(fn, "rb").read())
+    b[-5] ^= 0x01  # inside the last tensor's bytes; the header still describes the file exactly
+    open(fn, "wb").write(bytes(b))
+    with pytest.raises(CheckpointError, match=re.escape(fn) + r": checksum mismatch in 1 tensor\(s\): '[\w.]+' "
+                                                             r"— the file is damaged"):
+        hj.load_pretrained(tmp_path / "export")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # sampling parameters and requests: checked at the door, nothing coerced
 # ----------------------------------------------------------------------------------------------------------

@@ -450,3 +450,16 @@ def test_random_files_are_refused_or_read_exactly(tmp_path_factory, case):
     for name, (dt, shape, raw) in want.items():
         assert got[name].dtype == dt and got[name].shape == shape, name
         assert np.ascontiguousarray(got[name]).tobytes() == raw, name
+
+
+@pytest.mark.parametrize("sums, words", [
+    ("not json", "is not JSON"),
+    ('{"w": 5}', "does not hold one checksum per tensor"),
+    ('{"other": "00"}', "does not hold one checksum per tensor"),
+    ('{"w": "00"}', r"checksum mismatch in 1 tensor\(s\): 'w'"),
+])
+def test_checksums_in_metadata_are_verified(tmp_path, sums, words):
+    fn = str(tmp_path / "model.safetensors")
+    save_file({"w": np.ones(3, np.float32)}, fn, metadata={"format": "pt", "hisparse_jax.sha256": sums})
+    with pytest.raises(CheckpointError, match=re.escape(fn) + ".*" + words):
+        read_checkpoint_tensors(str(tmp_path))

@@ -16,6 +16,8 @@ One file (`read_safetensors`), in order:
     `_MAX_NDIM` non-negative integers; booleans and floats are not integers) and `data_offsets` (a list of
     two integers 0 <= begin <= end); other keys are ignored, as the reference reader ignores them;
   - end - begin == itemsize * prod(shape), and the shape is one NumPy can represent;
+  - when `__metadata__` holds `hisparse_jax.sha256` (the files `save_pretrained` writes), every tensor's bytes
+    match their SHA-256 there;
   - sorted by offsets, the tensors tile the data section exactly: the first begins at 0, each begins where
     the previous ends (no gap, no overlap), and the last ends at the end of the file (file size - 8 - N).
 
@@ -32,6 +34,7 @@ A folder (`read_checkpoint_tensors`):
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import math
 import os
@@ -52,6 +55,7 @@ MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit
 _MAX_NDIM = 32  # the smallest NumPy limit (NumPy 1.x); NumPy 2 allows 64
 _MAX_INTP = np.iinfo(np.intp).max
 INDEX_NAME = "model.safetensors.index.json"
+CHECKSUM_KEY = "hisparse_jax.sha256"  # __metadata__ entry of the files save_pretrained writes
 
 
 class _RepeatedKey(ValueError):
@@ -164,10 +168,32 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
                                       f"{data_len} bytes ({'truncated' if pos > data_len else 'trailing data'})")
             data = (np.memmap(f, dtype=np.uint8, mode="r", offset=8 + n, shape=(data_len,)) if data_len
                     else np.zeros(0, np.uint8))
+            sums = _checksums(path, meta or {}, entries)
+            if sums:
+                bad = [name for name, (_, _, begin, end) in entries.items()
+                       if hashlib.sha256(memoryview(data[begin:end])).hexdigest() != sums[name]]
+                if bad:
+                    raise CheckpointError(f"{path}: checksum mismatch in {len(bad)} tensor(s): "
+                                          f"{', '.join(map(repr, bad[:10]))}{' ...' if len(bad) > 10 else ''} — "
+                                          "the file is damaged")
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e})") from None
     return {name: data[begin:end].view(dtype).reshape(shape)
             for name, (dtype, shape, begin, end) in entries.items()}
+
+
+def _checksums(path: str, meta: dict, entries: dict) -> dict[str, str]:
+    """The per-tensor SHA-256s `save_pretrained` writes into `__metadata__[CHECKSUM_KEY]` (a JSON object of
+    every tensor's hex digest); {} for files without them (e.g. the released checkpoints)."""
+    if CHECKSUM_KEY not in meta:
+        return {}
+    try:
+        sums = json.loads(meta[CHECKSUM_KEY])
+    except ValueError as e:
+        raise CheckpointError(f"{path}: __metadata__[{CHECKSUM_KEY!r}] is not JSON ({e})") from None
+    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()) or set(sums) != set(entries):
+        raise CheckpointError(f"{path}: __metadata__[{CHECKSUM_KEY!r}] does not hold one checksum per tensor")
+    return sums
 
 
 def _roots(root: str) -> list[str]:

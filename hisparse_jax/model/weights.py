@@ -31,7 +31,8 @@ from flax import nnx
 from hisparse_jax import integrity
 from hisparse_jax.config import ModelConfig
 from hisparse_jax.model.decoder import SparseMLAModel
-from hisparse_jax.model.safetensors_io import _ST_DTYPES, CheckpointError, read_checkpoint_tensors  # noqa: F401
+from hisparse_jax.model.safetensors_io import (_ST_DTYPES, CHECKSUM_KEY, CheckpointError,  # noqa: F401
+                                              read_checkpoint_tensors)
 
 FP8_BLOCK = 128
 
@@ -188,7 +189,8 @@ def model_to_hf_tensors(model: SparseMLAModel) -> dict[str, np.ndarray]:
 
 
 def save_pretrained(model: SparseMLAModel, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
-    """Write `config.json` and safetensors shards (+ index when sharded) with Hugging Face names."""
+    """Write `config.json` and safetensors shards (+ index when sharded) with Hugging Face names. Each shard's
+    `__metadata__` carries every tensor's SHA-256 (`hisparse_jax.sha256`), which reading it back verifies."""
     from safetensors.numpy import save_file
 
     path = os.fspath(path)
@@ -208,13 +210,17 @@ def save_pretrained(model: SparseMLAModel, path: str | os.PathLike, max_shard_by
     shards.append(cur)
     for old in glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(os.path.join(path, "*.safetensors.index.json")):
         os.remove(old)
+
+    def meta(shard: dict) -> dict[str, str]:  # a checksum per tensor, verified when the file is read back
+        return {"format": "pt", CHECKSUM_KEY: json.dumps({n: integrity.digest(t) for n, t in shard.items()})}
+
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata=meta(shards[0]))
         return
     weight_map = {}
     for k, shard in enumerate(shards):
         fn = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, fn), metadata={"format": "pt"})
+        save_file(shard, os.path.join(path, fn), metadata=meta(shard))
         weight_map.update({n: fn for n in shard})
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map},
