@@ -458,13 +458,15 @@ class CacheConfig:
             problems.append(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         if self.fetch not in FETCH_MECHANISMS:
             problems.append(f"fetch must be one of {FETCH_MECHANISMS}, got {self.fetch!r}")
+        put = functools.partial(_checked, self, problems)
         for name in ("device_pages", "max_seqs", "max_seq_len", "fetch_chunk"):
-            if int(getattr(self, name)) < 1:
-                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.host_pages < 0 or (self.index_pages is not None and self.index_pages < 1):
-            problems.append("host_pages must be >= 0 and index_pages >= 1")
-        if self.hot_rows is not None and self.hot_rows < 1:
-            problems.append(f"hot_rows must be >= 1, got {self.hot_rows}")
+            put(name, check_int, lo=1)
+        put("host_pages", check_int, lo=0)
+        for name in ("index_pages", "hot_rows"):
+            if getattr(self, name) is not None:
+                put(name, check_int, lo=1)
+        if not isinstance(self.mirror_to_host, bool):
+            problems.append(f"mirror_to_host must be a bool, got {self.mirror_to_host!r}")
         if problems:
             raise ValueError("invalid CacheConfig: " + "; ".join(problems))
 

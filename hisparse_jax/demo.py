@@ -84,7 +84,12 @@ def budgets(cfg, requests: int, max_len: int, device_requests: float, kv_dtype: 
     return base, int(device_requests * pages(max_len) * per_page)
 
 
+class DemoSetupError(ValueError):
+    """The arguments are each valid, but the workload cannot run under the budgets they give."""
+
+
 def run(args) -> dict:
+    """Run the workload once per policy; raises DemoSetupError, before any policy runs, if one cannot."""
     cfg = get_preset(args.preset)
     model = SparseMLAModel(cfg, rngs=nnx.Rngs(args.seed))
     prompts = workload(cfg.vocab_size, args.requests, args.prompt_len, args.seed)
@@ -94,15 +99,25 @@ def run(args) -> dict:
     quiet = args.json
     results, outputs = {}, {}
     policies = list(args.policies)
+
+    def engine(pol: str, log_path: str | None = None) -> tuple[Engine, CacheConfig]:
+        try:
+            cc = device_budget(cfg, base, device_bytes, pol, max_running=args.requests, max_len=max_len,
+                               prefill=args.prefill)
+            eng = Engine(model, cc, EngineConfig(policy=pol, max_running=args.requests, prefill=args.prefill,
+                                                 prefill_chunk=args.prefill_chunk, log_path=log_path,
+                                                 kernels=args.kernels))
+            for i, p in enumerate(prompts):
+                eng.add_request(f"r{i}", p, params)
+        except ValueError as e:  # BudgetError, or a budget of no pages at all
+            raise DemoSetupError(f"--device-requests {args.device_requests:g} ({device_bytes:,} bytes) is too small "
+                                 f"for this workload under {pol!r}: {e}") from None
+        return eng, cc
+
+    for pol in policies:  # every policy's budgets are checked before any runs
+        engine(pol)[0].close()
     for pol in policies:
-        cc = device_budget(cfg, base, device_bytes, pol, max_running=args.requests, max_len=max_len,
-                           prefill=args.prefill)
-        log_path = os.path.join(args.log_dir, f"{pol}.jsonl") if args.log_dir else None
-        eng = Engine(model, cc, EngineConfig(policy=pol, max_running=args.requests, prefill=args.prefill,
-                                             prefill_chunk=args.prefill_chunk, log_path=log_path,
-                                             kernels=args.kernels))
-        for i, p in enumerate(prompts):
-            eng.add_request(f"r{i}", p, params)
+        eng, cc = engine(pol, os.path.join(args.log_dir, f"{pol}.jsonl") if args.log_dir else None)
         t0 = time.perf_counter()
 
         def progress(e, pol=pol, t0=t0):
@@ -209,7 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
     except SystemExit as e:  # argparse already printed usage and the error
         return int(e.code or 0)
-    out = run(args)
+    try:
+        out = run(args)
+    except DemoSetupError as e:
+        print(f"hisparse demo: error: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(out))
     else:

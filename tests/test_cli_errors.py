@@ -127,3 +127,17 @@ def test_valid_arguments_parse(tmp_path):
     c = calc._parser().parse_args([])
     assert (c.preset, c.seq, c.dp, c.tp, c.host_gib, c.kv_hbm_gib, c.groups) == ("glm-5.3-blog", 81_920, 1, 8, None,
                                                                                  None, None)
+
+
+@pytest.mark.parametrize("device_requests, words", [
+    ("0.01", "device_pages must be >= 1, got 0"),
+    ("0.6", "can never be admitted"),
+])
+def test_demo_budgets_too_small_for_the_workload(capsys, device_requests, words):
+    """Each argument is valid but together they leave a request no room: refused (exit 2) before any policy runs,
+    naming --device-requests and what does not fit."""
+    code = cli.main(["demo", "--requests", "2", "--prompt-len", "128", "--new-tokens", "2",
+                     "--device-requests", device_requests, "--plot", ""])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"--device-requests {device_requests}" in err and "too small" in err and words in err, err
