@@ -419,7 +419,7 @@ def get_preset(name: str) -> ModelConfig:
 
 
 PAGE_SIZE = 64  # tokens per KV page (FlashMLA / vLLM use 64)
-KV_DTYPES = ("bf16", "fp8", "float32")
+KV_DTYPES = ("auto", "bf16", "fp8", "float32")
 FETCH_MECHANISMS = ("row", "page")
 
 
@@ -427,9 +427,11 @@ FETCH_MECHANISMS = ("row", "page")
 class CacheConfig:
     """The tiered paged KV store: formats and budgets (in pages of 64 tokens).
 
-    kv_dtype: "bf16" (latent, rope and indexer keys in bf16), "fp8" (latent e4m3 with one fp32 scale per
-      128 values, rope bf16, indexer keys e4m3 of the Hadamard-rotated key with one fp32 scale; the indexer
-      then scores in DeepSeek's FP8 emulation), or "float32" (exact; for equivalence tests).
+    kv_dtype: "auto" (the default: the model's dtype — "float32" for float32 and float16 models (float32 holds
+      float16 values exactly; there is no float16 pool format), "bf16" for bfloat16 models — so a tiered cache
+      gives the contiguous cache's tokens), "bf16" (latent, rope and indexer keys in bf16), "fp8" (latent e4m3
+      with one fp32 scale per 128 values, rope bf16, indexer keys e4m3 of the Hadamard-rotated key with one
+      fp32 scale; the indexer then scores in DeepSeek's FP8 emulation), or "float32" (exact).
     device_pages: device KV pool (latent + rope of every layer); hot buffers are lent from it.
     host_pages: pinned-host KV pool (the offloaded tier; every token is mirrored here when `mirror_to_host`).
     index_pages: device indexer-key pool (keys never leave the device); default: device + host pages.
@@ -441,7 +443,7 @@ class CacheConfig:
     mirror_to_host: write every new row to its host page as it is appended (eviction then needs no copy).
     """
 
-    kv_dtype: str = "bf16"
+    kv_dtype: str = "auto"
     device_pages: int = 256
     host_pages: int = 1024
     index_pages: int | None = None
@@ -477,6 +479,12 @@ class CacheConfig:
     @property
     def num_index_pages(self) -> int:
         return self.index_pages if self.index_pages is not None else self.device_pages + self.host_pages
+
+    def kv_dtype_for(self, model: ModelConfig) -> str:
+        """The store format for `model`: `kv_dtype`, with "auto" resolved from the model's dtype."""
+        if self.kv_dtype != "auto":
+            return self.kv_dtype
+        return "bf16" if model.dtype == "bfloat16" else "float32"
 
     def hot_rows_for(self, model: ModelConfig) -> int:
         hr = self.hot_rows if self.hot_rows is not None else 2 * model.index_topk

@@ -156,3 +156,17 @@ def test_save_restore_resumes_exactly(model, tmp_path):
     _, got = run(restored, slots, tok, 15)
     for a, b in zip(want, got):
         np.testing.assert_array_equal(a, b)
+
+
+def test_default_kv_dtype_follows_the_model(model):
+    """CacheConfig's default kv_dtype ("auto") is the model's: a float32 model through a small tiered cache gives
+    exactly the contiguous cache's tokens."""
+    assert CacheConfig().kv_dtype == "auto"
+    assert CacheConfig().kv_dtype_for(model.cfg) == "float32"
+    assert CacheConfig().kv_dtype_for(model.cfg.replace(dtype="bfloat16")) == "bf16"
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 97, n).tolist() for n in (300, 170)]
+    tokens, stats = generate(model, prompts, 12, cache=CacheConfig(device_pages=7, host_pages=24, max_seqs=2,
+                                                                     max_seq_len=384), return_stats=True)
+    assert tokens == generate(model, prompts, 12)
+    assert stats["evicted_pages"] > 0 and stats["misses"] > 0

@@ -499,9 +499,8 @@ class TieredCache:
                 continue
             _, _, s = max(cands)
             r = self.requests[s]
-            if not r.hot:  # the hot buffer is lent from the pages being released
+            if not r.hot:  # the hot buffer is lent from the pages being released (evict allocates it)
                 self.evict(s, self.victim_order(self, s)[:nh])
-                self._ensure_hot(s)
             missing = free_target - self.pool.num_free(Tier.DEVICE)
             if missing > 0:
                 self.evict(s, self.victim_order(self, s)[:missing])
@@ -533,7 +532,6 @@ class TieredCache:
             if need > self.pool.num_free(Tier.DEVICE):
                 continue
             for s, i in holders:
-                self._ensure_hot(s)
                 self.evict(s, [i])
             return True
         return False
@@ -547,16 +545,29 @@ class TieredCache:
 
     def evict(self, slot: int, logical_pages: list[int]) -> None:
         """Release the device copies of `slot`'s logical pages (their host copies must be current). A page
-        shared with other requests loses only this request's reference (it stays resident for them)."""
+        shared with other requests loses only this request's reference (it stays resident for them).
+
+        A request reads released pages through its hot buffer, so one without a hot buffer gets it here, from
+        the device pages this frees or the free ones; if they cannot hold it, PoolError and nothing changes."""
         r = self.requests[slot]
         growing = self._growing[1] if self._growing and self._growing[0] == slot else 0
+        if slot in self.swapped:
+            raise PoolError(f"slot {slot} is swapped out: it has no device pages to release")
+        if len(set(logical_pages)) != len(logical_pages):
+            raise PoolError(f"slot {slot}: repeated pages in {logical_pages}")
         for i in logical_pages:
-            if i >= r.num_pages + growing - TAIL_PAGES:
-                raise PoolError(f"slot {slot}: page {i} is one of the last {TAIL_PAGES} pages (being written)")
+            if not 0 <= i < r.num_pages + growing - TAIL_PAGES:
+                raise PoolError(f"slot {slot}: page {i} is not a released-able page (one of the last {TAIL_PAGES} "
+                                f"pages being written, or past the request's {r.num_pages})")
             if r.device[i] == INVALID or r.host[i] == INVALID:
                 raise PoolError(f"slot {slot}: page {i} is not resident with a host copy")
         if not logical_pages:
             return
+        if not r.hot:
+            freed = sum(self.pool.refcount(Tier.DEVICE, r.device[i]) == 1 for i in logical_pages)
+            free = self.pool.num_free(Tier.DEVICE)
+            if free + freed < self.hot_pages_per_request:  # the hot buffer would not fit: change nothing
+                raise OutOfPages(Tier.DEVICE, self.hot_pages_per_request - freed, free, self.spec.device_pages)
         req = _pad_pow2([slot] * len(logical_pages))
         idx = _pad_pow2(list(logical_pages))
         self.store, d2h = _evict(self.store, jnp.asarray(req), jnp.asarray(idx))
@@ -565,6 +576,7 @@ class TieredCache:
             self.pool.free(Tier.DEVICE, [r.device[i]])
             r.device[i] = INVALID
         self.evicted_pages += len(logical_pages)
+        self._ensure_hot(slot)  # also syncs the tables when the buffer is new
 
     # ----- checked row-level access (trace replays, tests) ----------------------------------------
     def _req_array(self, slots) -> jnp.ndarray:
@@ -590,6 +602,9 @@ class TieredCache:
         (latent f32[L, B, K, C], rope f32[L, B, K, R], valid bool[B, K], payload_h2d_bytes).
         Advances the LRU clock like a decode step. Raises ValueError on positions outside [0, seq_len)."""
         req = self._req_array(slots)
+        swapped = [x for x in slots if x in self.swapped]
+        if swapped:
+            raise ValueError(f"slots {swapped} are swapped out (no device pages, no hot buffer): swap_in first")
         topk = np.asarray(topk, np.int32)
         if topk.ndim != 2 or topk.shape[0] != len(slots):
             raise ValueError(f"topk must be int32[{len(slots)}, K], got shape {topk.shape}")
@@ -642,6 +657,10 @@ class TieredCache:
                 if list(table[s, :n]) != list(want) or np.any(table[s, n:] != -1):
                     raise PoolError(f"slot {s}: device {name} table {table[s, :n + 1].tolist()} != host view {want}")
             if r:
+                released = [i for i in range(n) if r.device[i] == INVALID]
+                if released and not r.hot and s not in self.swapped:
+                    raise PoolError(f"slot {s}: pages {released[:8]} are released but the request has no hot buffer "
+                                    "to read them through")
                 if sorted(hp[s][hp[s] >= 0].tolist()) != sorted(r.hot):
                     raise PoolError(f"slot {s}: hot pages {hp[s].tolist()} != {r.hot}")
                 if sl[s] != self.lengths[s]:

@@ -63,7 +63,8 @@ class StoreSpec:
 
     @classmethod
     def create(cls, model: ModelConfig, cache: CacheConfig) -> "StoreSpec":
-        if cache.kv_dtype == "fp8" and (model.kv_lora_rank % FP8_BLOCK or model.index_head_dim != FP8_BLOCK):
+        kv_dtype = cache.kv_dtype_for(model)
+        if kv_dtype == "fp8" and (model.kv_lora_rank % FP8_BLOCK or model.index_head_dim != FP8_BLOCK):
             raise ValueError(f"the fp8 layout needs kv_lora_rank a multiple of {FP8_BLOCK} and index_head_dim == "
                              f"{FP8_BLOCK} (got {model.kv_lora_rank}, {model.index_head_dim})")
         groups, cur = [], []
@@ -77,7 +78,7 @@ class StoreSpec:
                    groups=tuple(groups), latent_dim=model.kv_lora_rank, rope_dim=model.qk_rope_head_dim,
                    index_dim=model.index_head_dim, device_pages=cache.device_pages,
                    index_pages=cache.num_index_pages, host_pages=cache.host_pages, max_seqs=cache.max_seqs,
-                   max_pages=cache.max_pages_per_seq, hot_rows=cache.hot_rows_for(model), kv_dtype=cache.kv_dtype,
+                   max_pages=cache.max_pages_per_seq, hot_rows=cache.hot_rows_for(model), kv_dtype=kv_dtype,
                    fetch=cache.fetch, fetch_chunk=cache.fetch_chunk, mirror_to_host=cache.mirror_to_host,
                    topk=model.index_topk)
 
