@@ -28,7 +28,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import importlib
 
-    return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
+    try:
+        command = importlib.import_module(COMMANDS[argv[0]][0])
+    except ModuleNotFoundError as e:  # `calc` is pure Python; `demo` needs jax, flax and numpy
+        if not e.name or e.name.split(".")[0] == "hisparse_jax":
+            raise
+        print(f"hisparse {argv[0]}: error: it needs {e.name.split('.')[0]!r}, which is not installed (the project's "
+              f"dependencies: pip install -e . in its repository)", file=sys.stderr)
+        return 1
+    return command.main(argv[1:])
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import numbers
 import os
+import re
 import sys
 import time
 
@@ -28,8 +30,8 @@ from hisparse_jax.kv.tiered import KERNELS, check_kernels
 from hisparse_jax.model.decoder import SparseMLAModel
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hisparse demo", description=__doc__.splitlines()[0])
+def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser_class(prog="hisparse demo", description=__doc__.splitlines()[0])
     p.add_argument("--preset", type=choice(sorted(PRESETS), "preset"), default="demo-glm",
                    help="model preset (default demo-glm)")
     p.add_argument("--requests", type=positive_int, default=16, help="concurrent requests (default 16)")
@@ -88,8 +90,22 @@ class DemoSetupError(ValueError):
     """The arguments are each valid, but the workload cannot run under the budgets they give."""
 
 
-def run(args) -> dict:
-    """Run the workload once per policy; raises DemoSetupError, before any policy runs, if one cannot."""
+def run(args: argparse.Namespace | None = None, /, **options) -> dict:
+    """Run the workload once per policy and return what `hisparse demo --json` prints; raises DemoSetupError,
+    before any policy runs, if one cannot.
+
+    Either `run(parse_args(argv))` or keywords named after the options, e.g. `run(requests=4, prompt_len=256,
+    new_tokens=8, policies=("offload", "hisparse"), plot="")`: the rest keep the command's defaults (so `plot`
+    writes hisparse_demo.png unless given; `plot=""` writes none) and every value is checked as the command
+    checks it, before any work: an unknown keyword or a value of the wrong type is a TypeError, a value the
+    command would refuse a ValueError with the command's message (`requests: must be >= 1, got '0'`)."""
+    if args is None:
+        args = _namespace(options)
+    elif options:
+        raise TypeError(f"run() takes an argparse.Namespace or keywords, not both (got {', '.join(options)})")
+    elif not isinstance(args, argparse.Namespace):
+        raise TypeError(f"run() takes an argparse.Namespace (from parse_args) or keywords, got "
+                        f"{type(args).__name__}")
     cfg = get_preset(args.preset)
     model = SparseMLAModel(cfg, rngs=nnx.Rngs(args.seed))
     prompts = workload(cfg.vocab_size, args.requests, args.prompt_len, args.seed)
@@ -205,7 +221,10 @@ def _table(out: dict) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The checked arguments: a bad one is a usage error (SystemExit(2)) before any work starts; this creates
     --log-dir."""
-    parser = _parser()
+    return _checked(_parser(), argv)
+
+
+def _checked(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     try:
         check_kernels(args.kernels)
@@ -216,6 +235,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.log_dir:
         check_output_dir(parser, "--log-dir", args.log_dir)
     return args
+
+
+class _KeywordParser(argparse.ArgumentParser):
+    """`_parser()` for `run(**options)`: a refused value is a ValueError naming the keyword, not SystemExit."""
+
+    def error(self, message: str):
+        raise ValueError(re.sub(r"argument --([a-z-]+)", lambda m: m[1].replace("-", "_"), message))
+
+
+def _namespace(options: dict) -> argparse.Namespace:
+    """The checked Namespace for `run(**options)`: the command's defaults, each keyword given turned back into
+    its option's text and parsed (and checked) as the command does."""
+    parser = _parser(_KeywordParser)
+    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+    defaults = parser.parse_args([])
+    argv = []
+    for name, value in options.items():
+        if name not in actions:
+            raise TypeError(f"run() got an unexpected keyword argument {name!r}; options: {', '.join(actions)}")
+        option, default = actions[name].option_strings[-1], getattr(defaults, name)
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {value!r}")
+            argv += [option] if value else []
+            continue
+        if isinstance(default, tuple):  # --policies: a sequence of names, or the command's comma-separated text
+            if isinstance(value, (list, tuple)) and all(isinstance(v, str) and "," not in v for v in value):
+                value = ",".join(value)
+            elif not isinstance(value, str):
+                raise TypeError(f"{name} must be a sequence of names, got {value!r}")
+        elif isinstance(default, int):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+        elif isinstance(default, float):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+        elif not isinstance(value, str):
+            raise TypeError(f"{name} must be a str, got {value!r}")
+        argv.append(f"{option}={value}")  # `=`: a value starting with '-' stays a value
+    return _checked(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

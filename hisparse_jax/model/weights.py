@@ -231,12 +231,30 @@ PARAMS_MANIFEST = "hisparse_manifest.json"  # next to Orbax's files: dtype, shap
 PARAMS_FORMAT = "hisparse_jax.params"
 
 
-def save_params(model: SparseMLAModel, path: str | os.PathLike) -> None:
-    """Orbax checkpoint of the parameters (directory `path`, which must not exist), with a manifest of every
-    parameter's dtype, shape and checksum that `restore_params` verifies."""
+def save_params(model: SparseMLAModel, path: str | os.PathLike, *, overwrite: bool = False) -> None:
+    """Orbax checkpoint of the parameters (directory `path`), with a manifest of every parameter's dtype, shape
+    and checksum that `restore_params` verifies.
+
+    `path` must not exist (FileExistsError naming it), unless `overwrite=True`: then an existing save_params
+    checkpoint there (a folder holding `hisparse_manifest.json` or Orbax's `_CHECKPOINT_METADATA`), or an empty
+    folder, is removed first; anything else (another folder, a file, a symbolic link) is refused, never deleted."""
+    import shutil
+
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.fspath(path))
+    if os.path.lexists(path):
+        if not overwrite:
+            raise FileExistsError(f"{path} already exists; save_params(..., overwrite=True) replaces a checkpoint "
+                                  "it wrote there")
+        if os.path.islink(path) or not os.path.isdir(path):
+            what = "a symbolic link" if os.path.islink(path) else "not a folder"
+            raise FileExistsError(f"{path} exists and is {what}; not removing it, even with overwrite=True")
+        entries = os.listdir(path)
+        if entries and not {PARAMS_MANIFEST, "_CHECKPOINT_METADATA"} & set(entries):
+            raise FileExistsError(f"{path} exists and is not a save_params checkpoint (it has no {PARAMS_MANIFEST} "
+                                  "or _CHECKPOINT_METADATA); not removing it, even with overwrite=True")
+        shutil.rmtree(path)
     state = nnx.state(model, nnx.Param)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path, state)
