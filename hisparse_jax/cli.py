@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 COMMANDS = {
@@ -36,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hisparse {argv[0]}: error: it needs {e.name.split('.')[0]!r}, which is not installed (the project's "
               f"dependencies: pip install -e . in its repository)", file=sys.stderr)
         return 1
-    return command.main(argv[1:])
+    try:
+        return command.main(argv[1:])
+    except BrokenPipeError:  # `hisparse calc --sweep | head`: the reader left; not an error worth a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush stays quiet
+        return 0
 
 
 if __name__ == "__main__":
