@@ -65,7 +65,7 @@ def make_case(seed, *, B=4, K=20, Rq=5, MP=6, HR=48, seq_len=None, scenario="mix
         src = tok[:, 3::5].copy()
         tok[:, 2:2 + 5 * src.shape[1]:5] = src  # duplicate tags
         topk[:, -3:] = topk[:, :3]  # duplicate top-k positions
-        hot_pages[:, 0] = -1  # a hot page not lent: reads as page 0
+        hot_pages[0, 0] = -1  # request 0's hot buffer is not all lent: it has none (only resident rows valid)
     if scenario == "starved":  # every untouched slot looks newer than the clock: misses evict this step's hits
         stamp[:] = clock + 3
     return dict(topk=topk, req=req, block_table=block_table, host_table=host_table, hot_pages=hot_pages,

@@ -30,8 +30,9 @@ import jax.numpy as jnp
 from hisparse_jax.compat import DEVICE, HOST, on_host
 from hisparse_jax.config import PAGE_SIZE
 from hisparse_jax.kv.state import FP8_BLOCK, KVStore, StoreSpec
-from hisparse_jax.model.indexer import (fp8_quantize, index_scores, index_scores_fp8, quantize_index_keys,
-                                        select_topk)
+from pallas_kernels.common import fp8_quantize
+from pallas_kernels.indexer_topk.reference import index_scores, index_scores_fp8, quantize_index_keys, select_topk
+from pallas_kernels.sparse_gather.reference import resolve_positions
 
 # ----- formats ----------------------------------------------------------------------------------
 def encode_latent(spec: StoreSpec, c):
@@ -157,67 +158,35 @@ class Plan(NamedTuple):
     """Where each top-k row is read from, and what must be fetched. All [B, K] unless noted."""
 
     page: jax.Array  # device page to read (resident page or hot page); 0 where invalid
-    row: jax.Array  # row in that page
-    valid: jax.Array  # bool: a real position (not -1 padding, not an idle row)
+    row: jax.Array  # row in that page (0 where invalid)
+    valid: jax.Array  # bool: resident, hot hit or miss (not padding, an idle row, or a position with no copy)
     resident: jax.Array  # bool: read in place from a resident page
     miss: jax.Array  # bool: fetched from host this step
     src_page: jax.Array  # host page of a miss (-1 otherwise)
     src_row: jax.Array
 
 
-def resolve(spec: StoreSpec, store: KVStore, group: int, req, topk):
+def resolve(spec: StoreSpec, store: KVStore, group: int, req, topk, *, resolver=None):
     """Resolve the top-k positions of every decode row for indexer group `group`.
 
-    For position t of request r: if block_table[r, t // 64] >= 0 the row is read in place; else if t is
-    in the group's hot buffer it is a hit (stamp := clock); else a miss takes the least-recently-used slot
-    (never one hit or claimed this step; empty slots first, lower slot first among equals) and records the
-    host row to copy into it. Requires hot_rows >= K, so every miss finds a slot.
-    Returns (plan, store) with hot_token / hot_stamp updated.
+    The rule is `pallas_kernels.sparse_gather.reference` (its docstring is the spec): resident page | hot
+    hit (stamp := clock) | miss (claims the least-recently-used slot and names the host row to copy into
+    it) | invalid (padding, idle rows, non-resident positions of a request without a hot buffer, positions
+    with no copy anywhere: never fetched, never read). Requires hot_rows >= K, so every miss finds a slot.
+
+    `resolver` computes the rule: None for the jnp spec (`resolve_positions`), or a function of the same
+    signature such as the Pallas kernel `pallas_kernels.sparse_gather.sparse_gather` (bit-identical).
+    Returns (plan, store) with the group's hot_token / hot_stamp and the requests' page_stamp updated.
     """
-    B, K = topk.shape
-    HR = spec.hot_rows
-    r = jnp.maximum(req, 0)
-    valid = (topk >= 0) & (req >= 0)[:, None]
-    pos = jnp.maximum(topk, 0)
-    lp = pos // PAGE_SIZE
-    dpage = jnp.take_along_axis(store.block_table[r], lp, axis=1)
-    resident = valid & (dpage >= 0)
-    want = valid & ~resident  # served by the hot buffer
-
-    tokens = store.hot_token[r, group]  # [B, HR]
-    stamps = store.hot_stamp[r, group]
-    order = jnp.argsort(tokens, axis=1, stable=True)
-    sorted_tok = jnp.take_along_axis(tokens, order, axis=1)
-    at = jax.vmap(jnp.searchsorted)(sorted_tok, pos)  # [B, K]
-    at = jnp.minimum(at, HR - 1)
-    found = jnp.take_along_axis(sorted_tok, at, axis=1) == pos
-    hit = want & found
-    hit_slot = jnp.take_along_axis(order, at, axis=1)
-    miss = want & ~found
-
-    clock = store.clock
-    bidx = jnp.arange(B)[:, None]
-    stamps = stamps.at[bidx, jnp.where(hit, hit_slot, HR)].set(clock, mode="drop")
-    # LRU victims: the K oldest slots (stamp -1 = never used comes first; ties -> lower slot)
-    _, victims = jax.lax.top_k(-stamps, K)  # [B, K]
-    rank = jnp.cumsum(miss, axis=1) - 1
-    miss_slot = jnp.take_along_axis(victims, jnp.maximum(rank, 0), axis=1)
-    dst = jnp.where(miss, miss_slot, HR)
-    tokens = tokens.at[bidx, dst].set(pos, mode="drop")
-    stamps = stamps.at[bidx, dst].set(clock, mode="drop")
-
-    slot = jnp.where(hit, hit_slot, miss_slot)
-    hot_page = jnp.take_along_axis(store.hot_pages[r], slot // PAGE_SIZE, axis=1)
-    page = jnp.where(resident, dpage, jnp.where(want, hot_page, 0))
-    row = jnp.where(resident, pos % PAGE_SIZE, jnp.where(want, slot % PAGE_SIZE, 0))
-    src_page = jnp.where(miss, jnp.take_along_axis(store.host_table[r], lp, axis=1), -1)
-    plan = Plan(page=jnp.maximum(page, 0), row=row, valid=valid, resident=resident, miss=miss,
-                src_page=src_page, src_row=pos % PAGE_SIZE)
+    resolver = resolve_positions if resolver is None else resolver
+    out = resolver(topk, req, store.block_table, store.host_table, store.hot_pages, store.hot_token[:, group],
+                   store.hot_stamp[:, group], store.clock, hot_rows=spec.hot_rows)
+    plan = Plan(*out[:7])
     rw = jnp.where(req >= 0, req, spec.max_seqs)  # idle rows write nowhere
-    hot_token = store.hot_token.at[rw, group].set(tokens, mode="drop")
-    hot_stamp = store.hot_stamp.at[rw, group].set(stamps, mode="drop")
-    page_stamp = store.page_stamp.at[rw[:, None], jnp.where(valid, lp, spec.max_pages)].max(clock, mode="drop")
-    return plan, _replace(store, hot_token=hot_token, hot_stamp=hot_stamp, page_stamp=page_stamp)
+    lp = jnp.where(plan.valid, jnp.maximum(topk, 0) // PAGE_SIZE, spec.max_pages)
+    page_stamp = store.page_stamp.at[rw[:, None], lp].max(store.clock, mode="drop")
+    return plan, _replace(store, hot_token=store.hot_token.at[:, group].set(out[7]),
+                          hot_stamp=store.hot_stamp.at[:, group].set(out[8]), page_stamp=page_stamp)
 
 
 # ----- host -> device fetch of the misses -------------------------------------------------------
@@ -236,8 +205,9 @@ def fetch_misses(spec: StoreSpec, store: KVStore, layers: tuple[int, ...], plan:
 
 def _compact_misses(plan: Plan):
     """Flatten [B, K] and move the misses to the front (stable). Returns (n, src_page, src_row, dst_page,
-    dst_row) as [B*K] arrays sorted by (not miss, src_page)."""
-    miss = plan.miss.reshape(-1)
+    dst_row) as [B*K] arrays sorted by (not miss, src_page). The resolver only reports valid misses with a
+    host page; this is the write into the device pools, so a miss without one is dropped here too."""
+    miss = (plan.miss & plan.valid & (plan.src_page >= 0)).reshape(-1)
     src_page = plan.src_page.reshape(-1)
     key = jnp.where(miss, src_page, jnp.iinfo(jnp.int32).max)
     order = jnp.argsort(key, stable=True)

@@ -104,8 +104,7 @@ class TieredKV:
         store, stats = cache["store"], dict(cache["stats"])
         g = spec.group_of_layer[layer]
         if layer == spec.groups[g][0]:  # the group's leader resolves and fetches for every layer of the group
-            plan, store = (self._resolve_pallas(store, g, cache["req"], topk) if self._pallas
-                           else ops.resolve(spec, store, g, cache["req"], topk))
+            plan, store = ops.resolve(spec, store, g, cache["req"], topk, resolver=self._resolver())
             store, payload, transfer = ops.fetch_misses(spec, store, spec.groups[g], plan)
             stats["h2d_rows"] = stats["h2d_rows"] + payload
             stats["h2d_transfer_rows"] = stats["h2d_transfer_rows"] + transfer
@@ -132,20 +131,13 @@ class TieredKV:
         return o_lat, dict(cache, store=store, plan=plan, stats=stats)
 
 
-    def _resolve_pallas(self, store, g, req, topk):
+    def _resolver(self):
+        """The resolver rule's implementation for `ops.resolve`: None (its jnp spec) or the Pallas kernel."""
+        if not self._pallas:
+            return None
         from pallas_kernels import sparse_gather
 
-        out = sparse_gather(topk, req, store.block_table, store.host_table, store.hot_pages, store.hot_token[:, g],
-                            store.hot_stamp[:, g], store.clock, hot_rows=self.spec.hot_rows,
-                            interpret=self._interpret)
-        plan = ops.Plan(*out[:7])
-        hot_token, hot_stamp = out[7], out[8]
-        rw = jnp.where(req >= 0, req, self.spec.max_seqs)
-        lp = jnp.where(plan.valid, jnp.maximum(topk, 0) // 64, self.spec.max_pages)
-        page_stamp = store.page_stamp.at[rw[:, None], lp].max(store.clock, mode="drop")
-        store = dataclasses.replace(store, hot_token=store.hot_token.at[:, g].set(hot_token),
-                                    hot_stamp=store.hot_stamp.at[:, g].set(hot_stamp), page_stamp=page_stamp)
-        return plan, store
+        return functools.partial(sparse_gather, interpret=self._interpret)
 
 
 def _positions(store: KVStore, req):

@@ -10,6 +10,9 @@ form: one KV head with a 576-d key [c | kR] and the 512-d latent as value,
 
     q~_h = W_UK_h^T q_nope_h,   score_h(s) = tau (q~_h . c_s + q_rope_h . kR_s),
     o_h  = W_UV_h sum_s softmax(score_h)(s) c_s.
+
+The decode math is specified once, in `pallas_kernels.sparse_mla_decode.reference` (`sparse_mla_decode_rows`,
+re-exported here as `sparse_mla_decode_reference`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from hisparse_jax.config import ModelConfig
 from hisparse_jax.model.indexer import Indexer
 from hisparse_jax.model.layers import Linear, RMSNorm
 from hisparse_jax.model.rope import apply_rope
+from pallas_kernels.sparse_mla_decode.reference import (
+    sparse_mla_decode_rows as sparse_mla_decode_reference,  # noqa: F401  (re-exported: the model's name for it)
+)
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -72,24 +78,3 @@ def mla_prefill_attention(q_nope, q_rope, c, k_rope, attend, w_uk, w_uv, tau):
     s = jnp.where(attend[:, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1).astype(q_nope.dtype)
     return jnp.einsum("bhts,bshv->bthv", p, v)
-
-
-def sparse_mla_decode_reference(q_lat, q_rope, rows_c, rows_r, valid, tau):
-    """Absorbed MLA of one query token per sequence over its K selected rows (the spec).
-
-    q_lat [B, H, C] (= W_UK^T q_nope), q_rope [B, H, R], rows_c [B, K, C], rows_r [B, K, R],
-    valid bool[B, K] (False for -1 padded top-k slots; their row contents are ignored, even NaN)
-    -> o_lat f32[B, H, C] = sum_s softmax_s(tau (q_lat . c_s + q_rope . kR_s)) c_s.
-    A sequence with no valid row returns zeros.
-    """
-    rows_c = jnp.where(valid[..., None], rows_c, 0)
-    rows_r = jnp.where(valid[..., None], rows_r, 0)
-    s = (jnp.einsum("bhc,bkc->bhk", q_lat, rows_c, precision=HIGHEST, preferred_element_type=jnp.float32)
-         + jnp.einsum("bhr,bkr->bhk", q_rope, rows_r, precision=HIGHEST, preferred_element_type=jnp.float32))
-    s = jnp.where(valid[:, None, :], s * tau, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bhk,bkc->bhc", p, rows_c.astype(jnp.float32), precision=HIGHEST)
-    return o / jnp.where(denom > 0, denom, 1.0)

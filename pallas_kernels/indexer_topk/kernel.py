@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from hisparse_jax.model.indexer import fp8_quantize, hadamard
+from pallas_kernels.common import fp8_quantize, hadamard
 
 INT_MIN = -(2**31)
 RADIX_BITS = 4  # bits of the key decided per counting round (divides 32): 32 / RADIX_BITS rounds

@@ -1,14 +1,65 @@
-"""The spec of the paged indexer top-k: plain jnp, HIGHEST precision, same signature as the kernel.
+"""The spec of the lightning indexer's scores and top-k (plain jnp, HIGHEST precision); the model's indexer,
+the store's paged selection and the Pallas kernel all compute these functions.
 
-Shapes: B decode rows, I indexer heads, dI head dim, P pool pages of `page` (64) token rows, MP pages
-per row in the block table, S = MP * page key positions, K top-k slots.
+For a query token t and a cached key position s (one index set per layer and token, shared by all heads):
+
+    I(t, s) = sum_h w[t, h] * relu(qI[t, h] . kI[s])        (float32 accumulation)
+
+with `w` carrying the positive scale constants. Selection keeps min(topk, #keys) positions in descending
+score order; the lower position wins a tie (`lax.top_k`'s rule); positions that are not valid come back -1.
+
+FP8 emulation (DeepSeek's inference path): q and k are rotated by the Sylvester Hadamard matrix / sqrt(dI)
+and quantized to e4m3 with power-of-two scales per 128 values (`pallas_kernels.common.fp8_quantize`); the
+score multiplies q's scale inside the head sum and k's scale after it.
+
+Shapes: B decode rows, T query tokens, I indexer heads, dI head dim, P pool pages of `page` (64) token rows,
+MP pages per row in the block table, S key positions (MP * page when paged), K top-k slots.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-from hisparse_jax.model.indexer import index_scores, index_scores_fp8, select_topk
+from pallas_kernels.common import fp8_quantize, hadamard
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def index_scores(q, w, k, *, fp8: bool = False):
+    """q f32[..., T, I, dI], w f32[..., T, I], k [..., S, dI] -> f32[..., T, S] (unmasked)."""
+    if fp8:
+        return index_scores_fp8(q, w, *quantize_index_keys(k))
+    dots = jnp.einsum("...tid,...sd->...tis", q, k.astype(jnp.float32), precision=HIGHEST)
+    return jnp.einsum("...tis,...ti->...ts", jax.nn.relu(dots), w, precision=HIGHEST)
+
+
+def quantize_index_keys(k):
+    """Indexer keys as DeepSeek caches them: e4m3 of the Hadamard-rotated key + one fp32 scale per key.
+
+    k [..., S, dI] -> (e4m3 [..., S, dI], f32 [..., S])."""
+    return fp8_quantize(hadamard(k.astype(jnp.float32)), block=k.shape[-1])
+
+
+def index_scores_fp8(q, w, k_fp8, k_scale):
+    """FP8 emulation with pre-quantized keys: q f32[..., T, I, dI], w f32[..., T, I],
+    k_fp8 e4m3[..., S, dI], k_scale f32[..., S] -> f32[..., T, S]."""
+    qq, qs = fp8_quantize(hadamard(q), block=q.shape[-1])  # qs [..., T, I]
+    dots = jnp.einsum("...tid,...sd->...tis", qq.astype(jnp.float32), k_fp8.astype(jnp.float32), precision=HIGHEST)
+    s = jnp.einsum("...tis,...ti->...ts", jax.nn.relu(dots), w * qs, precision=HIGHEST)
+    return s * k_scale[..., None, :]
+
+
+def select_topk(scores, valid, k: int):
+    """scores f32[..., S], valid bool[..., S] -> int32[..., min(k, S)] positions, -1 where not valid.
+
+    Valid positions come first in descending score order; the lower position wins a tie.
+    """
+    k = min(k, scores.shape[-1])
+    masked = jnp.where(valid, scores, -jnp.inf)
+    _, pos = jax.lax.top_k(masked, k)
+    ok = jnp.take_along_axis(valid, pos, axis=-1)
+    return jnp.where(ok, pos, -1).astype(jnp.int32)
 
 
 def paged_index_scores(q, w, k_pages, block_table, *, k_scale=None):

@@ -6,8 +6,12 @@ the semantics). Two `pallas_call`s, no sort, no host sync, fixed shapes (CUDA-gr
 1. `_lookup_kernel`, grid (B, K / TK), one program per tile of TK top-k positions:
    residency by gathering block_table[r, t // 64]; hit lookup by comparing the tile's positions with the
    request's HR slot tags, TS slots at a time ([TK, TS] equality, min over matching slot ids gives the
-   lowest matching slot). Tiles without a non-resident position skip the comparison. Writes a kind code
-   (0 invalid, 1 resident, 2 hit, 3 miss) and an address (device page | hit slot | -1) per position.
+   lowest matching slot). Tiles without a position the hot buffer may serve skip the comparison. Writes a
+   kind code (0 invalid, 1 resident, 2 hit, 3 miss) and an address (device page | hit slot | -1) per
+   position. The reference's validity masks are applied here, once: a non-resident position is a hit or
+   a miss only when the request has a hot buffer (`has_hot_buffer`, computed by the wrapper: its hot
+   pages of -1 are never addresses), and a miss only when host_table[r, t // 64] >= 0 (else there is no
+   copy anywhere: invalid). Every later phase acts on kinds 1-3 only.
    Work O(K * HR) compares per row, spread over K / TK programs.
 2. `_assign_kernel`, grid (B,), one program per decode row, owning row req[b] of the (aliased) hot state:
    a. touch: scatter stamp := clock at every hit slot (duplicates write the same value); count misses m.
@@ -21,6 +25,9 @@ the semantics). Two `pallas_call`s, no sort, no host sync, fixed shapes (CUDA-gr
    c. one pass over the K positions: miss rank q = running cumsum of the miss mask, slot = order[q];
       page = hot_pages[r, slot // 64] (hits and misses) or the resident page, row = slot % 64 or t % 64;
       scatter hot_token := t, hot_stamp := clock at the claimed slots; src_page = host_table[r, t // 64].
+   Every table read here is an address: the load is masked to the lanes that need it, the index clamped
+   into the table, and a page id is used only where it was checked >= 0 (else page 0, which the readers
+   ignore because valid is False).
    Masked-off lanes of every scatter point one past the end of the row: never written on a GPU, and
    dropped (not clamped onto a real slot) by interpret mode's scatter. Global scratch (the hot rows, the
    V list, order) is shared by the program's threads across phases; a block barrier (`debug_barrier`,
@@ -48,7 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.sparse_gather.reference import PAGE, check_shapes
+from pallas_kernels.sparse_gather.reference import PAGE, check_shapes, has_hot_buffer
 
 INT_MIN = -(2**31)
 MAX_TILE = 64
@@ -59,11 +66,11 @@ def _barrier(interpret: bool):
         plgpu.debug_barrier()
 
 
-def _lookup_kernel(req_ref, topk_ref, block_table_ref, hot_token_ref,  # inputs
+def _lookup_kernel(req_ref, hot_ok_ref, topk_ref, block_table_ref, host_table_ref, hot_token_ref,  # inputs
                    kind_ref, addr_ref,  # outputs
                    *, tk: int, ts: int):
-    # req_ref [B], topk_ref [B, Kp], block_table_ref [Rq, MP], hot_token_ref [Rq, HR]
-    # kind_ref / addr_ref [B, Kp]
+    # req_ref [B], hot_ok_ref [B] (1: the row's request has a hot buffer), topk_ref [B, Kp],
+    # block_table_ref / host_table_ref [Rq, MP], hot_token_ref [Rq, HR]; kind_ref / addr_ref [B, Kp]
     b, t = pl.program_id(0), pl.program_id(1)
     mp, hr = block_table_ref.shape[1], hot_token_ref.shape[1]
     r_raw = req_ref[b]
@@ -73,9 +80,11 @@ def _lookup_kernel(req_ref, topk_ref, block_table_ref, hot_token_ref,  # inputs
     pos = jnp.maximum(tok, 0)
     lp = pos >> 6
     in_range = lp < mp
-    dpage = plgpu.load(block_table_ref.at[r, jnp.where(in_range, lp, 0)], mask=in_range, other=INT_MIN)
+    lp_in = jnp.where(in_range, lp, 0)
+    dpage = plgpu.load(block_table_ref.at[r, lp_in], mask=in_range, other=INT_MIN)
     resident = valid & (dpage >= 0)
-    want = valid & ~resident
+    want = valid & ~resident & (hot_ok_ref[b] > 0)  # the hot buffer may serve it (hot pages all lent)
+    hpage = plgpu.load(host_table_ref.at[r, lp_in], mask=want & in_range, other=INT_MIN)
     lanes = lax.broadcasted_iota(jnp.int32, (1, ts), 1)
 
     def scan_slots(j, best):  # best [TK]: lowest matching slot so far (hr = none)
@@ -87,7 +96,8 @@ def _lookup_kernel(req_ref, topk_ref, block_table_ref, hot_token_ref,  # inputs
     n_want = jnp.sum(want.astype(jnp.int32))
     best = lax.cond(n_want > 0, lambda: lax.fori_loop(0, hr // ts, scan_slots, none), lambda: none)
     hit = want & (best < hr)
-    kind = jnp.where(resident, 1, jnp.where(hit, 2, jnp.where(want, 3, 0)))
+    miss = want & ~hit & (hpage >= 0)  # no device, hot or host copy: invalid (kind 0)
+    kind = jnp.where(resident, 1, jnp.where(hit, 2, jnp.where(miss, 3, 0)))
     kind_ref[b, pl.ds(t * tk, tk)] = kind.astype(jnp.int32)
     addr_ref[b, pl.ds(t * tk, tk)] = jnp.where(resident, dpage, jnp.where(hit, best, -1))
 
@@ -194,8 +204,8 @@ def _assign_kernel(req_ref, clock_ref, topk_ref, kind_ref, addr_ref, host_table_
         q = jnp.cumsum(miss.astype(jnp.int32)) - 1 + n_miss
         victim = plgpu.load(order_ref.at[b, jnp.where(miss, q, 0)], mask=miss, other=0)
         slot = jnp.where(hit, addr, jnp.where(miss, victim, 0))
-        hot_page = plgpu.load(hot_pages_ref.at[r, slot >> 6], mask=want, other=0)
-        page_ref[b, sl] = jnp.where(resident, addr, jnp.where(want, jnp.maximum(hot_page, 0), 0))
+        hot_page = plgpu.load(hot_pages_ref.at[r, slot >> 6], mask=want, other=-1)  # slot < HR: in the row
+        page_ref[b, sl] = jnp.where(resident, addr, jnp.where(want & (hot_page >= 0), hot_page, 0))
         row_ref[b, sl] = jnp.where(resident, pos & (PAGE - 1), jnp.where(want, slot & (PAGE - 1), 0))
         lp = pos >> 6
         in_range = lp < mp
@@ -230,10 +240,12 @@ def sparse_gather(topk, req, block_table, host_table, hot_pages, hot_token, hot_
     params = plgpu.CompilerParams(num_warps=4, num_stages=1)
     bk = jax.ShapeDtypeStruct((B, kp), jnp.int32)
 
+    hot_ok = has_hot_buffer(req, hot_pages, HR).astype(jnp.int32)  # [B]
+
     kind, addr = pl.pallas_call(
         functools.partial(_lookup_kernel, tk=tk, ts=ts), grid=(B, kp // tk), out_shape=(bk, bk),
         compiler_params=params, interpret=interpret, name="hisparse_lookup",
-    )(req, topk_p, block_table, i32(hot_token))
+    )(req, hot_ok, topk_p, block_table, host_table, i32(hot_token))
 
     page, row, src_page, hot_token, hot_stamp, _, _ = pl.pallas_call(
         functools.partial(_assign_kernel, tk=tk, ts=ts, interpret=interpret), grid=(B,),

@@ -1,24 +1,32 @@
-"""The spec of the fused HiSparse resolver for one indexer group (pure jnp).
+"""The spec of the fused HiSparse resolver for one indexer group (pure jnp): the one resolver rule.
+
+`resolve_positions` is the rule; `sparse_gather_reference` is it behind the kernel's checked, jitted
+signature; the Pallas kernel reproduces it bit for bit; `hisparse_jax.kv.ops.resolve` calls it (or the
+kernel) and records the result in the store.
 
 Shapes: B decode rows, K top-k slots, Rq request slots, MP pages per request, NH hot pages per request,
 HR hot rows (slots) per request; 64 tokens per page.
 
-For top-k position t of decode row b (request r = req[b]):
+A request has a hot buffer when every page its HR slots live on is lent: hot_pages[r, :ceil(HR / 64)] >= 0
+(`has_hot_buffer`; the cache manager lends them all or none). Slot j lives at (hot_pages[r, j // 64], j % 64).
 
-* invalid    t == -1 (padding) or r == -1 (idle row): page 0, row 0, nothing changes.
-* resident   block_table[r, t // 64] >= 0: read in place at (that page, t % 64).
-* hot hit    the hot buffer holds t (the lowest slot j with hot_token[r, j] == t, looked up in the
-             buffer as it was *before* this step): read slot j; LRU touch hot_stamp[r, j] := clock.
-* miss       otherwise: the q-th miss of the row (q counted in top-k order) claims the q-th smallest
-             (stamp, slot) pair, stamps read *after* this step's touches — i.e. the least recently used
-             slot, never-used slots (stamp -1) first, the lower slot first among equal stamps. The slot
-             gets hot_token := t, hot_stamp := clock, and the plan names the host row to copy into it:
-             (src_page, src_row) = (host_table[r, t // 64], t % 64).
+For top-k position t of decode row b (request r = req[b]), with dpage = block_table[r, t // 64] and
+hpage = host_table[r, t // 64] (a position at or beyond MP * 64 has neither):
 
-Slot j lives at (hot_pages[r, j // 64], j % 64); a hot page of -1 reads as page 0. Positions at or beyond
-MP * 64 are a caller error (they read as "not resident" with a source page of INT_MIN, as jnp's
-out-of-bounds fill does). Live rows must name distinct requests. hot_rows >= K, so every miss finds a
-slot. Bit-identical to `hisparse_jax.kv.ops.resolve` for one group.
+* resident   dpage >= 0: read in place at (dpage, t % 64).
+* hot hit    r has a hot buffer and it holds t (the lowest slot j with hot_token[r, j] == t, looked up in
+             the buffer as it was *before* this step): read slot j; LRU touch hot_stamp[r, j] := clock.
+* miss       r has a hot buffer that does not hold t, and hpage >= 0: the q-th miss of the row (q counted
+             in top-k order) claims the q-th smallest (stamp, slot) pair, stamps read *after* this step's
+             touches — i.e. the least recently used slot, never-used slots (stamp -1) first, the lower slot
+             first among equal stamps. The slot gets hot_token := t, hot_stamp := clock, and the plan names
+             the host row to copy into it: (src_page, src_row) = (hpage, t % 64).
+* invalid    everything else: t == -1 (padding), r == -1 (idle row), a non-resident position of a request
+             without a hot buffer (its hot page -1 is never an address), or a position with no copy at all
+             (not resident, not in the hot buffer, no host page). Page 0, row 0, valid False, nothing
+             changes, nothing is fetched; the readers ignore the address.
+
+Live rows must name distinct requests. hot_rows >= K, so every miss finds a slot.
 """
 
 from __future__ import annotations
@@ -28,30 +36,30 @@ import functools
 import jax
 import jax.numpy as jnp
 
-PAGE = 64
+from pallas_kernels.common import INVALID, PAGE
 
 
-@functools.partial(jax.jit, static_argnames=("hot_rows", "interpret"))
-def sparse_gather_reference(topk, req, block_table, host_table, hot_pages, hot_token, hot_stamp, clock, *,
-                            hot_rows: int, interpret: bool = False):
-    """Resolve int32[B, K] top-k positions (-1 padded) of decode rows `req` int32[B] (-1 idle).
+def has_hot_buffer(req, hot_pages, hot_rows: int):
+    """bool[B]: decode row b's request has a hot buffer (every page of its `hot_rows` slots lent; idle: False).
 
-    block_table / host_table int32[Rq, MP], hot_pages int32[Rq, NH], hot_token / hot_stamp int32[Rq, HR]
-    (this group's slice), clock int32[]. Returns (page, row, valid, resident, miss, src_page, src_row)
-    [B, K] (int32 / bool; src_page -1 where not a miss; src_row = t % 64 everywhere) and the updated
-    (hot_token, hot_stamp) int32[Rq, HR]. `interpret` is accepted for signature parity and ignored.
-    """
-    del interpret
-    check_shapes(topk, req, block_table, host_table, hot_pages, hot_token, hot_stamp, hot_rows)
+    req int32[B] (-1 idle), hot_pages int32[Rq, NH] (-1 = not lent)."""
+    used = -(-hot_rows // PAGE)
+    lent = jnp.all(hot_pages[jnp.maximum(req, 0), :used] >= 0, axis=1)  # [B]
+    return (req >= 0) & lent
+
+
+def resolve_positions(topk, req, block_table, host_table, hot_pages, hot_token, hot_stamp, clock, *, hot_rows: int):
+    """The resolver rule (module docstring), unchecked and un-jitted: what `sparse_gather_reference` returns."""
     B, K = topk.shape
     HR = hot_rows
     r = jnp.maximum(req, 0)
-    valid = (topk >= 0) & (req >= 0)[:, None]
+    live = (topk >= 0) & (req >= 0)[:, None]
     pos = jnp.maximum(topk, 0)
     lp = pos // PAGE
     dpage = jnp.take_along_axis(block_table[r], lp, axis=1)  # [B, K]; out of range -> INT_MIN
-    resident = valid & (dpage >= 0)
-    want = valid & ~resident
+    hpage = jnp.take_along_axis(host_table[r], lp, axis=1)  # [B, K]; out of range -> INT_MIN
+    resident = live & (dpage >= 0)
+    want = live & ~resident & has_hot_buffer(req, hot_pages, HR)[:, None]  # may be served by the hot buffer
 
     tokens, stamps = hot_token[r], hot_stamp[r]  # [B, HR]
     # hit lookup: the stable sort keeps equal tags in slot order, so searchsorted finds the lowest slot
@@ -59,7 +67,8 @@ def sparse_gather_reference(topk, req, block_table, host_table, hot_pages, hot_t
     sorted_tok = jnp.take_along_axis(tokens, order, axis=1)
     at = jnp.minimum(jax.vmap(jnp.searchsorted)(sorted_tok, pos), HR - 1)  # [B, K]
     found = jnp.take_along_axis(sorted_tok, at, axis=1) == pos
-    hit, miss = want & found, want & ~found
+    hit = want & found
+    miss = want & ~found & (hpage >= 0)  # no host copy either: invalid, claims nothing
     hit_slot = jnp.take_along_axis(order, at, axis=1)
 
     bidx = jnp.arange(B)[:, None]
@@ -73,15 +82,34 @@ def sparse_gather_reference(topk, req, block_table, host_table, hot_pages, hot_t
     tokens = tokens.at[bidx, dst].set(pos, mode="drop")
     stamps = stamps.at[bidx, dst].set(clock, mode="drop")
 
+    served = hit | miss
     slot = jnp.where(hit, hit_slot, miss_slot)
-    hot_page = jnp.take_along_axis(hot_pages[r], slot // PAGE, axis=1)
-    page = jnp.where(resident, dpage, jnp.where(want, hot_page, 0))
-    row = jnp.where(resident, pos % PAGE, jnp.where(want, slot % PAGE, 0))
-    src_page = jnp.where(miss, jnp.take_along_axis(host_table[r], lp, axis=1), -1)
+    hot_page = jnp.take_along_axis(hot_pages[r], slot // PAGE, axis=1)  # >= 0 wherever `served`
+    page = jnp.where(resident, dpage, jnp.where(served, hot_page, 0))
+    row = jnp.where(resident, pos % PAGE, jnp.where(served, slot % PAGE, 0))
+    src_page = jnp.where(miss, hpage, INVALID)
     rw = jnp.where(req >= 0, req, hot_token.shape[0])  # idle rows write nowhere
     hot_token = hot_token.at[rw].set(tokens, mode="drop")
     hot_stamp = hot_stamp.at[rw].set(stamps, mode="drop")
+    valid = resident | served
     return (jnp.maximum(page, 0), row, valid, resident, miss, src_page, pos % PAGE, hot_token, hot_stamp)
+
+
+@functools.partial(jax.jit, static_argnames=("hot_rows", "interpret"))
+def sparse_gather_reference(topk, req, block_table, host_table, hot_pages, hot_token, hot_stamp, clock, *,
+                            hot_rows: int, interpret: bool = False):
+    """Resolve int32[B, K] top-k positions (-1 padded) of decode rows `req` int32[B] (-1 idle).
+
+    block_table / host_table int32[Rq, MP], hot_pages int32[Rq, NH], hot_token / hot_stamp int32[Rq, HR]
+    (this group's slice), clock int32[]. Returns (page, row, valid, resident, miss, src_page, src_row)
+    [B, K] (int32 / bool; page 0 and row 0 where not valid; src_page -1 where not a miss; src_row = t % 64
+    everywhere) and the updated (hot_token, hot_stamp) int32[Rq, HR]. `interpret` is accepted for signature
+    parity and ignored.
+    """
+    del interpret
+    check_shapes(topk, req, block_table, host_table, hot_pages, hot_token, hot_stamp, hot_rows)
+    return resolve_positions(topk, req, block_table, host_table, hot_pages, hot_token, hot_stamp, clock,
+                             hot_rows=hot_rows)
 
 
 def check_shapes(topk, req, block_table, host_table, hot_pages, hot_token, hot_stamp, hot_rows):

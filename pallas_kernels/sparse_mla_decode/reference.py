@@ -9,6 +9,7 @@ over the K rows k with valid[b, k], where row k of sequence b lives at (page[b, 
 pools: c_k = latent_pages[page, row] (times its per-128 scale for fp8), kR_k = rope_pages[page, row].
 Invalid slots are ignored whatever their address holds (NaN included); a sequence without a valid row
 returns zeros. Optionally the pools are the store's stacked [L, P, 64, *] arrays and `layer` picks one.
+`sparse_mla_decode_rows` is the same math over rows already gathered (what the model's jnp path calls).
 """
 
 from __future__ import annotations
@@ -18,9 +19,30 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hisparse_jax.model.mla import sparse_mla_decode_reference as rows_reference
+from pallas_kernels.common import FP8_BLOCK
 
-FP8_BLOCK = 128
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def sparse_mla_decode_rows(q_lat, q_rope, rows_c, rows_r, valid, tau):
+    """Absorbed MLA of one query token per sequence over its K already-gathered rows (the math).
+
+    q_lat [B, H, C] (= W_UK^T q_nope), q_rope [B, H, R], rows_c [B, K, C], rows_r [B, K, R],
+    valid bool[B, K] (False for -1 padded top-k slots; their row contents are ignored, even NaN)
+    -> o_lat f32[B, H, C] = sum_s softmax_s(tau (q_lat . c_s + q_rope . kR_s)) c_s.
+    A sequence with no valid row returns zeros.
+    """
+    rows_c = jnp.where(valid[..., None], rows_c, 0)
+    rows_r = jnp.where(valid[..., None], rows_r, 0)
+    s = (jnp.einsum("bhc,bkc->bhk", q_lat, rows_c, precision=HIGHEST, preferred_element_type=jnp.float32)
+         + jnp.einsum("bhr,bkr->bhk", q_rope, rows_r, precision=HIGHEST, preferred_element_type=jnp.float32))
+    s = jnp.where(valid[:, None, :], s * tau, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("bhk,bkc->bhc", p, rows_c.astype(jnp.float32), precision=HIGHEST)
+    return o / jnp.where(denom > 0, denom, 1.0)
 
 
 def gather_rows(latent_pages, rope_pages, page, row, valid, latent_scale=None):
@@ -47,7 +69,7 @@ def sparse_mla_decode_reference(q_lat, q_rope, latent_pages, rope_pages, page, r
         latent_pages, rope_pages = latent_pages[layer], rope_pages[layer]
         latent_scale = None if latent_scale is None else latent_scale[layer]
     rows_c, rows_r = gather_rows(latent_pages, rope_pages, page, row, valid, latent_scale)
-    return rows_reference(q_lat, q_rope, rows_c, rows_r, valid, tau)
+    return sparse_mla_decode_rows(q_lat, q_rope, rows_c, rows_r, valid, tau)
 
 
 def per_layer(latent_pages, rope_pages, latent_scale, layer):

@@ -1,0 +1,45 @@
+"""Formats shared by the kernels and by the store that feeds them (pure jnp; imports only jax and numpy).
+
+* `PAGE`           tokens per page (rows of every paged pool)
+* `INVALID`        the one "no page / no position / no slot" sentinel of every table and top-k list
+* `fp8_quantize`   per-block e4m3 with power-of-two scales (the FP8 latent pool, the indexer's FP8 emulation)
+* `hadamard`       the Sylvester Hadamard rotation DeepSeek applies before quantizing indexer q and k
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+PAGE = 64
+INVALID = -1
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+FP8_BLOCK = 128  # values per scale of the FP8 latent layout
+
+
+def hadamard(x):
+    """x [..., d] @ H_d / sqrt(d), H_d the Sylvester Hadamard matrix (d a power of two)."""
+    d = x.shape[-1]
+    if d & (d - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two dimension, got {d}")
+    h = np.array([[1.0]], np.float32)
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return x @ jnp.asarray(h / math.sqrt(d), x.dtype)
+
+
+def fp8_quantize(x, block: int = FP8_BLOCK):
+    """Per-`block` e4m3 quantization with power-of-two scales 2^ceil(log2(max(amax, 1e-4) / 448)).
+
+    x f32[..., d] -> (e4m3[..., d], f32[...] scale when d == block, else f32[..., d // block]).
+    """
+    d = x.shape[-1]
+    b = min(block, d)
+    xb = x.reshape(*x.shape[:-1], d // b, b)
+    amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    scale = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-4) / FP8_MAX)))
+    q = (xb / scale).astype(jnp.float8_e4m3fn).reshape(x.shape)
+    scale = scale[..., 0]
+    return q, (scale[..., 0] if d == b else scale)
