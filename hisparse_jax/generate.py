@@ -187,10 +187,11 @@ def _sample_fn(temperature: float, top_p: float):
 
 def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top_p, key, eos, return_stats,
                      return_logits, kernels="reference"):
+    from hisparse_jax.engine.runner import Runner
     from hisparse_jax.kv.manager import TieredCache
-    from hisparse_jax.kv.tiered import decode_step as tiered_step
 
     cfg = model.cfg
+    runner = Runner(model, kernels=kernels)  # the model split once for the whole run
     n = len(prompts)
     tc = TieredCache(cfg, cache_cfg)
     # the last new token is sampled, never written: the cache holds prompt + max_new_tokens - 1 positions
@@ -198,7 +199,7 @@ def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top
     sample = _sample_fn(float(temperature), float(top_p))
     slots, first = [], []
     for p in prompts:
-        last, latent, rope, index_k = prefill_rows(model, p)
+        last, latent, rope, index_k = runner.prefill_rows(p)
         slots.append(tc.admit_prefilled(latent, rope, index_k, len(p)))
         first.append(last)
     B = _bucket_pow2(n)
@@ -211,7 +212,7 @@ def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top
     for t in range(1, max_new_tokens):
         for s in slots:
             tc.reserve(s, tc.lengths[s] + 1)
-        logits, tc.store, stats = tiered_step(model, tc.store, {"tokens": tokens, "req": req}, kernels=kernels)
+        logits, tc.store, stats = runner.decode(tc.store, {"tokens": tokens, "req": req})
         tc.advance(slots)
         totals = stats if totals is None else jax.tree_util.tree_map(jnp.add, totals, stats)
         key, sub = jax.random.split(key)

@@ -410,11 +410,9 @@ def test_a_failing_prefill_fails_only_its_request(model, reference, monkeypatch,
 
 
 def test_a_failed_batch_commits_nothing_and_the_engine_goes_on(model, reference, monkeypatch):
-    from hisparse_jax.engine import engine as engine_mod
-
     eng = engine(model)
     add_all(eng)
-    real, calls = engine_mod.decode_step, []
+    real, calls = eng.runner.step, []
 
     def flaky(*a, **k):
         calls.append(1)
@@ -422,7 +420,7 @@ def test_a_failed_batch_commits_nothing_and_the_engine_goes_on(model, reference,
             raise RuntimeError("injected device fault")
         return real(*a, **k)
 
-    monkeypatch.setattr(engine_mod, "decode_step", flaky)
+    monkeypatch.setattr(eng.runner, "step", flaky)
     for _ in range(2):
         eng.step()
     before = ({k: list(r.output) for k, r in eng.requests.items()}, dict(eng.cache.lengths),
@@ -437,17 +435,15 @@ def test_a_failed_batch_commits_nothing_and_the_engine_goes_on(model, reference,
 
 
 def test_a_batch_that_consumed_the_store_stops_the_engine(model, monkeypatch):
-    from hisparse_jax.engine import engine as engine_mod
-
     eng = engine(model)
     add_all(eng)
 
-    def consume(model_, store, batch, **k):
+    def consume(spec, store, *a):
         for x in jax.tree.leaves(store):
             x.delete()
         raise RuntimeError("injected failure after donation")
 
-    monkeypatch.setattr(engine_mod, "decode_step", consume)
+    monkeypatch.setattr(eng.runner, "step", consume)
     with pytest.raises(RuntimeError, match="after donation"):
         eng.step()
     with pytest.raises(RuntimeError, match="consumed the KV store"):

@@ -14,7 +14,6 @@ and up to `prefill_chunk` prompt rows (chunked prefill through the store). Sampl
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import time
 
@@ -28,7 +27,7 @@ from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, pa
 from hisparse_jax.kv.manager import COLDNESS, BudgetError, TieredCache
 from hisparse_jax.kv import tiered
 from hisparse_jax.kv.state import StoreSpec
-from hisparse_jax.kv.tiered import decode_step, stats_bytes
+from hisparse_jax.engine.runner import Runner, sampler
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.validation import check_prompt
 
@@ -70,26 +69,6 @@ class EngineConfig:
             raise ValueError(f"unknown kernels {self.kernels!r}; choose one of {', '.join(tiered.KERNELS)}")
 
 
-@functools.lru_cache(maxsize=8)
-def _sampler():
-    @jax.jit
-    def sample(logits, seeds, positions, temps, top_ps):
-        def one(lg, seed, pos, t, p):
-            key = jax.random.fold_in(jax.random.key(seed), pos)
-            greedy = jnp.argmax(lg).astype(jnp.int32)
-            scaled = lg / jnp.maximum(t, 1e-6)
-            sorted_l = jnp.sort(scaled)[::-1]
-            cum = jnp.cumsum(jax.nn.softmax(sorted_l))
-            cutoff = sorted_l[jnp.sum(cum < p)]
-            masked = jnp.where(scaled < cutoff, -jnp.inf, scaled)
-            drawn = jax.random.categorical(key, masked).astype(jnp.int32)
-            return jnp.where(t > 0, drawn, greedy)
-
-        return jax.vmap(one)(logits, seeds, positions, temps, top_ps)
-
-    return sample
-
-
 class UnknownRequest(KeyError):
     """A request id this engine never saw."""
 
@@ -100,7 +79,9 @@ class UnknownRequest(KeyError):
 class Engine:
     def __init__(self, model: SparseMLAModel, cache: CacheConfig, config: EngineConfig = EngineConfig()):
         self.model, self.config = model, config
-        tiered.check_kernels(config.kernels)  # "pallas" needs a GPU backend: refused here, never a silent fallback
+        # the device side: the model split once, the kernels ("pallas" needs a GPU backend: refused here, never a
+        # silent fallback), one jitted decode-and-sample call per step
+        self.runner = Runner(model, kernels=config.kernels)
         if config.policy == "preempt":
             cache = cache.replace(mirror_to_host=False)
         cache = cache.replace(max_seqs=config.max_running)
@@ -230,23 +211,21 @@ class Engine:
                 completed.append(r)
                 if not r.output:
                     emit.append((len(rows_tok) - 1, r))
-        stats = {}
+        stats, B = {}, 0
         if rows_tok:
             B = max(self.config.min_bucket, 1 << (len(rows_tok) - 1).bit_length())
             pad = B - len(rows_tok)
-            batch = {"tokens": jnp.asarray(rows_tok + [0] * pad, jnp.int32),
-                     "req": jnp.asarray(rows_req + [-1] * pad, jnp.int32),
-                     "pos": jnp.asarray(rows_pos + [-1] * pad, jnp.int32)}
+            batch = {"tokens": np.asarray(rows_tok + [0] * pad, np.int32),
+                     "req": np.asarray(rows_req + [-1] * pad, np.int32),
+                     "pos": np.asarray(rows_pos + [-1] * pad, np.int32)}
             store = self.cache.store
             try:
-                logits, new_store, stats = decode_step(self.model, store, batch, kernels=self.config.kernels)
-                toks = self._sample(logits[jnp.asarray([i for i, _ in emit], jnp.int32)],
-                                    [r for _, r in emit]) if emit else []
+                out = self.runner.step(self.cache.spec, store, batch, self._sampling(emit, B), len(emit))
             except Exception:
                 self._store_lost = any(x.is_deleted() for x in jax.tree.leaves(store))
                 raise
             # 4. commit (host bookkeeping only)
-            self.cache.store = new_store
+            self.cache.store, toks, stats = out.store, out.tokens, out.stats
             for r, start, n in plan.prefill:
                 r.computed = start + n
                 self.cache.lengths[r.slot] = r.computed
@@ -260,14 +239,14 @@ class Engine:
         if self.config.check_invariants:
             self.cache.check_invariants()
         dt = time.perf_counter() - t0
-        st = stats_bytes(self.cache.spec, stats) if stats else {}
+        st = stats
         m = {
             "step": self.step_count, "running": len(plan.decode),
             "admitted": len(sched.active), "prefilling": sum(r.state is RequestState.PREFILLING for r in sched.active),
             "swapped": sum(r.state is RequestState.SWAPPED for r in sched.active), "waiting": len(sched.waiting),
             "preemptions": len(plan.preempted), "swaps_out": len(plan.swapped_out),
             "swaps_in": len(plan.swapped_in), "tokens": new_tokens, "prefill_tokens": prefill_tokens,
-            "cached_tokens": plan.cached_tokens, "failed": len(failed),
+            "cached_tokens": plan.cached_tokens, "failed": len(failed), "bucket": B,
             "hits": st.get("hits", 0), "misses": st.get("misses", 0), "resident": st.get("resident", 0),
             "h2d_bytes": st.get("h2d_bytes", 0), "d2h_bytes": st.get("d2h_bytes", 0),
             "device_pages_used": self.cache.pool.num_used("device"), "step_time_s": dt,
@@ -302,7 +281,16 @@ class Engine:
     def _sample(self, logits, rs: list[Request]) -> list[int]:
         """One token per request from logits [n, V] (checked by `_sampling_row` earlier in the step)."""
         seeds, pos, temps, top_ps = (np.asarray(c) for c in zip(*(self._sampling_row(r) for r in rs)))
-        return np.asarray(_sampler()(logits, seeds, pos, temps, top_ps)).tolist()
+        return np.asarray(sampler()(logits, seeds, pos, temps, top_ps)).tolist()
+
+    def _sampling(self, emit: list[tuple[int, Request]], B: int) -> dict:
+        """The runner's sampling arrays for the emitting (batch row, request) pairs, padded to the bucket B."""
+        out = {"rows": np.zeros(B, np.int32), "seed": np.zeros(B, np.uint32), "pos": np.zeros(B, np.int32),
+               "temperature": np.zeros(B, np.float32), "top_p": np.ones(B, np.float32)}
+        for k, (i, r) in enumerate(emit):
+            out["rows"][k] = i
+            out["seed"][k], out["pos"][k], out["temperature"][k], out["top_p"][k] = self._sampling_row(r)
+        return out
 
     def _commit_tokens(self, rs: list[Request], toks: list[int]) -> int:
         """Append each request's new token; finish those that are done."""
@@ -317,10 +305,8 @@ class Engine:
 
     def _prefill_whole(self, r: Request):
         """One full causal forward over r's KV tokens, written into its pages; returns the last logits [V]."""
-        from hisparse_jax.generate import prefill_rows
-
         toks = r.kv_tokens
-        last, latent, rope, index_k = prefill_rows(self.model, toks)
+        last, latent, rope, index_k = self.runner.prefill_rows(toks)
         self.cache.write_prefill(r.slot, latent, rope, index_k, len(toks))
         self.cache.register_prefix(r.slot, toks)
         return last

@@ -21,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hisparse_jax.kv import ops
@@ -42,7 +43,7 @@ def empty_stats(spec: StoreSpec) -> dict:
 
 def stats_bytes(spec: StoreSpec, stats: dict) -> dict:
     """Host-side totals of step stats (one step or stacked / summed steps) as Python ints, with bytes."""
-    out = {k: int(jnp.sum(v)) for k, v in stats.items()}
+    out = {k: int(np.sum(v)) for k, v in stats.items()}
     for k in ("h2d", "h2d_transfer", "d2h"):
         out[f"{k}_bytes"] = out.pop(f"{k}_rows") * spec.row_bytes
     return out
