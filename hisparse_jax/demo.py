@@ -3,9 +3,11 @@
 An embedded tiny model with the real cache geometry (latent 512, rope 64, indexer keys 128, shared-index
 layers, MoE; seeded random weights, nothing downloaded) serves >= 16 concurrent long-context requests
 (thousands of tokens each, generated locally) three times, once per memory policy, under one device byte
-budget (split into KV and indexer pages as each policy needs) and one host budget. It prints a table of
-mean / max running requests, preemptions, swaps, tokens/s, hit rate and bytes moved, writes a PNG of
-running requests over time, and checks that every policy produced the same tokens.
+budget (split into KV and indexer pages as each policy needs) and one host budget. It prints the workload
+and each policy's budgets first, each policy's progress on stderr while it runs (a tqdm bar on a terminal,
+a plain line every few seconds otherwise, and a line whenever a step compiles), then a table of mean / max
+running requests, engine steps, preemptions, swaps, tokens/s, hit rate and bytes moved; it writes a PNG of
+running requests over time and checks that every policy produced the same tokens.
 """
 
 from __future__ import annotations
@@ -16,17 +18,22 @@ import numbers
 import os
 import re
 import sys
+import threading
 import time
 
+import jax
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 from hisparse_jax.cli_args import (bounded_float, check_output_dir, check_output_file, choice, int_at_least,
                                    name_list, nonnegative_int, positive_int)
 from hisparse_jax.config import PRESETS, CacheConfig, get_preset
 from hisparse_jax.engine import Engine, EngineConfig, SamplingParams, device_budget
 from hisparse_jax.engine.scheduler import POLICIES, pages
+from hisparse_jax.generate import TRACE_COUNTS as _PREFILL_TRACES
 from hisparse_jax.kv.tiered import KERNELS, check_kernels
+from hisparse_jax.kv.tiered import TRACE_COUNTS as _STEP_TRACES
 from hisparse_jax.model.decoder import SparseMLAModel
 
 
@@ -106,6 +113,12 @@ def run(args: argparse.Namespace | None = None, /, **options) -> dict:
     elif not isinstance(args, argparse.Namespace):
         raise TypeError(f"run() takes an argparse.Namespace (from parse_args) or keywords, got "
                         f"{type(args).__name__}")
+    return _run(args)
+
+
+def _run(args: argparse.Namespace, on_setup=None) -> dict:
+    """`run` on checked arguments; `on_setup(setup)` is called once every policy's budgets are known, before any
+    policy runs, with the workload and budgets (`setup`: the keys of the result that describe them)."""
     cfg = get_preset(args.preset)
     model = SparseMLAModel(cfg, rngs=nnx.Rngs(args.seed))
     prompts = workload(cfg.vocab_size, args.requests, args.prompt_len, args.seed)
@@ -130,24 +143,32 @@ def run(args: argparse.Namespace | None = None, /, **options) -> dict:
                                  f"for this workload under {pol!r}: {e}") from None
         return eng, cc
 
+    split = {}
     for pol in policies:  # every policy's budgets are checked before any runs
-        engine(pol)[0].close()
+        eng, cc = engine(pol)
+        eng.close()
+        split[pol] = {"device_pages": cc.device_pages, "index_pages": cc.num_index_pages,
+                      "host_pages": cc.host_pages if pol != "preempt" else 0}
+    setup = {
+        "preset": args.preset, "requests": args.requests, "prompt_tokens": [len(p) for p in prompts],
+        "new_tokens": args.new_tokens, "kv_dtype": args.kv_dtype, "device_budget_bytes": device_bytes,
+        "device_requests": args.device_requests, "host_pages": base.host_pages, "kernels": args.kernels,
+        "prefill": args.prefill, "backend": jax.default_backend(), "policies": split,
+    }
+    if on_setup:
+        on_setup(setup)
     for pol in policies:
         eng, cc = engine(pol, os.path.join(args.log_dir, f"{pol}.jsonl") if args.log_dir else None)
         t0 = time.perf_counter()
-
-        def progress(e, pol=pol, t0=t0):
-            if quiet or e.step_count % 10:
-                return
-            done = sum(r.finished for r in e.requests.values())
-            m = e.history[-1]
-            print(f"\r{pol:>8}: step {e.step_count:4d}  finished {done:2d}/{len(e.requests)}  running "
-                  f"{m['running']:2d}  waiting {m['waiting']:2d}  {time.perf_counter() - t0:6.1f}s",
-                  end="", file=sys.stderr, flush=True)
-
-        eng.run(progress=progress)
-        if not quiet:
-            print(file=sys.stderr)
+        progress = None if quiet else _Progress(pol, len(prompts))
+        try:
+            eng.run(progress=progress)
+        except BaseException:
+            eng.close()
+            raise
+        finally:
+            if progress:
+                progress.close()
         m = eng.metrics()
         outputs[pol] = eng.outputs()
         results[pol] = {
@@ -155,24 +176,158 @@ def run(args: argparse.Namespace | None = None, /, **options) -> dict:
             "swaps": m["swaps"], "tokens_per_s": m["tokens_per_s"], "hit_rate": m["hit_rate"],
             "hits": m["hits"], "misses": m["misses"], "h2d_bytes": m["h2d_bytes"], "d2h_bytes": m["d2h_bytes"],
             "evicted_pages": m["evicted_pages"], "steps": m["steps"], "wall_s": time.perf_counter() - t0,
-            "compile_s": m["compile_time_s"], "device_pages": cc.device_pages, "index_pages": cc.num_index_pages,
-            "host_pages": cc.host_pages if pol != "preempt" else 0,
+            "compile_s": m["compile_time_s"], **split[pol],
             "running_over_time": [h["running"] for h in m["history"]],
         }
         eng.close()
     first = outputs[policies[0]]
-    out = {
-        "preset": args.preset, "requests": args.requests, "prompt_tokens": [len(p) for p in prompts],
-        "new_tokens": args.new_tokens, "kv_dtype": args.kv_dtype, "device_budget_bytes": device_bytes,
-        "host_pages": base.host_pages, "kernels": args.kernels, "policies": results,
-        "outputs_identical": all(outputs[p] == first for p in policies),
-    }
+    out = {**setup, "policies": results, "outputs_identical": all(outputs[p] == first for p in policies)}
     if "hisparse" in results and "offload" in results and results["offload"]["mean_running"]:
         out["hisparse_over_offload_mean_running"] = results["hisparse"]["mean_running"] / results["offload"][
             "mean_running"]
     if args.plot:
         out["plot"] = plot(results, args.plot)
     return out
+
+
+_PLAIN_EVERY_S = 5.0  # a plain progress line at least this often when stderr is not a terminal
+
+
+def _traces() -> tuple[int, int]:
+    """(decode-step traces, whole-prompt prefill traces) so far: each new one is a compile under way."""
+    return _STEP_TRACES["decode_step"], _PREFILL_TRACES["prefill"]
+
+
+def _terminal(stream) -> bool:
+    """Whether `stream` is a terminal a bar can be drawn on (a pseudo-terminal of width 0, as some runners give,
+    would show tqdm's bar as nothing at all: it gets plain lines too)."""
+    try:
+        if not stream.isatty():
+            return False
+        return os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):  # no isatty / fileno (a StringIO), or a closed or odd stream
+        return bool(getattr(stream, "isatty", lambda: False)())
+
+
+class _Progress:
+    """One policy's progress on stderr, as `Engine.run(progress=...)`: a tqdm bar (requests finished, with the
+    step, running and waiting as postfix) when stderr is a terminal, else a plain line (no carriage return) at
+    start, every `_PLAIN_EVERY_S` seconds and at the end. A watcher thread keeps a long step from being silent:
+    it sees a compile start (the trace counters move mid-step) and says so; after a step that compiled, a line
+    names its batch bucket (and indexer span, where the engine reports one) and how long the step took.
+    `close()` stops the thread and ends the bar (or says done)."""
+
+    def __init__(self, pol: str, n_requests: int, stream=None):
+        self.stream = sys.stderr if stream is None else stream
+        self.pol, self.n = pol, n_requests
+        self.t0 = self.step_t0 = self.last_line = time.perf_counter()
+        self.step, self.finished, self.running, self.waiting = 0, 0, 0, n_requests
+        self.traces0, self.compiling = _traces(), ""
+        self.lock = threading.Lock()
+        self.bar = None
+        if _terminal(self.stream):
+            self.bar = tqdm(total=n_requests, desc=pol, unit="req", file=self.stream, dynamic_ncols=True,
+                            mininterval=0.5, leave=True)
+            self.bar.set_postfix({"step": 0, "running": 0, "waiting": n_requests})
+        else:
+            self._line(f"{pol}: starting {n_requests} requests")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"hisparse-demo-progress-{pol}", daemon=True)
+        self._thread.start()
+
+    def _line(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+        self.last_line = time.perf_counter()
+
+    def _state(self) -> str:
+        return (f"{self.pol}: step {self.step}, {self.finished}/{self.n} finished, {self.running} running, "
+                f"{self.waiting} waiting, {time.perf_counter() - self.t0:.1f} s")
+
+    def __call__(self, engine) -> None:
+        m = engine.history[-1]
+        with self.lock:
+            now = time.perf_counter()
+            self.step, self.running, self.waiting = engine.step_count, m["running"], m["waiting"]
+            self.finished = sum(r.finished for r in engine.requests.values())
+            if m["compiled"]:
+                span = f", indexer span {m['index_pages']} pages" if m.get("index_pages") else ""
+                self._line(f"{self.pol}: step {m['step']}: compiling the decode step for batch bucket {m['bucket']}"
+                           f"{span} (the step took {m['step_time_s']:.1f} s)")
+            elif self.compiling:  # a whole-prompt prefill compiled
+                self._line(f"{self.pol}: step {m['step']}: {self.compiling} (the step took "
+                           f"{now - self.step_t0:.1f} s)")
+            if self.bar is not None:
+                self.bar.set_description_str(self.pol, refresh=False)
+                self.bar.set_postfix({"step": self.step, "running": self.running, "waiting": self.waiting},
+                                     refresh=False)
+                self.bar.update(self.finished - self.bar.n)
+            elif now - self.last_line >= _PLAIN_EVERY_S:
+                self._line(self._state())
+            self.step_t0, self.traces0, self.compiling = now, _traces(), ""
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.25):
+            with self.lock:
+                now = time.perf_counter()
+                decode, prefill = (a - b for a, b in zip(_traces(), self.traces0))
+                if (decode or prefill) and not self.compiling:
+                    self.compiling = ("compiling the decode step for a new step shape" if decode else
+                                      "compiling the whole-prompt prefill for a new prompt length bucket")
+                    if self.bar is not None:
+                        self.bar.set_description_str(f"{self.pol} ({self.compiling})")
+                    else:
+                        self._line(f"{self.pol}: step {self.step}: {self.compiling}...")
+                if self.bar is not None:
+                    self.bar.refresh()  # the elapsed time moves during a long step
+                elif now - self.last_line >= _PLAIN_EVERY_S:
+                    busy = now - self.step_t0
+                    self._line(self._state() + (f" (step {self.step} running for {busy:.1f} s"
+                                                + (f": {self.compiling})" if self.compiling else ")")
+                                                if busy >= _PLAIN_EVERY_S else ""))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        with self.lock:
+            if self.bar is not None:
+                self.bar.set_description_str(self.pol, refresh=False)
+                self.bar.close()
+            else:
+                self._line(f"{self.pol}: done: {self.step} steps, {self.finished}/{self.n} finished, "
+                           f"{time.perf_counter() - self.t0:.1f} s")
+
+
+# Line styles that keep overlapping series apart (preempt and offload often coincide step for step): a wide solid
+# line under a dashed one under a dotted one, each with its own markers, offset so they do not coincide either.
+_STYLES = {"preempt": dict(ls="-", marker="o", lw=2.6, alpha=0.75, zorder=2),
+           "offload": dict(ls="--", marker="s", lw=1.8, alpha=0.9, zorder=3),
+           "hisparse": dict(ls=":", marker="^", lw=2.0, alpha=0.95, zorder=4)}
+_MORE_STYLES = [dict(ls="-.", marker="D", lw=1.6, alpha=0.9), dict(ls=(0, (5, 1, 1, 1, 1, 1)), marker="v", lw=1.6,
+                                                                   alpha=0.9)]
+
+
+def _figure(results: dict):
+    """The running-requests figure `plot` saves (the caller closes it)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    n = len(results)
+    for i, (pol, r) in enumerate(results.items()):
+        style = dict(_STYLES.get(pol) or _MORE_STYLES[i % len(_MORE_STYLES)])
+        style.setdefault("zorder", 2 + i)
+        every = max(1, len(r["running_over_time"]) // 12)
+        ax.plot(r["running_over_time"], label=f"{pol} (mean {r['mean_running']:.1f})", markersize=5,
+                markevery=(i * every // max(n, 1), every), markerfacecolor="none", **style)
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("running requests")
+    ax.set_title("Requests decoding per step, same device and host budgets")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
 
 
 def plot(results: dict, path: str) -> str | None:
@@ -184,22 +339,32 @@ def plot(results: dict, path: str) -> str | None:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install 'hisparse-jax[plot]')", file=sys.stderr)
         return None
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for pol, r in results.items():
-        ax.plot(r["running_over_time"], label=f"{pol} (mean {r['mean_running']:.1f})", lw=1.5)
-    ax.set_xlabel("engine step")
-    ax.set_ylabel("running requests")
-    ax.set_title("Requests decoding per step, same device and host budgets")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
+    fig = _figure(results)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
+def _header(setup: dict) -> str:
+    """What the table is about, printed before any policy runs: the workload and each policy's budgets."""
+    lens = setup["prompt_tokens"]
+    pols = list(setup["policies"])
+    lines = [f"workload: {setup['requests']} requests, prompts {min(lens)}..{max(lens)} tokens, "
+             f"{setup['new_tokens']} new tokens each, kv {setup['kv_dtype']}, preset {setup['preset']} "
+             f"(prefill {setup['prefill']}, kernels {setup['kernels']}, backend {setup['backend']})",
+             f"budgets: device {setup['device_budget_bytes']:,} bytes ({setup['device_budget_bytes'] / 2 ** 20:.1f} "
+             f"MiB = {setup['device_requests']:g} longest requests' KV + indexer keys), split per policy into pages "
+             f"of 64 tokens; host pool {setup['host_pages']} pages (offload, hisparse)"]
+    w = len("device KV pages")
+    lines.append(f"{'':<{w}}  " + "  ".join(f"{p:>10}" for p in pols))
+    for name, key in (("device KV pages", "device_pages"), ("indexer pages", "index_pages"),
+                      ("host pages", "host_pages")):
+        lines.append(f"{name:<{w}}  " + "  ".join(f"{setup['policies'][p][key]:>10}" for p in pols))
+    return "\n".join(lines)
+
+
 def _table(out: dict) -> str:
-    cols = [("mean running", "mean_running", "{:.2f}"), ("max running", "max_running", "{}"),
+    cols = [("mean running", "mean_running", "{:.2f}"), ("max running", "max_running", "{}"), ("steps", "steps", "{}"),
             ("preemptions", "preemptions", "{}"), ("swaps", "swaps", "{}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
             ("hit rate", "hit_rate", "{:.3f}"), ("H2D MiB", "h2d_bytes", "{:.1f}"), ("D2H MiB", "d2h_bytes", "{:.1f}"),
             ("device KV pages", "device_pages", "{}"), ("wall s", "wall_s", "{:.1f}")]
@@ -215,6 +380,15 @@ def _table(out: dict) -> str:
     lines.append(f"outputs identical across policies: {out['outputs_identical']}")
     if "hisparse_over_offload_mean_running" in out:
         lines.append(f"HiSparse / offload mean running requests: {out['hisparse_over_offload_mean_running']:.2f}x")
+    if out.get("backend", "cpu") == "cpu":
+        lines.append("note: tokens/s and wall s are CPU figures and do not reflect GPU memory-bound decode; what "
+                     "carries over is running requests, preemptions/swaps, hit rate and bytes moved")
+    res = out["policies"]
+    if "preempt" in res and res["preempt"]["preemptions"] == 0:
+        also = " (offload's 0 swaps likewise)" if "offload" in res and res["offload"]["swaps"] == 0 else ""
+        lines.append(f"preempt shows 0 preemptions{also}: admission is conservative, a request is admitted only when "
+                     "the pages of its whole length (prompt + new tokens) fit next to every admitted request's, so "
+                     "under this budget the waiting queue absorbs the pressure instead of preemption")
     return "\n".join(lines)
 
 
@@ -284,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse already printed usage and the error
         return int(e.code or 0)
     try:
-        out = run(args)
+        out = _run(args, on_setup=None if args.json else lambda setup: print(_header(setup), flush=True))
     except DemoSetupError as e:
         print(f"hisparse demo: error: {e}", file=sys.stderr)
         return 2
