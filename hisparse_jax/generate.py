@@ -189,6 +189,7 @@ def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top
                      return_logits, kernels="reference"):
     from hisparse_jax.engine.runner import Runner
     from hisparse_jax.kv.manager import TieredCache
+    from hisparse_jax.kv.tiered import index_span
 
     cfg = model.cfg
     runner = Runner(model, kernels=kernels)  # the model split once for the whole run
@@ -212,7 +213,8 @@ def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top
     for t in range(1, max_new_tokens):
         for s in slots:
             tc.reserve(s, tc.lengths[s] + 1)
-        logits, tc.store, stats = runner.decode(tc.store, {"tokens": tokens, "req": req})
+        span = index_span(tc.spec, max(tc.lengths[s] for s in slots) + 1)  # the indexer's work: this context
+        logits, tc.store, stats = runner.decode(tc.store, {"tokens": tokens, "req": req, "index_span": span})
         tc.advance(slots)
         totals = stats if totals is None else jax.tree_util.tree_map(jnp.add, totals, stats)
         key, sub = jax.random.split(key)

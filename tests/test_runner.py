@@ -63,8 +63,8 @@ def test_one_device_to_host_read_per_decode_step(model, monkeypatch):
 
 
 def test_compiles_per_run_equal_the_batch_buckets_used():
-    """Sampling runs inside the step: a run compiles the step once per batch bucket it uses, and no sampler or
-    logits gather of its own during decoding."""
+    """Sampling runs inside the step: a run compiles the step once per bucket it uses (batch rows x indexer pages,
+    both powers of two), and no sampler or logits gather of its own during decoding."""
     fresh = hj.SparseMLAModel(model_cfg(index_topk=24), rngs=nnx.Rngs(2))  # nothing compiled for it yet
     eng = make_engine(fresh, min_bucket=2, prefill="chunked", prefill_chunk=64)
     for i, p in enumerate(PROMPTS):
@@ -74,7 +74,7 @@ def test_compiles_per_run_equal_the_batch_buckets_used():
     while eng.has_unfinished():
         m = eng.step()
         if m["running"] or m["prefill_tokens"]:
-            buckets.add(m["bucket"])
+            buckets.add((m["bucket"], m["index_pages"]))
     compiled = runner_mod.COUNTS["step"] - before.get("step", 0)
     assert compiled == len(buckets), (compiled, buckets)
     assert runner_mod.COUNTS["sampler"] == before.get("sampler", 0)  # chunked prefill: no separate sampler

@@ -217,7 +217,9 @@ class Engine:
             pad = B - len(rows_tok)
             batch = {"tokens": np.asarray(rows_tok + [0] * pad, np.int32),
                      "req": np.asarray(rows_req + [-1] * pad, np.int32),
-                     "pos": np.asarray(rows_pos + [-1] * pad, np.int32)}
+                     "pos": np.asarray(rows_pos + [-1] * pad, np.int32),
+                     # the indexer scores pages up to the batch's longest sequence (a power-of-two bucket)
+                     "index_span": tiered.index_span(self.cache.spec, max(rows_pos) + 1)}
             store = self.cache.store
             try:
                 out = self.runner.step(self.cache.spec, store, batch, self._sampling(emit, B), len(emit))
@@ -247,6 +249,7 @@ class Engine:
             "preemptions": len(plan.preempted), "swaps_out": len(plan.swapped_out),
             "swaps_in": len(plan.swapped_in), "tokens": new_tokens, "prefill_tokens": prefill_tokens,
             "cached_tokens": plan.cached_tokens, "failed": len(failed), "bucket": B,
+            "index_pages": len(batch["index_span"]) if B else 0,
             "hits": st.get("hits", 0), "misses": st.get("misses", 0), "resident": st.get("resident", 0),
             "h2d_bytes": st.get("h2d_bytes", 0), "d2h_bytes": st.get("d2h_bytes", 0),
             "device_pages_used": self.cache.pool.num_used("device"), "step_time_s": dt,

@@ -134,13 +134,15 @@ def _write_host_rows(host, vals, pages, rows, order, n):
 
 
 # ----- the indexer over paged keys --------------------------------------------------------------
-def index_select(spec: StoreSpec, store: KVStore, slot: int, req, positions, q_index, w):
+def index_select(spec: StoreSpec, store: KVStore, slot: int, req, positions, q_index, w, num_pages: int | None = None):
     """Top-k of the indexer over keys 0..positions[b] of request req[b] -> int32[B, K] (K = min(topk, MP*64)).
 
     q_index f32[B, I, dI], w f32[B, I]. fp8 stores score in DeepSeek's FP8 emulation. Idle rows: all -1.
+    num_pages (static): score only each request's first `num_pages` pages — the caller's bound on the batch's
+    longest live sequence, so a step costs O(context), not O(max_seq_len); None scores all MP.
     """
     r = jnp.maximum(req, 0)
-    pages = jnp.maximum(store.index_table[r], 0)  # [B, MP]
+    pages = jnp.maximum(store.index_table[r][:, :num_pages], 0)  # [B, P]
     keys = store.index_k[slot][pages].reshape(req.shape[0], -1, spec.index_dim)  # [B, S, dI]
     keys = jax.lax.optimization_barrier(keys)  # same scores bit for bit whatever the pool size (see tiered.py)
     if spec.fp8:
@@ -150,7 +152,13 @@ def index_select(spec: StoreSpec, store: KVStore, slot: int, req, positions, q_i
         scores = index_scores(q_index[:, None], w[:, None], keys)[:, 0]
     S = keys.shape[1]
     valid = (jnp.arange(S, dtype=jnp.int32)[None] <= positions[:, None]) & (req >= 0)[:, None]
-    return select_topk(scores, valid, spec.topk)
+    return pad_topk(spec, select_topk(scores, valid, spec.topk))
+
+
+def pad_topk(spec: StoreSpec, topk):
+    """Top-k over fewer than the full MP pages, padded with -1 to the step's fixed K = min(topk, MP*64)."""
+    K = min(spec.topk, spec.max_pages * PAGE_SIZE)
+    return jnp.pad(topk, ((0, 0), (0, K - topk.shape[1])), constant_values=-1)
 
 
 # ----- resolution: resident | hot hit | miss ----------------------------------------------------

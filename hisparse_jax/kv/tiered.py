@@ -73,6 +73,7 @@ class TieredKV:
 
     spec: StoreSpec
     kernels: str = "reference"
+    index_pages: int | None = None  # pages of each request the indexer scores (None: all MP)
 
     @property
     def _pallas(self) -> bool:
@@ -90,15 +91,16 @@ class TieredKV:
 
     def select(self, cache, slot, positions, q_index, w):
         if not self._pallas:
-            return ops.index_select(self.spec, cache["store"], slot, cache["req"], positions, q_index, w), cache
+            return ops.index_select(self.spec, cache["store"], slot, cache["req"], positions, q_index, w,
+                                    self.index_pages), cache
         from pallas_kernels import indexer_topk
 
         spec, store, req = self.spec, cache["store"], cache["req"]
         seq = jnp.where(req >= 0, positions + 1, 0)
-        table = store.index_table[jnp.maximum(req, 0)]
+        table = store.index_table[jnp.maximum(req, 0)][:, :self.index_pages]
         topk = indexer_topk(q_index, w, store.index_k[slot], table, seq, topk=spec.topk,
                             k_scale=store.index_scale[slot] if spec.fp8 else None, interpret=self._interpret)
-        return topk[:, :min(spec.topk, spec.max_pages * 64)], cache
+        return ops.pad_topk(spec, topk[:, :min(spec.topk, table.shape[1] * 64)]), cache
 
     def attend(self, cache, layer, topk, q_lat, q_rope, tau):
         spec = self.spec
@@ -141,6 +143,14 @@ class TieredKV:
         return functools.partial(sparse_gather, interpret=self._interpret)
 
 
+def index_span(spec: StoreSpec, longest: int):
+    """The batch entry bounding the indexer's work by the batch's longest live sequence (`longest` positions,
+    the row being written included): int32[P], P = that many pages rounded up to a power of two (at most MP),
+    so a decode loop compiles once per doubling of its context, not once per page."""
+    need = max(1, -(-longest // 64))
+    return np.zeros(min(spec.max_pages, 1 << (need - 1).bit_length()), np.int32)
+
+
 def _positions(store: KVStore, req):
     return jnp.where(req >= 0, store.seq_lens[jnp.maximum(req, 0)], -1)
 
@@ -150,13 +160,16 @@ def step_impl(model: SparseMLAModel, store: KVStore, batch: dict, kernels: str =
 
     batch: tokens int32[B], req int32[B]; optional pos int32[B] — explicit positions, which lets several rows
     of one request form a prefill chunk (that request must then be fully resident: its rows share no hot
-    buffer state). Without `pos`, each row decodes at its request's seq_len."""
+    buffer state). Without `pos`, each row decodes at its request's seq_len. Optional index_span int32[P]
+    (only its shape is used): the indexer scores each request's first P pages, P >= the pages of the batch's
+    longest live sequence (`index_span(...)` makes it; without it, all MP)."""
     spec = store.spec
+    index_pages = batch["index_span"].shape[0] if "index_span" in batch else None
     req = batch["req"].astype(jnp.int32)
     positions = _positions(store, req) if "pos" not in batch else jnp.where(req >= 0, batch["pos"], -1)
     cache = {"store": store, "req": req, "plan": None, "stats": empty_stats(spec)}
     logits, cache, _ = model_decode_step(model, batch["tokens"].astype(jnp.int32), positions, cache,
-                                         TieredKV(spec, kernels))
+                                         TieredKV(spec, kernels, index_pages))
     store, stats = cache["store"], cache["stats"]
     if spec.mirror_to_host:
         store, d2h = ops.mirror_rows(spec, store, req, positions)

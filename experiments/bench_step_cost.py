@@ -1,0 +1,93 @@
+"""Does a decode step cost what its work costs? Step time at a fixed context while `max_seq_len` grows
+x1 / x4 / x16, with the indexer bounded by the batch's longest sequence (`index_span`, what the engine and
+`generate` pass) and without it (every page a slot could hold is scored: the old behaviour), side by side in
+one process. Writes JSON.
+
+    python experiments/bench_step_cost.py --out experiments/results/bench_step_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from hisparse_jax.config import CacheConfig, get_preset
+from hisparse_jax.engine.runner import Runner
+from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.tiered import index_span
+from hisparse_jax.model.decoder import SparseMLAModel
+
+
+def measure(model, runner, context: int, requests: int, max_seq_len: int, steps: int, bounded: bool) -> dict:
+    pages = -(-(context + steps + 8) // 64)
+    tc = TieredCache(model.cfg, CacheConfig(kv_dtype="float32", device_pages=requests * (pages + 2),
+                                            host_pages=requests * pages, max_seqs=requests,
+                                            max_seq_len=max_seq_len))
+    rng = np.random.default_rng(0)
+    slots = []
+    for _ in range(requests):
+        _, lat, rope, idx = runner.prefill_rows(rng.integers(0, model.cfg.vocab_size, context).tolist())
+        slots.append(tc.admit_prefilled(lat, rope, idx, context))
+    req = np.asarray(slots, np.int32)
+    tokens = np.zeros(requests, np.int32)
+    times = []
+    for t in range(steps + 2):  # the first two compile / warm up
+        for s in slots:
+            tc.reserve(s, tc.lengths[s] + 1)
+        batch = {"tokens": tokens, "req": req}
+        if bounded:
+            batch["index_span"] = index_span(tc.spec, max(tc.lengths[s] for s in slots) + 1)
+        t0 = time.perf_counter()
+        logits, tc.store, _ = runner.decode(tc.store, batch)
+        logits.block_until_ready()
+        times.append(time.perf_counter() - t0)
+        tc.advance(slots)
+    med = float(np.median(times[2:]))
+    return {"max_seq_len": max_seq_len, "bounded": bounded, "step_ms": med * 1e3,
+            "index_pages_scored": len(index_span(tc.spec, context + steps)) if bounded else tc.spec.max_pages}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny-glm")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--scales", default="1,4,16", help="max_seq_len = scale x the smallest power of two >= context")
+    ap.add_argument("--out", default="experiments/results/bench_step_cost.json")
+    a = ap.parse_args(argv)
+    cfg = get_preset(a.preset)
+    model = SparseMLAModel(cfg, rngs=nnx.Rngs(0))
+    runner = Runner(model)
+    base = 1 << (a.context + a.steps + 8 - 1).bit_length()
+    rows = []
+    for scale in (int(x) for x in a.scales.split(",")):
+        for bounded in (True, False):
+            r = measure(model, runner, a.context, a.requests, base * scale, a.steps, bounded)
+            r["scale"] = scale
+            rows.append(r)
+            print(f"max_seq_len {r['max_seq_len']:>6} ({scale:>2}x)  {'bounded' if bounded else 'all pages'}: "
+                  f"{r['step_ms']:.2f} ms/step ({r['index_pages_scored']} pages scored)", flush=True)
+    ref = {b: next(r["step_ms"] for r in rows if r["scale"] == rows[0]["scale"] and r["bounded"] == b)
+           for b in (True, False)}
+    for r in rows:
+        r["ratio_vs_smallest"] = r["step_ms"] / ref[r["bounded"]]
+    out = {"preset": a.preset, "context": a.context, "requests": a.requests, "steps": a.steps, "rows": rows,
+           "jax": jax.__version__, "backend": jax.default_backend(), "machine": platform.machine(),
+           "cpus": os.cpu_count()}
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
