@@ -14,8 +14,10 @@ MP pages per request, G indexer groups, HR hot rows):
     seq_lens    int32[Rq]      tokens stored per request
     hot_pages   int32[Rq, NH]  device pages lent to the request's hot buffer (NH = ceil(HR / 64)), -1 = none
     hot_token   int32[Rq, G, HR] the position each hot slot holds (-1 empty), per indexer group
-    hot_stamp   int32[Rq, G, HR] LRU clock of each slot's last use (-1 never)
-    clock       int32[]        the step counter the stamps refer to
+    hot_stamp   int32[Rq, G, HR] LRU rank of each slot (0 = least recently used; a permutation of 0..HR-1
+                               once the request has been resolved; -1 everywhere when fresh, read as
+                               rank = slot index): pallas_kernels/sparse_gather/reference.py
+    clock       int32[]        the step counter page_stamp refers to
     page_stamp  int32[Rq, MP]  last step the indexer selected a position of each logical page (-1 never):
                                per-page access recency, for free, for the coldness policies
 

@@ -13,32 +13,40 @@ the semantics). Two `pallas_call`s, no sort, no host sync, fixed shapes (CUDA-gr
    pages of -1 are never addresses), and a miss only when host_table[r, t // 64] >= 0 (else there is no
    copy anywhere: invalid). Every later phase acts on kinds 1-3 only.
    Work O(K * HR) compares per row, spread over K / TK programs.
-2. `_assign_kernel`, grid (B,), one program per decode row, owning row req[b] of the (aliased) hot state:
-   a. touch: scatter stamp := clock at every hit slot (duplicates write the same value); count misses m.
-   b. victims = the m smallest (stamp, slot) pairs, found without a sort:
-      - the stamp threshold s* = the smallest s with #{stamp <= s} >= m, by bisection over
-        [min stamp, max stamp] (<= 32 counting passes over the HR stamps);
-      - V = {stamp < s*} + the first (m - #{stamp < s*}) slots with stamp == s* (a running cumsum);
-        V is compacted, in slot order, into a [Kp] scratch list;
-      - the rank of each member of V inside V is counted by compare-and-count over V x V tiles
-        (O(m^2), m <= K), and order[rank] := slot is scattered (ranks are distinct).
-   c. one pass over the K positions: miss rank q = running cumsum of the miss mask, slot = order[q];
+2. `_assign_kernel`, grid (B,), one program per decode row, owning row req[b] of the (aliased) hot state;
+   steps b-d run only for a live row whose request has a hot buffer (other rows keep their stamps):
+   a. count the misses m.
+   b. previous order: prev[j] = the rank of slot j in the (stamp, slot) order, a permutation of 0..HR-1.
+      Canonical rows — every stamp in [-1, HR) and the non-negative ones distinct (the ranks this rule
+      writes, or the -1 of a fresh request) — in O(HR), no sort: scatter owner[stamp] := slot and check
+      that every slot won its own stamp (a duplicate loses somewhere); then prefix counts over stamp
+      values give n(-1) + #{stamps < s} for a stamped slot, and -1 slots take their place in slot order.
+      Any other row (foreign stamps only; the resolver never writes one) is ranked by compare-and-count
+      over [TS, TS] tiles, O(HR^2).
+   c. by previous rank p, work[p] = 2 * #{untouched slots of rank < p} + untouched(p): fill 1, scatter 0
+      at the previous rank of every hit slot, one running cumsum over the HR ranks (n_u = #untouched).
+   d. per slot (rank p, ru = #untouched before it): untouched with ru < m -> it is the victim of the
+      ru-th miss (order[ru] := slot) and takes rank n_u - m + ru; other untouched -> ru - m; hit ->
+      n_u + (p - ru). That is the module's order [untouched | claimed, in claim order | hit], written
+      straight into hot_stamp (every read of the old stamps happened in b).
+   e. one pass over the K positions: miss rank q = running cumsum of the miss mask, slot = order[q];
       page = hot_pages[r, slot // 64] (hits and misses) or the resident page, row = slot % 64 or t % 64;
-      scatter hot_token := t, hot_stamp := clock at the claimed slots; src_page = host_table[r, t // 64].
+      scatter hot_token := t at the claimed slots; src_page = host_table[r, t // 64].
    Every table read here is an address: the load is masked to the lanes that need it, the index clamped
    into the table, and a page id is used only where it was checked >= 0 (else page 0, which the readers
    ignore because valid is False).
    Masked-off lanes of every scatter point one past the end of the row: never written on a GPU, and
-   dropped (not clamped onto a real slot) by interpret mode's scatter. Global scratch (the hot rows, the
-   V list, order) is shared by the program's threads across phases; a block barrier (`debug_barrier`,
-   i.e. __syncthreads, which orders global memory within a CTA) separates the phases on the GPU
-   (interpret mode runs sequentially and needs none).
+   dropped (not clamped onto a real slot) by interpret mode's scatter. Global scratch (the hot rows,
+   prev / work [B, HR], order [B, Kp]) is shared by the program's threads across phases; a block barrier
+   (`debug_barrier`, i.e. __syncthreads, which orders global memory within a CTA) separates the phases on
+   the GPU (interpret mode runs sequentially and needs none).
 
 Cost (B=32, K=2048, HR=4096; estimates, not measured): the lookup is ~8.4M tag compares per row
 (~0.27G compare-select-min triples per call, ~50 us of H200 integer throughput spread over B * K / 64 =
-1024 programs); the assign pass is O(K + 32 HR + m^2) per row (m = misses; ~4M compares when everything
-misses). A position -> slot inverse map per request (O(K + HR) per row, but a [Rq, max positions] array in
-the store) would remove the O(K * HR) term, at the price of a KVStore layout change.
+1024 programs); the assign pass is O(K + 8 HR) per canonical row (8 tiled passes over the HR slots or
+ranks, 2 over the K positions), and O(HR^2) (~16.7M compares) for a row with foreign stamps. A position ->
+slot inverse map per request (O(K + HR) per row, but a [Rq, max positions] array in the store) would
+remove the O(K * HR) lookup term, at the price of a KVStore layout change.
 
 Padding: K is padded to a multiple of the tile with -1 (invalid) so that every tile load is in bounds
 (interpret mode clamps out-of-bounds slices instead of masking them); the slot tile TS is the largest power
@@ -102,12 +110,12 @@ def _lookup_kernel(req_ref, hot_ok_ref, topk_ref, block_table_ref, host_table_re
     addr_ref[b, pl.ds(t * tk, tk)] = jnp.where(resident, dpage, jnp.where(hit, best, -1))
 
 
-def _assign_kernel(req_ref, clock_ref, topk_ref, kind_ref, addr_ref, host_table_ref, hot_pages_ref,
+def _assign_kernel(req_ref, hot_ok_ref, topk_ref, kind_ref, addr_ref, host_table_ref, hot_pages_ref,
                    hot_token_in, hot_stamp_in,  # inputs (the last two aliased to the outputs below)
-                   page_ref, row_ref, src_ref, hot_token_ref, hot_stamp_ref, vlist_ref, order_ref,  # outputs
+                   page_ref, row_ref, src_ref, hot_token_ref, hot_stamp_ref, prev_ref, work_ref, order_ref,  # outputs
                    *, tk: int, ts: int, interpret: bool):
-    # req_ref [B], clock_ref [1], topk/kind/addr [B, Kp], host_table [Rq, MP], hot_pages [Rq, NH]
-    # page/row/src [B, Kp]; hot_token/hot_stamp [Rq, HR] (in place); vlist/order [B, Kp] scratch
+    # req_ref [B], hot_ok_ref [B], topk/kind/addr [B, Kp], host_table [Rq, MP], hot_pages [Rq, NH]
+    # page/row/src [B, Kp]; hot_token/hot_stamp [Rq, HR] (in place); prev/work [B, HR], order [B, Kp] scratch
     del hot_token_in, hot_stamp_in  # same buffers as hot_token_ref / hot_stamp_ref
     b = pl.program_id(0)
     kp = topk_ref.shape[1]
@@ -115,93 +123,132 @@ def _assign_kernel(req_ref, clock_ref, topk_ref, kind_ref, addr_ref, host_table_
     r_raw = req_ref[b]
     live = r_raw >= 0
     r = jnp.maximum(r_raw, 0)
-    clock = clock_ref[0]
     k_tiles, s_tiles = kp // tk, hr // ts
-    lanes_k = lax.broadcasted_iota(jnp.int32, (tk,), 0)
     lanes_s = lax.broadcasted_iota(jnp.int32, (ts,), 0)
+    i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
 
-    # a. LRU touch of the hits; count the misses
-    def touch(t, m):
-        kind = kind_ref[b, pl.ds(t * tk, tk)]
-        hit = (kind == 2) & live
-        slot = jnp.where(hit, addr_ref[b, pl.ds(t * tk, tk)], hr)
-        plgpu.store(hot_stamp_ref.at[r, slot], jnp.full((tk,), clock, jnp.int32), mask=hit)
-        return m + jnp.sum((kind == 3).astype(jnp.int32))
-
-    m = lax.fori_loop(0, k_tiles, touch, jnp.int32(0))
-    _barrier(interpret)
+    # a. count the misses
+    m = lax.fori_loop(0, k_tiles, lambda t, c: c + jnp.sum(i32(kind_ref[b, pl.ds(t * tk, tk)] == 3)), jnp.int32(0))
 
     def stamps(j):
         return hot_stamp_ref[r, pl.ds(j * ts, ts)]  # [TS]
 
-    def count(bound, inclusive):  # #{slots with stamp <= bound (inclusive) or < bound}
-        def add(j, c):
-            st = stamps(j)
-            return c + jnp.sum(jnp.where(inclusive, st <= bound, st < bound).astype(jnp.int32))
+    def fill(ref, value):
+        def body(j, c):
+            ref[b, pl.ds(j * ts, ts)] = jnp.full((ts,), value, jnp.int32)
+            return c
 
-        return lax.fori_loop(0, s_tiles, add, jnp.int32(0))
+        lax.fori_loop(0, s_tiles, body, jnp.int32(0))
 
-    # b. the m least recently used slots, in (stamp, slot) order -> order_ref[b, :m]
-    def select_victims():
-        lo, hi = lax.fori_loop(
-            0, s_tiles, lambda j, c: (jnp.minimum(c[0], jnp.min(stamps(j))), jnp.maximum(c[1], jnp.max(stamps(j)))),
-            (jnp.int32(2**31 - 1), jnp.int32(INT_MIN)))
-
-        def bisect(c):
-            lo, hi = c
-            mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
-            enough = count(mid, True) >= m
-            return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
-
-        thresh, _ = lax.while_loop(lambda c: c[0] < c[1], bisect, (lo, hi))
-        need = m - count(thresh, False)  # slots to take among those stamped exactly `thresh`
-
-        def compact(j, c):
-            eq_seen, n_v = c
-            st = stamps(j)
-            eq = st == thresh
-            eq_rank = jnp.cumsum(eq.astype(jnp.int32)) + eq_seen  # inclusive
-            in_v = (st < thresh) | (eq & (eq_rank <= need))
-            at = jnp.cumsum(in_v.astype(jnp.int32)) - 1 + n_v
-            plgpu.store(vlist_ref.at[b, jnp.where(in_v, at, kp)], j * ts + lanes_s, mask=in_v)
-            return eq_seen + jnp.sum(eq.astype(jnp.int32)), n_v + jnp.sum(in_v.astype(jnp.int32))
-
-        lax.fori_loop(0, s_tiles, compact, (jnp.int32(0), jnp.int32(0)))
+    def lru_update():
+        # b. the previous order: prev[j] = rank of slot j in the (stamp, slot) order (a permutation of 0..HR-1).
+        # Canonical rows (every stamp in [-1, HR), the non-negative ones distinct: ranks, or -1 = fresh) in
+        # O(HR): work[v] := the slot stamped v, checked; then prefix counts over stamp values.
+        fill(work_ref, -1)
         _barrier(interpret)
 
-        def members(i):
-            ok = i * tk + lanes_k < m
-            slot = jnp.where(ok, vlist_ref[b, pl.ds(i * tk, tk)], 0)
-            return ok, slot, plgpu.load(hot_stamp_ref.at[r, slot], mask=ok, other=0)
+        def claim_value(j, c):
+            st = stamps(j)
+            inr = (st >= 0) & (st < hr)
+            plgpu.store(work_ref.at[b, jnp.where(inr, st, hr)], j * ts + lanes_s, mask=inr)
+            return c
 
-        n_tiles = (m + tk - 1) // tk
+        lax.fori_loop(0, s_tiles, claim_value, jnp.int32(0))
+        _barrier(interpret)
 
-        def rank_tile(i, carry):
-            ok_i, v_i, s_i = members(i)
+        def check(j, c):
+            bad, neg = c
+            st = stamps(j)
+            inr = (st >= 0) & (st < hr)
+            owner = plgpu.load(work_ref.at[b, jnp.where(inr, st, 0)], mask=inr, other=-1)
+            ok = (st == -1) | (inr & (owner == j * ts + lanes_s))  # a duplicate stamp loses the claim somewhere
+            return bad + jnp.sum(i32(~ok)), neg + jnp.sum(i32(st == -1))
 
-            def count_before(j, rank):  # rank [TK] += #{members of tile j ordered before each of tile i}
-                ok_j, v_j, s_j = members(j)
-                s_j, v_j = s_j[None, :], v_j[None, :]
-                before = (s_j < s_i[:, None]) | ((s_j == s_i[:, None]) & (v_j < v_i[:, None]))  # [TK, TK]
-                return rank + jnp.sum((before & ok_j[None, :]).astype(jnp.int32), axis=1)
+        bad, n_neg = lax.fori_loop(0, s_tiles, check, (jnp.int32(0), jnp.int32(0)))
+        _barrier(interpret)
 
-            rank = lax.fori_loop(0, n_tiles, count_before, jnp.zeros((tk,), jnp.int32))
-            plgpu.store(order_ref.at[b, jnp.where(ok_i, rank, kp)], v_i, mask=ok_i)
-            return carry
+        def canonical():
+            def below(j, seen):  # work[v] := n_neg + #{stamps in [0, v)}
+                present = i32(work_ref[b, pl.ds(j * ts, ts)] >= 0)
+                work_ref[b, pl.ds(j * ts, ts)] = n_neg + seen + jnp.cumsum(present) - present
+                return seen + jnp.sum(present)
 
-        lax.fori_loop(0, n_tiles, rank_tile, jnp.int32(0))
+            lax.fori_loop(0, s_tiles, below, jnp.int32(0))
+            _barrier(interpret)
 
-    pl.when(m > 0)(select_victims)
+            def slot_rank(j, seen):  # -1 slots first, in slot order; then by stamp
+                st = stamps(j)
+                neg = st == -1
+                by_value = plgpu.load(work_ref.at[b, jnp.where(neg, 0, st)], mask=~neg, other=0)
+                prev_ref[b, pl.ds(j * ts, ts)] = jnp.where(neg, seen + jnp.cumsum(i32(neg)) - 1, by_value)
+                return seen + jnp.sum(i32(neg))
+
+            lax.fori_loop(0, s_tiles, slot_rank, jnp.int32(0))
+
+        def general():  # any other stamps (never produced by the resolver): O(HR^2) compare-and-count
+            def rank_tile(i, c):
+                s_i, v_i = stamps(i)[:, None], (i * ts + lanes_s)[:, None]
+
+                def count_before(j, rank):
+                    s_j, v_j = stamps(j)[None, :], (j * ts + lanes_s)[None, :]
+                    before = (s_j < s_i) | ((s_j == s_i) & (v_j < v_i))  # [TS, TS]
+                    return rank + jnp.sum(i32(before), axis=1)
+
+                prev_ref[b, pl.ds(i * ts, ts)] = lax.fori_loop(0, s_tiles, count_before, jnp.zeros((ts,), jnp.int32))
+                return c
+
+            lax.fori_loop(0, s_tiles, rank_tile, jnp.int32(0))
+
+        pl.when(bad == 0)(canonical)
+        pl.when(bad > 0)(general)
+        _barrier(interpret)
+
+        # c. by previous rank p: work[p] := 2 * #{untouched slots of rank < p} + (1 if untouched else 0)
+        fill(work_ref, 1)
+        _barrier(interpret)
+
+        def touch(t, c):
+            hit = kind_ref[b, pl.ds(t * tk, tk)] == 2
+            p = plgpu.load(prev_ref.at[b, jnp.where(hit, addr_ref[b, pl.ds(t * tk, tk)], 0)], mask=hit, other=0)
+            plgpu.store(work_ref.at[b, jnp.where(hit, p, hr)], jnp.zeros((tk,), jnp.int32), mask=hit)
+            return c
+
+        lax.fori_loop(0, k_tiles, touch, jnp.int32(0))
+        _barrier(interpret)
+
+        def scan(j, seen):
+            u = work_ref[b, pl.ds(j * ts, ts)]
+            work_ref[b, pl.ds(j * ts, ts)] = 2 * (seen + jnp.cumsum(u) - u) + u
+            return seen + jnp.sum(u)
+
+        n_u = lax.fori_loop(0, s_tiles, scan, jnp.int32(0))
+        _barrier(interpret)
+
+        # d. the new ranks: [untouched, unclaimed | claimed, in claim order | hit]; the m least recent
+        # untouched slots are the victims, order[q] = the slot the q-th miss claims
+        def rerank(j, c):
+            p = prev_ref[b, pl.ds(j * ts, ts)]
+            e = plgpu.load(work_ref.at[b, p])
+            untouched, ru = (e & 1) == 1, e >> 1
+            victim = untouched & (ru < m)
+            hot_stamp_ref[r, pl.ds(j * ts, ts)] = jnp.where(
+                untouched, jnp.where(victim, n_u - m + ru, ru - m), n_u + p - ru)
+            plgpu.store(order_ref.at[b, jnp.where(victim, ru, kp)], j * ts + lanes_s, mask=victim)
+            return c
+
+        lax.fori_loop(0, s_tiles, rerank, jnp.int32(0))
+
+    pl.when(live & (hot_ok_ref[b] > 0))(lru_update)  # rows without a hot buffer keep their stamps
     _barrier(interpret)
 
-    # c. addresses, host sources and the claimed slots' new tags
+    # e. addresses, host sources and the claimed slots' new tags
     def assign(t, n_miss):
         sl = pl.ds(t * tk, tk)
         kind, addr = kind_ref[b, sl], addr_ref[b, sl]
         pos = jnp.maximum(topk_ref[b, sl], 0)
         resident, hit, miss = kind == 1, kind == 2, kind == 3
         want = hit | miss
-        q = jnp.cumsum(miss.astype(jnp.int32)) - 1 + n_miss
+        q = jnp.cumsum(i32(miss)) - 1 + n_miss
         victim = plgpu.load(order_ref.at[b, jnp.where(miss, q, 0)], mask=miss, other=0)
         slot = jnp.where(hit, addr, jnp.where(miss, victim, 0))
         hot_page = plgpu.load(hot_pages_ref.at[r, slot >> 6], mask=want, other=-1)  # slot < HR: in the row
@@ -212,10 +259,8 @@ def _assign_kernel(req_ref, clock_ref, topk_ref, kind_ref, addr_ref, host_table_
         src = plgpu.load(host_table_ref.at[r, jnp.where(in_range, lp, 0)], mask=miss & in_range, other=INT_MIN)
         src_ref[b, sl] = jnp.where(miss, src, -1)
         claim = miss & live
-        dst = jnp.where(claim, slot, hr)
-        plgpu.store(hot_token_ref.at[r, dst], pos, mask=claim)
-        plgpu.store(hot_stamp_ref.at[r, dst], jnp.full((tk,), clock, jnp.int32), mask=claim)
-        return n_miss + jnp.sum(miss.astype(jnp.int32))
+        plgpu.store(hot_token_ref.at[r, jnp.where(claim, slot, hr)], pos, mask=claim)
+        return n_miss + jnp.sum(i32(miss))
 
     lax.fori_loop(0, k_tiles, assign, jnp.int32(0))
 
@@ -228,6 +273,7 @@ def _slot_tile(hr: int) -> int:
 def sparse_gather(topk, req, block_table, host_table, hot_pages, hot_token, hot_stamp, clock, *,
                   hot_rows: int, interpret: bool = False):
     """Pallas (Triton) version of `sparse_gather_reference`; same arguments and results, bit for bit."""
+    del clock  # the LRU ranks need no clock
     check_shapes(topk, req, block_table, host_table, hot_pages, hot_token, hot_stamp, hot_rows)
     B, K = topk.shape
     Rq, HR = hot_token.shape
@@ -247,13 +293,13 @@ def sparse_gather(topk, req, block_table, host_table, hot_pages, hot_token, hot_
         compiler_params=params, interpret=interpret, name="hisparse_lookup",
     )(req, hot_ok, topk_p, block_table, host_table, i32(hot_token))
 
-    page, row, src_page, hot_token, hot_stamp, _, _ = pl.pallas_call(
+    hr_scratch = jax.ShapeDtypeStruct((B, HR), jnp.int32)
+    page, row, src_page, hot_token, hot_stamp, _, _, _ = pl.pallas_call(
         functools.partial(_assign_kernel, tk=tk, ts=ts, interpret=interpret), grid=(B,),
         out_shape=(bk, bk, bk, jax.ShapeDtypeStruct((Rq, HR), jnp.int32),
-                   jax.ShapeDtypeStruct((Rq, HR), jnp.int32), bk, bk),
+                   jax.ShapeDtypeStruct((Rq, HR), jnp.int32), hr_scratch, hr_scratch, bk),
         input_output_aliases={7: 3, 8: 4}, compiler_params=params, interpret=interpret, name="hisparse_assign",
-    )(req, jnp.reshape(i32(clock), (1,)), topk_p, kind, addr, host_table, hot_pages, i32(hot_token),
-      i32(hot_stamp))
+    )(req, hot_ok, topk_p, kind, addr, host_table, hot_pages, i32(hot_token), i32(hot_stamp))
 
     kind = kind[:, :K]
     valid = kind > 0
