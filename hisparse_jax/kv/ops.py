@@ -178,8 +178,8 @@ def resolve(spec: StoreSpec, store: KVStore, group: int, req, topk, *, resolver=
     """Resolve the top-k positions of every decode row for indexer group `group`.
 
     The rule is `pallas_kernels.sparse_gather.reference` (its docstring is the spec): resident page | hot
-    hit (stamp := clock) | miss (claims the least-recently-used slot and names the host row to copy into
-    it) | invalid (padding, idle rows, non-resident positions of a request without a hot buffer, positions
+    hit (moves to the most-recent end of the LRU order) | miss (claims the least-recently-used slot not hit
+    this step and names the host row to copy into it) | invalid (padding, idle rows, non-resident positions of a request without a hot buffer, positions
     with no copy anywhere: never fetched, never read). Requires hot_rows >= K, so every miss finds a slot.
 
     `resolver` computes the rule: None for the jnp spec (`resolve_positions`), or a function of the same
@@ -231,6 +231,9 @@ def _layer_range(layers):
 
 
 def _fetch_rows(spec, store, layers, plan):
+    """Row fetch: each chunk of `fetch_chunk` misses is gathered on the host and copied to a device staging buffer;
+    the staged rows go into the device pools in one scatter per pool after the loop (a scatter per chunk inside
+    the loop cost O(pool) per chunk on XLA:CPU)."""
     lo, nl = _layer_range(layers)
     n, sp, sr, dp, dr = _compact_misses(plan)
     chunk = min(spec.fetch_chunk, sp.shape[0])
@@ -238,24 +241,24 @@ def _fetch_rows(spec, store, layers, plan):
     sp, sr = jnp.pad(sp, (0, pad)), jnp.pad(sr, (0, pad))
     dp, dr = jnp.pad(dp, (0, pad)), jnp.pad(dr, (0, pad))
     n_chunks = (n + chunk - 1) // chunk
+    pools = _device_pools(store)
 
-    def body(i, pools):
+    def body(i, staging):
         sl = lambda a: jax.lax.dynamic_slice(a, (i * chunk,), (chunk,))  # noqa: E731
-        idx = i * chunk + jnp.arange(chunk)
-        ok = idx < n
+        ok = i * chunk + jnp.arange(chunk) < n
         hp = jax.device_put(jnp.where(ok, sl(sp), 0), HOST)
         hr = jax.device_put(sl(sr), HOST)
-        dpage = jnp.where(ok, sl(dp), spec.device_pages)
-        drow = sl(dr)
         out = []
-        for pool, host in zip(pools, _host_pools(store)):
-            staged = on_host(lambda h, p, r: jax.lax.dynamic_slice_in_dim(h, lo, nl, axis=0)[:, p, r],
-                             host, hp, hr)  # [nl, chunk, X]
-            staged = jax.device_put(staged, DEVICE)
-            out.append(pool.at[lo:lo + nl, dpage, drow].set(staged, mode="drop"))
+        for buf, host in zip(staging, _host_pools(store)):
+            rows = on_host(lambda h, p, r: jax.lax.dynamic_slice_in_dim(h, lo, nl, axis=0)[:, p, r],
+                           host, hp, hr)  # [nl, chunk, X]
+            out.append(jax.lax.dynamic_update_slice_in_dim(buf, jax.device_put(rows, DEVICE), i * chunk, axis=1))
         return tuple(out)
 
-    pools = jax.lax.fori_loop(0, n_chunks, body, _device_pools(store))
+    staging = tuple(jnp.zeros((nl, sp.shape[0]) + pool.shape[3:], pool.dtype) for pool in pools)
+    staging = jax.lax.fori_loop(0, n_chunks, body, staging)
+    dpage = jnp.where(jnp.arange(sp.shape[0]) < n, dp, spec.device_pages)  # past the misses: dropped
+    pools = tuple(pool.at[lo:lo + nl, dpage, dr].set(buf, mode="drop") for pool, buf in zip(pools, staging))
     return _with_device_pools(store, pools), n * nl, n_chunks * chunk * nl
 
 
