@@ -1,7 +1,10 @@
-"""Does a decode step cost what its work costs? Step time at a fixed context while `max_seq_len` grows
-x1 / x4 / x16, with the indexer bounded by the batch's longest sequence (`index_span`, what the engine and
-`generate` pass) and without it (every page a slot could hold is scored: the old behaviour), side by side in
-one process. Writes JSON.
+"""Does a decode step cost what its work costs? Side by side in one process, writes JSON:
+
+1. step time at a fixed context while `max_seq_len` grows x1 / x4 / x16, with the indexer bounded by the batch's
+   longest sequence (`index_span`, what the engine and `generate` pass) and without it (every page a slot could
+   hold is scored: the old behaviour);
+2. step time under memory pressure (row fetch of misses from the host pool) while the host pool grows x1 / x16,
+   in bf16 and float32, at the same misses.
 
     python experiments/bench_step_cost.py --out experiments/results/bench_step_cost.json
 """
@@ -54,6 +57,40 @@ def measure(model, runner, context: int, requests: int, max_seq_len: int, steps:
             "index_pages_scored": len(index_span(tc.spec, context + steps)) if bounded else tc.spec.max_pages}
 
 
+def measure_host(model, runner, context: int, requests: int, host_scale: int, steps: int, kv_dtype: str) -> dict:
+    """Step time with a device pool too small for the requests (misses fetched from host every step), host pool
+    `host_scale` x what the requests need."""
+    pages = -(-(context + steps + 8) // 64)
+    probe = CacheConfig(kv_dtype=kv_dtype, device_pages=1, max_seqs=requests, max_seq_len=pages * 64)
+    hot = -(-probe.hot_rows_for(model.cfg) // 64)
+    tc = TieredCache(model.cfg, probe.replace(device_pages=requests * (2 + hot) + 2,
+                                              host_pages=host_scale * requests * pages,
+                                              index_pages=requests * pages))
+    rng = np.random.default_rng(1)
+    slots = []
+    for _ in range(requests):
+        _, lat, rope, idx = runner.prefill_rows(rng.integers(0, model.cfg.vocab_size, context).tolist())
+        slots.append(tc.admit_prefilled(lat, rope, idx, context))
+    req = np.asarray(slots, np.int32)
+    tokens = rng.integers(0, model.cfg.vocab_size, requests).astype(np.int32)
+    times, misses = [], 0
+    for t in range(steps + 2):
+        for s in slots:
+            tc.reserve(s, tc.lengths[s] + 1)
+        batch = {"tokens": tokens, "req": req,
+                 "index_span": index_span(tc.spec, max(tc.lengths[s] for s in slots) + 1)}
+        t0 = time.perf_counter()
+        logits, tc.store, stats = runner.decode(tc.store, batch)
+        logits.block_until_ready()
+        times.append(time.perf_counter() - t0)
+        tc.advance(slots)
+        tokens = np.asarray(jax.numpy.argmax(logits, -1), np.int32)
+        if t >= 2:
+            misses += int(np.sum(stats["misses"]))
+    return {"kv_dtype": kv_dtype, "host_scale": host_scale, "host_pages": tc.spec.host_pages,
+            "step_ms": float(np.median(times[2:])) * 1e3, "misses": misses}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny-glm")
@@ -61,25 +98,36 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--scales", default="1,4,16", help="max_seq_len = scale x the smallest power of two >= context")
+    ap.add_argument("--host-scales", default="1,16", help="host pool = scale x what the requests need")
+    ap.add_argument("--what", default="all", choices=("all", "max_seq_len", "host_pool"))
     ap.add_argument("--out", default="experiments/results/bench_step_cost.json")
     a = ap.parse_args(argv)
     cfg = get_preset(a.preset)
     model = SparseMLAModel(cfg, rngs=nnx.Rngs(0))
     runner = Runner(model)
     base = 1 << (a.context + a.steps + 8 - 1).bit_length()
-    rows = []
-    for scale in (int(x) for x in a.scales.split(",")):
+    rows, host_rows = [], []
+    for scale in (int(x) for x in a.scales.split(",")) if a.what in ("all", "max_seq_len") else ():
         for bounded in (True, False):
             r = measure(model, runner, a.context, a.requests, base * scale, a.steps, bounded)
             r["scale"] = scale
             rows.append(r)
             print(f"max_seq_len {r['max_seq_len']:>6} ({scale:>2}x)  {'bounded' if bounded else 'all pages'}: "
                   f"{r['step_ms']:.2f} ms/step ({r['index_pages_scored']} pages scored)", flush=True)
-    ref = {b: next(r["step_ms"] for r in rows if r["scale"] == rows[0]["scale"] and r["bounded"] == b)
-           for b in (True, False)}
     for r in rows:
-        r["ratio_vs_smallest"] = r["step_ms"] / ref[r["bounded"]]
+        first = next(x for x in rows if x["bounded"] == r["bounded"])
+        r["ratio_vs_smallest"] = r["step_ms"] / first["step_ms"]
+    for kv_dtype in ("bf16", "float32") if a.what in ("all", "host_pool") else ():
+        for hs in (int(x) for x in a.host_scales.split(",")):
+            r = measure_host(model, runner, a.context, a.requests, hs, a.steps, kv_dtype)
+            host_rows.append(r)
+            print(f"{kv_dtype:>7} host pool x{hs:<3} ({r['host_pages']} pages): {r['step_ms']:.2f} ms/step, "
+                  f"{r['misses']} misses", flush=True)
+    for r in host_rows:
+        first = next(x for x in host_rows if x["kv_dtype"] == r["kv_dtype"])
+        r["ratio_vs_smallest"] = r["step_ms"] / first["step_ms"]
     out = {"preset": a.preset, "context": a.context, "requests": a.requests, "steps": a.steps, "rows": rows,
+           "host_pool_rows": host_rows,
            "jax": jax.__version__, "backend": jax.default_backend(), "machine": platform.machine(),
            "cpus": os.cpu_count()}
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
