@@ -27,26 +27,40 @@ def init_dense_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float
     }
 
 
-def _write(pool, positions, value):
-    """pool [B, S, X], positions int32[B] (-1: drop), value [B, X]."""
-    B, S = pool.shape[:2]
+def _write(cache, index: int, positions, value):
+    """Store one row per sequence: cache [N, B, S, X] (N layers or indexer slots; `index` static), positions
+    int32[B] (-1: drop), value [B, X].
+
+    One scatter of B rows at [index, b, positions[b]] into the whole stacked cache — never a slice of a layer
+    modified and written back — so with the cache donated (`generate` donates it) XLA updates it in place and a
+    step moves B rows per layer, whatever the context."""
+    _, B, S = cache.shape[:3]
     pos = jnp.where(positions < 0, S, positions)  # out of bounds -> dropped
-    return pool.at[jnp.arange(B), pos].set(value.astype(pool.dtype), mode="drop")
+    return cache.at[index, jnp.arange(B), pos].set(value.astype(cache.dtype), mode="drop")
+
+
+def _rows(cache, index: int, topk):
+    """cache [N, B, S, X], topk int32[B, K] (>= 0) -> rows [B, K, X] of `index`: one gather from the whole stacked
+    cache (the layer is not sliced out first)."""
+    B = cache.shape[1]
+    return cache[index, jnp.arange(B)[:, None], topk]
 
 
 @dataclasses.dataclass(frozen=True)
 class DenseKV:
-    """`KVBackend` over `init_dense_cache`'s contiguous cache (jnp references throughout)."""
+    """`KVBackend` over `init_dense_cache`'s contiguous cache (jnp references throughout). Every method reads and
+    writes the stacked cache arrays directly (rows at [layer, b, pos]), so a jitted step with the cache donated
+    updates it in place."""
 
     topk: int
     indexer_fp8: bool = False
 
     def append(self, cache, layer, slot, positions, c, k_rope, k_index):
         cache = dict(cache)
-        cache["latent"] = cache["latent"].at[layer].set(_write(cache["latent"][layer], positions, c))
-        cache["rope"] = cache["rope"].at[layer].set(_write(cache["rope"][layer], positions, k_rope))
+        cache["latent"] = _write(cache["latent"], layer, positions, c)
+        cache["rope"] = _write(cache["rope"], layer, positions, k_rope)
         if slot is not None:
-            cache["index_k"] = cache["index_k"].at[slot].set(_write(cache["index_k"][slot], positions, k_index))
+            cache["index_k"] = _write(cache["index_k"], slot, positions, k_index)
         return cache
 
     def select(self, cache, slot, positions, q_index, w):
@@ -56,6 +70,6 @@ class DenseKV:
     def attend(self, cache, layer, topk, q_lat, q_rope, tau):
         valid = topk >= 0
         safe = jnp.where(valid, topk, 0)
-        rows_c = jnp.take_along_axis(cache["latent"][layer], safe[..., None], axis=1)
-        rows_r = jnp.take_along_axis(cache["rope"][layer], safe[..., None], axis=1)
+        rows_c = _rows(cache["latent"], layer, safe)
+        rows_r = _rows(cache["rope"], layer, safe)
         return sparse_mla_decode_reference(q_lat, q_rope, rows_c, rows_r, valid, tau), cache
