@@ -1,4 +1,19 @@
-"""The imperative shell: requests, continuous batching under a memory policy, metrics."""
+"""The imperative shell: requests, continuous batching under a memory policy, metrics.
+
+Glossary:
+
+- request: a prompt and its `SamplingParams`; states WAITING (queued, or preempted), PREFILLING, RUNNING,
+  SWAPPED (offload: all its KV on the host), FINISHED, ABORTED, FAILED (its own work raised in a step).
+- policy: what happens when the device KV pool is full — "preempt" (drop the newest request's KV, recompute it
+  later), "offload" (swap a request's whole KV to the host and back), "hisparse" (requests release cold pages and
+  read them through hot buffers).
+- admission: moving a waiting request in when its pages fit (`Scheduler`); the step plan (`StepPlan`) lists the
+  decode rows, prompt chunks and whole-prompt prefills of one step.
+- runner (`Runner`): the device side — the model split once, one jitted decode-and-sample call per step, one
+  device→host read per step.
+- bucket: the padded sizes a step compiles for — batch rows and indexer pages, both powers of two.
+- step: one `Engine.step()`: schedule, each request's own work, one batched device call, commit.
+"""
 
 from hisparse_jax.engine.engine import Engine, EngineConfig, device_budget
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams

@@ -1,0 +1,25 @@
+"""The tiered paged KV store.
+
+Glossary (one word, one thing; where the code still uses a word for two things, the second meaning is named):
+
+- page: 64 consecutive token positions of one request (`PAGE_SIZE`); a *logical page* i covers positions
+  64i..64i+63 of a request, and lives in up to three *tiers* (`pool.Tier`): a device KV page (latent + rope of
+  every layer), a pinned-host KV page, and a device indexer-key page (indexer keys never leave the device).
+- pool: the pages of one tier (`KVStore` arrays) and their bookkeeping (`pool.PagePool`: refcounts, free lists,
+  prefix registrations).
+- request slot (`slot` in `manager.py`, `req` in jitted code): a request's row in the store's tables, 0..max_seqs-1.
+  In `ops.index_select` and the kernels `slot` is the *indexer layer* index instead.
+- resident: a logical page with a device copy. *released* (evicted): its device copy given back, the host copy
+  kept. *tail pages*: the last two pages of a request, never released (they are being written).
+- hot buffer: per request and indexer group, `hot_rows` *hot slots* on pages lent from the device pool, holding
+  rows of released pages; *hit*: a selected row found there; *miss*: fetched from the host into the least
+  recently used hot slot (the LRU order: `pallas_kernels/sparse_gather/reference.py`).
+- indexer group: a full indexer layer and the shared-index layers after it; they read the same top-k rows.
+- mirror: every appended row is written to its host page in the same step (`mirror_to_host`), so releasing a
+  page copies nothing.
+- pinned (`TieredCache.pinned`): request slots whose pages must all stay resident (a prompt being written chunk
+  by chunk) — not "pinned host memory", which is the host tier.
+- plan: the resolver's per-row result (`ops.Plan`: page, row, valid, resident, miss, source); the engine's
+  scheduler has its own `StepPlan`.
+- coldness: which pages a request releases first ("oldest" or indexer-"recency").
+"""
