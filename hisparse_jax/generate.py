@@ -81,10 +81,14 @@ def prefill_rows(model: SparseMLAModel, tokens: Sequence[int]):
     Returns (last logits f32[V], latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]) with T the bucket length
     (the first len(tokens) rows are real; `TieredCache.write_prefill(slot, ..., len(tokens))` stores those, and
     keeping T bucketed keeps its compiles bounded too) and the logits the first new token is drawn from."""
+    return prefill_rows_split(*nnx.split(model), tokens)
+
+
+def prefill_rows_split(graphdef, state, tokens: Sequence[int]):
+    """`prefill_rows` for a model already split (`nnx.split`), so a caller that keeps it split splits it once."""
     n = len(tokens)
     ids = np.zeros((1, _bucket_pow2(n, 16)), np.int32)
     ids[0, :n] = tokens
-    graphdef, state = nnx.split(model)
     logits, aux = _prefill_fn(graphdef)(state, jnp.asarray(ids))
     rows = (jnp.stack(aux[k])[:, 0] for k in ("latent", "rope", "index_k"))
     return (logits[0, n - 1].astype(jnp.float32), *rows)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hisparse_jax.generate import _bucket_pow2, _prefill_fn
+from hisparse_jax.generate import prefill_rows_split
 from hisparse_jax.kv import tiered
 from hisparse_jax.kv.state import KVStore, StoreSpec
 from hisparse_jax.model.decoder import SparseMLAModel
@@ -97,17 +97,12 @@ class Runner:
     def prefill_rows(self, tokens):
         """One causal forward over `tokens` (length bucketed to a power of two >= 16): (last logits f32[V],
         latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]), as `generate.prefill_rows`."""
-        n = len(tokens)
-        ids = np.zeros((1, _bucket_pow2(n, 16)), np.int32)
-        ids[0, :n] = tokens
-        logits, aux = _prefill_fn(self.graphdef)(self.state, jnp.asarray(ids))
-        rows = (jnp.stack(aux[k])[:, 0] for k in ("latent", "rope", "index_k"))
-        return (logits[0, n - 1].astype(jnp.float32), *rows)
+        return prefill_rows_split(self.graphdef, self.state, tokens)
 
     def decode(self, store: KVStore, batch: dict):
         """One decode step without sampling (the caller samples): (logits f32[B, V], store, stats), as
         `kv.tiered.decode_step` but with this runner's split parameters."""
-        return tiered._jitted_step(self.graphdef, self.kernels)(self.state, store, tiered._commit(store, batch))
+        return tiered.decode_step_split(self.graphdef, self.state, store, batch, kernels=self.kernels)
 
     def step(self, spec: StoreSpec, store: KVStore, batch: dict, sampling: dict, n_emit: int) -> StepOutput:
         """Decode `batch` through `store` (donated) and sample the emitting rows; one device→host read."""

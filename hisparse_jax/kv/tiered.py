@@ -216,6 +216,11 @@ def decode_step(model: SparseMLAModel, store: KVStore, batch: dict, *, kernels: 
     return _jitted_step(graphdef, check_kernels(kernels))(state, store, _commit(store, batch))
 
 
+def decode_step_split(graphdef, state, store: KVStore, batch: dict, *, kernels: str = "reference"):
+    """`decode_step` for a model already split (`nnx.split`): a caller that keeps it split splits it once."""
+    return _jitted_step(graphdef, check_kernels(kernels))(state, store, _commit(store, batch))
+
+
 def make_decode_step(model: SparseMLAModel, *, kernels: str = "reference"):
     """`decode_step` bound to `model` with the model split once: step(store, batch) -> (logits, store, stats).
     Saves the per-call `nnx.split` (milliseconds of host time) in tight loops; do not mutate `model` after."""
