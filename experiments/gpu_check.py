@@ -1033,24 +1033,25 @@ def _poison_device_pools(ctx, spec, store):
 
 
 def _fill_store(ctx, spec, seed: int):
-    """init_store, then random host pools (no NaN) and NaN-poisoned device pools."""
-    from hisparse_jax.kv.state import init_store
+    """init_store, then random host pools (no NaN; stored as bits, `state.to_host_bits`) and NaN-poisoned device
+    pools."""
+    from hisparse_jax.kv.state import init_store, to_host_bits
 
     store = init_store(spec, ctx.device)
     host_s = ctx.sharding("pinned_host")
     key = jax.random.key(seed)
     k1, k2, k3 = jax.random.split(key, 3)
 
-    def rnd(k, like, lo=None):
+    def rnd(k, like, dtype, lo=None):  # random values of the device pool's `dtype`, as host-pool bits
         if lo is not None:  # positive scales
             v = jax.random.uniform(k, like.shape, jnp.float32, lo, 2 * lo)
         else:
             v = jax.random.normal(k, like.shape, jnp.float32)
-        return jax.device_put(v.astype(like.dtype), host_s)
+        return jax.device_put(to_host_bits(v.astype(dtype)), host_s)
 
-    upd = {"h_latent": rnd(k1, store.h_latent), "h_rope": rnd(k2, store.h_rope)}
+    upd = {"h_latent": rnd(k1, store.h_latent, store.latent.dtype), "h_rope": rnd(k2, store.h_rope, store.rope.dtype)}
     if spec.fp8:
-        upd["h_latent_scale"] = rnd(k3, store.h_latent_scale, lo=0.25)
+        upd["h_latent_scale"] = rnd(k3, store.h_latent_scale, store.latent_scale.dtype, lo=0.25)
     return _block(dataclasses.replace(store, **upd))
 
 

@@ -18,6 +18,9 @@ Host pools live in `pinned_host` memory. Inside `jit` ops may not mix memory kin
 a `device_put(Host)` row or page block `dynamic_update_slice`d into the pinned-host pool, which XLA does in place; a
 host-side scatter under `compute_on` returns a new pool (on a GPU: a copy of the whole host pool per call, see
 tests/test_gpu_build.py). On CPU these are semantic only; on a GPU they are the H2D / D2H copies being measured.
+Host pools of bf16 / fp8 values hold their bit patterns (`state.host_dtype`): every write goes through `_to_host`
+(values -> bits on the device, then to host memory) and every read through `_from_host` (to the device, then bits ->
+values), so the host-memory ops are integer moves that XLA:CPU does not widen to f32 over the whole pool.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import jax.numpy as jnp
 
 from hisparse_jax.compat import DEVICE, HOST, on_host
 from hisparse_jax.config import PAGE_SIZE
-from hisparse_jax.kv.state import FP8_BLOCK, KVStore, StoreSpec
+from hisparse_jax.kv.state import FP8_BLOCK, KVStore, StoreSpec, from_host_bits, to_host_bits
 from pallas_kernels.common import fp8_quantize
 from pallas_kernels.indexer_topk.reference import index_scores, index_scores_fp8, quantize_index_keys, select_topk
 from pallas_kernels.sparse_gather.reference import resolve_positions
@@ -56,6 +59,16 @@ def encode_index(spec: StoreSpec, k):
     if spec.fp8:
         return quantize_index_keys(k)
     return k.astype(spec.value_dtype), None
+
+
+def _to_host(x):
+    """Device values -> host-pool bits in host memory (what is `dynamic_update_slice`d into a host pool)."""
+    return jax.device_put(to_host_bits(x), HOST)
+
+
+def _from_host(bits, dtype):
+    """Rows / pages read out of a host pool (host memory, bits) -> device values of `dtype`."""
+    return from_host_bits(jax.device_put(bits, DEVICE), dtype)
 
 
 def _drop(idx, ok, bound):
@@ -127,7 +140,7 @@ def _write_host_rows(host, vals, pages, rows, order, n):
     """host[:, pages[b], rows[b]] = vals[:, b] for b in order[:n], one row (all layers) at a time."""
     def body(j, host):
         b = order[j]
-        upd = jax.device_put(jax.lax.dynamic_index_in_dim(vals, b, axis=1)[:, :, None], HOST)  # [L, 1, 1, X]
+        upd = _to_host(jax.lax.dynamic_index_in_dim(vals, b, axis=1)[:, :, None])  # [L, 1, 1, X]
         return jax.lax.dynamic_update_slice(host, upd, (0, pages[b], rows[b]) + (0,) * (host.ndim - 3))
 
     return jax.lax.fori_loop(0, n, body, host)
@@ -252,7 +265,7 @@ def _fetch_rows(spec, store, layers, plan):
         for buf, host in zip(staging, _host_pools(store)):
             rows = on_host(lambda h, p, r: jax.lax.dynamic_slice_in_dim(h, lo, nl, axis=0)[:, p, r],
                            host, hp, hr)  # [nl, chunk, X]
-            out.append(jax.lax.dynamic_update_slice_in_dim(buf, jax.device_put(rows, DEVICE), i * chunk, axis=1))
+            out.append(jax.lax.dynamic_update_slice_in_dim(buf, _from_host(rows, buf.dtype), i * chunk, axis=1))
         return tuple(out)
 
     staging = tuple(jnp.zeros((nl, sp.shape[0]) + pool.shape[3:], pool.dtype) for pool in pools)
@@ -275,9 +288,9 @@ def _fetch_pages(spec, store, layers, plan):
         s, e = starts[j], ends[j]
         hp = sp[s]
         pages = []
-        for host in _host_pools(store):
+        for host, pool in zip(_host_pools(store), pools):
             blk = jax.lax.dynamic_slice(host, (lo, hp) + (0,) * (host.ndim - 2), (nl, 1) + host.shape[2:])
-            pages.append(jax.device_put(blk, DEVICE)[:, 0])  # [nl, 64, X]
+            pages.append(_from_host(blk, pool.dtype)[:, 0])  # [nl, 64, X]
 
         def row_body(m, pools):
             return tuple(jax.lax.dynamic_update_slice(
@@ -346,8 +359,7 @@ def _write_back(spec, store, dpages, hpages):
         out = []
         for host, dev in zip(hosts, _device_pools(store)):
             blk = jax.lax.dynamic_slice(dev, (0, dpages[k]) + (0,) * (dev.ndim - 2), (dev.shape[0], 1) + dev.shape[2:])
-            out.append(jax.lax.dynamic_update_slice(host, jax.device_put(blk, HOST),
-                                                    (0, hpages[k]) + (0,) * (host.ndim - 2)))
+            out.append(jax.lax.dynamic_update_slice(host, _to_host(blk), (0, hpages[k]) + (0,) * (host.ndim - 2)))
         return tuple(out)
 
     hosts = jax.lax.fori_loop(0, n, body, _host_pools(store))
@@ -366,8 +378,7 @@ def load_pages(spec: StoreSpec, store: KVStore, hpages, dpages):
         out = []
         for pool, host in zip(pools, _host_pools(store)):
             blk = jax.lax.dynamic_slice(host, (0, hp) + (0,) * (host.ndim - 2), (host.shape[0], 1) + host.shape[2:])
-            blk = jax.device_put(blk, DEVICE)
-            out.append(pool.at[:, dp].set(blk[:, 0], mode="drop"))
+            out.append(pool.at[:, dp].set(_from_host(blk, pool.dtype)[:, 0], mode="drop"))
         return tuple(out)
 
     pools = jax.lax.fori_loop(0, n, body, _device_pools(store))
@@ -417,8 +428,8 @@ def _write_host_pages(spec, store, host_row, values, start, end):
     """Write rows start..end-1 of `values` ([L, T, X] each: latent, rope, latent scale or None; row t is
     position t) into their host pages (`host_row` int32[MP]: logical page -> host page, -1 none), a whole
     [L, 1, 64, X] page block at a time with `dynamic_update_slice` into the pinned-host pools (in place).
-    A page only partly in [start, end) is read from the host first and merged on the device, so its other
-    rows are kept. Returns the host pools."""
+    A page only partly in [start, end) is read from the host first and merged on the device (as bits), so its
+    other rows are kept. Returns the host pools."""
     T = values[0].shape[1]
     NP = -(-T // PAGE_SIZE)
     q = jnp.arange(NP, dtype=jnp.int32)
@@ -432,7 +443,7 @@ def _write_host_pages(spec, store, host_row, values, start, end):
     blocks = [None if v is None else
               jnp.pad(v, ((0, 0), (0, NP * PAGE_SIZE - T)) + ((0, 0),) * (v.ndim - 2)).reshape(
                   v.shape[0], NP, PAGE_SIZE, *v.shape[2:]) for v in values]  # [L, NP, 64, X]
-    blocks = [b for b in blocks if b is not None]
+    blocks = [to_host_bits(b) for b in blocks if b is not None]  # host-pool bits, still on the device
 
     def page_loop(sel, merge, hosts):
         order = jnp.argsort(~sel, stable=True)  # the selected pages first, in page order
@@ -448,7 +459,7 @@ def _write_host_pages(spec, store, host_row, values, start, end):
                     cur = jax.device_put(jax.lax.dynamic_slice(host, at, new.shape), DEVICE)
                     m = keep_new[k].reshape((1, 1, PAGE_SIZE) + (1,) * (host.ndim - 3))
                     new = jnp.where(m, new, cur)
-                out.append(jax.lax.dynamic_update_slice(host, jax.device_put(new, HOST), at))
+                out.append(jax.lax.dynamic_update_slice(host, jax.device_put(new, HOST), at))  # `new`: bits
             return tuple(out)
 
         return jax.lax.fori_loop(0, n, body, hosts)

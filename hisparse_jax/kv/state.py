@@ -6,8 +6,9 @@ MP pages per request, G indexer groups, HR hot rows):
     latent   [L, P, 64, C]     device KV pool: MLA latent c (bf16 / f32, or e4m3 + latent_scale [L, P, 64, C/128])
     rope     [L, P, 64, R]     device KV pool: rope key kR (bf16 / f32)
     index_k  [LI, PI, 64, dI]  device indexer keys (e4m3 + index_scale [LI, PI, 64] for fp8); never evicted
-    h_latent [L, PH, 64, C]    pinned-host KV pool (+ h_latent_scale), same page shape
-    h_rope   [L, PH, 64, R]
+    h_latent [L, PH, 64, C]    pinned-host KV pool (+ h_latent_scale), same page shape, stored as the bits of
+    h_rope   [L, PH, 64, R]    the device pool's values: uint16 for bf16, uint8 for e4m3, float32 as is
+                               (`host_dtype`; convert with `to_host_bits` / `from_host_bits`)
     block_table int32[Rq, MP]  device page of each logical page, -1 when not resident
     host_table  int32[Rq, MP]  host page of each logical page, -1 when it has none
     index_table int32[Rq, MP]  indexer page of each logical page (always present for written tokens)
@@ -34,11 +35,46 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from hisparse_jax.config import PAGE_SIZE, CacheConfig, ModelConfig
 
 FP8_BLOCK = 128
+
+
+# ----- host pool storage: floats narrower than 32 bits are kept as their bit patterns ------------------------
+# XLA:CPU's bf16 normalization runs an in-place dynamic_update_slice / scatter / gather on a bf16 (or f16 / fp8)
+# operand as convert-to-f32 + f32 op + convert back, over the WHOLE operand: on a host pool, O(host pool) per row
+# written or fetched. The host pools therefore hold unsigned integers of the same width (exact bit patterns, NaN
+# payloads included); values become bits on the device right before they are put in host memory, and bits
+# become values right after a row / page is copied out of it. float32 (and wider) pools are stored as they are.
+def host_dtype(dtype) -> jnp.dtype:
+    """The storage dtype of a host pool holding values of `dtype`: uintN for an N-bit float with N < 32,
+    `dtype` itself otherwise."""
+    dt = jnp.dtype(dtype)
+    if jnp.issubdtype(dt, jnp.floating) and dt.itemsize < 4:
+        return jnp.dtype(f"uint{8 * dt.itemsize}")
+    return dt
+
+
+def to_host_bits(x):
+    """Values -> what a host pool stores (`host_dtype(x.dtype)`): a bitcast, or `x` itself for float32."""
+    dt = host_dtype(x.dtype)
+    if dt == x.dtype:
+        return x
+    return x.view(dt) if isinstance(x, np.ndarray) else jax.lax.bitcast_convert_type(x, dt)
+
+
+def from_host_bits(bits, dtype):
+    """What a host pool stores -> values of `dtype` (the device pool's dtype): the inverse of `to_host_bits`.
+    Accepts jax arrays (inside or outside jit) and numpy arrays."""
+    dt = jnp.dtype(dtype)
+    if bits.dtype != host_dtype(dt):
+        raise TypeError(f"host pool bits of dtype {bits.dtype} cannot hold {dt} values (want {host_dtype(dt)})")
+    if bits.dtype == dt:
+        return bits
+    return bits.view(dt) if isinstance(bits, np.ndarray) else jax.lax.bitcast_convert_type(bits, dt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,14 +205,14 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
     kdt = jnp.float8_e4m3fn if spec.fp8 else vdt
     shapes = KVStore(
         spec=spec, latent=((L, P, PAGE_SIZE, C), kdt), rope=((L, P, PAGE_SIZE, R), vdt),
-        index_k=((LI, PI, PAGE_SIZE, dI), kdt), h_latent=((L, PH, PAGE_SIZE, C), kdt),
-        h_rope=((L, PH, PAGE_SIZE, R), vdt), block_table=((Rq, spec.max_pages), jnp.int32),
+        index_k=((LI, PI, PAGE_SIZE, dI), kdt), h_latent=((L, PH, PAGE_SIZE, C), host_dtype(kdt)),
+        h_rope=((L, PH, PAGE_SIZE, R), host_dtype(vdt)), block_table=((Rq, spec.max_pages), jnp.int32),
         host_table=((Rq, MP), jnp.int32), index_table=((Rq, MP), jnp.int32), seq_lens=((Rq,), jnp.int32),
         hot_pages=((Rq, spec.hot_pages), jnp.int32), hot_token=((Rq, G, HR), jnp.int32),
         hot_stamp=((Rq, G, HR), jnp.int32), clock=((), jnp.int32), page_stamp=((Rq, MP), jnp.int32),
         latent_scale=((L, P, PAGE_SIZE, C // FP8_BLOCK), jnp.float32) if spec.fp8 else None,
         index_scale=((LI, PI, PAGE_SIZE), jnp.float32) if spec.fp8 else None,
-        h_latent_scale=((L, PH, PAGE_SIZE, C // FP8_BLOCK), jnp.float32) if spec.fp8 else None,
+        h_latent_scale=((L, PH, PAGE_SIZE, C // FP8_BLOCK), host_dtype(jnp.float32)) if spec.fp8 else None,
     )
     minus_one = {"block_table", "host_table", "index_table", "hot_pages", "hot_token", "hot_stamp", "page_stamp"}
     shardings = store_shardings(spec, device)
