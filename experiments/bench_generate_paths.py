@@ -27,6 +27,7 @@ from flax import nnx
 from hisparse_jax.config import PAGE_SIZE, CacheConfig, get_preset
 from hisparse_jax.engine.runner import Runner
 from hisparse_jax.kv.dense import DenseKV
+from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.tiered import index_span
 from hisparse_jax.model.decoder import SparseMLAModel
@@ -91,10 +92,12 @@ def paged_steps(model, prompts, steps: int, cache_cfg: CacheConfig, tokens_out: 
     bookkeeping, decode and sampling, as `generate` does them)."""
     runner = Runner(model)
     tc = TieredCache(model.cfg, cache_cfg)
+    store = kv_device.new_store(tc)
     slots, first = [], []
     for p in prompts:
         last, latent, rope, index_k = runner.prefill_rows(p)
-        slots.append(tc.admit_prefilled(latent, rope, index_k, len(p)))
+        store, slot = kv_device.admit_prefilled(store, tc, latent, rope, index_k, len(p))
+        slots.append(slot)
         first.append(last)
     n = len(prompts)
     B = G._bucket_pow2(n)
@@ -105,10 +108,9 @@ def paged_steps(model, prompts, steps: int, cache_cfg: CacheConfig, tokens_out: 
     out = [tokens]
     for _ in range(steps):
         t0 = time.perf_counter()
-        for s in slots:
-            tc.reserve(s, tc.lengths[s] + 1)
+        store = kv_device.reserve_next(store, tc, slots)
         span = index_span(tc.spec, max(tc.lengths[s] for s in slots) + 1)
-        logits, tc.store, _ = runner.decode(tc.store, {"tokens": tokens, "req": req, "index_span": span})
+        logits, store, _ = runner.decode(store, {"tokens": tokens, "req": req, "index_span": span})
         tc.advance(slots)
         tokens = sample(logits, key)
         _sync(tokens)

@@ -23,9 +23,20 @@ from flax import nnx
 
 from hisparse_jax.config import CacheConfig, get_preset
 from hisparse_jax.engine.runner import Runner
+from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.tiered import index_span
 from hisparse_jax.model.decoder import SparseMLAModel
+
+
+def prefill_random(runner, tc, rng, requests: int, context: int):
+    """`requests` random prompts of `context` tokens prefilled into a new store for `tc`: (store, slots)."""
+    store, slots = kv_device.new_store(tc), []
+    for _ in range(requests):
+        _, lat, rope, idx = runner.prefill_rows(rng.integers(0, tc.model_cfg.vocab_size, context).tolist())
+        store, slot = kv_device.admit_prefilled(store, tc, lat, rope, idx, context)
+        slots.append(slot)
+    return store, slots
 
 
 def measure(model, runner, context: int, requests: int, max_seq_len: int, steps: int, bounded: bool) -> dict:
@@ -34,21 +45,17 @@ def measure(model, runner, context: int, requests: int, max_seq_len: int, steps:
                                             host_pages=requests * pages, max_seqs=requests,
                                             max_seq_len=max_seq_len))
     rng = np.random.default_rng(0)
-    slots = []
-    for _ in range(requests):
-        _, lat, rope, idx = runner.prefill_rows(rng.integers(0, model.cfg.vocab_size, context).tolist())
-        slots.append(tc.admit_prefilled(lat, rope, idx, context))
+    store, slots = prefill_random(runner, tc, rng, requests, context)
     req = np.asarray(slots, np.int32)
     tokens = np.zeros(requests, np.int32)
     times = []
     for t in range(steps + 2):  # the first two compile / warm up
-        for s in slots:
-            tc.reserve(s, tc.lengths[s] + 1)
+        store = kv_device.reserve_next(store, tc, slots)
         batch = {"tokens": tokens, "req": req}
         if bounded:
             batch["index_span"] = index_span(tc.spec, max(tc.lengths[s] for s in slots) + 1)
         t0 = time.perf_counter()
-        logits, tc.store, _ = runner.decode(tc.store, batch)
+        logits, store, _ = runner.decode(store, batch)
         logits.block_until_ready()
         times.append(time.perf_counter() - t0)
         tc.advance(slots)
@@ -67,20 +74,16 @@ def measure_host(model, runner, context: int, requests: int, host_scale: int, st
                                               host_pages=host_scale * requests * pages,
                                               index_pages=requests * pages))
     rng = np.random.default_rng(1)
-    slots = []
-    for _ in range(requests):
-        _, lat, rope, idx = runner.prefill_rows(rng.integers(0, model.cfg.vocab_size, context).tolist())
-        slots.append(tc.admit_prefilled(lat, rope, idx, context))
+    store, slots = prefill_random(runner, tc, rng, requests, context)
     req = np.asarray(slots, np.int32)
     tokens = rng.integers(0, model.cfg.vocab_size, requests).astype(np.int32)
     times, misses = [], 0
     for t in range(steps + 2):
-        for s in slots:
-            tc.reserve(s, tc.lengths[s] + 1)
+        store = kv_device.reserve_next(store, tc, slots)
         batch = {"tokens": tokens, "req": req,
                  "index_span": index_span(tc.spec, max(tc.lengths[s] for s in slots) + 1)}
         t0 = time.perf_counter()
-        logits, tc.store, stats = runner.decode(tc.store, batch)
+        logits, store, stats = runner.decode(store, batch)
         logits.block_until_ready()
         times.append(time.perf_counter() - t0)
         tc.advance(slots)

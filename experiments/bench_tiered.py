@@ -66,6 +66,7 @@ def run(args) -> dict:
 
     from hisparse_jax.config import PAGE_SIZE, CacheConfig, get_preset
     from hisparse_jax.generate import generate
+    from hisparse_jax.kv import device as kv_device
     from hisparse_jax.kv.manager import TieredCache
     from hisparse_jax.kv.tiered import decode_step, stats_bytes
     from hisparse_jax.model.decoder import SparseMLAModel
@@ -132,20 +133,21 @@ def run(args) -> dict:
     runs = {}
     for name, cc in configs.items():
         tc = TieredCache(cfg, cc)
+        store = kv_device.new_store(tc)
         slots = []
         for p, (lat, rope, ik) in zip(prompts, rows):
-            slots.append(tc.admit_prefilled(lat, rope, ik, len(p)))
+            store, slot = kv_device.admit_prefilled(store, tc, lat, rope, ik, len(p))
+            slots.append(slot)
         # as in generate(): tokens come out of a jitted function (committed), req is a host-made constant
-        runs[name] = {"tc": tc, "slots": slots, "times": [], "warm": [], "stats": [],
+        runs[name] = {"tc": tc, "store": store, "slots": slots, "times": [], "warm": [], "stats": [],
                       "tokens": jax.device_put(jnp.asarray(first, jnp.int32), dev),
                       "req": jnp.asarray(slots, jnp.int32)}
 
     def one_step(r):
         tc = r["tc"]
-        for s in r["slots"]:
-            tc.reserve(s, tc.lengths[s] + 1)
+        store = kv_device.reserve_next(r["store"], tc, r["slots"])
         t = time.perf_counter()
-        logits, tc.store, stats = decode_step(model, tc.store, {"tokens": r["tokens"], "req": r["req"]})
+        logits, r["store"], stats = decode_step(model, store, {"tokens": r["tokens"], "req": r["req"]})
         jax.block_until_ready(logits)
         dt = time.perf_counter() - t
         tc.advance(r["slots"])

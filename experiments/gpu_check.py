@@ -1279,14 +1279,19 @@ def _decode_setup(ctx: Ctx) -> dict:
 
 
 def _admit(ctx, d: dict, cc):
+    from hisparse_jax.kv import device as kv_device
     from hisparse_jax.kv.manager import TieredCache
 
-    tc = TieredCache(d["cfg"], cc, device=ctx.device)
-    slots = [tc.admit_prefilled(lat, rope, ik, len(p)) for p, (lat, rope, ik) in zip(d["prompts"], d["rows"])]
-    return tc, slots
+    tc = TieredCache(d["cfg"], cc)
+    store, slots = kv_device.new_store(tc, ctx.device), []
+    for p, (lat, rope, ik) in zip(d["prompts"], d["rows"]):
+        store, slot = kv_device.admit_prefilled(store, tc, lat, rope, ik, len(p))
+        slots.append(slot)
+    return tc, store, slots
 
 
 def section_decode(ctx: Ctx) -> dict:
+    from hisparse_jax.kv import device as kv_device
     from hisparse_jax.kv.tiered import decode_step
 
     sz = ctx.sz
@@ -1300,26 +1305,25 @@ def section_decode(ctx: Ctx) -> dict:
     runs = {}
     for name, cc in configs.items():
         t = time.perf_counter()
-        tc, slots = _admit(ctx, d, cc)
-        runs[name] = {"tc": tc, "slots": slots, "times": [], "stats": [], "compile_s": [],
+        tc, store, slots = _admit(ctx, d, cc)
+        runs[name] = {"tc": tc, "store": store, "slots": slots, "times": [], "stats": [], "compile_s": [],
                       "tokens": jax.device_put(jnp.asarray(first, jnp.int32), dev),
                       "req": jax.device_put(jnp.asarray(slots, jnp.int32), dev),
                       "device_pages": cc.device_pages, "evicted_at_admission": tc.evicted_pages,
                       "build_s": time.perf_counter() - t}
 
-    # Time the library's jitted step with the model split once: `decode_step(model, ...)` also splits the
-    # model (nnx.split) and hashes its graphdef on every call, host time that would blur the device-side
-    # ratio. That per-call overhead is measured separately below ("public_decode_step").
-    from hisparse_jax.kv import tiered as tiered_mod
+    # Time the step as the engine and generate run it: through the `Runner` (the model split once). The public
+    # `decode_step(model, ...)` also splits the model (nnx.split) and hashes its graphdef on every call, host
+    # time that would blur the device-side ratio; it is measured separately below ("public_decode_step").
+    from hisparse_jax.engine.runner import Runner
 
-    step_fn, step_how = tiered_mod.make_decode_step(model), "tiered.make_decode_step(model): split once"
+    step_fn, step_how = Runner(model).decode, "engine.runner.Runner(model).decode: split once"
 
     def one_step(r, fn=step_fn):
         tc = r["tc"]
-        for s in r["slots"]:
-            tc.reserve(s, tc.lengths[s] + 1)
+        store = kv_device.reserve_next(r["store"], tc, r["slots"])
         t = time.perf_counter()
-        logits, tc.store, stats = fn(tc.store, {"tokens": r["tokens"], "req": r["req"]})
+        logits, r["store"], stats = fn(store, {"tokens": r["tokens"], "req": r["req"]})
         _block(logits)
         dt = time.perf_counter() - t
         tc.advance(r["slots"])
@@ -1382,6 +1386,7 @@ def section_decode(ctx: Ctx) -> dict:
 def section_decode_kernels(ctx: Ctx) -> dict:
     """`decode_loop` (n steps in one lax.scan) under pressure with kernels="reference" and with the Pallas
     kernels: the same tokens, close logits, and the time per step of each (scan time / n)."""
+    from hisparse_jax.kv import device as kv_device
     from hisparse_jax.kv.tiered import decode_loop, stats_bytes
 
     sz = ctx.sz
@@ -1396,14 +1401,13 @@ def section_decode_kernels(ctx: Ctx) -> dict:
                              "the first (compiling) loop, whose tokens and logits are compared"}
     got = {}
     for kind in kinds:
-        tc, slots = _admit(ctx, d, cc)
-        for s in slots:  # tail pages for every position the loops will write
-            tc.reserve(s, tc.lengths[s] + n * (1 + reps))
+        tc, store, slots = _admit(ctx, d, cc)
+        store = kv_device.reserve_next(store, tc, slots, n * (1 + reps))  # tail pages for every position written
         req = jax.device_put(jnp.asarray(slots, jnp.int32), ctx.device)
         tokens = jax.device_put(jnp.asarray(d["first"], jnp.int32), ctx.device)
         t = time.perf_counter()
-        toks, logits, tc.store, stats = decode_loop(d["model"], tc.store, {"tokens": tokens, "req": req}, n,
-                                                    kernels=kind)
+        toks, logits, store, stats = decode_loop(d["model"], store, {"tokens": tokens, "req": req}, n,
+                                                 kernels=kind)
         _block((toks, logits))
         first_s = time.perf_counter() - t
         tc.advance(slots, n)
@@ -1418,8 +1422,8 @@ def section_decode_kernels(ctx: Ctx) -> dict:
             if ctx.over_budget():
                 break
             t = time.perf_counter()
-            toks, logits, tc.store, _ = decode_loop(d["model"], tc.store, {"tokens": toks[-1], "req": req}, n,
-                                                    kernels=kind)
+            toks, logits, store, _ = decode_loop(d["model"], store, {"tokens": toks[-1], "req": req}, n,
+                                                 kernels=kind)
             _block((toks, logits))
             times.append(time.perf_counter() - t)
             tc.advance(slots, n)

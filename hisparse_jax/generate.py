@@ -79,8 +79,8 @@ def prefill_rows(model: SparseMLAModel, tokens: Sequence[int]):
     """One causal forward over `tokens` (length bucketed to a power of two, so prompts share compiles).
 
     Returns (last logits f32[V], latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]) with T the bucket length
-    (the first len(tokens) rows are real; `TieredCache.write_prefill(slot, ..., len(tokens))` stores those, and
-    keeping T bucketed keeps its compiles bounded too) and the logits the first new token is drawn from."""
+    (the first len(tokens) rows are real; `kv.device.write_prefill(store, cache, slot, ..., len(tokens))` stores
+    those, and keeping T bucketed keeps its compiles bounded too) and the logits the first new token is drawn from."""
     return prefill_rows_split(*nnx.split(model), tokens)
 
 
@@ -181,8 +181,9 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
 
     cache: None decodes from a contiguous all-resident cache; a `CacheConfig` decodes through the tiered
     paged store (device + pinned host pools, hot buffers) under its budgets. With `return_stats=True`
-    (tiered only) the result is `(tokens, stats)`, stats holding totals over the run: hits, misses,
-    resident (rows read per path), h2d_bytes, h2d_transfer_bytes, d2h_bytes, evicted_pages, steps.
+    (tiered only) the result is `(tokens, stats)`, stats a `results.GenerateStats` of totals over the run: hits,
+    misses, resident (rows read per path), h2d_bytes, h2d_transfer_bytes, d2h_bytes, evicted_pages, steps
+    (attributes, or `stats["hits"]`; `stats.to_json()` for JSON).
     With `return_logits=True` the logits come last: `(tokens, [stats,] logits)`, logits[i] float32
     [len(tokens[i]), V] — the distribution each new token was drawn from.
 
@@ -260,6 +261,7 @@ def _sample_fn(temperature: float, top_p: float):
 def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top_p, key, eos, return_stats,
                      return_logits, kernels="reference"):
     from hisparse_jax.engine.runner import Runner
+    from hisparse_jax.kv import device as kv_device
     from hisparse_jax.kv.manager import TieredCache
     from hisparse_jax.kv.tiered import index_span
 
@@ -269,11 +271,13 @@ def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top
     tc = TieredCache(cfg, cache_cfg)
     # the last new token is sampled, never written: the cache holds prompt + max_new_tokens - 1 positions
     tc.check_batch_fits([len(p) + max_new_tokens - 1 for p in prompts])
+    store = kv_device.new_store(tc)
     sample = _sample_fn(float(temperature), float(top_p))
     slots, first = [], []
     for p in prompts:
         last, latent, rope, index_k = runner.prefill_rows(p)
-        slots.append(tc.admit_prefilled(latent, rope, index_k, len(p)))
+        store, slot = kv_device.admit_prefilled(store, tc, latent, rope, index_k, len(p))
+        slots.append(slot)
         first.append(last)
     B = _bucket_pow2(n)
     req = jnp.asarray(slots + [-1] * (B - n), jnp.int32)
@@ -283,10 +287,9 @@ def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top
     out_tokens, out_logits = [tokens], [first_logits] if return_logits else []
     totals = None
     for t in range(1, max_new_tokens):
-        for s in slots:
-            tc.reserve(s, tc.lengths[s] + 1)
+        store = kv_device.reserve_next(store, tc, slots)
         span = index_span(tc.spec, max(tc.lengths[s] for s in slots) + 1)  # the indexer's work: this context
-        logits, tc.store, stats = runner.decode(tc.store, {"tokens": tokens, "req": req, "index_span": span})
+        logits, store, stats = runner.decode(store, {"tokens": tokens, "req": req, "index_span": span})
         tc.advance(slots)
         totals = stats if totals is None else jax.tree_util.tree_map(jnp.add, totals, stats)
         key, sub = jax.random.split(key)
@@ -300,13 +303,14 @@ def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top
     out = [result]
     if return_stats:
         from hisparse_jax.kv.tiered import empty_stats, stats_bytes
+        from hisparse_jax.results import GenerateStats
 
         totals = totals if totals is not None else empty_stats(tc.spec)
         summary = stats_bytes(tc.spec, totals)
         summary.update(per_layer={k: np.asarray(totals[k]).tolist() for k in ("resident", "hits", "misses")},
                        evicted_pages=tc.evicted_pages, steps=len(out_tokens) - 1,
                        d2h_bytes=summary["d2h_bytes"] + tc.d2h_bytes, h2d_bytes=summary["h2d_bytes"] + tc.h2d_bytes)
-        out.append(summary)
+        out.append(GenerateStats(**summary))
     if return_logits:
         lg = np.asarray(jnp.stack(out_logits, axis=1))
         out.append([lg[i, :len(result[i])] for i in range(n)])

@@ -21,6 +21,7 @@ from hisparse_jax.engine import Engine, EngineConfig, RequestState, SamplingPara
 from hisparse_jax.engine.engine import UnknownRequest
 from hisparse_jax.generate import generate, validate_prompts
 from hisparse_jax.integrity import CheckpointError
+from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.manager import BudgetError, TieredCache
 from hisparse_jax.kv.persist import load_cache, save_cache
 from hisparse_jax.model.weights import restore_params, save_params
@@ -123,14 +124,16 @@ def saved_cache(tmp_path_factory, model):
     cfg = model.cfg
     tc = TieredCache(cfg, CacheConfig(kv_dtype="float32", device_pages=8, host_pages=16, max_seqs=2, max_seq_len=512))
     rng = np.random.default_rng(0)
+    store = kv_device.new_store(tc)
     slot = tc.admit(150)
     n = 150
-    tc.write_prefill(slot, jnp.asarray(rng.normal(size=(cfg.num_hidden_layers, n, cfg.kv_lora_rank)), jnp.float32),
+    store = kv_device.write_prefill(store, tc, slot, jnp.asarray(rng.normal(size=(cfg.num_hidden_layers, n, cfg.kv_lora_rank)), jnp.float32),
                      jnp.asarray(rng.normal(size=(cfg.num_hidden_layers, n, cfg.qk_rope_head_dim)), jnp.float32),
-                     jnp.asarray(rng.normal(size=(tc.spec.num_index_layers, n, cfg.index_head_dim)), jnp.float32), n)
+                                    jnp.asarray(rng.normal(size=(tc.spec.num_index_layers, n, cfg.index_head_dim)),
+                                                jnp.float32), n)
     path = str(tmp_path_factory.mktemp("cache") / "c")
-    save_cache(tc, path)
-    return tc, path
+    save_cache(tc, store, path)
+    return tc, store, path
 
 
 def copy_of(path, tmp_path):
@@ -142,15 +145,15 @@ def copy_of(path, tmp_path):
 
 
 def test_saved_cache_round_trip_is_verified(saved_cache, tmp_path):
-    tc, path = saved_cache
-    back = load_cache(copy_of(path, tmp_path))
+    tc, store, path = saved_cache
+    back, back_store = load_cache(copy_of(path, tmp_path))
     assert back.lengths == tc.lengths
-    for a, b in zip(jax.tree.leaves(back.store), jax.tree.leaves(tc.store)):
+    for a, b in zip(jax.tree.leaves(back_store), jax.tree.leaves(store)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_flipped_byte_in_a_saved_cache_is_refused_naming_the_array(saved_cache, tmp_path):
-    path = copy_of(saved_cache[1], tmp_path)
+    path = copy_of(saved_cache[2], tmp_path)
     flip_byte(os.path.join(path, "store"))
     with pytest.raises(CheckpointError, match=r"checksum mismatch in 1 array\(s\): \w+ .*damaged") as e:
         load_cache(path)
@@ -158,7 +161,7 @@ def test_flipped_byte_in_a_saved_cache_is_refused_naming_the_array(saved_cache, 
 
 
 def test_edited_cache_description_is_refused(saved_cache, tmp_path):
-    path = copy_of(saved_cache[1], tmp_path)
+    path = copy_of(saved_cache[2], tmp_path)
     fn = os.path.join(path, "cache.json")
     meta = json.load(open(fn))
     slot = next(iter(meta["lengths"]))
@@ -170,7 +173,7 @@ def test_edited_cache_description_is_refused(saved_cache, tmp_path):
 
 def test_cache_saved_as_float32_described_as_bf16_is_refused(saved_cache, tmp_path):
     """Even with a consistent checksum over the edited description, the arrays' saved dtypes give it away."""
-    path = copy_of(saved_cache[1], tmp_path)
+    path = copy_of(saved_cache[2], tmp_path)
     fn = os.path.join(path, "cache.json")
     meta = json.load(open(fn))
     meta["cache"]["kv_dtype"] = "bf16"
@@ -189,7 +192,7 @@ def test_cache_saved_as_float32_described_as_bf16_is_refused(saved_cache, tmp_pa
      "format version 1"),
 ])
 def test_unreadable_cache_description(saved_cache, tmp_path, damage, words):
-    path = copy_of(saved_cache[1], tmp_path)
+    path = copy_of(saved_cache[2], tmp_path)
     damage(os.path.join(path, "cache.json"))
     with pytest.raises(CheckpointError, match=words):
         load_cache(path)
@@ -429,7 +432,7 @@ def test_a_failed_batch_commits_nothing_and_the_engine_goes_on(model, reference,
         eng.step()
     assert before == ({k: list(r.output) for k, r in eng.requests.items()}, dict(eng.cache.lengths),
                       {k: r.computed for k, r in eng.requests.items()})
-    eng.cache.check_invariants()
+    kv_device.check_tables(eng.store, eng.cache)
     eng.run()
     assert [eng.requests[f"r{i}"].output for i in range(3)] == reference
 
@@ -438,7 +441,7 @@ def test_a_batch_that_consumed_the_store_stops_the_engine(model, monkeypatch):
     eng = engine(model)
     add_all(eng)
 
-    def consume(spec, store, *a):
+    def consume(spec, store, *a, **k):
         for x in jax.tree.leaves(store):
             x.delete()
         raise RuntimeError("injected failure after donation")

@@ -11,7 +11,7 @@ XLA's deviceless AOT compilation (`tests/deviceless.py`) runs the whole XLA:GPU 
    (a) every store buffer is donated (an input_output_alias from each store parameter to its result),
    (b) the pinned-host pools stay in host memory (S(5)) as parameters and as results,
    (c) no instruction materializes a whole-pool-sized buffer besides the aliased parameter / result;
-   2b. the same (a)-(c) for the jitted store programs `TieredCache` runs between steps (kv/manager.py:
+   2b. the same (a)-(c) for the jitted store programs that apply `TieredCache`'s decisions (kv/device.py:
    write_prefill bf16 / fp8, evict_pages with and without write-back, load_pages, the table updates,
    append_all; gather_all with HISPARSE_GPU_BUILD_ALL=1);
 3. a Pallas kernel whose block does not fit in shared memory fails to build (errors are real).
@@ -345,12 +345,13 @@ def check_no_pool_sized_temporary(label, store, text, mem):
 
 
 # ----- 2b. the store programs TieredCache runs between decode steps ----------------------------
-# The jitted functions of hisparse_jax/kv/manager.py (all donate the store): prompt admission (write_prefill),
+# The jitted functions of hisparse_jax/kv/device.py, which apply TieredCache's decisions to the store (all donate
+# it): prompt admission (write_prefill),
 # eviction (with the write-back that runs when rows are not mirrored eagerly), swap-in / prefix loads
 # (load_pages), table updates, and the checked row-level append / gather. Same checks (a)-(c) as the step,
 # same GLM-5 geometry: a program that copies a 4 GiB host pool to admit a prompt is as wrong as a step that does.
 PREFILL_T = 8192  # the prompt bucket (rows per layer) written by write_prefill
-NPAGES = 64  # pages per evict_pages / load_pages call (the manager pads the list to a power of two)
+NPAGES = 64  # pages per evict_pages / load_pages call (the bookkeeping pads the list to a power of two)
 
 
 def _store(kv, *, mirror=True, fetch="row"):
@@ -367,8 +368,8 @@ def _i32(*shape):
 
 
 def _store_program(name, kv, **store_kw):
-    """(the manager's jitted function, its abstract args)."""
-    from hisparse_jax.kv import manager as m
+    """(the store program's jitted function, its abstract args)."""
+    from hisparse_jax.kv import device as m
 
     store = _store(kv, **store_kw)
     spec = store.spec
@@ -380,7 +381,7 @@ def _store_program(name, kv, **store_kw):
 
     return {
         "write_prefill": lambda: (m._write_prefill, (store, _i32(), *kv_rows(PREFILL_T), _i32(), _i32())),
-        "evict_pages": lambda: (m._evict, (store, _i32(NPAGES), _i32(NPAGES))),
+        "evict_pages": lambda: (m._release, (store, _i32(NPAGES), _i32(NPAGES))),
         "load_pages": lambda: (m._load_pages, (store, _i32(NPAGES), _i32(NPAGES))),
         "set_tables": lambda: (m._set_tables, (store, _i32(), _i32(MP), _i32(MP), _i32(MP), _i32(),
                                                _i32(spec.hot_pages))),

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from store_pair import StorePair
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.pool import INVALID, OutOfPages, PoolError, Tier, page_hash
 from test_store import DI, LI, MODEL, C, L, R, cache_cfg
@@ -75,7 +76,7 @@ DOC = np.random.default_rng(7).integers(0, 64, 512).tolist()
 
 
 def test_shared_pages_refcounts_release_and_registration_lifetime():
-    tc = TieredCache(MODEL, cache_cfg(max_seqs=3))
+    tc = StorePair(MODEL, cache_cfg(max_seqs=3))
     tc.prefix_caching = True
     a_toks = DOC[:200]
     a = prefill(tc, a_toks)
@@ -120,7 +121,7 @@ def test_shared_pages_refcounts_release_and_registration_lifetime():
 
 
 def test_prefix_caching_off_shares_nothing_and_different_prefix_misses():
-    tc = TieredCache(MODEL, cache_cfg(max_seqs=4))
+    tc = StorePair(MODEL, cache_cfg(max_seqs=4))
     prefill(tc, DOC[:200])
     assert tc.pool.stats()["device"]["prefix"] == 0  # off: nothing registered
     tc.prefix_caching = True
@@ -135,7 +136,7 @@ def test_prefix_caching_off_shares_nothing_and_different_prefix_misses():
 
 
 def test_admit_prefilled_registers_pages_for_later_requests():
-    tc = TieredCache(MODEL, cache_cfg(max_seqs=2))
+    tc = StorePair(MODEL, cache_cfg(max_seqs=2))
     tc.prefix_caching = True
     a = tc.admit_prefilled(*(jnp.asarray(x) for x in rows_for(DOC, 0, 200)), 200, tokens=DOC[:200])
     b = prefill(tc, DOC[:200])
@@ -145,7 +146,7 @@ def test_admit_prefilled_registers_pages_for_later_requests():
 
 
 def test_host_only_prefix_page_is_loaded_and_shared_pages_are_not_release_candidates():
-    tc = TieredCache(MODEL, cache_cfg(max_seqs=3, device_pages=40))
+    tc = StorePair(MODEL, cache_cfg(max_seqs=3, device_pages=40))
     tc.prefix_caching = True
     a_toks = DOC[:300]
     a = prefill(tc, a_toks)
@@ -192,7 +193,7 @@ def test_host_only_prefix_page_is_loaded_and_shared_pages_are_not_release_candid
 def test_pressure_releases_shared_pages_from_every_holder():
     """Once no request has a cold page of its own left, a shared page is released from all its holders at once
     (each gets a hot buffer first): the page is freed, stays cached, and both read it back through the host."""
-    tc = TieredCache(MODEL, cache_cfg(max_seqs=3, device_pages=24))
+    tc = StorePair(MODEL, cache_cfg(max_seqs=3, device_pages=24))
     tc.prefix_caching = True
     a_toks, b_toks = DOC[:300], DOC[:290] + [4]
     a, b = prefill(tc, a_toks), prefill(tc, b_toks)
@@ -203,7 +204,7 @@ def test_pressure_releases_shared_pages_from_every_holder():
     tc.pinned.discard(b)
     assert [d for d, _ in tc.shared_release_candidates()] == ra.device[:3]  # page 3 is a tail page of both
     shared, free0 = ra.device[:3], tc.pool.num_free(Tier.DEVICE)
-    tc._evict_until(free0 + 1)
+    tc.evict_until(free0 + 1)
     assert ra.hot and rb.hot and tc.pool.num_free(Tier.DEVICE) >= free0 + 1
     released = [d for d in shared if d not in ra.device]
     assert released and all(d not in rb.device for d in released)
@@ -214,7 +215,7 @@ def test_pressure_releases_shared_pages_from_every_holder():
 
 
 def test_swap_in_reshares_resident_prefix_pages():
-    tc = TieredCache(MODEL, cache_cfg(max_seqs=2))
+    tc = StorePair(MODEL, cache_cfg(max_seqs=2))
     tc.prefix_caching = True
     a = prefill(tc, DOC[:300])
     b_toks = DOC[:280] + [3]
@@ -234,7 +235,7 @@ def test_swap_in_reshares_resident_prefix_pages():
 
 
 def test_write_prefill_never_touches_shared_pages():
-    tc = TieredCache(MODEL, cache_cfg(max_seqs=2))
+    tc = StorePair(MODEL, cache_cfg(max_seqs=2))
     tc.prefix_caching = True
     prefill(tc, DOC[:200])
     b = tc.admit(150, tokens=DOC[:150])
@@ -246,13 +247,13 @@ def test_write_prefill_never_touches_shared_pages():
 def test_save_restore_keeps_the_prefix_cache(tmp_path):
     from hisparse_jax.kv.persist import load_cache, save_cache
 
-    tc = TieredCache(MODEL, cache_cfg(max_seqs=3))
+    tc = StorePair(MODEL, cache_cfg(max_seqs=3))
     tc.prefix_caching = True
     a = prefill(tc, DOC[:300])
     b = prefill(tc, DOC[:200] + [1])
     tc.release(a)  # a's page 3 is cached now; pages 0-2 are b's (shared)
-    save_cache(tc, tmp_path / "cache")
-    tc2 = load_cache(tmp_path / "cache")
+    save_cache(tc.cache, tc.sync(), tmp_path / "cache")
+    tc2 = StorePair.of(*load_cache(tmp_path / "cache"))
     assert tc2.prefix_caching and tc2.pool.snapshot() == tc.pool.snapshot()
     assert tc2.prefix_hashes == tc.prefix_hashes and tc2.cached_tokens == tc.cached_tokens
     c = prefill(tc2, DOC[:300])
@@ -269,7 +270,7 @@ def test_allocator_invariants_under_random_operations_with_shared_prefixes(seed)
     rows read back are exact, and everything is freed (registrations included) at the end."""
     rng = np.random.default_rng(seed)
     docs = [rng.integers(0, 64, 400).tolist() for _ in range(3)]
-    tc = TieredCache(MODEL, cache_cfg(max_seqs=4, device_pages=30, host_pages=48, max_seq_len=448))
+    tc = StorePair(MODEL, cache_cfg(max_seqs=4, device_pages=30, host_pages=48, max_seq_len=448))
     tc.prefix_caching = True
     live: dict[int, list[int]] = {}
     swapped: set[int] = set()

@@ -41,10 +41,12 @@ def test_model_split_once_per_runner(model, monkeypatch):
     assert len(calls) == 1 and eng.step_count >= NEW  # every split of the run: the runner's one
 
 
-def test_one_device_to_host_read_per_decode_step(model, monkeypatch):
+@pytest.mark.parametrize("coldness", ["oldest", "recency"])
+def test_one_device_to_host_read_per_decode_step(model, monkeypatch, coldness):
     """Steady decode steps: no implicit device→host transfer anywhere in the step (the guard raises on one), and
-    exactly one explicit read, the runner's (tokens and counters together)."""
-    eng = make_engine(model)
+    exactly one explicit read, the runner's (tokens and counters together; with "recency" coldness the page
+    stamps the host's release order needs come back in the same read)."""
+    eng = make_engine(model, coldness=coldness)
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"r{i}", p, SamplingParams(max_new_tokens=NEW))
     eng.step()  # admissions and whole-prompt prefills (their first tokens are read there)

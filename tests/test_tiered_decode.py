@@ -11,7 +11,7 @@ from flax import nnx
 import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig, RopeConfig
 from hisparse_jax.generate import generate
-from hisparse_jax.kv import tiered
+from hisparse_jax.kv import device as kv_device, tiered
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.persist import load_cache, save_cache
 
@@ -85,16 +85,18 @@ def test_tiered_equals_all_resident_in_compressed_formats(kv_dtype):
 
 
 def _start(model, prompts, cc):
-    """A TieredCache with `prompts` prefilled; returns (cache, slots, first tokens)."""
+    """A TieredCache and its store with `prompts` prefilled; returns (cache, store, slots, first tokens)."""
     from hisparse_jax.generate import prefill_rows
 
     tc = TieredCache(model.cfg, cc)
+    store = kv_device.new_store(tc)
     slots, toks = [], []
     for p in prompts:
         last, latent, rope, index_k = prefill_rows(model, p)
-        slots.append(tc.admit_prefilled(latent, rope, index_k, len(p)))
+        store, slot = kv_device.admit_prefilled(store, tc, latent, rope, index_k, len(p))
+        slots.append(slot)
         toks.append(int(jnp.argmax(last)))
-    return tc, slots, jnp.asarray(toks, jnp.int32)
+    return tc, store, slots, jnp.asarray(toks, jnp.int32)
 
 
 def test_scan_equals_separate_steps_and_compiles_once(model):
@@ -103,31 +105,29 @@ def test_scan_equals_separate_steps_and_compiles_once(model):
     cc = BIG.replace(device_pages=12)
     n = 110
     # separate calls
-    tc, slots, tok = _start(model, prompts, cc)
+    tc, store, slots, tok = _start(model, prompts, cc)
     before = tiered.TRACE_COUNTS["decode_step"]
     req = jnp.asarray(slots, jnp.int32)
     seq_tokens, seq_logits = [], []
     for i in range(n):
-        for s in slots:
-            tc.reserve(s, tc.lengths[s] + 1)
-        logits, tc.store, _ = tiered.decode_step(model, tc.store, {"tokens": tok, "req": req})
+        store = kv_device.reserve_next(store, tc, slots)
+        logits, store, _ = tiered.decode_step(model, store, {"tokens": tok, "req": req})
         tc.advance(slots)
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
         seq_tokens.append(tok)
         seq_logits.append(logits)
         if i % 25 == 0:
-            tc.check_invariants()
+            kv_device.check_tables(store, tc)
     assert tiered.TRACE_COUNTS["decode_step"] - before == 1  # no recompilation over 110 steps
     # one scan: the host reserves the tail pages of all n positions first
-    tc2, slots2, tok2 = _start(model, prompts, cc)
-    for s in slots2:
-        tc2.reserve(s, tc2.lengths[s] + n)
-    toks, logits, tc2.store, stats = tiered.decode_loop(model, tc2.store, {"tokens": tok2, "req": req}, n)
+    tc2, store2, slots2, tok2 = _start(model, prompts, cc)
+    store2 = kv_device.reserve_next(store2, tc2, slots2, n)
+    toks, logits, store2, stats = tiered.decode_loop(model, store2, {"tokens": tok2, "req": req}, n)
     tc2.advance(slots2, n)
     np.testing.assert_array_equal(np.asarray(toks), np.asarray(jnp.stack(seq_tokens)))
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(jnp.stack(seq_logits)))
     assert stats["misses"].shape == (n, 4)
-    tc2.check_invariants()
+    kv_device.check_tables(store2, tc2)
 
 
 def test_save_restore_resumes_exactly(model, tmp_path):
@@ -135,25 +135,25 @@ def test_save_restore_resumes_exactly(model, tmp_path):
     prompts = [rng.integers(0, 97, n).tolist() for n in (200, 120)]
     cc = BIG.replace(device_pages=10)
 
-    def run(tc, slots, tok, steps):
+    def run(tc, store, slots, tok, steps):
         req = jnp.asarray(slots, jnp.int32)
         out = []
         for _ in range(steps):
-            for s in slots:
-                tc.reserve(s, tc.lengths[s] + 1)
-            logits, tc.store, _ = tiered.decode_step(model, tc.store, {"tokens": tok, "req": req})
+            store = kv_device.reserve_next(store, tc, slots)
+            logits, store, _ = tiered.decode_step(model, store, {"tokens": tok, "req": req})
             tc.advance(slots)
             tok = jnp.argmax(logits, -1).astype(jnp.int32)
             out.append(np.asarray(logits))
-        return tok, out
+        return store, tok, out
 
-    tc, slots, tok = _start(model, prompts, cc)
-    tok, _ = run(tc, slots, tok, 10)
-    save_cache(tc, tmp_path / "ckpt")
-    _, want = run(tc, slots, tok, 15)
-    restored = load_cache(tmp_path / "ckpt")
-    assert restored.store.h_latent.sharding.memory_kind == "pinned_host"
-    _, got = run(restored, slots, tok, 15)
+    tc, store, slots, tok = _start(model, prompts, cc)
+    store, tok, _ = run(tc, store, slots, tok, 10)
+    store = kv_device.apply_updates(store, tc)
+    save_cache(tc, store, tmp_path / "ckpt")
+    _, _, want = run(tc, store, slots, tok, 15)
+    restored, restored_store = load_cache(tmp_path / "ckpt")
+    assert restored_store.h_latent.sharding.memory_kind == "pinned_host"
+    _, _, got = run(restored, restored_store, slots, tok, 15)
     for a, b in zip(want, got):
         np.testing.assert_array_equal(a, b)
 

@@ -25,10 +25,11 @@ from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
 from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, pages
 from hisparse_jax.kv.manager import COLDNESS, BudgetError, TieredCache
-from hisparse_jax.kv import tiered
+from hisparse_jax.kv import device as kv_device, tiered
 from hisparse_jax.kv.state import StoreSpec
 from hisparse_jax.engine.runner import Runner, sampler
 from hisparse_jax.model.decoder import SparseMLAModel
+from hisparse_jax.results import EngineMetrics, StepMetrics
 from hisparse_jax.validation import check_prompt
 
 
@@ -88,11 +89,12 @@ class Engine:
         self.cache = TieredCache(model.cfg, cache, victim_order=COLDNESS[config.coldness])
         self.cache.partial_eviction = config.policy == "hisparse"
         self.cache.prefix_caching = config.prefix_caching
+        self.store = kv_device.new_store(self.cache)  # the cache's KVStore: device pools + pinned-host pools
         self.scheduler = Scheduler(self.cache, config.policy, max_running=config.max_running,
                                    prefill_chunk=config.prefill_chunk, prefill=config.prefill)
         self.requests: dict[str, Request] = {}
         self.step_count = 0
-        self.history: list[dict] = []
+        self.history: list[StepMetrics] = []
         self._log = open(config.log_path, "a") if config.log_path else None
         self._store_lost = False
 
@@ -156,7 +158,7 @@ class Engine:
         return {rid: list(r.output) for rid, r in self.requests.items()}
 
     # ----- one step ------------------------------------------------------------------------------
-    def step(self) -> dict:
+    def step(self) -> StepMetrics:
         """One engine step: schedule, each request's own work, one batched device call, then commit.
 
         All-or-nothing: a request whose own work raises (its sampling arguments, its whole-prompt prefill) is
@@ -220,29 +222,34 @@ class Engine:
                      "pos": np.asarray(rows_pos + [-1] * pad, np.int32),
                      # the indexer scores pages up to the batch's longest sequence (a power-of-two bucket)
                      "index_span": tiered.index_span(self.cache.spec, max(rows_pos) + 1)}
-            store = self.cache.store
+            store = self.store
             try:
-                out = self.runner.step(self.cache.spec, store, batch, self._sampling(emit, B), len(emit))
+                store = self.store = kv_device.apply_updates(store, self.cache)  # this step's table decisions
+                out = self.runner.step(self.cache.spec, store, batch, self._sampling(emit, B), len(emit),
+                                       read_page_stamps=self.cache.needs_page_stamps)
             except Exception:
                 self._store_lost = any(x.is_deleted() for x in jax.tree.leaves(store))
                 raise
             # 4. commit (host bookkeeping only)
-            self.cache.store, toks, stats = out.store, out.tokens, out.stats
+            self.store, toks, stats = out.store, out.tokens, out.stats
+            if out.page_stamps is not None:
+                self.cache.observe_page_stamps(out.page_stamps)
             for r, start, n in plan.prefill:
                 r.computed = start + n
-                self.cache.lengths[r.slot] = r.computed
+                self.cache.set_length(r.slot, r.computed)
             for r in completed:
-                sched.cache.pinned.discard(r.slot)
+                self.cache.unpin(r.slot)
                 self.cache.register_prefix(r.slot, r.kv_tokens)
                 r.state = RequestState.RUNNING
-            for r in plan.decode:
-                self.cache.lengths[r.slot] += 1
+            self.cache.advance([r.slot for r in plan.decode])
             new_tokens += self._commit_tokens([r for _, r in emit], toks)
+        if self.cache.updates:  # releases decided at commit: the store matches the cache between steps
+            self.store = kv_device.apply_updates(self.store, self.cache)
         if self.config.check_invariants:
-            self.cache.check_invariants()
+            kv_device.check_tables(self.store, self.cache)
         dt = time.perf_counter() - t0
         st = stats
-        m = {
+        m = StepMetrics(**{
             "step": self.step_count, "running": len(plan.decode),
             "admitted": len(sched.active), "prefilling": sum(r.state is RequestState.PREFILLING for r in sched.active),
             "swapped": sum(r.state is RequestState.SWAPPED for r in sched.active), "waiting": len(sched.waiting),
@@ -254,10 +261,10 @@ class Engine:
             "h2d_bytes": st.get("h2d_bytes", 0), "d2h_bytes": st.get("d2h_bytes", 0),
             "device_pages_used": self.cache.pool.num_used("device"), "step_time_s": dt,
             "compiled": tiered.TRACE_COUNTS["decode_step"] > traces,
-        }
+        })
         self.history.append(m)
         if self._log:
-            self._log.write(json.dumps(m) + "\n")
+            self._log.write(json.dumps(m.to_json()) + "\n")
             self._log.flush()
         self.step_count += 1
         return m
@@ -310,7 +317,7 @@ class Engine:
         """One full causal forward over r's KV tokens, written into its pages; returns the last logits [V]."""
         toks = r.kv_tokens
         last, latent, rope, index_k = self.runner.prefill_rows(toks)
-        self.cache.write_prefill(r.slot, latent, rope, index_k, len(toks))
+        self.store = kv_device.write_prefill(self.store, self.cache, r.slot, latent, rope, index_k, len(toks))
         self.cache.register_prefix(r.slot, toks)
         return last
 
@@ -338,8 +345,8 @@ class Engine:
         return [self.requests[rid].output for rid in ids]
 
     # ----- metrics -------------------------------------------------------------------------------
-    def metrics(self) -> dict:
-        """Totals and per-step series (`history`) for the run so far."""
+    def metrics(self) -> EngineMetrics:
+        """Totals and per-step series (`history`: `StepMetrics`) for the run so far; `.to_json()` for JSON."""
         h = self.history
         decode_steps = [m for m in h if m["running"]]
         total_time = sum(m["step_time_s"] for m in h)
@@ -349,7 +356,7 @@ class Engine:
         tokens = sum(m["tokens"] for m in h)
         cached, prefill = sum(m["cached_tokens"] for m in h), sum(m["prefill_tokens"] for m in h)
         done = [r for r in self.requests.values() if r.state is RequestState.FINISHED]
-        return {
+        return EngineMetrics(**{
             "policy": self.config.policy, "steps": len(h),
             "mean_running": float(np.mean([m["running"] for m in decode_steps])) if decode_steps else 0.0,
             "max_running": max((m["running"] for m in h), default=0),
@@ -368,8 +375,8 @@ class Engine:
             # in engine steps, from arrival (add_request) to the first token / to the last, finished requests only
             "mean_ttft_steps": _mean(r.first_token_step - r.arrival for r in done if r.first_token_step is not None),
             "mean_latency_steps": _mean(r.finish_step - r.arrival for r in done),
-            "history": h,
-        }
+            "history": list(h),
+        })
 
     def close(self) -> None:
         if self._log:

@@ -68,6 +68,7 @@ class StepOutput:
     tokens: list[int]  # one per emitting row, in the order of `sampling["rows"]`
     store: KVStore
     stats: dict  # Python ints (per-layer counters as lists) and bytes: see `kv.tiered.stats_bytes`
+    page_stamps: np.ndarray | None = None  # the store's indexer-recency stamps after the step, when asked for
 
 
 @functools.lru_cache(maxsize=32)
@@ -104,11 +105,14 @@ class Runner:
         `kv.tiered.decode_step` but with this runner's split parameters."""
         return tiered.decode_step_split(self.graphdef, self.state, store, batch, kernels=self.kernels)
 
-    def step(self, spec: StoreSpec, store: KVStore, batch: dict, sampling: dict, n_emit: int) -> StepOutput:
-        """Decode `batch` through `store` (donated) and sample the emitting rows; one device→host read."""
+    def step(self, spec: StoreSpec, store: KVStore, batch: dict, sampling: dict, n_emit: int, *,
+             read_page_stamps: bool = False) -> StepOutput:
+        """Decode `batch` through `store` (donated) and sample the emitting rows; one device→host read (with
+        `read_page_stamps`, the store's per-page indexer-recency stamps come back in the same read)."""
         dev = store.seq_lens.sharding
         batch = {k: jax.device_put(np.asarray(v), dev) for k, v in batch.items()}
         sampling = {k: jax.device_put(np.asarray(v), dev) for k, v in sampling.items()}
         tokens, store, stats = self._step(self.state, store, batch, sampling)
-        tokens, stats = jax.device_get((tokens, stats))  # the step's one device→host transfer
-        return StepOutput(np.asarray(tokens)[:n_emit].tolist(), store, tiered.stats_bytes(spec, stats))
+        stamps = store.page_stamp if read_page_stamps else None
+        tokens, stats, stamps = jax.device_get((tokens, stats, stamps))  # the step's one device→host transfer
+        return StepOutput(np.asarray(tokens)[:n_emit].tolist(), store, tiered.stats_bytes(spec, stats), stamps)

@@ -171,7 +171,7 @@ class Scheduler:
                 plan.whole.append(r)
                 continue
             r.slot = c.admit(0, tokens=r.kv_tokens)  # shares the cached prefix (resident) if there is one
-            c.pinned.add(r.slot)
+            c.pin(r.slot)
             r.state, r.computed = RequestState.PREFILLING, c.cached_tokens[r.slot]
             r.cached_tokens += r.computed
             plan.cached_tokens += r.computed

@@ -1,5 +1,13 @@
 """The tiered paged KV store.
 
+Modules: `spec.py` (`StoreSpec`, the static geometry), `state.py` (`KVStore`, the arrays: device pools, pinned-host
+pools, tables), `ops.py` (the jitted store operations the decode step uses), `tiered.py` (the `TieredKV` backend
+and the decode-step entry points), `pool.py` (`PagePool`: page ids, refcounts, prefix registrations);
+the host bookkeeping `manager.py` (`TieredCache`) with `eviction.py` (coldness, what to release), `prefix.py`
+(prefix sharing) and `invariants.py` (checks) — NumPy only; `updates.py` (what the bookkeeping asks of the device
+tables) and `device.py` (applying those updates to a `KVStore`; checked row writes and reads); `persist.py`
+(save / restore); `dense.py` (the contiguous all-resident cache behind plain `generate`).
+
 Glossary (one word, one thing; where the code still uses a word for two things, the second meaning is named):
 
 - page: 64 consecutive token positions of one request (`PAGE_SIZE`); a *logical page* i covers positions
@@ -17,7 +25,9 @@ Glossary (one word, one thing; where the code still uses a word for two things, 
 - indexer group: a full indexer layer and the shared-index layers after it; they read the same top-k rows.
 - mirror: every appended row is written to its host page in the same step (`mirror_to_host`), so releasing a
   page copies nothing.
-- pinned (`TieredCache.pinned`): request slots whose pages must all stay resident (a prompt being written chunk
+- updates (`TieredCache.updates`, `updates.py`): the host's decisions about the device tables, in order, applied by
+  whoever holds the `KVStore` (`device.apply_updates`) before the next device call.
+- pinned (`TieredCache.pinned`, `pin` / `unpin`): request slots whose pages must all stay resident (a prompt being written chunk
   by chunk) — not "pinned host memory", which is the host tier.
 - plan: the resolver's per-row result (`ops.Plan`: page, row, valid, resident, miss, source); the engine's
   scheduler has its own `StepPlan`.

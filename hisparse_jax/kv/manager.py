@@ -1,131 +1,82 @@
-"""`TieredCache`: the host-side owner of a `KVStore` — admission, tail-page reservation, eviction, release.
+"""`TieredCache`: the host-side bookkeeping of a tiered KV store — admission, tail-page reservation, release
+under pressure, swap, prefix sharing. NumPy only: it never calls jit and never reads a device array.
 
-Everything here runs between jitted steps, on the host, in NumPy: it decides which pages exist where
-(`PagePool`), mirrors the decisions into the device tables with small jitted updates, and never reads a
-pool. The device step never allocates.
+It decides which pages exist where (`PagePool`) and records what the device tables must become as ordered
+`updates` (`kv.updates`); the owner of the `KVStore` applies them (`kv.device.apply_updates`) before the next
+device call. Byte counts (host→device page loads, device→host prompt writes) follow from the page lists.
 
-Residency rule: a request's pages stay on the device until the pool runs low. Then sealed pages (never
-the last two, which are being written) whose host copy is current are released, coldest first; a
-request with a released page first gets its hot buffer (`hot_rows` slots, lent from the same device
-pool). Coldness is pluggable (`victim_order`): the default releases the oldest logical pages first.
+Residency rule: a request's pages stay on the device until the pool runs low. Then sealed pages (never the last
+two, which are being written) whose host copy is current are released, coldest first (`kv.eviction`); a
+request with a released page first gets its hot buffer (`hot_rows` slots, lent from the same device pool).
 
-Prefix caching (`prefix_caching = True`): a full page of tokens whose rows are written is registered under
-the hash chain of its tokens (`page_hash`) in every tier that holds it — its indexer-key page, its device
-page, its host page. A request admitted with `tokens=` shares the longest run of registered pages (one
-reference more on each: `incref`), never the page of its last token (whose logits must be computed), and
-skips writing them; `cached_tokens[slot]` says how many tokens that covers. Shared pages are immutable (only
-full pages are shared; decode writes past them). A request releases a shared page by dropping its own
-reference. When the last reference goes the page is free but stays registered, as a cached page that later
-requests can still share, until the pool needs it (cached pages are reclaimed last, least recently freed
-first, and then lose their registration). Under pressure a device page held by several requests is not
-released by one of them alone (that frees nothing): requests give their own cold pages first, then shared
-pages are released from all their holders at once (each holder reading them through its hot buffer). A
-prefix page found only on the host is loaded into a fresh device page of the new request (and registered
-there), since a prompt is resident while it is prefilled.
+Prefix caching (`prefix_caching = True`, `kv.prefix`): full pages of prompt tokens are registered under the
+hash chain of their tokens and shared (refcounted) by later requests; a freed registered page stays cached until
+the pool needs it. Under pressure a device page held by several requests is released from all its holders at
+once (each reading it through its hot buffer).
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Callable, NamedTuple
+from typing import Callable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax.config import PAGE_SIZE, CacheConfig, ModelConfig
-from hisparse_jax.kv import ops
-from hisparse_jax.kv.pool import (INVALID, OutOfPages, PagePool, PoolError, RequestPages, Tier, owners_of,
-                                  page_hash)
-from hisparse_jax.kv.state import KVStore, StoreSpec, init_store
-
-TAIL_PAGES = 2
-
-
-class PrefixHit(NamedTuple):
-    """One registered page a prompt can share: its hash and its page in each tier (INVALID where none)."""
-
-    hash: int
-    index: int
-    device: int
-    host: int
+from hisparse_jax.kv import eviction, invariants, prefix
+from hisparse_jax.kv.eviction import COLDNESS, TAIL_PAGES, oldest_first  # noqa: F401  (re-exported)
+from hisparse_jax.kv.pool import INVALID, OutOfPages, PagePool, PoolError, RequestPages, Tier
+from hisparse_jax.kv.prefix import PrefixHit  # noqa: F401  (re-exported)
+from hisparse_jax.kv.spec import StoreSpec
+from hisparse_jax.kv.updates import ClearStamps, LoadPages, ReleasePages, SetTables, Update, pad_pow2, table_row
 
 
 class BudgetError(ValueError):
     """A request can never fit the configured budgets (raised before anything is changed)."""
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _set_tables(store, req, block_row, host_row, index_row, seq_len, hot_row):
-    return ops.set_tables(store, req, block_row, host_row, index_row, seq_len, hot_row)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _clear_page_stamps(store, req):
-    return ops._replace(store, page_stamp=store.page_stamp.at[req].set(-1))
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _evict(store, req, page_idx):
-    return ops.evict_pages(store.spec, store, req, page_idx)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _load_pages(store, hpages, dpages):
-    return ops.load_pages(store.spec, store, hpages, dpages)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _write_prefill(store, req, latent, rope, index_k, length, start):
-    return ops.write_prefill(store.spec, store, req, latent, rope, index_k, length, start)
-
-
-def _pad_pow2(values: list[int], fill: int = -1) -> np.ndarray:
-    n = max(1, 1 << max(len(values) - 1, 0).bit_length())
-    out = np.full(n, fill, np.int32)
-    out[:len(values)] = values
-    return out
-
-
-def oldest_first(cache: "TieredCache", slot: int) -> list[int]:
-    """Default coldness: a request's evictable logical pages, oldest first (vLLM's release order)."""
-    return cache.evictable_pages(slot)
-
-
-def least_recently_selected(cache: "TieredCache", slot: int) -> list[int]:
-    """Indexer-recency coldness: evictable pages ordered by the last step the indexer selected any of their
-    positions (never selected first; ties -> older page first). Reads one small table from the device."""
-    stamps = np.asarray(cache.store.page_stamp[slot])
-    pages = cache.evictable_pages(slot)
-    return sorted(pages, key=lambda i: (int(stamps[i]), i))
-
-
-COLDNESS = {"oldest": oldest_first, "recency": least_recently_selected}
-
-
 class TieredCache:
-    """Owns a `KVStore` (`.store`, device + pinned host) and its `PagePool` (`.pool`)."""
+    """The page bookkeeping of one tiered store (`.spec`): its `PagePool` (`.pool`), each request slot's pages
+    (`.requests`) and length (`.lengths`), and the device-table `updates` not yet applied."""
 
-    def __init__(self, model: ModelConfig, cache: CacheConfig, *, device=None,
+    def __init__(self, model: ModelConfig, cache: CacheConfig, *,
                  victim_order: Callable[["TieredCache", int], list[int]] = oldest_first):
         self.model_cfg, self.cache_cfg = model, cache
         self.spec = StoreSpec.create(model, cache)
-        self.store: KVStore = init_store(self.spec, device)
         self.pool = PagePool(self.spec.device_pages, self.spec.index_pages, self.spec.host_pages)
         self.requests: dict[int, RequestPages] = {}
         self.lengths: dict[int, int] = {}
         self.victim_order = victim_order
         self.evicted_pages = 0
-        self.h2d_bytes = 0  # swap-ins (decode misses are in the step stats)
-        self.pinned: set[int] = set()
+        self.h2d_bytes = 0  # page loads (swap-ins, host-only prefix pages); decode misses are in the step stats
+        self.d2h_bytes = 0  # prompt rows written to the host (decode mirror bytes are in the step stats)
+        self.pinned: set[int] = set()  # slots that must stay fully resident (being prefilled, or policy says so)
         self.swapped: set[int] = set()  # slots swapped out whole (no device page until swap_in)
-        self._growing: tuple[int, int] | None = None  # (slot, pages being added) during _grow
         # release single cold pages under pressure (HiSparse); off = a request is resident whole or not at all
-        self.partial_eviction = True  # slots that must stay fully resident (being prefilled, or policy says so)
-        self._synced_hot: dict[int, tuple[int, ...]] = {}
-        self.d2h_bytes = 0  # prefill host writes + write-backs (decode mirror bytes are in the step stats)
+        self.partial_eviction = True
         self.prefix_hashes: dict[int, list[int]] = {}  # slot -> hash chain of its registered / shared pages
         self.cached_tokens: dict[int, int] = {}  # slot -> prompt tokens shared at admission (not recomputed)
+        self.updates: list[Update] = []  # device-table updates decided and not yet applied, in order
+        # host copy of the device's indexer-recency stamps (per slot and logical page), for "recency" coldness
+        self.page_stamps = np.full((self.spec.max_seqs, self.spec.max_pages), -1, np.int32)
+        self._growing: tuple[int, int] | None = None  # (slot, pages being added) during _grow
+        self._synced_hot: dict[int, tuple[int, ...]] = {}  # slot -> hot pages last sent to the device
+
+    @classmethod
+    def restore(cls, model: ModelConfig, cache: CacheConfig, *, pool: PagePool, requests: dict[int, RequestPages],
+                lengths: dict[int, int], evicted_pages: int = 0, d2h_bytes: int = 0, prefix_caching: bool = False,
+                swapped=(), prefix_hashes: dict | None = None, cached_tokens: dict | None = None) -> "TieredCache":
+        """A cache in a saved state (`kv.persist`) whose tables are already on the device: no updates pending.
+        Raises PoolError when the state is inconsistent."""
+        c = cls(model, cache)
+        c.pool, c.requests, c.lengths = pool, dict(requests), dict(lengths)
+        c.evicted_pages, c.d2h_bytes = evicted_pages, d2h_bytes
+        c.prefix_caching = prefix_caching
+        c.swapped = set(swapped)
+        c.prefix_hashes = {s: list(h) for s, h in (prefix_hashes or {}).items()}
+        c.cached_tokens = dict(cached_tokens or {})
+        c._synced_hot = {s: tuple(r.hot) for s, r in c.requests.items()}
+        c.check_invariants()
+        return c
 
     @property
     def prefix_caching(self) -> bool:
@@ -142,6 +93,11 @@ class TieredCache:
     def hot_pages_per_request(self) -> int:
         return self.spec.hot_pages
 
+    @property
+    def all_layers_page_bytes(self) -> int:
+        """Bytes of one logical page's KV in every layer (what a whole-page copy between the tiers moves)."""
+        return self.spec.num_layers * self.spec.page_bytes
+
     def min_device_pages(self, num_pages: int) -> int:
         """Device pages a request of `num_pages` logical pages needs at the least: all of them, or (when pages
         can be released to the host) its last `TAIL_PAGES` plus its hot buffer, whichever is fewer."""
@@ -152,6 +108,10 @@ class TieredCache:
     def free_slots(self) -> list[int]:
         return [s for s in range(self.spec.max_seqs) if s not in self.requests]
 
+    def growing(self, slot: int) -> int:
+        """Pages a growth of `slot` in progress is about to add (0 outside `reserve` / `admit`)."""
+        return self._growing[1] if self._growing and self._growing[0] == slot else 0
+
     # ----- admission -----------------------------------------------------------------------------
     def check_fits(self, num_tokens: int) -> None:
         """Raise BudgetError when a request of `num_tokens` tokens can never be held, even alone."""
@@ -160,9 +120,9 @@ class TieredCache:
     def check_batch_fits(self, num_tokens: list[int]) -> None:
         """`num_tokens`: the cache positions each request will hold at its longest (prompt + new tokens - 1: the
         last sampled token is never written). Raise BudgetError (naming the budget, what is needed and by how
-        much it falls short) unless requests of these lengths can all be held at once, each at its full length. Exact: every smaller budget of that
-        tier fails, and a batch that passes decodes to the end (pages are only ever added, and the cheapest way
-        to hold a request never grows by more than the page it adds)."""
+        much it falls short) unless requests of these lengths can all be held at once, each at its full length.
+        Exact: every smaller budget of that tier fails, and a batch that passes decodes to the end (pages are
+        only ever added, and the cheapest way to hold a request never grows by more than the page it adds)."""
         spec = self.spec
         n = [-(-t // PAGE_SIZE) for t in num_tokens]
         if len(n) > spec.max_seqs:
@@ -213,7 +173,7 @@ class TieredCache:
             self.pinned.add(slot)
         try:
             if tokens is not None and self.prefix_caching:
-                self._share_prefix(slot, self.match_prefix(tokens))
+                prefix.share_prefix(self, slot, prefix.match_prefix(self, tokens))
             num_tokens = max(num_tokens, self.cached_tokens[slot])
             self._grow(slot, num_tokens)
         except Exception:
@@ -226,105 +186,29 @@ class TieredCache:
         self._sync(slot)
         return slot
 
-    # ----- prefix caching ------------------------------------------------------------------------
     def match_prefix(self, tokens) -> list[PrefixHit]:
-        """The registered pages `tokens` could share: the longest run of full pages from the start whose hash
-        chain is registered with an indexer page and a KV copy (with the host mirror on: a host copy), never
-        the page holding the last token. One `PrefixHit` per page, in order. Read-only."""
-        tokens = np.asarray(tokens, np.int64).reshape(-1)
-        out, h = [], None
-        for i in range(max(len(tokens) - 1, 0) // PAGE_SIZE):
-            h = page_hash(h, tokens[i * PAGE_SIZE:(i + 1) * PAGE_SIZE])
-            x = self.pool.lookup_prefix(Tier.INDEX, h)
-            d = self.pool.lookup_prefix(Tier.DEVICE, h)
-            hp = self.pool.lookup_prefix(Tier.HOST, h) if self.spec.mirror_to_host else None
-            if x is None or (hp is None if self.spec.mirror_to_host else d is None):
-                break
-            out.append(PrefixHit(h, x, INVALID if d is None else d, INVALID if hp is None else hp))
-        return out
-
-    def _share_prefix(self, slot: int, hits: list[PrefixHit]) -> None:
-        """Take one reference on each hit page (reviving cached free ones); load host-only ones into fresh device
-        pages (registered there)."""
-        r = self.requests[slot]
-        assert r.num_pages == 0, "prefix pages are shared into an empty request"
-        rc = self.pool.refcounts(Tier.DEVICE)
-
-        def free_after_revival():  # reviving cached device pages uses up free pages too
-            return self.pool.num_free(Tier.DEVICE) - sum(1 for x in hits if x.device != INVALID and rc[x.device] == 0)
-
-        loads = [i for i, x in enumerate(hits) if x.device == INVALID]
-        if loads and free_after_revival() < len(loads) and self.partial_eviction:
-            self._evict_until(self.pool.num_free(Tier.DEVICE) - free_after_revival() + len(loads), exclude=slot)
-            # an eviction may have freed a hit page (it stays cached, and registered, unless reclaimed)
-            hits = [x if x.device == INVALID or self.pool.lookup_prefix(Tier.DEVICE, x.hash) == x.device
-                    else x._replace(device=INVALID) for x in hits]
-            loads = [i for i, x in enumerate(hits) if x.device == INVALID]
-        # share as far as the pages that must be loaded can be had (a shorter prefix is still a prefix)
-        free = max(free_after_revival(), 0)
-        if len(loads) > free:
-            hits, loads = hits[:loads[free]], loads[:free]
-        for x in hits:  # references first: a cached page must be revived before anything is allocated
-            self.pool.incref(Tier.INDEX, x.index)
-            if x.host != INVALID:
-                self.pool.incref(Tier.HOST, x.host)
-            if x.device != INVALID:
-                self.pool.incref(Tier.DEVICE, x.device)
-        fresh = self.pool.allocate(Tier.DEVICE, len(loads))
-        for i, d in zip(loads, fresh):
-            hits[i] = hits[i]._replace(device=d)
-            self.pool.register_prefix(Tier.DEVICE, hits[i].hash, d)
-        for x in hits:
-            r.append(index=x.index, device=x.device, host=x.host)
-        if loads:
-            hpg = _pad_pow2([hits[i].host for i in loads])
-            self.store, rows = _load_pages(self.store, jnp.asarray(hpg), jnp.asarray(_pad_pow2(fresh)))
-            self.h2d_bytes += int(rows) * self.spec.row_bytes
-        self.prefix_hashes[slot] = [x.hash for x in hits]
-        self.cached_tokens[slot] = len(hits) * PAGE_SIZE
+        """See `kv.prefix.match_prefix`."""
+        return prefix.match_prefix(self, tokens)
 
     def register_prefix(self, slot: int, tokens) -> int:
-        """Register `slot`'s full pages of `tokens` (whose rows must be written: positions < len(tokens)) as
-        prefix pages in every tier that holds them. Returns the number of pages registered. No-op unless
-        `prefix_caching` is on."""
-        if not self.prefix_caching:
-            return 0
-        tokens = np.asarray(tokens, np.int64).reshape(-1)
-        r = self.requests[slot]
-        n = min(len(tokens) // PAGE_SIZE, r.num_pages)
-        chain = self.prefix_hashes.setdefault(slot, [])
-        for i in range(n):
-            if i == len(chain):
-                chain.append(page_hash(chain[-1] if chain else None, tokens[i * PAGE_SIZE:(i + 1) * PAGE_SIZE]))
-            h = chain[i]
-            for tier, page in ((Tier.INDEX, r.index[i]), (Tier.DEVICE, r.device[i]), (Tier.HOST, r.host[i])):
-                # a hash already naming a page (another request's, or cached) keeps it: no churn
-                if page != INVALID and self.pool.lookup_prefix(tier, h) is None:
-                    self.pool.register_prefix(tier, h, page)
-        return n
+        """See `kv.prefix.register_prefix`."""
+        return prefix.register_prefix(self, slot, tokens)
 
-    def write_prefill(self, slot: int, latent, rope, index_k, length: int, start: int = 0) -> None:
-        """Write a prompt's rows (latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]; row t is position t)
-        for positions start..length-1 into `slot`. `start` must not be below the slot's shared prefix
-        (`cached_tokens[slot]`): shared pages are never written."""
+    def record_prefill(self, slot: int, length: int, start: int = 0, rows: int | None = None) -> None:
+        """Check a prompt write of positions start..length-1 into `slot` (before the device writes it: the slot
+        was admitted for `length` tokens; `start` is not below its shared prefix, whose pages are never written)
+        and count the rows it mirrors to the host. `rows`: rows the write carries (default `length`)."""
+        if slot not in self.requests:
+            raise PoolError(f"slot {slot} holds no request")
         if length != self.lengths[slot]:
             raise ValueError(f"slot {slot} was admitted for {self.lengths[slot]} tokens, got {length}")
         if not self.cached_tokens.get(slot, 0) <= start <= length:
             raise PoolError(f"slot {slot}: write_prefill start {start} must lie in [{self.cached_tokens.get(slot, 0)} "
                             f"(its shared prefix tokens), {length}]; shared pages are never written")
-        self.store, rows = _write_prefill(self.store, jnp.int32(slot), latent, rope, index_k, jnp.int32(length),
-                                          jnp.int32(start))
-        self.d2h_bytes += int(rows) * self.spec.row_bytes
-
-    def admit_prefilled(self, latent, rope, index_k, length: int, *, tokens=None) -> int:
-        """`admit` a prompt of `length` tokens and `write_prefill` its rows computed outside the store (e.g. by
-        `generate.prefill_rows`); with `tokens` (and `prefix_caching` on) its full pages are registered for later
-        requests. Returns the slot."""
-        slot = self.admit(length)
-        self.write_prefill(slot, latent, rope, index_k, length)
-        if tokens is not None:
-            self.register_prefix(slot, tokens)
-        return slot
+        host = self.requests[slot].host
+        end = min(length, length if rows is None else rows, self.spec.max_pages * PAGE_SIZE)
+        written = sum(1 for p in range(start, end) if host[p // PAGE_SIZE] != INVALID)
+        self.d2h_bytes += written * self.spec.num_layers * self.spec.row_bytes
 
     def reserve(self, slot: int, num_tokens: int) -> None:
         """Make positions < num_tokens writable (tail pages resident; every page when `slot` is pinned)
@@ -339,6 +223,14 @@ class TieredCache:
         return (self.pool.num_free(Tier.DEVICE) >= new and self.pool.num_free(Tier.INDEX) >= new
                 and (not self.spec.mirror_to_host or self.pool.num_free(Tier.HOST) >= new))
 
+    def pin(self, slot: int) -> None:
+        """Keep every page of `slot` resident (a prompt being written chunk by chunk)."""
+        self.pinned.add(slot)
+
+    def unpin(self, slot: int) -> None:
+        self.pinned.discard(slot)
+
+    # ----- swap ----------------------------------------------------------------------------------
     def swap_out(self, slot: int) -> int:
         """Release every device page of `slot` (host copies must be current: needs the eager mirror); the
         request keeps its indexer pages and host pages. Returns the number of pages released."""
@@ -378,10 +270,8 @@ class TieredCache:
             r.device[i] = d
         if missing:
             dev = self.pool.allocate(Tier.DEVICE, len(missing))
-            hp = _pad_pow2([r.host[i] for i in missing])
-            dp = _pad_pow2(dev)
-            self.store, rows = _load_pages(self.store, jnp.asarray(hp), jnp.asarray(dp))
-            self.h2d_bytes += int(rows) * self.spec.row_bytes
+            self.updates.append(LoadPages(pad_pow2([r.host[i] for i in missing]), pad_pow2(dev)))
+            self.h2d_bytes += len(missing) * self.all_layers_page_bytes
             for i, d in zip(missing, dev):
                 r.device[i] = d
                 if i < len(chain):
@@ -393,10 +283,17 @@ class TieredCache:
         """Device pages `slot` would need to be fully resident."""
         return len(self.requests[slot].host_only_pages())
 
+    # ----- lengths and release -------------------------------------------------------------------
     def advance(self, slots, n: int = 1) -> None:
         """Record that a step (or `n` steps) appended one token to each of `slots`."""
         for s in slots:
             self.lengths[s] += n
+
+    def set_length(self, slot: int, length: int) -> None:
+        """Record that the device store now holds `length` positions of `slot` (a step wrote a prompt chunk)."""
+        if slot not in self.requests:
+            raise PoolError(f"slot {slot} holds no request")
+        self.lengths[slot] = length
 
     def release(self, slot: int) -> None:
         """Free every page of a finished or aborted request and clear its tables."""
@@ -409,10 +306,10 @@ class TieredCache:
         self.prefix_hashes.pop(slot, None)
         self.cached_tokens.pop(slot, None)
         mp = self.spec.max_pages
-        self.store = _set_tables(self.store, jnp.int32(slot), jnp.full((mp,), -1, jnp.int32),
-                                 jnp.full((mp,), -1, jnp.int32), jnp.full((mp,), -1, jnp.int32), jnp.int32(0),
-                                 jnp.full((self.spec.hot_pages,), -1, jnp.int32))
-        self.store = _clear_page_stamps(self.store, jnp.int32(slot))
+        self.updates.append(SetTables(slot, table_row([], mp), table_row([], mp), table_row([], mp), 0,
+                                      table_row([], self.spec.hot_pages)))
+        self.updates.append(ClearStamps(slot))
+        self.page_stamps[slot] = -1
 
     # ----- growth and eviction -------------------------------------------------------------------
     def _grow(self, slot: int, num_tokens: int) -> None:
@@ -464,77 +361,21 @@ class TieredCache:
             for goal in (new, must):
                 if self.pool.num_free(Tier.DEVICE) >= need(goal):
                     break
-                self._evict_until(need(goal), exclude=slot if goal == new and goal != must else None)
+                eviction.evict_until(self, need(goal), exclude=slot if goal == new and goal != must else None)
         if self.pool.num_free(Tier.DEVICE) < min(need(new), need(must)):
             raise OutOfPages(Tier.DEVICE, need(must), self.pool.num_free(Tier.DEVICE), self.spec.device_pages)
 
     def evictable_pages(self, slot: int) -> list[int]:
-        """Logical pages of `slot` that may be released now: resident, sealed (not among the last two — counting
-        the pages a growth in progress is about to add), with a current host copy, and held by this request
-        alone (releasing a shared page frees nothing). Oldest first."""
-        r = self.requests[slot]
-        growing = self._growing[1] if self._growing and self._growing[0] == slot else 0
-        limit = min(r.num_pages + growing - TAIL_PAGES, r.num_pages)  # pages being added are not there yet
-        rc = self.pool.refcounts(Tier.DEVICE)
-        return [i for i in range(max(limit, 0)) if r.device[i] != INVALID and r.host[i] != INVALID
-                and rc[r.device[i]] == 1]
+        """See `kv.eviction.evictable_pages`."""
+        return eviction.evictable_pages(self, slot)
 
-    def _evict_until(self, free_target: int, exclude: int | None = None) -> None:
-        """Release cold pages until `free_target` device pages are free (or nothing more can be released).
-        Requests that already have a hot buffer give first (every release is a net gain); one without pays
-        for its hot buffer out of the pages it releases, so it is used only when it has more than that."""
-        nh = self.hot_pages_per_request
-        while self.pool.num_free(Tier.DEVICE) < free_target:
-            cands = []
-            for s in self.requests:
-                if s == exclude or s in self.pinned:
-                    continue
-                n = len(self.evictable_pages(s))
-                has_hot = bool(self.requests[s].hot)
-                if n and (has_hot or n > nh):
-                    cands.append((has_hot, n, s))
-            if not cands:
-                if not self._release_shared_page(exclude):
-                    return
-                continue
-            _, _, s = max(cands)
-            r = self.requests[s]
-            if not r.hot:  # the hot buffer is lent from the pages being released (evict allocates it)
-                self.evict(s, self.victim_order(self, s)[:nh])
-            missing = free_target - self.pool.num_free(Tier.DEVICE)
-            if missing > 0:
-                self.evict(s, self.victim_order(self, s)[:missing])
+    def evict_until(self, free_target: int, exclude: int | None = None) -> None:
+        """See `kv.eviction.evict_until`."""
+        eviction.evict_until(self, free_target, exclude)
 
     def shared_release_candidates(self, exclude: int | None = None) -> list[tuple[int, list[tuple[int, int]]]]:
-        """Device pages held by several requests that all of them may release now: sealed for every holder,
-        with a host copy, no holder pinned (or `exclude`). Returns [(page, [(slot, logical page)])], oldest
-        (lowest logical page) first."""
-        rc = self.pool.refcounts(Tier.DEVICE)
-        holders: dict[int, list[tuple[int, int, bool]]] = {}
-        for s, r in self.requests.items():
-            growing = self._growing[1] if self._growing and self._growing[0] == s else 0
-            limit = r.num_pages + growing - TAIL_PAGES
-            for i, d in enumerate(r.device):
-                if d != INVALID and rc[d] > 1:
-                    ok = i < limit and r.host[i] != INVALID and s not in self.pinned and s != exclude
-                    holders.setdefault(d, []).append((s, i, ok))
-        out = [(d, [(s, i) for s, i, _ in hs]) for d, hs in holders.items()
-               if len(hs) == rc[d] and all(ok for _, _, ok in hs)]
-        return sorted(out, key=lambda x: (min(i for _, i in x[1]), x[0]))
-
-    def _release_shared_page(self, exclude: int | None) -> bool:
-        """Release one shared device page from every holder (HiSparse under pressure, once no request has a
-        page of its own left to give). Holders without a hot buffer get one first, when the pool can lend
-        it. Returns whether anything changed."""
-        nh = self.hot_pages_per_request
-        for d, holders in self.shared_release_candidates(exclude):
-            need = nh * sum(1 for s, _ in holders if not self.requests[s].hot)
-            if need > self.pool.num_free(Tier.DEVICE):
-                continue
-            for s, i in holders:
-                self.evict(s, [i])
-            return True
-        return False
+        """See `kv.eviction.shared_release_candidates`."""
+        return eviction.shared_release_candidates(self, exclude)
 
     def _ensure_hot(self, slot: int) -> None:
         r = self.requests[slot]
@@ -550,7 +391,7 @@ class TieredCache:
         A request reads released pages through its hot buffer, so one without a hot buffer gets it here, from
         the device pages this frees or the free ones; if they cannot hold it, PoolError and nothing changes."""
         r = self.requests[slot]
-        growing = self._growing[1] if self._growing and self._growing[0] == slot else 0
+        growing = self.growing(slot)
         if slot in self.swapped:
             raise PoolError(f"slot {slot} is swapped out: it has no device pages to release")
         if len(set(logical_pages)) != len(logical_pages):
@@ -568,164 +409,50 @@ class TieredCache:
             free = self.pool.num_free(Tier.DEVICE)
             if free + freed < self.hot_pages_per_request:  # the hot buffer would not fit: change nothing
                 raise OutOfPages(Tier.DEVICE, self.hot_pages_per_request - freed, free, self.spec.device_pages)
-        req = _pad_pow2([slot] * len(logical_pages))
-        idx = _pad_pow2(list(logical_pages))
-        self.store, d2h = _evict(self.store, jnp.asarray(req), jnp.asarray(idx))
-        self.d2h_bytes += int(d2h) * self.spec.row_bytes
+        # every released page has a current host copy (checked above): the device copy is dropped, nothing copied
+        self.updates.append(ReleasePages(pad_pow2([slot] * len(logical_pages)), pad_pow2(list(logical_pages))))
         for i in logical_pages:
             self.pool.free(Tier.DEVICE, [r.device[i]])
             r.device[i] = INVALID
         self.evicted_pages += len(logical_pages)
         self._ensure_hot(slot)  # also syncs the tables when the buffer is new
 
-    # ----- checked row-level access (trace replays, tests) ----------------------------------------
-    def _req_array(self, slots) -> jnp.ndarray:
-        slots = [int(x) for x in slots]
-        unknown = [x for x in slots if x != -1 and x not in self.requests]
-        if unknown or len(set(x for x in slots if x >= 0)) != len([x for x in slots if x >= 0]):
-            raise ValueError(f"request slots must be distinct live slots (or -1); unknown or repeated: {slots}")
-        return jnp.asarray(slots, jnp.int32)
-
-    def append(self, slots, latent, rope, index_k) -> None:
-        """Append one token to each of `slots` (all layers): latent [L, B, C], rope [L, B, R], index_k [LI, B, dI].
-        Reserves tail pages (evicting if needed), writes the device pages and the host mirror."""
-        req = self._req_array(slots)
-        for s in slots:
-            if s >= 0:
-                self.reserve(s, self.lengths[s] + 1)
-        self.store = _append_all(self.store, req, latent, rope, index_k)
-        self.advance([s for s in slots if s >= 0])
-
-    def gather(self, slots, topk):
-        """Resolve `topk` (int32[B, K]: positions, -1 padding) for each slot in every indexer group — resident
-        reads, hot hits, misses fetched from host — and return the rows of every layer:
-        (latent f32[L, B, K, C], rope f32[L, B, K, R], valid bool[B, K], payload_h2d_bytes).
-        Advances the LRU clock like a decode step. Raises ValueError on positions outside [0, seq_len)."""
-        req = self._req_array(slots)
-        swapped = [x for x in slots if x in self.swapped]
-        if swapped:
-            raise ValueError(f"slots {swapped} are swapped out (no device pages, no hot buffer): swap_in first")
-        topk = np.asarray(topk, np.int32)
-        if topk.ndim != 2 or topk.shape[0] != len(slots):
-            raise ValueError(f"topk must be int32[{len(slots)}, K], got shape {topk.shape}")
-        if topk.shape[1] > self.spec.hot_rows:
-            raise ValueError(f"K={topk.shape[1]} exceeds hot_rows={self.spec.hot_rows}")
-        for b, s in enumerate(slots):
-            row = topk[b][topk[b] != -1]
-            bad = row[(row < 0) | (row >= (self.lengths[s] if s >= 0 else 0))]
-            if bad.size:
-                raise ValueError(f"slot {s}: top-k positions {bad[:8].tolist()} are outside [0, "
-                                 f"{self.lengths.get(s, 0)})")
-            if len(set(row.tolist())) != row.size:
-                raise ValueError(f"slot {s}: repeated top-k positions")
-        self.store, lat, rope, valid, rows = _gather_all(self.store, req, jnp.asarray(topk))
-        return lat, rope, valid, int(rows) * self.spec.row_bytes
-
     # ----- device tables -------------------------------------------------------------------------
+    def take_updates(self) -> list[Update]:
+        """The device-table updates decided since the last call, in order (the caller applies them)."""
+        out, self.updates = self.updates, []
+        return out
+
+    @property
+    def needs_page_stamps(self) -> bool:
+        """Whether the coldness reads `page_stamps` (the store's owner then refreshes them after each step)."""
+        return bool(getattr(self.victim_order, "needs_page_stamps", False))
+
+    def observe_page_stamps(self, stamps) -> None:
+        """Take the device's indexer-recency stamps (int32[max_seqs, max_pages]) read after a step."""
+        self.page_stamps = np.array(stamps, np.int32).reshape(self.spec.max_seqs, self.spec.max_pages)
+
+    def check_live_slots(self, slots) -> list[int]:
+        """`slots` as ints, refused (ValueError) unless distinct live request slots or -1 (padding)."""
+        slots = [int(x) for x in slots]
+        live = [x for x in slots if x >= 0]
+        unknown = [x for x in slots if x != -1 and x not in self.requests]
+        if unknown or len(set(live)) != len(live):
+            raise ValueError(f"request slots must be distinct live slots (or -1); unknown or repeated: {slots}")
+        return slots
+
     def _sync(self, slot: int) -> None:
         r = self.requests[slot]
         mp = self.spec.max_pages
-
-        def row(v):
-            out = np.full(mp, -1, np.int32)
-            out[:len(v)] = v
-            return jnp.asarray(out)
-
-        hot = np.full(self.spec.hot_pages, -1, np.int32)
-        hot[:len(r.hot)] = r.hot
-        # set_tables also clears the hot-slot tags: only when the hot buffer itself changed
-        if self._synced_hot.get(slot) == tuple(r.hot):
-            self.store = _set_rows(self.store, jnp.int32(slot), row(r.device), row(r.host), row(r.index),
-                                   jnp.int32(self.lengths.get(slot, 0)))
-        else:
-            self.store = _set_tables(self.store, jnp.int32(slot), row(r.device), row(r.host), row(r.index),
-                                     jnp.int32(self.lengths.get(slot, 0)), jnp.asarray(hot))
+        hot = None
+        if self._synced_hot.get(slot) != tuple(r.hot):  # new hot pages: their slots' tags are cleared too
+            hot = table_row(r.hot, self.spec.hot_pages)
             self._synced_hot[slot] = tuple(r.hot)
+        self.updates.append(SetTables(slot, table_row(r.device, mp), table_row(r.host, mp), table_row(r.index, mp),
+                                      self.lengths.get(slot, 0), hot))
 
     # ----- checks --------------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Pool consistent with the requests (no leak, no double ownership); device tables equal the host's
-        view; every released page has a host copy; the store's lengths match."""
-        self.pool.check_invariants(owners_of(self.requests.values()))
-        bt, ht, it = (np.asarray(x) for x in (self.store.block_table, self.store.host_table, self.store.index_table))
-        hp, sl = np.asarray(self.store.hot_pages), np.asarray(self.store.seq_lens)
-        for s in range(self.spec.max_seqs):
-            r = self.requests.get(s)
-            n = r.num_pages if r else 0
-            for name, table, want in (("block", bt, r.device if r else []), ("host", ht, r.host if r else []),
-                                      ("index", it, r.index if r else [])):
-                if list(table[s, :n]) != list(want) or np.any(table[s, n:] != -1):
-                    raise PoolError(f"slot {s}: device {name} table {table[s, :n + 1].tolist()} != host view {want}")
-            if r:
-                released = [i for i in range(n) if r.device[i] == INVALID]
-                if released and not r.hot and s not in self.swapped:
-                    raise PoolError(f"slot {s}: pages {released[:8]} are released but the request has no hot buffer "
-                                    "to read them through")
-                if sorted(hp[s][hp[s] >= 0].tolist()) != sorted(r.hot):
-                    raise PoolError(f"slot {s}: hot pages {hp[s].tolist()} != {r.hot}")
-                if sl[s] != self.lengths[s]:
-                    raise PoolError(f"slot {s}: store seq_len {sl[s]} != {self.lengths[s]}")
-                for i in range(n):
-                    if r.device[i] == INVALID and r.host[i] == INVALID:
-                        raise PoolError(f"slot {s}: page {i} has no copy anywhere")
-                chain = self.prefix_hashes.get(s, [])
-                if len(chain) > n:
-                    raise PoolError(f"slot {s}: {len(chain)} prefix hashes for {n} pages")
-                for i, h in enumerate(chain):  # a registered page holds the tokens its hash names
-                    for tier, page in ((Tier.INDEX, r.index[i]), (Tier.DEVICE, r.device[i]), (Tier.HOST, r.host[i])):
-                        got = self.pool.prefix_hash(tier, page) if page != INVALID else None
-                        if got is not None and got != h:
-                            raise PoolError(f"slot {s}: {tier.value} page {page} (logical {i}) is registered under "
-                                            f"hash {got}, but the slot's page {i} has hash {h}")
-                if n < -(-self.lengths[s] // PAGE_SIZE):
-                    raise PoolError(f"slot {s}: {self.lengths[s]} tokens but only {n} pages")
-                for i in range(max(n - TAIL_PAGES, 0), n):
-                    if self.lengths[s] > i * PAGE_SIZE and r.device[i] == INVALID and s not in self.swapped:
-                        raise PoolError(f"slot {s}: tail page {i} is not resident")
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _set_rows(store, slot, block_row, host_row, index_row, seq_len):
-    return ops._replace(store, block_table=store.block_table.at[slot].set(block_row),
-                        host_table=store.host_table.at[slot].set(host_row),
-                        index_table=store.index_table.at[slot].set(index_row),
-                        seq_lens=store.seq_lens.at[slot].set(seq_len))
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _append_all(store, req, latent, rope, index_k):
-    spec = store.spec
-    positions = jnp.where(req >= 0, store.seq_lens[jnp.maximum(req, 0)], -1)
-    slot = 0
-    for layer, kind in enumerate(_indexer_kinds(spec)):
-        k = index_k[slot] if kind else None
-        store, _ = ops.append_rows(spec, store, layer, slot if kind else None, req, positions, latent[layer],
-                                   rope[layer], k)
-        slot += kind
-    if spec.mirror_to_host:
-        store, _ = ops.mirror_rows(spec, store, req, positions)
-    seq_lens = store.seq_lens.at[jnp.where(req >= 0, req, spec.max_seqs)].add(1, mode="drop")
-    return ops._replace(store, seq_lens=seq_lens)
-
-
-def _indexer_kinds(spec):
-    """1 for the leader (full indexer) layer of each group, else 0."""
-    leaders = {g[0] for g in spec.groups}
-    return [int(layer in leaders) for layer in range(spec.num_layers)]
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _gather_all(store, req, topk):
-    spec = store.spec
-    lats, ropes, valid, total = [None] * spec.num_layers, [None] * spec.num_layers, None, 0
-    for g, layers in enumerate(spec.groups):
-        plan, store = ops.resolve(spec, store, g, req, topk)
-        store, payload, _ = ops.fetch_misses(spec, store, layers, plan)
-        total = total + payload
-        for layer in layers:
-            lats[layer], ropes[layer] = ops.gather_rows(spec, store, layer, plan)
-        # the next group's fetch updates the pools in place: its reads must come first, or XLA copies the pools
-        store, lats, ropes = jax.lax.optimization_barrier((store, lats, ropes))
-        valid = plan.valid
-    store = ops._replace(store, clock=store.clock + 1)
-    return store, jnp.stack(lats), jnp.stack(ropes), valid, total
+        """The host bookkeeping is consistent (`kv.invariants.check_cache`); the device tables are checked
+        against it by `kv.device.check_tables`."""
+        invariants.check_cache(self)

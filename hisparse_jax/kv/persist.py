@@ -21,10 +21,11 @@ import jax
 
 from hisparse_jax import integrity
 from hisparse_jax.config import CacheConfig, ModelConfig, RopeConfig
-from hisparse_jax.kv.manager import TieredCache
-from hisparse_jax.kv.pool import PagePool, RequestPages
 from hisparse_jax.integrity import CheckpointError
-from hisparse_jax.kv.state import KVStore, store_shardings
+from hisparse_jax.kv import device as kv_device
+from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.pool import PagePool, PoolError, RequestPages
+from hisparse_jax.kv.state import KVStore, init_store, store_shardings
 
 FORMAT = "hisparse_jax.TieredCache"
 VERSION = 2  # 2: array manifest + metadata checksum
@@ -35,13 +36,17 @@ def _arrays(store: KVStore) -> dict:
             if f.name != "spec" and getattr(store, f.name) is not None}
 
 
-def save_cache(cache: TieredCache, path: str | os.PathLike) -> None:
-    """Write `cache` to the directory `path` (created; must not hold a previous checkpoint)."""
+def save_cache(cache: TieredCache, store: KVStore, path: str | os.PathLike) -> None:
+    """Write `cache` and its `store` to the directory `path` (created; must not hold a previous checkpoint). The
+    cache's pending table updates must have been applied to the store (`kv.device.apply_updates`)."""
     import orbax.checkpoint as ocp
 
+    if cache.updates:
+        raise ValueError(f"{len(cache.updates)} table updates of this cache are not applied to the store yet: "
+                         "store = kv.device.apply_updates(store, cache) first")
     path = os.path.abspath(os.fspath(path))
     os.makedirs(path, exist_ok=True)
-    arrays = _arrays(cache.store)
+    arrays = _arrays(store)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(path, "store"), arrays)
     meta = {
@@ -68,9 +73,9 @@ def _model_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(**d)
 
 
-def load_cache(path: str | os.PathLike, device=None) -> TieredCache:
-    """Restore a `TieredCache` written by `save_cache` (host pools land in pinned_host memory); refuses a damaged
-    or mismatched one with `CheckpointError` (see the module docstring)."""
+def load_cache(path: str | os.PathLike, device=None) -> tuple[TieredCache, KVStore]:
+    """Restore a `TieredCache` and its `KVStore` written by `save_cache` (host pools land in pinned_host memory);
+    refuses a damaged or mismatched one with `CheckpointError` (see the module docstring)."""
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.fspath(path))
@@ -93,12 +98,13 @@ def load_cache(path: str | os.PathLike, device=None) -> TieredCache:
         raise CheckpointError(f"{fn}: checksum mismatch — the cache description (configs, page tables, lengths) was "
                               "edited or damaged")
     try:
-        cache = TieredCache(_model_from_dict(meta["model"]), CacheConfig(**meta["cache"]), device=device)
+        model_cfg, cache_cfg = _model_from_dict(meta["model"]), CacheConfig(**meta["cache"])
+        spec = TieredCache(model_cfg, cache_cfg).spec
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{fn}: the saved configs are invalid ({type(e).__name__}: {e})") from None
-    expected = _arrays(cache.store)
+    expected = _arrays(jax.eval_shape(lambda: init_store(spec)))
     integrity.check_description(meta["arrays"], expected, os.path.join(path, "store"), "cache.json's configs")
-    shardings = _arrays(store_shardings(cache.spec, device))
+    shardings = _arrays(store_shardings(spec, device))
     target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in expected.items()}
     try:
         with ocp.StandardCheckpointer() as ckptr:
@@ -106,15 +112,17 @@ def load_cache(path: str | os.PathLike, device=None) -> TieredCache:
     except Exception as e:  # Orbax/TensorStore errors do not say which array or why
         raise CheckpointError(f"{path}/store: the arrays could not be restored ({type(e).__name__}: {e})") from e
     integrity.verify(meta["arrays"], arrays, os.path.join(path, "store"))
-    cache.store = dataclasses.replace(cache.store, **arrays)
-    cache.pool = PagePool.from_snapshot(meta["pool"])
-    cache.requests = {int(s): RequestPages(**r) for s, r in meta["requests"].items()}
-    cache.lengths = {int(s): n for s, n in meta["lengths"].items()}
-    cache._synced_hot = {s: tuple(r.hot) for s, r in cache.requests.items()}
-    cache.evicted_pages, cache.d2h_bytes = meta["evicted_pages"], meta["d2h_bytes"]
-    cache.prefix_caching = meta.get("prefix_caching", False)
-    cache.swapped = set(meta.get("swapped", []))
-    cache.prefix_hashes = {int(s): list(h) for s, h in meta.get("prefix_hashes", {}).items()}
-    cache.cached_tokens = {int(s): n for s, n in meta.get("cached_tokens", {}).items()}
-    cache.check_invariants()
-    return cache
+    store = KVStore(spec=spec, **{f.name: arrays.get(f.name) for f in dataclasses.fields(KVStore) if f.name != "spec"})
+    try:
+        cache = TieredCache.restore(
+            model_cfg, cache_cfg, pool=PagePool.from_snapshot(meta["pool"]),
+            requests={int(s): RequestPages(**r) for s, r in meta["requests"].items()},
+            lengths={int(s): n for s, n in meta["lengths"].items()},
+            evicted_pages=meta["evicted_pages"], d2h_bytes=meta["d2h_bytes"],
+            prefix_caching=meta.get("prefix_caching", False), swapped=meta.get("swapped", []),
+            prefix_hashes={int(s): h for s, h in meta.get("prefix_hashes", {}).items()},
+            cached_tokens={int(s): n for s, n in meta.get("cached_tokens", {}).items()})
+        kv_device.check_tables(store, cache)
+    except PoolError as e:
+        raise CheckpointError(f"{fn}: the saved bookkeeping is inconsistent ({e})") from None
+    return cache, store

@@ -31,16 +31,15 @@ after it) share their leader's top-k and hence its hot-slot plan.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from hisparse_jax.config import PAGE_SIZE, CacheConfig, ModelConfig
+from hisparse_jax.config import PAGE_SIZE
 
-FP8_BLOCK = 128
+from hisparse_jax.kv.spec import FP8_BLOCK, StoreSpec  # noqa: F401  (re-exported)
 
 
 # ----- host pool storage: floats narrower than 32 bits are kept as their bit patterns ------------------------
@@ -75,83 +74,6 @@ def from_host_bits(bits, dtype):
     if bits.dtype == dt:
         return bits
     return bits.view(dt) if isinstance(bits, np.ndarray) else jax.lax.bitcast_convert_type(bits, dt)
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreSpec:
-    """Static geometry of a store (hashable; passed to jitted functions as a static argument)."""
-
-    num_layers: int
-    num_index_layers: int
-    groups: tuple[tuple[int, ...], ...]  # layers of each indexer group, leader first
-    latent_dim: int
-    rope_dim: int
-    index_dim: int
-    device_pages: int
-    index_pages: int
-    host_pages: int
-    max_seqs: int
-    max_pages: int
-    hot_rows: int
-    kv_dtype: str
-    fetch: str
-    fetch_chunk: int
-    mirror_to_host: bool
-    topk: int
-
-    @classmethod
-    def create(cls, model: ModelConfig, cache: CacheConfig) -> "StoreSpec":
-        kv_dtype = cache.kv_dtype_for(model)
-        if kv_dtype == "fp8" and (model.kv_lora_rank % FP8_BLOCK or model.index_head_dim != FP8_BLOCK):
-            raise ValueError(f"the fp8 layout needs kv_lora_rank a multiple of {FP8_BLOCK} and index_head_dim == "
-                             f"{FP8_BLOCK} (got {model.kv_lora_rank}, {model.index_head_dim})")
-        groups, cur = [], []
-        for i, t in enumerate(model.indexer_types):
-            if t == "full" and cur:
-                groups.append(tuple(cur))
-                cur = []
-            cur.append(i)
-        groups.append(tuple(cur))
-        return cls(num_layers=model.num_hidden_layers, num_index_layers=model.num_indexer_layers,
-                   groups=tuple(groups), latent_dim=model.kv_lora_rank, rope_dim=model.qk_rope_head_dim,
-                   index_dim=model.index_head_dim, device_pages=cache.device_pages,
-                   index_pages=cache.num_index_pages, host_pages=cache.host_pages, max_seqs=cache.max_seqs,
-                   max_pages=cache.max_pages_per_seq, hot_rows=cache.hot_rows_for(model), kv_dtype=kv_dtype,
-                   fetch=cache.fetch, fetch_chunk=cache.fetch_chunk, mirror_to_host=cache.mirror_to_host,
-                   topk=model.index_topk)
-
-    @property
-    def hot_pages(self) -> int:
-        return -(-self.hot_rows // PAGE_SIZE)
-
-    @property
-    def fp8(self) -> bool:
-        return self.kv_dtype == "fp8"
-
-    @property
-    def value_dtype(self):
-        """dtype of the stored latent / rope / indexer values (before fp8 quantization)."""
-        return jnp.float32 if self.kv_dtype == "float32" else jnp.bfloat16
-
-    @functools.cached_property
-    def group_of_layer(self) -> tuple[int, ...]:
-        out = [0] * self.num_layers
-        for g, layers in enumerate(self.groups):
-            for layer in layers:
-                out[layer] = g
-        return tuple(out)
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one token's KV row in one layer (what a miss moves per layer)."""
-        if self.fp8:
-            return self.latent_dim + 4 * (self.latent_dim // FP8_BLOCK) + 2 * self.rope_dim
-        return jnp.dtype(self.value_dtype).itemsize * (self.latent_dim + self.rope_dim)
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one KV page in one layer."""
-        return PAGE_SIZE * self.row_bytes
 
 
 @jax.tree_util.register_dataclass

@@ -1,0 +1,203 @@
+"""The device half of the tiered store: apply a `TieredCache`'s table updates to a `KVStore`, and the checked
+row-level writes and reads that need both (prompt writes, appends, gathers: trace replays, tests, benchmarks).
+
+    cache = TieredCache(model_cfg, cache_cfg)          # host bookkeeping (NumPy)
+    store = new_store(cache)                          # its KVStore (device pools + pinned-host pools)
+    store, slot = admit_prefilled(store, cache, latent, rope, index_k, length)
+    cache.reserve(slot, length + 1)                   # host decisions ...
+    store = apply_updates(store, cache)               # ... applied before the next device call
+
+Every function takes the store (donated: use the returned one) and returns the new one. The updates are small
+jitted calls, each compiled once per size bucket.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hisparse_jax.kv import invariants, ops
+from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.state import KVStore, init_store
+from hisparse_jax.kv.updates import ClearStamps, LoadPages, ReleasePages, SetTables
+
+
+def new_store(cache: TieredCache, device=None) -> KVStore:
+    """An empty `KVStore` for `cache` (host pools in pinned_host memory), with its pending updates applied."""
+    return apply_updates(init_store(cache.spec, device), cache)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _set_tables(store, req, block_row, host_row, index_row, seq_len, hot_row):
+    return ops.set_tables(store, req, block_row, host_row, index_row, seq_len, hot_row)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _set_rows(store, slot, block_row, host_row, index_row, seq_len):
+    return ops._replace(store, block_table=store.block_table.at[slot].set(block_row),
+                        host_table=store.host_table.at[slot].set(host_row),
+                        index_table=store.index_table.at[slot].set(index_row),
+                        seq_lens=store.seq_lens.at[slot].set(seq_len))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _clear_page_stamps(store, req):
+    return ops._replace(store, page_stamp=store.page_stamp.at[req].set(-1))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _release(store, req, page_idx):
+    return ops.evict_pages(store.spec, store, req, page_idx)[0]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _load_pages(store, hpages, dpages):
+    return ops.load_pages(store.spec, store, hpages, dpages)[0]
+
+
+def apply_updates(store: KVStore, cache: TieredCache) -> KVStore:
+    """Apply (and clear) `cache`'s pending device-table updates to `store`, in the order they were decided."""
+    for u in cache.take_updates():
+        if isinstance(u, SetTables):
+            rows = (jnp.int32(u.slot), jnp.asarray(u.block_row), jnp.asarray(u.host_row), jnp.asarray(u.index_row),
+                    jnp.int32(u.seq_len))
+            store = _set_rows(store, *rows) if u.hot_row is None else _set_tables(store, *rows, jnp.asarray(u.hot_row))
+        elif isinstance(u, ClearStamps):
+            store = _clear_page_stamps(store, jnp.int32(u.slot))
+        elif isinstance(u, ReleasePages):
+            store = _release(store, jnp.asarray(u.req), jnp.asarray(u.page_idx))
+        elif isinstance(u, LoadPages):
+            store = _load_pages(store, jnp.asarray(u.host_pages), jnp.asarray(u.device_pages))
+        else:
+            raise TypeError(f"unknown store update {u!r}")
+    return store
+
+
+def reserve_next(store: KVStore, cache: TieredCache, slots, n: int = 1) -> KVStore:
+    """Before a decode call that appends `n` tokens to each of `slots` (-1: padding): reserve their pages (releasing
+    cold pages if needed) and apply the resulting table updates."""
+    for s in slots:
+        if s >= 0:
+            cache.reserve(s, cache.lengths[s] + n)
+    return apply_updates(store, cache)
+
+
+# ----- prompt rows ------------------------------------------------------------------------------
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _write_prefill(store, req, latent, rope, index_k, length, start):
+    return ops.write_prefill(store.spec, store, req, latent, rope, index_k, length, start)[0]
+
+
+def write_prefill(store: KVStore, cache: TieredCache, slot: int, latent, rope, index_k, length: int,
+                  start: int = 0) -> KVStore:
+    """Write a prompt's rows (latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]; row t is position t) for
+    positions start..length-1 into `slot` (admitted for `length` tokens). `start` must not be below the slot's
+    shared prefix (`cache.cached_tokens[slot]`): shared pages are never written."""
+    cache.record_prefill(slot, length, start, rows=latent.shape[1])
+    store = apply_updates(store, cache)
+    return _write_prefill(store, jnp.int32(slot), latent, rope, index_k, jnp.int32(length), jnp.int32(start))
+
+
+def admit_prefilled(store: KVStore, cache: TieredCache, latent, rope, index_k, length: int, *,
+                    tokens=None) -> tuple[KVStore, int]:
+    """`cache.admit` a prompt of `length` tokens and write its rows computed outside the store (e.g. by
+    `generate.prefill_rows`); with `tokens` (and `prefix_caching` on) its full pages are registered for later
+    requests. Returns (store, slot)."""
+    slot = cache.admit(length)
+    store = write_prefill(store, cache, slot, latent, rope, index_k, length)
+    if tokens is not None:
+        cache.register_prefix(slot, tokens)
+    return store, slot
+
+
+# ----- decode rows (checked; the model's decode step has its own fused path) ----------------------
+def _indexer_kinds(spec):
+    """1 for the leader (full indexer) layer of each group, else 0."""
+    leaders = {g[0] for g in spec.groups}
+    return [int(layer in leaders) for layer in range(spec.num_layers)]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _append_all(store, req, latent, rope, index_k):
+    spec = store.spec
+    positions = jnp.where(req >= 0, store.seq_lens[jnp.maximum(req, 0)], -1)
+    slot = 0
+    for layer, kind in enumerate(_indexer_kinds(spec)):
+        k = index_k[slot] if kind else None
+        store, _ = ops.append_rows(spec, store, layer, slot if kind else None, req, positions, latent[layer],
+                                   rope[layer], k)
+        slot += kind
+    if spec.mirror_to_host:
+        store, _ = ops.mirror_rows(spec, store, req, positions)
+    seq_lens = store.seq_lens.at[jnp.where(req >= 0, req, spec.max_seqs)].add(1, mode="drop")
+    return ops._replace(store, seq_lens=seq_lens)
+
+
+def append(store: KVStore, cache: TieredCache, slots, latent, rope, index_k) -> KVStore:
+    """Append one token to each of `slots` (-1: padding) in every layer: latent [L, B, C], rope [L, B, R],
+    index_k [LI, B, dI]. Reserves tail pages (releasing cold pages if needed), writes the device pages and the
+    host mirror."""
+    slots = cache.check_live_slots(slots)
+    store = reserve_next(store, cache, slots)
+    store = _append_all(store, jnp.asarray(slots, jnp.int32), latent, rope, index_k)
+    cache.advance([s for s in slots if s >= 0])
+    return store
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _gather_all(store, req, topk):
+    spec = store.spec
+    lats, ropes, valid, total = [None] * spec.num_layers, [None] * spec.num_layers, None, 0
+    for g, layers in enumerate(spec.groups):
+        plan, store = ops.resolve(spec, store, g, req, topk)
+        store, payload, _ = ops.fetch_misses(spec, store, layers, plan)
+        total = total + payload
+        for layer in layers:
+            lats[layer], ropes[layer] = ops.gather_rows(spec, store, layer, plan)
+        # the next group's fetch updates the pools in place: its reads must come first, or XLA copies the pools
+        store, lats, ropes = jax.lax.optimization_barrier((store, lats, ropes))
+        valid = plan.valid
+    store = ops._replace(store, clock=store.clock + 1)
+    return store, jnp.stack(lats), jnp.stack(ropes), valid, total
+
+
+def gather(store: KVStore, cache: TieredCache, slots, topk):
+    """Resolve `topk` (int32[B, K]: positions, -1 padding) for each slot in every indexer group — resident
+    reads, hot hits, misses fetched from host — and return the rows of every layer:
+    (store, latent f32[L, B, K, C], rope f32[L, B, K, R], valid bool[B, K], payload_h2d_bytes).
+    Advances the LRU clock like a decode step and refreshes `cache.page_stamps`. Raises ValueError on positions outside [0, seq_len)."""
+    slots = cache.check_live_slots(slots)
+    swapped = [x for x in slots if x in cache.swapped]
+    if swapped:
+        raise ValueError(f"slots {swapped} are swapped out (no device pages, no hot buffer): swap_in first")
+    topk = np.asarray(topk, np.int32)
+    if topk.ndim != 2 or topk.shape[0] != len(slots):
+        raise ValueError(f"topk must be int32[{len(slots)}, K], got shape {topk.shape}")
+    if topk.shape[1] > cache.spec.hot_rows:
+        raise ValueError(f"K={topk.shape[1]} exceeds hot_rows={cache.spec.hot_rows}")
+    for b, s in enumerate(slots):
+        row = topk[b][topk[b] != -1]
+        bad = row[(row < 0) | (row >= (cache.lengths[s] if s >= 0 else 0))]
+        if bad.size:
+            raise ValueError(f"slot {s}: top-k positions {bad[:8].tolist()} are outside [0, "
+                             f"{cache.lengths.get(s, 0)})")
+        if len(set(row.tolist())) != row.size:
+            raise ValueError(f"slot {s}: repeated top-k positions")
+    store = apply_updates(store, cache)
+    store, lat, rope, valid, rows = _gather_all(store, jnp.asarray(slots, jnp.int32), jnp.asarray(topk))
+    rows, stamps = jax.device_get((rows, store.page_stamp))
+    cache.observe_page_stamps(stamps)
+    return store, lat, rope, valid, int(rows) * cache.spec.row_bytes
+
+
+def check_tables(store: KVStore, cache: TieredCache) -> None:
+    """`cache.check_invariants()`, and the store's tables equal the cache's view (pending updates must have been
+    applied). Reads the tables back: tests and debugging."""
+    if cache.updates:
+        raise RuntimeError(f"{len(cache.updates)} table updates are not applied yet: apply_updates first")
+    cache.check_invariants()
+    invariants.check_tables(cache, *jax.device_get((store.block_table, store.host_table, store.index_table,
+                                                    store.hot_pages, store.seq_lens)))

@@ -1,0 +1,137 @@
+"""Typed results: what `generate(..., return_stats=True)`, `Engine.step()` and `Engine.metrics()` return.
+
+Each is a frozen dataclass (attributes, documented fields, IDE completion) that also reads like the dict it
+used to be (`m["hits"]`, `dict(m)`, `for k in m`), and `to_json()` gives plain JSON-ready data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+
+def jsonable(x):
+    """`x` with every result record turned into a dict and NumPy scalars / arrays into Python numbers / lists."""
+    if isinstance(x, Record):
+        return x.to_json()
+    if isinstance(x, Mapping):
+        return {k: jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if hasattr(x, "tolist"):  # NumPy scalars and arrays
+        return x.tolist()
+    return x
+
+
+class Record(Mapping):
+    """Base of the result dataclasses: read-only mapping of field name -> value."""
+
+    __slots__ = ()
+
+    def __getitem__(self, key: str):
+        if not isinstance(key, str) or key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self):
+        return iter(self.__dataclass_fields__)
+
+    def __len__(self) -> int:
+        return len(self.__dataclass_fields__)
+
+    def to_json(self) -> dict:
+        """The fields as JSON-ready data (nested records and arrays converted)."""
+        return {f: jsonable(getattr(self, f)) for f in self.__dataclass_fields__}
+
+
+@dataclasses.dataclass(frozen=True, eq=True)
+class GenerateStats(Record):
+    """Totals of a tiered `generate` run over its decode steps (`steps`; the first token comes from the prefill).
+
+    resident / hits / misses: selected rows read from resident pages / found in a hot buffer / fetched from the host,
+    summed over layers and steps (`per_layer` keeps them per layer). h2d_bytes: host→device bytes (misses, page
+    loads); h2d_transfer_bytes: bytes the fetch mechanism actually moved (whole chunks or pages); d2h_bytes:
+    device→host bytes (prompt rows and decode rows mirrored to the host). append_dropped: rows a step could not
+    write (must be 0). evicted_pages: device pages released to the host."""
+
+    resident: int
+    hits: int
+    misses: int
+    h2d_bytes: int
+    h2d_transfer_bytes: int
+    d2h_bytes: int
+    append_dropped: int
+    evicted_pages: int
+    steps: int
+    per_layer: dict
+
+
+@dataclasses.dataclass(frozen=True, eq=True)
+class StepMetrics(Record):
+    """One `Engine.step()`. running: requests that decoded a token; admitted / prefilling / swapped / waiting:
+    requests in those states after scheduling; preemptions / swaps_out / swaps_in: policy actions this step;
+    tokens: new tokens; prefill_tokens: prompt tokens computed; cached_tokens: prompt tokens served by the
+    prefix cache; failed: requests whose own work raised; bucket: padded batch rows (0: no batched call);
+    index_pages: indexer pages scored; hits / misses / resident / h2d_bytes / d2h_bytes: as in `GenerateStats`;
+    device_pages_used: after the step; step_time_s: wall time; compiled: whether the step compiled."""
+
+    step: int
+    running: int
+    admitted: int
+    prefilling: int
+    swapped: int
+    waiting: int
+    preemptions: int
+    swaps_out: int
+    swaps_in: int
+    tokens: int
+    prefill_tokens: int
+    cached_tokens: int
+    failed: int
+    bucket: int
+    index_pages: int
+    hits: int
+    misses: int
+    resident: int
+    h2d_bytes: int
+    d2h_bytes: int
+    device_pages_used: int
+    step_time_s: float
+    compiled: bool
+
+
+@dataclasses.dataclass(frozen=True, eq=True)
+class EngineMetrics(Record):
+    """Totals of an engine run so far, and its per-step `history`.
+
+    mean_running: requests decoding per decode step (the published table's "running requests"); max_running;
+    preemptions; swaps (swap-outs); failed requests; tokens (new) and prefill_tokens (computed prompt tokens);
+    cached_tokens and prefix_hit_rate (their share of prompt tokens admitted); time_s, compile_steps,
+    compile_time_s; tokens_per_s over steps that did not compile; hits / misses / hit_rate of hot buffers;
+    h2d_bytes / d2h_bytes (steps plus page loads and prompt writes); evicted_pages; mean_ttft_steps and
+    mean_latency_steps (finished requests, in steps from arrival to first / last token)."""
+
+    policy: str
+    steps: int
+    mean_running: float
+    max_running: int
+    preemptions: int
+    swaps: int
+    failed: int
+    tokens: int
+    prefill_tokens: int
+    cached_tokens: int
+    prefix_hit_rate: float
+    time_s: float
+    compile_steps: int
+    compile_time_s: float
+    tokens_per_s: float
+    hits: int
+    misses: int
+    hit_rate: float
+    h2d_bytes: int
+    d2h_bytes: int
+    evicted_pages: int
+    mean_ttft_steps: float
+    mean_latency_steps: float
+    history: list
