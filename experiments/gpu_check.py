@@ -28,7 +28,7 @@ stops starting sections once --budget-s is spent, and trims the last one's timeo
 * fetch (60 s): `ops.fetch_misses` per mechanism ("row", "page") and row format (bf16, fp8) at 10/20/30 %
   misses on a store with the real cache geometry, verified byte for byte against the host pool (every other
   device row must keep its NaN poison); HLO facts about the host transfers (DIR/hlo_fetch.txt).
-* decode (60 s): `tiered.decode_step` on "tiny-glm", an all-resident store side by side with stores under
+* decode (60 s): `runner.decode_step` on "tiny-glm", an all-resident store side by side with stores under
   pressure (hot buffers + misses from host, per mechanism), plus the public `decode_step`'s per-call cost.
 * decode_kernels (50 s): `decode_loop` (one lax.scan of n steps) under pressure with kernels="reference" and
   kernels="pallas" ("pallas_interpret" on a CPU): tokens equal, logits close, time per step of each.
@@ -1292,7 +1292,7 @@ def _admit(ctx, d: dict, cc):
 
 def section_decode(ctx: Ctx) -> dict:
     from hisparse_jax.kv import device as kv_device
-    from hisparse_jax.kv.tiered import decode_step
+    from hisparse_jax.engine.runner import decode_step
 
     sz = ctx.sz
     d = _decode_setup(ctx)
@@ -1350,7 +1350,7 @@ def section_decode(ctx: Ctx) -> dict:
                  "prompt_tokens": P, "kv_dtype": "bf16", "hot_rows": hot_rows, "prefill_s": prefill_s,
                  "timed_steps": len(runs["resident"]["times"]), "skipped_steps_budget": skipped, "stores": {},
                  "step_timed_as": step_how,
-                 "public_decode_step": {"how": "hisparse_jax.kv.tiered.decode_step(model, store, batch), resident",
+                 "public_decode_step": {"how": "hisparse_jax.engine.runner.decode_step(model, store, batch), resident",
                                         "step_median_s": statistics.median(public) if public else None,
                                         "steps": len(public)}}
     for name, r in runs.items():
@@ -1387,7 +1387,8 @@ def section_decode_kernels(ctx: Ctx) -> dict:
     """`decode_loop` (n steps in one lax.scan) under pressure with kernels="reference" and with the Pallas
     kernels: the same tokens, close logits, and the time per step of each (scan time / n)."""
     from hisparse_jax.kv import device as kv_device
-    from hisparse_jax.kv.tiered import decode_loop, stats_bytes
+    from hisparse_jax.engine.runner import decode_loop
+    from hisparse_jax.kv.tiered import stats_bytes
 
     sz = ctx.sz
     d = _decode_setup(ctx)

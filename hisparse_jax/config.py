@@ -421,6 +421,7 @@ def get_preset(name: str) -> ModelConfig:
 PAGE_SIZE = 64  # tokens per KV page (FlashMLA / vLLM use 64)
 KV_DTYPES = ("auto", "bf16", "fp8", "float32")
 FETCH_MECHANISMS = ("row", "page")
+MISS_ATTENTION = ("single", "split")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,6 +442,10 @@ class CacheConfig:
       buffer, one H2D copy per chunk of `fetch_chunk` rows) or "page" (whole-page H2D slices, each needed
       page once, the needed rows kept).
     mirror_to_host: write every new row to its host page as it is appended (eviction then needs no copy).
+    miss_attention: "single" (one attention pass over every selected row, after the misses are fetched) or
+      "split" (attention over the rows already on the device — resident pages and hot-buffer hits — and over
+      the fetched misses computed apart and merged by their log-sum-exp, so the first part does not wait for
+      the host→device copy; equal to "single" up to float rounding). Needs kernels="reference".
     """
 
     kv_dtype: str = "auto"
@@ -453,6 +458,7 @@ class CacheConfig:
     fetch: str = "row"
     fetch_chunk: int = 256
     mirror_to_host: bool = True
+    miss_attention: str = "single"
 
     def __post_init__(self):
         problems = []
@@ -460,6 +466,8 @@ class CacheConfig:
             problems.append(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         if self.fetch not in FETCH_MECHANISMS:
             problems.append(f"fetch must be one of {FETCH_MECHANISMS}, got {self.fetch!r}")
+        if self.miss_attention not in MISS_ATTENTION:
+            problems.append(f"miss_attention must be one of {MISS_ATTENTION}, got {self.miss_attention!r}")
         put = functools.partial(_checked, self, problems)
         for name in ("device_pages", "max_seqs", "max_seq_len", "fetch_chunk"):
             put(name, check_int, lo=1)

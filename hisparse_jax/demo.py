@@ -28,12 +28,12 @@ from tqdm import tqdm
 
 from hisparse_jax.cli_args import (bounded_float, check_output_dir, check_output_file, choice, int_at_least,
                                    name_list, nonnegative_int, positive_int)
-from hisparse_jax.config import PRESETS, CacheConfig, get_preset
+from hisparse_jax.config import MISS_ATTENTION, PRESETS, CacheConfig, get_preset
 from hisparse_jax.engine import Engine, EngineConfig, SamplingParams, device_budget
 from hisparse_jax.engine.scheduler import POLICIES, pages
 from hisparse_jax.generate import TRACE_COUNTS as _PREFILL_TRACES
 from hisparse_jax.kv.tiered import KERNELS, check_kernels
-from hisparse_jax.kv.tiered import TRACE_COUNTS as _STEP_TRACES
+from hisparse_jax.engine.runner import TRACE_COUNTS as _STEP_TRACES
 from hisparse_jax.model.decoder import SparseMLAModel
 
 
@@ -60,6 +60,10 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
     p.add_argument("--kernels", default="reference", choices=KERNELS,
                    help="decode step: jnp references (default), the Pallas GPU kernels (needs a GPU), or the same "
                         "kernels interpreted (any backend; slow)")
+    p.add_argument("--miss-attention", default="single", choices=MISS_ATTENTION,
+                   help="attention over the selected rows in one pass after the misses are fetched (default), or "
+                        "split: rows already on the device and fetched misses apart, merged by log-sum-exp (the "
+                        "first part need not wait for the host copy; needs --kernels reference)")
     p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--plot", default="hisparse_demo.png", help="PNG of running requests over time ('' = none)")
     p.add_argument("--log-dir", default="", help="write one JSON-lines metrics log per policy here")
@@ -82,12 +86,13 @@ def workload(vocab: int, n: int, longest: int, seed: int, low: float = 0.55) -> 
     return out
 
 
-def budgets(cfg, requests: int, max_len: int, device_requests: float, kv_dtype: str = "float32"):
+def budgets(cfg, requests: int, max_len: int, device_requests: float, kv_dtype: str = "float32",
+            miss_attention: str = "single"):
     """The demo's budgets for `requests` requests of up to `max_len` tokens: (a base CacheConfig whose host pool
     holds all of them, the device bytes of `device_requests` whole longest requests' KV + indexer keys). Pass both
     to `device_budget` to get each policy's split."""
     base = CacheConfig(kv_dtype=kv_dtype, max_seq_len=pages(max_len) * 64, max_seqs=requests,
-                       host_pages=requests * pages(max_len), device_pages=1)
+                       host_pages=requests * pages(max_len), device_pages=1, miss_attention=miss_attention)
     probe = device_budget(cfg, base, 1 << 40, "preempt", max_running=requests, max_len=max_len)
     per_page = (1 << 40) / probe.device_pages  # bytes of one KV page + one indexer page
     return base, int(device_requests * pages(max_len) * per_page)
@@ -123,7 +128,8 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
     model = SparseMLAModel(cfg, rngs=nnx.Rngs(args.seed))
     prompts = workload(cfg.vocab_size, args.requests, args.prompt_len, args.seed)
     max_len = max(len(p) for p in prompts) + args.new_tokens
-    base, device_bytes = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype)
+    base, device_bytes = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype,
+                                 args.miss_attention)
     params = SamplingParams(max_new_tokens=args.new_tokens)
     quiet = args.json
     results, outputs = {}, {}
@@ -153,6 +159,7 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
         "preset": args.preset, "requests": args.requests, "prompt_tokens": [len(p) for p in prompts],
         "new_tokens": args.new_tokens, "kv_dtype": args.kv_dtype, "device_budget_bytes": device_bytes,
         "device_requests": args.device_requests, "host_pages": base.host_pages, "kernels": args.kernels,
+        "miss_attention": args.miss_attention,
         "prefill": args.prefill, "backend": jax.default_backend(), "policies": split,
     }
     if on_setup:
@@ -404,6 +411,8 @@ def _checked(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpars
         check_kernels(args.kernels)
     except ValueError as e:
         parser.error(f"argument --kernels: {e}")
+    if args.miss_attention == "split" and args.kernels != "reference":
+        parser.error(f"argument --miss-attention: split needs --kernels reference (got {args.kernels})")
     if args.plot:
         check_output_file(parser, "--plot", args.plot)
     if args.log_dir:

@@ -263,12 +263,13 @@ def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top
     from hisparse_jax.engine.runner import Runner
     from hisparse_jax.kv import device as kv_device
     from hisparse_jax.kv.manager import TieredCache
-    from hisparse_jax.kv.tiered import index_span
+    from hisparse_jax.kv.tiered import check_backend, index_span
 
     cfg = model.cfg
     runner = Runner(model, kernels=kernels)  # the model split once for the whole run
     n = len(prompts)
     tc = TieredCache(cfg, cache_cfg)
+    check_backend(tc.spec, kernels)
     # the last new token is sampled, never written: the cache holds prompt + max_new_tokens - 1 positions
     tc.check_batch_fits([len(p) + max_new_tokens - 1 for p in prompts])
     store = kv_device.new_store(tc)

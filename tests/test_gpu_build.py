@@ -5,7 +5,7 @@ XLA's deviceless AOT compilation (`tests/deviceless.py`) runs the whole XLA:GPU 
 (`tests/test_kernel_*.py::test_lowers_for_cuda*`) stops before all of that.
 
 1. every Pallas kernel variant at production shapes (DeepSeek-V3.2 / GLM-5 geometry) compiles;
-2. the whole jitted tiered decode step (`hisparse_jax.kv.tiered._jitted_step`, the function
+2. the whole jitted tiered decode step (`hisparse_jax.engine.runner._jitted_step`, the function
    `decode_step` runs, store donated) of a 4-layer GLM-5 compiles for both fetch mechanisms, bf16 and
    fp8 KV, reference and Pallas kernels, and its compiled HLO shows that
    (a) every store buffer is donated (an input_output_alias from each store parameter to its result),
@@ -183,7 +183,7 @@ if os.environ.get("HISPARSE_GPU_BUILD_ALL"):
 def built_step(request, build_log):
     """(case, store, compiled HLO text, memory stats) of tiered decode_step's jitted function."""
     from hisparse_jax.config import CacheConfig
-    from hisparse_jax.kv import tiered
+    from hisparse_jax.engine import runner
 
     kv, fetch, kernels = request.param
     cfg = glm5_layers(NUM_LAYERS)
@@ -191,8 +191,8 @@ def built_step(request, build_log):
                         fetch=fetch)
     graphdef, params, store, batch = abstract_step_args(cfg, cache)
     # The jitted function decode_step / make_decode_step call (donate_argnums=(1,): the store). Taken from the
-    # cache directly because tiered.check_kernels refuses kernels="pallas" on a CPU backend, rightly.
-    step = tiered._jitted_step(graphdef, kernels)
+    # cache directly because kv.tiered.check_kernels refuses kernels="pallas" on a CPU backend, rightly.
+    step = runner._jitted_step(graphdef, kernels)
     case = f"tiered decode_step glm-5[{NUM_LAYERS} layers] kv={kv} fetch={fetch} kernels={kernels} (B={BATCH})"
     exe = timed_build(build_log, case, lambda: dl.compile_lowered(dl.lower_for_gpu(step, params, store, batch)))
     text = dl.hlo_text(exe)

@@ -94,3 +94,17 @@ def test_unapplied_updates_are_refused_where_they_would_be_lost(tmp_path):
         assert "apply_updates" in str(e)
     else:
         raise AssertionError("check_tables compared tables with updates still pending")
+
+
+def test_the_store_knows_no_model():
+    """The model drives the store, never the other way round: importing every kv module loads no model or
+    engine module (the model-driving steps live in `engine.runner`; old names in `kv.tiered` resolve lazily)."""
+    code = textwrap.dedent("""
+        import sys
+        import hisparse_jax.kv.device, hisparse_jax.kv.dense, hisparse_jax.kv.manager, hisparse_jax.kv.ops
+        import hisparse_jax.kv.persist, hisparse_jax.kv.tiered
+        print(sorted(m for m in sys.modules if m.startswith(("hisparse_jax.model", "hisparse_jax.engine"))))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"

@@ -199,9 +199,9 @@ def test_pressure_releases_shared_pages_from_every_holder():
     a, b = prefill(tc, a_toks), prefill(tc, b_toks)
     ra, rb = tc.requests[a], tc.requests[b]
     assert ra.device[:4] == rb.device[:4] and tc.evictable_pages(a) == tc.evictable_pages(b) == []
-    tc.pinned.add(b)  # a holder that must stay resident blocks the release
+    tc.keep_resident(b)  # a holder that must stay resident blocks the release
     assert tc.shared_release_candidates() == []
-    tc.pinned.discard(b)
+    tc.allow_release(b)
     assert [d for d, _ in tc.shared_release_candidates()] == ra.device[:3]  # page 3 is a tail page of both
     shared, free0 = ra.device[:3], tc.pool.num_free(Tier.DEVICE)
     tc.evict_until(free0 + 1)

@@ -11,7 +11,8 @@ from flax import nnx
 import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig, RopeConfig
 from hisparse_jax.generate import generate
-from hisparse_jax.kv import device as kv_device, tiered
+from hisparse_jax.engine import runner
+from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.persist import load_cache, save_cache
 
@@ -106,23 +107,23 @@ def test_scan_equals_separate_steps_and_compiles_once(model):
     n = 110
     # separate calls
     tc, store, slots, tok = _start(model, prompts, cc)
-    before = tiered.TRACE_COUNTS["decode_step"]
+    before = runner.TRACE_COUNTS["decode_step"]
     req = jnp.asarray(slots, jnp.int32)
     seq_tokens, seq_logits = [], []
     for i in range(n):
         store = kv_device.reserve_next(store, tc, slots)
-        logits, store, _ = tiered.decode_step(model, store, {"tokens": tok, "req": req})
+        logits, store, _ = runner.decode_step(model, store, {"tokens": tok, "req": req})
         tc.advance(slots)
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
         seq_tokens.append(tok)
         seq_logits.append(logits)
         if i % 25 == 0:
             kv_device.check_tables(store, tc)
-    assert tiered.TRACE_COUNTS["decode_step"] - before == 1  # no recompilation over 110 steps
+    assert runner.TRACE_COUNTS["decode_step"] - before == 1  # no recompilation over 110 steps
     # one scan: the host reserves the tail pages of all n positions first
     tc2, store2, slots2, tok2 = _start(model, prompts, cc)
     store2 = kv_device.reserve_next(store2, tc2, slots2, n)
-    toks, logits, store2, stats = tiered.decode_loop(model, store2, {"tokens": tok2, "req": req}, n)
+    toks, logits, store2, stats = runner.decode_loop(model, store2, {"tokens": tok2, "req": req}, n)
     tc2.advance(slots2, n)
     np.testing.assert_array_equal(np.asarray(toks), np.asarray(jnp.stack(seq_tokens)))
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(jnp.stack(seq_logits)))
@@ -140,7 +141,7 @@ def test_save_restore_resumes_exactly(model, tmp_path):
         out = []
         for _ in range(steps):
             store = kv_device.reserve_next(store, tc, slots)
-            logits, store, _ = tiered.decode_step(model, store, {"tokens": tok, "req": req})
+            logits, store, _ = runner.decode_step(model, store, {"tokens": tok, "req": req})
             tc.advance(slots)
             tok = jnp.argmax(logits, -1).astype(jnp.int32)
             out.append(np.asarray(logits))

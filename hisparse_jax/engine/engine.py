@@ -27,7 +27,7 @@ from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, pa
 from hisparse_jax.kv.manager import COLDNESS, BudgetError, TieredCache
 from hisparse_jax.kv import device as kv_device, tiered
 from hisparse_jax.kv.state import StoreSpec
-from hisparse_jax.engine.runner import Runner, sampler
+from hisparse_jax.engine.runner import TRACE_COUNTS, Runner, sampler
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.results import EngineMetrics, StepMetrics
 from hisparse_jax.validation import check_prompt
@@ -87,6 +87,7 @@ class Engine:
             cache = cache.replace(mirror_to_host=False)
         cache = cache.replace(max_seqs=config.max_running)
         self.cache = TieredCache(model.cfg, cache, victim_order=COLDNESS[config.coldness])
+        tiered.check_backend(self.cache.spec, config.kernels)
         self.cache.partial_eviction = config.policy == "hisparse"
         self.cache.prefix_caching = config.prefix_caching
         self.store = kv_device.new_store(self.cache)  # the cache's KVStore: device pools + pinned-host pools
@@ -170,7 +171,7 @@ class Engine:
             raise RuntimeError("a failed decode step consumed the KV store; this engine cannot continue "
                                "(its requests' outputs so far are in outputs())")
         t0 = time.perf_counter()
-        traces = tiered.TRACE_COUNTS["decode_step"]
+        traces = TRACE_COUNTS["decode_step"]
         sched = self.scheduler
         plan = sched.schedule(self.step_count)
         failed: list[Request] = []
@@ -238,7 +239,7 @@ class Engine:
                 r.computed = start + n
                 self.cache.set_length(r.slot, r.computed)
             for r in completed:
-                self.cache.unpin(r.slot)
+                self.cache.allow_release(r.slot)
                 self.cache.register_prefix(r.slot, r.kv_tokens)
                 r.state = RequestState.RUNNING
             self.cache.advance([r.slot for r in plan.decode])
@@ -260,7 +261,7 @@ class Engine:
             "hits": st.get("hits", 0), "misses": st.get("misses", 0), "resident": st.get("resident", 0),
             "h2d_bytes": st.get("h2d_bytes", 0), "d2h_bytes": st.get("d2h_bytes", 0),
             "device_pages_used": self.cache.pool.num_used("device"), "step_time_s": dt,
-            "compiled": tiered.TRACE_COUNTS["decode_step"] > traces,
+            "compiled": TRACE_COUNTS["decode_step"] > traces,
         })
         self.history.append(m)
         if self._log:

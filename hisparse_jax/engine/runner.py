@@ -1,6 +1,9 @@
-"""`Runner`: the device side of serving — the model split once, the kernels choice, and one jitted call per
-step that decodes a batch through the tiered store *and* samples its tokens, read back in one device→host
-transfer (the tokens and the step's counters together).
+"""The device side of serving: a model's decode steps through a tiered store, and the `Runner`.
+
+`decode_step(model, store, batch)` / `decode_loop(model, store, batch, n)` (and `step_impl`, un-jitted) run the
+model with the store as its `KVBackend` (`kv.tiered.TieredKV`). `Runner` is what the engine and `generate` use:
+the model split once, the kernels choice, and one jitted call per step that decodes a batch through the store
+*and* samples its tokens, read back in one device→host transfer (the tokens and the step's counters together).
 
     runner = Runner(model, kernels="reference")
     last, latent, rope, index_k = runner.prefill_rows(tokens)       # one causal forward (bucketed length)
@@ -26,11 +29,117 @@ import numpy as np
 from flax import nnx
 
 from hisparse_jax.generate import prefill_rows_split
-from hisparse_jax.kv import tiered
+from hisparse_jax.kv import ops, tiered
 from hisparse_jax.kv.state import KVStore, StoreSpec
 from hisparse_jax.model.decoder import SparseMLAModel
+from hisparse_jax.model.decoder import decode_step as model_decode_step
 
 COUNTS: collections.Counter = collections.Counter()  # "split": model splits; "step"/"sampler": traces
+TRACE_COUNTS: dict[str, int] = {"decode_step": 0, "decode_loop": 0}  # traces of the store-level steps
+
+
+# ----- a model's decode steps through a tiered store --------------------------------------------------------
+def _positions(store: KVStore, req):
+    return jnp.where(req >= 0, store.seq_lens[jnp.maximum(req, 0)], -1)
+
+
+def step_impl(model: SparseMLAModel, store: KVStore, batch: dict, kernels: str = "reference"):
+    """The un-jitted step (composable inside a user's own jit / scan).
+
+    batch: tokens int32[B], req int32[B]; optional pos int32[B] — explicit positions, which lets several rows
+    of one request form a prefill chunk (that request must then be fully resident: its rows share no hot
+    buffer state). Without `pos`, each row decodes at its request's seq_len. Optional index_span int32[P]
+    (only its shape is used): the indexer scores each request's first P pages, P >= the pages of the batch's
+    longest live sequence (`index_span(...)` makes it; without it, all MP)."""
+    spec = store.spec
+    index_pages = batch["index_span"].shape[0] if "index_span" in batch else None
+    req = batch["req"].astype(jnp.int32)
+    positions = _positions(store, req) if "pos" not in batch else jnp.where(req >= 0, batch["pos"], -1)
+    cache = {"store": store, "req": req, "plan": None, "stats": tiered.empty_stats(spec)}
+    logits, cache, _ = model_decode_step(model, batch["tokens"].astype(jnp.int32), positions, cache,
+                                         tiered.TieredKV(spec, kernels, index_pages))
+    store, stats = cache["store"], cache["stats"]
+    if spec.mirror_to_host:
+        store, d2h = ops.mirror_rows(spec, store, req, positions)
+        stats["d2h_rows"] = stats["d2h_rows"] + d2h
+    live = req >= 0
+    seq_lens = store.seq_lens.at[jnp.where(live, req, spec.max_seqs)].max(positions + 1, mode="drop")
+    store = dataclasses.replace(store, seq_lens=seq_lens, clock=store.clock + 1)
+    return logits, store, stats
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted_step(graphdef, kernels: str):
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(state, store, batch):
+        TRACE_COUNTS["decode_step"] += 1
+        return step_impl(nnx.merge(graphdef, state), store, batch, kernels)
+
+    return step
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted_loop(graphdef, num_steps: int, kernels: str):
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def loop(state, store, batch):
+        TRACE_COUNTS["decode_loop"] += 1
+        model = nnx.merge(graphdef, state)
+
+        def body(carry, _):
+            store, tokens = carry
+            logits, store, stats = step_impl(model, store, {"tokens": tokens, "req": batch["req"]}, kernels)
+            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            return (store, nxt), (nxt, logits, stats)
+
+        (store, _), (tokens, logits, stats) = jax.lax.scan(body, (store, batch["tokens"]), None, length=num_steps)
+        return tokens, logits, store, stats
+
+    return loop
+
+
+def decode_step(model: SparseMLAModel, store: KVStore, batch: dict, *, kernels: str = "reference"):
+    """One jitted decode step; the store is donated. Returns (logits f32[B, V], store, stats).
+    kernels: "reference" | "pallas" | "pallas_interpret" (see `TieredKV`)."""
+    graphdef, state = nnx.split(model)
+    return _jitted_step(graphdef, tiered.check_kernels(kernels))(state, store, _commit(store, batch))
+
+
+def decode_step_split(graphdef, state, store: KVStore, batch: dict, *, kernels: str = "reference"):
+    """`decode_step` for a model already split (`nnx.split`): a caller that keeps it split splits it once."""
+    return _jitted_step(graphdef, tiered.check_kernels(kernels))(state, store, _commit(store, batch))
+
+
+def make_decode_step(model: SparseMLAModel, *, kernels: str = "reference"):
+    """`decode_step` bound to `model` with the model split once: step(store, batch) -> (logits, store, stats).
+    Saves the per-call `nnx.split` (milliseconds of host time) in tight loops; do not mutate `model` after."""
+    graphdef, state = nnx.split(model)
+    jitted = _jitted_step(graphdef, tiered.check_kernels(kernels))
+
+    def step(store: KVStore, batch: dict):
+        return jitted(state, store, _commit(store, batch))
+
+    return step
+
+
+def decode_loop(model: SparseMLAModel, store: KVStore, batch: dict, num_steps: int, *,
+                kernels: str = "reference"):
+    """`num_steps` greedy decode steps in one `lax.scan` (each step feeds its argmax to the next).
+
+    The host must have reserved the tail pages of all `num_steps` positions first. Returns
+    (tokens int32[num_steps, B] (the token *produced* by each step), logits f32[num_steps, B, V], store,
+    stats stacked over steps) — bit-identical to `num_steps` calls of `decode_step`.
+    """
+    graphdef, state = nnx.split(model)
+    return _jitted_loop(graphdef, int(num_steps), tiered.check_kernels(kernels))(state, store, _commit(store, batch))
+
+
+def _commit(store: KVStore, batch: dict) -> dict:
+    """Put the batch on the store's device: committed and uncommitted arguments compile separately."""
+    dev = store.seq_lens.sharding
+    return {k: jax.device_put(v, dev) for k, v in batch.items()}
+
+
+# ----- the runner: the model split once, decode + sample in one call ---------------------------------------
 
 
 def sample_rows(logits, seeds, positions, temperatures, top_ps):
@@ -72,12 +181,12 @@ class StepOutput:
 
 
 @functools.lru_cache(maxsize=32)
-def _jitted_step(graphdef, kernels: str):
+def _jitted_step_and_sample(graphdef, kernels: str):
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(state, store, batch, sampling):
         COUNTS["step"] += 1
-        tiered.TRACE_COUNTS["decode_step"] += 1
-        logits, store, stats = tiered.step_impl(nnx.merge(graphdef, state), store, batch, kernels)
+        TRACE_COUNTS["decode_step"] += 1
+        logits, store, stats = step_impl(nnx.merge(graphdef, state), store, batch, kernels)
         tokens = sample_rows(logits[sampling["rows"]], sampling["seed"], sampling["pos"], sampling["temperature"],
                              sampling["top_p"])
         return tokens, store, stats
@@ -93,7 +202,7 @@ class Runner:
         self.kernels = tiered.check_kernels(kernels)
         self.graphdef, self.state = nnx.split(model)
         COUNTS["split"] += 1
-        self._step = _jitted_step(self.graphdef, self.kernels)
+        self._step = _jitted_step_and_sample(self.graphdef, self.kernels)
 
     def prefill_rows(self, tokens):
         """One causal forward over `tokens` (length bucketed to a power of two >= 16): (last logits f32[V],
@@ -102,8 +211,8 @@ class Runner:
 
     def decode(self, store: KVStore, batch: dict):
         """One decode step without sampling (the caller samples): (logits f32[B, V], store, stats), as
-        `kv.tiered.decode_step` but with this runner's split parameters."""
-        return tiered.decode_step_split(self.graphdef, self.state, store, batch, kernels=self.kernels)
+        `decode_step` but with this runner's split parameters."""
+        return decode_step_split(self.graphdef, self.state, store, batch, kernels=self.kernels)
 
     def step(self, spec: StoreSpec, store: KVStore, batch: dict, sampling: dict, n_emit: int, *,
              read_page_stamps: bool = False) -> StepOutput:

@@ -123,7 +123,7 @@ class Scheduler:
             prompt_pages = max(pages(n_kv), pages(min(n_kv + 1, r.max_kv_len)))
         hisparse = self.policy == "hisparse"
         # one prompt resident at a time while written through the store keeps the device floor predictable
-        chunking = any(x.state is RequestState.PREFILLING and x.slot in c.pinned for x in self.active)
+        chunking = any(x.state is RequestState.PREFILLING and x.slot in c.resident_only for x in self.active)
         if self.prefill == "chunked" or hits:
             rc = c.pool.refcounts(Tier.DEVICE)
             if hisparse:  # a hit page the floor holds already costs nothing more
@@ -171,7 +171,7 @@ class Scheduler:
                 plan.whole.append(r)
                 continue
             r.slot = c.admit(0, tokens=r.kv_tokens)  # shares the cached prefix (resident) if there is one
-            c.pin(r.slot)
+            c.keep_resident(r.slot)
             r.state, r.computed = RequestState.PREFILLING, c.cached_tokens[r.slot]
             r.cached_tokens += r.computed
             plan.cached_tokens += r.computed

@@ -15,8 +15,9 @@ Glossary (one word, one thing; where the code still uses a word for two things, 
   every layer), a pinned-host KV page, and a device indexer-key page (indexer keys never leave the device).
 - pool: the pages of one tier (`KVStore` arrays) and their bookkeeping (`pool.PagePool`: refcounts, free lists,
   prefix registrations).
-- request slot (`slot` in `manager.py`, `req` in jitted code): a request's row in the store's tables, 0..max_seqs-1.
-  In `ops.index_select` and the kernels `slot` is the *indexer layer* index instead.
+- request slot (`slot` on the host, `req` in jitted code): a request's row in the store's tables, 0..max_seqs-1.
+- indexer layer (`index_layer`): a full-indexer layer's number among the full-indexer layers (its row of the
+  indexer-key pool); not a slot.
 - resident: a logical page with a device copy. *released* (evicted): its device copy given back, the host copy
   kept. *tail pages*: the last two pages of a request, never released (they are being written).
 - hot buffer: per request and indexer group, `hot_rows` *hot slots* on pages lent from the device pool, holding
@@ -27,8 +28,8 @@ Glossary (one word, one thing; where the code still uses a word for two things, 
   page copies nothing.
 - updates (`TieredCache.updates`, `updates.py`): the host's decisions about the device tables, in order, applied by
   whoever holds the `KVStore` (`device.apply_updates`) before the next device call.
-- pinned (`TieredCache.pinned`, `pin` / `unpin`): request slots whose pages must all stay resident (a prompt being written chunk
-  by chunk) — not "pinned host memory", which is the host tier.
+- resident-only (`TieredCache.resident_only`, `keep_resident` / `allow_release`): request slots whose pages must all
+  stay resident (a prompt being written chunk by chunk). "Pinned" always means pinned host memory, the host tier.
 - plan: the resolver's per-row result (`ops.Plan`: page, row, valid, resident, miss, source); the engine's
   scheduler has its own `StepPlan`.
 - coldness: which pages a request releases first ("oldest" or indexer-"recency").

@@ -14,8 +14,19 @@ import dataclasses
 import jax.numpy as jnp
 
 from hisparse_jax.config import ModelConfig
-from hisparse_jax.model.decoder import index_select_reference
-from hisparse_jax.model.mla import sparse_mla_decode_reference
+from pallas_kernels.indexer_topk.reference import index_scores, select_topk
+from pallas_kernels.sparse_mla_decode.reference import sparse_mla_decode_rows
+
+
+def index_select_reference(index_k, positions, q_index, w, topk: int, *, fp8: bool = False):
+    """Top-k over a contiguous key cache: index_k [B, S, dI], positions int32[B] -> int32[B, min(topk, S)].
+
+    Keys 0..positions[b] are valid; -1 pads the tail; an idle slot (position -1) gets all -1.
+    """
+    S = index_k.shape[1]
+    scores = index_scores(q_index[:, None], w[:, None], index_k, fp8=fp8)[:, 0]  # [B, S]
+    valid = jnp.arange(S, dtype=jnp.int32)[None] <= positions[:, None]
+    return select_topk(scores, valid, topk)
 
 
 def init_dense_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
@@ -55,16 +66,16 @@ class DenseKV:
     topk: int
     indexer_fp8: bool = False
 
-    def append(self, cache, layer, slot, positions, c, k_rope, k_index):
+    def append(self, cache, layer, index_layer, positions, c, k_rope, k_index):
         cache = dict(cache)
         cache["latent"] = _write(cache["latent"], layer, positions, c)
         cache["rope"] = _write(cache["rope"], layer, positions, k_rope)
-        if slot is not None:
-            cache["index_k"] = _write(cache["index_k"], slot, positions, k_index)
+        if index_layer is not None:
+            cache["index_k"] = _write(cache["index_k"], index_layer, positions, k_index)
         return cache
 
-    def select(self, cache, slot, positions, q_index, w):
-        keys = cache["index_k"][slot]
+    def select(self, cache, index_layer, positions, q_index, w):
+        keys = cache["index_k"][index_layer]
         return index_select_reference(keys, positions, q_index, w, self.topk, fp8=self.indexer_fp8), cache
 
     def attend(self, cache, layer, topk, q_lat, q_rope, tau):
@@ -72,4 +83,4 @@ class DenseKV:
         safe = jnp.where(valid, topk, 0)
         rows_c = _rows(cache["latent"], layer, safe)
         rows_r = _rows(cache["rope"], layer, safe)
-        return sparse_mla_decode_reference(q_lat, q_rope, rows_c, rows_r, valid, tau), cache
+        return sparse_mla_decode_rows(q_lat, q_rope, rows_c, rows_r, valid, tau), cache

@@ -124,12 +124,12 @@ def _indexer_kinds(spec):
 def _append_all(store, req, latent, rope, index_k):
     spec = store.spec
     positions = jnp.where(req >= 0, store.seq_lens[jnp.maximum(req, 0)], -1)
-    slot = 0
+    index_layer = 0
     for layer, kind in enumerate(_indexer_kinds(spec)):
-        k = index_k[slot] if kind else None
-        store, _ = ops.append_rows(spec, store, layer, slot if kind else None, req, positions, latent[layer],
+        k = index_k[index_layer] if kind else None
+        store, _ = ops.append_rows(spec, store, layer, index_layer if kind else None, req, positions, latent[layer],
                                    rope[layer], k)
-        slot += kind
+        index_layer += kind
     if spec.mirror_to_host:
         store, _ = ops.mirror_rows(spec, store, req, positions)
     seq_lens = store.seq_lens.at[jnp.where(req >= 0, req, spec.max_seqs)].add(1, mode="drop")
@@ -168,7 +168,8 @@ def gather(store: KVStore, cache: TieredCache, slots, topk):
     """Resolve `topk` (int32[B, K]: positions, -1 padding) for each slot in every indexer group — resident
     reads, hot hits, misses fetched from host — and return the rows of every layer:
     (store, latent f32[L, B, K, C], rope f32[L, B, K, R], valid bool[B, K], payload_h2d_bytes).
-    Advances the LRU clock like a decode step and refreshes `cache.page_stamps`. Raises ValueError on positions outside [0, seq_len)."""
+    Advances the LRU clock like a decode step and refreshes `cache.page_stamps`. Raises ValueError on positions
+    outside [0, seq_len)."""
     slots = cache.check_live_slots(slots)
     swapped = [x for x in slots if x in cache.swapped]
     if swapped:

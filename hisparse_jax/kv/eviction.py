@@ -54,7 +54,7 @@ def evict_until(cache: "TieredCache", free_target: int, exclude: int | None = No
     while cache.pool.num_free(Tier.DEVICE) < free_target:
         cands = []
         for s in cache.requests:
-            if s == exclude or s in cache.pinned:
+            if s == exclude or s in cache.resident_only:
                 continue
             n = len(cache.evictable_pages(s))
             has_hot = bool(cache.requests[s].hot)
@@ -75,7 +75,7 @@ def evict_until(cache: "TieredCache", free_target: int, exclude: int | None = No
 def shared_release_candidates(cache: "TieredCache", exclude: int | None = None
                               ) -> list[tuple[int, list[tuple[int, int]]]]:
     """Device pages held by several requests that all of them may release now: sealed for every holder,
-    with a host copy, no holder pinned (or `exclude`). Returns [(page, [(slot, logical page)])], oldest
+    with a host copy, no holder resident-only (or `exclude`). Returns [(page, [(slot, logical page)])], oldest
     (lowest logical page) first."""
     rc = cache.pool.refcounts(Tier.DEVICE)
     holders: dict[int, list[tuple[int, int, bool]]] = {}
@@ -83,7 +83,7 @@ def shared_release_candidates(cache: "TieredCache", exclude: int | None = None
         limit = r.num_pages + cache.growing(s) - TAIL_PAGES
         for i, d in enumerate(r.device):
             if d != INVALID and rc[d] > 1:
-                ok = i < limit and r.host[i] != INVALID and s not in cache.pinned and s != exclude
+                ok = i < limit and r.host[i] != INVALID and s not in cache.resident_only and s != exclude
                 holders.setdefault(d, []).append((s, i, ok))
     out = [(d, [(s, i) for s, i, _ in hs]) for d, hs in holders.items()
            if len(hs) == rc[d] and all(ok for _, _, ok in hs)]

@@ -22,16 +22,13 @@ from typing import Callable
 import numpy as np
 
 from hisparse_jax.config import PAGE_SIZE, CacheConfig, ModelConfig
-from hisparse_jax.kv import eviction, invariants, prefix
+from hisparse_jax.kv import budget, eviction, invariants, prefix, swap
+from hisparse_jax.kv.budget import BudgetError  # noqa: F401  (re-exported)
 from hisparse_jax.kv.eviction import COLDNESS, TAIL_PAGES, oldest_first  # noqa: F401  (re-exported)
 from hisparse_jax.kv.pool import INVALID, OutOfPages, PagePool, PoolError, RequestPages, Tier
 from hisparse_jax.kv.prefix import PrefixHit  # noqa: F401  (re-exported)
 from hisparse_jax.kv.spec import StoreSpec
-from hisparse_jax.kv.updates import ClearStamps, LoadPages, ReleasePages, SetTables, Update, pad_pow2, table_row
-
-
-class BudgetError(ValueError):
-    """A request can never fit the configured budgets (raised before anything is changed)."""
+from hisparse_jax.kv.updates import ClearStamps, ReleasePages, SetTables, Update, pad_pow2, table_row
 
 
 class TieredCache:
@@ -49,7 +46,7 @@ class TieredCache:
         self.evicted_pages = 0
         self.h2d_bytes = 0  # page loads (swap-ins, host-only prefix pages); decode misses are in the step stats
         self.d2h_bytes = 0  # prompt rows written to the host (decode mirror bytes are in the step stats)
-        self.pinned: set[int] = set()  # slots that must stay fully resident (being prefilled, or policy says so)
+        self.resident_only: set[int] = set()  # slots that must stay fully resident (being prefilled, or policy says so)
         self.swapped: set[int] = set()  # slots swapped out whole (no device page until swap_in)
         # release single cold pages under pressure (HiSparse); off = a request is resident whole or not at all
         self.partial_eviction = True
@@ -99,11 +96,8 @@ class TieredCache:
         return self.spec.num_layers * self.spec.page_bytes
 
     def min_device_pages(self, num_pages: int) -> int:
-        """Device pages a request of `num_pages` logical pages needs at the least: all of them, or (when pages
-        can be released to the host) its last `TAIL_PAGES` plus its hot buffer, whichever is fewer."""
-        if not self.spec.mirror_to_host or not self.partial_eviction:
-            return num_pages
-        return min(num_pages, TAIL_PAGES + self.hot_pages_per_request)
+        """See `kv.budget.min_device_pages`."""
+        return budget.min_device_pages(self, num_pages)
 
     def free_slots(self) -> list[int]:
         return [s for s in range(self.spec.max_seqs) if s not in self.requests]
@@ -114,43 +108,12 @@ class TieredCache:
 
     # ----- admission -----------------------------------------------------------------------------
     def check_fits(self, num_tokens: int) -> None:
-        """Raise BudgetError when a request of `num_tokens` tokens can never be held, even alone."""
-        self.check_batch_fits([num_tokens])
+        """See `kv.budget.check_fits`."""
+        budget.check_fits(self, num_tokens)
 
     def check_batch_fits(self, num_tokens: list[int]) -> None:
-        """`num_tokens`: the cache positions each request will hold at its longest (prompt + new tokens - 1: the
-        last sampled token is never written). Raise BudgetError (naming the budget, what is needed and by how
-        much it falls short) unless requests of these lengths can all be held at once, each at its full length.
-        Exact: every smaller budget of that tier fails, and a batch that passes decodes to the end (pages are
-        only ever added, and the cheapest way to hold a request never grows by more than the page it adds)."""
-        spec = self.spec
-        n = [-(-t // PAGE_SIZE) for t in num_tokens]
-        if len(n) > spec.max_seqs:
-            raise BudgetError(f"max_seqs is too small: {len(n)} requests need {len(n)} request slots; max_seqs is "
-                              f"{spec.max_seqs}, {len(n) - spec.max_seqs} short")
-        too_long = [t for t in num_tokens if t > spec.max_pages * PAGE_SIZE]
-        if too_long:
-            raise BudgetError(f"max_seq_len is too small: a request needs {too_long[0]} cache positions; the store "
-                              f"holds {spec.max_pages * PAGE_SIZE} per request")
-
-        def shortfall(name: str, have: int, need: list[int], how: str) -> None:
-            if sum(need) > have:
-                what = (f"a {num_tokens[0]}-token request ({n[0]} pages)" if len(n) == 1 else
-                        f"{len(n)} requests of {num_tokens} tokens ({n} pages)")
-                parts = " + ".join(str(x) for x in need)
-                raise BudgetError(f"{name} is too small: {what} need{'s' if len(n) == 1 else ''} "
-                                  f"{parts + ' = ' if len(need) > 1 else ''}{sum(need)} {how}; {name} is {have}, "
-                                  f"{sum(need) - have} short")
-
-        shortfall("index_pages", spec.index_pages, n, "indexer pages (every page's keys stay on the device)")
-        if spec.mirror_to_host:
-            shortfall("host_pages", spec.host_pages, n, "host pages (every page is mirrored to the host)")
-        dev = [self.min_device_pages(k) for k in n]
-        how = ("device pages (no page can be released)" if dev == n and not
-               (spec.mirror_to_host and self.partial_eviction) else
-               f"device pages at the least (all pages, or {TAIL_PAGES} tail pages + "
-               f"{self.hot_pages_per_request} hot-buffer pages, whichever is fewer)")
-        shortfall("device_pages", spec.device_pages, dev, how)
+        """See `kv.budget.check_batch_fits`."""
+        budget.check_batch_fits(self, num_tokens)
 
     def admit(self, num_tokens: int, *, resident: bool = False, tokens=None) -> int:
         """Reserve a slot and pages for a prompt of `num_tokens` tokens; returns the slot. With `resident`, every
@@ -170,7 +133,7 @@ class TieredCache:
         self.lengths[slot] = 0
         self.cached_tokens[slot] = 0
         if resident:
-            self.pinned.add(slot)
+            self.resident_only.add(slot)
         try:
             if tokens is not None and self.prefix_caching:
                 prefix.share_prefix(self, slot, prefix.match_prefix(self, tokens))
@@ -181,9 +144,9 @@ class TieredCache:
             raise
         finally:
             if resident:
-                self.pinned.discard(slot)
+                self.resident_only.discard(slot)
         self.lengths[slot] = num_tokens
-        self._sync(slot)
+        self.record_tables(slot)
         return slot
 
     def match_prefix(self, tokens) -> list[PrefixHit]:
@@ -211,7 +174,7 @@ class TieredCache:
         self.d2h_bytes += written * self.spec.num_layers * self.spec.row_bytes
 
     def reserve(self, slot: int, num_tokens: int) -> None:
-        """Make positions < num_tokens writable (tail pages resident; every page when `slot` is pinned)
+        """Make positions < num_tokens writable (tail pages resident; every page when `slot` is resident-only)
         before a step writes them."""
         self.check_fits(num_tokens)
         self._grow(slot, num_tokens)
@@ -223,61 +186,22 @@ class TieredCache:
         return (self.pool.num_free(Tier.DEVICE) >= new and self.pool.num_free(Tier.INDEX) >= new
                 and (not self.spec.mirror_to_host or self.pool.num_free(Tier.HOST) >= new))
 
-    def pin(self, slot: int) -> None:
-        """Keep every page of `slot` resident (a prompt being written chunk by chunk)."""
-        self.pinned.add(slot)
+    def keep_resident(self, slot: int) -> None:
+        """Keep every page of `slot` resident (a prompt being written chunk by chunk): none is released."""
+        self.resident_only.add(slot)
 
-    def unpin(self, slot: int) -> None:
-        self.pinned.discard(slot)
+    def allow_release(self, slot: int) -> None:
+        """Undo `keep_resident`: `slot`'s sealed pages may be released again."""
+        self.resident_only.discard(slot)
 
     # ----- swap ----------------------------------------------------------------------------------
     def swap_out(self, slot: int) -> int:
-        """Release every device page of `slot` (host copies must be current: needs the eager mirror); the
-        request keeps its indexer pages and host pages. Returns the number of pages released."""
-        if not self.spec.mirror_to_host:
-            raise PoolError("swap_out needs mirror_to_host (host copies of every page)")
-        r = self.requests[slot]
-        pages = [i for i in range(r.num_pages) if r.device[i] != INVALID]
-        for i in pages:
-            self.pool.free(Tier.DEVICE, [r.device[i]])
-            r.device[i] = INVALID
-        if r.hot:
-            self.pool.free(Tier.DEVICE, r.hot)
-            r.hot.clear()
-        self.evicted_pages += len(pages)
-        self.swapped.add(slot)
-        self._sync(slot)
-        return len(pages)
+        """See `kv.swap.swap_out`."""
+        return swap.swap_out(self, slot)
 
     def swap_in(self, slot: int) -> int:
-        """Bring every host-only page of `slot` back to the device (whole-page H2D copies). Raises OutOfPages
-        (nothing changed) when the device pool cannot hold them. Returns the pages loaded."""
-        r = self.requests[slot]
-        chain = self.prefix_hashes.get(slot, [])
-        shared = {}  # prefix pages still on the device (another request's, or cached): take a reference, no copy
-        for i in r.host_only_pages():
-            d = self.pool.lookup_prefix(Tier.DEVICE, chain[i]) if i < len(chain) else None
-            if d is not None:
-                shared[i] = d
-        missing = [i for i in r.host_only_pages() if i not in shared]
-        rc = self.pool.refcounts(Tier.DEVICE)
-        need = len(missing) + sum(1 for d in shared.values() if rc[d] == 0)
-        if not self.pool.can_allocate(Tier.DEVICE, need):
-            raise OutOfPages(Tier.DEVICE, need, self.pool.num_free(Tier.DEVICE), self.spec.device_pages)
-        self.swapped.discard(slot)
-        for i, d in shared.items():
-            self.pool.incref(Tier.DEVICE, d)
-            r.device[i] = d
-        if missing:
-            dev = self.pool.allocate(Tier.DEVICE, len(missing))
-            self.updates.append(LoadPages(pad_pow2([r.host[i] for i in missing]), pad_pow2(dev)))
-            self.h2d_bytes += len(missing) * self.all_layers_page_bytes
-            for i, d in zip(missing, dev):
-                r.device[i] = d
-                if i < len(chain):
-                    self.pool.register_prefix(Tier.DEVICE, chain[i], d)
-        self._sync(slot)
-        return len(missing) + len(shared)
+        """See `kv.swap.swap_in`."""
+        return swap.swap_in(self, slot)
 
     def resident_pages_needed(self, slot: int) -> int:
         """Device pages `slot` would need to be fully resident."""
@@ -298,7 +222,7 @@ class TieredCache:
     def release(self, slot: int) -> None:
         """Free every page of a finished or aborted request and clear its tables."""
         r = self.requests.pop(slot)
-        self.pinned.discard(slot)
+        self.resident_only.discard(slot)
         self.swapped.discard(slot)
         r.release(self.pool)
         self.lengths.pop(slot, None)
@@ -324,8 +248,8 @@ class TieredCache:
         if mirror and not self.pool.can_allocate(Tier.HOST, new):
             raise OutOfPages(Tier.HOST, new, self.pool.num_free(Tier.HOST), self.pool.capacity(Tier.HOST))
         # device pages for the new pages: at most the last TAIL_PAGES must be resident; older ones may start
-        # on the host (as if written and evicted) when the device is short — unless the slot is pinned
-        must = new if slot in self.pinned else min(new, TAIL_PAGES)
+        # on the host (as if written and evicted) when the device is short — unless the slot is resident-only
+        must = new if slot in self.resident_only else min(new, TAIL_PAGES)
         self._growing = (slot, new)
         try:
             self._make_room(slot, new, must, n)
@@ -345,7 +269,7 @@ class TieredCache:
         device = [INVALID] * (new - k) + self.pool.allocate(Tier.DEVICE, k)
         for i in range(new):
             r.append(index=index[i], device=device[i], host=host[i])
-        self._sync(slot)
+        self.record_tables(slot)
 
     def _make_room(self, slot: int, new: int, must: int, n_total: int) -> None:
         """Evict cold pages (other requests first) until `must` new device pages (plus this request's hot
@@ -382,7 +306,7 @@ class TieredCache:
         if r.hot:
             return
         r.hot.extend(self.pool.allocate(Tier.DEVICE, self.hot_pages_per_request))
-        self._sync(slot)
+        self.record_tables(slot)
 
     def evict(self, slot: int, logical_pages: list[int]) -> None:
         """Release the device copies of `slot`'s logical pages (their host copies must be current). A page
@@ -441,7 +365,8 @@ class TieredCache:
             raise ValueError(f"request slots must be distinct live slots (or -1); unknown or repeated: {slots}")
         return slots
 
-    def _sync(self, slot: int) -> None:
+    def record_tables(self, slot: int) -> None:
+        """Record a table update for `slot` (its current pages, length and hot buffer)."""
         r = self.requests[slot]
         mp = self.spec.max_pages
         hot = None

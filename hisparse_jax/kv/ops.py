@@ -87,8 +87,9 @@ def tail_address(spec: StoreSpec, store: KVStore, req, positions):
     return dpage, ipage, hpage, row, live
 
 
-def append_rows(spec: StoreSpec, store: KVStore, layer: int, slot: int | None, req, positions, c, k_rope, k_index):
-    """Write layer `layer`'s rows of the new tokens: c [B, C], k_rope [B, R], k_index [B, dI] (when `slot`).
+def append_rows(spec: StoreSpec, store: KVStore, layer: int, index_layer: int | None, req, positions, c, k_rope,
+                k_index):
+    """Write layer `layer`'s rows of the new tokens: c [B, C], k_rope [B, R], k_index [B, dI] (when `index_layer`).
 
     Returns (store, dropped int32[]) where `dropped` counts live rows whose tail page was not resident (the
     host must reserve tail pages before a step; a non-zero count is a scheduling bug, surfaced in stats).
@@ -103,13 +104,13 @@ def append_rows(spec: StoreSpec, store: KVStore, layer: int, slot: int | None, r
     if scales is not None:
         upd["latent_scale"] = store.latent_scale.at[layer, dp, row].set(scales, mode="drop")
     dropped = jnp.sum(live & (dpage < 0))
-    if slot is not None:
+    if index_layer is not None:
         iok = live & (ipage >= 0)
         ip = _drop(ipage, iok, spec.index_pages)
         kv, ks = encode_index(spec, k_index)
-        upd["index_k"] = store.index_k.at[slot, ip, row].set(kv, mode="drop")
+        upd["index_k"] = store.index_k.at[index_layer, ip, row].set(kv, mode="drop")
         if ks is not None:
-            upd["index_scale"] = store.index_scale.at[slot, ip, row].set(ks, mode="drop")
+            upd["index_scale"] = store.index_scale.at[index_layer, ip, row].set(ks, mode="drop")
         dropped = dropped + jnp.sum(live & (ipage < 0))
     return _replace(store, **upd), dropped.astype(jnp.int32)
 
@@ -147,7 +148,8 @@ def _write_host_rows(host, vals, pages, rows, order, n):
 
 
 # ----- the indexer over paged keys --------------------------------------------------------------
-def index_select(spec: StoreSpec, store: KVStore, slot: int, req, positions, q_index, w, num_pages: int | None = None):
+def index_select(spec: StoreSpec, store: KVStore, index_layer: int, req, positions, q_index, w,
+                 num_pages: int | None = None):
     """Top-k of the indexer over keys 0..positions[b] of request req[b] -> int32[B, K] (K = min(topk, MP*64)).
 
     q_index f32[B, I, dI], w f32[B, I]. fp8 stores score in DeepSeek's FP8 emulation. Idle rows: all -1.
@@ -156,10 +158,10 @@ def index_select(spec: StoreSpec, store: KVStore, slot: int, req, positions, q_i
     """
     r = jnp.maximum(req, 0)
     pages = jnp.maximum(store.index_table[r][:, :num_pages], 0)  # [B, P]
-    keys = store.index_k[slot][pages].reshape(req.shape[0], -1, spec.index_dim)  # [B, S, dI]
+    keys = store.index_k[index_layer][pages].reshape(req.shape[0], -1, spec.index_dim)  # [B, S, dI]
     keys = jax.lax.optimization_barrier(keys)  # same scores bit for bit whatever the pool size (see tiered.py)
     if spec.fp8:
-        ks = jax.lax.optimization_barrier(store.index_scale[slot][pages].reshape(req.shape[0], -1))
+        ks = jax.lax.optimization_barrier(store.index_scale[index_layer][pages].reshape(req.shape[0], -1))
         scores = index_scores_fp8(q_index[:, None], w[:, None], keys, ks)[:, 0]
     else:
         scores = index_scores(q_index[:, None], w[:, None], keys)[:, 0]

@@ -35,6 +35,7 @@ class StoreSpec:
     fetch_chunk: int
     mirror_to_host: bool
     topk: int
+    miss_attention: str = "single"
 
     @classmethod
     def create(cls, model: ModelConfig, cache: CacheConfig) -> "StoreSpec":
@@ -55,7 +56,7 @@ class StoreSpec:
                    index_pages=cache.num_index_pages, host_pages=cache.host_pages, max_seqs=cache.max_seqs,
                    max_pages=cache.max_pages_per_seq, hot_rows=cache.hot_rows_for(model), kv_dtype=kv_dtype,
                    fetch=cache.fetch, fetch_chunk=cache.fetch_chunk, mirror_to_host=cache.mirror_to_host,
-                   topk=model.index_topk)
+                   topk=model.index_topk, miss_attention=cache.miss_attention)
 
     @property
     def hot_pages(self) -> int:

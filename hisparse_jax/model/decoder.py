@@ -134,14 +134,14 @@ class KVBackend(Protocol):
     """Where decode reads and writes KV rows. Methods are pure: they take and return the cache pytree.
 
     positions int32[B]: the position of the token being decoded (-1 for an idle batch slot, whose
-    writes must be dropped and whose top-k is all -1). Layer numbers and indexer slots are static.
+    writes must be dropped and whose top-k is all -1). Layer numbers and indexer-layer numbers are static.
     """
 
-    def append(self, cache: Any, layer: int, slot: int | None, positions, c, k_rope, k_index) -> Any:
-        """Store this token's rows of `layer`: c [B, C], k_rope [B, R]; k_index [B, dI] when `slot` is a full
-        indexer's slot (else None)."""
+    def append(self, cache: Any, layer: int, index_layer: int | None, positions, c, k_rope, k_index) -> Any:
+        """Store this token's rows of `layer`: c [B, C], k_rope [B, R]; k_index [B, dI] when the layer has a full
+        indexer, `index_layer` being its number among the full-indexer layers (else None)."""
 
-    def select(self, cache: Any, slot: int, positions, q_index, w) -> tuple[jnp.ndarray, Any]:
+    def select(self, cache: Any, index_layer: int, positions, q_index, w) -> tuple[jnp.ndarray, Any]:
         """Indexer top-k over keys 0..positions[b]: q_index f32[B, I, dI], w f32[B, I] -> (int32[B, K], cache)."""
 
     def attend(self, cache: Any, layer: int, topk, q_lat, q_rope, tau: float) -> tuple[jnp.ndarray, Any]:
@@ -156,16 +156,16 @@ def decode_step(model: SparseMLAModel, tokens, positions, cache, backend: KVBack
     pos = jnp.maximum(positions, 0)[:, None]  # [B, 1]
     cos, sin = model.rope(pos)
     x = model.embed(tokens[:, None])  # [B, 1, D]
-    topk, slot, all_topk = None, -1, []
+    topk, index_layer, all_topk = None, -1, []
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         q_nope, q_rope, cq, c, k_rope = mla_project(attn, cfg, h, cos, sin)
         if attn.indexer is not None:
-            slot += 1
+            index_layer += 1
             qI, kI, w = indexer_project(attn.indexer, cfg, h, cq, cos, sin)
-            cache = backend.append(cache, i, slot, positions, c[:, 0], k_rope[:, 0], kI[:, 0])
-            topk, cache = backend.select(cache, slot, positions, qI[:, 0], w[:, 0])
+            cache = backend.append(cache, i, index_layer, positions, c[:, 0], k_rope[:, 0], kI[:, 0])
+            topk, cache = backend.select(cache, index_layer, positions, qI[:, 0], w[:, 0])
             all_topk.append(topk)
         else:
             cache = backend.append(cache, i, None, positions, c[:, 0], k_rope[:, 0], None)
@@ -176,14 +176,3 @@ def decode_step(model: SparseMLAModel, tokens, positions, cache, backend: KVBack
         x = x + attn.o_proj(o.reshape(B, 1, -1).astype(x.dtype))
         x = x + model.mlp(layer, layer.post_attention_layernorm(x))
     return model.logits(x)[:, 0].astype(jnp.float32), cache, all_topk
-
-
-def index_select_reference(index_k, positions, q_index, w, topk: int, *, fp8: bool = False):
-    """Top-k over a contiguous key cache: index_k [B, S, dI], positions int32[B] -> int32[B, min(topk, S)].
-
-    Keys 0..positions[b] are valid; -1 pads the tail; an idle slot (position -1) gets all -1.
-    """
-    S = index_k.shape[1]
-    scores = index_scores(q_index[:, None], w[:, None], index_k, fp8=fp8)[:, 0]  # [B, S]
-    valid = jnp.arange(S, dtype=jnp.int32)[None] <= positions[:, None]
-    return select_topk(scores, valid, topk)

@@ -32,6 +32,13 @@ def sparse_mla_decode_rows(q_lat, q_rope, rows_c, rows_r, valid, tau):
     -> o_lat f32[B, H, C] = sum_s softmax_s(tau (q_lat . c_s + q_rope . kR_s)) c_s.
     A sequence with no valid row returns zeros.
     """
+    return sparse_mla_decode_rows_lse(q_lat, q_rope, rows_c, rows_r, valid, tau)[0]
+
+
+def sparse_mla_decode_rows_lse(q_lat, q_rope, rows_c, rows_r, valid, tau):
+    """`sparse_mla_decode_rows` over a subset of a sequence's rows, with what merging needs: (o_lat f32[B, H, C]
+    normalized over the rows in `valid`, lse f32[B, H] = log sum_s exp(score_s); -inf and zeros when the subset
+    is empty). Two disjoint subsets merge exactly (`merge_partial_attention`) into the pass over their union."""
     rows_c = jnp.where(valid[..., None], rows_c, 0)
     rows_r = jnp.where(valid[..., None], rows_r, 0)
     s = (jnp.einsum("bhc,bkc->bhk", q_lat, rows_c, precision=HIGHEST, preferred_element_type=jnp.float32)
@@ -42,7 +49,20 @@ def sparse_mla_decode_rows(q_lat, q_rope, rows_c, rows_r, valid, tau):
     p = jnp.exp(s - m)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     o = jnp.einsum("bhk,bkc->bhc", p, rows_c.astype(jnp.float32), precision=HIGHEST)
-    return o / jnp.where(denom > 0, denom, 1.0)
+    o = o / jnp.where(denom > 0, denom, 1.0)
+    lse = jnp.where(denom[..., 0] > 0, m[..., 0] + jnp.log(jnp.where(denom[..., 0] > 0, denom[..., 0], 1.0)),
+                    -jnp.inf)
+    return o, lse
+
+
+def merge_partial_attention(o_a, lse_a, o_b, lse_b):
+    """The attention over the union of two disjoint row subsets from each one's (o [B, H, C], lse [B, H]):
+    o = w_a o_a + w_b o_b with w_x = exp(lse_x - logaddexp(lse_a, lse_b)); zeros when both are empty."""
+    lse = jnp.logaddexp(lse_a, lse_b)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    w_a = jnp.where(jnp.isfinite(lse_a), jnp.exp(lse_a - safe), 0.0)[..., None]
+    w_b = jnp.where(jnp.isfinite(lse_b), jnp.exp(lse_b - safe), 0.0)[..., None]
+    return w_a * o_a + w_b * o_b
 
 
 def gather_rows(latent_pages, rope_pages, page, row, valid, latent_scale=None):
