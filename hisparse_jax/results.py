@@ -108,7 +108,8 @@ class EngineMetrics(Record):
     preemptions; swaps (swap-outs); failed requests; tokens (new) and prefill_tokens (computed prompt tokens);
     cached_tokens and prefix_hit_rate (their share of prompt tokens admitted); time_s, compile_steps,
     compile_time_s; tokens_per_s over steps that did not compile; hits / misses / hit_rate of hot buffers;
-    h2d_bytes / d2h_bytes (steps plus page loads and prompt writes); evicted_pages; mean_ttft_steps and
+    h2d_bytes / d2h_bytes (steps plus page loads and prompt writes); evicted_pages; import_bytes (KV rows of
+    imported prompts moved to the device, `Engine.import_request`); mean_ttft_steps and
     mean_latency_steps (finished requests, in steps from arrival to first / last token)."""
 
     policy: str
@@ -132,6 +133,7 @@ class EngineMetrics(Record):
     h2d_bytes: int
     d2h_bytes: int
     evicted_pages: int
+    import_bytes: int
     mean_ttft_steps: float
     mean_latency_steps: float
     history: list

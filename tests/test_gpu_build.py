@@ -380,7 +380,7 @@ def _store_program(name, kv, **store_kw):
         return [sds((n, T, d), jnp.bfloat16) for n, d in ((L, C), (L, R), (LI, dI))]
 
     return {
-        "write_prefill": lambda: (m._write_prefill, (store, _i32(), *kv_rows(PREFILL_T), _i32(), _i32())),
+        "write_prefill": lambda: (m._write_prefill, (store, _i32(), *kv_rows(PREFILL_T), _i32(), _i32(), _i32())),
         "evict_pages": lambda: (m._release, (store, _i32(NPAGES), _i32(NPAGES))),
         "load_pages": lambda: (m._load_pages, (store, _i32(NPAGES), _i32(NPAGES))),
         "set_tables": lambda: (m._set_tables, (store, _i32(), _i32(MP), _i32(MP), _i32(MP), _i32(),

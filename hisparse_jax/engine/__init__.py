@@ -13,6 +13,8 @@ Glossary:
   device→host read per step.
 - bucket: the padded sizes a step compiles for — batch rows and indexer pages, both powers of two.
 - step: one `Engine.step()`: schedule, each request's own work, one batched device call, commit.
+- import (`pd.py`, `Engine.import_request`): a request whose prompt KV was computed by another (prefill) run and
+  arrives as a file; written into the store at admission instead of computed.
 """
 
 from hisparse_jax.engine.engine import Engine, EngineConfig, device_budget

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax.config import CacheConfig
+from hisparse_jax.engine.pd import IMPORT_CHUNK, PrefillExport, check_export, load_export
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
 from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, pages
 from hisparse_jax.kv.manager import COLDNESS, BudgetError, TieredCache
@@ -98,6 +99,7 @@ class Engine:
         self.history: list[StepMetrics] = []
         self._log = open(config.log_path, "a") if config.log_path else None
         self._store_lost = False
+        self.import_bytes = 0  # KV bytes of imported prompts moved to the device (`import_request`)
 
     # ----- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams = SamplingParams()) -> Request:
@@ -315,12 +317,39 @@ class Engine:
         return len(rs)
 
     def _prefill_whole(self, r: Request):
-        """One full causal forward over r's KV tokens, written into its pages; returns the last logits [V]."""
+        """One full causal forward over r's KV tokens, written into its pages; returns the last logits [V]. An
+        imported request's rows come from its export instead, a bounded chunk at a time."""
         toks = r.kv_tokens
+        if r.imported is not None:
+            return self._write_import(r)
         last, latent, rope, index_k = self.runner.prefill_rows(toks)
         self.store = kv_device.write_prefill(self.store, self.cache, r.slot, latent, rope, index_k, len(toks))
         self.cache.register_prefix(r.slot, toks)
         return last
+
+    def _write_import(self, r: Request):
+        ex, T, ch = r.imported, len(r.kv_tokens), IMPORT_CHUNK
+        for off in range(0, T, ch):
+            rows = [np.asarray(a[:, off:off + ch]) for a in (ex.latent, ex.rope, ex.index_k)]
+            rows = [np.pad(a, ((0, 0), (0, ch - a.shape[1]), (0, 0))) for a in rows]  # one staging shape
+            self.store = kv_device.write_prefill(self.store, self.cache, r.slot, *map(jnp.asarray, rows), T,
+                                                 offset=off)
+        self.cache.register_prefix(r.slot, r.kv_tokens)
+        self.import_bytes += ex.nbytes
+        r.imported = None  # written: a later readmission (after a preemption) computes its tokens as usual
+        return jnp.asarray(ex.last_logits)
+
+    def import_request(self, request_id: str, export, params: SamplingParams = SamplingParams()) -> Request:
+        """Queue a request whose prompt was prefilled elsewhere: `export` is a `pd.PrefillExport` or the path of
+        one (`pd.export_prefill` writes it). Its prompt's rows are written from the export at admission instead
+        of computed; everything else (budgets, sampling, policies) is as `add_request`. Refused like
+        `add_request`, and with `CheckpointError` for a damaged or mismatched export."""
+        if not isinstance(export, PrefillExport):
+            export = load_export(export, self.model.cfg)
+        check_export(export, self.model.cfg)
+        r = self.add_request(request_id, list(export.tokens), params)
+        r.imported = export
+        return r
 
     def run(self, progress=None) -> None:
         """Step until every request has finished. `progress(engine)` is called after each step."""
@@ -372,7 +401,7 @@ class Engine:
             "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
             "h2d_bytes": sum(m["h2d_bytes"] for m in h) + self.cache.h2d_bytes,
             "d2h_bytes": sum(m["d2h_bytes"] for m in h) + self.cache.d2h_bytes,
-            "evicted_pages": self.cache.evicted_pages,
+            "evicted_pages": self.cache.evicted_pages, "import_bytes": self.import_bytes,
             # in engine steps, from arrival (add_request) to the first token / to the last, finished requests only
             "mean_ttft_steps": _mean(r.first_token_step - r.arrival for r in done if r.first_token_step is not None),
             "mean_latency_steps": _mean(r.finish_step - r.arrival for r in done),

@@ -61,6 +61,7 @@ class Request:
     first_token_step: int | None = None
     finish_step: int | None = None
     error: str | None = None  # why it FAILED
+    imported: object = None  # a `pd.PrefillExport` whose rows replace the prompt's prefill (until written)
 
     @property
     def kv_tokens(self) -> list[int]:

@@ -124,7 +124,7 @@ class Scheduler:
         hisparse = self.policy == "hisparse"
         # one prompt resident at a time while written through the store keeps the device floor predictable
         chunking = any(x.state is RequestState.PREFILLING and x.slot in c.resident_only for x in self.active)
-        if self.prefill == "chunked" or hits:
+        if r.imported is None and (self.prefill == "chunked" or hits):  # an import's rows arrive whole
             rc = c.pool.refcounts(Tier.DEVICE)
             if hisparse:  # a hit page the floor holds already costs nothing more
                 floor, held = self._device_floor()

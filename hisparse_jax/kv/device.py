@@ -87,18 +87,22 @@ def reserve_next(store: KVStore, cache: TieredCache, slots, n: int = 1) -> KVSto
 
 # ----- prompt rows ------------------------------------------------------------------------------
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _write_prefill(store, req, latent, rope, index_k, length, start):
-    return ops.write_prefill(store.spec, store, req, latent, rope, index_k, length, start)[0]
+def _write_prefill(store, req, latent, rope, index_k, length, start, offset):
+    return ops.write_prefill(store.spec, store, req, latent, rope, index_k, length, start, offset)[0]
 
 
 def write_prefill(store: KVStore, cache: TieredCache, slot: int, latent, rope, index_k, length: int,
-                  start: int = 0) -> KVStore:
-    """Write a prompt's rows (latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]; row t is position t) for
-    positions start..length-1 into `slot` (admitted for `length` tokens). `start` must not be below the slot's
-    shared prefix (`cache.cached_tokens[slot]`): shared pages are never written."""
-    cache.record_prefill(slot, length, start, rows=latent.shape[1])
+                  start: int = 0, offset: int = 0) -> KVStore:
+    """Write a prompt's rows (latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]; row t is position
+    offset + t, `offset` a multiple of 64) for positions start..length-1 into `slot` (admitted for `length`
+    tokens). `start` must not be below the slot's shared prefix (`cache.cached_tokens[slot]`): shared pages are
+    never written."""
+    if offset % 64 or offset < 0:
+        raise ValueError(f"offset must be a non-negative multiple of 64 (a page boundary), got {offset}")
+    cache.record_prefill(slot, length, start, rows=latent.shape[1], offset=offset)
     store = apply_updates(store, cache)
-    return _write_prefill(store, jnp.int32(slot), latent, rope, index_k, jnp.int32(length), jnp.int32(start))
+    return _write_prefill(store, jnp.int32(slot), latent, rope, index_k, jnp.int32(length), jnp.int32(start),
+                          jnp.int32(offset))
 
 
 def admit_prefilled(store: KVStore, cache: TieredCache, latent, rope, index_k, length: int, *,

@@ -157,10 +157,12 @@ class TieredCache:
         """See `kv.prefix.register_prefix`."""
         return prefix.register_prefix(self, slot, tokens)
 
-    def record_prefill(self, slot: int, length: int, start: int = 0, rows: int | None = None) -> None:
+    def record_prefill(self, slot: int, length: int, start: int = 0, rows: int | None = None,
+                       offset: int = 0) -> None:
         """Check a prompt write of positions start..length-1 into `slot` (before the device writes it: the slot
         was admitted for `length` tokens; `start` is not below its shared prefix, whose pages are never written)
-        and count the rows it mirrors to the host. `rows`: rows the write carries (default `length`)."""
+        and count the rows it mirrors to the host. `rows`: rows the write carries (default `length`), for
+        positions from `offset` on."""
         if slot not in self.requests:
             raise PoolError(f"slot {slot} holds no request")
         if length != self.lengths[slot]:
@@ -169,8 +171,8 @@ class TieredCache:
             raise PoolError(f"slot {slot}: write_prefill start {start} must lie in [{self.cached_tokens.get(slot, 0)} "
                             f"(its shared prefix tokens), {length}]; shared pages are never written")
         host = self.requests[slot].host
-        end = min(length, length if rows is None else rows, self.spec.max_pages * PAGE_SIZE)
-        written = sum(1 for p in range(start, end) if host[p // PAGE_SIZE] != INVALID)
+        end = min(length, length if rows is None else offset + rows, self.spec.max_pages * PAGE_SIZE)
+        written = sum(1 for p in range(max(start, offset), end) if host[p // PAGE_SIZE] != INVALID)
         self.d2h_bytes += written * self.spec.num_layers * self.spec.row_bytes
 
     def reserve(self, slot: int, num_tokens: int) -> None:

@@ -398,13 +398,14 @@ def set_tables(store: KVStore, req: int, block_row, host_row, index_row, seq_len
         hot_token=store.hot_token.at[req].set(-1), hot_stamp=store.hot_stamp.at[req].set(-1))
 
 
-def write_prefill(spec: StoreSpec, store: KVStore, req, latent, rope, index_k, length, start=0):
-    """Write a prompt's rows: latent [L, T, C], rope [L, T, R], index_k [LI, T, dI] (row t = position t) of
+def write_prefill(spec: StoreSpec, store: KVStore, req, latent, rope, index_k, length, start=0, offset=0):
+    """Write a prompt's rows: latent [L, T, C], rope [L, T, R], index_k [LI, T, dI] (row t = position
+    offset + t; `offset` a multiple of PAGE_SIZE, so a long prompt can be written a bounded chunk at a time) of
     which positions start..length-1 are written (earlier ones, e.g. a shared prefix, are left alone), for
     request slot `req` (scalar). Every token goes to its indexer page, to its device page when resident and
     to its host page when it has one. Returns (store, d2h_rows)."""
     T = latent.shape[1]
-    pos = jnp.arange(T, dtype=jnp.int32)
+    pos = offset + jnp.arange(T, dtype=jnp.int32)
     ok = (pos >= start) & (pos < length)
     lp = jnp.minimum(pos // PAGE_SIZE, spec.max_pages - 1)
     row = pos % PAGE_SIZE
@@ -420,21 +421,22 @@ def write_prefill(spec: StoreSpec, store: KVStore, req, latent, rope, index_k, l
     if spec.fp8:
         upd["latent_scale"] = store.latent_scale.at[:, dp, row].set(scales, mode="drop")
         upd["index_scale"] = store.index_scale.at[:, ip, row].set(ks, mode="drop")
-    hosts = _write_host_pages(spec, store, store.host_table[req], (vals, rope, scales), start, jnp.minimum(length, T))
+    hosts = _write_host_pages(spec, store, store.host_table[req], (vals, rope, scales), start,
+                              jnp.minimum(length, offset + T), offset)
     seq_lens = store.seq_lens.at[req].set(length)
     return (_replace(_with_host_pools(_replace(store, **upd), hosts), seq_lens=seq_lens),
             jnp.sum(ok & (hpage >= 0)).astype(jnp.int32) * spec.num_layers)
 
 
-def _write_host_pages(spec, store, host_row, values, start, end):
-    """Write rows start..end-1 of `values` ([L, T, X] each: latent, rope, latent scale or None; row t is
-    position t) into their host pages (`host_row` int32[MP]: logical page -> host page, -1 none), a whole
+def _write_host_pages(spec, store, host_row, values, start, end, offset=0):
+    """Write positions start..end-1 of `values` ([L, T, X] each: latent, rope, latent scale or None; row t is
+    position offset + t, `offset` a multiple of PAGE_SIZE) into their host pages (`host_row` int32[MP]: logical page -> host page, -1 none), a whole
     [L, 1, 64, X] page block at a time with `dynamic_update_slice` into the pinned-host pools (in place).
     A page only partly in [start, end) is read from the host first and merged on the device (as bits), so its
     other rows are kept. Returns the host pools."""
     T = values[0].shape[1]
     NP = -(-T // PAGE_SIZE)
-    q = jnp.arange(NP, dtype=jnp.int32)
+    q = offset // PAGE_SIZE + jnp.arange(NP, dtype=jnp.int32)  # the logical pages of the rows
     hp = jnp.where(q < spec.max_pages, host_row[jnp.minimum(q, spec.max_pages - 1)], -1)
     lo, hi = q * PAGE_SIZE, (q + 1) * PAGE_SIZE
     touched = (hp >= 0) & (lo < end) & (hi > start) & (start < end)  # pages with a row to write

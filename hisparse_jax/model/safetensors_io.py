@@ -124,8 +124,9 @@ def _check_entry(path: str, name: str, info: Any) -> tuple[np.dtype, tuple[int, 
     return dtype, tuple(shape), begin, end
 
 
-def read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """The tensors of one .safetensors file, lazily memory-mapped, after checking its header (module doc)."""
+def read_safetensors(path: str, *, with_metadata: bool = False):
+    """The tensors of one .safetensors file, lazily memory-mapped, after checking its header (module doc); with
+    `with_metadata`, (tensors, its `__metadata__` dict of strings)."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -178,8 +179,9 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
                                           "the file is damaged")
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e})") from None
-    return {name: data[begin:end].view(dtype).reshape(shape)
-            for name, (dtype, shape, begin, end) in entries.items()}
+    tensors = {name: data[begin:end].view(dtype).reshape(shape)
+               for name, (dtype, shape, begin, end) in entries.items()}
+    return (tensors, dict(meta or {})) if with_metadata else tensors
 
 
 def _checksums(path: str, meta: dict, entries: dict) -> dict[str, str]:
