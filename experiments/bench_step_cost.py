@@ -4,7 +4,9 @@
    longest sequence (`index_span`, what the engine and `generate` pass) and without it (every page a slot could
    hold is scored: the old behaviour);
 2. step time under memory pressure (row fetch of misses from the host pool) while the host pool grows x1 / x16,
-   in bf16 and float32, at the same misses.
+   in bf16 and float32, at the same misses;
+3. the same pressure with `miss_attention="split"` against the single pass (float32, host pool x1): what the
+   split costs where nothing overlaps (a CPU).
 
     python experiments/bench_step_cost.py --out experiments/results/bench_step_cost.json
 """
@@ -64,11 +66,13 @@ def measure(model, runner, context: int, requests: int, max_seq_len: int, steps:
             "index_pages_scored": len(index_span(tc.spec, context + steps)) if bounded else tc.spec.max_pages}
 
 
-def measure_host(model, runner, context: int, requests: int, host_scale: int, steps: int, kv_dtype: str) -> dict:
+def measure_host(model, runner, context: int, requests: int, host_scale: int, steps: int, kv_dtype: str,
+                 miss_attention: str = "single") -> dict:
     """Step time with a device pool too small for the requests (misses fetched from host every step), host pool
     `host_scale` x what the requests need."""
     pages = -(-(context + steps + 8) // 64)
-    probe = CacheConfig(kv_dtype=kv_dtype, device_pages=1, max_seqs=requests, max_seq_len=pages * 64)
+    probe = CacheConfig(kv_dtype=kv_dtype, device_pages=1, max_seqs=requests, max_seq_len=pages * 64,
+                        miss_attention=miss_attention)
     hot = -(-probe.hot_rows_for(model.cfg) // 64)
     tc = TieredCache(model.cfg, probe.replace(device_pages=requests * (2 + hot) + 2,
                                               host_pages=host_scale * requests * pages,
@@ -90,7 +94,8 @@ def measure_host(model, runner, context: int, requests: int, host_scale: int, st
         tokens = np.asarray(jax.numpy.argmax(logits, -1), np.int32)
         if t >= 2:
             misses += int(np.sum(stats["misses"]))
-    return {"kv_dtype": kv_dtype, "host_scale": host_scale, "host_pages": tc.spec.host_pages,
+    return {"kv_dtype": kv_dtype, "miss_attention": miss_attention, "host_scale": host_scale,
+            "host_pages": tc.spec.host_pages,
             "step_ms": float(np.median(times[2:])) * 1e3, "misses": misses}
 
 
@@ -102,7 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--scales", default="1,4,16", help="max_seq_len = scale x the smallest power of two >= context")
     ap.add_argument("--host-scales", default="1,16", help="host pool = scale x what the requests need")
-    ap.add_argument("--what", default="all", choices=("all", "max_seq_len", "host_pool"))
+    ap.add_argument("--what", default="all", choices=("all", "max_seq_len", "host_pool", "miss_attention"))
     ap.add_argument("--out", default="experiments/results/bench_step_cost.json")
     a = ap.parse_args(argv)
     cfg = get_preset(a.preset)
@@ -129,8 +134,15 @@ def main(argv=None) -> int:
     for r in host_rows:
         first = next(x for x in host_rows if x["kv_dtype"] == r["kv_dtype"])
         r["ratio_vs_smallest"] = r["step_ms"] / first["step_ms"]
+    split_rows = []
+    for ma in ("single", "split") if a.what in ("all", "miss_attention") else ():
+        r = measure_host(model, runner, a.context, a.requests, 1, a.steps, "float32", ma)
+        split_rows.append(r)
+        print(f"miss_attention {ma:>6}: {r['step_ms']:.2f} ms/step, {r['misses']} misses", flush=True)
+    for r in split_rows:
+        r["ratio_vs_single"] = r["step_ms"] / split_rows[0]["step_ms"]
     out = {"preset": a.preset, "context": a.context, "requests": a.requests, "steps": a.steps, "rows": rows,
-           "host_pool_rows": host_rows,
+           "host_pool_rows": host_rows, "miss_attention_rows": split_rows,
            "jax": jax.__version__, "backend": jax.default_backend(), "machine": platform.machine(),
            "cpus": os.cpu_count()}
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
