@@ -92,13 +92,7 @@ def paged_steps(model, prompts, steps: int, cache_cfg: CacheConfig, tokens_out: 
     bookkeeping, decode and sampling, as `generate` does them)."""
     runner = Runner(model)
     tc = TieredCache(model.cfg, cache_cfg)
-    store = kv_device.new_store(tc)
-    slots, first = [], []
-    for p in prompts:
-        last, latent, rope, index_k = runner.prefill_rows(p)
-        store, slot = kv_device.admit_prefilled(store, tc, latent, rope, index_k, len(p))
-        slots.append(slot)
-        first.append(last)
+    store, slots, first = runner.admit_prompts(kv_device.new_store(tc), tc, prompts)
     n = len(prompts)
     B = G._bucket_pow2(n)
     req = jnp.asarray(slots + [-1] * (B - n), jnp.int32)

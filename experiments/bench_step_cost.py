@@ -33,11 +33,8 @@ from hisparse_jax.model.decoder import SparseMLAModel
 
 def prefill_random(runner, tc, rng, requests: int, context: int):
     """`requests` random prompts of `context` tokens prefilled into a new store for `tc`: (store, slots)."""
-    store, slots = kv_device.new_store(tc), []
-    for _ in range(requests):
-        _, lat, rope, idx = runner.prefill_rows(rng.integers(0, tc.model_cfg.vocab_size, context).tolist())
-        store, slot = kv_device.admit_prefilled(store, tc, lat, rope, idx, context)
-        slots.append(slot)
+    prompts = [rng.integers(0, tc.model_cfg.vocab_size, context).tolist() for _ in range(requests)]
+    store, slots, _ = runner.admit_prompts(kv_device.new_store(tc), tc, prompts)
     return store, slots
 
 

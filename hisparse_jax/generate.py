@@ -274,12 +274,7 @@ def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top
     tc.check_batch_fits([len(p) + max_new_tokens - 1 for p in prompts])
     store = kv_device.new_store(tc)
     sample = _sample_fn(float(temperature), float(top_p))
-    slots, first = [], []
-    for p in prompts:
-        last, latent, rope, index_k = runner.prefill_rows(p)
-        store, slot = kv_device.admit_prefilled(store, tc, latent, rope, index_k, len(p))
-        slots.append(slot)
-        first.append(last)
+    store, slots, first = runner.admit_prompts(store, tc, prompts)
     B = _bucket_pow2(n)
     req = jnp.asarray(slots + [-1] * (B - n), jnp.int32)
     first_logits = jnp.stack(first + [first[0]] * (B - n))

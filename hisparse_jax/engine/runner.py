@@ -209,6 +209,19 @@ class Runner:
         latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]), as `generate.prefill_rows`."""
         return prefill_rows_split(self.graphdef, self.state, tokens)
 
+    def admit_prompts(self, store: KVStore, cache, prompts) -> tuple[KVStore, list[int], list]:
+        """Prefill each prompt (one causal forward) and admit it with its rows into `cache` (a `TieredCache`) and
+        `store`: (store, slots, the logits each prompt's first new token is drawn from)."""
+        from hisparse_jax.kv import device as kv_device
+
+        slots, first = [], []
+        for p in prompts:
+            last, latent, rope, index_k = self.prefill_rows(p)
+            store, slot = kv_device.admit_prefilled(store, cache, latent, rope, index_k, len(p))
+            slots.append(slot)
+            first.append(last)
+        return store, slots, first
+
     def decode(self, store: KVStore, batch: dict):
         """One decode step without sampling (the caller samples): (logits f32[B, V], store, stats), as
         `decode_step` but with this runner's split parameters."""

@@ -170,9 +170,10 @@ class TieredCache:
         if not self.cached_tokens.get(slot, 0) <= start <= length:
             raise PoolError(f"slot {slot}: write_prefill start {start} must lie in [{self.cached_tokens.get(slot, 0)} "
                             f"(its shared prefix tokens), {length}]; shared pages are never written")
-        host = self.requests[slot].host
+        host = np.asarray(self.requests[slot].host, np.int64)
         end = min(length, length if rows is None else offset + rows, self.spec.max_pages * PAGE_SIZE)
-        written = sum(1 for p in range(max(start, offset), end) if host[p // PAGE_SIZE] != INVALID)
+        pos = np.arange(max(start, offset), max(end, max(start, offset)))
+        written = int(np.count_nonzero(host[pos // PAGE_SIZE] != INVALID)) if pos.size else 0
         self.d2h_bytes += written * self.spec.num_layers * self.spec.row_bytes
 
     def reserve(self, slot: int, num_tokens: int) -> None:

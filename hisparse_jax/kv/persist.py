@@ -25,6 +25,7 @@ from hisparse_jax.integrity import CheckpointError
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.pool import PagePool, PoolError, RequestPages
+from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.state import KVStore, init_store, store_shardings
 
 FORMAT = "hisparse_jax.TieredCache"
@@ -99,7 +100,7 @@ def load_cache(path: str | os.PathLike, device=None) -> tuple[TieredCache, KVSto
                               "edited or damaged")
     try:
         model_cfg, cache_cfg = _model_from_dict(meta["model"]), CacheConfig(**meta["cache"])
-        spec = TieredCache(model_cfg, cache_cfg).spec
+        spec = StoreSpec.create(model_cfg, cache_cfg)
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{fn}: the saved configs are invalid ({type(e).__name__}: {e})") from None
     expected = _arrays(jax.eval_shape(lambda: init_store(spec)))
