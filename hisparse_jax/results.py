@@ -52,7 +52,9 @@ class GenerateStats(Record):
     summed over layers and steps (`per_layer` keeps them per layer). h2d_bytes: host→device bytes (misses, page
     loads); h2d_transfer_bytes: bytes the fetch mechanism actually moved (whole chunks or pages); d2h_bytes:
     device→host bytes (prompt rows and decode rows mirrored to the host). append_dropped: rows a step could not
-    write (must be 0). evicted_pages: device pages released to the host."""
+    write (must be 0). evicted_pages: device pages released to the host. row_misses: misses counted per query row
+    (several rows of one request in a step — speculative verification — count a row they both miss twice; equal
+    to misses otherwise)."""
 
     resident: int
     hits: int
@@ -64,6 +66,7 @@ class GenerateStats(Record):
     evicted_pages: int
     steps: int
     per_layer: dict
+    row_misses: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=True)

@@ -43,21 +43,24 @@ def _positions(store: KVStore, req):
     return jnp.where(req >= 0, store.seq_lens[jnp.maximum(req, 0)], -1)
 
 
-def step_impl(model: SparseMLAModel, store: KVStore, batch: dict, kernels: str = "reference"):
+def step_impl(model: SparseMLAModel, store: KVStore, batch: dict, kernels: str = "reference",
+              rows_per_request: int = 1):
     """The un-jitted step (composable inside a user's own jit / scan).
 
     batch: tokens int32[B], req int32[B]; optional pos int32[B] — explicit positions, which lets several rows
     of one request form a prefill chunk (that request must then be fully resident: its rows share no hot
     buffer state). Without `pos`, each row decodes at its request's seq_len. Optional index_span int32[P]
     (only its shape is used): the indexer scores each request's first P pages, P >= the pages of the batch's
-    longest live sequence (`index_span(...)` makes it; without it, all MP)."""
+    longest live sequence (`index_span(...)` makes it; without it, all MP). rows_per_request S > 1: the rows are
+    groups of S consecutive rows of one request at consecutive `pos` (speculative verification), each group
+    resolved once over the union of its rows' top-k (see `tiered.TieredKV`)."""
     spec = store.spec
     index_pages = batch["index_span"].shape[0] if "index_span" in batch else None
     req = batch["req"].astype(jnp.int32)
     positions = _positions(store, req) if "pos" not in batch else jnp.where(req >= 0, batch["pos"], -1)
     cache = {"store": store, "req": req, "plan": None, "stats": tiered.empty_stats(spec)}
     logits, cache, _ = model_decode_step(model, batch["tokens"].astype(jnp.int32), positions, cache,
-                                         tiered.TieredKV(spec, kernels, index_pages))
+                                         tiered.TieredKV(spec, kernels, index_pages, rows_per_request))
     store, stats = cache["store"], cache["stats"]
     if spec.mirror_to_host:
         store, d2h = ops.mirror_rows(spec, store, req, positions)

@@ -8,6 +8,8 @@ K top-k slots (-1 padded), L layers, C latent, R rope, dI indexer dim, 64 tokens
 * `index_select`      indexer top-k over a request's paged indexer keys
 * `resolve`           top-k positions -> row addresses: resident page | hot hit (LRU touch) | miss (claims
                       the LRU slot; returns the fetch plan)
+* `union_topk` / `group_req` / `row_plan`: several query rows per request (speculative verification) resolved
+                      once, over the union of their top-k; each row's plan looked up in the union's
 * `fetch_misses`      copy the missing rows host -> device hot slots; mechanism "row" or "page"
 * `gather_rows`       read (and dequantize) the rows at the resolved addresses
 * `evict_pages` / `write_prefill` / `set_tables`: host-decided table changes applied on the device
@@ -29,6 +31,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hisparse_jax.compat import DEVICE, HOST, on_host
 from hisparse_jax.config import PAGE_SIZE
@@ -210,6 +213,75 @@ def resolve(spec: StoreSpec, store: KVStore, group: int, req, topk, *, resolver=
     page_stamp = store.page_stamp.at[rw[:, None], lp].max(store.clock, mode="drop")
     return plan, _replace(store, hot_token=store.hot_token.at[:, group].set(out[7]),
                           hot_stamp=store.hot_stamp.at[:, group].set(out[8]), page_stamp=page_stamp)
+
+
+# ----- several query rows per request: one resolve over the union of their top-k -----------------
+# Speculative (MTP) verification puts S = k + 1 rows of one request, at consecutive positions, in one step. The
+# resolver rule needs distinct requests per row, and resolving each row on its own would let one row evict a hot
+# slot another row of the step reads, and fetch a row missed by two rows twice. So the S rows of a group are
+# resolved once, over the union of their top-k (`union_topk`, `group_req`), each distinct missing row fetched
+# once, and each row then reads its own top-k through the union's plan (`row_plan`).
+_NONE = jnp.iinfo(jnp.int32).max  # sorts after every position
+
+
+def union_topk(topk, S: int):
+    """Per group of S consecutive rows, the distinct positions of their top-k: int32[B, K] -> int32[B/S, S*K],
+    ascending, -1 padded at the end (fixed shape: sort, then drop repeats). -1 entries of `topk` (padding, idle
+    rows) are not positions. The union's order (ascending position) is the resolver's top-k order: misses claim
+    their slots, and enter the LRU order, in position order."""
+    B, K = topk.shape
+    if S < 1 or B % S:
+        raise ValueError(f"{B} rows are not groups of rows_per_request={S}")
+    G, U = B // S, S * K
+    x = jnp.sort(jnp.where(topk >= 0, topk, _NONE).reshape(G, U), axis=1)
+    first = jnp.concatenate([jnp.ones((G, 1), bool), x[:, 1:] != x[:, :-1]], axis=1) & (x != _NONE)
+    at = jnp.where(first, jnp.cumsum(first, axis=1) - 1, U)  # compacted column of each kept position
+    return jnp.full((G, U), -1, jnp.int32).at[jnp.arange(G)[:, None], at].set(x.astype(jnp.int32), mode="drop")
+
+
+def group_req(req, S: int):
+    """The request of each group of S consecutive rows: int32[B] -> int32[B/S], that of its live rows (-1: every
+    row idle). The rows of a group must name one request or be idle (-1); rows naming different live requests
+    are a caller bug, not detected here (`check_groups` checks a batch on the host)."""
+    return jnp.max(req.reshape(-1, S), axis=1)
+
+
+def check_groups(req, S: int) -> None:
+    """Host-side check of a batch's `req` (int32[B], NumPy or concrete) for `S` rows per request: B a multiple of
+    S, the live rows of each group one request, and no request in two groups. ValueError naming the group."""
+    req = np.asarray(req)
+    if req.ndim != 1 or req.shape[0] % S:
+        raise ValueError(f"req of shape {req.shape} is not groups of rows_per_request={S}")
+    seen = {}
+    for g, rows in enumerate(req.reshape(-1, S)):
+        live = set(rows[rows >= 0].tolist())
+        if len(live) > 1:
+            raise ValueError(f"rows {g * S}..{g * S + S - 1} name different requests {sorted(live)}")
+        for r in live:
+            if r in seen:
+                raise ValueError(f"request {r} is in row groups {seen[r]} and {g}")
+            seen[r] = g
+
+
+def row_plan(union_plan: Plan, union, topk, S: int) -> Plan:
+    """Each row's own plan ([B, K], in its top-k order) from its group's union plan ([B/S, S*K], over `union`
+    = `union_topk(topk, S)`): top-k position t of row b is looked up (searchsorted) in its group's sorted union,
+    and reads that entry's address. Padding (-1) is invalid, page 0 row 0, as in the resolver; src_row = t % 64
+    everywhere, src_page -1 where not a miss. Rows of one group that select the same missing position both
+    carry miss=True at the same hot slot (it is fetched once, from the union plan)."""
+    B, K = topk.shape
+    G, U = union.shape
+    key = jnp.where(union >= 0, union, _NONE)  # ascending
+    t = topk.reshape(G, S * K)
+    idx = jnp.minimum(jax.vmap(jnp.searchsorted)(key, jnp.where(t >= 0, t, _NONE)), U - 1)
+    take = lambda a: jnp.take_along_axis(a, idx, axis=1).reshape(B, K)  # noqa: E731
+    t = topk
+    valid = (t >= 0) & (take(key) == t) & take(union_plan.valid)
+    miss = valid & take(union_plan.miss)
+    return Plan(page=jnp.where(valid, take(union_plan.page), 0), row=jnp.where(valid, take(union_plan.row), 0),
+                valid=valid, resident=valid & take(union_plan.resident), miss=miss,
+                src_page=jnp.where(miss, take(union_plan.src_page), -1),
+                src_row=(jnp.maximum(t, 0) % PAGE_SIZE).astype(jnp.int32))
 
 
 # ----- host -> device fetch of the misses -------------------------------------------------------

@@ -9,11 +9,18 @@ then one host mirror write for all layers), runs each full indexer over the requ
 the top-k per indexer group (resident | hot hit | miss fetched from host), and attends over the rows.
 Shared-index layers replay their leader's plan. The host must have reserved the tail pages first.
 
-Stats (per step, int32 arrays): resident / hits / misses [L] (rows read per layer by each path; a miss moves
-the row of every layer of its group), h2d_rows (payload layer-rows: == sum(misses)), h2d_transfer_rows (what
-the fetch mechanism moved), d2h_rows (host mirror writes), append_dropped (rows whose tail page was not
-resident: a scheduling bug when non-zero). Bytes are rows x `spec.row_bytes`, computed on the host
-(`stats_bytes`) so counters cannot overflow int32 at production sizes.
+Several query rows per request (speculative verification, `TieredKV(rows_per_request=S)`): the batch is groups of S
+consecutive rows of one request (or idle), and each indexer group resolves once per request over the union of
+its rows' top-k (`ops.union_topk` / `ops.row_plan`): each distinct missing row is fetched once, no row evicts a
+hot slot another row of the step reads, and each row attends over its own top-k, in its own order.
+
+Stats (per step, int32 arrays): resident / hits / misses [L] (distinct rows read per layer and request by each
+path — with S rows per request, those of the union of their top-k; a miss moves the row of every layer of its
+group), row_misses [L] (misses counted per query row: a position missed by two rows of a group counts twice;
+== misses when S == 1, so row_misses - misses is the duplicate fetches the union avoided), h2d_rows (payload
+layer-rows: == sum(misses)), h2d_transfer_rows (what the fetch mechanism moved), d2h_rows (host mirror writes),
+append_dropped (rows whose tail page was not resident: a scheduling bug when non-zero). Bytes are rows x
+`spec.row_bytes`, computed on the host (`stats_bytes`) so counters cannot overflow int32 at production sizes.
 """
 
 from __future__ import annotations
@@ -35,8 +42,8 @@ def empty_stats(spec: StoreSpec) -> dict:
     L = spec.num_layers
     z = jnp.zeros((), jnp.int32)
     return {"resident": jnp.zeros((L,), jnp.int32), "hits": jnp.zeros((L,), jnp.int32),
-            "misses": jnp.zeros((L,), jnp.int32), "h2d_rows": z, "h2d_transfer_rows": z, "d2h_rows": z,
-            "append_dropped": z}
+            "misses": jnp.zeros((L,), jnp.int32), "row_misses": jnp.zeros((L,), jnp.int32), "h2d_rows": z,
+            "h2d_transfer_rows": z, "d2h_rows": z, "append_dropped": z}
 
 
 def stats_bytes(spec: StoreSpec, stats: dict) -> dict:
@@ -71,17 +78,36 @@ def check_backend(spec: StoreSpec, kernels: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class TieredKV:
     """`KVBackend` over a `KVStore`. The cache threaded through the model is
-    {"store": KVStore, "req": int32[B], "plan": ops.Plan | None, "stats": dict}.
+    {"store": KVStore, "req": int32[B], "plan": ops.Plan | None, "stats": dict}; `attend` adds "plan_counts" (the
+    leader's resident / hit / miss / row-miss counts, which the group's shared-index layers count again).
 
     kernels: "reference" (jnp ops), "pallas" / "pallas_interpret": the indexer top-k, the fused resolver
-    and the sparse MLA decode run as Pallas kernels (`pallas_kernels`)."""
+    and the sparse MLA decode run as Pallas kernels (`pallas_kernels`).
+
+    rows_per_request: S, the query rows of one request in a step (speculative verification: k + 1). The batch's
+    B rows are then B/S groups of S consecutive rows, each group's rows at the positions of one request (n..n+k)
+    or idle (req -1); a group's request is that of its live rows. Rows of one group naming different live
+    requests, or a request in two groups, are a caller bug (not detected inside jit; `ops.check_groups` checks a
+    batch on the host). Each indexer group's leader resolves the union of a group's top-k once (`ops.union_topk`,
+    one resolver call over [B/S, S*K]), fetches its distinct misses once, and gives each row its own plan
+    (`ops.row_plan`), so every attention path reads exactly that row's top-k, in its order. Needs
+    hot_rows >= S * K (a step may miss every row of the union)."""
 
     spec: StoreSpec
     kernels: str = "reference"
     index_pages: int | None = None  # pages of each request the indexer scores (None: all MP)
+    rows_per_request: int = 1
 
     def __post_init__(self):
         check_backend(self.spec, self.kernels)
+        S = self.rows_per_request
+        if not isinstance(S, int) or isinstance(S, bool) or S < 1:
+            raise ValueError(f"rows_per_request must be an int >= 1, got {S!r}")
+        K = min(self.spec.topk, self.spec.max_pages * 64)  # the step's top-k width (`ops.pad_topk`)
+        if self.spec.hot_rows < S * K:
+            raise ValueError(f"hot_rows ({self.spec.hot_rows}) must be >= rows_per_request ({S}) x topk ({K}) = "
+                             f"{S * K}: one step resolves the union of a request's {S} rows' top-k and may miss "
+                             "every row of it")
 
     @property
     def _pallas(self) -> bool:
@@ -116,14 +142,17 @@ class TieredKV:
         g = spec.group_of_layer[layer]
         split = spec.miss_attention == "split"
         if layer == spec.groups[g][0]:  # the group's leader resolves and fetches for every layer of the group
-            plan, store = ops.resolve(spec, store, g, cache["req"], topk, resolver=self._resolver())
+            plan, fetch_plan, store = self._resolve(store, g, cache["req"], topk)
             if split:  # the rows already on the device, read before the fetch: nothing waits for the copy
                 on_device = self._attend_part(store, layer, plan, plan.valid & ~plan.miss, q_lat, q_rope, tau)
-            store, payload, transfer = ops.fetch_misses(spec, store, spec.groups[g], plan)
+            store, payload, transfer = ops.fetch_misses(spec, store, spec.groups[g], fetch_plan)
             stats["h2d_rows"] = stats["h2d_rows"] + payload
             stats["h2d_transfer_rows"] = stats["h2d_transfer_rows"] + transfer
-        else:
-            plan = cache["plan"]
+            count = lambda m: jnp.sum(m).astype(jnp.int32)  # noqa: E731
+            counts = (count(fetch_plan.resident), count(fetch_plan.valid & ~fetch_plan.resident & ~fetch_plan.miss),
+                      count(fetch_plan.miss), count(plan.miss))
+        else:  # shared-index layers replay the leader's plan (the rows were fetched for every layer of the group)
+            plan, counts = cache["plan"], cache["plan_counts"]
         # The barrier pins the attention's inputs: XLA then compiles the math identically whatever the pool
         # sizes, so tiered and all-resident runs agree bit for bit (fusing the gather into the attention
         # would let the reduction order depend on the store's shape).
@@ -141,13 +170,24 @@ class TieredKV:
         else:
             rows_c, rows_r = jax.lax.optimization_barrier(ops.gather_rows(spec, store, layer, plan))
             o_lat = sparse_mla_decode_rows(q_lat, q_rope, rows_c, rows_r, plan.valid, tau)
-        n_res = jnp.sum(plan.resident).astype(jnp.int32)
-        n_miss = jnp.sum(plan.miss).astype(jnp.int32)
-        n_hit = jnp.sum(plan.valid & ~plan.resident & ~plan.miss).astype(jnp.int32)
-        stats["resident"] = stats["resident"].at[layer].add(n_res)
-        stats["hits"] = stats["hits"].at[layer].add(n_hit)
-        stats["misses"] = stats["misses"].at[layer].add(n_miss)
-        return o_lat, dict(cache, store=store, plan=plan, stats=stats)
+        for name, n in zip(("resident", "hits", "misses", "row_misses"), counts):
+            stats[name] = stats[name].at[layer].add(n)
+        return o_lat, dict(cache, store=store, plan=plan, plan_counts=counts, stats=stats)
+
+    def _resolve(self, store, g, req, topk):
+        """Resolve indexer group g's top-k [B, K]: (each row's plan [B, K], the plan to fetch, store). One row per
+        request: both are the resolver's plan. S rows per request: the fetch plan is the union's ([B/S, S*K], each
+        distinct position of a request once) and each row's plan is looked up in it."""
+        spec, S = self.spec, self.rows_per_request
+        if S == 1:
+            plan, store = ops.resolve(spec, store, g, req, topk, resolver=self._resolver())
+            return plan, plan, store
+        if req.shape[0] % S:
+            raise ValueError(f"a batch of {req.shape[0]} rows is not groups of rows_per_request={S} rows")
+        topk = jnp.where((req >= 0)[:, None], topk, -1)  # idle rows of a live group select nothing
+        union = ops.union_topk(topk, S)
+        union_plan, store = ops.resolve(spec, store, g, ops.group_req(req, S), union, resolver=self._resolver())
+        return ops.row_plan(union_plan, union, topk, S), union_plan, store
 
     def _attend_part(self, store, layer, plan, valid, q_lat, q_rope, tau):
         """(o_lat, lse) of the attention over the selected rows in `valid` (a subset of `plan.valid`)."""
