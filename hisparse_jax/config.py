@@ -117,6 +117,9 @@ class ModelConfig:
     bos_token_id: int | None = 0
     eos_token_id: tuple[int, ...] = (1,)
     dtype: str = "bfloat16"
+    # multi-token-prediction layers the checkpoint stores after the main ones (`model.layers.{L + i}.*`); a model
+    # builds them only when asked (`SparseMLAModel(..., mtp=True)`, `load_pretrained(..., mtp=True)`)
+    num_nextn_predict_layers: int = 0
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -128,7 +131,7 @@ class ModelConfig:
                      "index_n_heads", "index_head_dim", "index_topk", "max_position_embeddings"):
             put(name, check_int, lo=1)
         for name in ("moe_intermediate_size", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
-                     "n_group", "topk_group"):
+                     "n_group", "topk_group", "num_nextn_predict_layers"):
             put(name, check_int, lo=0)
         put("rms_norm_eps", check_float, lo=0, lo_open=True)  # eps <= 0 divides by zero on a zero row
         put("routed_scaling_factor", check_float, lo=0, lo_open=True)
@@ -311,6 +314,7 @@ class ModelConfig:
             indexer_rope_interleaved=(mt == "glm_moe_dsa"), tie_word_embeddings=_json_bool(d, "tie_word_embeddings", False),
             bos_token_id=d.get("bos_token_id"), eos_token_id=eos,
             dtype={"bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype),
+            num_nextn_predict_layers=0 if d.get("num_nextn_predict_layers") is None else d["num_nextn_predict_layers"],
         )
         kw.update(overrides)
         return cls(**kw)
@@ -347,6 +351,7 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id),
             "hidden_act": "silu", "attention_bias": False, "dtype": self.dtype,
+            "num_nextn_predict_layers": self.num_nextn_predict_layers,
         }
         if self.model_type == "glm_moe_dsa":
             d["indexer_types"] = list(self.indexer_types)

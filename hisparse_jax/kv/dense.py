@@ -29,8 +29,11 @@ def index_select_reference(index_k, positions, q_index, w, topk: int, *, fp8: bo
     return select_topk(scores, valid, topk)
 
 
-def init_dense_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
-    L, LI = cfg.num_hidden_layers, cfg.num_indexer_layers
+def init_dense_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, *, extra_layers: int = 0) -> dict:
+    """An empty cache for `batch` sequences of up to `max_len` positions. `extra_layers`: layers (each with its own
+    indexer) kept after the main ones — the MTP layers, `model.mtp[i]` being layer L + i and indexer layer
+    L_I + i."""
+    L, LI = cfg.num_hidden_layers + extra_layers, cfg.num_indexer_layers + extra_layers
     return {
         "latent": jnp.zeros((L, batch, max_len, cfg.kv_lora_rank), dtype),
         "rope": jnp.zeros((L, batch, max_len, cfg.qk_rope_head_dim), dtype),

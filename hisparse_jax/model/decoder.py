@@ -10,6 +10,9 @@ Two entry points:
   the absorbed MLA form. Where the rows come from is the *backend's* business (see `KVBackend`):
   a contiguous cache here, the tiered paged store and the Pallas kernels elsewhere, without touching
   the model.
+
+The per-layer bodies (`prefill_layer`, `decode_layer`) are shared with the multi-token-prediction layers
+(`hisparse_jax.model.mtp`, built with `SparseMLAModel(..., mtp=True)`), whose block is one more decoder layer.
 """
 
 from __future__ import annotations
@@ -30,11 +33,19 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+    """One decoder layer: MLA (+ its indexer when "full") and a dense MLP or an MoE. `indexer_type` ("full" |
+    "shared") and `mlp_type` ("dense" | "sparse") override `cfg.indexer_types[layer]` / `cfg.mlp_layer_types[layer]`
+    (for an MTP layer, whose number is past the main layers)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, indexer_type: str | None = None,
+                 mlp_type: str | None = None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = MLA(cfg, layer, dtype=dtype, rngs=rngs)
+        self.self_attn = MLA(cfg, layer, dtype=dtype, rngs=rngs, indexer_type=indexer_type)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        if cfg.mlp_layer_types[layer] == "sparse":
+        mlp_type = cfg.mlp_layer_types[layer] if mlp_type is None else mlp_type
+        if mlp_type not in ("dense", "sparse"):
+            raise ValueError(f"mlp_type must be 'dense' or 'sparse', got {mlp_type!r}")
+        if mlp_type == "sparse":
             self.mlp = MoE(cfg, dtype=dtype, rngs=rngs)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
@@ -45,11 +56,16 @@ class SparseMLAModel(nnx.Module):
     (`model.layers.{i}.self_attn.q_a_proj.weight` -> `layers[i].self_attn.q_a_proj.kernel`, transposed).
 
     Options (static, not parameters): `moe_impl` ("ragged" | "dense"), `indexer_fp8` (emulate DeepSeek's
-    FP8 + Hadamard indexer instead of the exact float32 scores transformers computes).
+    FP8 + Hadamard indexer instead of the exact float32 scores transformers computes). `mtp=True` also builds the
+    config's `num_nextn_predict_layers` multi-token-prediction layers as `self.mtp` (`hisparse_jax.model.mtp`;
+    an empty `nnx.List` otherwise).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None, dtype=None, moe_impl: str = "ragged",
-                 indexer_fp8: bool = False):
+                 indexer_fp8: bool = False, mtp: bool = False):
+        if mtp and cfg.num_nextn_predict_layers < 1:
+            raise ValueError("mtp=True needs a config with num_nextn_predict_layers >= 1 (the checkpoint's "
+                             "multi-token-prediction layers); this one has 0")
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         dtype = jnp.dtype(dtype or DTYPES[cfg.dtype])
         self.cfg = cfg
@@ -61,6 +77,11 @@ class SparseMLAModel(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype,
                                                                     rngs=rngs)
+        from hisparse_jax.model.mtp import MTPLayer  # mtp.py builds on DecoderLayer, defined above
+
+        # the multi-token-prediction layers (`hisparse_jax.model.mtp`), empty unless asked for
+        self.mtp = nnx.List([MTPLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_nextn_predict_layers)]
+                            if mtp else [])
 
     # ----- pieces shared by prefill and decode ---------------------------------------------------
     def rope(self, positions):
@@ -71,7 +92,11 @@ class SparseMLAModel(nnx.Module):
         return jnp.take(self.embed_tokens[...], ids, axis=0)
 
     def logits(self, h):
-        h = self.norm(h)
+        """Un-normed final hidden states -> logits (final norm, then the LM head)."""
+        return self.head(self.norm(h))
+
+    def head(self, h):
+        """The LM head alone, on hidden states already through the final norm."""
         if self.lm_head is None:
             return jnp.einsum("...d,vd->...v", h, self.embed_tokens[...])
         return self.lm_head(h)
@@ -89,11 +114,11 @@ class SparseMLAModel(nnx.Module):
         """input_ids int32[B, T] (positions 0..T-1) -> (logits [B, T, V], aux).
 
         aux = {"latent": [L x [B, T, C]], "rope": [L x [B, T, R]], "index_k": [L_I x [B, T, dI]],
-               "topk": [L_I x int32[B, T, K]]}; top-k rows are -1 padded (K = min(index_topk, T)).
+               "topk": [L_I x int32[B, T, K]], "hidden": [B, T, D]}; top-k rows are -1 padded (K = min(index_topk, T));
+        "hidden" is the final hidden state after the final norm (what the MTP layers read).
         topk_override: optional list (one per full indexer) of int32[B, T, K] index sets to use instead of
         the indexer's — to test the attention math separately from the selection.
         """
-        cfg = self.cfg
         B, T = input_ids.shape
         pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         cos, sin = self.rope(pos)
@@ -101,27 +126,46 @@ class SparseMLAModel(nnx.Module):
         x = self.embed(input_ids)
         aux = {"latent": [], "rope": [], "index_k": [], "topk": []}
         attend = None
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q_nope, q_rope, cq, c, k_rope = mla_project(attn, cfg, h, cos, sin)
-            aux["latent"].append(c)
-            aux["rope"].append(k_rope)
-            if attn.indexer is not None:
-                qI, kI, w = indexer_project(attn.indexer, cfg, h, cq, cos, sin)
-                aux["index_k"].append(kI)
-                if topk_override is not None:
-                    topk = topk_override[len(aux["topk"])]
-                else:
-                    scores = index_scores(qI, w, kI, fp8=self.indexer_fp8)
-                    topk = select_topk(scores, jnp.broadcast_to(causal, scores.shape), cfg.index_topk)
-                aux["topk"].append(topk)
-                attend = topk_to_mask(topk, T) & causal
-            w_uk, w_uv = split_kv_b(attn, cfg)
-            o = mla_prefill_attention(q_nope, q_rope, c, k_rope, attend, w_uk, w_uv, cfg.softmax_scale)
-            x = x + attn.o_proj(o.reshape(B, T, -1))
-            x = x + self.mlp(layer, layer.post_attention_layernorm(x))
-        return self.logits(x), aux
+        for layer in self.layers:
+            override = None
+            if topk_override is not None and layer.self_attn.indexer is not None:
+                override = topk_override[len(aux["topk"])]
+            x, rows, attend = prefill_layer(self, layer, x, cos, sin, causal, attend, topk_override=override)
+            for k, v in rows.items():
+                if v is not None:
+                    aux[k].append(v)
+        aux["hidden"] = self.norm(x)
+        return self.head(aux["hidden"]), aux
+
+
+def prefill_layer(model: SparseMLAModel, layer: DecoderLayer, x, cos, sin, causal, attend, *, topk_override=None):
+    """One decoder layer of the causal forward (the main layers' and the MTP block's).
+
+    x [B, T, D]; cos/sin of positions 0..T-1; causal bool[1, T, T]; attend bool[B, T, T]: the mask a shared-index
+    layer reuses (its leader's; ignored by a layer with its own indexer, which selects its top-k — or takes
+    `topk_override` int32[B, T, K]). Returns (x, rows, attend): rows = {"latent": c [B, T, C], "rope": kR [B, T, R],
+    "index_k": kI [B, T, dI] or None, "topk": int32[B, T, K] or None} (None for a shared-index layer).
+    """
+    cfg = model.cfg
+    B, T, _ = x.shape
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    q_nope, q_rope, cq, c, k_rope = mla_project(attn, cfg, h, cos, sin)
+    rows = {"latent": c, "rope": k_rope, "index_k": None, "topk": None}
+    if attn.indexer is not None:
+        qI, kI, w = indexer_project(attn.indexer, cfg, h, cq, cos, sin)
+        if topk_override is not None:
+            topk = topk_override
+        else:
+            scores = index_scores(qI, w, kI, fp8=model.indexer_fp8)
+            topk = select_topk(scores, jnp.broadcast_to(causal, scores.shape), cfg.index_topk)
+        rows.update(index_k=kI, topk=topk)
+        attend = topk_to_mask(topk, T) & causal
+    w_uk, w_uv = split_kv_b(attn, cfg)
+    o = mla_prefill_attention(q_nope, q_rope, c, k_rope, attend, w_uk, w_uv, cfg.softmax_scale)
+    x = x + attn.o_proj(o.reshape(B, T, -1))
+    x = x + model.mlp(layer, layer.post_attention_layernorm(x))
+    return x, rows, attend
 
 
 def topk_to_mask(topk, S: int):
@@ -149,30 +193,54 @@ class KVBackend(Protocol):
         q_rope [B, H, R] -> (o_lat f32[B, H, C], cache)."""
 
 
-def decode_step(model: SparseMLAModel, tokens, positions, cache, backend: KVBackend):
-    """One decode step: tokens int32[B] at positions int32[B] -> (logits f32[B, V], cache, topk per indexer)."""
-    cfg = model.cfg
-    B = tokens.shape[0]
+def decode_step(model: SparseMLAModel, tokens, positions, cache, backend: KVBackend, *, return_hidden: bool = False):
+    """One decode step: tokens int32[B] at positions int32[B] -> (logits f32[B, V], cache, topk per indexer), or
+    with `return_hidden` (logits, cache, topk per indexer, hidden [B, D]): the final hidden state after the final
+    norm, what `model.mtp` reads."""
     pos = jnp.maximum(positions, 0)[:, None]  # [B, 1]
     cos, sin = model.rope(pos)
     x = model.embed(tokens[:, None])  # [B, 1, D]
     topk, index_layer, all_topk = None, -1, []
     for i, layer in enumerate(model.layers):
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        q_nope, q_rope, cq, c, k_rope = mla_project(attn, cfg, h, cos, sin)
-        if attn.indexer is not None:
-            index_layer += 1
-            qI, kI, w = indexer_project(attn.indexer, cfg, h, cq, cos, sin)
-            cache = backend.append(cache, i, index_layer, positions, c[:, 0], k_rope[:, 0], kI[:, 0])
-            topk, cache = backend.select(cache, index_layer, positions, qI[:, 0], w[:, 0])
-            all_topk.append(topk)
-        else:
-            cache = backend.append(cache, i, None, positions, c[:, 0], k_rope[:, 0], None)
-        w_uk, w_uv = split_kv_b(attn, cfg)
-        q_lat = jnp.einsum("bhn,chn->bhc", q_nope[:, 0], w_uk)
-        o_lat, cache = backend.attend(cache, i, topk, q_lat, q_rope[:, 0], cfg.softmax_scale)
-        o = jnp.einsum("bhc,chv->bhv", o_lat.astype(w_uv.dtype), w_uv)
-        x = x + attn.o_proj(o.reshape(B, 1, -1).astype(x.dtype))
-        x = x + model.mlp(layer, layer.post_attention_layernorm(x))
-    return model.logits(x)[:, 0].astype(jnp.float32), cache, all_topk
+        full = layer.self_attn.indexer is not None
+        index_layer += full
+        x, cache, own = decode_layer(model, layer, i, index_layer if full else None, x, cos, sin, positions, cache,
+                                     backend, topk)
+        if own is not None:
+            topk = own
+            all_topk.append(own)
+    h = model.norm(x)
+    logits = model.head(h)[:, 0].astype(jnp.float32)
+    if return_hidden:
+        return logits, cache, all_topk, h[:, 0]
+    return logits, cache, all_topk
+
+
+def decode_layer(model: SparseMLAModel, layer: DecoderLayer, layer_no: int, index_layer: int | None, x, cos, sin,
+                 positions, cache, backend: KVBackend, topk):
+    """One decoder layer of a decode step (the main layers' and the MTP block's), rows through `backend`.
+
+    x [B, 1, D]; `layer_no` / `index_layer` are the layer's numbers in the store (`index_layer` None for a
+    shared-index layer, which attends over `topk` int32[B, K], its leader's). Returns (x, cache, the layer's own
+    top-k, or None for a shared-index layer).
+    """
+    cfg = model.cfg
+    B = x.shape[0]
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    q_nope, q_rope, cq, c, k_rope = mla_project(attn, cfg, h, cos, sin)
+    own = None
+    if attn.indexer is not None:
+        qI, kI, w = indexer_project(attn.indexer, cfg, h, cq, cos, sin)
+        cache = backend.append(cache, layer_no, index_layer, positions, c[:, 0], k_rope[:, 0], kI[:, 0])
+        own, cache = backend.select(cache, index_layer, positions, qI[:, 0], w[:, 0])
+        topk = own
+    else:
+        cache = backend.append(cache, layer_no, None, positions, c[:, 0], k_rope[:, 0], None)
+    w_uk, w_uv = split_kv_b(attn, cfg)
+    q_lat = jnp.einsum("bhn,chn->bhc", q_nope[:, 0], w_uk)
+    o_lat, cache = backend.attend(cache, layer_no, topk, q_lat, q_rope[:, 0], cfg.softmax_scale)
+    o = jnp.einsum("bhc,chv->bhv", o_lat.astype(w_uv.dtype), w_uv)
+    x = x + attn.o_proj(o.reshape(B, 1, -1).astype(x.dtype))
+    x = x + model.mlp(layer, layer.post_attention_layernorm(x))
+    return x, cache, own

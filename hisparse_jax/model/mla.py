@@ -33,7 +33,10 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 class MLA(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+    """Parameters of one layer's attention. `indexer_type` ("full" | "shared") overrides `cfg.indexer_types[layer]`
+    (an MTP layer, numbered past the main layers, always has its own "full" indexer)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, indexer_type: str | None = None):
         H, C, R = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dtype, rngs=rngs)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, dtype=dtype)
@@ -42,7 +45,10 @@ class MLA(nnx.Module):
         self.kv_a_layernorm = RMSNorm(C, 1e-6, dtype=dtype)
         self.kv_b_proj = Linear(C, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype=dtype, rngs=rngs)
         self.o_proj = Linear(H * cfg.v_head_dim, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs) if cfg.indexer_types[layer] == "full" else None
+        indexer_type = cfg.indexer_types[layer] if indexer_type is None else indexer_type
+        if indexer_type not in ("full", "shared"):
+            raise ValueError(f"indexer_type must be 'full' or 'shared', got {indexer_type!r}")
+        self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs) if indexer_type == "full" else None
 
 
 def mla_project(attn: MLA, cfg: ModelConfig, x, cos, sin):

@@ -4,8 +4,16 @@ Checkpoint layout: a directory with `config.json` and one or many `*.safetensors
 without `model.safetensors.index.json`), tensors named as transformers names them. Routed experts
 are read either per expert (`mlp.experts.{j}.gate_proj.weight`, the released checkpoints and what
 `save_pretrained` writes) or fused (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj`
-[E, D, F], transformers' in-memory layout). Tensors of layers past `num_hidden_layers` (the MTP
-layer of the released checkpoints) are ignored.
+[E, D, F], transformers' in-memory layout).
+
+MTP: the released checkpoints store `num_nextn_predict_layers` multi-token-prediction layers after the main
+ones, as `model.layers.{L + i}.*` (L = num_hidden_layers). They are ignored unless asked for
+(`load_pretrained(..., mtp=True)`); then `mtp.{i}.block.X` reads `model.layers.{L+i}.X` (FP8 and expert layouts
+as for the main layers), `mtp.{i}.{enorm,hnorm,eh_proj}` read `model.layers.{L+i}.{enorm,hnorm,eh_proj}.weight`,
+`mtp.{i}.shared_head` / `mtp.{i}.shared_head_norm` read `model.layers.{L+i}.shared_head.head.weight` /
+`model.layers.{L+i}.shared_head.norm.weight`, and the layer's `embed_tokens.weight` — a copy of the main
+embedding, which the model uses — is checked to equal it. `save_pretrained` writes them back (with that copy)
+for a model that has MTP layers.
 
 FP8: a `*.weight` stored as float8_e4m3fn with a sibling `*.weight_scale_inv` float32
 [ceil(out/128), ceil(in/128)] is dequantized as weight * scale, block by block.
@@ -63,9 +71,29 @@ def _param_paths(model: SparseMLAModel) -> Iterator[tuple[tuple, nnx.Param]]:
             yield path, var
 
 
-def hf_names(path: tuple) -> list[tuple[str, bool, int | None, str | None]]:
-    """Our parameter path -> [(HF name, transpose, expert index or None, part)]. Experts map to many names."""
+# an MTP layer's own parameters -> their names under `model.layers.{L + i}` (the rest is its decoder block)
+_MTP_OWN = {"enorm": ["enorm"], "hnorm": ["hnorm"], "eh_proj": ["eh_proj"], "shared_head": ["shared_head", "head"],
+            "shared_head_norm": ["shared_head", "norm"]}
+
+
+def checkpoint_keys(path: tuple, num_hidden_layers: int | None = None) -> list[str]:
+    """Our parameter path -> its path in the checkpoint's module tree (without "model."): the main model's as is,
+    an MTP layer's (`mtp.{i}...`) moved under `layers.{num_hidden_layers + i}` as the checkpoints store it."""
     keys = [str(p) for p in path]
+    if keys[0] != "mtp":
+        return keys
+    if num_hidden_layers is None:
+        raise ValueError(f"naming MTP parameter {'.'.join(keys)} needs num_hidden_layers")
+    layer = ["layers", str(num_hidden_layers + int(keys[1]))]
+    if keys[2] == "block":
+        return layer + keys[3:]
+    return layer + _MTP_OWN[keys[2]] + keys[3:]
+
+
+def hf_names(path: tuple, num_hidden_layers: int | None = None) -> list[tuple[str, bool, int | None, str | None]]:
+    """Our parameter path -> [(HF name, transpose, expert index or None, part)]. Experts map to many names.
+    `num_hidden_layers` is needed for an MTP layer's parameters (see `checkpoint_keys`)."""
+    keys = checkpoint_keys(path, num_hidden_layers)
     if keys == ["embed_tokens"]:
         return [("model.embed_tokens.weight", False, None, None)]
     if keys[0] == "lm_head":
@@ -84,20 +112,26 @@ def _expert_part_names(prefix: str, part: str, e: int) -> list[str]:
     return [f"{prefix}.{j}.{proj}.weight" for j in range(e)]
 
 
-def load_pretrained(path: str | os.PathLike, dtype=None, **model_kwargs) -> SparseMLAModel:
+def load_pretrained(path: str | os.PathLike, dtype=None, *, mtp: bool = False, **model_kwargs) -> SparseMLAModel:
     """Read a Hugging Face checkpoint directory into a `SparseMLAModel`.
 
     dtype: parameter dtype (default: the checkpoint's `dtype`/`torch_dtype`, else bfloat16). The router
-    and the indexer's `weights_proj` stay float32 as in transformers. Raises `CheckpointError` listing
-    every missing or mis-shaped tensor.
+    and the indexer's `weights_proj` stay float32 as in transformers. mtp: also build and read the checkpoint's
+    `num_nextn_predict_layers` MTP layers (`model.layers.{L + i}.*`; ignored otherwise). Raises `CheckpointError`
+    listing every missing or mis-shaped tensor (and an MTP layer's `embed_tokens` copy that differs from the main
+    embedding).
     """
     path = os.fspath(path)
     cfg = ModelConfig.from_hf_config(path)
     if dtype is not None:
         cfg = cfg.replace(dtype=jnp.dtype(dtype).name)
+    if mtp and cfg.num_nextn_predict_layers < 1:
+        raise CheckpointError(f"checkpoint {path} has no MTP layers (num_nextn_predict_layers is "
+                              f"{cfg.num_nextn_predict_layers} in its config.json); load it with mtp=False")
     tensors = read_checkpoint_tensors(path)
-    model = nnx.eval_shape(lambda: SparseMLAModel(cfg, rngs=nnx.Rngs(0), **model_kwargs))
-    used, missing, misshaped = set(), [], []
+    model = nnx.eval_shape(lambda: SparseMLAModel(cfg, rngs=nnx.Rngs(0), mtp=mtp, **model_kwargs))
+    L = cfg.num_hidden_layers
+    used, missing, misshaped, differing = set(), [], [], []
 
     def fetch(name: str) -> np.ndarray | None:
         if name not in tensors:
@@ -122,12 +156,12 @@ def load_pretrained(path: str | os.PathLike, dtype=None, **model_kwargs) -> Spar
 
     values = {}
     for path_, var in _param_paths(model):
-        keys = [str(p) for p in path_]
+        keys = checkpoint_keys(path_, L)
         want = var.get_value().shape
         if keys[-2:-1] == ["experts"] and keys[-1] in ("gate", "up", "down"):
             value = _load_experts(keys, tensors, fetch, used, want)
         else:
-            [(name, transpose, _, _)] = hf_names(path_)
+            [(name, transpose, _, _)] = hf_names(path_, L)
             value = fetch(name)
             if value is not None and transpose:
                 value = value.T
@@ -137,13 +171,23 @@ def load_pretrained(path: str | os.PathLike, dtype=None, **model_kwargs) -> Spar
             misshaped.append(f"{'.'.join(keys)}: expected {tuple(want)}, got {tuple(value.shape)}")
             continue
         values[path_] = value.astype(var.get_value().dtype)
-    if missing or misshaped:
+    main_embed = "model.embed_tokens.weight"
+    for i in range(_num_mtp(model)):  # the MTP layers' embedding copies, when stored, must be the main embedding
+        name = f"model.layers.{L + i}.embed_tokens.weight"
+        if name in tensors and main_embed in tensors:
+            copy = fetch(name)
+            if copy is not None and not _same_values(copy, fetch(main_embed)):
+                differing.append(f"{name} differs from {main_embed} (an MTP layer's embedding must be a copy of "
+                                 "the main one, which the model uses)")
+    if missing or misshaped or differing:
         lines = []
         if missing:
             lines.append(f"{len(missing)} missing tensor(s): " + ", ".join(missing[:20])
                          + (" ..." if len(missing) > 20 else ""))
         if misshaped:
             lines.append(f"{len(misshaped)} mis-shaped tensor(s): " + "; ".join(misshaped[:20]))
+        if differing:
+            lines.append("; ".join(differing))
         raise CheckpointError(f"checkpoint {path} does not match its config: " + " | ".join(lines))
     state = nnx.state(model)
     flat = dict(nnx.to_flat_state(state))
@@ -151,6 +195,14 @@ def load_pretrained(path: str | os.PathLike, dtype=None, **model_kwargs) -> Spar
         flat[p] = flat[p].replace(jnp.asarray(v))
     nnx.update(model, nnx.from_flat_state(flat))
     return model
+
+
+def _same_values(a: np.ndarray, b: np.ndarray, rows: int = 4096) -> bool:
+    """Equal shapes and values, compared a block of rows at a time (the arrays may be memory-mapped)."""
+    if a.shape != b.shape:
+        return False
+    return all(np.array_equal(np.asarray(a[r:r + rows]), np.asarray(b[r:r + rows]))
+               for r in range(0, a.shape[0], rows))
 
 
 def _load_experts(keys, tensors, fetch, used, want):
@@ -174,28 +226,40 @@ def _load_experts(keys, tensors, fetch, used, want):
     return np.swapaxes(w[:, :f] if part == "gate" else w[:, f:], 1, 2)
 
 
+def _num_mtp(model: SparseMLAModel) -> int:
+    mtp = getattr(model, "mtp", None)
+    return 0 if mtp is None else len(mtp)
+
+
 def model_to_hf_tensors(model: SparseMLAModel) -> dict[str, np.ndarray]:
+    """Every parameter under its Hugging Face name; a model with MTP layers also gets each MTP layer's
+    `embed_tokens.weight` copy of the main embedding, as the released checkpoints store it."""
     out = {}
+    L = model.cfg.num_hidden_layers
     for path_, var in _param_paths(model):
-        keys = [str(p) for p in path_]
+        keys = checkpoint_keys(path_, L)
         value = np.asarray(jax.device_get(var.get_value()))
         if keys[-2:-1] == ["experts"] and keys[-1] in ("gate", "up", "down"):
             for j, name in enumerate(_expert_part_names("model." + ".".join(keys[:-1]), keys[-1], value.shape[0])):
                 out[name] = np.ascontiguousarray(value[j].T)
             continue
-        [(name, transpose, _, _)] = hf_names(path_)
+        [(name, transpose, _, _)] = hf_names(path_, L)
         out[name] = np.ascontiguousarray(value.T if transpose else value)
+    for i in range(_num_mtp(model)):
+        out[f"model.layers.{L + i}.embed_tokens.weight"] = out["model.embed_tokens.weight"].copy()
     return out
 
 
 def save_pretrained(model: SparseMLAModel, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
     """Write `config.json` and safetensors shards (+ index when sharded) with Hugging Face names. Each shard's
-    `__metadata__` carries every tensor's SHA-256 (`hisparse_jax.sha256`), which reading it back verifies."""
+    `__metadata__` carries every tensor's SHA-256 (`hisparse_jax.sha256`), which reading it back verifies.
+    The MTP layers the model has are written too; config.json's `num_nextn_predict_layers` is their number (0 for
+    a model built without them, whatever its config said: the file describes the tensors written)."""
     from safetensors.numpy import save_file
 
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    cfg = model.cfg.replace(dtype=jnp.dtype(model.dtype).name)
+    cfg = model.cfg.replace(dtype=jnp.dtype(model.dtype).name, num_nextn_predict_layers=_num_mtp(model))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg.to_hf_config(), f, indent=2)
     tensors = model_to_hf_tensors(model)
