@@ -311,3 +311,33 @@ def test_damaged_mtp_layer_is_refused(mtp_ckpt, tmp_path):
     hj.save_pretrained(hj.load_pretrained(path), plain_dir)
     with pytest.raises(CheckpointError, match="no MTP layers"):
         hj.load_pretrained(plain_dir, mtp=True)
+
+
+def test_fp8_and_fused_expert_mtp_tensors_load(mtp_ckpt, tmp_path):
+    """The MTP layer's tensors are read like the main layers': FP8 block-quantized weights are dequantized, and
+    fused experts (`mlp.experts.gate_up_proj` / `down_proj`) load as the per-expert ones."""
+    from hisparse_jax.model.weights import dequantize_fp8, quantize_fp8
+
+    model, path = mtp_ckpt
+    L, E = model.cfg.num_hidden_layers, model.cfg.n_routed_experts
+    tensors = {k: np.array(v) for k, v in read_checkpoint_tensors(path).items()}
+    p = f"model.layers.{L}."
+    for name in ("eh_proj.weight", "self_attn.q_a_proj.weight", "shared_head.head.weight"):
+        q, s = quantize_fp8(tensors[p + name])
+        tensors[p + name], tensors[p + name + "_scale_inv"] = q, s
+    per = lambda part: [tensors.pop(f"{p}mlp.experts.{j}.{part}.weight") for j in range(E)]  # noqa: E731
+    gate, up, down = per("gate_proj"), per("up_proj"), per("down_proj")
+    tensors[p + "mlp.experts.gate_up_proj"] = np.stack([np.concatenate([g, u]) for g, u in zip(gate, up)])
+    tensors[p + "mlp.experts.down_proj"] = np.stack(down)
+    got = params_of(hj.load_pretrained(rewrite(path, tmp_path / "fp8", tensors), mtp=True))
+    want = params_of(model)
+    quantized = {"mtp.0.eh_proj.kernel": "eh_proj.weight",
+                 "mtp.0.block.self_attn.q_a_proj.kernel": "self_attn.q_a_proj.weight",
+                 "mtp.0.shared_head.kernel": "shared_head.head.weight"}
+    for ours, name in quantized.items():
+        np.testing.assert_array_equal(got[ours], dequantize_fp8(tensors[p + name], tensors[p + name + "_scale_inv"]).T)
+        np.testing.assert_allclose(got[ours], want[ours], rtol=0.07, atol=1e-3)  # e4m3: 3 mantissa bits
+    assert sorted(got) == sorted(want)
+    for k in want:  # the rest, the fused experts included, exactly
+        if k not in quantized:
+            assert np.array_equal(got[k], want[k]), k
