@@ -18,8 +18,9 @@ def _subject(name: str) -> str:
     return f"{name} " if name else ""
 
 
-def int_at_least(low: int, name: str = "") -> Callable[[str], int]:
-    """A type: a whole number >= `low`. `name` (optional) prefixes the message, e.g. a config field."""
+def int_at_least(low: int, name: str = "", *, high: int | None = None) -> Callable[[str], int]:
+    """A type: a whole number >= `low` (and <= `high` when given). `name` (optional) prefixes the message, e.g. a
+    config field."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -27,6 +28,8 @@ def int_at_least(low: int, name: str = "") -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{_subject(name)}must be a whole number, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{_subject(name)}must be >= {low}, got {text!r}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{_subject(name)}must be <= {high}, got {text!r}")
         return value
 
     return parse

@@ -427,6 +427,7 @@ PAGE_SIZE = 64  # tokens per KV page (FlashMLA / vLLM use 64)
 KV_DTYPES = ("auto", "bf16", "fp8", "float32")
 FETCH_MECHANISMS = ("row", "page")
 MISS_ATTENTION = ("single", "split")
+MAX_SPECULATIVE_TOKENS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -451,6 +452,11 @@ class CacheConfig:
       "split" (attention over the rows already on the device — resident pages and hot-buffer hits — and over
       the fetched misses computed apart and merged by their log-sum-exp, so the first part does not wait for
       the host→device copy; equal to "single" up to float rounding). Needs kernels="reference".
+    speculative_tokens: k, the draft tokens per request and step of multi-token-prediction (MTP) speculative
+      decoding (0: none). The store then keeps the model's first MTP layer after its main layers (its own KV
+      and indexer pages) and a step verifies k + 1 rows per request, resolved as one union of their top-k, so
+      the hot buffer must hold (k + 1) * index_topk rows; the default hot_rows becomes (k + 2) * index_topk,
+      the published HiSparse sizing (one top-k of slack for the LRU).
     """
 
     kv_dtype: str = "auto"
@@ -464,6 +470,7 @@ class CacheConfig:
     fetch_chunk: int = 256
     mirror_to_host: bool = True
     miss_attention: str = "single"
+    speculative_tokens: int = 0
 
     def __post_init__(self):
         problems = []
@@ -477,6 +484,7 @@ class CacheConfig:
         for name in ("device_pages", "max_seqs", "max_seq_len", "fetch_chunk"):
             put(name, check_int, lo=1)
         put("host_pages", check_int, lo=0)
+        put("speculative_tokens", check_int, lo=0, hi=MAX_SPECULATIVE_TOKENS)
         for name in ("index_pages", "hot_rows"):
             if getattr(self, name) is not None:
                 put(name, check_int, lo=1)
@@ -500,10 +508,17 @@ class CacheConfig:
         return "bf16" if model.dtype == "bfloat16" else "float32"
 
     def hot_rows_for(self, model: ModelConfig) -> int:
-        hr = self.hot_rows if self.hot_rows is not None else 2 * model.index_topk
-        if hr < model.index_topk:
-            raise ValueError(f"hot_rows ({hr}) must be >= index_topk ({model.index_topk}): one step can miss every "
-                             "selected row")
+        """Hot-buffer rows per request and indexer group: `hot_rows`, or 2 * index_topk by default ((k + 2) *
+        index_topk with k speculative tokens). One step can miss every row it selects — index_topk, or
+        (k + 1) * index_topk for k + 1 verified rows — so fewer is refused."""
+        k = self.speculative_tokens
+        hr = self.hot_rows if self.hot_rows is not None else (k + 2 if k else 2) * model.index_topk
+        need = (k + 1) * model.index_topk
+        if hr < need:
+            what = "one step can miss every selected row" if not k else (
+                f"a step verifies {k + 1} rows per request and can miss every row of their union")
+            raise ValueError(f"hot_rows ({hr}) must be >= {'' if not k else f'{k + 1} x '}index_topk ({need}): "
+                             f"{what}")
         return hr
 
     def replace(self, **kw) -> "CacheConfig":

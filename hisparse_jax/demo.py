@@ -28,7 +28,8 @@ from tqdm import tqdm
 
 from hisparse_jax.cli_args import (bounded_float, check_output_dir, check_output_file, choice, int_at_least,
                                    name_list, nonnegative_int, positive_int)
-from hisparse_jax.config import MISS_ATTENTION, PRESETS, CacheConfig, get_preset
+from hisparse_jax.config import MAX_SPECULATIVE_TOKENS, MISS_ATTENTION, PRESETS, CacheConfig, get_preset
+from hisparse_jax.engine.speculative import lookahead
 from hisparse_jax.engine import Engine, EngineConfig, SamplingParams, device_budget
 from hisparse_jax.engine.scheduler import POLICIES, pages
 from hisparse_jax.generate import TRACE_COUNTS as _PREFILL_TRACES
@@ -64,6 +65,10 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
                    help="attention over the selected rows in one pass after the misses are fetched (default), or "
                         "split: rows already on the device and fetched misses apart, merged by log-sum-exp (the "
                         "first part need not wait for the host copy; needs --kernels reference)")
+    p.add_argument("--speculative-tokens", type=int_at_least(0, high=MAX_SPECULATIVE_TOKENS), default=0, metavar="K",
+                   help="MTP speculative decoding: verify K draft tokens per request and step, drafted by the "
+                        "model's MTP layer (default 0: none); outputs stay identical; acceptance rate and tokens per "
+                        "step are reported per policy (needs --prefill whole)")
     p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--plot", default="hisparse_demo.png", help="PNG of running requests over time ('' = none)")
     p.add_argument("--log-dir", default="", help="write one JSON-lines metrics log per policy here")
@@ -87,12 +92,14 @@ def workload(vocab: int, n: int, longest: int, seed: int, low: float = 0.55) -> 
 
 
 def budgets(cfg, requests: int, max_len: int, device_requests: float, kv_dtype: str = "float32",
-            miss_attention: str = "single"):
+            miss_attention: str = "single", speculative_tokens: int = 0):
     """The demo's budgets for `requests` requests of up to `max_len` tokens: (a base CacheConfig whose host pool
     holds all of them, the device bytes of `device_requests` whole longest requests' KV + indexer keys). Pass both
-    to `device_budget` to get each policy's split."""
+    to `device_budget` to get each policy's split. With speculative tokens, `max_len` must include the positions
+    a speculative step writes past a request's last token (`speculative.lookahead`)."""
     base = CacheConfig(kv_dtype=kv_dtype, max_seq_len=pages(max_len) * 64, max_seqs=requests,
-                       host_pages=requests * pages(max_len), device_pages=1, miss_attention=miss_attention)
+                       host_pages=requests * pages(max_len), device_pages=1, miss_attention=miss_attention,
+                       speculative_tokens=speculative_tokens)
     probe = device_budget(cfg, base, 1 << 40, "preempt", max_running=requests, max_len=max_len)
     per_page = (1 << 40) / probe.device_pages  # bytes of one KV page + one indexer page
     return base, int(device_requests * pages(max_len) * per_page)
@@ -125,11 +132,14 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
     """`run` on checked arguments; `on_setup(setup)` is called once every policy's budgets are known, before any
     policy runs, with the workload and budgets (`setup`: the keys of the result that describe them)."""
     cfg = get_preset(args.preset)
-    model = SparseMLAModel(cfg, rngs=nnx.Rngs(args.seed))
+    k = args.speculative_tokens
+    if k:  # the preset's architecture with one MTP layer (random weights like the rest)
+        cfg = cfg.replace(num_nextn_predict_layers=max(1, cfg.num_nextn_predict_layers))
+    model = SparseMLAModel(cfg, rngs=nnx.Rngs(args.seed), mtp=bool(k))
     prompts = workload(cfg.vocab_size, args.requests, args.prompt_len, args.seed)
-    max_len = max(len(p) for p in prompts) + args.new_tokens
+    max_len = max(len(p) for p in prompts) + args.new_tokens + lookahead(k)
     base, device_bytes = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype,
-                                 args.miss_attention)
+                                 args.miss_attention, k)
     params = SamplingParams(max_new_tokens=args.new_tokens)
     quiet = args.json
     results, outputs = {}, {}
@@ -141,7 +151,8 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
                                prefill=args.prefill)
             eng = Engine(model, cc, EngineConfig(policy=pol, max_running=args.requests, prefill=args.prefill,
                                                  prefill_chunk=args.prefill_chunk, log_path=log_path,
-                                                 kernels=args.kernels))
+                                                 kernels=args.kernels, speculative_tokens=k,
+                                                 prefix_caching=not k))
             for i, p in enumerate(prompts):
                 eng.add_request(f"r{i}", p, params)
         except ValueError as e:  # BudgetError, or a budget of no pages at all
@@ -159,7 +170,7 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
         "preset": args.preset, "requests": args.requests, "prompt_tokens": [len(p) for p in prompts],
         "new_tokens": args.new_tokens, "kv_dtype": args.kv_dtype, "device_budget_bytes": device_bytes,
         "device_requests": args.device_requests, "host_pages": base.host_pages, "kernels": args.kernels,
-        "miss_attention": args.miss_attention,
+        "miss_attention": args.miss_attention, "speculative_tokens": k,
         "prefill": args.prefill, "backend": jax.default_backend(), "policies": split,
     }
     if on_setup:
@@ -177,13 +188,18 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
             if progress:
                 progress.close()
         m = eng.metrics()
+        row_bytes = eng.cache.spec.row_bytes
         outputs[pol] = eng.outputs()
         results[pol] = {
             "mean_running": m["mean_running"], "max_running": m["max_running"], "preemptions": m["preemptions"],
             "swaps": m["swaps"], "tokens_per_s": m["tokens_per_s"], "hit_rate": m["hit_rate"],
             "hits": m["hits"], "misses": m["misses"], "h2d_bytes": m["h2d_bytes"], "d2h_bytes": m["d2h_bytes"],
             "evicted_pages": m["evicted_pages"], "steps": m["steps"], "wall_s": time.perf_counter() - t0,
-            "compile_s": m["compile_time_s"], **split[pol],
+            "compile_s": m["compile_time_s"], "acceptance_rate": m["acceptance_rate"],
+            "tokens_per_step": m["tokens_per_step"], "duplicate_misses": m["duplicate_misses"],
+            # H2D bytes of the steps over (distinct missing rows x row bytes): 1.00 when each miss moves once
+            "h2d_per_miss_bytes": _ratio(sum(h["h2d_bytes"] for h in m["history"]), m["misses"] * row_bytes),
+            **split[pol],
             "running_over_time": [h["running"] for h in m["history"]],
         }
         eng.close()
@@ -375,6 +391,8 @@ def _table(out: dict) -> str:
             ("preemptions", "preemptions", "{}"), ("swaps", "swaps", "{}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
             ("hit rate", "hit_rate", "{:.3f}"), ("H2D MiB", "h2d_bytes", "{:.1f}"), ("D2H MiB", "d2h_bytes", "{:.1f}"),
             ("device KV pages", "device_pages", "{}"), ("wall s", "wall_s", "{:.1f}")]
+    if out.get("speculative_tokens"):
+        cols[6:6] = [("acceptance rate", "acceptance_rate", "{:.3f}"), ("tokens/step", "tokens_per_step", "{:.2f}")]
     pols = list(out["policies"])
     w = max(len(c[0]) for c in cols)
     lines = [f"{'':<{w}}  " + "  ".join(f"{p:>10}" for p in pols)]
@@ -399,6 +417,10 @@ def _table(out: dict) -> str:
     return "\n".join(lines)
 
 
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The checked arguments: a bad one is a usage error (SystemExit(2)) before any work starts; this creates
     --log-dir."""
@@ -407,6 +429,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _checked(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
+    if args.speculative_tokens and args.prefill != "whole":
+        parser.error(f"argument --speculative-tokens: needs --prefill whole (got {args.prefill})")
     try:
         check_kernels(args.kernels)
     except ValueError as e:

@@ -84,14 +84,16 @@ def prefill_rows(model: SparseMLAModel, tokens: Sequence[int]):
     return prefill_rows_split(*nnx.split(model), tokens)
 
 
-def prefill_rows_split(graphdef, state, tokens: Sequence[int]):
-    """`prefill_rows` for a model already split (`nnx.split`), so a caller that keeps it split splits it once."""
+def prefill_rows_split(graphdef, state, tokens: Sequence[int], *, with_hidden: bool = False):
+    """`prefill_rows` for a model already split (`nnx.split`), so a caller that keeps it split splits it once.
+    with_hidden: also return the final hidden states [T, D] (after the final norm: what an MTP layer reads)."""
     n = len(tokens)
     ids = np.zeros((1, _bucket_pow2(n, 16)), np.int32)
     ids[0, :n] = tokens
     logits, aux = _prefill_fn(graphdef)(state, jnp.asarray(ids))
     rows = (jnp.stack(aux[k])[:, 0] for k in ("latent", "rope", "index_k"))
-    return (logits[0, n - 1].astype(jnp.float32), *rows)
+    out = (logits[0, n - 1].astype(jnp.float32), *rows)
+    return out + (aux["hidden"][0],) if with_hidden else out
 
 
 @functools.lru_cache(maxsize=32)

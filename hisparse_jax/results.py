@@ -75,7 +75,10 @@ class StepMetrics(Record):
     requests in those states after scheduling; preemptions / swaps_out / swaps_in: policy actions this step;
     tokens: new tokens; prefill_tokens: prompt tokens computed; cached_tokens: prompt tokens served by the
     prefix cache; failed: requests whose own work raised; bucket: padded batch rows (0: no batched call);
-    index_pages: indexer pages scored; hits / misses / resident / h2d_bytes / d2h_bytes: as in `GenerateStats`;
+    index_pages: indexer pages scored; decode_tokens: tokens the running requests emitted (= running without
+    speculation); drafted / accepted: speculative drafts verified / accepted; duplicate_misses: misses the rows of
+    one request would have fetched twice had each resolved alone (speculative verification resolves their union
+    once); hits / misses / resident / h2d_bytes / d2h_bytes: as in `GenerateStats`;
     device_pages_used: after the step; step_time_s: wall time; compiled: whether the step compiled."""
 
     step: int
@@ -93,6 +96,10 @@ class StepMetrics(Record):
     failed: int
     bucket: int
     index_pages: int
+    decode_tokens: int
+    drafted: int
+    accepted: int
+    duplicate_misses: int
     hits: int
     misses: int
     resident: int
@@ -112,7 +119,9 @@ class EngineMetrics(Record):
     cached_tokens and prefix_hit_rate (their share of prompt tokens admitted); time_s, compile_steps,
     compile_time_s; tokens_per_s over steps that did not compile; hits / misses / hit_rate of hot buffers;
     h2d_bytes / d2h_bytes (steps plus page loads and prompt writes); evicted_pages; import_bytes (KV rows of
-    imported prompts moved to the device, `Engine.import_request`); mean_ttft_steps and
+    imported prompts moved to the device, `Engine.import_request`); speculative_tokens (k), acceptance_rate
+    (drafts accepted / verified), duplicate_misses (fetches the union resolve saved) and tokens_per_step (tokens a running request gains per decode step: 1 without
+    speculation); mean_ttft_steps and
     mean_latency_steps (finished requests, in steps from arrival to first / last token)."""
 
     policy: str
@@ -137,6 +146,10 @@ class EngineMetrics(Record):
     d2h_bytes: int
     evicted_pages: int
     import_bytes: int
+    speculative_tokens: int
+    acceptance_rate: float
+    duplicate_misses: int
+    tokens_per_step: float
     mean_ttft_steps: float
     mean_latency_steps: float
     history: list

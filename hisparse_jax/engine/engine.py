@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax.config import CacheConfig
+from hisparse_jax.config import MAX_SPECULATIVE_TOKENS, CacheConfig
 from hisparse_jax.engine.pd import IMPORT_CHUNK, PrefillExport, check_export, load_export
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
 from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, pages
@@ -31,7 +31,8 @@ from hisparse_jax.kv.state import StoreSpec
 from hisparse_jax.engine.runner import TRACE_COUNTS, Runner, sampler
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.results import EngineMetrics, StepMetrics
-from hisparse_jax.validation import check_prompt
+from hisparse_jax.engine import speculative
+from hisparse_jax.validation import check_int, check_prompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +46,12 @@ class EngineConfig:
     prefix_caching: share full prompt pages (hash-chained, refcounted, on every tier) across requests and
     prefill only what is not cached;
     kernels: what the decode step runs, as in `generate`: "reference" (jnp), "pallas" (the Pallas GPU kernels;
-    needs a GPU backend) or "pallas_interpret" (the same kernels interpreted, on any backend)."""
+    needs a GPU backend) or "pallas_interpret" (the same kernels interpreted, on any backend);
+    speculative_tokens: k > 0 turns on MTP speculative decoding (`engine.speculative`): each step verifies k + 1
+    rows per request and drafts the next k with the model's MTP layer (the model must be built with it:
+    `SparseMLAModel(cfg, mtp=True)` / `load_pretrained(path, mtp=True)`). Outputs are identical to k = 0 (greedy
+    and sampled). Needs prefill="whole" and prefix_caching=False (prompts whose rows go through the store in
+    chunks are not carried by the speculative step yet)."""
 
     policy: str = "hisparse"
     coldness: str = "oldest"
@@ -57,6 +63,7 @@ class EngineConfig:
     check_invariants: bool = False
     prefix_caching: bool = True
     kernels: str = "reference"
+    speculative_tokens: int = 0
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -69,6 +76,11 @@ class EngineConfig:
             raise ValueError("max_running, prefill_chunk and min_bucket must be >= 1")
         if self.kernels not in tiered.KERNELS:
             raise ValueError(f"unknown kernels {self.kernels!r}; choose one of {', '.join(tiered.KERNELS)}")
+        k = check_int("speculative_tokens", self.speculative_tokens, lo=0, hi=MAX_SPECULATIVE_TOKENS)
+        if k and (self.prefill != "whole" or self.prefix_caching):
+            raise ValueError(f"speculative_tokens={k} needs prefill='whole' and prefix_caching=False (got prefill="
+                             f"{self.prefill!r}, prefix_caching={self.prefix_caching}): prompt rows written "
+                             "through the store in chunks are not carried by the speculative step yet")
 
 
 class UnknownRequest(KeyError):
@@ -84,9 +96,13 @@ class Engine:
         # the device side: the model split once, the kernels ("pallas" needs a GPU backend: refused here, never a
         # silent fallback), one jitted decode-and-sample call per step
         self.runner = Runner(model, kernels=config.kernels)
+        self.k = config.speculative_tokens
+        if self.k and not len(getattr(model, "mtp", None) or ()):
+            raise ValueError(f"speculative_tokens={self.k} needs the model's MTP layer: build it with "
+                             "SparseMLAModel(cfg, mtp=True) or load_pretrained(path, mtp=True)")
         if config.policy == "preempt":
             cache = cache.replace(mirror_to_host=False)
-        cache = cache.replace(max_seqs=config.max_running)
+        cache = cache.replace(max_seqs=config.max_running, speculative_tokens=self.k)
         self.cache = TieredCache(model.cfg, cache, victim_order=COLDNESS[config.coldness])
         tiered.check_backend(self.cache.spec, config.kernels)
         self.cache.partial_eviction = config.policy == "hisparse"
@@ -119,8 +135,9 @@ class Engine:
         if total > cfg.max_position_embeddings:
             raise ValueError(f"request {request_id!r}: {len(prompt)} prompt + {params.max_new_tokens} new tokens "
                              f"exceed max_position_embeddings ({cfg.max_position_embeddings})")
-        self._check_ever_fits(request_id, total - 1, len(prompt))  # the last new token is never written
-        r = Request(request_id, prompt, params, arrival=self.step_count)
+        la = speculative.lookahead(self.k)
+        self._check_ever_fits(request_id, total - 1 + la, len(prompt))  # the last new token is never written
+        r = Request(request_id, prompt, params, arrival=self.step_count, lookahead=la)
         self.requests[request_id] = r
         self.scheduler.waiting.append(r)
         return r
@@ -216,8 +233,11 @@ class Engine:
                 completed.append(r)
                 if not r.output:
                     emit.append((len(rows_tok) - 1, r))
-        stats, B = {}, 0
-        if rows_tok:
+        stats, B, index_pages, drafted, accepted, decode_tokens = {}, 0, 0, 0, 0, 0
+        if self.k and plan.decode:  # speculative: verify + accept + draft (prompts are prefilled whole)
+            B, index_pages, stats, decode_tokens, drafted, accepted = self._spec_step(plan.decode)
+            new_tokens += decode_tokens
+        elif rows_tok:
             B = max(self.config.min_bucket, 1 << (len(rows_tok) - 1).bit_length())
             pad = B - len(rows_tok)
             batch = {"tokens": np.asarray(rows_tok + [0] * pad, np.int32),
@@ -225,18 +245,10 @@ class Engine:
                      "pos": np.asarray(rows_pos + [-1] * pad, np.int32),
                      # the indexer scores pages up to the batch's longest sequence (a power-of-two bucket)
                      "index_span": tiered.index_span(self.cache.spec, max(rows_pos) + 1)}
-            store = self.store
-            try:
-                store = self.store = kv_device.apply_updates(store, self.cache)  # this step's table decisions
-                out = self.runner.step(self.cache.spec, store, batch, self._sampling(emit, B), len(emit),
-                                       read_page_stamps=self.cache.needs_page_stamps)
-            except Exception:
-                self._store_lost = any(x.is_deleted() for x in jax.tree.leaves(store))
-                raise
+            index_pages = len(batch["index_span"])
+            out = self._device_call(self.runner.step, batch, self._sampling(emit, B), len(emit))
             # 4. commit (host bookkeeping only)
-            self.store, toks, stats = out.store, out.tokens, out.stats
-            if out.page_stamps is not None:
-                self.cache.observe_page_stamps(out.page_stamps)
+            toks, stats = out.tokens, out.stats
             for r, start, n in plan.prefill:
                 r.computed = start + n
                 self.cache.set_length(r.slot, r.computed)
@@ -245,6 +257,7 @@ class Engine:
                 self.cache.register_prefix(r.slot, r.kv_tokens)
                 r.state = RequestState.RUNNING
             self.cache.advance([r.slot for r in plan.decode])
+            decode_tokens = len(plan.decode)
             new_tokens += self._commit_tokens([r for _, r in emit], toks)
         if self.cache.updates:  # releases decided at commit: the store matches the cache between steps
             self.store = kv_device.apply_updates(self.store, self.cache)
@@ -259,7 +272,8 @@ class Engine:
             "preemptions": len(plan.preempted), "swaps_out": len(plan.swapped_out),
             "swaps_in": len(plan.swapped_in), "tokens": new_tokens, "prefill_tokens": prefill_tokens,
             "cached_tokens": plan.cached_tokens, "failed": len(failed), "bucket": B,
-            "index_pages": len(batch["index_span"]) if B else 0,
+            "index_pages": index_pages, "decode_tokens": decode_tokens, "drafted": drafted, "accepted": accepted,
+            "duplicate_misses": st.get("row_misses", 0) - st.get("misses", 0),
             "hits": st.get("hits", 0), "misses": st.get("misses", 0), "resident": st.get("resident", 0),
             "h2d_bytes": st.get("h2d_bytes", 0), "d2h_bytes": st.get("d2h_bytes", 0),
             "device_pages_used": self.cache.pool.num_used("device"), "step_time_s": dt,
@@ -271,6 +285,51 @@ class Engine:
             self._log.flush()
         self.step_count += 1
         return m
+
+    def _device_call(self, fn, *args):
+        """The step's one batched call `fn(spec, store, *args, read_page_stamps=...)` (`Runner.step` or
+        `Runner.spec_step`) on the store with this step's table decisions applied; its output's store becomes
+        the engine's. If it raises, nothing is committed (a consumed, donated store is remembered)."""
+        store = self.store
+        try:
+            store = self.store = kv_device.apply_updates(store, self.cache)  # this step's table decisions
+            out = fn(self.cache.spec, store, *args, read_page_stamps=self.cache.needs_page_stamps)
+        except Exception:
+            self._store_lost = any(x.is_deleted() for x in jax.tree.leaves(store))
+            raise
+        self.store = out.store
+        if out.page_stamps is not None:
+            self.cache.observe_page_stamps(out.page_stamps)
+        return out
+
+    def _spec_step(self, decode: list[Request]) -> tuple[int, int, dict, int, int, int]:
+        """One speculative step for the `decode` requests (`engine.speculative`), committed: each request's length
+        becomes n + accepted + 1 and it emits its accepted drafts and the token after them. Returns (batch rows,
+        indexer pages scored, stats, new tokens, drafts verified, drafts accepted)."""
+        k, spec = self.k, self.cache.spec
+        groups = [(r.slot, len(r.prompt) + len(r.output) - 1, r.output[-1], r.drafts or [-1] * k) for r in decode]
+        batch, G = speculative.verify_batch(groups, k, self.config.min_bucket)
+        # the indexer scores pages up to the longest position the step writes (n + 2k - 1)
+        batch["index_span"] = tiered.index_span(spec, max(n for _, n, _, _ in groups) + 2 * k)
+        rows = [self._sampling_row(r) for r in decode]
+        sampling = {"seed": np.zeros(G, np.uint32), "temperature": np.zeros(G, np.float32),
+                    "top_p": np.ones(G, np.float32)}
+        for g, (seed, _, t, p) in enumerate(rows):
+            sampling["seed"][g], sampling["temperature"][g], sampling["top_p"][g] = seed, t, p
+        out = self._device_call(self.runner.spec_step, batch, sampling, k)
+        new = drafted = accepted = 0
+        for g, r in enumerate(decode):
+            a = int(out.accepted[g])
+            offered = sum(d >= 0 for d in groups[g][3])
+            r.drafted, r.accepted = r.drafted + offered, r.accepted + a
+            drafted, accepted = drafted + offered, accepted + a
+            self.cache.set_length(r.slot, groups[g][1] + a + 1)
+            r.drafts = out.drafts[g].tolist()
+            for tok in out.target[g, :a + 1].tolist():  # stops early at eos / max_new_tokens
+                if r.finished:
+                    break
+                new += self._commit_tokens([r], [tok])
+        return G * (k + 1), len(batch["index_span"]), out.stats, new, drafted, accepted
 
     def _guard(self, r: Request, failed: list[Request], fn, *args) -> tuple[bool, object]:
         """(True, fn(*args)); if it raises, `r` is finished FAILED with the error kept and (False, None)."""
@@ -322,16 +381,26 @@ class Engine:
         toks = r.kv_tokens
         if r.imported is not None:
             return self._write_import(r)
-        last, latent, rope, index_k = self.runner.prefill_rows(toks)
+        if not self.k:
+            last, latent, rope, index_k = self.runner.prefill_rows(toks)
+        else:  # and the MTP layer's rows: it reads each position's hidden state and the token after it
+            last, latent, rope, index_k, hidden = self.runner.prefill_rows(toks, with_hidden=True)
+            nxt = r.output[-1] if r.output else self._sample(last[None], [r])[0]  # (seed, position): same draw later
+            mtp = self.runner.mtp_prefill_rows(hidden, list(toks[1:]) + [nxt])
+            latent, rope, index_k = (jnp.concatenate([a, b.astype(a.dtype)]) for a, b in
+                                     zip((latent, rope, index_k), mtp[:3]))
+            r.drafts = [mtp[3]] + [-1] * (self.k - 1)
         self.store = kv_device.write_prefill(self.store, self.cache, r.slot, latent, rope, index_k, len(toks))
         self.cache.register_prefix(r.slot, toks)
         return last
 
     def _write_import(self, r: Request):
         ex, T, ch = r.imported, len(r.kv_tokens), IMPORT_CHUNK
+        m = self.cache.spec.mtp_layers  # an export carries no MTP rows: zeros (they only shape the drafts)
+        r.drafts = [-1] * self.k
         for off in range(0, T, ch):
             rows = [np.asarray(a[:, off:off + ch]) for a in (ex.latent, ex.rope, ex.index_k)]
-            rows = [np.pad(a, ((0, 0), (0, ch - a.shape[1]), (0, 0))) for a in rows]  # one staging shape
+            rows = [np.pad(a, ((0, m), (0, ch - a.shape[1]), (0, 0))) for a in rows]  # one staging shape
             self.store = kv_device.write_prefill(self.store, self.cache, r.slot, *map(jnp.asarray, rows), T,
                                                  offset=off)
         self.cache.register_prefix(r.slot, r.kv_tokens)
@@ -402,6 +471,11 @@ class Engine:
             "h2d_bytes": sum(m["h2d_bytes"] for m in h) + self.cache.h2d_bytes,
             "d2h_bytes": sum(m["d2h_bytes"] for m in h) + self.cache.d2h_bytes,
             "evicted_pages": self.cache.evicted_pages, "import_bytes": self.import_bytes,
+            # speculative decoding: drafts accepted / verified, and tokens a running request gains per decode step
+            "speculative_tokens": self.k,
+            "acceptance_rate": _ratio(sum(m["accepted"] for m in h), sum(m["drafted"] for m in h)),
+            "duplicate_misses": sum(m["duplicate_misses"] for m in h),
+            "tokens_per_step": _ratio(sum(m["decode_tokens"] for m in h), sum(m["running"] for m in h)),
             # in engine steps, from arrival (add_request) to the first token / to the last, finished requests only
             "mean_ttft_steps": _mean(r.first_token_step - r.arrival for r in done if r.first_token_step is not None),
             "mean_latency_steps": _mean(r.finish_step - r.arrival for r in done),
@@ -412,6 +486,10 @@ class Engine:
         if self._log:
             self._log.close()
             self._log = None
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
 
 
 def _mean(xs) -> float:

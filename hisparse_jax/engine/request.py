@@ -62,6 +62,10 @@ class Request:
     finish_step: int | None = None
     error: str | None = None  # why it FAILED
     imported: object = None  # a `pd.PrefillExport` whose rows replace the prompt's prefill (until written)
+    lookahead: int = 0  # positions past the pending token a speculative step writes (`speculative.lookahead`)
+    drafts: list[int] = dataclasses.field(default_factory=list)  # speculative: the next step's drafts (-1: none)
+    drafted: int = 0  # draft tokens verified for this request so far
+    accepted: int = 0  # of which accepted
 
     @property
     def kv_tokens(self) -> list[int]:
@@ -75,8 +79,9 @@ class Request:
 
     @property
     def max_kv_len(self) -> int:
-        """Cache positions the request holds at its longest: the last sampled token is never written."""
-        return self.max_len - 1
+        """Cache positions the request holds at its longest: the last sampled token is never written (plus the
+        positions a speculative step writes past its pending token)."""
+        return self.max_len - 1 + self.lookahead
 
     @property
     def finished(self) -> bool:

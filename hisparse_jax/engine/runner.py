@@ -207,10 +207,17 @@ class Runner:
         COUNTS["split"] += 1
         self._step = _jitted_step_and_sample(self.graphdef, self.kernels)
 
-    def prefill_rows(self, tokens):
+    def prefill_rows(self, tokens, *, with_hidden: bool = False):
         """One causal forward over `tokens` (length bucketed to a power of two >= 16): (last logits f32[V],
-        latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]), as `generate.prefill_rows`."""
-        return prefill_rows_split(self.graphdef, self.state, tokens)
+        latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]), as `generate.prefill_rows`; with_hidden: and the
+        final hidden states [T, D] (what the MTP layer reads)."""
+        return prefill_rows_split(self.graphdef, self.state, tokens, with_hidden=with_hidden)
+
+    def mtp_prefill_rows(self, hidden, next_tokens):
+        """The MTP layer's rows over a prompt and its first draft: `speculative.mtp_prefill_rows`."""
+        from hisparse_jax.engine import speculative
+
+        return speculative.mtp_prefill_rows(self.graphdef, self.state, hidden, next_tokens)
 
     def admit_prompts(self, store: KVStore, cache, prompts) -> tuple[KVStore, list[int], list]:
         """Prefill each prompt (one causal forward) and admit it with its rows into `cache` (a `TieredCache`) and
@@ -241,3 +248,29 @@ class Runner:
         stamps = store.page_stamp if read_page_stamps else None
         tokens, stats, stamps = jax.device_get((tokens, stats, stamps))  # the step's one device→host transfer
         return StepOutput(np.asarray(tokens)[:n_emit].tolist(), store, tiered.stats_bytes(spec, stats), stamps)
+
+    def spec_step(self, spec: StoreSpec, store: KVStore, batch: dict, sampling: dict, k: int, *,
+                  read_page_stamps: bool = False) -> "SpecStepOutput":
+        """One speculative step (`speculative.spec_step_impl`: verify k + 1 rows per request, accept, draft k)
+        through `store` (donated); one device→host read."""
+        from hisparse_jax.engine import speculative
+
+        dev = store.seq_lens.sharding
+        batch = {key: jax.device_put(np.asarray(v), dev) for key, v in batch.items()}
+        sampling = {key: jax.device_put(np.asarray(v), dev) for key, v in sampling.items()}
+        out = speculative.jitted_spec_step(self.graphdef, self.kernels, int(k))(self.state, store, batch, sampling)
+        target, accepted, drafts, store, stats = out
+        stamps = store.page_stamp if read_page_stamps else None
+        target, accepted, drafts, stats, stamps = jax.device_get((target, accepted, drafts, stats, stamps))
+        return SpecStepOutput(np.asarray(target), np.asarray(accepted), np.asarray(drafts), store,
+                              tiered.stats_bytes(spec, stats), stamps)
+
+
+@dataclasses.dataclass
+class SpecStepOutput:
+    target: np.ndarray  # int32[G, k + 1]: each verified row's sampled next token
+    accepted: np.ndarray  # int32[G]: drafts accepted per request (the request emits target[g, :accepted + 1])
+    drafts: np.ndarray  # int32[G, k]: the next step's drafts
+    store: KVStore
+    stats: dict
+    page_stamps: np.ndarray | None = None

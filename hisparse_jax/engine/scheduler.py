@@ -120,7 +120,7 @@ class Scheduler:
         if self.active:
             prompt_pages = max(min(pages(n_kv) + 1, pages(r.max_kv_len)), pages(n_kv))
         else:
-            prompt_pages = max(pages(n_kv), pages(min(n_kv + 1, r.max_kv_len)))
+            prompt_pages = max(pages(n_kv), pages(min(n_kv + 1 + r.lookahead, r.max_kv_len)))
         hisparse = self.policy == "hisparse"
         # one prompt resident at a time while written through the store keeps the device floor predictable
         chunking = any(x.state is RequestState.PREFILLING and x.slot in c.resident_only for x in self.active)
@@ -156,7 +156,7 @@ class Scheduler:
         for r in list(self.active):
             if r.state is not RequestState.RUNNING:
                 continue
-            need = len(r.prompt) + len(r.output)
+            need = len(r.prompt) + len(r.output) + r.lookahead  # a speculative step writes past the pending token
             if not self._make_writable(r, need, plan):
                 continue
             plan.decode.append(r)

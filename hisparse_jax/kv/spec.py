@@ -36,6 +36,7 @@ class StoreSpec:
     mirror_to_host: bool
     topk: int
     miss_attention: str = "single"
+    mtp_layers: int = 0  # MTP layers kept after the main layers (speculative decoding), each its own group
 
     @classmethod
     def create(cls, model: ModelConfig, cache: CacheConfig) -> "StoreSpec":
@@ -50,13 +51,21 @@ class StoreSpec:
                 cur = []
             cur.append(i)
         groups.append(tuple(cur))
-        return cls(num_layers=model.num_hidden_layers, num_index_layers=model.num_indexer_layers,
+        # speculative decoding: the first MTP layer (a full-indexer layer, applied at every draft depth) is
+        # stored after the main layers — store layer L, indexer layer LI — as a group of its own
+        mtp = 1 if cache.speculative_tokens else 0
+        if mtp and getattr(model, "num_nextn_predict_layers", 0) < 1:
+            raise ValueError(f"speculative_tokens={cache.speculative_tokens} needs a model with MTP layers "
+                             "(num_nextn_predict_layers >= 1 in its config); this one has none")
+        L = model.num_hidden_layers
+        groups += [(L + i,) for i in range(mtp)]
+        return cls(num_layers=L + mtp, num_index_layers=model.num_indexer_layers + mtp,
                    groups=tuple(groups), latent_dim=model.kv_lora_rank, rope_dim=model.qk_rope_head_dim,
                    index_dim=model.index_head_dim, device_pages=cache.device_pages,
                    index_pages=cache.num_index_pages, host_pages=cache.host_pages, max_seqs=cache.max_seqs,
                    max_pages=cache.max_pages_per_seq, hot_rows=cache.hot_rows_for(model), kv_dtype=kv_dtype,
                    fetch=cache.fetch, fetch_chunk=cache.fetch_chunk, mirror_to_host=cache.mirror_to_host,
-                   topk=model.index_topk, miss_attention=cache.miss_attention)
+                   topk=model.index_topk, miss_attention=cache.miss_attention, mtp_layers=mtp)
 
     @property
     def hot_pages(self) -> int:

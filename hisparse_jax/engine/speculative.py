@@ -1,0 +1,161 @@
+"""Multi-token-prediction (MTP) speculative decoding through the tiered store.
+
+The DeepSeek-V3.2 / GLM-5 checkpoints carry an MTP layer (`model.mtp[0]`, see `hisparse_jax.model.mtp`): from the
+main model's final hidden state at position i and the token at i + 1 it predicts the token at i + 2. With k
+speculative tokens, one engine step is one jitted call (`spec_step_impl`) that
+
+1. **verifies**: runs the main model over k + 1 rows per request — the pending token t_n and the drafts
+   d_1..d_k at positions n..n+k — each row with its own indexer top-k, the k + 1 rows of a request resolved
+   as ONE union of their top-k against the request's hot buffer (`TieredKV(rows_per_request=k + 1)`: no row
+   evicts a hot row another row of the step still reads; each distinct missing row is fetched once);
+2. **accepts**: samples every row's next token with the request's (seed, position) key — exactly the token
+   non-speculative decoding would sample there — and accepts the drafts while they equal it (a = 0..k). The
+   request emits a + 1 tokens (the accepted drafts and the token after them). Because acceptance compares
+   against the target's own draw, the outputs are identical to non-speculative decoding under sampling too
+   (not only greedy); the standard rejection rule would accept more under sampling but make the outputs
+   depend on the drafts;
+3. **drafts**: runs the MTP layer over the verified rows 0..a (next tokens = the sampled ones, writing the
+   MTP layer's KV at n..n+a) and takes the greedy draft from row a; for k > 1 the same layer is applied
+   recursively k - 1 more times, one row per request at n+a+1.. (vLLM applies its one MTP layer the same way).
+
+KV rows written for rejected positions (main layers at n+a+1..n+k, the MTP layer's speculative rows) lie
+beyond the request's new length n + a + 1: nothing reads a position before the step that owns it rewrites it.
+The host reserves each request's pages up to position n + 2k - 1 (`lookahead(k)` positions past the pending
+token) before the step; at most two pages, the tail the store never releases.
+
+Shapes: G requests (a bucket) x S = k + 1 rows, flattened group-major: rows g*S .. g*S+k are request g's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hisparse_jax.kv import ops, tiered
+from hisparse_jax.kv.state import KVStore
+from hisparse_jax.model.decoder import decode_step as model_decode_step
+
+
+def lookahead(k: int) -> int:
+    """Positions past the pending token a speculative step may write: n + 1 .. n + 2k - 1 (the verified rows
+    reach n + k, the recursive drafts n + a + k - 1 <= n + 2k - 1)."""
+    return max(2 * k - 1, 0)
+
+
+def spec_step_impl(model, store: KVStore, batch: dict, sampling: dict, kernels: str, k: int):
+    """One verify + accept + draft step (un-jitted). batch: tokens / req / pos int32[G*S] (row j of group g:
+    [t_n, d_1..d_k][j], the request's slot or -1, n + j), draft_ok int32[G*S] (0 where a request has no draft
+    for that row: its token is a placeholder, never accepted), index_span int32[P] (shape only). sampling: seed /
+    temperature / top_p per group [G]. Returns (target int32[G, S] — each row's sampled next token —, accepted
+    int32[G], drafts int32[G, k], store, stats)."""
+    from hisparse_jax.engine.runner import sample_rows
+    from hisparse_jax.model.mtp import mtp_decode_step
+
+    spec = store.spec
+    S = k + 1
+    index_pages = batch["index_span"].shape[0]
+    req = batch["req"].astype(jnp.int32)
+    G = req.shape[0] // S
+    pos = jnp.where(req >= 0, batch["pos"], -1)
+    cache = {"store": store, "req": req, "plan": None, "stats": tiered.empty_stats(spec)}
+    verify = tiered.TieredKV(spec, kernels, index_pages, rows_per_request=S)
+    logits, cache, _, hidden = model_decode_step(model, batch["tokens"].astype(jnp.int32), pos, cache, verify,
+                                                 return_hidden=True)
+    rep = lambda a: jnp.repeat(a, S)  # noqa: E731  per group -> per row
+    target = sample_rows(logits, rep(sampling["seed"]), jnp.maximum(pos, 0) + 1, rep(sampling["temperature"]),
+                         rep(sampling["top_p"])).reshape(G, S)
+    drafts_in = batch["tokens"].reshape(G, S)[:, 1:]
+    match = (target[:, :k] == drafts_in) & (batch["draft_ok"].reshape(G, S)[:, 1:] > 0)
+    accepted = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)  # [G]
+
+    # the MTP layer over the verified rows 0..a: its KV at n..n+a, the first draft from row a
+    j = jnp.arange(S, dtype=jnp.int32)[None]
+    greq = req.reshape(G, S)[:, 0]
+    live = (req.reshape(G, S) >= 0) & (j <= accepted[:, None])
+    mreq = jnp.where(live, req.reshape(G, S), -1).reshape(-1)
+    cache = dict(cache, req=mreq, plan=None)
+    mlogits, mhidden, cache = mtp_decode_step(model, target.reshape(-1), jnp.where(mreq >= 0, pos, -1),
+                                              hidden, cache, verify)
+    g = jnp.arange(G)
+    last = lambda a: a.reshape(G, S, *a.shape[1:])[g, accepted]  # noqa: E731  row a of each group
+    draft = jnp.argmax(last(mlogits), axis=-1).astype(jnp.int32)
+    h = last(mhidden)
+    base = jnp.where(greq >= 0, pos.reshape(G, S)[:, 0] + accepted, -1)  # n + a: the last verified position
+    drafts = [draft]
+    one = tiered.TieredKV(spec, kernels, index_pages)
+    for i in range(1, k):  # recursive drafts, one row per request at n + a + i
+        cache = dict(cache, req=greq, plan=None)
+        lg, h, cache = mtp_decode_step(model, drafts[-1], jnp.where(greq >= 0, base + i, -1), h, cache, one)
+        drafts.append(jnp.argmax(lg, axis=-1).astype(jnp.int32))
+    store, stats = cache["store"], cache["stats"]
+    if spec.mirror_to_host:  # every row this step wrote, all layers: positions n .. n + 2k - 1
+        span = max(S, 2 * k)
+        n0 = pos.reshape(G, S)[:, 0]
+        mr = jnp.repeat(greq, span)
+        mp = jnp.where(mr >= 0, (n0[:, None] + jnp.arange(span)[None]).reshape(-1), -1)
+        store, d2h = ops.mirror_rows(spec, store, mr, mp)
+        stats["d2h_rows"] = stats["d2h_rows"] + d2h
+    seq_lens = store.seq_lens.at[jnp.where(greq >= 0, greq, spec.max_seqs)].set(base + 1, mode="drop")
+    store = dataclasses.replace(store, seq_lens=seq_lens, clock=store.clock + 1)
+    return target, accepted, jnp.stack(drafts, axis=1), store, stats
+
+
+@functools.lru_cache(maxsize=32)
+def jitted_spec_step(graphdef, kernels: str, k: int):
+    from hisparse_jax.engine.runner import COUNTS, TRACE_COUNTS
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(state, store, batch, sampling):
+        COUNTS["step"] += 1
+        TRACE_COUNTS["decode_step"] += 1
+        return spec_step_impl(nnx.merge(graphdef, state), store, batch, sampling, kernels, k)
+
+    return step
+
+
+@functools.lru_cache(maxsize=32)
+def _mtp_prefill_fn(graphdef):
+    from hisparse_jax.generate import TRACE_COUNTS as PREFILL_TRACES
+    from hisparse_jax.model.mtp import mtp_forward
+
+    @jax.jit
+    def prefill(state, hidden, next_ids, n):
+        PREFILL_TRACES["prefill"] += 1
+        logits, aux = mtp_forward(nnx.merge(graphdef, state), hidden[None], next_ids[None])
+        draft = jnp.argmax(logits[0, n - 1]).astype(jnp.int32)
+        return aux["latent"][0], aux["rope"][0], aux["index_k"][0], draft
+
+    return prefill
+
+
+def mtp_prefill_rows(graphdef, state, hidden, next_tokens):
+    """The MTP layer over a prompt: hidden [T, D] (the main forward's final hidden, T a bucket), next_tokens
+    (the token after each of the n real positions: the prompt shifted by one plus the first sampled token) ->
+    (latent [1, T, C], rope [1, T, R], index_k [1, T, dI], the first draft token)."""
+    n, T = len(next_tokens), hidden.shape[0]
+    ids = np.zeros((T,), np.int32)
+    ids[:n] = next_tokens
+    lat, rope, idx, draft = _mtp_prefill_fn(graphdef)(state, hidden, jnp.asarray(ids), jnp.int32(n))
+    return lat[None], rope[None], idx[None], int(draft)
+
+
+def verify_batch(groups: list[tuple[int, int, int, list[int]]], k: int, min_bucket: int):
+    """The step's rows for `groups` of (slot, n, pending token, drafts; -1 = no draft): tokens / req / pos /
+    draft_ok int32[G*S] with G a power-of-two bucket >= min_bucket (idle groups: req -1)."""
+    S = k + 1
+    G = max(min_bucket, 1 << max(len(groups) - 1, 0).bit_length())
+    tokens, req, pos = np.zeros(G * S, np.int32), np.full(G * S, -1, np.int32), np.full(G * S, -1, np.int32)
+    ok = np.zeros(G * S, np.int32)
+    for g, (slot, n, tok, drafts) in enumerate(groups):
+        rows = slice(g * S, (g + 1) * S)
+        d = np.asarray(list(drafts), np.int64)
+        tokens[rows] = [tok] + np.maximum(d, 0).tolist()
+        ok[rows] = [1] + (d >= 0).astype(np.int32).tolist()
+        req[rows] = slot
+        pos[rows] = n + np.arange(S)
+    return {"tokens": tokens, "req": req, "pos": pos, "draft_ok": ok}, G
