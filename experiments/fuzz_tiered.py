@@ -320,21 +320,17 @@ def draw_engine_case(rng, topk: int = 64, vocab: int = 512) -> EngineCase:
                       max_running, int(rng.choice([64, 100, 256])))
 
 
-def run_engine_case(case: EngineCase, model=None, max_steps: int = 2000) -> dict:
-    """Run one engine case against the oracle (refusals at add_request, tokens, invariants, pools empty)."""
-    from hisparse_jax.engine.engine import Engine
+def _drive(eng, case: EngineCase, admit, max_steps: int = 2000) -> tuple[list[int], list[int]]:
+    """Run `eng` through the case's arrivals (requests `admit(i)` says to add) and aborts. Returns (accepted,
+    refused) request indices (refusals are checked against the oracle's `expected_refusal`)."""
+    from hisparse_jax.engine.request import SamplingParams
     from hisparse_jax.kv.manager import BudgetError
 
-    model = model or fuzz_model()
-    eng = Engine(model, case.cache_config(), case.engine_config())
     accepted, refused = [], []
-    order = sorted(range(len(case.prompts)), key=lambda i: case.arrivals[i])
-    pending = list(order)
+    pending = [i for i in sorted(range(len(case.prompts)), key=lambda i: case.arrivals[i]) if admit(i)]
     while pending or eng.has_unfinished():
         while pending and case.arrivals[pending[0]] <= eng.step_count:
             i = pending.pop(0)
-            from hisparse_jax.engine.request import SamplingParams
-
             expect = case.expected_refusal(i)
             try:
                 eng.add_request(f"r{i}", case.prompts[i], SamplingParams(max_new_tokens=case.max_new[i]))
@@ -356,12 +352,22 @@ def run_engine_case(case: EngineCase, model=None, max_steps: int = 2000) -> dict
         moved = m["running"] or m["prefill_tokens"] or m["swaps_in"] or m["preemptions"] or m["swaps_out"]
         assert moved or pending or any(at > eng.step_count for at in case.aborts.values()), \
             f"stalled at step {m['step']}: {m}"
+    return accepted, refused
+
+
+def run_engine_case(case: EngineCase, model=None, max_steps: int = 2000) -> dict:
+    """Run one engine case against the oracle (refusals at add_request, tokens, invariants, pools empty)."""
+    from hisparse_jax.engine.engine import Engine
+
+    model = model or fuzz_model()
+    eng = Engine(model, case.cache_config(), case.engine_config())
+    accepted, refused = _drive(eng, case, lambda i: True, max_steps)
     pools_empty = not any(eng.cache.pool.num_used(t) for t in ("device", "index", "host"))
     assert pools_empty and not eng.cache.requests, f"pages still in use at the end: {eng.cache.pool.stats()}"
     done = [i for i in accepted if eng.requests[f"r{i}"].state.value == "finished"]
     outputs = {i: eng.requests[f"r{i}"].output for i in done}
     if done:
-        ref = _engine_reference(model, case, done)
+        ref = _engine_reference(model, case, done, accepted)
         for i in done:
             assert outputs[i] == ref[i], f"request {i}: tokens differ\n engine {outputs[i]}\n ref    {ref[i]}"
     met = eng.metrics()
@@ -370,25 +376,26 @@ def run_engine_case(case: EngineCase, model=None, max_steps: int = 2000) -> dict
             "cached_tokens": met["cached_tokens"]}
 
 
-def _engine_reference(model, case: EngineCase, idx: list[int]) -> dict[int, list[int]]:
+def _engine_reference(model, case: EngineCase, idx: list[int], accepted: list[int]) -> dict[int, list[int]]:
     """float32: the contiguous cache's greedy tokens. bf16 / fp8 (whose cases prefill through the store, where
-    rows are read back in the store's format): an engine of the same format with every page resident."""
-    from hisparse_jax.engine.engine import Engine, EngineConfig
-    from hisparse_jax.engine.request import SamplingParams
+    rows are read back in the store's format): the same case — arrivals, aborts, concurrency, prompt chunks —
+    run with every page resident (the `accepted` requests). The schedule matters there: XLA:CPU's matmul rounds
+    a row differently with the batch's row count (M = 8 vs 64 differ), a float32 difference the store's bf16
+    rounding can turn into a different token; holding the schedule fixed keeps the batch shapes equal where the
+    budget did not change them."""
+    from hisparse_jax.engine.engine import Engine
     from hisparse_jax.generate import generate
 
-    prompts = [case.prompts[i] for i in idx]
-    n = max(case.max_new[i] for i in idx)
     if case.kv_dtype == "float32":
-        toks = generate(model, prompts, n)
-    else:
-        need = sum(pages(len(p) + n) for p in prompts)
-        roomy = case.cache_config().replace(device_pages=need + 2, host_pages=need,
-                                            max_seq_len=pages(max(map(len, prompts)) + n) * PAGE)
-        eng = Engine(model, roomy, EngineConfig(policy="hisparse", prefill="chunked", prefix_caching=False,
-                                                max_running=len(prompts), prefill_chunk=case.prefill_chunk))
-        toks = eng.generate(prompts, SamplingParams(max_new_tokens=n))
-    return {i: t[:case.max_new[i]] for i, t in zip(idx, toks)}
+        prompts = [case.prompts[i] for i in idx]
+        toks = generate(model, prompts, max(case.max_new[i] for i in idx))
+        return {i: t[:case.max_new[i]] for i, t in zip(idx, toks)}
+    need = sum(pages(len(case.prompts[i]) + case.max_new[i]) for i in accepted)
+    roomy = dataclasses.replace(case, policy="hisparse", device_pages=need + 2, host_pages=need)
+    cc = roomy.cache_config().replace(index_pages=need + 2)
+    eng = Engine(model, cc, roomy.engine_config())
+    _drive(eng, roomy, lambda i: i in accepted)
+    return {i: eng.requests[f"r{i}"].output for i in idx}
 
 
 # ----- hypothesis ---------------------------------------------------------------------------------
