@@ -115,3 +115,57 @@ def test_refusals(model, prompts):
         StoreSpec.create(model.cfg, CacheConfig(hot_rows=31, speculative_tokens=1))
     with pytest.raises(ValueError, match="needs a model with MTP layers"):
         StoreSpec.create(model_cfg(), CacheConfig(speculative_tokens=1))
+
+
+def test_rejection_rule_keeps_the_target_distribution():
+    import jax
+    import jax.numpy as jnp
+
+    from hisparse_jax.engine.speculative import verify_rows
+
+    G, V = 6000, 5
+    lg = jnp.log(jnp.asarray([0.1, 0.4, 0.2, 0.25, 0.05]))
+    logits = jnp.broadcast_to(lg, (G, 2, V))
+    drafts = jnp.full((G, 1), 1, jnp.int32)  # a deterministic draft of the token with p = 0.4
+    seeds = jnp.arange(G, dtype=jnp.uint32)
+    pos = jnp.broadcast_to(jnp.asarray([10, 11], jnp.int32), (G, 2))
+    ones = jnp.ones(G, jnp.float32)
+    toks, acc = jax.jit(verify_rows, static_argnames="rule")(logits, drafts, jnp.ones((G, 1), bool), seeds, pos,
+                                                              ones, ones, rule="rejection")
+    toks, acc = np.asarray(toks), np.asarray(acc)
+    first = np.bincount(toks[:, 0], minlength=V) / G  # the token each request emits first: ~ p
+    np.testing.assert_allclose(first, np.exp(np.asarray(lg)), atol=0.025)
+    assert abs(acc.mean() - 0.4) < 0.025
+    assert np.all(toks[acc == 0, 0] != 1) and np.all(toks[acc == 1, 0] == 1)
+    # "match": the first token is the target's own (seed, position) draw whatever the draft
+    toks_m, acc_m = verify_rows(logits, drafts, jnp.ones((G, 1), bool), seeds, pos, ones, ones, rule="match")
+    base, _ = verify_rows(logits, drafts, jnp.zeros((G, 1), bool), seeds, pos, ones, ones, rule="match")
+    np.testing.assert_array_equal(np.asarray(toks_m)[:, 0], np.asarray(base)[:, 0])
+    np.testing.assert_array_equal(np.asarray(acc_m), (np.asarray(base)[:, 0] == 1).astype(int))
+
+
+def test_rejection_rule_in_the_engine(model, prompts, baseline):
+    greedy = run(model, prompts[:2], "hisparse", 2, SamplingParams(max_new_tokens=NEW), engine_cls=Rejection)[0]
+    assert greedy == baseline[0][:2]  # greedy rows accept exactly the argmax under either rule
+    out, m, _ = run(model, prompts[:2], "hisparse", 2, SamplingParams(max_new_tokens=12, temperature=1.0, seed=3),
+                    engine_cls=Rejection)
+    assert [len(o) for o in out] == [12, 12] and 0 <= m["acceptance_rate"] <= 1
+
+
+class Rejection(Engine):
+    def __init__(self, model, cache, config):
+        import dataclasses
+
+        super().__init__(model, cache, dataclasses.replace(config, speculative_acceptance="rejection"))
+
+
+def test_demo_reports_acceptance_and_tokens_per_step():
+    from hisparse_jax import demo
+
+    out = demo.run(requests=3, prompt_len=128, new_tokens=6, speculative_tokens=2, policies=("offload", "hisparse"),
+                   plot="", device_requests=2.0)
+    assert out["speculative_tokens"] == 2 and out["outputs_identical"]
+    for pol in ("offload", "hisparse"):
+        r = out["policies"][pol]
+        assert 0 <= r["acceptance_rate"] <= 1 and r["tokens_per_step"] >= 1 and r["duplicate_misses"] >= 0
+        assert r["h2d_per_miss_bytes"] in (None, 1.0)

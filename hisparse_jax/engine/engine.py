@@ -49,8 +49,11 @@ class EngineConfig:
     needs a GPU backend) or "pallas_interpret" (the same kernels interpreted, on any backend);
     speculative_tokens: k > 0 turns on MTP speculative decoding (`engine.speculative`): each step verifies k + 1
     rows per request and drafts the next k with the model's MTP layer (the model must be built with it:
-    `SparseMLAModel(cfg, mtp=True)` / `load_pretrained(path, mtp=True)`). Outputs are identical to k = 0 (greedy
-    and sampled). Needs prefill="whole" and prefix_caching=False (prompts whose rows go through the store in
+    `SparseMLAModel(cfg, mtp=True)` / `load_pretrained(path, mtp=True)`); speculative_acceptance: "match" (a
+    draft is accepted when it equals the token the request's (seed, position) draw gives: outputs identical to
+    k = 0, greedy and sampled) or "rejection" (the standard rule: accepted with the target's probability of it;
+    same distribution, more accepted when sampling, tokens depend on the drafts). Needs prefill="whole" and
+    prefix_caching=False (prompts whose rows go through the store in
     chunks are not carried by the speculative step yet)."""
 
     policy: str = "hisparse"
@@ -64,6 +67,7 @@ class EngineConfig:
     prefix_caching: bool = True
     kernels: str = "reference"
     speculative_tokens: int = 0
+    speculative_acceptance: str = "match"
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -77,6 +81,9 @@ class EngineConfig:
         if self.kernels not in tiered.KERNELS:
             raise ValueError(f"unknown kernels {self.kernels!r}; choose one of {', '.join(tiered.KERNELS)}")
         k = check_int("speculative_tokens", self.speculative_tokens, lo=0, hi=MAX_SPECULATIVE_TOKENS)
+        if self.speculative_acceptance not in speculative.ACCEPTANCE:
+            raise ValueError(f"unknown speculative_acceptance {self.speculative_acceptance!r}; choose one of "
+                             f"{', '.join(speculative.ACCEPTANCE)}")
         if k and (self.prefill != "whole" or self.prefix_caching):
             raise ValueError(f"speculative_tokens={k} needs prefill='whole' and prefix_caching=False (got prefill="
                              f"{self.prefill!r}, prefix_caching={self.prefix_caching}): prompt rows written "
@@ -316,7 +323,7 @@ class Engine:
                     "top_p": np.ones(G, np.float32)}
         for g, (seed, _, t, p) in enumerate(rows):
             sampling["seed"][g], sampling["temperature"][g], sampling["top_p"][g] = seed, t, p
-        out = self._device_call(self.runner.spec_step, batch, sampling, k)
+        out = self._device_call(self.runner.spec_step, batch, sampling, k, self.config.speculative_acceptance)
         new = drafted = accepted = 0
         for g, r in enumerate(decode):
             a = int(out.accepted[g])

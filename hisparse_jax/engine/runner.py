@@ -145,19 +145,28 @@ def _commit(store: KVStore, batch: dict) -> dict:
 # ----- the runner: the model split once, decode + sample in one call ---------------------------------------
 
 
+def nucleus_logits(lg, t, p):
+    """The distribution a token is drawn from, as logits: lg [V] / temperature t with everything outside the top-p
+    nucleus at -inf (t > 0; at t == 0 the draw is greedy and this is unused)."""
+    scaled = lg / jnp.maximum(t, 1e-6)
+    sorted_l = jnp.sort(scaled)[::-1]
+    cum = jnp.cumsum(jax.nn.softmax(sorted_l))
+    cutoff = sorted_l[jnp.sum(cum < p)]
+    return jnp.where(scaled < cutoff, -jnp.inf, scaled)
+
+
+def token_key(seed, pos):
+    """The PRNG key of the token at position `pos` of the request with `seed`."""
+    return jax.random.fold_in(jax.random.key(seed), pos)
+
+
 def sample_rows(logits, seeds, positions, temperatures, top_ps):
     """One token per row of logits [n, V]: greedy where temperature == 0, else temperature + nucleus (top-p)
     drawn from the key (seed, position)."""
 
     def one(lg, seed, pos, t, p):
-        key = jax.random.fold_in(jax.random.key(seed), pos)
         greedy = jnp.argmax(lg).astype(jnp.int32)
-        scaled = lg / jnp.maximum(t, 1e-6)
-        sorted_l = jnp.sort(scaled)[::-1]
-        cum = jnp.cumsum(jax.nn.softmax(sorted_l))
-        cutoff = sorted_l[jnp.sum(cum < p)]
-        masked = jnp.where(scaled < cutoff, -jnp.inf, scaled)
-        drawn = jax.random.categorical(key, masked).astype(jnp.int32)
+        drawn = jax.random.categorical(token_key(seed, pos), nucleus_logits(lg, t, p)).astype(jnp.int32)
         return jnp.where(t > 0, drawn, greedy)
 
     return jax.vmap(one)(logits, seeds, positions, temperatures, top_ps)
@@ -249,8 +258,8 @@ class Runner:
         tokens, stats, stamps = jax.device_get((tokens, stats, stamps))  # the step's one device→host transfer
         return StepOutput(np.asarray(tokens)[:n_emit].tolist(), store, tiered.stats_bytes(spec, stats), stamps)
 
-    def spec_step(self, spec: StoreSpec, store: KVStore, batch: dict, sampling: dict, k: int, *,
-                  read_page_stamps: bool = False) -> "SpecStepOutput":
+    def spec_step(self, spec: StoreSpec, store: KVStore, batch: dict, sampling: dict, k: int,
+                  acceptance: str = "match", *, read_page_stamps: bool = False) -> "SpecStepOutput":
         """One speculative step (`speculative.spec_step_impl`: verify k + 1 rows per request, accept, draft k)
         through `store` (donated); one device→host read."""
         from hisparse_jax.engine import speculative
@@ -258,7 +267,8 @@ class Runner:
         dev = store.seq_lens.sharding
         batch = {key: jax.device_put(np.asarray(v), dev) for key, v in batch.items()}
         sampling = {key: jax.device_put(np.asarray(v), dev) for key, v in sampling.items()}
-        out = speculative.jitted_spec_step(self.graphdef, self.kernels, int(k))(self.state, store, batch, sampling)
+        out = speculative.jitted_spec_step(self.graphdef, self.kernels, int(k), acceptance)(self.state, store, batch,
+                                                                                        sampling)
         target, accepted, drafts, store, stats = out
         stamps = store.page_stamp if read_page_stamps else None
         target, accepted, drafts, stats, stamps = jax.device_get((target, accepted, drafts, stats, stamps))
