@@ -7,7 +7,8 @@ Draws random workloads and budgets — prompt counts and lengths (1 to several p
 `max_new_tokens`, `device_pages` from one below the smallest workable budget upwards, `host_pages`,
 `index_pages`, `hot_rows` (top-k to 4x), `max_seqs`, both fetch mechanisms, float32 / bf16 / fp8 formats —
 and for the engine also the policy, coldness rule, prefill mode, prefix caching with shared prefixes, random
-arrivals and aborts. Each run is checked against an oracle that knows nothing of the store's internals:
+arrivals and aborts, and MTP speculative decoding (k = 1..3 draft tokens). Each run is checked against an
+oracle that knows nothing of the store's internals:
 
 * **Refusal is exact.** `budget_shortfall` says, from page arithmetic alone, whether the requests can be held
   (each request needs its pages on the indexer and host tiers, and on the device all its pages or its two tail
@@ -60,7 +61,9 @@ def fuzz_model():
 
         from hisparse_jax.model.decoder import SparseMLAModel
 
-        _MODEL = SparseMLAModel(fuzz_model_config(), rngs=nnx.Rngs(0))
+        # with its MTP layer (speculative engine cases); the main weights are those of a model without one
+        _MODEL = SparseMLAModel(fuzz_model_config().replace(num_nextn_predict_layers=1), rngs=nnx.Rngs(0),
+                                mtp=True)
     return _MODEL
 
 
@@ -247,24 +250,33 @@ class EngineCase:
     hot_rows: int
     max_running: int
     prefill_chunk: int
+    speculative_tokens: int = 0  # MTP speculative decoding (float32, whole prefill, no prefix caching)
+
+    @property
+    def lookahead(self) -> int:
+        from hisparse_jax.engine.speculative import lookahead
+
+        return lookahead(self.speculative_tokens)
 
     def cache_config(self):
         from hisparse_jax.config import CacheConfig
 
-        longest = max(len(p) + m for p, m in zip(self.prompts, self.max_new))
+        longest = max(len(p) + m for p, m in zip(self.prompts, self.max_new)) + self.lookahead
         return CacheConfig(kv_dtype=self.kv_dtype, fetch=self.fetch, device_pages=self.device_pages,
-                           host_pages=self.host_pages, hot_rows=self.hot_rows, max_seq_len=pages(longest) * PAGE)
+                           host_pages=self.host_pages, hot_rows=self.hot_rows, max_seq_len=pages(longest) * PAGE,
+                           speculative_tokens=self.speculative_tokens)
 
     def engine_config(self):
         from hisparse_jax.engine.engine import EngineConfig
 
         return EngineConfig(policy=self.policy, coldness=self.coldness, prefill=self.prefill,
                             prefix_caching=self.prefix_caching, max_running=self.max_running,
-                            prefill_chunk=self.prefill_chunk, check_invariants=True, min_bucket=8)
+                            prefill_chunk=self.prefill_chunk, check_invariants=True, min_bucket=8,
+                            speculative_tokens=self.speculative_tokens)
 
     def expected_refusal(self, i: int) -> str | None:
         """Whether request i alone can never run (then `add_request` must refuse it)."""
-        kv = len(self.prompts[i]) + self.max_new[i] - 1
+        kv = len(self.prompts[i]) + self.max_new[i] - 1 + self.lookahead
         hisparse = self.policy == "hisparse"
         why = budget_shortfall([kv], device_pages=self.device_pages, host_pages=self.host_pages,
                                index_pages=self.device_pages + self.host_pages, hot_rows=self.hot_rows,
@@ -315,9 +327,14 @@ def draw_engine_case(rng, topk: int = 64, vocab: int = 512) -> EngineCase:
     # bf16 / fp8 prefill through the store only: a whole-prompt forward computes from unrounded keys, so its
     # tokens legitimately differ from rows read back in the store's format (recomputation after preemption too)
     prefill = str(rng.choice(["chunked", "whole"])) if kv_dtype == "float32" else "chunked"
-    return EngineCase(prompts, max_new, arrivals, aborts, policy, str(rng.choice(["oldest", "recency"])), prefill,
-                      bool(rng.random() < 0.6), kv_dtype, str(rng.choice(["row", "page"])), device, host, hot_rows,
-                      max_running, int(rng.choice([64, 100, 256])))
+    coldness, prefix_caching = str(rng.choice(["oldest", "recency"])), bool(rng.random() < 0.6)
+    fetch, chunk = str(rng.choice(["row", "page"])), int(rng.choice([64, 100, 256]))
+    k = 0
+    if prefill == "whole" and rng.random() < 0.5:  # MTP speculation: k + 1 rows per request, one union resolve
+        k, prefix_caching = int(rng.choice([1, 2, 3])), False
+        hot_rows = max(hot_rows, (k + 1) * topk)  # the union of one step's rows must fit
+    return EngineCase(prompts, max_new, arrivals, aborts, policy, coldness, prefill, prefix_caching, kv_dtype, fetch,
+                      device, host, hot_rows, max_running, chunk, k)
 
 
 def _drive(eng, case: EngineCase, admit, max_steps: int = 2000) -> tuple[list[int], list[int]]:
