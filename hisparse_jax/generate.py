@@ -174,7 +174,7 @@ def _use_step_weights(model: SparseMLAModel, weights) -> None:
 def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, key: jax.Array | None = None, eos_token_id: int | Sequence[int] | None = None,
              cache: CacheConfig | None = None, return_stats: bool = False, return_logits: bool = False,
-             kernels: str = "reference"):
+             kernels: str = "reference", mesh: jax.sharding.Mesh | None = None):
     """Generate `max_new_tokens` tokens for each prompt; returns the new tokens (list per prompt).
 
     Greedy by default. temperature > 0 samples (optionally with nucleus `top_p`) and needs an explicit
@@ -191,6 +191,14 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
 
     kernels (tiered only): "reference" (jnp), "pallas" (the Pallas GPU kernels for the indexer top-k, the fused
     resolver and the sparse MLA decode) or "pallas_interpret" (the same kernels interpreted, e.g. on a CPU).
+
+    mesh (tiered only): attention data parallelism over a one-axis `jax.sharding.Mesh` (`parallel.data_mesh(n)`).
+    Prompt i is served by rank i % n (round-robin); each rank has its own tiered store slice on its device and
+    its own bookkeeping, so the CacheConfig's budgets (pages, max_seqs) are per device. Prompts are prefilled on
+    the default device and their rows written into their rank's slice; every decode step is one sharded step
+    (`parallel.sharded_step`) in which each device decodes its own requests. Tokens come back in prompt order and
+    are those of the one-device run (sampling included: rows are sampled in prompt order with the same keys);
+    stats are summed over ranks.
     """
     prompts = validate_prompts(model, prompts, max_new_tokens)
     temperature, top_p = check_float("temperature", temperature), check_float("top_p", top_p)
@@ -200,6 +208,13 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
         raise ValueError("sampling (temperature > 0) needs an explicit PRNG key: key=jax.random.key(seed)")
     key = key if key is not None else jax.random.key(0)
     eos = set(check_token_list("eos_token_id", eos_token_id))
+    if mesh is not None:
+        if cache is None:
+            raise ValueError("mesh needs the tiered store: pass cache=CacheConfig(...) (its budgets are per device)")
+        from hisparse_jax.kv.tiered import check_kernels
+
+        return _generate_mesh(model, prompts, max_new_tokens, cache, temperature, top_p, key, eos, return_stats,
+                              return_logits, check_kernels(kernels), mesh)
     if cache is not None:
         from hisparse_jax.kv.tiered import check_kernels
 
@@ -314,6 +329,96 @@ def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top
         out.append([lg[i, :len(result[i])] for i in range(n)])
     for s in slots:
         tc.release(s)
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def _generate_mesh(model, prompts, max_new_tokens, cache_cfg, temperature, top_p, key, eos, return_stats,
+                   return_logits, kernels, mesh):
+    """`_generate_tiered` with one store slice and one `TieredCache` per data-parallel rank (`parallel`)."""
+    from hisparse_jax import parallel
+    from hisparse_jax.engine.runner import Runner
+    from hisparse_jax.kv.manager import TieredCache
+    from hisparse_jax.kv.tiered import check_backend, index_span
+
+    parallel._check_mesh(mesh)
+    cfg = model.cfg
+    N, n = parallel.num_ranks(mesh), len(prompts)
+    runner = Runner(model, kernels=kernels)
+    placed = parallel.place_round_robin(n, N)  # placed[r]: the prompts rank r serves
+    caches = [TieredCache(cfg, cache_cfg) for _ in range(N)]
+    spec = caches[0].spec
+    check_backend(spec, kernels)
+    for c, idx in zip(caches, placed):  # the last new token is sampled, never written
+        if idx:
+            c.check_batch_fits([len(prompts[i]) + max_new_tokens - 1 for i in idx])
+    store = parallel.new_stacked_store(caches, mesh)
+    slots = [[] for _ in range(N)]
+    first = [None] * n
+    for k in range(max(len(idx) for idx in placed)):  # round k: every rank's k-th prompt, written in one call
+        rows = {}
+        for r, idx in enumerate(placed):
+            if k < len(idx):
+                last, latent, rope, index_k = runner.prefill_rows(prompts[idx[k]])
+                first[idx[k]] = last
+                rows[r] = (latent, rope, index_k, len(prompts[idx[k]]))
+        store, got = parallel.admit_prefilled_ranks(store, caches, rows)
+        for r, s in got.items():
+            slots[r].append(s)
+    Bl, B = _bucket_pow2(max(len(idx) for idx in placed)), _bucket_pow2(n)
+    req = np.full((N, Bl), -1, np.int32)
+    where = np.zeros(n, np.int64)  # prompt i's row in the flattened [N * Bl] step batch
+    for r, idx in enumerate(placed):
+        for k, i in enumerate(idx):
+            req[r, k], where[i] = slots[r][k], r * Bl + k
+    step = parallel.sharded_step(runner.graphdef, mesh, kernels)
+    state = parallel.replicate(runner.state, mesh)
+    sample = _sample_fn(float(temperature), float(top_p))
+    first_logits = jnp.stack(first + [first[0]] * (B - n))
+    key, sub = jax.random.split(key)
+    tokens = sample(first_logits, sub)
+    out_tokens, out_logits = [tokens], [first_logits] if return_logits else []
+    totals = None
+    for t in range(1, max_new_tokens):
+        store = parallel.reserve_next_ranks(store, caches, slots)
+        longest = max(c.lengths[s] for c, ss in zip(caches, slots) for s in ss) + 1
+        span = index_span(spec, longest)
+        tok = np.zeros(N * Bl, np.int32)
+        tok[where] = np.asarray(tokens)[:n]
+        batch = parallel.put_batch(mesh, {"tokens": tok.reshape(N, Bl), "req": req,
+                                          "index_span": np.broadcast_to(span, (N,) + span.shape)})
+        logits, store, stats = step(state, store, batch)
+        for c, ss in zip(caches, slots):
+            c.advance(ss)
+        totals = stats if totals is None else jax.tree_util.tree_map(jnp.add, totals, stats)
+        lg = np.asarray(logits).reshape(N * Bl, -1)[where]  # prompt order, on the host
+        logits = jnp.asarray(np.concatenate([lg, np.repeat(lg[:1], B - n, axis=0)]))
+        key, sub = jax.random.split(key)
+        tokens = sample(logits, sub)
+        out_tokens.append(tokens)
+        if return_logits:
+            out_logits.append(logits)
+        if eos and t % 16 == 0 and _all_finished(out_tokens, n, eos):
+            break
+    result = _truncate_at_eos(np.asarray(jnp.stack(out_tokens, axis=1))[:n], eos)
+    out = [result]
+    if return_stats:
+        from hisparse_jax.kv.tiered import empty_stats, stats_bytes
+        from hisparse_jax.results import GenerateStats
+
+        totals = ({k: np.asarray(v).sum(axis=0) for k, v in totals.items()} if totals is not None
+                  else empty_stats(spec))  # summed over ranks
+        summary = stats_bytes(spec, totals)
+        summary.update(per_layer={k: np.asarray(totals[k]).tolist() for k in ("resident", "hits", "misses")},
+                       evicted_pages=sum(c.evicted_pages for c in caches), steps=len(out_tokens) - 1,
+                       d2h_bytes=summary["d2h_bytes"] + sum(c.d2h_bytes for c in caches),
+                       h2d_bytes=summary["h2d_bytes"] + sum(c.h2d_bytes for c in caches))
+        out.append(GenerateStats(**summary))
+    if return_logits:
+        lg = np.asarray(jnp.stack(out_logits, axis=1))
+        out.append([lg[i, :len(result[i])] for i in range(n)])
+    for c, ss in zip(caches, slots):
+        for s in ss:
+            c.release(s)
     return out[0] if len(out) == 1 else tuple(out)
 
 

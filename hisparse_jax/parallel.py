@@ -1,0 +1,273 @@
+"""Attention data parallelism over a device mesh: one tiered store per data-parallel rank, stacked.
+
+    mesh = data_mesh(8)                                   # the first 8 devices, axis "data"
+    caches = [TieredCache(model_cfg, cache_cfg) for _ in range(8)]   # host bookkeeping, one per rank
+    store = new_stacked_store(caches, mesh)               # every leaf [N, ...], rank r's slice on device r
+    store, slots = admit_prefilled_ranks(store, caches, {r: (latent, rope, index_k, length), ...})
+    store = reserve_next_ranks(store, caches, slots_per_rank)
+    step = sharded_step(graphdef, mesh)                   # runner.step_impl per rank, params replicated
+    logits, store, stats = step(replicate(state, mesh), store, batch)   # batch leaves [N, B]; logits [N, B, V]
+
+Layout: the N ranks' stores have one `StoreSpec` and are stacked on a new leading axis, placed with
+`NamedSharding(mesh, P("data"))` — device pools, indexer pools, tables and hot buffers in device memory, the host
+pools with the pinned-host memory kind — so each device holds exactly its rank's slice: 1/N of every leaf. Each
+rank has its own `TieredCache` (its own page ids, request slots and budgets: the `CacheConfig`'s budgets are per
+device). Everything that touches the store runs as one `shard_map` over the data axis: each device runs the
+one-store program (`kv.device`'s jitted updates, `runner.step_impl`) on its own slice with its own arguments,
+so no KV crosses devices. Ranks with nothing to do in a call get no-op arguments (an out-of-range slot, -1
+page lists, a zero-length prompt write), which the one-store functions already skip.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from hisparse_jax.kv import device as kv_device
+from hisparse_jax.kv.state import KVStore, StoreSpec, init_store, store_shardings
+from hisparse_jax.kv.updates import ClearStamps, LoadPages, ReleasePages, SetTables
+
+if hasattr(jax, "shard_map"):  # jax >= 0.7 (0.10.2 and 0.12 both have it)
+    def _shard_map(f, mesh, in_specs, out_specs):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+else:  # older jax: the experimental entry point
+    from jax.experimental.shard_map import shard_map as _exp_shard_map
+
+    def _shard_map(f, mesh, in_specs, out_specs):
+        return _exp_shard_map(f, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def data_mesh(n: int | None = None, axis: str = "data") -> Mesh:
+    """A one-axis mesh over the first `n` devices (all of them by default)."""
+    devices = jax.devices()
+    n = len(devices) if n is None else n
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= len(devices):
+        raise ValueError(f"n must be an int in [1, {len(devices)}] (the devices jax sees), got {n!r}")
+    return Mesh(np.array(devices[:n]), (axis,))
+
+
+def _check_mesh(mesh) -> str:
+    if not isinstance(mesh, Mesh) or len(mesh.axis_names) != 1:
+        raise ValueError(f"mesh must be a one-axis jax.sharding.Mesh (e.g. parallel.data_mesh(n)), got {mesh!r}")
+    return mesh.axis_names[0]
+
+
+def store_mesh(store: KVStore) -> Mesh:
+    return store.seq_lens.sharding.mesh
+
+
+def num_ranks(mesh: Mesh) -> int:
+    return int(mesh.devices.size)
+
+
+def stacked_shardings(spec: StoreSpec, mesh: Mesh) -> KVStore:
+    """A KVStore of `NamedSharding(mesh, P(axis))`, each with the memory kind of the one-device store's leaf
+    (`state.store_shardings`: the host pools pinned_host, the rest device)."""
+    axis = _check_mesh(mesh)
+    one = store_shardings(spec, mesh.devices.flat[0])
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, P(axis), memory_kind=s.memory_kind), one)
+
+
+def _squeeze(tree):
+    return jax.tree_util.tree_map(lambda x: x[0], tree)
+
+
+def _expand(tree):
+    return jax.tree_util.tree_map(lambda x: x[None], tree)
+
+
+@functools.lru_cache(maxsize=64)
+def _as_slice(sharding):
+    # a one-store leaf -> the [1, ...] slice of the stacked leaf, on the same device and memory kind
+    return jax.jit(lambda x: x[None], out_shardings=sharding)
+
+
+def new_stacked_store(caches, mesh: Mesh) -> KVStore:
+    """The stacked store of `caches` (one `TieredCache` per rank, all with one `StoreSpec`): rank r's empty store
+    (`state.init_store`) built on device r and placed as slice r; then each rank's pending updates applied."""
+    n = num_ranks(mesh)
+    _check_mesh(mesh)
+    if len(caches) != n:
+        raise ValueError(f"need one TieredCache per rank: {n} ranks, {len(caches)} caches")
+    spec = caches[0].spec
+    if any(c.spec != spec for c in caches):
+        raise ValueError("every rank's TieredCache must have the same StoreSpec")
+    shardings = stacked_shardings(spec, mesh)
+    per_rank = []
+    for dev in mesh.devices.flat:
+        one = init_store(spec, dev)
+        per_rank.append(jax.tree_util.tree_map(lambda x: _as_slice(x.sharding)(x), one))
+    leaves = [jax.tree_util.tree_leaves(s) for s in per_rank]
+    treedef = jax.tree_util.tree_structure(per_rank[0])
+    out = [jax.make_array_from_single_device_arrays((n,) + parts[0].shape[1:], sh, list(parts))
+           for parts, sh in zip(zip(*leaves), jax.tree_util.tree_leaves(shardings))]
+    return apply_rank_updates(jax.tree_util.tree_unflatten(treedef, out), caches)
+
+
+# ----- the one-store functions, run per rank -------------------------------------------------------------
+@functools.lru_cache(maxsize=64)
+def _per_rank(fn, mesh: Mesh):
+    """fn(store, *args) -> store (one store), as a jitted shard_map over the stacked store (donated) and stacked
+    args ([N, ...] each, rank r's on device r)."""
+    axis = _check_mesh(mesh)
+
+    def body(store, *args):
+        return _expand(fn(_squeeze(store), *(a[0] for a in args)))
+
+    def call(store, *args):
+        specs = (P(axis),) * (1 + len(args))
+        return _shard_map(body, mesh, specs, P(axis))(store, *args)
+
+    return jax.jit(call, donate_argnums=(0,))
+
+
+def _put(mesh: Mesh, arrays) -> jax.Array:
+    """Stack per-rank arrays (equal shapes) on a new axis 0, rank r's part on device r."""
+    return jax.device_put(np.stack(arrays), NamedSharding(mesh, P(_check_mesh(mesh))))
+
+
+def _call(u):
+    """(the kind of kv.device's jitted one-store function, its arguments as NumPy) for one update."""
+    if isinstance(u, SetTables):
+        rows = [np.int32(u.slot), np.asarray(u.block_row), np.asarray(u.host_row), np.asarray(u.index_row),
+                np.int32(u.seq_len)]
+        return ("rows", rows) if u.hot_row is None else ("tables", rows + [np.asarray(u.hot_row)])
+    if isinstance(u, ClearStamps):
+        return "stamps", [np.int32(u.slot)]
+    if isinstance(u, ReleasePages):
+        return "release", [np.asarray(u.req), np.asarray(u.page_idx)]
+    if isinstance(u, LoadPages):
+        return "load", [np.asarray(u.host_pages), np.asarray(u.device_pages)]
+    raise TypeError(f"unknown store update {u!r}")
+
+
+def _functions():
+    return {"rows": kv_device._set_rows, "tables": kv_device._set_tables, "stamps": kv_device._clear_page_stamps,
+            "release": kv_device._release, "load": kv_device._load_pages}
+
+
+def _noop(kind: str, spec: StoreSpec, like: list) -> list:
+    """Arguments for which the one-store function changes nothing: an out-of-range slot (its scatters drop the
+    row) or page lists of -1 (skipped)."""
+    if kind in ("rows", "tables", "stamps"):
+        return [np.int32(spec.max_seqs)] + [np.asarray(a) for a in like[1:]]
+    return [np.full_like(a, -1) for a in like]
+
+
+def _pad(a: np.ndarray, n: int) -> np.ndarray:
+    return a if a.shape[0] == n else np.concatenate([a, np.full(n - a.shape[0], -1, a.dtype)])
+
+
+def apply_rank_updates(store: KVStore, caches) -> KVStore:
+    """Apply (and clear) each rank's pending `cache.updates` to its slice, each rank in its own order: round k
+    applies every rank's k-th update, one shard_map call per kind of update in the round (ranks without one
+    of that kind get no-op arguments)."""
+    mesh = store_mesh(store)
+    spec = store.spec
+    pending = [[_call(u) for u in c.take_updates()] for c in caches]
+    fns = _functions()
+    for k in range(max((len(p) for p in pending), default=0)):
+        kinds = {p[k][0] for p in pending if len(p) > k}
+        for kind in sorted(kinds):
+            mine = {r: p[k][1] for r, p in enumerate(pending) if len(p) > k and p[k][0] == kind}
+            like = next(iter(mine.values()))
+            if kind in ("release", "load"):  # page lists: pad every rank's to the longest
+                width = max(a[0].shape[0] for a in mine.values())
+                mine = {r: [_pad(a, width) for a in args] for r, args in mine.items()}
+                like = next(iter(mine.values()))
+            args = [mine.get(r) or _noop(kind, spec, like) for r in range(len(caches))]
+            stacked = [_put(mesh, [a[i] for a in args]) for i in range(len(like))]
+            store = _per_rank(fns[kind], mesh)(store, *stacked)
+    return store
+
+
+def reserve_next_ranks(store: KVStore, caches, slots, n: int = 1) -> KVStore:
+    """`kv.device.reserve_next` per rank: slots[r] are rank r's request slots (-1: padding) about to append `n`
+    tokens each; their pages are reserved in rank r's cache and every rank's updates applied."""
+    for cache, rank_slots in zip(caches, slots):
+        for s in rank_slots:
+            if s >= 0:
+                cache.reserve(s, cache.lengths[s] + n)
+    return apply_rank_updates(store, caches)
+
+
+def admit_prefilled_ranks(store: KVStore, caches, prompts: dict) -> tuple[KVStore, dict]:
+    """Admit at most one prompt per rank and write its rows into that rank's slice, all ranks in one call:
+    prompts {rank: (latent [L, T, C], rope [L, T, R], index_k [LI, T, dI], length)} (rows as from
+    `generate.prefill_rows`; T may differ between ranks). Returns (store, {rank: slot})."""
+    mesh = store_mesh(store)
+    spec = store.spec
+    slots = {}
+    for r, (latent, _, _, length) in prompts.items():
+        slots[r] = caches[r].admit(length)
+        caches[r].record_prefill(slots[r], length, 0, rows=latent.shape[1])
+    store = apply_rank_updates(store, caches)
+    T = max(v[0].shape[1] for v in prompts.values())
+    first = next(iter(prompts.values()))
+
+    def rows(r, i):
+        if r not in prompts:
+            return np.zeros(first[i].shape[:1] + (T,) + first[i].shape[2:], first[i].dtype)
+        a = np.asarray(prompts[r][i])
+        return np.pad(a, ((0, 0), (0, T - a.shape[1])) + ((0, 0),) * (a.ndim - 2))
+
+    n = num_ranks(mesh)
+    # a rank without a prompt writes 0 rows into the out-of-range slot: nothing
+    req = _put(mesh, [np.int32(slots.get(r, spec.max_seqs)) for r in range(n)])
+    length = _put(mesh, [np.int32(prompts[r][3] if r in prompts else 0) for r in range(n)])
+    zero = _put(mesh, [np.int32(0)] * n)
+    latent, rope, index_k = (_put(mesh, [rows(r, i) for r in range(n)]) for i in range(3))
+    store = _per_rank(kv_device._write_prefill, mesh)(store, req, latent, rope, index_k, length, zero, zero)
+    return store, slots
+
+
+# ----- the sharded decode step -------------------------------------------------------------------------------
+def replicate(tree, mesh: Mesh):
+    """Put `tree` (e.g. a model's `nnx.split` state) on every device of `mesh`: `NamedSharding(mesh, P())`."""
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+@functools.lru_cache(maxsize=32)
+def sharded_step(graphdef, mesh: Mesh, kernels: str = "reference"):
+    """`runner.step_impl` per rank as one jitted shard_map over the mesh's axis:
+    step(state, store, batch) -> (logits f32[N, B, V], store, stats with a leading [N]).
+
+    state: the model's parameters (`nnx.split`), replicated (`P()`); store: the stacked store (donated);
+    batch: {"tokens", "req"} int32[N, B] and optionally "index_span" int32[N, P], sharded on the axis — rank r
+    decodes rows batch[.][r] against its own slice."""
+    from hisparse_jax.engine.runner import step_impl
+    from hisparse_jax.kv.tiered import check_kernels
+
+    kernels = check_kernels(kernels)
+    axis = _check_mesh(mesh)
+
+    def body(state, store, batch):
+        logits, store, stats = step_impl(nnx.merge(graphdef, state), _squeeze(store), _squeeze(batch), kernels)
+        return logits[None], _expand(store), _expand(stats)
+
+    def step(state, store, batch):
+        return _shard_map(body, mesh, (P(), P(axis), P(axis)), P(axis))(state, store, batch)
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+def put_batch(mesh: Mesh, batch: dict) -> dict:
+    """Place a batch of [N, ...] NumPy arrays with axis 0 on the mesh's axis (rank r's rows on device r)."""
+    sh = NamedSharding(mesh, P(_check_mesh(mesh)))
+    return {k: jax.device_put(np.asarray(v), sh) for k, v in batch.items()}
+
+
+def place_round_robin(num_prompts: int, n: int) -> list[list[int]]:
+    """The prompts each rank serves: prompt i on rank i % n (in prompt order within a rank)."""
+    return [list(range(r, num_prompts, n)) for r in range(n)]
+
+
+__all__ = ["data_mesh", "stacked_shardings", "new_stacked_store", "apply_rank_updates", "reserve_next_ranks",
+           "admit_prefilled_ranks", "replicate", "sharded_step", "put_batch", "place_round_robin", "store_mesh",
+           "num_ranks"]
+
