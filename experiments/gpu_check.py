@@ -37,6 +37,10 @@ stops starting sections once --budget-s is spent, and trims the last one's timeo
 * mla_big_pool (35 s): sparse_mla_decode on the store's stacked fp8 pools [L, P, 64, C] of > 4 GiB read at
   the last layer with `layer=` (byte offsets past 2**32): correctness vs the reference, then timing.
 
+Every kernel run also carries the traffic model's bytes for its shapes and plan (`pallas_kernels/traffic.py`:
+model_bytes, model_ideal_bytes, traffic_model) and, when timed with the ceilings known, the model's time at
+the measured device-copy read+write rate (model_s_at_d2d) and model time / measured time (roofline_fraction).
+
 Kernel and decode times are N calls chained inside one jitted `lax.fori_loop` (each call's input depends on
 the previous call's output, so nothing is hoisted) divided by N: per-call dispatch (20-60 us) is larger than
 a kernel's ideal time. Ceilings and fetches are large enough to be timed per call.
@@ -468,6 +472,26 @@ def d2d_ceiling(ctx: Ctx) -> dict | None:
     return {"copy_gb_per_s": c["gb_per_s"], "rw_gb_per_s": c.get("rw_gb_per_s") or 2 * c["gb_per_s"]}
 
 
+def traffic_fields(ctx: Ctx, rec: dict, model: Callable[[], object]) -> dict:
+    """The traffic model's bytes for a kernel run (`pallas_kernels/traffic.py`: bytes the kernel reads and
+    writes from its grid, blocks and passes, and the ideal) and, when the run was timed and the ceilings are
+    known, the model's time at the measured device-copy traffic rate and model time / measured time (the
+    roofline fraction). `model()` returns a `traffic.Traffic`; a failure is recorded, never raised."""
+    try:
+        t = model()
+    except Exception:  # noqa: BLE001
+        return {"traffic_model_error": traceback.format_exc(limit=4)}
+    out = {"traffic_model": t.to_json(), "model_read_bytes": t.read_bytes, "model_write_bytes": t.write_bytes,
+           "model_bytes": t.total_bytes, "model_ideal_bytes": t.ideal_bytes, "model_vs_ideal": t.ratio}
+    ceil = d2d_ceiling(ctx)
+    if rec.get("timed") and ceil and rec.get("kernel_s"):
+        rate = ceil["rw_gb_per_s"] * GB
+        out.update(model_s_at_d2d=t.total_bytes / rate, ideal_s_at_d2d=t.ideal_bytes / rate,
+                   roofline_fraction=t.total_bytes / rate / rec["kernel_s"],
+                   ideal_roofline_fraction=t.ideal_bytes / rate / rec["kernel_s"])
+    return out
+
+
 
 # ----- timing inside one jitted loop ------------------------------------------------------------------
 def nudge(v, out):
@@ -606,6 +630,10 @@ def _kernel_indexer(ctx, S: int, kd: str, seed: int) -> dict:
         rec["keys_read_once_s_at_d2d"] = t_read
         rec["kernel_vs_keys_read_once"] = rec["kernel_s"] / t_read
         rec["reference_vs_keys_read_once"] = rec["reference_s"] / t_read
+    from pallas_kernels import traffic
+
+    rec.update(traffic_fields(ctx, rec, lambda: traffic.indexer_topk_traffic(
+        B, I, D, S, topk, key_dtype=kd, query_dtype=str(args[0].dtype), seq_lens=seq_lens.tolist())))
     return rec
 
 
@@ -677,7 +705,26 @@ def _kernel_gather(ctx, seed: int) -> dict:
     step = lambda v, o: (o[7], o[8], v[2] + 1)  # noqa: E731
     rec.update(_time_pair(ctx, call(kern), call(ref), tuple(args[5:]), tuple(args[:5]), step, nbytes))
     rec["timing_note"] = "later calls see the hot state the previous call left (more hits than the first)"
+    rec.update(traffic_fields(ctx, rec, lambda: _gather_loop_traffic(ref, args, want, HR, S // 64, sz["loop_n"])))
     return rec
+
+
+def _gather_loop_traffic(ref, args, want, HR: int, MP: int, n: int):
+    """The traffic model of one call of the timing loop: its first call (the case's state: random stamps,
+    maybe the O(HR^2) ranking) and n - 1 calls on the state the previous call left, averaged per call."""
+    from pallas_kernels import traffic
+
+    B, K = args[0].shape
+    first = traffic.gather_plan_counts(args[0], args[1], args[2], args[4], args[6], *want[2:5], hot_rows=HR)
+    nxt = [np.asarray(x) for x in ref(*args[:5], want[7], want[8], args[7] + 1)]
+    later = traffic.gather_plan_counts(args[0], args[1], args[2], args[4], want[8], *nxt[2:5], hot_rows=HR)
+    t1 = traffic.sparse_gather_traffic(B, K, HR, MP, **first)
+    t2 = traffic.sparse_gather_traffic(B, K, HR, MP, **later)
+    mean = lambda a, b: (a + (n - 1) * b) // max(n, 1)  # noqa: E731
+    return traffic.Traffic(mean(t1.read_bytes, t2.read_bytes), mean(t1.write_bytes, t2.write_bytes),
+                           mean(t1.ideal_bytes, t2.ideal_bytes), t2.launches,
+                           f"mean of 1 first call ({first}) and {n - 1} later calls ({later}); later: {t2.notes}",
+                           t2.passes, t2.reference_bytes)
 
 
 def _mla_case(seed: int, B: int, H: int, C: int, R: int, K: int, pool: str, q_dtype):
@@ -747,6 +794,10 @@ def _kernel_mla(ctx, H: int, pool: str, q_name: str, seed: int) -> dict:
     call = lambda f: lambda v, c: f(c[0], v, *c[1], **c[2])  # noqa: E731  (v: q_rope, nudged per call)
     rec.update(_time_pair(ctx, call(kern), call(ref), args[1], (args[0], args[2:], kw), nudge,
                           n_valid * row_bytes))
+    from pallas_kernels import traffic
+
+    rec.update(traffic_fields(ctx, rec, lambda: traffic.sparse_mla_decode_traffic(
+        B, H, C, R, K, kv_dtype=pool, query_dtype=q_name, valid_rows=n_valid)))
     return rec
 
 def _kernel_line(r: dict) -> str:
@@ -768,6 +819,9 @@ def _kernel_line(r: dict) -> str:
             s += f" ({100 * r['kernel_vs_d2d_rw']:.1f}% d2d)"
     if r.get("kernel_vs_keys_read_once") is not None:
         s += f"  x{r['kernel_vs_keys_read_once']:.1f} of keys-read-once"
+    if r.get("roofline_fraction") is not None:
+        s += f"  model {r['model_bytes'] / MIB:.1f} MiB: {r['model_s_at_d2d'] * 1e3:.3f} ms, roofline " \
+             f"{100 * r['roofline_fraction']:.0f}%"
     return s
 
 
@@ -821,7 +875,10 @@ def _run_variants(ctx, plan) -> dict:
 KERNEL_CONVENTION = ("kernel_s / reference_s: time per call from N chained calls in one jitted fori_loop / N; "
                      "kernel_gb_per_s = bytes the kernel must read / time per call; kernel_vs_d2d_rw compares it with "
                      "the d2d copy's read+write traffic rate (kernel_vs_d2d_copy: with bytes copied / s); indexer: "
-                     "kernel time / time to read the keys once at the d2d traffic rate")
+                     "kernel time / time to read the keys once at the d2d traffic rate; model_bytes = the "
+                     "traffic model's bytes read + written per call (pallas_kernels/traffic.py), model_s_at_d2d = "
+                     "model_bytes / the d2d read+write rate, roofline_fraction = model_s_at_d2d / kernel_s "
+                     "(ideal_*: the model's ideal bytes, each input read once)")
 
 
 # ----- sections: kernels ------------------------------------------------------------------------------
@@ -907,6 +964,10 @@ def _stacked_pool(ctx, L: int, P: int, H: int, B: int, K: int, C: int, R: int, s
     ctx.checkpoint(rec)
     call = lambda f: lambda v, c: f(c[0], v, *c[1], **c[2])  # noqa: E731
     rec.update(_time_pair(ctx, call(kern), call(ref), q_rope, (q_lat, pools, kw), nudge, n * row_bytes))
+    from pallas_kernels import traffic
+
+    rec.update(traffic_fields(ctx, rec, lambda: traffic.sparse_mla_decode_traffic(
+        B, H, C, R, K, kv_dtype="fp8", query_dtype="bf16", valid_rows=n)))
     return rec
 
 

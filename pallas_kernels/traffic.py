@@ -1,0 +1,445 @@
+"""Memory-traffic model of the three Pallas kernels: global-memory bytes read and written per call, from each
+kernel's grid, BlockSpecs, explicit loads / stores and passes, next to the ideal (each input byte read once,
+each output byte written once). Pure Python: no jax work at import or call.
+
+    t = sparse_mla_decode_traffic(64, 128, 512, 64, 2048, kv_dtype="fp8", query_dtype="bfloat16")
+    t.read_bytes, t.write_bytes, t.ideal_bytes, t.ratio, t.launches, t.notes, t.passes
+
+What is counted. The kernels use the Triton backend, where a BlockSpec only offsets a pointer: a program
+moves exactly the elements its body loads or stores. Whole-array specs (the pools, the tables) cost nothing
+by themselves; `ref[...]` on a blocked ref moves the block; `ref[i]`, `ref[pl.ds(..)]` and `plgpu.load` /
+`plgpu.store` with vector indices move their elements, a masked one only its active lanes. Every load the
+kernel source issues is counted, once per program that issues it (a value re-read by many programs, such as
+the indexer's q block, counts every time). That is the traffic the kernel asks of the memory system:
+
+* an upper bound on HBM bytes where L2 (50 MB on an H100/H200) absorbs re-reads of a small working set
+  (the indexer's int32 key buffer is 2 MB for 4 rows at 128K; the per-program q / candidate re-reads);
+* a lower bound where a gather moves whole 32-byte sectors for fewer useful bytes (the resolver's int32 table
+  gathers, the decode kernel's 4-byte fp8 scales: its four scales per row share one sector);
+* with the compiler's CSE of repeated loads of one address inside a program ignored.
+
+Each function also adds the XLA glue its wrapper runs around the `pallas_call`s (padding, the radix
+digit sums, the split-K merge, ...), as passes of kind "xla", estimated as one read of each operand and one
+write of each result per fusion; they are marked in `passes` and are small except the decode's split-K
+partials. `launches` counts `pallas_call` launches only.
+
+`tests/test_traffic.py` checks every "pallas" pass exactly: it runs each wrapper with `pl.pallas_call`
+replaced by a grid loop that executes the kernel body in Python on recording refs (every element a program
+loads or stores is counted, masked lanes excluded) and compares the bytes per pass with these formulas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Sequence
+
+from pallas_kernels.common import FP8_BLOCK, PAGE
+from pallas_kernels.indexer_topk.kernel import (COUNT_SUB, MAX_CHUNK, MIN_DOT, PAGES_PER_BLOCK, RADIX_BITS,
+                                                RANK_COLS, RANK_ROWS)
+from pallas_kernels.sparse_gather.kernel import MAX_TILE
+from pallas_kernels.sparse_mla_decode.kernel import TARGET_PROGRAMS
+
+__all__ = ["Pass", "Traffic", "dtype_bytes", "gather_plan_counts", "indexer_topk_traffic", "mla_decode_blocks",
+           "production_shapes", "roofline", "sparse_gather_traffic", "sparse_mla_decode_traffic"]
+
+I32 = 4
+F32 = 4
+
+_DTYPE_BYTES = {"fp8": 1, "float8_e4m3fn": 1, "e4m3": 1, "bf16": 2, "bfloat16": 2, "float32": 4, "f32": 4,
+                "int32": 4, "bool": 1}
+
+
+def dtype_bytes(name) -> int:
+    """Bytes per element of a dtype name ("fp8" / "float8_e4m3fn", "bf16" / "bfloat16", "float32" / "f32")."""
+    key = str(name)
+    if key not in _DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {name!r}; one of {sorted(_DTYPE_BYTES)}")
+    return _DTYPE_BYTES[key]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """One launch group of a call: a `pallas_call` (kind "pallas", counted exactly) or an XLA glue fusion
+    (kind "xla", estimated). `launches` is the number of `pallas_call` launches it stands for."""
+    name: str
+    read_bytes: int
+    write_bytes: int
+    launches: int = 1
+    kind: str = "pallas"
+
+    @property
+    def total_bytes(self) -> int:
+        return self.read_bytes + self.write_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """Bytes one call moves (all passes, glue included), the ideal, Pallas launches, and what dominates."""
+    read_bytes: int
+    write_bytes: int
+    ideal_bytes: int
+    launches: int
+    notes: str
+    passes: tuple = ()  # Pass records, in execution order (same name = summed)
+    reference_bytes: int = 0  # the v2 target's yardstick: keys read once / selected rows read once / 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.read_bytes + self.write_bytes
+
+    @property
+    def ratio(self) -> float:
+        """total / ideal (>= 1)."""
+        return self.total_bytes / self.ideal_bytes
+
+    @property
+    def pallas_bytes(self) -> int:
+        return sum(p.total_bytes for p in self.passes if p.kind == "pallas")
+
+    def time_s(self, bytes_per_s: float) -> float:
+        """The call's time if every byte moved at `bytes_per_s` (read + write traffic rate)."""
+        return self.total_bytes / bytes_per_s
+
+    def by_pass(self, kind: str | None = None) -> dict:
+        """{pass name: (read, write)} summed over passes of one name (optionally of one kind)."""
+        out: dict = {}
+        for p in self.passes:
+            if kind is None or p.kind == kind:
+                r, w = out.get(p.name, (0, 0))
+                out[p.name] = (r + p.read_bytes, w + p.write_bytes)
+        return out
+
+    def to_json(self) -> dict:
+        return {"read_bytes": self.read_bytes, "write_bytes": self.write_bytes, "total_bytes": self.total_bytes,
+                "ideal_bytes": self.ideal_bytes, "ratio": self.ratio, "launches": self.launches,
+                "reference_bytes": self.reference_bytes,
+                "total_vs_reference": self.total_bytes / self.reference_bytes if self.reference_bytes else None,
+                "notes": self.notes,
+                "passes": [{"name": n, "read_bytes": r, "write_bytes": w,
+                            "kind": next(p.kind for p in self.passes if p.name == n)}
+                           for n, (r, w) in self.by_pass().items()]}
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _make(passes: Sequence[Pass], ideal: int, why: str, reference: int = 0, excess: dict | None = None) -> Traffic:
+    read = sum(p.read_bytes for p in passes)
+    write = sum(p.write_bytes for p in passes)
+    total = read + write
+    shares = sorted(((r + w, n) for n, (r, w) in Traffic(0, 0, 1, 0, "", tuple(passes)).by_pass().items()),
+                    reverse=True)
+    top = ", ".join(f"{n} {100 * b / total:.0f}%" for b, n in shares[:3] if b)
+    notes = f"{why} Largest passes: {top}."
+    if excess:
+        parts = sorted(((k, v) for k, v in excess.items() if v), key=lambda kv: -kv[1])
+        rest = total - ideal - sum(excess.values())
+        notes += (f" Excess over ideal {_mb(total - ideal)}: " + ", ".join(f"{k} {_mb(v)}" for k, v in parts)
+                  + f", other {_mb(rest)}.")
+    return Traffic(read, write, ideal, sum(p.launches for p in passes if p.kind == "pallas"), notes, tuple(passes),
+                   reference)
+
+
+# ----- indexer top-k --------------------------------------------------------------------------------------
+def indexer_topk_traffic(batch: int, index_heads: int, index_dim: int, seq_len: int, topk: int, *,
+                         key_dtype: str = "fp8", query_dtype: str = "bfloat16",
+                         seq_lens: Iterable[int] | None = None, max_pages: int | None = None, page: int = PAGE,
+                         max_chunk: int = MAX_CHUNK) -> Traffic:
+    """`indexer_topk(q [B, I, dI], w, k_pages, block_table [B, MP], seq_lens, topk=K)` (or `_chunked` with
+    `max_chunk`). seq_len: the context the block table covers (MP = ceil(seq_len / page) unless max_pages);
+    seq_lens: the live length of each row (default: every row seq_len). key_dtype "fp8" (e4m3 keys + one f32
+    scale per key), "bf16" or "float32"; query_dtype: q as passed.
+
+    Shapes of the wrapper (kernel.py `indexer_topk_chunked`): Ip = max(MIN_DOT, next_pow2(I)) padded heads;
+    chunk = max(page, min(max_chunk, next_pow2(MP * page))); ppb = min(PAGES_PER_BLOCK, chunk / page);
+    Sp = MP * page rounded up to chunk; NC = Sp / chunk; k_eff = min(K, Sp); 2**RADIX_BITS candidates.
+    The kernel-side q is bf16 for fp8 keys (the e4m3 values of the quantized q) and for bf16 q with bf16 keys,
+    float32 otherwise.
+
+    1. `_score_kernel`, grid (B, Sp / (ppb * page)): per program `seq_ref[b]` (4 B), `q_ref[...]` (Ip * dI),
+       `w_ref[...]` (Ip * 4); per page whose start < seq_len (the `lax.cond`): `bt_ref[i]` (4 B), `k_ref[pg]`
+       (page * dI key bytes) and for fp8 `ks_ref[pg]` (page * 4); writes ppb * page int32 keys (every page).
+    2. `_count_kernel`, 32 / RADIX_BITS launches, grid (B, NC): `cand_ref[...]` (2**RADIX_BITS * 4), the
+       chunk's keys (chunk * 4, in COUNT_SUB steps); writes 2**RADIX_BITS * 4 counts.
+    3. `_tie_count_kernel`, grid (B, NC): `thr_ref[b]`, chunk * 4 keys; writes 2 * 4.
+    4. `_compact_kernel`, grid (B, NC): 4 scalars (thr, eq_off, need, sel_off) + chunk * 4 keys; the masked
+       scatters write (key, position) of the k_eff selected keys of the row: k_eff * 8 per row.
+    5. `_rank_kernel`, grid (B, K / RANK_ROWS): `seq_ref[b]`, its rows' (key, position) (rows * 8) and all K
+       candidates (K * 8, RANK_COLS at a time); scatters rows * 4 positions.
+
+    So the int32 key buffer is written once and read 32 / RADIX_BITS + 2 times (10 with RADIX_BITS = 4), and q
+    is re-read by each of the Sp / (ppb * page) score programs of a row (Ip * dI * 2 B per 512 positions
+    at dI 128 in bf16: 32 B per position for 64 heads, 24% of an fp8 key's 132 B).
+
+    XLA glue (estimated): q rotation / quantization / padding, block-table padding, the per-round digit sums
+    over [B, NC, 2**RADIX_BITS] counts, the tie offsets and the candidate-buffer init (2 * B * (K + chunk) * 4).
+    Ideal: q, w, seq_lens, the live block-table entries and the live keys (+ fp8 scales) read once, the
+    [B, K] int32 result written once. reference_bytes: the live keys (+ scales) read once (the v2 target
+    is total <= 2.5 x that at 128K).
+    """
+    B, I, D, K = batch, index_heads, index_dim, topk
+    kb = dtype_bytes(key_dtype)
+    qb_in = dtype_bytes(query_dtype)
+    fp8 = kb == 1
+    qb = 2 if (fp8 or (qb_in == 2 and kb == 2)) else 4  # the kernel-side q (bf16 tensor-core path or f32)
+    MP = max_pages if max_pages is not None else _cdiv(seq_len, page)
+    S = MP * page
+    lens = [min(max(int(n), 0), S) for n in (seq_lens if seq_lens is not None else [seq_len] * B)]
+    if len(lens) != B:
+        raise ValueError(f"seq_lens has {len(lens)} rows, batch is {B}")
+    Ip = max(MIN_DOT, _next_pow2(I))
+    chunk = max(page, min(max_chunk, _next_pow2(S)))
+    ppb = min(PAGES_PER_BLOCK, chunk // page)
+    Sp = _cdiv(S, chunk) * chunk
+    NC = Sp // chunk
+    NK = 1 << RADIX_BITS
+    rounds = 32 // RADIX_BITS
+    k_eff = min(K, Sp)
+    rows, cols = min(RANK_ROWS, K), min(RANK_COLS, K)
+    assert chunk % min(COUNT_SUB, chunk) == 0 and K % cols == 0
+
+    live_pages = sum(_cdiv(n, page) for n in lens)
+    key_row = page * (D * kb + (F32 if fp8 else 0))  # one page of keys (+ its fp8 scales)
+    score_programs = B * (Sp // (ppb * page))
+    passes = [
+        Pass("xla: q / w prep", B * I * (D * qb_in + F32), B * Ip * (D * qb + F32), 0, "xla")
+        if (fp8 or Ip != I or qb != qb_in) else None,
+        Pass("xla: block-table pad", B * MP * I32, B * (Sp // page) * I32, 0, "xla") if Sp // page != MP else None,
+        Pass("scores", score_programs * (I32 + Ip * D * qb + Ip * F32) + live_pages * (I32 + key_row), B * Sp * I32),
+        Pass("radix count", rounds * B * NC * (NK * I32 + chunk * I32), rounds * B * NC * NK * I32, rounds),
+        Pass("xla: radix digit sums", rounds * (B * NC * NK * I32 + B * I32), rounds * (B * NK * I32 + B * I32),
+             0, "xla"),
+        Pass("tie counts", B * NC * (I32 + chunk * I32), B * NC * 2 * I32),
+        Pass("xla: tie offsets + candidate init", 2 * B * NC * I32, 2 * B * NC * I32 + B * I32
+             + 2 * B * (K + chunk) * I32, 0, "xla"),
+        Pass("compact", B * NC * (4 * I32 + chunk * I32), B * k_eff * 2 * I32),
+        Pass("rank", B * (K // rows) * (I32 + rows * 2 * I32 + K * 2 * I32), B * K * I32),
+    ]
+    passes = [p for p in passes if p is not None]
+    keys_once = sum(n * (D * kb + (F32 if fp8 else 0)) for n in lens)
+    ideal = B * I * (D * qb_in + F32) + B * I32 + live_pages * I32 + keys_once + B * K * I32
+    why = (f"The live keys are read once ({keys_once} B); the int32 score buffer is written once and read "
+           f"{rounds + 2} times (radix rounds + ties + compact), q is re-read by every score program "
+           f"({Sp // (ppb * page)} per row) and the rank pass reads all K candidates per {rows} ranked.")
+    excess = {"int32 score buffer (1 write + %d reads)" % (rounds + 2): (rounds + 3) * B * Sp * I32,
+              "q / w re-read per score program": score_programs * (Ip * D * qb + Ip * F32) - B * I * (D * qb_in + F32),
+              "rank (all K candidates per %d ranked)" % rows: B * (K // rows) * (I32 + rows * 2 * I32 + K * 2 * I32)}
+    return _make(passes, ideal, why, keys_once, excess)
+
+
+# ----- sparse gather (the resolver) -----------------------------------------------------------------------
+def sparse_gather_traffic(batch: int, topk: int, hot_rows: int, max_pages: int, *,
+                          resident: int | None = None, hits: int | None = None, misses: int | None = None,
+                          resident_frac: float = 0.25, hit_frac: float = 0.5, no_copy: int = 0,
+                          live_rows: int | None = None, hot_rows_live: int | None = None,
+                          scan_tiles: int | None = None, empty_slots: int = 0, canonical: bool = True,
+                          hot_pages_width: int | None = None, out_of_range: int = 0) -> Traffic:
+    """`sparse_gather(topk [B, K], req, block_table / host_table [Rq, MP], hot_pages [Rq, NH],
+    hot_token / hot_stamp [Rq, HR], clock, hot_rows=HR)`; all tables int32.
+
+    The traffic depends on the plan, given as totals over the B rows (defaults: every row live with a hot
+    buffer, every top-k slot valid, resident = resident_frac of them, hits = hit_frac of the rest, the
+    others misses): resident / hits / misses (kinds 1 / 2 / 3 of the lookup); no_copy: positions that
+    wanted the hot buffer but have no hot or host copy (kind 0); live_rows (req >= 0), hot_rows_live (live
+    with a hot buffer: only they run the LRU update); scan_tiles: lookup tiles holding a position the hot
+    buffer may serve (default every tile of a hot row: only they scan the HR tags); empty_slots: hot_stamp
+    == -1 slots of the hot rows' requests; canonical: stamps are the resolver's own ranks (False: the
+    O(HR^2) `general` ranking runs); out_of_range: top-k lanes whose page index is >= MP. HR >= K
+    (`check_shapes`), so every miss finds a victim.
+
+    Tiles (kernel.py `sparse_gather`): TK = min(MAX_TILE, next_pow2(K)), Kp = K rounded up to TK, TS = the
+    largest power of two <= MAX_TILE dividing HR.
+
+    1. `_lookup_kernel`, grid (B, Kp / TK): `req_ref[b]`, the tile's top-k (TK * 4), the block-table gather
+       (in-range lanes * 4), `hot_ok_ref[b]`, the host-table gather (wanting lanes * 4), and when a lane wants
+       the hot buffer the request's whole tag row, HR * 4, in TS steps; writes kind and addr (TK * 8).
+       The tag scan is HR * 4 per tile: Kp / TK * HR * 4 per hot row, the resolver's dominant term.
+    2. `_assign_kernel`, grid (B,): `req_ref[b]`, the kinds (Kp * 4, miss count) and `hot_ok_ref[b]`; for
+       a hot row (lru_update): fill work (w HR*4); claim: stamps (r HR*4), scatter (w in-range stamps*4);
+       check: stamps (r HR*4), gather (r in-range*4); canonical: below (r+w HR*4), slot_rank: stamps (r HR*4),
+       gather (r stamped*4), prev (w HR*4) -- or general: stamps (HR/TS + 1) * HR * 4 read, prev written;
+       fill work (w HR*4); touch: kind + addr (r Kp*8), prev gather and work scatter (r + w hits*4);
+       scan (r+w HR*4); rerank: prev (r HR*4), work gather (r HR*4), hot_stamp (w HR*4), order scatter
+       (w misses*4). Then for every row (assign): kind, addr, topk (r Kp*12), order (r misses*4), hot_pages
+       (r (hits+misses)*4), host_table (r misses*4); page, row, src (w Kp*12), hot_token (w misses*4).
+
+    XLA glue (estimated): `has_hot_buffer` (B rows of hot_pages), top-k padding when Kp > K, and the
+    outputs valid / resident / miss (bool) and src_row from the kinds and the top-k.
+    Ideal: top-k, req, per row min(K, MP) entries of each table, the hot_pages row, hot_token and hot_stamp
+    rows read once; the plan (4 int32 + 3 bool per slot) and both state rows written once.
+    reference_bytes: one read of the hot state (hot_token + hot_stamp + hot_pages rows): the v2 target is
+    that nothing but this grows with HR.
+    """
+    B, K, HR, MP = batch, topk, hot_rows, max_pages
+    if HR < K:
+        raise ValueError(f"hot_rows={HR} must be >= K={K}")
+    TK = min(MAX_TILE, _next_pow2(K))
+    Kp = _cdiv(K, TK) * TK
+    TS = min(MAX_TILE, HR & -HR)
+    NH = hot_pages_width if hot_pages_width is not None else _cdiv(HR, PAGE)
+    live = B if live_rows is None else live_rows
+    hot = live if hot_rows_live is None else hot_rows_live
+    valid = B * K
+    if resident is None:
+        resident = round(resident_frac * valid)
+    if hits is None:
+        hits = round(hit_frac * (valid - resident))
+    if misses is None:
+        misses = valid - resident - hits - no_copy
+    want = hits + misses + no_copy
+    in_range = B * Kp - out_of_range
+    tiles = scan_tiles if scan_tiles is not None else hot * (Kp // TK)
+    inr = hot * HR - empty_slots  # stamps in [0, HR) (canonical rows: every non-empty slot)
+
+    lookup = Pass("lookup", B * (Kp // TK) * (2 * I32 + TK * I32) + in_range * I32 + want * I32 + tiles * HR * I32,
+                  B * Kp * 2 * I32)
+    hr = hot * HR * I32
+    ranking_r = (2 * hr + (hr if canonical else 0) + inr * I32  # claim + check stamps, below, check gather
+                 + (hr + inr * I32 if canonical else hot * (HR // TS + 1) * HR * I32))  # slot_rank | general
+    ranking_w = hr + inr * I32 + (2 * hr if canonical else hr)  # fill, claim scatter, below + prev | prev
+    lru_r = ranking_r + hot * Kp * 2 * I32 + hits * I32 + hr + 2 * hr
+    lru_w = ranking_w + hr + hits * I32 + hr + hr + misses * I32
+    assign = Pass("assign", B * (2 * I32 + Kp * I32) + lru_r + B * Kp * 3 * I32 + misses * I32 + (hits + misses) * I32
+                  + misses * I32, lru_w + B * Kp * 3 * I32 + misses * I32)
+    glue = [Pass("xla: has_hot_buffer", B * I32 + B * NH * I32, B * I32, 0, "xla")]
+    if Kp != K:
+        glue.append(Pass("xla: top-k pad", B * K * I32, B * Kp * I32, 0, "xla"))
+    sliced = B * K * 3 * I32 if Kp != K else 0  # page / row / src_page [:, :K] copies
+    glue.append(Pass("xla: plan outputs", B * K * 2 * I32 + sliced, B * K * (3 + I32) + sliced, 0, "xla"))
+    passes = [glue[0], *glue[1:-1], lookup, assign, glue[-1]]
+    state_once = B * (2 * HR + NH) * I32
+    ideal = (B * K * I32 + B * I32 + 2 * B * min(K, MP) * I32 + state_once  # reads
+             + B * K * (4 * I32 + 3) + 2 * B * HR * I32)  # writes
+    per_slot = (lru_r + lru_w - hot * Kp * 2 * I32 - hits * 2 * I32 - misses * I32) / (hot * HR) if hot else 0.0
+    why = (f"The lookup scans a hot row's {HR} tags once per {TK}-position tile ({Kp // TK} x HR x 4 B per row); "
+           f"the LRU update reads or writes [HR] int32 rows ~{per_slot / I32:.0f} times ({per_slot:.0f} B per slot).")
+    excess = {"tag scans (lookup)": tiles * HR * I32 - hot * HR * I32,
+              "LRU passes over [HR] rows (assign)": lru_r + lru_w - hot * HR * 2 * I32 - hot * Kp * 2 * I32}
+    return _make(passes, ideal, why, state_once, excess)
+
+
+def gather_plan_counts(topk, req, block_table, hot_pages, hot_stamp, valid, resident, miss, *,
+                       hot_rows: int) -> dict:
+    """The plan keywords of `sparse_gather_traffic` for one call, from its inputs (topk, req, block_table,
+    hot_pages, hot_stamp: the state *before* the call) and its valid / resident / miss outputs (array-likes;
+    uses NumPy, imported here)."""
+    import numpy as np
+
+    topk, req, block_table, hot_pages, hot_stamp = (np.asarray(a) for a in (topk, req, block_table, hot_pages,
+                                                                            hot_stamp))
+    valid, resident, miss = (np.asarray(a, bool) for a in (valid, resident, miss))
+    B, K = topk.shape
+    MP = block_table.shape[1]
+    TK = min(MAX_TILE, _next_pow2(K))
+    Kp = _cdiv(K, TK) * TK
+    live = req >= 0
+    r = np.maximum(req, 0)
+    hot_ok = live & np.all(hot_pages[r, :_cdiv(hot_rows, PAGE)] >= 0, axis=1)
+    lp = np.maximum(topk, 0) // PAGE
+    in_range = lp < MP
+    dpage = np.where(in_range, block_table[r[:, None], np.where(in_range, lp, 0)], -1)
+    want = (topk >= 0) & live[:, None] & (dpage < 0) & hot_ok[:, None]
+    hits = valid & ~resident & ~miss
+    wantp = np.pad(want, ((0, 0), (0, Kp - K)))
+    st = hot_stamp[r[hot_ok]]
+    canonical = bool(all(((row >= -1) & (row < hot_rows)).all()
+                         and len(np.unique(row[row >= 0])) == int((row >= 0).sum()) for row in st))
+    return dict(resident=int(resident.sum()), hits=int(hits.sum()), misses=int(miss.sum()),
+                no_copy=int((want & ~hits & ~miss).sum()), live_rows=int(live.sum()),
+                hot_rows_live=int(hot_ok.sum()), scan_tiles=int(wantp.reshape(B, Kp // TK, TK).any(axis=2).sum()),
+                empty_slots=int((st == -1).sum()), canonical=canonical, out_of_range=int((~in_range).sum()))
+
+
+# ----- sparse MLA decode ----------------------------------------------------------------------------------
+def mla_decode_blocks(batch: int, heads: int, latent_dim: int, topk: int) -> dict:
+    """The wrapper's block sizes and split-K choice (kernel.py `sparse_mla_decode`)."""
+    bh = 16 if heads <= 16 else 32
+    bk = 32
+    hp = _cdiv(heads, bh) * bh
+    blocks = _cdiv(topk, bk)
+    splits = max(1, min(blocks, _next_pow2(_cdiv(TARGET_PROGRAMS, batch * (hp // bh)))))
+    steps = _cdiv(blocks, splits)
+    return {"bh": bh, "bk": bk, "cc": min(latent_dim, 128), "hp": hp, "splits": splits, "steps": steps,
+            "kp": splits * steps * bk, "grid": (batch, hp // bh, splits)}
+
+
+def sparse_mla_decode_traffic(batch: int, heads: int, latent_dim: int, rope_dim: int, topk: int, *,
+                              kv_dtype: str = "fp8", query_dtype: str = "bfloat16", rope_dtype: str = "bf16",
+                              valid_rows: int | None = None) -> Traffic:
+    """`sparse_mla_decode(q_lat [B, H, C], q_rope [B, H, R], latent_pages, rope_pages, page / row / valid
+    [B, K], tau, latent_scale, layer)`. kv_dtype: the latent pool ("fp8": e4m3 + one f32 scale per 128
+    values, "bf16", "float32"); rope_dtype: the rope pool; query_dtype: q_lat's (q_rope is cast to it);
+    valid_rows: selected rows that are valid, over the batch (default B * K).
+
+    Blocks (kernel.py wrapper): BH = 16 if H <= 16 else 32, BK = 32, CC = min(C, 128), Hp = H rounded up to
+    BH, S = the split count (max(1, min(K / BK, next_pow2(ceil(TARGET_PROGRAMS / (B * Hp / BH)))))),
+    steps = ceil(K / BK / S), Kp = S * steps * BK. Grid (B, Hp / BH, S); per program: `layer_ref[0]` (4 B),
+    q_lat in C / CC column chunks and q_rope (BH * (C + R) * q bytes, BlockSpec blocks), then per step of BK
+    rows `page_ref` and `row_ref` slices (BK * 8, unmasked) and for each valid row (masked gathers) the rope
+    (R * 2), the latent (C * kv bytes) and, for fp8, one 4-byte scale per CC chunk; writes o [BH, C] f32 and
+    m, l [BH] f32.
+
+    So every selected row is read once per head block: Hp / BH times (4 at H = 128, once at H <= 16),
+    and the split-K partials (S * B * Hp * (C + 2) * 4) go to memory and come back for the merge.
+
+    XLA glue (estimated): head padding when Hp > H, addr = where(valid, page, -1) (+ padding to Kp), row
+    padding when Kp > K, and the split merge (reads the partials, writes [B, H, C] f32).
+    Ideal: q_lat, q_rope, page, row (int32), valid (bool) and the valid rows (latent + rope + fp8 scales)
+    read once, the f32 output written once. reference_bytes: the valid rows read once (the v2 target at
+    H = 128 is total <= 1.3 x that).
+    """
+    B, H, C, R, K = batch, heads, latent_dim, rope_dim, topk
+    blk = mla_decode_blocks(B, H, C, K)
+    bh, bk, cc, hp, S, kp = blk["bh"], blk["bk"], blk["cc"], blk["hp"], blk["splits"], blk["kp"]
+    lb, rb, qb = dtype_bytes(kv_dtype), dtype_bytes(rope_dtype), dtype_bytes(query_dtype)
+    fp8 = lb == 1
+    if fp8 and C % FP8_BLOCK:
+        raise ValueError(f"fp8 needs C a multiple of {FP8_BLOCK}")
+    n_valid = B * K if valid_rows is None else valid_rows
+    row_bytes = C * lb + R * rb + ((C // cc) * F32 if fp8 else 0)
+    hblocks = hp // bh
+    programs = B * hblocks * S
+    kernel = Pass("sparse_mla_decode",
+                  programs * (I32 + bh * (C + R) * qb) + B * hblocks * kp * 2 * I32 + hblocks * n_valid * row_bytes,
+                  programs * (bh * C + 2 * bh) * F32)
+    glue = []
+    if hp != H:
+        glue.append(Pass("xla: head padding", B * H * (C + R) * qb, B * hp * (C + R) * qb, 0, "xla"))
+    glue.append(Pass("xla: addresses", B * K * (I32 + 1) + (B * K * I32 if kp != K else 0),
+                     B * kp * I32 * (2 if kp != K else 1), 0, "xla"))
+    merge = Pass("xla: split merge", S * B * hp * (C + 2) * F32, B * H * C * F32, 0, "xla")
+    passes = [*glue, kernel, merge]
+    rows_once = n_valid * row_bytes
+    ideal = B * H * (C + R) * qb + B * K * (2 * I32 + 1) + rows_once + B * H * C * F32
+    why = (f"Each selected row ({row_bytes} B) is read by all {hblocks} head blocks of {bh} heads; "
+           f"{S} split(s) write f32 partials [{S}, B, {hp}, {C}] that the merge reads back.")
+    excess = {"rows re-read by the other head blocks": (hblocks - 1) * rows_once,
+              "split-K partials (write + merge read)": 2 * S * B * hp * (C + 2) * F32,
+              "q re-read by every split": (S - 1) * B * hp * (C + R) * qb}
+    return _make(passes, ideal, why, rows_once, excess)
+
+
+def roofline(traffic: Traffic, measured_s: float, rw_bytes_per_s: float) -> dict:
+    """The model's time at a measured read + write traffic rate, and model time / measured time."""
+    model_s = traffic.time_s(rw_bytes_per_s)
+    return {"model_s": model_s, "roofline_fraction": model_s / measured_s if measured_s > 0 else None}
+
+
+def production_shapes() -> dict:
+    """The shapes of `experiments/kernel_traffic.py` (FACTS.md: DeepSeek-V3.2 / GLM-5 decode)."""
+    return {
+        "indexer_topk": [dict(batch=4, index_heads=64, index_dim=128, seq_len=s, topk=2048, key_dtype="fp8",
+                              query_dtype="bfloat16") for s in (8192, 32768, 131072)],
+        "sparse_gather": [dict(batch=64, topk=2048, hot_rows=hr, max_pages=2048) for hr in (4096, 8192, 16384)],
+        "sparse_mla_decode": [dict(batch=64, heads=h, latent_dim=512, rope_dim=64, topk=2048, kv_dtype="fp8",
+                                   query_dtype=q) for h in (128, 16) for q in ("bfloat16", "float32")],
+    }
