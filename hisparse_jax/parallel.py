@@ -131,26 +131,6 @@ def _put(mesh: Mesh, arrays) -> jax.Array:
     return jax.device_put(np.stack(arrays), NamedSharding(mesh, P(_check_mesh(mesh))))
 
 
-def _call(u):
-    """(the kind of kv.device's jitted one-store function, its arguments as NumPy) for one update."""
-    if isinstance(u, SetTables):
-        rows = [np.int32(u.slot), np.asarray(u.block_row), np.asarray(u.host_row), np.asarray(u.index_row),
-                np.int32(u.seq_len)]
-        return ("rows", rows) if u.hot_row is None else ("tables", rows + [np.asarray(u.hot_row)])
-    if isinstance(u, ClearStamps):
-        return "stamps", [np.int32(u.slot)]
-    if isinstance(u, ReleasePages):
-        return "release", [np.asarray(u.req), np.asarray(u.page_idx)]
-    if isinstance(u, LoadPages):
-        return "load", [np.asarray(u.host_pages), np.asarray(u.device_pages)]
-    raise TypeError(f"unknown store update {u!r}")
-
-
-def _functions():
-    return {"rows": kv_device._set_rows, "tables": kv_device._set_tables, "stamps": kv_device._clear_page_stamps,
-            "release": kv_device._release, "load": kv_device._load_pages}
-
-
 def _noop(kind: str, spec: StoreSpec, like: list) -> list:
     """Arguments for which the one-store function changes nothing: an out-of-range slot (its scatters drop the
     row) or page lists of -1 (skipped)."""
@@ -169,8 +149,7 @@ def apply_rank_updates(store: KVStore, caches) -> KVStore:
     of that kind get no-op arguments)."""
     mesh = store_mesh(store)
     spec = store.spec
-    pending = [[_call(u) for u in c.take_updates()] for c in caches]
-    fns = _functions()
+    pending = [[kv_device.update_call(u) for u in c.take_updates()] for c in caches]
     for k in range(max((len(p) for p in pending), default=0)):
         kinds = {p[k][0] for p in pending if len(p) > k}
         for kind in sorted(kinds):
@@ -182,7 +161,7 @@ def apply_rank_updates(store: KVStore, caches) -> KVStore:
                 like = next(iter(mine.values()))
             args = [mine.get(r) or _noop(kind, spec, like) for r in range(len(caches))]
             stacked = [_put(mesh, [a[i] for a in args]) for i in range(len(like))]
-            store = _per_rank(fns[kind], mesh)(store, *stacked)
+            store = _per_rank(kv_device.STORE_PROGRAMS[kind], mesh)(store, *stacked)
     return store
 
 
@@ -222,7 +201,7 @@ def admit_prefilled_ranks(store: KVStore, caches, prompts: dict) -> tuple[KVStor
     length = _put(mesh, [np.int32(prompts[r][3] if r in prompts else 0) for r in range(n)])
     zero = _put(mesh, [np.int32(0)] * n)
     latent, rope, index_k = (_put(mesh, [rows(r, i) for r in range(n)]) for i in range(3))
-    store = _per_rank(kv_device._write_prefill, mesh)(store, req, latent, rope, index_k, length, zero, zero)
+    store = _per_rank(kv_device.STORE_PROGRAMS["prefill"], mesh)(store, req, latent, rope, index_k, length, zero, zero)
     return store, slots
 
 

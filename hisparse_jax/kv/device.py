@@ -58,21 +58,28 @@ def _load_pages(store, hpages, dpages):
     return ops.load_pages(store.spec, store, hpages, dpages)[0]
 
 
+def update_call(u) -> tuple[str, list]:
+    """One recorded update (`kv.updates`) as (the kind of its store program in `STORE_PROGRAMS`, its arguments as
+    NumPy): `STORE_PROGRAMS[kind](store, *args)` applies it. Whoever holds stores — one, or a mesh's ranks
+    (`hisparse_jax.parallel`) — applies updates through this one mapping."""
+    if isinstance(u, SetTables):
+        rows = [np.int32(u.slot), np.asarray(u.block_row), np.asarray(u.host_row), np.asarray(u.index_row),
+                np.int32(u.seq_len)]
+        return ("rows", rows) if u.hot_row is None else ("tables", rows + [np.asarray(u.hot_row)])
+    if isinstance(u, ClearStamps):
+        return "stamps", [np.int32(u.slot)]
+    if isinstance(u, ReleasePages):
+        return "release", [np.asarray(u.req), np.asarray(u.page_idx)]
+    if isinstance(u, LoadPages):
+        return "load", [np.asarray(u.host_pages), np.asarray(u.device_pages)]
+    raise TypeError(f"unknown store update {u!r}")
+
+
 def apply_updates(store: KVStore, cache: TieredCache) -> KVStore:
     """Apply (and clear) `cache`'s pending device-table updates to `store`, in the order they were decided."""
     for u in cache.take_updates():
-        if isinstance(u, SetTables):
-            rows = (jnp.int32(u.slot), jnp.asarray(u.block_row), jnp.asarray(u.host_row), jnp.asarray(u.index_row),
-                    jnp.int32(u.seq_len))
-            store = _set_rows(store, *rows) if u.hot_row is None else _set_tables(store, *rows, jnp.asarray(u.hot_row))
-        elif isinstance(u, ClearStamps):
-            store = _clear_page_stamps(store, jnp.int32(u.slot))
-        elif isinstance(u, ReleasePages):
-            store = _release(store, jnp.asarray(u.req), jnp.asarray(u.page_idx))
-        elif isinstance(u, LoadPages):
-            store = _load_pages(store, jnp.asarray(u.host_pages), jnp.asarray(u.device_pages))
-        else:
-            raise TypeError(f"unknown store update {u!r}")
+        kind, args = update_call(u)
+        store = STORE_PROGRAMS[kind](store, *map(jnp.asarray, args))
     return store
 
 
@@ -89,6 +96,12 @@ def reserve_next(store: KVStore, cache: TieredCache, slots, n: int = 1) -> KVSto
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _write_prefill(store, req, latent, rope, index_k, length, start, offset):
     return ops.write_prefill(store.spec, store, req, latent, rope, index_k, length, start, offset)[0]
+
+
+# The jitted one-store programs (store donated) by kind: the table updates (`update_call`) and "prefill"
+# (store, slot, latent, rope, index_k, length, start, offset), the rows of a prompt (`write_prefill`).
+STORE_PROGRAMS = {"rows": _set_rows, "tables": _set_tables, "stamps": _clear_page_stamps, "release": _release,
+                  "load": _load_pages, "prefill": _write_prefill}
 
 
 def write_prefill(store: KVStore, cache: TieredCache, slot: int, latent, rope, index_k, length: int,
