@@ -198,7 +198,8 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     the default device and their rows written into their rank's slice; every decode step is one sharded step
     (`parallel.sharded_step`) in which each device decodes its own requests. Tokens come back in prompt order and
     are those of the one-device run (sampling included: rows are sampled in prompt order with the same keys);
-    stats are summed over ranks.
+    stats are summed over ranks. Multi-process (`jax.distributed.initialize`): the mesh may span every process's
+    devices; every process calls `generate` with the same arguments and returns all the tokens.
     """
     prompts = validate_prompts(model, prompts, max_new_tokens)
     temperature, top_p = check_float("temperature", temperature), check_float("top_p", top_p)
@@ -390,7 +391,8 @@ def _generate_mesh(model, prompts, max_new_tokens, cache_cfg, temperature, top_p
         for c, ss in zip(caches, slots):
             c.advance(ss)
         totals = stats if totals is None else jax.tree_util.tree_map(jnp.add, totals, stats)
-        lg = np.asarray(logits).reshape(N * Bl, -1)[where]  # prompt order, on the host
+        # prompt order, on the host (across processes: every rank's logits gathered to every process)
+        lg = parallel.to_host(logits).reshape(N * Bl, -1)[where]
         logits = jnp.asarray(np.concatenate([lg, np.repeat(lg[:1], B - n, axis=0)]))
         key, sub = jax.random.split(key)
         tokens = sample(logits, sub)
@@ -405,7 +407,7 @@ def _generate_mesh(model, prompts, max_new_tokens, cache_cfg, temperature, top_p
         from hisparse_jax.kv.tiered import empty_stats, stats_bytes
         from hisparse_jax.results import GenerateStats
 
-        totals = ({k: np.asarray(v).sum(axis=0) for k, v in totals.items()} if totals is not None
+        totals = ({k: parallel.to_host(v).sum(axis=0) for k, v in totals.items()} if totals is not None
                   else empty_stats(spec))  # summed over ranks
         summary = stats_bytes(spec, totals)
         summary.update(per_layer={k: np.asarray(totals[k]).tolist() for k in ("resident", "hits", "misses")},

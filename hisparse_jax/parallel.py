@@ -16,6 +16,14 @@ device). Everything that touches the store runs as one `shard_map` over the data
 one-store program (`kv.device`'s jitted updates, `runner.step_impl`) on its own slice with its own arguments,
 so no KV crosses devices. Ranks with nothing to do in a call get no-op arguments (an out-of-range slot, -1
 page lists, a zero-length prompt write), which the one-store functions already skip.
+
+Multi-controller (`jax.distributed.initialize`, one process per host): the mesh spans every process's devices
+(`data_mesh` takes `jax.devices()`), every process runs the same program with the same host bookkeeping for all
+ranks (the per-rank caches are deterministic), and each process creates only the shards of its own
+(addressable) devices: `new_stacked_store` builds the local ranks' empty stores, stacked arguments are placed
+with `jax.make_array_from_callback` (each process fills its devices' rows from the same full host array), and
+`to_host` reads a sharded result back with `multihost_utils.process_allgather` (a collective every process
+joins) so every process sees all ranks' logits and samples the same tokens.
 """
 
 from __future__ import annotations
@@ -55,6 +63,12 @@ def _check_mesh(mesh) -> str:
     if not isinstance(mesh, Mesh) or len(mesh.axis_names) != 1:
         raise ValueError(f"mesh must be a one-axis jax.sharding.Mesh (e.g. parallel.data_mesh(n)), got {mesh!r}")
     return mesh.axis_names[0]
+
+
+def is_local(mesh: Mesh) -> bool:
+    """Whether this process addresses every device of `mesh` (always true without `jax.distributed`)."""
+    me = jax.process_index()
+    return all(d.process_index == me for d in mesh.devices.flat)
 
 
 def store_mesh(store: KVStore) -> Mesh:
@@ -99,7 +113,10 @@ def new_stacked_store(caches, mesh: Mesh) -> KVStore:
         raise ValueError("every rank's TieredCache must have the same StoreSpec")
     shardings = stacked_shardings(spec, mesh)
     per_rank = []
-    for dev in mesh.devices.flat:
+    me = jax.process_index()
+    for dev in mesh.devices.flat:  # this process's ranks only (all of them in one process)
+        if dev.process_index != me:
+            continue
         one = init_store(spec, dev)
         per_rank.append(jax.tree_util.tree_map(lambda x: _as_slice(x.sharding)(x), one))
     leaves = [jax.tree_util.tree_leaves(s) for s in per_rank]
@@ -126,9 +143,28 @@ def _per_rank(fn, mesh: Mesh):
     return jax.jit(call, donate_argnums=(0,))
 
 
+def _place(x, sharding: NamedSharding) -> jax.Array:
+    """Host array `x` (the same full value in every process) as a global array with `sharding`: one
+    `device_put` in one process; across processes each creates only its own devices' shards."""
+    if is_local(sharding.mesh):
+        return jax.device_put(x, sharding)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def to_host(x) -> np.ndarray:
+    """The full value of a (possibly multi-process) array as NumPy: a plain read when this process addresses
+    every shard, else `multihost_utils.process_allgather` (every process must call it, in the same order)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def _put(mesh: Mesh, arrays) -> jax.Array:
     """Stack per-rank arrays (equal shapes) on a new axis 0, rank r's part on device r."""
-    return jax.device_put(np.stack(arrays), NamedSharding(mesh, P(_check_mesh(mesh))))
+    return _place(np.stack(arrays), NamedSharding(mesh, P(_check_mesh(mesh))))
 
 
 def _noop(kind: str, spec: StoreSpec, like: list) -> list:
@@ -208,7 +244,10 @@ def admit_prefilled_ranks(store: KVStore, caches, prompts: dict) -> tuple[KVStor
 # ----- the sharded decode step -------------------------------------------------------------------------------
 def replicate(tree, mesh: Mesh):
     """Put `tree` (e.g. a model's `nnx.split` state) on every device of `mesh`: `NamedSharding(mesh, P())`."""
-    return jax.device_put(tree, NamedSharding(mesh, P()))
+    sh = NamedSharding(mesh, P())
+    if is_local(mesh):
+        return jax.device_put(tree, sh)
+    return jax.tree_util.tree_map(lambda x: _place(jax.device_get(x), sh), tree)
 
 
 @functools.lru_cache(maxsize=32)
@@ -238,7 +277,7 @@ def sharded_step(graphdef, mesh: Mesh, kernels: str = "reference"):
 def put_batch(mesh: Mesh, batch: dict) -> dict:
     """Place a batch of [N, ...] NumPy arrays with axis 0 on the mesh's axis (rank r's rows on device r)."""
     sh = NamedSharding(mesh, P(_check_mesh(mesh)))
-    return {k: jax.device_put(np.asarray(v), sh) for k, v in batch.items()}
+    return {k: _place(np.asarray(v), sh) for k, v in batch.items()}
 
 
 def place_round_robin(num_prompts: int, n: int) -> list[list[int]]:
@@ -248,5 +287,5 @@ def place_round_robin(num_prompts: int, n: int) -> list[list[int]]:
 
 __all__ = ["data_mesh", "stacked_shardings", "new_stacked_store", "apply_rank_updates", "reserve_next_ranks",
            "admit_prefilled_ranks", "replicate", "sharded_step", "put_batch", "place_round_robin", "store_mesh",
-           "num_ranks"]
+           "num_ranks", "is_local", "to_host"]
 
