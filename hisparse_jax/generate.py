@@ -313,24 +313,10 @@ def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top
             out_logits.append(logits)
         if eos and t % 16 == 0 and _all_finished(out_tokens, n, eos):
             break
-    result = _truncate_at_eos(np.asarray(jnp.stack(out_tokens, axis=1))[:n], eos)
-    out = [result]
-    if return_stats:
-        from hisparse_jax.kv.tiered import empty_stats, stats_bytes
-        from hisparse_jax.results import GenerateStats
-
-        totals = totals if totals is not None else empty_stats(tc.spec)
-        summary = stats_bytes(tc.spec, totals)
-        summary.update(per_layer={k: np.asarray(totals[k]).tolist() for k in ("resident", "hits", "misses")},
-                       evicted_pages=tc.evicted_pages, steps=len(out_tokens) - 1,
-                       d2h_bytes=summary["d2h_bytes"] + tc.d2h_bytes, h2d_bytes=summary["h2d_bytes"] + tc.h2d_bytes)
-        out.append(GenerateStats(**summary))
-    if return_logits:
-        lg = np.asarray(jnp.stack(out_logits, axis=1))
-        out.append([lg[i, :len(result[i])] for i in range(n)])
+    out = _results(out_tokens, out_logits, n, eos, return_stats, return_logits, tc.spec, totals, [tc])
     for s in slots:
         tc.release(s)
-    return out[0] if len(out) == 1 else tuple(out)
+    return out
 
 
 def _generate_mesh(model, prompts, max_new_tokens, cache_cfg, temperature, top_p, key, eos, return_stats,
@@ -401,14 +387,25 @@ def _generate_mesh(model, prompts, max_new_tokens, cache_cfg, temperature, top_p
             out_logits.append(logits)
         if eos and t % 16 == 0 and _all_finished(out_tokens, n, eos):
             break
+    if totals is not None:
+        totals = {k: parallel.to_host(v).sum(axis=0) for k, v in totals.items()}  # summed over ranks
+    out = _results(out_tokens, out_logits, n, eos, return_stats, return_logits, spec, totals, caches)
+    for c, ss in zip(caches, slots):
+        for s in ss:
+            c.release(s)
+    return out
+
+
+def _results(out_tokens, out_logits, n, eos, return_stats, return_logits, spec, totals, caches):
+    """What tiered `generate` returns: the tokens (cut at eos), then the run's `GenerateStats` (the steps'
+    `totals` plus the caches' page loads and prompt writes) and the logits, when asked for."""
     result = _truncate_at_eos(np.asarray(jnp.stack(out_tokens, axis=1))[:n], eos)
     out = [result]
     if return_stats:
         from hisparse_jax.kv.tiered import empty_stats, stats_bytes
         from hisparse_jax.results import GenerateStats
 
-        totals = ({k: parallel.to_host(v).sum(axis=0) for k, v in totals.items()} if totals is not None
-                  else empty_stats(spec))  # summed over ranks
+        totals = totals if totals is not None else empty_stats(spec)
         summary = stats_bytes(spec, totals)
         summary.update(per_layer={k: np.asarray(totals[k]).tolist() for k in ("resident", "hits", "misses")},
                        evicted_pages=sum(c.evicted_pages for c in caches), steps=len(out_tokens) - 1,
@@ -418,9 +415,6 @@ def _generate_mesh(model, prompts, max_new_tokens, cache_cfg, temperature, top_p
     if return_logits:
         lg = np.asarray(jnp.stack(out_logits, axis=1))
         out.append([lg[i, :len(result[i])] for i in range(n)])
-    for c, ss in zip(caches, slots):
-        for s in ss:
-            c.release(s)
     return out[0] if len(out) == 1 else tuple(out)
 
 
