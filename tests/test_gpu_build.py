@@ -199,6 +199,37 @@ def built_step(request, build_log):
     return request.param, store, text, exe.get_compiled_memory_stats()
 
 
+def test_speculative_step_builds_for_sm90(build_log):
+    """The MTP speculative step (`engine.speculative`, k = 2: 3 verified rows per request resolved as one union,
+    the MTP layer's pass and a recursive draft; the Pallas kernels) compiles for sm_90 with its store donated and
+    its pinned-host pools in host memory."""
+    from flax import nnx
+
+    from hisparse_jax.config import CacheConfig
+    from hisparse_jax.engine import speculative
+    from hisparse_jax.kv.state import StoreSpec
+    from hisparse_jax.model.decoder import SparseMLAModel
+
+    k, G = 2, BATCH // 4
+    cfg = glm5_layers(NUM_LAYERS).replace(num_nextn_predict_layers=1)
+    cache = CacheConfig(kv_dtype="bf16", device_pages=4096, host_pages=16384, max_seqs=32, max_seq_len=131072,
+                        speculative_tokens=k)
+    spec = StoreSpec.create(cfg, cache)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: SparseMLAModel(cfg, rngs=nnx.Rngs(0), mtp=True)))
+    store = abstract_store(spec)
+    rows = G * (k + 1)
+    batch = {name: sds((rows,), jnp.int32) for name in ("tokens", "req", "pos", "draft_ok")}
+    batch["index_span"] = sds((spec.max_pages,), jnp.int32)
+    sampling = {"seed": sds((G,), jnp.uint32), "temperature": sds((G,), jnp.float32), "top_p": sds((G,), jnp.float32)}
+    step = speculative.jitted_spec_step(graphdef, "pallas", k)
+    case = f"speculative step glm-5[{NUM_LAYERS} layers + MTP] k={k} kv=bf16 kernels=pallas (G={G})"
+    exe = timed_build(build_log, case, lambda: dl.compile_lowered(dl.lower_for_gpu(
+        step, dl.abstractify(params), store, batch, sampling)))
+    text = dl.hlo_text(exe)
+    check_store_donated(case, store, text)
+    check_host_pools_in_host_memory(case, store, text)
+
+
 def store_fields(store):
     return [f.name for f in dataclasses.fields(store) if f.name != "spec" and getattr(store, f.name) is not None]
 
