@@ -1,13 +1,15 @@
 """Differential fuzzer: tiered generation under memory pressure against the contiguous cache.
 
     PYTHONPATH=. python experiments/fuzz_tiered.py [--long] [--examples N] [--seed S] [--only generate|engine]
-                                                   [--out experiments/results/fuzz_tiered.json]
+                                                   [--only mesh] [--out experiments/results/fuzz_tiered.json]
 
 Draws random workloads and budgets — prompt counts and lengths (1 to several pages, page-boundary lengths),
 `max_new_tokens`, `device_pages` from one below the smallest workable budget upwards, `host_pages`,
 `index_pages`, `hot_rows` (top-k to 4x), `max_seqs`, both fetch mechanisms, float32 / bf16 / fp8 formats —
 and for the engine also the policy, coldness rule, prefill mode, prefix caching with shared prefixes, random
-arrivals and aborts, and MTP speculative decoding (k = 1..3 draft tokens). Each run is checked against an
+arrivals and aborts, and MTP speculative decoding (k = 1..3 draft tokens); "mesh" cases run an engine case
+(float32, no speculation) on a `MeshEngine` over 1-4 devices (as many as jax sees; the command asks for 4 host
+devices), with either placement and with or without expert parallelism, the budgets per device. Each run is checked against an
 oracle that knows nothing of the store's internals:
 
 * **Refusal is exact.** `budget_shortfall` says, from page arithmetic alone, whether the requests can be held
@@ -31,6 +33,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import platform
 import sys
 import time
@@ -415,6 +418,57 @@ def _engine_reference(model, case: EngineCase, idx: list[int], accepted: list[in
     return {i: eng.requests[f"r{i}"].output for i in idx}
 
 
+# ----- the engine across a device mesh ---------------------------------------------------------------
+@dataclasses.dataclass
+class MeshCase:
+    """An engine case (float32, no speculation; its budgets per device) on `devices` ranks."""
+
+    engine: EngineCase
+    devices: int
+    placement: str
+    expert_parallel: bool
+
+
+def draw_mesh_case(rng, topk: int = 64, vocab: int = 512, max_devices: int | None = None) -> MeshCase:
+    if max_devices is None:
+        import jax
+
+        max_devices = len(jax.devices())
+    case = draw_engine_case(rng, topk, vocab)
+    # float32: the contiguous cache is the oracle whatever each rank's batches are (bf16 / fp8 tokens may follow a
+    # batch's row count: see `_engine_reference`)
+    case = dataclasses.replace(case, kv_dtype="float32", speculative_tokens=0)
+    devices = min(int(rng.choice([2, 4, 1])), max_devices)
+    return MeshCase(case, devices, str(rng.choice(["balanced", "round_robin"])), bool(rng.random() < 0.5))
+
+
+def run_mesh_case(case: MeshCase, model=None, max_steps: int = 2000) -> dict:
+    """An engine case on a `MeshEngine`: refusals as one rank's budget says (every rank has the same), the
+    contiguous cache's tokens, every rank's allocator invariants after every step and its pools empty at the end."""
+    from hisparse_jax import parallel
+    from hisparse_jax.engine.mesh import MeshEngine
+
+    model = model or fuzz_model()
+    ec = dataclasses.replace(case.engine.engine_config(), placement=case.placement,
+                             expert_parallel=case.expert_parallel)
+    eng = MeshEngine(model, case.engine.cache_config(), ec, mesh=parallel.data_mesh(case.devices))
+    accepted, refused = _drive(eng, case.engine, lambda i: True, max_steps)
+    for r, c in enumerate(eng.caches):
+        used = {t: c.pool.num_used(t) for t in ("device", "index", "host")}
+        assert not any(used.values()) and not c.requests, f"rank {r}: pages still in use at the end: {used}"
+    reqs = eng.requests
+    done = [i for i in accepted if reqs[f"r{i}"].state.value == "finished"]
+    if done:
+        ref = _engine_reference(model, case.engine, done, accepted)
+        for i in done:
+            out = reqs[f"r{i}"].output
+            assert out == ref[i], f"request {i} (rank {eng.rank_of(f'r{i}')}): tokens differ\n mesh {out}\n ref  {ref[i]}"
+    met = eng.metrics()
+    return {"outcome": "identical", "finished": len(done), "refused": len(refused), "preemptions": met["preemptions"],
+            "swaps": met["swaps"], "hits": met["hits"], "misses": met["misses"], "evicted_pages": met["evicted_pages"],
+            "cached_tokens": met["cached_tokens"], "ranks_used": len({eng.rank_of(f"r{i}") for i in accepted})}
+
+
 # ----- hypothesis ---------------------------------------------------------------------------------
 class HypothesisChoices:
     """The subset of `numpy.random.Generator` the draw functions use, answered by hypothesis's `data.draw`, so
@@ -451,17 +505,20 @@ def main(argv=None) -> int:
                     help="the deep profile (200 generate + 80 engine cases; 1-2 hours on 2 cores)")
     ap.add_argument("--examples", type=int, default=None, help="cases of each kind (default 40, or --long's)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", choices=["generate", "engine"], default=None)
+    ap.add_argument("--only", choices=["generate", "engine", "mesh"], default=None)
     ap.add_argument("--out", default="experiments/results/fuzz_tiered.json")
     a = ap.parse_args(argv)
     if a.examples is not None and a.examples < 1:
         ap.error("--examples must be >= 1")
-    counts = {"generate": 200 if a.long else 40, "engine": 80 if a.long else 20}
+    counts = {"generate": 200 if a.long else 40, "engine": 80 if a.long else 20, "mesh": 40 if a.long else 10}
     if a.examples:
         counts = {k: a.examples for k in counts}
-    kinds = [a.only] if a.only else ["generate", "engine"]
-    draw = {"generate": draw_generate_case, "engine": draw_engine_case}
-    run = {"generate": run_generate_case, "engine": run_engine_case}
+    kinds = [a.only] if a.only else ["generate", "engine", "mesh"]
+    draw = {"generate": draw_generate_case, "engine": draw_engine_case, "mesh": draw_mesh_case}
+    run = {"generate": run_generate_case, "engine": run_engine_case, "mesh": run_mesh_case}
+    if "mesh" in kinds and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        # read when jax starts its backends (not yet): 4 host devices for the mesh cases where there is no GPU
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4")
     import jax
 
     model = fuzz_model()

@@ -36,6 +36,7 @@ _EXPORTS = {
     "restore_params": "hisparse_jax.model.weights",
     "Engine": "hisparse_jax.engine",
     "EngineConfig": "hisparse_jax.engine",
+    "MeshEngine": "hisparse_jax.engine",
     "SamplingParams": "hisparse_jax.engine",
 }
 
@@ -46,7 +47,7 @@ _EAGER_BEFORE = {"model": ("decoder", "weights"), "kv": ("dense",)}
 __all__ = [
     "PRESETS", "ModelConfig", "RopeConfig", "CacheConfig", "get_preset", "SparseMLAModel", "decode_step", "generate",
     "CheckpointError", "load_pretrained", "save_pretrained", "save_params", "restore_params", "Engine",
-    "EngineConfig", "SamplingParams",
+    "EngineConfig", "MeshEngine", "SamplingParams",
 ]
 __version__ = "0.1.0"
 

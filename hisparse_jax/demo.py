@@ -30,7 +30,8 @@ from hisparse_jax.cli_args import (bounded_float, check_output_dir, check_output
                                    name_list, nonnegative_int, positive_int)
 from hisparse_jax.config import MAX_SPECULATIVE_TOKENS, MISS_ATTENTION, PRESETS, CacheConfig, get_preset
 from hisparse_jax.engine.speculative import lookahead
-from hisparse_jax.engine import Engine, EngineConfig, SamplingParams, device_budget
+from hisparse_jax import parallel
+from hisparse_jax.engine import Engine, EngineConfig, MeshEngine, SamplingParams, device_budget
 from hisparse_jax.engine.scheduler import POLICIES, pages
 from hisparse_jax.generate import TRACE_COUNTS as _PREFILL_TRACES
 from hisparse_jax.kv.tiered import KERNELS, check_kernels
@@ -42,7 +43,8 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
     p = parser_class(prog="hisparse demo", description=__doc__.splitlines()[0])
     p.add_argument("--preset", type=choice(sorted(PRESETS), "preset"), default="demo-glm",
                    help="model preset (default demo-glm)")
-    p.add_argument("--requests", type=positive_int, default=16, help="concurrent requests (default 16)")
+    p.add_argument("--requests", type=positive_int, default=16,
+                   help="concurrent requests per device (default 16; the workload has requests x devices)")
     p.add_argument("--prompt-len", type=int_at_least(64), default=2048,
                    help="longest prompt in tokens, >= 64 (default 2048)")
     p.add_argument("--new-tokens", type=positive_int, default=160, help="tokens generated per request (default 160)")
@@ -69,6 +71,10 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
                    help="MTP speculative decoding: verify K draft tokens per request and step, drafted by the "
                         "model's MTP layer (default 0: none); outputs stay identical; acceptance rate and tokens per "
                         "step are reported per policy (needs --prefill whole)")
+    p.add_argument("--devices", type=positive_int, default=1, metavar="N",
+                   help="attention data parallelism over N devices (default 1): each device serves its own "
+                        "requests under the same per-device budgets (a MeshEngine); on a CPU the command asks jax for "
+                        "N host devices (XLA_FLAGS=--xla_force_host_platform_device_count=N) when jax has not started")
     p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--plot", default="hisparse_demo.png", help="PNG of running requests over time ('' = none)")
     p.add_argument("--log-dir", default="", help="write one JSON-lines metrics log per policy here")
@@ -135,8 +141,15 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
     k = args.speculative_tokens
     if k:  # the preset's architecture with one MTP layer (random weights like the rest)
         cfg = cfg.replace(num_nextn_predict_layers=max(1, cfg.num_nextn_predict_layers))
+    n_dev = args.devices
+    if n_dev > len(jax.devices()):
+        raise DemoSetupError(f"--devices {n_dev}: jax sees {len(jax.devices())} device(s) "
+                             f"({jax.default_backend()}); on a CPU start the process with "
+                             f"XLA_FLAGS=--xla_force_host_platform_device_count={n_dev} (the hisparse command sets it "
+                             "when jax has not started yet)")
+    mesh = parallel.data_mesh(n_dev) if n_dev > 1 else None
     model = SparseMLAModel(cfg, rngs=nnx.Rngs(args.seed), mtp=bool(k))
-    prompts = workload(cfg.vocab_size, args.requests, args.prompt_len, args.seed)
+    prompts = workload(cfg.vocab_size, args.requests * n_dev, args.prompt_len, args.seed)
     max_len = max(len(p) for p in prompts) + args.new_tokens + lookahead(k)
     base, device_bytes = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype,
                                  args.miss_attention, k)
@@ -149,10 +162,10 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
         try:
             cc = device_budget(cfg, base, device_bytes, pol, max_running=args.requests, max_len=max_len,
                                prefill=args.prefill)
-            eng = Engine(model, cc, EngineConfig(policy=pol, max_running=args.requests, prefill=args.prefill,
-                                                 prefill_chunk=args.prefill_chunk, log_path=log_path,
-                                                 kernels=args.kernels, speculative_tokens=k,
-                                                 prefix_caching=not k))
+            ec = EngineConfig(policy=pol, max_running=args.requests, prefill=args.prefill,
+                              prefill_chunk=args.prefill_chunk, log_path=log_path, kernels=args.kernels,
+                              speculative_tokens=k, prefix_caching=not k)
+            eng = Engine(model, cc, ec) if mesh is None else MeshEngine(model, cc, ec, mesh=mesh)
             for i, p in enumerate(prompts):
                 eng.add_request(f"r{i}", p, params)
         except ValueError as e:  # BudgetError, or a budget of no pages at all
@@ -167,7 +180,7 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
         split[pol] = {"device_pages": cc.device_pages, "index_pages": cc.num_index_pages,
                       "host_pages": cc.host_pages if pol != "preempt" else 0}
     setup = {
-        "preset": args.preset, "requests": args.requests, "prompt_tokens": [len(p) for p in prompts],
+        "preset": args.preset, "requests": len(prompts), "devices": n_dev, "prompt_tokens": [len(p) for p in prompts],
         "new_tokens": args.new_tokens, "kv_dtype": args.kv_dtype, "device_budget_bytes": device_bytes,
         "device_requests": args.device_requests, "host_pages": base.host_pages, "kernels": args.kernels,
         "miss_attention": args.miss_attention, "speculative_tokens": k,
@@ -188,7 +201,7 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
             if progress:
                 progress.close()
         m = eng.metrics()
-        row_bytes = eng.cache.spec.row_bytes
+        row_bytes = eng.spec.row_bytes
         outputs[pol] = eng.outputs()
         results[pol] = {
             "mean_running": m["mean_running"], "max_running": m["max_running"], "preemptions": m["preemptions"],
@@ -201,6 +214,8 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
             "h2d_per_miss_bytes": _ratio(sum(h["h2d_bytes"] for h in m["history"]), m["misses"] * row_bytes),
             **split[pol],
             "running_over_time": [h["running"] for h in m["history"]],
+            # per device (a MeshEngine): each rank's mean running requests over its decode steps
+            "ranks_mean_running": [r["mean_running"] for r in m["ranks"]] or [m["mean_running"]],
         }
         eng.close()
     first = outputs[policies[0]]
@@ -372,7 +387,9 @@ def _header(setup: dict) -> str:
     """What the table is about, printed before any policy runs: the workload and each policy's budgets."""
     lens = setup["prompt_tokens"]
     pols = list(setup["policies"])
-    lines = [f"workload: {setup['requests']} requests, prompts {min(lens)}..{max(lens)} tokens, "
+    on = f" on {setup['devices']} devices (per device: budgets below, {setup['requests'] // setup['devices']} requests)" \
+        if setup.get("devices", 1) > 1 else ""
+    lines = [f"workload: {setup['requests']} requests{on}, prompts {min(lens)}..{max(lens)} tokens, "
              f"{setup['new_tokens']} new tokens each, kv {setup['kv_dtype']}, preset {setup['preset']} "
              f"(prefill {setup['prefill']}, kernels {setup['kernels']}, backend {setup['backend']})",
              f"budgets: device {setup['device_budget_bytes']:,} bytes ({setup['device_budget_bytes'] / 2 ** 20:.1f} "
@@ -429,6 +446,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _checked(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
+    if args.devices > 1 and args.speculative_tokens:
+        parser.error("argument --speculative-tokens: not carried across devices yet (use --devices 1)")
     if args.speculative_tokens and args.prefill != "whole":
         parser.error(f"argument --speculative-tokens: needs --prefill whole (got {args.prefill})")
     try:
@@ -490,6 +509,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
     except SystemExit as e:  # argparse already printed usage and the error
         return int(e.code or 0)
+    if args.devices > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        # read when jax starts its backends (not yet, in the command): fake host devices where there is no GPU
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={args.devices}").strip()
     try:
         out = _run(args, on_setup=None if args.json else lambda setup: print(_header(setup), flush=True))
     except DemoSetupError as e:

@@ -327,7 +327,7 @@ def _generate_mesh(model, prompts, max_new_tokens, cache_cfg, temperature, top_p
     from hisparse_jax.kv.manager import TieredCache
     from hisparse_jax.kv.tiered import check_backend, index_span
 
-    parallel._check_mesh(mesh)
+    parallel.check_mesh(mesh)
     cfg = model.cfg
     N, n = parallel.num_ranks(mesh), len(prompts)
     runner = Runner(model, kernels=kernels)

@@ -59,7 +59,7 @@ def data_mesh(n: int | None = None, axis: str = "data") -> Mesh:
     return Mesh(np.array(devices[:n]), (axis,))
 
 
-def _check_mesh(mesh) -> str:
+def check_mesh(mesh) -> str:
     if not isinstance(mesh, Mesh) or len(mesh.axis_names) != 1:
         raise ValueError(f"mesh must be a one-axis jax.sharding.Mesh (e.g. parallel.data_mesh(n)), got {mesh!r}")
     return mesh.axis_names[0]
@@ -82,7 +82,7 @@ def num_ranks(mesh: Mesh) -> int:
 def stacked_shardings(spec: StoreSpec, mesh: Mesh) -> KVStore:
     """A KVStore of `NamedSharding(mesh, P(axis))`, each with the memory kind of the one-device store's leaf
     (`state.store_shardings`: the host pools pinned_host, the rest device)."""
-    axis = _check_mesh(mesh)
+    axis = check_mesh(mesh)
     one = store_shardings(spec, mesh.devices.flat[0])
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, P(axis), memory_kind=s.memory_kind), one)
 
@@ -105,7 +105,7 @@ def new_stacked_store(caches, mesh: Mesh) -> KVStore:
     """The stacked store of `caches` (one `TieredCache` per rank, all with one `StoreSpec`): rank r's empty store
     (`state.init_store`) built on device r and placed as slice r; then each rank's pending updates applied."""
     n = num_ranks(mesh)
-    _check_mesh(mesh)
+    check_mesh(mesh)
     if len(caches) != n:
         raise ValueError(f"need one TieredCache per rank: {n} ranks, {len(caches)} caches")
     spec = caches[0].spec
@@ -131,7 +131,7 @@ def new_stacked_store(caches, mesh: Mesh) -> KVStore:
 def _per_rank(fn, mesh: Mesh):
     """fn(store, *args) -> store (one store), as a jitted shard_map over the stacked store (donated) and stacked
     args ([N, ...] each, rank r's on device r)."""
-    axis = _check_mesh(mesh)
+    axis = check_mesh(mesh)
 
     def body(store, *args):
         return _expand(fn(_squeeze(store), *(a[0] for a in args)))
@@ -164,7 +164,7 @@ def to_host(x) -> np.ndarray:
 
 def _put(mesh: Mesh, arrays) -> jax.Array:
     """Stack per-rank arrays (equal shapes) on a new axis 0, rank r's part on device r."""
-    return _place(np.stack(arrays), NamedSharding(mesh, P(_check_mesh(mesh))))
+    return _place(np.stack(arrays), NamedSharding(mesh, P(check_mesh(mesh))))
 
 
 def _noop(kind: str, spec: StoreSpec, like: list) -> list:
@@ -215,33 +215,86 @@ def admit_prefilled_ranks(store: KVStore, caches, prompts: dict) -> tuple[KVStor
     """Admit at most one prompt per rank and write its rows into that rank's slice, all ranks in one call:
     prompts {rank: (latent [L, T, C], rope [L, T, R], index_k [LI, T, dI], length)} (rows as from
     `generate.prefill_rows`; T may differ between ranks). Returns (store, {rank: slot})."""
-    mesh = store_mesh(store)
-    spec = store.spec
     slots = {}
     for r, (latent, _, _, length) in prompts.items():
         slots[r] = caches[r].admit(length)
         caches[r].record_prefill(slots[r], length, 0, rows=latent.shape[1])
     store = apply_rank_updates(store, caches)
-    T = max(v[0].shape[1] for v in prompts.values())
-    first = next(iter(prompts.values()))
+    return write_prompt_rows(store, {r: (slots[r], *v) for r, v in prompts.items()}), slots
+
+
+def write_prompt_rows(store: KVStore, writes: dict) -> KVStore:
+    """Write prompt rows into several ranks' slices in one call (`kv.device`'s "prefill" program per rank):
+    writes {rank: (slot, latent [L, T, C], rope [L, T, R], index_k [LI, T, dI], length[, start[, offset]])}, row t
+    being position offset + t, positions start..length-1 written (the slots admitted and their prefill recorded
+    in the ranks' caches, their updates applied: `kv.device.write_prefill`'s contract, per rank)."""
+    mesh = store_mesh(store)
+    spec = store.spec
+    T = max(v[1].shape[1] for v in writes.values())
+    first = next(iter(writes.values()))
 
     def rows(r, i):
-        if r not in prompts:
+        if r not in writes:
             return np.zeros(first[i].shape[:1] + (T,) + first[i].shape[2:], first[i].dtype)
-        a = np.asarray(prompts[r][i])
+        a = np.asarray(writes[r][i])
         return np.pad(a, ((0, 0), (0, T - a.shape[1])) + ((0, 0),) * (a.ndim - 2))
 
+    def scalar(r, i, default):
+        v = writes.get(r, ())
+        return np.int32(v[i] if len(v) > i else default)
+
     n = num_ranks(mesh)
-    # a rank without a prompt writes 0 rows into the out-of-range slot: nothing
-    req = _put(mesh, [np.int32(slots.get(r, spec.max_seqs)) for r in range(n)])
-    length = _put(mesh, [np.int32(prompts[r][3] if r in prompts else 0) for r in range(n)])
-    zero = _put(mesh, [np.int32(0)] * n)
-    latent, rope, index_k = (_put(mesh, [rows(r, i) for r in range(n)]) for i in range(3))
-    store = _per_rank(kv_device.STORE_PROGRAMS["prefill"], mesh)(store, req, latent, rope, index_k, length, zero, zero)
-    return store, slots
+    # a rank without rows writes 0 rows into the out-of-range slot: nothing
+    req = _put(mesh, [scalar(r, 0, spec.max_seqs) for r in range(n)])
+    length = _put(mesh, [scalar(r, 4, 0) for r in range(n)])
+    start, offset = (_put(mesh, [scalar(r, i, 0) for r in range(n)]) for i in (5, 6))
+    latent, rope, index_k = (_put(mesh, [rows(r, i) for r in range(n)]) for i in (1, 2, 3))
+    return _per_rank(kv_device.STORE_PROGRAMS["prefill"], mesh)(store, req, latent, rope, index_k, length, start,
+                                                                 offset)
+
+
+def rank_store(store: KVStore, rank: int) -> KVStore:
+    """Rank `rank`'s slice of the stacked store as a one-device KVStore (its arrays on that rank's device; this
+    process must address it). For reading (tests, `kv.device.check_tables`), not for stepping."""
+    def one(x):
+        for shard in x.addressable_shards:
+            if (shard.index[0].start or 0) == rank:  # slice(r, r + 1), or slice(None) on a one-device mesh
+                return shard.data[0]
+        raise ValueError(f"rank {rank}'s slice is not addressable from process {jax.process_index()}")
+
+    return jax.tree_util.tree_map(one, store)
 
 
 # ----- the sharded decode step -------------------------------------------------------------------------------
+def _is_routed_expert(path) -> bool:
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    return "experts" in keys  # `MoE.experts` (gate / up / down [E, ...]); `shared_experts` is another key
+
+
+def param_specs(state, axis: str | None):
+    """The PartitionSpec of each parameter: routed-expert weights split on their expert axis over `axis` (expert
+    parallelism), everything else replicated (`P()`); axis None: all replicated."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: P(axis) if axis is not None and _is_routed_expert(path) else P(), state)
+
+
+def check_expert_parallel(cfg, mesh: Mesh) -> None:
+    """Expert parallelism splits the routed experts evenly over the mesh's devices: refuse a count that does not
+    divide."""
+    n = num_ranks(mesh)
+    if cfg.n_routed_experts % n:
+        raise ValueError(f"expert parallelism needs n_routed_experts ({cfg.n_routed_experts}) divisible by the mesh's "
+                         f"{n} devices")
+
+
+def place_params(state, mesh: Mesh, *, expert_parallel: bool = False):
+    """Put a model's parameters (`nnx.split` state) on `mesh`: replicated, or with the routed experts split over
+    the devices (`expert_parallel`: each device holds 1/N of every MoE layer's experts)."""
+    specs = param_specs(state, check_mesh(mesh) if expert_parallel else None)
+    return jax.tree_util.tree_map(lambda x, spec: _place(jax.device_get(x) if not is_local(mesh) else x,
+                                                        NamedSharding(mesh, spec)), state, specs)
+
+
 def replicate(tree, mesh: Mesh):
     """Put `tree` (e.g. a model's `nnx.split` state) on every device of `mesh`: `NamedSharding(mesh, P())`."""
     sh = NamedSharding(mesh, P())
@@ -250,33 +303,73 @@ def replicate(tree, mesh: Mesh):
     return jax.tree_util.tree_map(lambda x: _place(jax.device_get(x), sh), tree)
 
 
+def _moe_context(axis: str | None):
+    import contextlib
+
+    from hisparse_jax.model import moe
+
+    return moe.expert_parallel(axis) if axis is not None else contextlib.nullcontext()
+
+
 @functools.lru_cache(maxsize=32)
-def sharded_step(graphdef, mesh: Mesh, kernels: str = "reference"):
+def sharded_step(graphdef, mesh: Mesh, kernels: str = "reference", expert_parallel: bool = False):
     """`runner.step_impl` per rank as one jitted shard_map over the mesh's axis:
     step(state, store, batch) -> (logits f32[N, B, V], store, stats with a leading [N]).
 
-    state: the model's parameters (`nnx.split`), replicated (`P()`); store: the stacked store (donated);
+    state: the model's parameters (`nnx.split`), replicated (`P()`), or with expert_parallel the routed experts
+    split over the axis (`place_params(..., expert_parallel=True)`; each MoE layer then gathers the ranks' tokens
+    and scatters the sums back: `model.moe.expert_parallel`); store: the stacked store (donated);
     batch: {"tokens", "req"} int32[N, B] and optionally "index_span" int32[N, P], sharded on the axis — rank r
     decodes rows batch[.][r] against its own slice."""
     from hisparse_jax.engine.runner import step_impl
     from hisparse_jax.kv.tiered import check_kernels
 
     kernels = check_kernels(kernels)
-    axis = _check_mesh(mesh)
+    axis = check_mesh(mesh)
+    ep = axis if expert_parallel else None
 
     def body(state, store, batch):
-        logits, store, stats = step_impl(nnx.merge(graphdef, state), _squeeze(store), _squeeze(batch), kernels)
+        with _moe_context(ep):
+            logits, store, stats = step_impl(nnx.merge(graphdef, state), _squeeze(store), _squeeze(batch), kernels)
         return logits[None], _expand(store), _expand(stats)
 
     def step(state, store, batch):
-        return _shard_map(body, mesh, (P(), P(axis), P(axis)), P(axis))(state, store, batch)
+        return _shard_map(body, mesh, (param_specs(state, ep), P(axis), P(axis)), P(axis))(state, store, batch)
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+@functools.lru_cache(maxsize=32)
+def sharded_step_and_sample(graphdef, mesh: Mesh, kernels: str = "reference", expert_parallel: bool = False):
+    """`sharded_step` that also samples each rank's emitting rows, as `Runner.step` does on one device:
+    step(state, store, batch, sampling) -> (tokens int32[N, B], store, stats with a leading [N]); sampling's
+    leaves ("rows", "seed", "pos", "temperature", "top_p") are [N, B], rank r's rows index its own batch."""
+    from hisparse_jax.engine.runner import TRACE_COUNTS, sample_rows, step_impl
+    from hisparse_jax.kv.tiered import check_kernels
+
+    kernels = check_kernels(kernels)
+    axis = check_mesh(mesh)
+
+    ep = axis if expert_parallel else None
+
+    def body(state, store, batch, sampling):
+        TRACE_COUNTS["decode_step"] += 1
+        with _moe_context(ep):
+            logits, store, stats = step_impl(nnx.merge(graphdef, state), _squeeze(store), _squeeze(batch), kernels)
+        s = _squeeze(sampling)
+        tokens = sample_rows(logits[s["rows"]], s["seed"], s["pos"], s["temperature"], s["top_p"])
+        return tokens[None], _expand(store), _expand(stats)
+
+    def step(state, store, batch, sampling):
+        return _shard_map(body, mesh, (param_specs(state, ep), P(axis), P(axis), P(axis)), P(axis))(
+            state, store, batch, sampling)
 
     return jax.jit(step, donate_argnums=(1,))
 
 
 def put_batch(mesh: Mesh, batch: dict) -> dict:
     """Place a batch of [N, ...] NumPy arrays with axis 0 on the mesh's axis (rank r's rows on device r)."""
-    sh = NamedSharding(mesh, P(_check_mesh(mesh)))
+    sh = NamedSharding(mesh, P(check_mesh(mesh)))
     return {k: _place(np.asarray(v), sh) for k, v in batch.items()}
 
 
@@ -286,6 +379,7 @@ def place_round_robin(num_prompts: int, n: int) -> list[list[int]]:
 
 
 __all__ = ["data_mesh", "stacked_shardings", "new_stacked_store", "apply_rank_updates", "reserve_next_ranks",
-           "admit_prefilled_ranks", "replicate", "sharded_step", "put_batch", "place_round_robin", "store_mesh",
-           "num_ranks", "is_local", "to_host"]
+           "admit_prefilled_ranks", "write_prompt_rows", "rank_store", "replicate", "sharded_step",
+           "sharded_step_and_sample", "param_specs", "place_params", "check_expert_parallel", "put_batch",
+           "place_round_robin", "store_mesh", "num_ranks", "is_local", "to_host", "check_mesh"]
 

@@ -122,7 +122,8 @@ class EngineMetrics(Record):
     imported prompts moved to the device, `Engine.import_request`); speculative_tokens (k), acceptance_rate
     (drafts accepted / verified), duplicate_misses (fetches the union resolve saved) and tokens_per_step (tokens a running request gains per decode step: 1 without
     speculation); mean_ttft_steps and
-    mean_latency_steps (finished requests, in steps from arrival to first / last token)."""
+    mean_latency_steps (finished requests, in steps from arrival to first / last token). ranks: a `MeshEngine`'s
+    per-rank `EngineMetrics` (its totals and `history` are summed over ranks step by step); empty on one device."""
 
     policy: str
     steps: int
@@ -153,3 +154,4 @@ class EngineMetrics(Record):
     mean_ttft_steps: float
     mean_latency_steps: float
     history: list
+    ranks: list = dataclasses.field(default_factory=list)

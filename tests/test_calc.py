@@ -178,3 +178,16 @@ def test_capacity_rejects_bad_input():
         calc.capacity(calc.CalcInput(seq=-1))
     with pytest.raises(calc.CalcError):
         calc.capacity(replace(calc.CalcInput(), gpu="h100"))
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4, 8])
+def test_data_parallel_totals_scale_like_the_mesh_engine(dp):
+    # a MeshEngine's ranks each have the per-device budgets: at a fixed per-device KV budget and host pool, DP
+    # replicas run DP x one replica's requests (experiments/mesh_capacity.py measured 4.00x on 4 devices)
+    one = calc.capacity(calc.CalcInput(dp=1, kv_hbm_gib=17.8, host_gib=math.inf))
+    many = calc.capacity(calc.CalcInput(dp=dp, kv_hbm_gib=17.8, host_gib=math.inf))
+    assert (many.baseline_running, many.hisparse_running) == (one.baseline_running, one.hisparse_running)
+    assert (many.baseline_total, many.hisparse_total) == (dp * one.baseline_running, dp * one.hisparse_running)
+    # with expert parallelism the routed experts' weights divide over DP x TP: more HBM left per GPU for KV
+    free = [calc.capacity(calc.CalcInput(dp=d, ep=True)).kv_hbm_gib for d in (1, dp)]
+    assert free[1] >= free[0]

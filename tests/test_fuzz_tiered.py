@@ -135,3 +135,12 @@ def test_fuzz_generate(data):
 def test_fuzz_engine(data):
     case = fz.draw_engine_case(fz.HypothesisChoices(data))
     fz.run_engine_case(case)
+
+
+@settings(max_examples=EXAMPLES or 2, **_SETTINGS)
+@given(st.data())
+def test_fuzz_mesh_engine(data):
+    # this process sees one device: the mesh cases run one rank (the 8-device mesh is tests/test_mesh_engine.py;
+    # `fuzz_tiered.py --only mesh` runs 1-4 ranks)
+    case = fz.draw_mesh_case(fz.HypothesisChoices(data))
+    fz.run_mesh_case(case)

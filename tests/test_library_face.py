@@ -89,6 +89,7 @@ def test_import_is_lazy_and_names_resolve_in_a_fresh_interpreter():
 
 TOP_LEVEL = {
     "CacheConfig": "hisparse_jax.config", "Engine": "hisparse_jax.engine", "EngineConfig": "hisparse_jax.engine",
+    "MeshEngine": "hisparse_jax.engine",
     "SamplingParams": "hisparse_jax.engine", "PRESETS": "hisparse_jax.config", "ModelConfig": "hisparse_jax.config",
     "RopeConfig": "hisparse_jax.config", "get_preset": "hisparse_jax.config",
     "SparseMLAModel": "hisparse_jax.model.decoder", "decode_step": "hisparse_jax.model.decoder",

@@ -13,12 +13,15 @@ Glossary:
   device→host read per step.
 - bucket: the padded sizes a step compiles for — batch rows and indexer pages, both powers of two.
 - step: one `Engine.step()`: schedule, each request's own work, one batched device call, commit.
+- rank (`mesh.py`, `MeshEngine`): one device of a data-parallel mesh; each rank is an `Engine` with its own cache,
+  scheduler and budgets over its slice of one stacked store; placement picks a new request's rank.
 - import (`pd.py`, `Engine.import_request`): a request whose prompt KV was computed by another (prefill) run and
   arrives as a file; written into the store at admission instead of computed.
 """
 
 from hisparse_jax.engine.engine import Engine, EngineConfig, device_budget
+from hisparse_jax.engine.mesh import MeshEngine
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
 from hisparse_jax.engine.scheduler import POLICIES
 
-__all__ = ["Engine", "EngineConfig", "device_budget", "Request", "RequestState", "SamplingParams", "POLICIES"]
+__all__ = ["Engine", "EngineConfig", "MeshEngine", "device_budget", "Request", "RequestState", "SamplingParams", "POLICIES"]

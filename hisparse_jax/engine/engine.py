@@ -9,6 +9,11 @@
 Each `step` is one jitted call of fixed bucketed shape that carries every running request's decode row
 and up to `prefill_chunk` prompt rows (chunked prefill through the store). Sampling depends only on
 (seed, position), so outputs do not depend on scheduling: the three policies produce the same tokens.
+
+A step is `begin_step` (schedule, each request's own work, the batch: host only), the one batched call, then
+`finish_step` (commit: host only) — the schedule / postprocess split that lets `engine.mesh.MeshEngine` run every
+rank's batch in one sharded call. Everything that touches the KV store goes through the engine's store seam
+(`store_owner`: `OneStore` here, a rank of a stacked store on a mesh).
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from hisparse_jax.engine import speculative
 from hisparse_jax.validation import check_int, check_prompt
 
 
+PLACEMENTS = ("balanced", "round_robin")  # a MeshEngine's choice of rank for a new request
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """policy: "preempt" | "offload" | "hisparse"; coldness (hisparse): "oldest" | "recency";
@@ -54,7 +62,11 @@ class EngineConfig:
     k = 0, greedy and sampled) or "rejection" (the standard rule: accepted with the target's probability of it;
     same distribution, more accepted when sampling, tokens depend on the drafts). Needs prefill="whole" and
     prefix_caching=False (prompts whose rows go through the store in
-    chunks are not carried by the speculative step yet)."""
+    chunks are not carried by the speculative step yet);
+    placement (a `MeshEngine` only): which rank a new request goes to — "balanced" (the rank holding most of its
+    prompt in its prefix cache, then the least loaded) or "round_robin"; expert_parallel (a `MeshEngine` only):
+    split the routed experts over the mesh's devices (each holds 1/N of every MoE layer's experts; each MoE layer
+    gathers the ranks' tokens and scatters the sums back) instead of replicating every parameter."""
 
     policy: str = "hisparse"
     coldness: str = "oldest"
@@ -68,6 +80,8 @@ class EngineConfig:
     kernels: str = "reference"
     speculative_tokens: int = 0
     speculative_acceptance: str = "match"
+    placement: str = "balanced"
+    expert_parallel: bool = False
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -80,6 +94,8 @@ class EngineConfig:
             raise ValueError("max_running, prefill_chunk and min_bucket must be >= 1")
         if self.kernels not in tiered.KERNELS:
             raise ValueError(f"unknown kernels {self.kernels!r}; choose one of {', '.join(tiered.KERNELS)}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"unknown placement {self.placement!r}; choose one of {', '.join(PLACEMENTS)}")
         k = check_int("speculative_tokens", self.speculative_tokens, lo=0, hi=MAX_SPECULATIVE_TOKENS)
         if self.speculative_acceptance not in speculative.ACCEPTANCE:
             raise ValueError(f"unknown speculative_acceptance {self.speculative_acceptance!r}; choose one of "
@@ -97,8 +113,49 @@ class UnknownRequest(KeyError):
         return str(self.args[0])
 
 
+class OneStore:
+    """The engine's store seam on one device: owns the `KVStore` and applies the engine's host decisions to it
+    (`kv.device`). `engine.mesh` puts a rank of a stacked store behind the same four methods."""
+
+    def __init__(self, cache: TieredCache):
+        self.store = kv_device.new_store(cache)  # the cache's KVStore: device pools + pinned-host pools
+
+    def apply_updates(self, cache: TieredCache) -> None:
+        self.store = kv_device.apply_updates(self.store, cache)
+
+    def write_prefill(self, cache: TieredCache, slot: int, latent, rope, index_k, length: int, offset: int = 0):
+        self.store = kv_device.write_prefill(self.store, cache, slot, latent, rope, index_k, length, offset=offset)
+
+    def check_tables(self, cache: TieredCache) -> None:
+        kv_device.check_tables(self.store, cache)
+
+
+@dataclasses.dataclass
+class StepWork:
+    """One engine step between `Engine.begin_step` (schedule, per-request work, the batch built) and
+    `Engine.finish_step` (commit): `batch` / `sampling` / `n_emit` are the batched device call's arguments
+    (None: no call this step), `out` its `StepOutput` once run."""
+
+    plan: object
+    failed: list
+    t0: float
+    traces: int
+    new_tokens: int = 0
+    prefill_tokens: int = 0
+    emit: list = dataclasses.field(default_factory=list)
+    completed: list = dataclasses.field(default_factory=list)
+    batch: dict | None = None
+    sampling: dict | None = None
+    n_emit: int = 0
+    out: object = None
+    speculative: bool = False  # this step's decode rows go through `_spec_step` (one device only)
+
+
 class Engine:
-    def __init__(self, model: SparseMLAModel, cache: CacheConfig, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: SparseMLAModel, cache: CacheConfig, config: EngineConfig = EngineConfig(), *,
+                 store_owner=OneStore):
+        """store_owner(cache) -> the object that holds this engine's KVStore (`OneStore`, or a rank of a
+        `MeshEngine`'s stacked store)."""
         self.model, self.config = model, config
         # the device side: the model split once, the kernels ("pallas" needs a GPU backend: refused here, never a
         # silent fallback), one jitted decode-and-sample call per step
@@ -114,7 +171,7 @@ class Engine:
         tiered.check_backend(self.cache.spec, config.kernels)
         self.cache.partial_eviction = config.policy == "hisparse"
         self.cache.prefix_caching = config.prefix_caching
-        self.store = kv_device.new_store(self.cache)  # the cache's KVStore: device pools + pinned-host pools
+        self.stores = store_owner(self.cache)
         self.scheduler = Scheduler(self.cache, config.policy, max_running=config.max_running,
                                    prefill_chunk=config.prefill_chunk, prefill=config.prefill)
         self.requests: dict[str, Request] = {}
@@ -123,6 +180,20 @@ class Engine:
         self._log = open(config.log_path, "a") if config.log_path else None
         self._store_lost = False
         self.import_bytes = 0  # KV bytes of imported prompts moved to the device (`import_request`)
+
+    @property
+    def spec(self) -> StoreSpec:
+        """The store's frozen layout (`StoreSpec`)."""
+        return self.cache.spec
+
+    @property
+    def store(self):
+        """The engine's KVStore (one device)."""
+        return self.stores.store
+
+    @store.setter
+    def store(self, value):
+        self.stores.store = value
 
     # ----- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams = SamplingParams()) -> Request:
@@ -193,14 +264,23 @@ class Engine:
         step. If the batched call (or the sampling after it) raises, nothing of it is committed: lengths,
         outputs and prompt progress are as before, the exception propagates and `step()` can be called again —
         unless the call consumed the store it was given (donated buffers), after which every step refuses."""
+        work = self.begin_step()
+        if work.batch is not None:
+            work.out = self._device_call(self.runner.step, work.batch, work.sampling, work.n_emit)
+        return self.finish_step(work)
+
+    def begin_step(self) -> StepWork:
+        """The host half of a step before its batched call: schedule, each request's own checks, whole-prompt
+        prefills (each committed on its own) and the batch of decode rows and prompt chunks (`StepWork.batch`,
+        None when there is none). `step()` runs the call and `finish_step`; a `MeshEngine` runs one call for
+        all its ranks' batches."""
         if self._store_lost:
             raise RuntimeError("a failed decode step consumed the KV store; this engine cannot continue "
                                "(its requests' outputs so far are in outputs())")
-        t0 = time.perf_counter()
-        traces = TRACE_COUNTS["decode_step"]
         sched = self.scheduler
-        plan = sched.schedule(self.step_count)
-        failed: list[Request] = []
+        w = StepWork(plan=None, failed=[], t0=time.perf_counter(), traces=TRACE_COUNTS["decode_step"])
+        plan = w.plan = sched.schedule(self.step_count)
+        failed = w.failed
         # 1. each request's own checks: what would only fail inside the batched call fails here, for that request
         for r in plan.decode + plan.whole + [r for r, _, _ in plan.prefill]:
             if not r.finished:
@@ -209,68 +289,78 @@ class Engine:
         plan.whole[:] = [r for r in plan.whole if not r.finished]
         plan.prefill[:] = [x for x in plan.prefill if not x[0].finished]
         # 2. whole-prompt prefills, one request at a time (each commits on its own)
-        new_tokens, prefill_tokens, emit_logits = 0, 0, []
+        emit_logits = []
         for r in list(plan.whole):
             ok, lg = self._guard(r, failed, self._prefill_whole, r)
             if not ok:
                 plan.whole.remove(r)
                 continue
-            prefill_tokens += len(r.kv_tokens)
+            w.prefill_tokens += len(r.kv_tokens)
             r.computed = len(r.kv_tokens)
             r.state = RequestState.RUNNING
             if not r.output:
                 emit_logits.append((lg, r))
         if emit_logits:
             rs = [r for _, r in emit_logits]
-            new_tokens += self._commit_tokens(rs, self._sample(jnp.stack([lg for lg, _ in emit_logits]), rs))
-        # 3. one batched call: every decode row and this step's prompt chunks
-        rows_tok, rows_req, rows_pos, emit = [], [], [], []
+            w.new_tokens += self._commit_tokens(rs, self._sample(jnp.stack([lg for lg, _ in emit_logits]), rs))
+        if self.k and plan.decode:  # speculative: verify + accept + draft (prompts are prefilled whole)
+            w.speculative = True
+            return w
+        # 3. the batch of one call: every decode row and this step's prompt chunks
+        rows_tok, rows_req, rows_pos, emit = [], [], [], w.emit
         for r in plan.decode:
             emit.append((len(rows_tok), r))
             rows_tok.append(r.output[-1])
             rows_req.append(r.slot)
             rows_pos.append(len(r.prompt) + len(r.output) - 1)
-        completed = []  # prompts whose last chunk is in this batch
         for r, start, n in plan.prefill:
             rows_tok += r.kv_tokens[start:start + n]
             rows_req += [r.slot] * n
             rows_pos += list(range(start, start + n))
-            prefill_tokens += n
+            w.prefill_tokens += n
             if start + n == len(r.kv_tokens):
-                completed.append(r)
+                w.completed.append(r)  # its last chunk is in this batch
                 if not r.output:
                     emit.append((len(rows_tok) - 1, r))
-        stats, B, index_pages, drafted, accepted, decode_tokens = {}, 0, 0, 0, 0, 0
-        if self.k and plan.decode:  # speculative: verify + accept + draft (prompts are prefilled whole)
-            B, index_pages, stats, decode_tokens, drafted, accepted = self._spec_step(plan.decode)
-            new_tokens += decode_tokens
-        elif rows_tok:
+        if rows_tok:
             B = max(self.config.min_bucket, 1 << (len(rows_tok) - 1).bit_length())
             pad = B - len(rows_tok)
-            batch = {"tokens": np.asarray(rows_tok + [0] * pad, np.int32),
-                     "req": np.asarray(rows_req + [-1] * pad, np.int32),
-                     "pos": np.asarray(rows_pos + [-1] * pad, np.int32),
-                     # the indexer scores pages up to the batch's longest sequence (a power-of-two bucket)
-                     "index_span": tiered.index_span(self.cache.spec, max(rows_pos) + 1)}
-            index_pages = len(batch["index_span"])
-            out = self._device_call(self.runner.step, batch, self._sampling(emit, B), len(emit))
+            w.batch = {"tokens": np.asarray(rows_tok + [0] * pad, np.int32),
+                       "req": np.asarray(rows_req + [-1] * pad, np.int32),
+                       "pos": np.asarray(rows_pos + [-1] * pad, np.int32),
+                       # the indexer scores pages up to the batch's longest sequence (a power-of-two bucket)
+                       "index_span": tiered.index_span(self.cache.spec, max(rows_pos) + 1)}
+            w.sampling, w.n_emit = self._sampling(emit, B), len(emit)
+        return w
+
+    def finish_step(self, w: StepWork) -> StepMetrics:
+        """The host half of a step after its batched call (`w.out`): commit lengths, prompt progress and tokens,
+        apply the releases decided at commit, record the step's metrics."""
+        plan, sched = w.plan, self.scheduler
+        new_tokens, prefill_tokens = w.new_tokens, w.prefill_tokens
+        stats, B, index_pages, drafted, accepted, decode_tokens = {}, 0, 0, 0, 0, 0
+        if w.speculative:
+            B, index_pages, stats, decode_tokens, drafted, accepted = self._spec_step(plan.decode)
+            new_tokens += decode_tokens
+        elif w.batch is not None:
+            B, index_pages = len(w.batch["tokens"]), len(w.batch["index_span"])
             # 4. commit (host bookkeeping only)
-            toks, stats = out.tokens, out.stats
+            toks, stats = w.out.tokens, w.out.stats
             for r, start, n in plan.prefill:
                 r.computed = start + n
                 self.cache.set_length(r.slot, r.computed)
-            for r in completed:
+            for r in w.completed:
                 self.cache.allow_release(r.slot)
                 self.cache.register_prefix(r.slot, r.kv_tokens)
                 r.state = RequestState.RUNNING
             self.cache.advance([r.slot for r in plan.decode])
             decode_tokens = len(plan.decode)
-            new_tokens += self._commit_tokens([r for _, r in emit], toks)
+            new_tokens += self._commit_tokens([r for _, r in w.emit], toks)
         if self.cache.updates:  # releases decided at commit: the store matches the cache between steps
-            self.store = kv_device.apply_updates(self.store, self.cache)
+            self.stores.apply_updates(self.cache)
         if self.config.check_invariants:
-            kv_device.check_tables(self.store, self.cache)
-        dt = time.perf_counter() - t0
+            self.stores.check_tables(self.cache)
+        dt = time.perf_counter() - w.t0
         st = stats
         m = StepMetrics(**{
             "step": self.step_count, "running": len(plan.decode),
@@ -278,13 +368,13 @@ class Engine:
             "swapped": sum(r.state is RequestState.SWAPPED for r in sched.active), "waiting": len(sched.waiting),
             "preemptions": len(plan.preempted), "swaps_out": len(plan.swapped_out),
             "swaps_in": len(plan.swapped_in), "tokens": new_tokens, "prefill_tokens": prefill_tokens,
-            "cached_tokens": plan.cached_tokens, "failed": len(failed), "bucket": B,
+            "cached_tokens": plan.cached_tokens, "failed": len(w.failed), "bucket": B,
             "index_pages": index_pages, "decode_tokens": decode_tokens, "drafted": drafted, "accepted": accepted,
             "duplicate_misses": st.get("row_misses", 0) - st.get("misses", 0),
             "hits": st.get("hits", 0), "misses": st.get("misses", 0), "resident": st.get("resident", 0),
             "h2d_bytes": st.get("h2d_bytes", 0), "d2h_bytes": st.get("d2h_bytes", 0),
             "device_pages_used": self.cache.pool.num_used("device"), "step_time_s": dt,
-            "compiled": TRACE_COUNTS["decode_step"] > traces,
+            "compiled": TRACE_COUNTS["decode_step"] > w.traces,
         })
         self.history.append(m)
         if self._log:
@@ -397,7 +487,7 @@ class Engine:
             latent, rope, index_k = (jnp.concatenate([a, b.astype(a.dtype)]) for a, b in
                                      zip((latent, rope, index_k), mtp[:3]))
             r.drafts = [mtp[3]] + [-1] * (self.k - 1)
-        self.store = kv_device.write_prefill(self.store, self.cache, r.slot, latent, rope, index_k, len(toks))
+        self.stores.write_prefill(self.cache, r.slot, latent, rope, index_k, len(toks))
         self.cache.register_prefix(r.slot, toks)
         return last
 
@@ -408,8 +498,7 @@ class Engine:
         for off in range(0, T, ch):
             rows = [np.asarray(a[:, off:off + ch]) for a in (ex.latent, ex.rope, ex.index_k)]
             rows = [np.pad(a, ((0, m), (0, ch - a.shape[1]), (0, 0))) for a in rows]  # one staging shape
-            self.store = kv_device.write_prefill(self.store, self.cache, r.slot, *map(jnp.asarray, rows), T,
-                                                 offset=off)
+            self.stores.write_prefill(self.cache, r.slot, *map(jnp.asarray, rows), T, offset=off)
         self.cache.register_prefix(r.slot, r.kv_tokens)
         self.import_bytes += ex.nbytes
         r.imported = None  # written: a later readmission (after a preemption) computes its tokens as usual
@@ -443,56 +532,72 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[list[int]]:
         """Add `prompts`, run to completion, return their outputs in order."""
-        base = len(self.requests)
-        ids = [f"gen-{base + i}" for i in range(len(prompts))]
-        for rid, p in zip(ids, prompts):
-            self.add_request(rid, p, params)
-        self.run()
-        return [self.requests[rid].output for rid in ids]
+        return run_prompts(self, prompts, params)
 
     # ----- metrics -------------------------------------------------------------------------------
     def metrics(self) -> EngineMetrics:
         """Totals and per-step series (`history`: `StepMetrics`) for the run so far; `.to_json()` for JSON."""
-        h = self.history
-        decode_steps = [m for m in h if m["running"]]
-        total_time = sum(m["step_time_s"] for m in h)
-        warm = [m for m in h if not m["compiled"]]
-        warm_time = sum(m["step_time_s"] for m in warm)
-        hits, misses = sum(m["hits"] for m in h), sum(m["misses"] for m in h)
-        tokens = sum(m["tokens"] for m in h)
-        cached, prefill = sum(m["cached_tokens"] for m in h), sum(m["prefill_tokens"] for m in h)
-        done = [r for r in self.requests.values() if r.state is RequestState.FINISHED]
-        return EngineMetrics(**{
-            "policy": self.config.policy, "steps": len(h),
-            "mean_running": float(np.mean([m["running"] for m in decode_steps])) if decode_steps else 0.0,
-            "max_running": max((m["running"] for m in h), default=0),
-            "preemptions": sum(m["preemptions"] for m in h), "swaps": sum(m["swaps_out"] for m in h),
-            "failed": sum(r.state is RequestState.FAILED for r in self.requests.values()),
-            "tokens": tokens, "prefill_tokens": sum(m["prefill_tokens"] for m in h),
-            # prompt tokens served by the prefix cache, and their share of all prompt tokens admitted
-            "cached_tokens": cached, "prefix_hit_rate": cached / (cached + prefill) if cached + prefill else 0.0,
-            "time_s": total_time, "compile_steps": len(h) - len(warm), "compile_time_s": total_time - warm_time,
-            # throughput over the steps that did not compile (the step compiles once per batch bucket)
-            "tokens_per_s": sum(m["tokens"] for m in warm) / warm_time if warm_time else 0.0,
-            "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
-            "h2d_bytes": sum(m["h2d_bytes"] for m in h) + self.cache.h2d_bytes,
-            "d2h_bytes": sum(m["d2h_bytes"] for m in h) + self.cache.d2h_bytes,
-            "evicted_pages": self.cache.evicted_pages, "import_bytes": self.import_bytes,
-            # speculative decoding: drafts accepted / verified, and tokens a running request gains per decode step
-            "speculative_tokens": self.k,
-            "acceptance_rate": _ratio(sum(m["accepted"] for m in h), sum(m["drafted"] for m in h)),
-            "duplicate_misses": sum(m["duplicate_misses"] for m in h),
-            "tokens_per_step": _ratio(sum(m["decode_tokens"] for m in h), sum(m["running"] for m in h)),
-            # in engine steps, from arrival (add_request) to the first token / to the last, finished requests only
-            "mean_ttft_steps": _mean(r.first_token_step - r.arrival for r in done if r.first_token_step is not None),
-            "mean_latency_steps": _mean(r.finish_step - r.arrival for r in done),
-            "history": list(h),
-        })
+        c = self.cache
+        return summarize(self.history, list(self.requests.values()), policy=self.config.policy,
+                         speculative_tokens=self.k, extra_h2d_bytes=c.h2d_bytes, extra_d2h_bytes=c.d2h_bytes,
+                         evicted_pages=c.evicted_pages, import_bytes=self.import_bytes)
 
     def close(self) -> None:
         if self._log:
             self._log.close()
             self._log = None
+
+
+def run_prompts(engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """`generate` of an `Engine` or `MeshEngine`: add `prompts` as "gen-<n>", run to completion, return their
+    outputs in order."""
+    base = len(engine.requests)
+    ids = [f"gen-{base + i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    engine.run()
+    reqs = engine.requests
+    return [reqs[rid].output for rid in ids]
+
+
+def summarize(h: list, requests: list, *, policy: str, speculative_tokens: int = 0, extra_h2d_bytes: int = 0,
+              extra_d2h_bytes: int = 0, evicted_pages: int = 0, import_bytes: int = 0, ranks=()) -> EngineMetrics:
+    """`EngineMetrics` of a run from its per-step history `h` and its `requests`; extra_h2d/d2h_bytes: bytes moved
+    outside the steps (page loads, prompt writes); ranks: per-rank metrics (a `MeshEngine`)."""
+    decode_steps = [m for m in h if m["running"]]
+    total_time = sum(m["step_time_s"] for m in h)
+    warm = [m for m in h if not m["compiled"]]
+    warm_time = sum(m["step_time_s"] for m in warm)
+    hits, misses = sum(m["hits"] for m in h), sum(m["misses"] for m in h)
+    tokens = sum(m["tokens"] for m in h)
+    cached, prefill = sum(m["cached_tokens"] for m in h), sum(m["prefill_tokens"] for m in h)
+    done = [r for r in requests if r.state is RequestState.FINISHED]
+    return EngineMetrics(**{
+        "policy": policy, "steps": len(h),
+        "mean_running": float(np.mean([m["running"] for m in decode_steps])) if decode_steps else 0.0,
+        "max_running": max((m["running"] for m in h), default=0),
+        "preemptions": sum(m["preemptions"] for m in h), "swaps": sum(m["swaps_out"] for m in h),
+        "failed": sum(r.state is RequestState.FAILED for r in requests),
+        "tokens": tokens, "prefill_tokens": sum(m["prefill_tokens"] for m in h),
+        # prompt tokens served by the prefix cache, and their share of all prompt tokens admitted
+        "cached_tokens": cached, "prefix_hit_rate": cached / (cached + prefill) if cached + prefill else 0.0,
+        "time_s": total_time, "compile_steps": len(h) - len(warm), "compile_time_s": total_time - warm_time,
+        # throughput over the steps that did not compile (the step compiles once per batch bucket)
+        "tokens_per_s": sum(m["tokens"] for m in warm) / warm_time if warm_time else 0.0,
+        "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
+        "h2d_bytes": sum(m["h2d_bytes"] for m in h) + extra_h2d_bytes,
+        "d2h_bytes": sum(m["d2h_bytes"] for m in h) + extra_d2h_bytes,
+        "evicted_pages": evicted_pages, "import_bytes": import_bytes,
+        # speculative decoding: drafts accepted / verified, and tokens a running request gains per decode step
+        "speculative_tokens": speculative_tokens,
+        "acceptance_rate": _ratio(sum(m["accepted"] for m in h), sum(m["drafted"] for m in h)),
+        "duplicate_misses": sum(m["duplicate_misses"] for m in h),
+        "tokens_per_step": _ratio(sum(m["decode_tokens"] for m in h), sum(m["running"] for m in h)),
+        # in engine steps, from arrival (add_request) to the first token / to the last, finished requests only
+        "mean_ttft_steps": _mean(r.first_token_step - r.arrival for r in done if r.first_token_step is not None),
+        "mean_latency_steps": _mean(r.finish_step - r.arrival for r in done),
+        "history": list(h), "ranks": list(ranks),
+    })
 
 
 def _ratio(a: float, b: float) -> float:

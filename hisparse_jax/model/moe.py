@@ -10,9 +10,19 @@ Two exact expert implementations:
   is proportional to the routed pairs, as on a real serving system.
 * "dense": run every expert on every token and combine with the routing weights; simple, the
   reference for tests.
+
+Expert parallelism (`expert_parallel(axis)`): traced inside a `shard_map` over `axis` whose routed-expert weights
+are split on their leading (expert) axis — rank r holds experts [r * E/N, (r + 1) * E/N) — each MoE layer gathers
+every rank's tokens (`all_gather`), routes them all (the router is replicated), runs only its own experts on the
+pairs routed to them, and returns each rank the sum over ranks of its tokens' outputs (`psum_scatter`). The
+attention around it stays data-parallel; these two collectives per MoE layer are the only cross-device traffic.
+With two experts per token the result is bit-identical to one device (a + b summed in either order).
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
@@ -48,19 +58,42 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jnp.ndarray, impl: str = "ragged") -> jnp.ndarray:
         """x [..., D] -> [..., D]."""
+        if impl not in ("ragged", "dense"):
+            raise ValueError(f"unknown moe impl {impl!r}; use 'ragged' or 'dense'")
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
-        weights, idx = route(xf, self.gate.weight[...], self.gate.e_score_correction_bias[...], self.cfg)
         e = self.experts
-        if impl == "ragged":
-            y = experts_ragged(xf, weights, idx, e.gate[...], e.up[...], e.down[...])
-        elif impl == "dense":
-            y = experts_dense(xf, weights, idx, e.gate[...], e.up[...], e.down[...])
-        else:
-            raise ValueError(f"unknown moe impl {impl!r}; use 'ragged' or 'dense'")
+        run = experts_ragged if impl == "ragged" else experts_dense
+        axis = _EXPERT_AXIS.get()
+        if axis is None:
+            weights, idx = route(xf, self.gate.weight[...], self.gate.e_score_correction_bias[...], self.cfg)
+            y = run(xf, weights, idx, e.gate[...], e.up[...], e.down[...])
+        else:  # expert parallel: every rank's tokens through this rank's experts, the sums scattered back
+            xs = jax.lax.all_gather(xf, axis, tiled=True)  # [N * T, D]
+            weights, idx = route(xs, self.gate.weight[...], self.gate.e_score_correction_bias[...], self.cfg)
+            n_local = e.gate.shape[0]  # E / N experts on this rank
+            first = jax.lax.axis_index(axis) * n_local
+            mine = (idx >= first) & (idx < first + n_local)
+            y = run(xs, jnp.where(mine, weights, 0.0), jnp.where(mine, idx - first, n_local),
+                    e.gate[...], e.up[...], e.down[...])
+            y = jax.lax.psum_scatter(y.astype(jnp.float32), axis, scatter_dimension=0, tiled=True).astype(x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(xf)
         return y.reshape(shape)
+
+
+_EXPERT_AXIS: contextvars.ContextVar = contextvars.ContextVar("hisparse_expert_axis", default=None)
+
+
+@contextlib.contextmanager
+def expert_parallel(axis: str):
+    """Every MoE layer traced in this context runs expert-parallel over mesh axis `axis` (see the module
+    docstring): for use inside a `shard_map` whose routed-expert weights are split on that axis."""
+    token = _EXPERT_AXIS.set(axis)
+    try:
+        yield
+    finally:
+        _EXPERT_AXIS.reset(token)
 
 
 def route(x: jnp.ndarray, w_router: jnp.ndarray, bias: jnp.ndarray, cfg: ModelConfig):
@@ -85,9 +118,10 @@ def route(x: jnp.ndarray, w_router: jnp.ndarray, bias: jnp.ndarray, cfg: ModelCo
 
 
 def experts_dense(x, weights, idx, w_gate, w_up, w_down):
-    """Every expert on every token, combined by the routing weights (zero for unrouted experts)."""
+    """Every expert on every token, combined by the routing weights (zero for unrouted experts; a pair whose
+    expert id is E — none of these experts — adds nothing)."""
     n, e = x.shape[0], w_gate.shape[0]
-    combine = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], idx].add(weights)
+    combine = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], idx].add(weights, mode="drop")
     xc = x.astype(w_gate.dtype)
     h = jax.nn.silu(jnp.einsum("nd,edf->enf", xc, w_gate)) * jnp.einsum("nd,edf->enf", xc, w_up)
     y = jnp.einsum("enf,efd->end", h, w_down)  # [E, N, D]
@@ -95,7 +129,8 @@ def experts_dense(x, weights, idx, w_gate, w_up, w_down):
 
 
 def experts_ragged(x, weights, idx, w_gate, w_up, w_down):
-    """Grouped matmul over (token, expert) pairs sorted by expert (`lax.ragged_dot`)."""
+    """Grouped matmul over (token, expert) pairs sorted by expert (`lax.ragged_dot`). A pair whose expert id is E
+    (none of these experts) sorts last, outside every group, and adds nothing."""
     n, k = idx.shape
     e = w_gate.shape[0]
     flat = idx.reshape(-1)
@@ -105,6 +140,7 @@ def experts_ragged(x, weights, idx, w_gate, w_up, w_down):
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
     y = jax.lax.ragged_dot(h, w_down, sizes)  # [N*k, D]
-    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    routed = (flat[order] < e)[:, None]  # rows past the groups are not defined by ragged_dot: masked
+    y = jnp.where(routed, y.astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
     out = jnp.zeros((n, x.shape[1]), jnp.float32).at[tokens].add(y)
     return out.astype(x.dtype)
