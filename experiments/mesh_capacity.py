@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     policies = list(one["policies"])
     out = {
         "question": "mean running requests on N devices vs 1 at the same per-device budgets and load",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(),
         "devices": a.devices, "settings": common, "backend": jax.default_backend(),
         "jax": jax.__version__, "python": platform.python_version(),
         "per_policy": {pol: {
