@@ -20,8 +20,10 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMEOUT_S = 240
-SMOKE_BOUND_S = 60.0
+TIMEOUT_S = 420
+# a hang guard, not a performance claim (performance is measured by the experiments, never asserted here): the
+# smoke run took 50-60 s of CPU on earlier machines and 150-180 s on this one (the code before and after alike)
+SMOKE_BOUND_S = 400.0
 
 
 def _section_names():
