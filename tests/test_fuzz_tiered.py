@@ -123,21 +123,21 @@ _SETTINGS = dict(derandomize=True, deadline=None, database=None, print_blob=True
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-@settings(max_examples=EXAMPLES or 8, **_SETTINGS)
+@settings(max_examples=EXAMPLES or 6, **_SETTINGS)
 @given(st.data())
 def test_fuzz_generate(data):
     case = fz.draw_generate_case(fz.HypothesisChoices(data))
     fz.run_generate_case(case)
 
 
-@settings(max_examples=EXAMPLES or 4, **_SETTINGS)
+@settings(max_examples=EXAMPLES or 3, **_SETTINGS)
 @given(st.data())
 def test_fuzz_engine(data):
     case = fz.draw_engine_case(fz.HypothesisChoices(data))
     fz.run_engine_case(case)
 
 
-@settings(max_examples=EXAMPLES or 2, **_SETTINGS)
+@settings(max_examples=EXAMPLES or 1, **_SETTINGS)
 @given(st.data())
 def test_fuzz_mesh_engine(data):
     # this process sees one device: the mesh cases run one rank (the 8-device mesh is tests/test_mesh_engine.py;
