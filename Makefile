@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 PIP          = $(VENV)/bin/pip
 PIP_INSTALL  = $(PIP) install --quiet $(if $(CONSTRAINTS),--constraint $(CONSTRAINTS))
 
-.PHONY: demo test gpu-build-tools clean
+.PHONY: demo test test-setup gpu-build-tools clean
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -40,7 +40,10 @@ gpu-build-tools: $(VENV)/.installed-gpu-build
 demo: $(VENV)/.installed
 	$(VENV)/bin/hisparse demo
 
-test: $(VENV)/.installed-$(TEST_EXTRAS) $(if $(GPU_BUILD),$(VENV)/.installed-gpu-build)
+# what `make test` needs installed, without running it (CI installs both legs first, then tests them side by side)
+test-setup: $(VENV)/.installed-$(TEST_EXTRAS) $(if $(GPU_BUILD),$(VENV)/.installed-gpu-build)
+
+test: test-setup
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 clean:

@@ -2,8 +2,52 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import sys
+import tempfile
 
 import pytest
+
+
+def _share_compiled_programs() -> None:
+    """One persistent XLA compilation cache for the whole test run, subprocesses included (they inherit the
+    environment). Most of the suite's time is XLA:CPU compiling the same small programs again: each test builds
+    its own engine or model, and `_drop_compiled_programs` empties the in-memory caches after every module. With
+    this cache an identical program is compiled once per run. Trace counts (what the no-recompile tests read)
+    are unchanged: a cache hit still traces and lowers; only the backend compile is skipped. A directory the
+    user set in JAX_COMPILATION_CACHE_DIR is used and kept; otherwise a temporary one is removed at exit."""
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        path = tempfile.mkdtemp(prefix="hisparse-tests-xla-cache-")
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+    if "jax" in sys.modules:  # imported before this file (a plugin): tell its config too
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                          float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                          int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
+
+
+# XLA:CPU spends most of this suite's time in LLVM optimising programs that then run for milliseconds on tiny
+# models. Unoptimised code computes the same values (no fast-math either way), so the suite compiles at -O0
+# (measured: one engine test 81 s -> 55 s). HISPARSE_TEST_XLA_OPT=1 keeps XLA's defaults.
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def _compile_fast() -> None:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if os.environ.get("HISPARSE_TEST_XLA_OPT") != "1" and "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " " + FAST_COMPILE_FLAGS).strip()
+
+
+_share_compiled_programs()
+_compile_fast()
 
 # torch and transformers are numerical references only (extra `test`, Python 3.11 leg); the Python 3.12 /
 # newest-jax CI leg has neither, and the tests that need them skip with this reason.

@@ -219,9 +219,15 @@ def test_saved_params_round_trip(saved_params, model, tmp_path):
 def test_flipped_byte_in_saved_params_is_refused_naming_the_parameter(saved_params, model, tmp_path):
     path = copy_of(saved_params, tmp_path)
     flip_byte(path)
-    with pytest.raises(CheckpointError, match=r"checksum mismatch in 1 array\(s\): (layers|embed_tokens|lm_head|norm)[\w.]* .*damaged"):
+    with pytest.raises(CheckpointError, match=r"(checksum mismatch in 1 array\(s\): |parameter )(layers|embed_tokens|lm_head|norm)[\w.]* .*damaged"):
         restore_params(path, model.cfg)
-    restore_params(path, model.cfg, verify=False)  # the damage is silent without the check: why it exists
+    # Without the check the damage is silent (why it exists), unless the flipped bit broke a compressed chunk,
+    # which TensorStore then cannot decode: that is refused too, naming the parameter. Where the bit lands
+    # depends on the layout Orbax chose for this save.
+    try:
+        restore_params(path, model.cfg, verify=False)
+    except CheckpointError as e:
+        assert re.search(r"parameter (layers|embed_tokens|lm_head|norm)[\w.]* could not be read", str(e)), e
 
 
 def test_params_restored_for_another_config_are_refused_before_reading(saved_params, tmp_path):
@@ -358,6 +364,7 @@ def add_all(eng, eos=()):
         eng.add_request(f"r{i}", p, SamplingParams(max_new_tokens=NEW, eos_token_id=eos))
 
 
+@pytest.mark.slow
 def test_int_eos_token_id_runs(model, reference):
     eng = engine(model)
     eos = reference[1][2]

@@ -102,6 +102,7 @@ def test_synthetic_calibration():
     assert c["lru_hit_rate_2x"] == pytest.approx(0.94, abs=0.02)
 
 
+@pytest.mark.slow
 def test_prefix_sharing_experiment_quick(tmp_path):
     """experiments/prefix_sharing.py runs end to end (HiSparse only, tiny): the cache serves the shared prefix,
     the computed prompt tokens drop accordingly, and the outputs are the same with the cache on and off."""

@@ -15,6 +15,7 @@ import pytest
 from hisparse_jax import demo
 
 
+@pytest.mark.slow
 def test_demo_prints_header_steps_caveat_and_why_preempt_does_not_preempt(capsys, monkeypatch):
     seen = {}
     table = demo._table

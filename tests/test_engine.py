@@ -48,12 +48,14 @@ def runs(model, prompts):
     return out
 
 
+@pytest.mark.slow
 def test_policies_produce_identical_tokens_equal_to_generate(model, prompts, runs):
     ref = generate(model, prompts, NEW)  # batched: one compile (== one by one, which test_parity checks)
     for pol, (res, _, _) in runs.items():
         assert res == ref, pol
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["offload", "hisparse"])
 def test_whole_prompt_prefill_gives_the_same_tokens(model, prompts, runs, policy):
     eng = Engine(model, cache_for(policy, model), EngineConfig(policy=policy, max_running=6, prefill="whole",
@@ -63,6 +65,7 @@ def test_whole_prompt_prefill_gives_the_same_tokens(model, prompts, runs, policy
     assert eng.metrics()["preemptions"] == 0
 
 
+@pytest.mark.slow
 def test_hisparse_runs_more_requests_without_preemption(runs):
     h, o = runs["hisparse"][1], runs["offload"][1]
     assert h["preemptions"] == 0 and h["swaps"] == 0
@@ -70,12 +73,14 @@ def test_hisparse_runs_more_requests_without_preemption(runs):
     assert h["evicted_pages"] > 0 and h["misses"] > 0
 
 
+@pytest.mark.slow
 def test_pools_empty_after_the_run(runs):
     for pol, (_, _, eng) in runs.items():
         assert all(eng.cache.pool.num_used(t) == 0 for t in Tier), pol
         eng.cache.check_invariants()
 
 
+@pytest.mark.slow
 def test_aborts_mid_prefill_and_mid_decode_leave_no_leak(model, prompts):
     eng = Engine(model, cache_for("hisparse", model), EngineConfig(policy="hisparse", max_running=6,
                                                                    prefill_chunk=64, check_invariants=True))
@@ -133,6 +138,7 @@ def test_bad_input(model):
         eng.add_request("ok", [1, 2, 3])
 
 
+@pytest.mark.slow
 def test_full_host_pool_makes_requests_wait(model, prompts):
     """A host pool that holds one request at a time: the others wait, nothing fails, outputs unchanged."""
     cc = cache_for("hisparse", model).replace(host_pages=11)
@@ -142,6 +148,7 @@ def test_full_host_pool_makes_requests_wait(model, prompts):
     assert res == generate(model, prompts[:3], 8)
 
 
+@pytest.mark.slow
 def test_demo_cli_json(capsys, tmp_path):
     """`hisparse demo --json` prints one JSON object with the per-policy figures (tiny options)."""
     import json

@@ -57,6 +57,7 @@ def test_reported_crashes_are_refused_up_front(tiny_glm, prompts, budget, least)
     assert isinstance(e.value, ValueError)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fetch", ["row", "page"])
 def test_smallest_accepted_budget_tiers_and_matches_contiguous(tiny_glm, fetch):
     """The first report at the smallest device budget the check accepts (20 pages): it completes, really tiers
@@ -72,6 +73,7 @@ def test_smallest_accepted_budget_tiers_and_matches_contiguous(tiny_glm, fetch):
     assert stats["evicted_pages"] > 0 and stats["hits"] > 0 and stats["misses"] > 0
 
 
+@pytest.mark.slow
 def test_reported_mixed_lengths_at_the_smallest_budget(tiny_glm):
     prompts, budget, least = REPORTED[2]
     toks, stats = hj.generate(tiny_glm, prompts, 64, return_stats=True,
@@ -93,6 +95,7 @@ def test_check_counts_written_positions_not_sampled_tokens():
 
 
 # ----- regressions found by the fuzzer (shrunk) --------------------------------------------------------
+@pytest.mark.slow
 def test_engine_fp8_chunked_prefill_reference_is_through_the_store():
     """Found by the fuzzer: with fp8 and chunked prefill, a prompt's rows read each other back in fp8, so the
     reference is an all-resident engine of the same format, not a whole-prompt forward (the first token
@@ -104,6 +107,7 @@ def test_engine_fp8_chunked_prefill_reference_is_through_the_store():
     assert fz.run_engine_case(case)["outcome"] == "identical"
 
 
+@pytest.mark.slow
 def test_engine_prompt_that_fills_the_device_is_admitted():
     """Found by the fuzzer (long profile, engine case 50): HiSparse, chunked prefill, one 524-token prompt (9
     pages) that grows to 11 pages, device_pages=9. It fits (the prompt is resident while written; then the
@@ -123,6 +127,7 @@ _SETTINGS = dict(derandomize=True, deadline=None, database=None, print_blob=True
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES or 6, **_SETTINGS)
 @given(st.data())
 def test_fuzz_generate(data):
@@ -130,6 +135,7 @@ def test_fuzz_generate(data):
     fz.run_generate_case(case)
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES or 3, **_SETTINGS)
 @given(st.data())
 def test_fuzz_engine(data):
@@ -137,6 +143,7 @@ def test_fuzz_engine(data):
     fz.run_engine_case(case)
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES or 1, **_SETTINGS)
 @given(st.data())
 def test_fuzz_mesh_engine(data):

@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow  # one 8-device subprocess, ~3-4 min; the lowest-jax CI leg runs it
+
 N = 8
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
 POLICIES = ("preempt", "offload", "hisparse")

@@ -66,6 +66,7 @@ def test_split_generate_gives_the_same_tokens_under_pressure(model):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_split_engine_gives_generates_tokens(model):
     eng = Engine(model, BIG.replace(device_pages=9, miss_attention="split"),
                  EngineConfig(policy="hisparse", max_running=4, prefill="whole"))

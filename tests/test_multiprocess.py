@@ -31,7 +31,8 @@ def _run_workers(tmp) -> tuple[list[dict], float]:
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                          f" --xla_force_host_platform_device_count={LOCAL_DEVICES}").strip(),
                PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     port = _free_port()
     procs, logs = [], []
@@ -70,7 +71,9 @@ def test_two_processes_generate_the_tokens_of_one(tmp_path):
     results, wall = _run_workers(tmp_path)
     per = ", ".join(f"{r['seconds']:.1f}s" for r in results)
     print(f"two-process mesh generate: {wall:.1f}s wall (workers {per})")
-    assert wall < 120
+    # under 2 minutes on idle cores; scaled by how much more than the machine's cores' worth of work was running
+    # (CI runs its two legs side by side)
+    assert wall < 120 * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)), wall
     assert [r["process_index"] for r in results] == list(range(NUM_PROCESSES))
     for r in results:
         assert r["process_count"] == NUM_PROCESSES

@@ -386,6 +386,7 @@ def run_engine(model, prompts, policy, prefill="chunked", prefix_caching=True, s
 
 @pytest.mark.parametrize("policy,prefill", [("preempt", "chunked"), ("offload", "chunked"), ("hisparse", "chunked"),
                                             ("offload", "whole"), ("hisparse", "whole")])
+@pytest.mark.slow
 def test_engine_prefix_hits_keep_tokens_and_skip_prefill(engine_model, shared_prompts, shared_refs, policy,
                                                          prefill):
     out, eng = run_engine(engine_model, shared_prompts, policy, prefill)
@@ -400,6 +401,7 @@ def test_engine_prefix_hits_keep_tokens_and_skip_prefill(engine_model, shared_pr
     assert_all_free(eng.cache.pool)
 
 
+@pytest.mark.slow
 def test_engine_without_prefix_caching_computes_everything(engine_model, shared_prompts, shared_refs):
     out, eng = run_engine(engine_model, shared_prompts, "hisparse", prefix_caching=False)
     assert out == shared_refs
@@ -407,6 +409,7 @@ def test_engine_without_prefix_caching_computes_everything(engine_model, shared_
     assert m["cached_tokens"] == 0 and m["prefill_tokens"] == sum(len(p) for p in shared_prompts)
 
 
+@pytest.mark.slow
 def test_engine_aborts_with_prefix_shared_pages(engine_model, shared_prompts, shared_refs):
     """Abort the request that registered the prefix mid-decode while another prefills on its pages, then abort
     that one mid-prefill: invariants hold after every step, the survivors' tokens are unchanged, nothing leaks."""
@@ -437,6 +440,7 @@ def test_engine_aborts_with_prefix_shared_pages(engine_model, shared_prompts, sh
     assert_all_free(eng.cache.pool)
 
 
+@pytest.mark.slow
 def test_engine_hisparse_pressure_with_shared_prefix(engine_model, shared_prompts):
     """A device pool too small for the decoding requests: HiSparse releases cold pages it holds alone (shared
     prefix pages stay resident), fetches misses from host, and the tokens still equal unconstrained generate."""

@@ -37,6 +37,7 @@ def test_generate_stats(model):
         stats.steps = 0
 
 
+@pytest.mark.slow
 def test_engine_step_and_metrics(model, tmp_path):
     log = tmp_path / "steps.jsonl"
     eng = Engine(model, CacheConfig(kv_dtype="float32", device_pages=12, host_pages=40, max_seq_len=256),

@@ -64,6 +64,7 @@ def test_one_device_to_host_read_per_decode_step(model, monkeypatch, coldness):
     assert steps >= NEW - 3
 
 
+@pytest.mark.slow
 def test_compiles_per_run_equal_the_batch_buckets_used():
     """Sampling runs inside the step: a run compiles the step once per bucket it uses (batch rows x indexer pages,
     both powers of two), and no sampler or logits gather of its own during decoding."""

@@ -79,6 +79,7 @@ class PerfectDrafts(Engine):
         return super()._spec_step(decode)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["preempt", "offload", "hisparse"])
 def test_accepted_drafts_commit_several_tokens_per_step(model, prompts, baseline, policy):
     ref = baseline[0] if policy == "hisparse" else run(model, prompts, policy, 0)[0]
@@ -88,6 +89,7 @@ def test_accepted_drafts_commit_several_tokens_per_step(model, prompts, baseline
     assert m["acceptance_rate"] > 0.5 and m["tokens_per_step"] > 2, (m["acceptance_rate"], m["tokens_per_step"])
 
 
+@pytest.mark.slow
 def test_sampled_tokens_identical(model, prompts):
     params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=7)
     ref = run(model, prompts[:2], "hisparse", 0, params)[0]
@@ -159,6 +161,7 @@ class Rejection(Engine):
         super().__init__(model, cache, dataclasses.replace(config, speculative_acceptance="rejection"))
 
 
+@pytest.mark.slow
 def test_demo_reports_acceptance_and_tokens_per_step():
     from hisparse_jax import demo
 

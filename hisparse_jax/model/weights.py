@@ -28,6 +28,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from typing import Iterator
 
 import jax
@@ -347,7 +348,12 @@ def restore_params(path: str | os.PathLike, cfg: ModelConfig, verify: bool = Tru
         with ocp.StandardCheckpointer() as ckptr:
             restored = ckptr.restore(path, target)
     except Exception as e:  # Orbax/TensorStore errors name neither the cause nor the parameter clearly
-        raise CheckpointError(f"{path}: the parameters could not be restored ({type(e).__name__}: {e})") from e
+        # a damaged compressed chunk fails to decode before any checksum can be compared; TensorStore's message
+        # holds the array's path ('path': 'layers.2.self_attn.q_a_proj.kernel.value/'), which names the parameter
+        m = re.search(r"'path': '([A-Za-z_][\w.]*?)(?:\.value)?/'", str(e))
+        what = f"parameter {m.group(1)} could not be read" if m else "the parameters could not be restored"
+        raise CheckpointError(f"{path}: {what}: the checkpoint is damaged or was not written by save_params "
+                              f"({type(e).__name__}: {str(e)[:400]})") from e
     if man is not None:
         integrity.verify(man, integrity.named_leaves(restored), path)
     nnx.update(abstract, restored)
