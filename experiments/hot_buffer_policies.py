@@ -249,23 +249,37 @@ def record_demo_traces(n_requests: int = 2, prompt_len: int = 1536, start: int =
                        indexer: int = 0):
     """Per-step top-k sets of full indexer `indexer` of the demo-glm model, teacher-forced over generated
     prompts with `decode_step` + `DenseKV`; one trace per request, steps at positions start..prompt_len-1."""
-    import jax
-    import jax.numpy as jnp
     from flax import nnx
 
     from hisparse_jax.config import get_preset
     from hisparse_jax.demo import workload
-    from hisparse_jax.kv.dense import DenseKV, init_dense_cache
-    from hisparse_jax.model.decoder import SparseMLAModel, decode_step
+    from hisparse_jax.model.decoder import SparseMLAModel
 
     cfg = get_preset("demo-glm")
     model = SparseMLAModel(cfg, rngs=nnx.Rngs(seed))
     prompts = workload(cfg.vocab_size, n_requests, prompt_len, seed)
-    L = max(len(p) for p in prompts)
-    toks = np.zeros((n_requests, L), np.int32)
-    for i, p in enumerate(prompts):
+    traces = record_traces(model, prompts, start)[indexer]
+    return traces, cfg.index_topk, [len(p) for p in prompts]
+
+
+def record_traces(model, sequences, start: int):
+    """Per-step top-k sets of every full indexer of `model`, teacher-forced over `sequences` (token lists)
+    with `decode_step` over the contiguous `DenseKV` backend, all sequences in one batch: traces[indexer][seq]
+    is a list of sorted int64 position arrays, one per step at positions start..len(seq)-1."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hisparse_jax.kv.dense import DenseKV, init_dense_cache
+    from hisparse_jax.model.decoder import decode_step
+
+    cfg = model.cfg
+    n = len(sequences)
+    L = max(len(p) for p in sequences)
+    toks = np.zeros((n, L), np.int32)
+    for i, p in enumerate(sequences):
         toks[i, :len(p)] = p
-    lens = np.array([len(p) for p in prompts])
+    lens = np.array([len(p) for p in sequences])
     backend = DenseKV(topk=cfg.index_topk, indexer_fp8=getattr(model, "indexer_fp8", False))
     graphdef, state = nnx.split(model)
 
@@ -273,19 +287,22 @@ def record_demo_traces(n_requests: int = 2, prompt_len: int = 1536, start: int =
     def step(state, tokens, positions, cache):
         m = nnx.merge(graphdef, state)
         _, cache, all_topk = decode_step(m, tokens, positions, cache, backend)
-        return cache, all_topk[indexer]
+        return cache, jnp.stack(all_topk)
 
-    cache = init_dense_cache(cfg, n_requests, L)
-    traces = [[] for _ in range(n_requests)]
+    cache = init_dense_cache(cfg, n, L)
+    traces = None
     for t in range(L):
         positions = np.where(t < lens, t, -1).astype(np.int32)
         cache, topk = step(state, jnp.asarray(toks[:, t]), jnp.asarray(positions), cache)
+        if traces is None:
+            traces = [[[] for _ in range(n)] for _ in range(topk.shape[0])]
         if t >= start:
             tk = np.asarray(topk)
-            for b in range(n_requests):
-                if t < lens[b]:
-                    traces[b].append(np.sort(tk[b][tk[b] >= 0]).astype(np.int64))
-    return traces, cfg.index_topk, [int(x) for x in lens]
+            for li in range(tk.shape[0]):
+                for b in range(n):
+                    if t < lens[b]:
+                        traces[li][b].append(np.sort(tk[li, b][tk[li, b] >= 0]).astype(np.int64))
+    return traces
 
 
 # ----------------------------------------------------------------------------------------------------

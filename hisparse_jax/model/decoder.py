@@ -169,9 +169,12 @@ def prefill_layer(model: SparseMLAModel, layer: DecoderLayer, x, cos, sin, causa
 
 
 def topk_to_mask(topk, S: int):
-    """int32[..., K] positions (-1 = none) -> bool[..., S]."""
-    hit = (topk[..., :, None] == jnp.arange(S, dtype=jnp.int32)) & (topk[..., :, None] >= 0)
-    return jnp.any(hit, axis=-2)
+    """int32[..., K] positions (-1 = none) -> bool[..., S]. A scatter, O(K + S) per row (comparing every slot
+    with every position would build [..., K, S], 0.5 G elements per sequence at T = 2048, K = 128)."""
+    rows = topk.reshape(-1, topk.shape[-1])
+    cols = jnp.where(rows >= 0, rows, S)  # -1 -> out of range, dropped
+    mask = jnp.zeros((rows.shape[0], S), bool).at[jnp.arange(rows.shape[0])[:, None], cols].set(True, mode="drop")
+    return mask.reshape(*topk.shape[:-1], S)
 
 
 class KVBackend(Protocol):

@@ -77,10 +77,16 @@ def mla_prefill_attention(q_nope, q_rope, c, k_rope, attend, w_uk, w_uv, tau):
     q_nope [B, T, H, N], q_rope [B, T, H, R], c [B, S, C], k_rope [B, S, R], attend bool[B, T, S]
     (True where query t may attend key s: causal and selected) -> o [B, T, H, V].
     """
-    k_nope = jnp.einsum("bsc,chn->bshn", c, w_uk)
+    p = mla_prefill_probs(q_nope, q_rope, c, k_rope, attend, w_uk, tau)
     v = jnp.einsum("bsc,chv->bshv", c, w_uv)
+    return jnp.einsum("bhts,bshv->bthv", p, v)
+
+
+def mla_prefill_probs(q_nope, q_rope, c, k_rope, attend, w_uk, tau):
+    """The attention distribution of `mla_prefill_attention`: p [B, H, T, S] (in q's dtype), zero outside `attend`.
+    Training reads it (the indexer learns to match its sum over heads)."""
+    k_nope = jnp.einsum("bsc,chn->bshn", c, w_uk)
     s = jnp.einsum("bthn,bshn->bhts", q_nope, k_nope) + jnp.einsum("bthr,bsr->bhts", q_rope, k_rope)
     s = s.astype(jnp.float32) * tau
     s = jnp.where(attend[:, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1).astype(q_nope.dtype)
-    return jnp.einsum("bhts,bshv->bthv", p, v)
+    return jax.nn.softmax(s, axis=-1).astype(q_nope.dtype)

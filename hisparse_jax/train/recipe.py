@@ -1,0 +1,39 @@
+"""The model the project trains on the standard library's sources, and its three-stage recipes.
+
+`STDLIB_DSA` is a GLM-5-style DSA decoder with the real cache geometry of the tiny presets (latent 512, rope 64,
+indexer keys 128, so the store's bytes per token are the production ones) and a byte vocabulary: 4 layers,
+full / shared / full / shared indexers (IndexShare), dense MLPs, top-k 128 (1/16 of a 2048-token context).
+
+`RECIPES["default"]` is what the shipped checkpoint was trained with; `RECIPES["smoke"]` is a few steps at a
+tiny context, for tests.
+"""
+
+from __future__ import annotations
+
+from hisparse_jax.config import ModelConfig, RopeConfig
+from hisparse_jax.train.data import BOS_ID, VOCAB_SIZE
+from hisparse_jax.train.dsa import StageConfig
+
+STDLIB_DSA = ModelConfig(
+    model_type="glm_moe_dsa", vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+    num_attention_heads=4, q_lora_rank=96, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
+    v_head_dim=32, mlp_layer_types=("dense",) * 4, n_routed_experts=0, n_shared_experts=0, num_experts_per_tok=0,
+    n_group=1, topk_group=1, rms_norm_eps=1e-5, max_position_embeddings=8192, rope=RopeConfig(theta=10000.0),
+    index_n_heads=4, index_head_dim=128, index_topk=128, indexer_rope_interleaved=True,
+    indexer_types=("full", "shared", "full", "shared"), tie_word_embeddings=False, bos_token_id=BOS_ID,
+    eos_token_id=(BOS_ID,), dtype="float32",
+)
+
+RECIPES: dict[str, tuple[StageConfig, ...]] = {
+    "default": (
+        StageConfig("dense", steps=1200, lr=2e-3, batch=8, seq_len=512, warmup_steps=100),
+        StageConfig("dense", steps=300, lr=1e-3, batch=2, seq_len=2048, warmup_steps=20),
+        StageConfig("warmup", steps=150, lr=3e-3, batch=2, seq_len=2048, warmup_steps=20),
+        StageConfig("sparse", steps=150, lr=3e-4, batch=2, seq_len=2048, warmup_steps=10),
+    ),
+    "smoke": (
+        StageConfig("dense", steps=4, lr=2e-3, batch=2, seq_len=256, warmup_steps=1),
+        StageConfig("warmup", steps=3, lr=3e-3, batch=1, seq_len=256, warmup_steps=1),
+        StageConfig("sparse", steps=3, lr=3e-4, batch=1, seq_len=256, warmup_steps=1),
+    ),
+}

@@ -1,0 +1,139 @@
+"""Training (`hisparse_jax.train`): the corpus, the three DSA stages' objectives and freezing, and the training
+script's smoke recipe end to end (checkpoint loadable, card and log written)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hisparse_jax.config import ModelConfig
+from hisparse_jax.model.decoder import SparseMLAModel
+from hisparse_jax.train import data, dsa
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = ModelConfig(
+    model_type="glm_moe_dsa", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+    num_attention_heads=2, q_lora_rank=16, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+    mlp_layer_types=("dense",) * 3, index_n_heads=2, index_head_dim=16, index_topk=8, indexer_rope_interleaved=True,
+    indexer_types=("full", "shared", "full"), dtype="float32", bos_token_id=0, eos_token_id=(0,),
+    max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return data.load_corpus()
+
+
+def test_corpus_is_the_stdlib_split_by_path(corpus):
+    train, held, info = corpus
+    files = data.source_files()
+    assert files == sorted(files) and files
+    assert not any(part in ("test", "tests", "site-packages") for f in files for part in f.split(os.sep)[:-1])
+    n_held = sum(data.is_held_out(f) for f in files)
+    assert 0 < n_held < len(files) / 8
+    # one BOS per file, at the start of each
+    assert int(np.sum(train == data.BOS_ID)) == info.train_files and train[0] == data.BOS_ID
+    assert int(np.sum(held == data.BOS_ID)) == info.held_out_files
+    assert info.train_bytes == train.size and info.train_files + info.held_out_files <= len(files)
+    assert data.load_corpus()[2] == info  # the same bytes every time
+    w = next(data.random_windows(train, 65, 3, seed=1))
+    assert w.shape == (3, 65) and w.dtype == np.int32 and (w == next(data.random_windows(train, 65, 3, 1))).all()
+    with pytest.raises(ValueError, match="fewer than"):
+        data.fixed_windows(held, held.size, 2)
+
+
+@pytest.mark.parametrize("indexer_types", [("full", "shared", "full"), ("full", "full", "full")])
+def test_sparse_training_forward_is_the_models_forward(corpus, indexer_types):
+    cfg = TINY.replace(indexer_types=indexer_types)
+    model = SparseMLAModel(cfg, rngs=nnx.Rngs(3))
+    ids = jnp.asarray(next(data.random_windows(corpus[0], 40, 2, seed=0)))
+    logits, aux = dsa.train_forward(model, ids, stage="sparse")
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(model(ids)))
+    assert len(aux["topk"]) == aux["kl"].shape[0] == indexer_types.count("full")
+    # dense attention differs once a query sees more than top-k keys
+    dense, _ = dsa.train_forward(model, ids, stage="dense")
+    assert np.abs(np.asarray(dense[:, cfg.index_topk + 1:] - logits[:, cfg.index_topk + 1:])).max() > 1e-6
+    np.testing.assert_allclose(np.asarray(dense[:, :cfg.index_topk]), np.asarray(logits[:, :cfg.index_topk]),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_indexer_kl():
+    rng = np.random.default_rng(0)
+    B, H, T = 2, 3, 6
+    p = jax.nn.softmax(jnp.asarray(rng.normal(size=(B, H, T, T)), jnp.float32), axis=-1)
+    attend = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    p = jnp.where(attend[:, None], p, 0)
+    p = p / p.sum(-1, keepdims=True)
+    target = p.sum(1) / H
+    exact = dsa.indexer_kl(p, jnp.log(jnp.where(attend, target, 1.0)), attend)
+    assert abs(float(exact)) < 1e-6  # the indexer that reproduces the attention has no loss
+    other = dsa.indexer_kl(p, jnp.asarray(rng.normal(size=(B, T, T)), jnp.float32), attend)
+    assert float(other) > 0.01
+    # keys outside `attend` do not count, whatever their scores
+    junk = jnp.where(attend, jnp.log(jnp.where(attend, target, 1.0)), 1e9)
+    assert abs(float(dsa.indexer_kl(p, junk, attend))) < 1e-6
+
+
+def _params(model):
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return {tuple(str(k) for k in path): np.asarray(v[...]) for path, v in flat}
+
+
+@pytest.mark.parametrize("stage", dsa.STAGES)
+def test_each_stage_trains_only_its_parameters(corpus, stage):
+    model = SparseMLAModel(TINY, rngs=nnx.Rngs(0))
+    before = _params(model)
+    sc = dsa.StageConfig(stage, steps=3, lr=1e-2, batch=2, seq_len=24, warmup_steps=1)
+    rows = dsa.train_stage(model, sc, data.random_windows(corpus[0], 25, 2, seed=2), log_every=1)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in rows)
+    after = _params(model)
+    changed = {k for k in before if not np.array_equal(before[k], after[k])}
+    indexer = {k for k in before if "indexer" in k}
+    assert indexer and changed
+    if stage == "dense":
+        assert not changed & indexer
+    elif stage == "warmup":
+        assert changed <= indexer and rows[-1]["lm"] > 0
+    else:
+        assert changed & indexer and changed - indexer
+
+
+def test_stage_config_is_checked():
+    with pytest.raises(ValueError, match="stage must be one of"):
+        dsa.StageConfig("sparsest", steps=1, lr=1e-3, batch=1, seq_len=8)
+    with pytest.raises(ValueError, match="steps must be a positive int"):
+        dsa.StageConfig("dense", steps=0, lr=1e-3, batch=1, seq_len=8)
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        dsa.StageConfig("dense", steps=1, lr=0.0, batch=1, seq_len=8)
+
+
+@pytest.mark.slow
+def test_training_script_smoke_recipe(tmp_path):
+    out = tmp_path / "model"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join("experiments", "train_locality_model.py"), "--recipe",
+                           "smoke", "--out", str(out), "--eval-windows", "2", "--log-every", "1"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stage 3/3: sparse" in proc.stderr and "held out: ppl dense" in proc.stderr
+    log = json.loads((out / "training_log.json").read_text())
+    assert [s["stage"] for s in log["stages"]] == ["dense", "warmup", "sparse"]
+    dense_steps = [r for r in log["steps"] if r["stage"] == "dense"]
+    assert dense_steps[-1]["lm"] < dense_steps[0]["lm"] < np.log(256) + 0.5  # it learned something
+    card = (out / "README.md").read_text()
+    assert "| sparse |" in card and log["corpus"]["sha256"] in card
+    import hisparse_jax as hj
+
+    model = hj.load_pretrained(out)
+    assert model.cfg.index_topk == 128 and model.cfg.vocab_size == 256
+    ids = jnp.asarray(data.fixed_windows(data.load_corpus()[1], 64, 1))
+    assert np.isfinite(np.asarray(model(ids))).all()
