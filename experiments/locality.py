@@ -90,6 +90,9 @@ def main(argv=None) -> int:
     import hisparse_jax as hj
     from hisparse_jax.train import data, dsa
 
+    if not os.path.isfile(os.path.join(a.model, "config.json")):
+        p.error(f"--model {a.model}: no checkpoint there (config.json); train one with "
+                "`python experiments/train_locality_model.py --out DIR` and pass --model DIR")
     model = hj.load_pretrained(a.model)
     _, held, info = data.load_corpus()
     windows = data.fixed_windows(held, a.seq_len + 1, a.sequences)
