@@ -25,7 +25,6 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_MODEL = os.path.join(os.path.dirname(HERE), "hisparse_jax", "checkpoints", "stdlib-dsa")
 
 
 def trace_study(model, sequences, start: int, warmup: int) -> dict:
@@ -73,7 +72,8 @@ def plot(out: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint folder (default: the shipped stdlib-dsa)")
+    p.add_argument("--model", default="stdlib-dsa", help="a shipped checkpoint's name or a checkpoint folder "
+                   "(default: the shipped stdlib-dsa)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--sequences", type=int, default=4, help="held-out sequences (default 4)")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
@@ -88,17 +88,20 @@ def main(argv=None) -> int:
     from flax import nnx
 
     import hisparse_jax as hj
+    from hisparse_jax import checkpoints
     from hisparse_jax.train import data, dsa
 
-    if not os.path.isfile(os.path.join(a.model, "config.json")):
-        p.error(f"--model {a.model}: no checkpoint there (config.json); train one with "
-                "`python experiments/train_locality_model.py --out DIR` and pass --model DIR")
-    model = hj.load_pretrained(a.model)
+    try:
+        folder = checkpoints.resolve(a.model)
+    except (ValueError, FileNotFoundError) as e:
+        p.error(f"--model: {e}; train one with `python experiments/train_locality_model.py --out DIR` and pass "
+                "--model DIR")
+    model = hj.load_pretrained(folder)
     _, held, info = data.load_corpus()
     windows = data.fixed_windows(held, a.seq_len + 1, a.sequences)
     t0 = time.perf_counter()
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "jax": jax.__version__,
-           "model": os.path.relpath(a.model), "corpus": info.to_json(),
+           "model": a.model if a.model in checkpoints.SHIPPED else os.path.relpath(folder), "corpus": info.to_json(),
            "settings": {k: getattr(a, k) for k in ("sequences", "seq_len", "trace_start", "warmup")},
            "published": {"adjacent_overlap": 0.44, "lru_hit_rate_2x_sglang_glm": 0.94}}
     print("evaluating ...", file=sys.stderr, flush=True)

@@ -85,6 +85,17 @@ def main(argv=None) -> int:
     return 0
 
 
+def stage_rows(steps: list[dict]) -> list[list[dict]]:
+    """The logged rows split by stage, in order (a stage's step numbers restart at its first row; two stages of
+    one kind, such as two dense ones, are told apart that way)."""
+    out: list[list[dict]] = []
+    for row in steps:
+        if not out or row["step"] <= out[-1][-1]["step"] or row["stage"] != out[-1][-1]["stage"]:
+            out.append([])
+        out[-1].append(row)
+    return out
+
+
 def model_card(log: dict) -> str:
     c, cfg = log["corpus"], log["config"]
     lines = [
@@ -104,9 +115,10 @@ def model_card(log: dict) -> str:
         "indexer recall per index layer | wall |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
-    for st in log["stages"]:
+    per_stage = stage_rows(log["steps"])
+    for st, rows in zip(log["stages"], per_stage):
         sc, ev = st["config"], st["eval"]
-        last = [r for r in log["steps"] if r["stage"] == sc["stage"]]
+        last = rows
         lines.append(f"| {sc['stage']} | {sc['steps']} | {sc['batch']} x {sc['seq_len']} | {sc['lr']:g} | "
                      f"{last[-1]['loss']:.4f} | {ev['ppl_dense']:.3f} | {ev['ppl_sparse']:.3f} | "
                      f"{ev['sparse_over_dense_ppl']:.4f} | "

@@ -1,13 +1,17 @@
 """`hisparse demo`: preemption vs traditional KV offloading vs HiSparse on the same workload and budgets.
 
-An embedded tiny model with the real cache geometry (latent 512, rope 64, indexer keys 128, shared-index
-layers, MoE; seeded random weights, nothing downloaded) serves >= 16 concurrent long-context requests
-(thousands of tokens each, generated locally) three times, once per memory policy, under one device byte
-budget (split into KV and indexer pages as each policy needs) and one host budget. It prints the workload
+A small DSA model with the real cache geometry (latent 512, rope 64, indexer keys 128, shared-index layers)
+serves >= 16 concurrent long-context requests (thousands of tokens each) three times, once per memory policy,
+under one device byte budget (split into KV and indexer pages as each policy needs) and one host budget. It prints the workload
 and each policy's budgets first, each policy's progress on stderr while it runs (a tqdm bar on a terminal,
 a plain line every few seconds otherwise, and a line whenever a step compiles), then a table of mean / max
 running requests, engine steps, preemptions, swaps, tokens/s, hit rate and bytes moved; it writes a PNG of
 running requests over time and checks that every policy produced the same tokens.
+
+The model is by default the shipped checkpoint `stdlib-dsa` (`hisparse_jax.checkpoints`: trained on the Python
+standard library, so its indexer's selections, and the hit rates, are those of attention that learned real text),
+prompted with documents of the held-out text; `--model DIR` takes another checkpoint folder, `--preset NAME` a
+random-weight preset (prompted with locally generated token walks), as the tests use.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from tqdm import tqdm
 
 from hisparse_jax.cli_args import (bounded_float, check_output_dir, check_output_file, choice, int_at_least,
                                    name_list, nonnegative_int, positive_int)
-from hisparse_jax.config import MAX_SPECULATIVE_TOKENS, MISS_ATTENTION, PRESETS, CacheConfig, get_preset
+from hisparse_jax.config import MAX_SPECULATIVE_TOKENS, MISS_ATTENTION, PRESETS, CacheConfig, ModelConfig, get_preset
 from hisparse_jax.engine.speculative import lookahead
 from hisparse_jax import parallel
 from hisparse_jax.engine import Engine, EngineConfig, MeshEngine, SamplingParams, device_budget
@@ -37,12 +41,21 @@ from hisparse_jax.generate import TRACE_COUNTS as _PREFILL_TRACES
 from hisparse_jax.kv.tiered import KERNELS, check_kernels
 from hisparse_jax.engine.runner import TRACE_COUNTS as _STEP_TRACES
 from hisparse_jax.model.decoder import SparseMLAModel
+from hisparse_jax import checkpoints
+from hisparse_jax.train import data as text_data
+from hisparse_jax.train.data import VOCAB_SIZE as BYTE_VOCAB
 
 
 def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
     p = parser_class(prog="hisparse demo", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", type=choice(sorted(PRESETS), "preset"), default="demo-glm",
-                   help="model preset (default demo-glm)")
+    p.add_argument("--model", default=None, metavar="NAME|DIR",
+                   help=f"a shipped checkpoint ({', '.join(checkpoints.SHIPPED)}) or a Hugging Face checkpoint "
+                        f"folder (default {checkpoints.DEFAULT}, trained on the Python standard library)")
+    p.add_argument("--preset", type=choice(sorted(PRESETS), "preset"), default=None,
+                   help="a random-weight model preset instead of --model (e.g. demo-glm)")
+    p.add_argument("--workload", default=None, choices=WORKLOADS,
+                   help="prompts: documents of the held-out stdlib text (bytes; the default for a byte-level "
+                        "checkpoint) or random token walks (the default for a preset)")
     p.add_argument("--requests", type=positive_int, default=16,
                    help="concurrent requests per device (default 16; the workload has requests x devices)")
     p.add_argument("--prompt-len", type=int_at_least(64), default=2048,
@@ -80,6 +93,18 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
     p.add_argument("--log-dir", default="", help="write one JSON-lines metrics log per policy here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p
+
+
+WORKLOADS = ("text", "random")
+
+
+def text_workload(n: int, longest: int, seed: int, low: float = 0.55) -> list[list[int]]:
+    """n prompts of low..100 % of `longest` bytes, each from the start of a held-out stdlib file (the text the
+    shipped checkpoint never trained on; `hisparse_jax.train.data`)."""
+    rng = np.random.default_rng(seed)
+    lens = np.linspace(longest * low, longest, n).astype(int)
+    rng.shuffle(lens)
+    return text_data.document_prompts(text_data.load_corpus()[1], lens, seed)
 
 
 def workload(vocab: int, n: int, longest: int, seed: int, low: float = 0.55) -> list[list[int]]:
@@ -137,10 +162,21 @@ def run(args: argparse.Namespace | None = None, /, **options) -> dict:
 def _run(args: argparse.Namespace, on_setup=None) -> dict:
     """`run` on checked arguments; `on_setup(setup)` is called once every policy's budgets are known, before any
     policy runs, with the workload and budgets (`setup`: the keys of the result that describe them)."""
-    cfg = get_preset(args.preset)
     k = args.speculative_tokens
-    if k:  # the preset's architecture with one MTP layer (random weights like the rest)
-        cfg = cfg.replace(num_nextn_predict_layers=max(1, cfg.num_nextn_predict_layers))
+    if args.preset:
+        cfg = get_preset(args.preset)
+        if k:  # the preset's architecture with one MTP layer (random weights like the rest)
+            cfg = cfg.replace(num_nextn_predict_layers=max(1, cfg.num_nextn_predict_layers))
+    else:
+        folder = checkpoints.resolve(args.model)
+        cfg = ModelConfig.from_hf_config(folder)
+        if k and cfg.num_nextn_predict_layers < 1:
+            raise DemoSetupError(f"--speculative-tokens {k}: the checkpoint {args.model} has no MTP layer to draft "
+                                 "with (use --preset demo-glm, whose MTP layer has random weights like the rest)")
+    kind = args.workload or ("text" if not args.preset and cfg.vocab_size == BYTE_VOCAB else "random")
+    if kind == "text" and cfg.vocab_size != BYTE_VOCAB:
+        raise DemoSetupError(f"--workload text: the prompts are bytes (256 token ids); this model's vocabulary has "
+                             f"{cfg.vocab_size} (use --workload random)")
     n_dev = args.devices
     if n_dev > len(jax.devices()):
         raise DemoSetupError(f"--devices {n_dev}: jax sees {len(jax.devices())} device(s) "
@@ -148,8 +184,14 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
                              f"XLA_FLAGS=--xla_force_host_platform_device_count={n_dev} (the hisparse command sets it "
                              "when jax has not started yet)")
     mesh = parallel.data_mesh(n_dev) if n_dev > 1 else None
-    model = SparseMLAModel(cfg, rngs=nnx.Rngs(args.seed), mtp=bool(k))
-    prompts = workload(cfg.vocab_size, args.requests * n_dev, args.prompt_len, args.seed)
+    if args.preset:
+        model = SparseMLAModel(cfg, rngs=nnx.Rngs(args.seed), mtp=bool(k))
+    else:
+        model = checkpoints.load(folder, mtp=bool(k))
+    if kind == "text":
+        prompts = text_workload(args.requests * n_dev, args.prompt_len, args.seed)
+    else:
+        prompts = workload(cfg.vocab_size, args.requests * n_dev, args.prompt_len, args.seed)
     max_len = max(len(p) for p in prompts) + args.new_tokens + lookahead(k)
     base, device_bytes = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype,
                                  args.miss_attention, k)
@@ -180,7 +222,8 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
         split[pol] = {"device_pages": cc.device_pages, "index_pages": cc.num_index_pages,
                       "host_pages": cc.host_pages if pol != "preempt" else 0}
     setup = {
-        "preset": args.preset, "requests": len(prompts), "devices": n_dev, "prompt_tokens": [len(p) for p in prompts],
+        "preset": args.preset, "model": None if args.preset else args.model, "workload": kind,
+        "requests": len(prompts), "devices": n_dev, "prompt_tokens": [len(p) for p in prompts],
         "new_tokens": args.new_tokens, "kv_dtype": args.kv_dtype, "device_budget_bytes": device_bytes,
         "device_requests": args.device_requests, "host_pages": base.host_pages, "kernels": args.kernels,
         "miss_attention": args.miss_attention, "speculative_tokens": k,
@@ -390,7 +433,7 @@ def _header(setup: dict) -> str:
     on = f" on {setup['devices']} devices (per device: budgets below, {setup['requests'] // setup['devices']} requests)" \
         if setup.get("devices", 1) > 1 else ""
     lines = [f"workload: {setup['requests']} requests{on}, prompts {min(lens)}..{max(lens)} tokens, "
-             f"{setup['new_tokens']} new tokens each, kv {setup['kv_dtype']}, preset {setup['preset']} "
+             f"{setup['new_tokens']} new tokens each, kv {setup['kv_dtype']}, {_model_name(setup)} "
              f"(prefill {setup['prefill']}, kernels {setup['kernels']}, backend {setup['backend']})",
              f"budgets: device {setup['device_budget_bytes']:,} bytes ({setup['device_budget_bytes'] / 2 ** 20:.1f} "
              f"MiB = {setup['device_requests']:g} longest requests' KV + indexer keys), split per policy into pages "
@@ -401,6 +444,12 @@ def _header(setup: dict) -> str:
                       ("host pages", "host_pages")):
         lines.append(f"{name:<{w}}  " + "  ".join(f"{setup['policies'][p][key]:>10}" for p in pols))
     return "\n".join(lines)
+
+
+def _model_name(setup: dict) -> str:
+    if setup.get("preset"):
+        return f"preset {setup['preset']} (random weights, {setup['workload']} prompts)"
+    return f"model {setup['model']} ({setup['workload']} prompts)"
 
 
 def _table(out: dict) -> str:
@@ -446,6 +495,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _checked(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
+    if args.preset and args.model:
+        parser.error(f"argument --preset: a random-weight preset instead of --model: give one of them (got --model "
+                     f"{args.model} and --preset {args.preset})")
+    if not args.preset:
+        args.model = args.model or checkpoints.DEFAULT
+        try:
+            checkpoints.resolve(args.model)
+        except (ValueError, FileNotFoundError) as e:
+            parser.error(f"argument --model: {e}")
     if args.devices > 1 and args.speculative_tokens:
         parser.error("argument --speculative-tokens: not carried across devices yet (use --devices 1)")
     if args.speculative_tokens and args.prefill != "whole":

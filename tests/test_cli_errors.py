@@ -17,7 +17,7 @@ UNWRITABLE_FILES = ["{file}/x.png", "/proc/x.png", "{dir}/missing/x.png", "{dir}
 DEMO_BAD = [
     *[("--device-requests", v) for v in ("nan", "inf", "-inf", "0", "-1", "lots")],
     *[("--policies", v) for v in (",", "", " , ", "foo", "hisparse,foo", "hisparse,hisparse", "hisparse,")],
-    ("--preset", "nope"), ("--prefill-chunk", "0"), ("--prefill-chunk", "-5"),
+    ("--preset", "nope"), ("--model", "nope"), ("--model", "{dir}"), ("--workload", "nope"), ("--prefill-chunk", "0"), ("--prefill-chunk", "-5"),
     ("--requests", "0"), ("--requests", "-1"), ("--requests", "2.5"), ("--prompt-len", "10"), ("--prompt-len", "63"),
     ("--new-tokens", "0"), ("--seed", "-1"), ("--kernels", "nope"), ("--kv-dtype", "nope"), ("--prefill", "nope"),
     *[("--log-dir", v) for v in UNWRITABLE_DIRS], *[("--plot", v) for v in UNWRITABLE_FILES],
@@ -87,6 +87,27 @@ def test_demo_pallas_without_gpu_is_a_usage_error(no_work, capsys):
     assert "GPU backend" in err
 
 
+def test_demo_model_or_preset_not_both(no_work, capsys):
+    err = _usage_error(capsys, ["demo", "--model", "stdlib-dsa", "--preset", "demo-glm"], "--preset", "demo-glm")
+    assert "give one of them" in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--speculative-tokens", "2"], "has no MTP layer to draft with"),  # the shipped checkpoint has none
+    (["--preset", "demo-glm", "--workload", "text"], "the prompts are bytes"),  # a 512-token vocabulary
+])
+def test_demo_model_cannot_run_the_workload(capsys, argv, needle, monkeypatch):
+    """Valid arguments the model cannot serve: the demo's own error (exit 2, no usage) before any model is built."""
+    def refuse(*a, **k):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(demo, "SparseMLAModel", refuse)
+    monkeypatch.setattr(demo.checkpoints, "load", refuse)
+    assert cli.main(["demo", *argv, "--plot", ""]) == 2
+    err = capsys.readouterr().err
+    assert "hisparse demo: error: " in err and needle in err and "Traceback" not in err, err
+
+
 def test_policy_message_names_the_problem(no_work, capsys):
     assert "unknown policy 'foo'" in _usage_error(capsys, ["demo", "--policies", "hisparse,foo"], "--policies", "foo")
     assert "at least one policy" in _usage_error(capsys, ["demo", "--policies", ","], "--policies", ",")
@@ -109,14 +130,16 @@ def test_top_level(no_work, capsys):
 
 def test_valid_arguments_parse(tmp_path):
     d = demo._parser().parse_args([])
-    assert (d.preset, d.requests, d.prompt_len, d.new_tokens, d.device_requests, d.policies, d.prefill_chunk,
-            d.seed, d.plot, d.log_dir) == ("demo-glm", 16, 2048, 160, 3.5, tuple(POLICIES), 240, 0,
-                                           "hisparse_demo.png", "")
+    assert (d.model, d.preset, d.workload, d.requests, d.prompt_len, d.new_tokens, d.device_requests, d.policies,
+            d.prefill_chunk, d.seed, d.plot, d.log_dir) == (None, None, None, 16, 2048, 160, 3.5, tuple(POLICIES), 240,
+                                                            0, "hisparse_demo.png", "")
+    assert demo.parse_args(["--plot", ""]).model == "stdlib-dsa"  # the shipped checkpoint, unless a preset is asked
     logs, png = tmp_path / "logs" / "deep", tmp_path / "p.png"
     d = demo.parse_args(["--requests", "1", "--prompt-len", "64", "--new-tokens", "1", "--device-requests", "0.5",
                          "--policies", " offload , hisparse", "--prefill-chunk", "1", "--seed", "7",
                          "--log-dir", str(logs), "--plot", str(png), "--preset", "tiny-glm"])
     assert d.policies == ("offload", "hisparse") and d.device_requests == 0.5 and d.preset == "tiny-glm"
+    assert d.model is None
     assert logs.is_dir() and not png.exists() and list(tmp_path.iterdir()) == [tmp_path / "logs"]
     assert demo.parse_args(["--plot", ""]).plot == ""
 

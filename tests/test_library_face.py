@@ -228,6 +228,7 @@ def test_demo_run_refuses_bad_keywords_before_any_work(kw, error, message, monke
         raise AssertionError("work started despite a bad keyword")
 
     monkeypatch.setattr(demo, "get_preset", refuse)
+    monkeypatch.setattr(demo.checkpoints, "load", refuse)
     with pytest.raises(error, match=re.escape(message)):
         demo.run(**kw)
 

@@ -64,6 +64,10 @@ def test_sparse_training_forward_is_the_models_forward(corpus, indexer_types):
     assert np.abs(np.asarray(dense[:, cfg.index_topk + 1:] - logits[:, cfg.index_topk + 1:])).max() > 1e-6
     np.testing.assert_allclose(np.asarray(dense[:, :cfg.index_topk]), np.asarray(logits[:, :cfg.index_topk]),
                                rtol=1e-5, atol=1e-5)
+    # the warm-up scores the indexer but attends densely: the dense logits, and a KL per full indexer
+    warm, waux = dsa.train_forward(model, ids, stage="warmup")
+    np.testing.assert_array_equal(np.asarray(warm), np.asarray(dense))
+    assert waux["kl"].shape == aux["kl"].shape and not waux["topk"] and (np.asarray(waux["kl"]) > 0).all()
 
 
 def test_indexer_kl():
@@ -137,3 +141,23 @@ def test_training_script_smoke_recipe(tmp_path):
     assert model.cfg.index_topk == 128 and model.cfg.vocab_size == 256
     ids = jnp.asarray(data.fixed_windows(data.load_corpus()[1], 64, 1))
     assert np.isfinite(np.asarray(model(ids))).all()
+
+
+@pytest.mark.slow
+def test_locality_script_quick(tmp_path):
+    """experiments/locality.py on the shipped checkpoint (quick: 2 short sequences): quality, and per index layer
+    overlap and hit rates for trained and random weights, every policy within OPT's bound."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join("experiments", "locality.py"), "--quick", "--out",
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "locality_quick.json").read_text())
+    assert (tmp_path / "locality_quick.png").exists() and out["model"] == "stdlib-dsa"
+    for name in ("trained", "random"):
+        layers = out["traces"][name]["per_index_layer"]
+        assert len(layers) == 2  # the full indexers of full / shared / full / shared
+        for la in layers:
+            assert 0 <= la["adjacent_overlap"] <= 1
+            for size, r in la["results"]["lru"].items():
+                assert 0 <= r["hit_rate"] <= la["results"]["opt"][size]["hit_rate"] + 1e-9
+    assert 0 < out["quality"]["ppl_dense"] < 256

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from hisparse_jax.config import ModelConfig
 from hisparse_jax.model.indexer import index_scores, indexer_project, select_topk
 from hisparse_jax.model.layers import MLP, Linear, RMSNorm, _normal
-from hisparse_jax.model.mla import MLA, mla_prefill_attention, mla_project, split_kv_b
+from hisparse_jax.model.mla import MLA, mla_prefill_output, mla_prefill_probs, mla_project, split_kv_b
 from hisparse_jax.model.moe import MoE
 from hisparse_jax.model.rope import rope_cos_sin, rope_frequencies
 
@@ -138,31 +139,54 @@ class SparseMLAModel(nnx.Module):
         return self.head(aux["hidden"]), aux
 
 
-def prefill_layer(model: SparseMLAModel, layer: DecoderLayer, x, cos, sin, causal, attend, *, topk_override=None):
-    """One decoder layer of the causal forward (the main layers' and the MTP block's).
+INDEXER_MODES = ("select", "score", "off")
+
+
+def prefill_layer(model: SparseMLAModel, layer: DecoderLayer, x, cos, sin, causal, attend, *, topk_override=None,
+                  indexer: str = "select", with_probs: bool = False):
+    """One decoder layer of the causal forward (the main layers', the MTP block's and training's).
 
     x [B, T, D]; cos/sin of positions 0..T-1; causal bool[1, T, T]; attend bool[B, T, T]: the mask a shared-index
     layer reuses (its leader's; ignored by a layer with its own indexer, which selects its top-k — or takes
     `topk_override` int32[B, T, K]). Returns (x, rows, attend): rows = {"latent": c [B, T, C], "rope": kR [B, T, R],
     "index_k": kI [B, T, dI] or None, "topk": int32[B, T, K] or None} (None for a shared-index layer).
+
+    `indexer` (what a layer with its own indexer does; training's stages): "select" attends over its top-k (the
+    model), "score" computes its scores but attends densely (the indexer warm-up), "off" neither runs it nor
+    selects (dense language modelling). `with_probs` adds rows["probs"], the attention distribution
+    [B, H, T, S], and rows["scores"], the indexer's [B, T, S] (None where not computed). The indexer's inputs are
+    detached, as DeepSeek trains it: its own loss does not reach the main model (its top-k is integer, so the LM
+    loss never reaches the indexer); values are unchanged.
     """
+    if indexer not in INDEXER_MODES:
+        raise ValueError(f"indexer must be one of {', '.join(INDEXER_MODES)}, got {indexer!r}")
     cfg = model.cfg
     B, T, _ = x.shape
     attn = layer.self_attn
     h = layer.input_layernorm(x)
     q_nope, q_rope, cq, c, k_rope = mla_project(attn, cfg, h, cos, sin)
     rows = {"latent": c, "rope": k_rope, "index_k": None, "topk": None}
+    scores = None
     if attn.indexer is not None:
-        qI, kI, w = indexer_project(attn.indexer, cfg, h, cq, cos, sin)
-        if topk_override is not None:
-            topk = topk_override
-        else:
-            scores = index_scores(qI, w, kI, fp8=model.indexer_fp8)
-            topk = select_topk(scores, jnp.broadcast_to(causal, scores.shape), cfg.index_topk)
-        rows.update(index_k=kI, topk=topk)
-        attend = topk_to_mask(topk, T) & causal
+        attend = causal
+        if indexer != "off":
+            qI, kI, w = indexer_project(attn.indexer, cfg, jax.lax.stop_gradient(h), jax.lax.stop_gradient(cq),
+                                        cos, sin)
+            rows["index_k"] = kI
+            if topk_override is None or with_probs:
+                scores = index_scores(qI, w, kI, fp8=model.indexer_fp8)
+        if indexer == "select":
+            if topk_override is not None:
+                topk = topk_override
+            else:
+                topk = select_topk(scores, jnp.broadcast_to(causal, scores.shape), cfg.index_topk)
+            rows["topk"] = topk
+            attend = topk_to_mask(topk, T) & causal
     w_uk, w_uv = split_kv_b(attn, cfg)
-    o = mla_prefill_attention(q_nope, q_rope, c, k_rope, attend, w_uk, w_uv, cfg.softmax_scale)
+    p = mla_prefill_probs(q_nope, q_rope, c, k_rope, attend, w_uk, cfg.softmax_scale)
+    o = mla_prefill_output(p, c, w_uv)
+    if with_probs:
+        rows.update(probs=p, scores=scores)
     x = x + attn.o_proj(o.reshape(B, T, -1))
     x = x + model.mlp(layer, layer.post_attention_layernorm(x))
     return x, rows, attend

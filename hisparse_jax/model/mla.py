@@ -77,7 +77,11 @@ def mla_prefill_attention(q_nope, q_rope, c, k_rope, attend, w_uk, w_uv, tau):
     q_nope [B, T, H, N], q_rope [B, T, H, R], c [B, S, C], k_rope [B, S, R], attend bool[B, T, S]
     (True where query t may attend key s: causal and selected) -> o [B, T, H, V].
     """
-    p = mla_prefill_probs(q_nope, q_rope, c, k_rope, attend, w_uk, tau)
+    return mla_prefill_output(mla_prefill_probs(q_nope, q_rope, c, k_rope, attend, w_uk, tau), c, w_uv)
+
+
+def mla_prefill_output(p, c, w_uv):
+    """Attention output from its distribution p [B, H, T, S] over the latents c [B, S, C]: o [B, T, H, V]."""
     v = jnp.einsum("bsc,chv->bshv", c, w_uv)
     return jnp.einsum("bhts,bshv->bthv", p, v)
 

@@ -99,3 +99,22 @@ def fixed_windows(tokens: np.ndarray, seq_len: int, count: int) -> np.ndarray:
         raise ValueError(f"the text has {tokens.size} tokens, fewer than {count} windows of {seq_len}")
     starts = np.linspace(0, tokens.size - seq_len, count).astype(np.int64)
     return np.stack([tokens[s:s + seq_len] for s in starts]).astype(np.int32)
+
+
+def document_prompts(tokens: np.ndarray, lengths, seed: int) -> list[list[int]]:
+    """One prompt per length: `length` tokens of `tokens` from the start of a document (a BOS), documents drawn
+    without repetition while they last (numpy's PCG64, `seed`); a prompt longer than its document runs on into
+    the next one, as the training windows do. The demo's text workload (on the held-out text)."""
+    lengths = [int(n) for n in lengths]
+    if lengths and max(lengths) > tokens.size:
+        raise ValueError(f"the text has {tokens.size} tokens, fewer than a prompt of {max(lengths)}")
+    starts = np.flatnonzero(tokens == BOS_ID)
+    if not starts.size:
+        raise ValueError("the text has no document start (BOS)")
+    rng = np.random.default_rng(seed)
+    order = np.concatenate([rng.permutation(starts) for _ in range(-(-len(lengths) // starts.size))])
+    out = []
+    for n, s in zip(lengths, order):
+        s = min(int(s), tokens.size - n)
+        out.append(tokens[s:s + n].astype(int).tolist())
+    return out

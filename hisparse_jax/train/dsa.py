@@ -8,10 +8,9 @@
    the main model learns from the LM loss, the indexer from the KL restricted to the selected keys; the
    indexer's inputs are detached, so the two losses train disjoint parameters.
 
-`train_forward` is the causal forward of `SparseMLAModel.forward` built from the same layer pieces
-(`mla_project`, `indexer_project`, `index_scores`, `select_topk`, `mla_prefill_probs`), plus what training
-needs: a dense mode and the indexer loss. In "sparse" mode its logits are the model's own (`model(ids)`), which
-the tests check. The optimizer is optax's AdamW with the stage's frozen parameters under `optax.set_to_zero`.
+`train_forward` is the causal forward of `SparseMLAModel.forward`, layer by layer with the same
+`prefill_layer` (in the stage's indexer mode, returning the attention distribution and the indexer's scores),
+plus the indexer loss. In "sparse" mode its logits are the model's own (`model(ids)`), which the tests check. The optimizer is optax's AdamW with the stage's frozen parameters under `optax.set_to_zero`.
 """
 
 from __future__ import annotations
@@ -27,13 +26,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from hisparse_jax.model.decoder import SparseMLAModel, topk_to_mask
-from hisparse_jax.model.indexer import index_scores, indexer_project, select_topk
-from hisparse_jax.model.mla import mla_prefill_probs, mla_project, split_kv_b
+from hisparse_jax.model.decoder import SparseMLAModel, prefill_layer, topk_to_mask
+from hisparse_jax.model.indexer import select_topk
 
 STAGES = ("dense", "warmup", "sparse")
 # which parameter groups a stage trains (the rest are frozen)
 TRAINS = {"dense": ("main",), "warmup": ("indexer",), "sparse": ("main", "indexer")}
+# what each stage's layers do with their indexer (`prefill_layer`'s modes)
+INDEXER_MODE = {"dense": "off", "warmup": "score", "sparse": "select"}
 
 
 def _check_stage(stage: str) -> None:
@@ -54,35 +54,21 @@ def train_forward(model: SparseMLAModel, ids, *, stage: str, recall: bool = Fals
     B, T = ids.shape
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     cos, sin = model.rope(pos)
-    causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool))[None], (B, T, T))
+    causal = jnp.tril(jnp.ones((T, T), bool))[None]
     x = model.embed(ids)
     kls, topks, recalls = [], [], []
     attend = causal
     for layer in model.layers:
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        q_nope, q_rope, cq, c, k_rope = mla_project(attn, cfg, h, cos, sin)
-        scores = None
-        if attn.indexer is not None:
-            attend = causal
-            if stage != "dense":
-                qI, kI, w = indexer_project(attn.indexer, cfg, jax.lax.stop_gradient(h), jax.lax.stop_gradient(cq),
-                                            cos, sin)
-                scores = index_scores(qI, w, kI, fp8=model.indexer_fp8)  # [B, T, S]
-            if stage == "sparse":
-                topk = select_topk(scores, causal, cfg.index_topk)
-                topks.append(topk)
-                attend = topk_to_mask(topk, T) & causal
-        w_uk, w_uv = split_kv_b(attn, cfg)
-        p = mla_prefill_probs(q_nope, q_rope, c, k_rope, attend, w_uk, cfg.softmax_scale)  # [B, H, T, S]
-        if scores is not None:
-            kls.append(indexer_kl(jax.lax.stop_gradient(p), scores, attend))
+        x, rows, attend = prefill_layer(model, layer, x, cos, sin, causal, attend, indexer=INDEXER_MODE[stage],
+                                        with_probs=True)
+        if rows["topk"] is not None:
+            topks.append(rows["topk"])
+        if rows["scores"] is not None:
+            p = jax.lax.stop_gradient(rows["probs"])
+            kls.append(indexer_kl(p, rows["scores"], attend))
             if recall:
-                recalls.append(topk_recall(scores, jnp.sum(p.astype(jnp.float32), axis=1), causal, cfg.index_topk))
-        v = jnp.einsum("bsc,chv->bshv", c, w_uv)
-        o = jnp.einsum("bhts,bshv->bthv", p, v)
-        x = x + attn.o_proj(o.reshape(B, T, -1))
-        x = x + model.mlp(layer, layer.post_attention_layernorm(x))
+                recalls.append(topk_recall(rows["scores"], jnp.sum(p.astype(jnp.float32), axis=1),
+                                           jnp.broadcast_to(causal, rows["scores"].shape), cfg.index_topk))
     logits = model.logits(x).astype(jnp.float32)
     kl = jnp.stack(kls) if kls else jnp.zeros((0,), jnp.float32)
     aux = {"kl": kl, "topk": topks}

@@ -26,10 +26,10 @@ STDLIB_DSA = ModelConfig(
 
 RECIPES: dict[str, tuple[StageConfig, ...]] = {
     "default": (
-        StageConfig("dense", steps=1200, lr=2e-3, batch=8, seq_len=512, warmup_steps=100),
-        StageConfig("dense", steps=300, lr=1e-3, batch=2, seq_len=2048, warmup_steps=20),
-        StageConfig("warmup", steps=150, lr=3e-3, batch=2, seq_len=2048, warmup_steps=20),
-        StageConfig("sparse", steps=150, lr=3e-4, batch=2, seq_len=2048, warmup_steps=10),
+        StageConfig("dense", steps=600, lr=2e-3, batch=8, seq_len=512, warmup_steps=60),
+        StageConfig("dense", steps=100, lr=1e-3, batch=2, seq_len=2048, warmup_steps=10),
+        StageConfig("warmup", steps=100, lr=3e-3, batch=2, seq_len=2048, warmup_steps=10),
+        StageConfig("sparse", steps=60, lr=3e-4, batch=2, seq_len=2048, warmup_steps=5),
     ),
     "smoke": (
         StageConfig("dense", steps=4, lr=2e-3, batch=2, seq_len=256, warmup_steps=1),

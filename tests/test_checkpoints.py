@@ -1,0 +1,59 @@
+"""The shipped checkpoint (`hisparse_jax.checkpoints`): found by name, loadable, the recipe's architecture, within
+the size budget, and what its training log claims (the sparse stage's perplexity within 5% of dense)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hisparse_jax import checkpoints
+from hisparse_jax.config import ModelConfig
+from hisparse_jax.train import data
+from hisparse_jax.train.recipe import STDLIB_DSA
+
+
+def test_resolve_names_and_folders(tmp_path):
+    folder = checkpoints.path("stdlib-dsa")
+    assert checkpoints.resolve("stdlib-dsa") == folder and checkpoints.resolve(folder) == folder
+    with pytest.raises(ValueError, match="unknown shipped checkpoint 'nope'"):
+        checkpoints.path("nope")
+    for bad in ("nope", str(tmp_path)):
+        with pytest.raises(ValueError, match="neither a shipped checkpoint"):
+            checkpoints.resolve(bad)
+
+
+def test_shipped_checkpoint_is_the_recipes_model_and_fits_the_budget():
+    folder = checkpoints.path()
+    assert ModelConfig.from_hf_config(folder) == STDLIB_DSA
+    size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+    assert size <= 25 * 2 ** 20, size
+    model = checkpoints.load()
+    ids = jnp.asarray(data.fixed_windows(data.load_corpus()[1], 96, 1))
+    assert np.isfinite(np.asarray(model(ids))).all()
+
+
+def test_shipped_training_log_meets_the_bar():
+    with open(os.path.join(checkpoints.path(), "training_log.json")) as f:
+        log = json.load(f)
+    assert [s["stage"] for s in log["stages"]][-2:] == ["warmup", "sparse"]
+    ev = log["stages"][-1]["eval"]
+    assert ev["sparse_over_dense_ppl"] <= 1.05, ev  # the sparse model within 5% of its dense perplexity
+    assert ev["ppl_dense"] < 8  # it learned the text (a byte model knowing nothing: 256)
+    with open(os.path.join(checkpoints.path(), "README.md")) as f:
+        card = f.read()
+    assert log["corpus"]["sha256"] in card and "| sparse |" in card
+
+
+def test_document_prompts_start_at_documents():
+    held = data.load_corpus()[1]
+    lens = [300, 200, 100, 250]
+    a = data.document_prompts(held, lens, seed=3)
+    assert [len(p) for p in a] == lens and a == data.document_prompts(held, lens, seed=3)
+    assert all(p[0] == data.BOS_ID for p in a)
+    assert len({tuple(p[:50]) for p in a}) == len(a)  # different documents
+    with pytest.raises(ValueError, match="fewer than a prompt"):
+        data.document_prompts(held, [held.size + 1], seed=0)
