@@ -131,7 +131,7 @@ def test_top_level(no_work, capsys):
 def test_valid_arguments_parse(tmp_path):
     d = demo._parser().parse_args([])
     assert (d.model, d.preset, d.workload, d.requests, d.prompt_len, d.new_tokens, d.device_requests, d.policies,
-            d.prefill_chunk, d.seed, d.plot, d.log_dir) == (None, None, None, 16, 2048, 160, 3.5, tuple(POLICIES), 240,
+            d.prefill_chunk, d.seed, d.plot, d.log_dir) == (None, None, None, 16, 0, 160, 3.5, tuple(POLICIES), 240,
                                                             0, "hisparse_demo.png", "")
     assert demo.parse_args(["--plot", ""]).model == "stdlib-dsa"  # the shipped checkpoint, unless a preset is asked
     logs, png = tmp_path / "logs" / "deep", tmp_path / "p.png"
