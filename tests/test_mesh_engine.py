@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.slow  # one 8-device subprocess, ~3-4 min; the lowest-jax CI leg runs it
+# one 8-device subprocess, ~3-4 min: slow, and CI runs it on the newest-jax leg (which runs no other slow test)
+pytestmark = [pytest.mark.slow, pytest.mark.newest_leg]
 
 N = 8
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
