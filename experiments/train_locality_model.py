@@ -115,12 +115,10 @@ def model_card(log: dict) -> str:
         "indexer recall per index layer | wall |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
-    per_stage = stage_rows(log["steps"])
-    for st, rows in zip(log["stages"], per_stage):
+    for st, rows in zip(log["stages"], stage_rows(log["steps"])):
         sc, ev = st["config"], st["eval"]
-        last = rows
         lines.append(f"| {sc['stage']} | {sc['steps']} | {sc['batch']} x {sc['seq_len']} | {sc['lr']:g} | "
-                     f"{last[-1]['loss']:.4f} | {ev['ppl_dense']:.3f} | {ev['ppl_sparse']:.3f} | "
+                     f"{rows[-1]['loss']:.4f} | {ev['ppl_dense']:.3f} | {ev['ppl_sparse']:.3f} | "
                      f"{ev['sparse_over_dense_ppl']:.4f} | "
                      f"{', '.join(f'{r:.3f}' for r in ev['recall_per_index_layer'])} | {st['wall_s'] / 60:.1f} min |")
     ev = log["stages"][-1]["eval"]

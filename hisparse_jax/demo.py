@@ -2,8 +2,8 @@
 
 A small DSA model with the real cache geometry (latent 512, rope 64, indexer keys 128, shared-index layers)
 serves >= 16 concurrent long-context requests (thousands of tokens each) three times, once per memory policy,
-under one device byte budget (split into KV and indexer pages as each policy needs) and one host budget. It prints the workload
-and each policy's budgets first, each policy's progress on stderr while it runs (a tqdm bar on a terminal,
+under one device byte budget (split into KV and indexer pages as each policy needs) and one host budget. It
+prints the workload and each policy's budgets first, each policy's progress on stderr while it runs (a tqdm bar on a terminal,
 a plain line every few seconds otherwise, and a line whenever a step compiles), then a table of mean / max
 running requests, engine steps, preemptions, swaps, tokens/s, hit rate and bytes moved; it writes a PNG of
 running requests over time and checks that every policy produced the same tokens.
@@ -43,7 +43,6 @@ from hisparse_jax.engine.runner import TRACE_COUNTS as _STEP_TRACES
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax import checkpoints
 from hisparse_jax.train import data as text_data
-from hisparse_jax.train.data import VOCAB_SIZE as BYTE_VOCAB
 
 
 def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -177,8 +176,8 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
         if k and cfg.num_nextn_predict_layers < 1:
             raise DemoSetupError(f"--speculative-tokens {k}: the checkpoint {args.model} has no MTP layer to draft "
                                  "with (use --preset demo-glm, whose MTP layer has random weights like the rest)")
-    kind = args.workload or ("text" if not args.preset and cfg.vocab_size == BYTE_VOCAB else "random")
-    if kind == "text" and cfg.vocab_size != BYTE_VOCAB:
+    kind = args.workload or ("text" if not args.preset and cfg.vocab_size == text_data.VOCAB_SIZE else "random")
+    if kind == "text" and cfg.vocab_size != text_data.VOCAB_SIZE:
         raise DemoSetupError(f"--workload text: the prompts are bytes (256 token ids); this model's vocabulary has "
                              f"{cfg.vocab_size} (use --workload random)")
     n_dev = args.devices
@@ -453,8 +452,8 @@ def _header(setup: dict) -> str:
 
 def _model_name(setup: dict) -> str:
     if setup.get("preset"):
-        return f"preset {setup['preset']} (random weights, {setup['workload']} prompts)"
-    return f"model {setup['model']} ({setup['workload']} prompts)"
+        return f"preset {setup['preset']} (random weights), {setup['workload']} prompts"
+    return f"model {setup['model']}, {setup['workload']} prompts"
 
 
 def _table(out: dict) -> str:

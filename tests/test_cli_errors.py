@@ -17,7 +17,8 @@ UNWRITABLE_FILES = ["{file}/x.png", "/proc/x.png", "{dir}/missing/x.png", "{dir}
 DEMO_BAD = [
     *[("--device-requests", v) for v in ("nan", "inf", "-inf", "0", "-1", "lots")],
     *[("--policies", v) for v in (",", "", " , ", "foo", "hisparse,foo", "hisparse,hisparse", "hisparse,")],
-    ("--preset", "nope"), ("--model", "nope"), ("--model", "{dir}"), ("--workload", "nope"), ("--prefill-chunk", "0"), ("--prefill-chunk", "-5"),
+    ("--preset", "nope"), ("--model", "nope"), ("--model", "{dir}"), ("--workload", "nope"),
+    ("--prefill-chunk", "0"), ("--prefill-chunk", "-5"),
     ("--requests", "0"), ("--requests", "-1"), ("--requests", "2.5"), ("--prompt-len", "10"), ("--prompt-len", "63"),
     ("--new-tokens", "0"), ("--seed", "-1"), ("--kernels", "nope"), ("--kv-dtype", "nope"), ("--prefill", "nope"),
     *[("--log-dir", v) for v in UNWRITABLE_DIRS], *[("--plot", v) for v in UNWRITABLE_FILES],

@@ -31,7 +31,8 @@ def test_demo_prints_header_steps_caveat_and_why_preempt_does_not_preempt(capsys
     lens = out["prompt_tokens"]
     # the header, before the table
     assert lines[0] == (f"workload: 2 requests, prompts {min(lens)}..{max(lens)} tokens, 2 new tokens each, "
-                        "kv float32, model stdlib-dsa (text prompts) (prefill whole, kernels reference, backend cpu)"), lines[0]
+                        "kv float32, model stdlib-dsa, text prompts (prefill whole, kernels reference, "
+                        "backend cpu)"), lines[0]
     assert lines[1].startswith(f"budgets: device {out['device_budget_bytes']:,} bytes"), lines[1]
     assert "3.5 longest requests' KV + indexer keys" in lines[1] and f"host pool {out['host_pages']} pages" in lines[1]
     assert lines[2].split() == ["preempt", "offload", "hisparse"]

@@ -111,6 +111,26 @@ def test_each_stage_trains_only_its_parameters(corpus, stage):
         assert changed & indexer and changed - indexer
 
 
+def test_model_card_tells_two_stages_of_one_kind_apart():
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    try:
+        import train_locality_model as script
+    finally:
+        sys.path.remove(os.path.join(ROOT, "experiments"))
+    steps = [{"stage": s, "step": i, "loss": loss} for s, i, loss in
+             [("dense", 10, 3.0), ("dense", 20, 2.5), ("dense", 10, 2.2), ("warmup", 10, 0.9), ("sparse", 10, 2.1)]]
+    assert [[r["loss"] for r in g] for g in script.stage_rows(steps)] == [[3.0, 2.5], [2.2], [0.9], [2.1]]
+    ev = {"ppl_dense": 6.0, "ppl_sparse": 6.1, "sparse_over_dense_ppl": 1.01, "recall_per_index_layer": [0.5],
+          "windows": 1, "tokens_per_window": 8}
+    stages = [{"config": {"stage": s, "steps": 1, "batch": 1, "seq_len": 8, "lr": 1e-3}, "eval": ev, "wall_s": 60}
+              for s in ("dense", "dense", "warmup", "sparse")]
+    log = {"corpus": {"python": "3", "train_files": 1, "train_bytes": 1, "held_out_files": 1, "held_out_bytes": 1,
+                      "sha256": "x"}, "config": {"index_topk": 4}, "parameters": 1, "recipe": "r", "stages": stages,
+           "steps": steps, "wall_s": 60, "machine": "m", "jax": "j", "python": "p", "seed": 0}
+    card = script.model_card(log)
+    assert [line.split(" | ")[4] for line in card.splitlines() if line.startswith("| dense |")] == ["2.5000", "2.2000"]
+
+
 def test_stage_config_is_checked():
     with pytest.raises(ValueError, match="stage must be one of"):
         dsa.StageConfig("sparsest", steps=1, lr=1e-3, batch=1, seq_len=8)

@@ -10,7 +10,8 @@
 
 `train_forward` is the causal forward of `SparseMLAModel.forward`, layer by layer with the same
 `prefill_layer` (in the stage's indexer mode, returning the attention distribution and the indexer's scores),
-plus the indexer loss. In "sparse" mode its logits are the model's own (`model(ids)`), which the tests check. The optimizer is optax's AdamW with the stage's frozen parameters under `optax.set_to_zero`.
+plus the indexer loss. In "sparse" mode its logits are the model's own (`model(ids)`), which the tests check.
+The optimizer is optax's AdamW with the stage's frozen parameters under `optax.set_to_zero`.
 """
 
 from __future__ import annotations
