@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.sparse_mla_decode.reference import FP8_BLOCK, check_shapes, per_layer
+from pallas_kernels.sparse_mla_decode.reference import FP8_BLOCK, check_shapes, merge_splits, per_layer
 
 TARGET_PROGRAMS = 264  # ~2 waves of programs on a 132-SM H100 / H200
 
@@ -114,14 +114,31 @@ def _is_pow2(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
 
-@functools.partial(jax.jit, static_argnames=("tau", "interpret"))
+BACKENDS = ("triton", "mosaic")
+
+
 def sparse_mla_decode(q_lat, q_rope, latent_pages, rope_pages, page, row, valid, *, tau: float,
-                      latent_scale=None, layer=None, interpret: bool = False):
-    """Pallas (Triton) version of `sparse_mla_decode_reference`: same arguments, f32[B, H, C].
+                      latent_scale=None, layer=None, interpret: bool = False, backend: str = "triton"):
+    """Pallas version of `sparse_mla_decode_reference`: same arguments, f32[B, H, C].
 
     With `layer` (int or int32 scalar) the pools are the store's [L, P, 64, *] arrays and layer `layer`
-    is read in place (no per-layer slice copy before the custom call).
+    is read in place (no per-layer slice copy before the custom call). `backend` picks the Pallas GPU
+    backend: "triton" (this module; every supported jax) or "mosaic" (`kernel_mosaic`: warpgroup MMA on
+    bf16 operands, TMA row copies; jax >= 0.11, bf16 / fp8 pools).
     """
+    if backend == "mosaic":
+        from pallas_kernels.sparse_mla_decode.kernel_mosaic import sparse_mla_decode_mosaic
+        return sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row, valid, tau=tau,
+                                        latent_scale=latent_scale, layer=layer, interpret=interpret)
+    if backend != "triton":
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return _sparse_mla_decode_triton(q_lat, q_rope, latent_pages, rope_pages, page, row, valid, tau=tau,
+                                     latent_scale=latent_scale, layer=layer, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("tau", "interpret"))
+def _sparse_mla_decode_triton(q_lat, q_rope, latent_pages, rope_pages, page, row, valid, *, tau: float,
+                              latent_scale=None, layer=None, interpret: bool = False):
     check_shapes(q_lat, q_rope, *per_layer(latent_pages, rope_pages, latent_scale, layer), page, row, valid)
     if layer is None:
         latent_pages, rope_pages = latent_pages[None], rope_pages[None]
@@ -172,9 +189,4 @@ def sparse_mla_decode(q_lat, q_rope, latent_pages, rope_pages, page, row, valid,
         interpret=interpret, name="sparse_mla_decode",
     )(layer, q_lat, q_rope, addr, row, *pools)
 
-    # merge the splits: o = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s
-    m_all = jnp.max(m, axis=0)
-    w = jnp.exp(m - jnp.where(m_all == -jnp.inf, 0.0, m_all))  # [S, B, Hp]; 0 for empty splits
-    denom = jnp.sum(w * l, axis=0)
-    out = jnp.sum(w[..., None] * o, axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
-    return out[:, :H]
+    return merge_splits(o, m, l)[:, :H]

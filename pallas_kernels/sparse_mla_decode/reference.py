@@ -65,6 +65,15 @@ def merge_partial_attention(o_a, lse_a, o_b, lse_b):
     return w_a * o_a + w_b * o_b
 
 
+def merge_splits(o, m, l):
+    """Merge split-K partials: o f32[S, B, H, C] unnormalized, m / l f32[S, B, H] (running max, sum of
+    exp(s - m)) -> f32[B, H, C] = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s (zeros where no split saw a row)."""
+    m_all = jnp.max(m, axis=0)
+    w = jnp.exp(m - jnp.where(m_all == -jnp.inf, 0.0, m_all))  # [S, B, H]; 0 for empty splits
+    denom = jnp.sum(w * l, axis=0)
+    return jnp.sum(w[..., None] * o, axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
+
+
 def gather_rows(latent_pages, rope_pages, page, row, valid, latent_scale=None):
     """Rows at (page, row) [B, K] -> (latent f32[B, K, C], rope f32[B, K, R]); invalid slots read page 0."""
     page = jnp.where(valid, page, 0)

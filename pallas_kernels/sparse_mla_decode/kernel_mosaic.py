@@ -1,0 +1,277 @@
+"""Sparse absorbed-MLA decode reading rows straight from the paged pools: Pallas, Mosaic GPU backend (sm_90).
+
+Same signature and math as `reference.sparse_mla_decode_reference`. One CUDA block per (sequence, block of
+64 heads, split of the top-k), two warpgroups (`wg` 0 and 1), each owning half of the 512 latent columns:
+
+    start      WG 0 copies the block's 64 query heads (two latent halves + rope) and the block's row
+               addresses to shared memory (TMA), then issues the first row block's copies.
+    per block of BK rows (one TMA copy per row and operand, by its address; an invalid slot's address
+    is one past the pool, so TMA fills that row with zeros and reads nothing):
+      convert  each WG moves its columns of the raw rows into its own swizzled buffer (fp8: times the
+               row's scale, to bf16); WG 0 also the rope part. Both arrive on `consumed`; WG 0 then
+               issues the next block's row copies into the raw buffer (they overlap the math below).
+      scores   s_w = q_w . c_w^T (+ q_rope . kR^T on WG 0): warpgroup MMA, bf16 operands, fp32
+               accumulator [64, BK]. The halves are swapped through shared memory (double-buffered by
+               block parity, one `exchange` barrier per block) and summed: s = s_0 + s_1 on both WGs,
+               the same bits (addition commutes), so both run the same online softmax.
+      softmax  s = tau s, invalid slots -inf; running max m, sum l (fp32), p rounded to bf16.
+      values   acc_w = alpha acc_w + p @ c_w: warpgroup MMA, p from registers, fp32 [64, 256] per WG.
+    end        each WG writes its unnormalized accumulator half; WG 0 writes (m, l). The splits are
+               merged in jnp (`merge_splits`, log-sum-exp weights).
+
+Each selected row is read from HBM once per 64 heads (H = 128 reads it twice; the two head blocks of a
+sequence are neighbours in the grid, so the second read mostly hits L2; a 2-block cluster multicasting the
+rows would make it one read). Addresses are (row of the flattened
+[L * P * 64, *] pool) TMA coordinates, so pools of any byte size are addressed with 64-bit offsets; the
+flattened row count must stay below 2^31 (checked).
+
+Numerics: bf16 MMA operands with fp32 accumulation (q and, for p @ c, the probabilities rounded to bf16, as
+FlashMLA does): ~1e-3 relative to the fp32 reference. Rows are exact (bf16 as stored; e4m3 times a
+power-of-two scale is exact in bf16).
+
+Interpret-mode constraints shape two choices: the value MMA reads p from shared memory (interpret mode's
+wgmma takes no register operand) and accumulates into a fresh [64, 128] accumulator per column chunk that
+is added to the rescaled running one (interpret mode cannot lower `pl.run_state` on a pre-initialized
+accumulator), which also keeps the live registers per thread under the 255 limit.
+
+Status: equals the reference in GPU interpret mode with race detection (tests/test_kernel_mosaic.py). The
+sm_90 build does not pass yet: at BLOCK_ROWS = 32 Mosaic's layout inference finds no layout set (the
+64-byte-swizzled p operand is the suspect), and at 64 the buffers need 309 KB of shared memory (227 KB
+max): next, stage the raw rows in half blocks, single-buffer the score exchange and load the addresses per
+block.
+
+Limits (ValueError): latent_pages bfloat16 or float8_e4m3fn and rope bfloat16; C a multiple of 256, R a
+multiple of 64. Needs jax >= 0.11 (NotImplementedError otherwise); on CPU it runs in Mosaic GPU's interpret
+mode (`interpret=True`, or the caller's `plgpu.force_gpu_interpret_mode(...)`, e.g. with race detection).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.sparse_mla_decode.reference import FP8_BLOCK, check_shapes, merge_splits, per_layer
+
+HEADS = 64  # heads per CUDA block: the M of one warpgroup MMA
+CHUNK = 128  # accumulator columns per value MMA
+BLOCK_ROWS = 32  # rows per pipeline step (the N of the score MMA, the K of the value MMA)
+TARGET_BLOCKS = 132  # one wave of ~200 KB-shared-memory blocks on a 132-SM H100 / H200
+MAX_ROWS = 2**31 - 1  # TMA coordinates are int32
+
+
+def _plgpu():
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except ImportError as e:  # pragma: no cover - jax without Mosaic GPU
+        raise NotImplementedError(f"backend='mosaic' needs jax's Mosaic GPU Pallas API: {e}") from None
+    if not hasattr(plgpu, "kernel") or not hasattr(plgpu, "force_gpu_interpret_mode"):
+        raise NotImplementedError(
+            f"backend='mosaic' needs jax >= 0.11 (Mosaic GPU's plgpu.kernel and GPU interpret mode); this is jax "
+            f"{jax.__version__}: use backend='triton'")
+    return plgpu
+
+
+def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float, steps: int, fp8: bool,
+          nrows: int, plgpu):
+    # q_lat_ref [B, Hp, C], q_rope_ref [B, Hp, R] bf16; addr_ref [B, S, steps * BK] int32 (nrows = invalid);
+    # lat_ref [nrows, C], rope_ref [nrows, R] (+ scale_ref [nrows, C / 128] f32 when fp8);
+    # o_ref [S, B, Hp, C] (unnormalized), m_ref / l_ref [S, B, Hp]; then the scratch list
+    if fp8:
+        scale_ref, o_ref, m_ref, l_ref, scratch = rest
+    else:
+        scale_ref, (o_ref, m_ref, l_ref, scratch) = None, rest
+    (q_smem, qr_smem, idx_smem, raw_c, raw_r, raw_s, tile_c, tile_r, s_x, p_smem,
+     q_bar, idx_bar, loaded, consumed, exchange) = scratch
+    b, hb, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+    wg = lax.axis_index("wg")
+    bk = BLOCK_ROWS
+    half = q_smem.shape[-1]
+    heads = pl.ds(hb * HEADS, HEADS)
+    copies = 3 if fp8 else 2
+
+    def issue_rows(step):  # WG 0: one TMA copy per row and operand into the raw buffers
+        def one(j, carry):
+            r = idx_smem[step * bk + j]
+            zeros = plgpu.OOBFillMode.ZEROS
+            plgpu.copy_gmem_to_smem(lat_ref.at[pl.ds(r, 1)], raw_c.at[pl.ds(j, 1)], loaded, oob_mode=zeros)
+            plgpu.copy_gmem_to_smem(rope_ref.at[pl.ds(r, 1)], raw_r.at[pl.ds(j, 1)], loaded, oob_mode=zeros)
+            if fp8:
+                plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(r, 1)], raw_s.at[pl.ds(j, 1)], loaded, oob_mode=zeros)
+            return carry
+        lax.fori_loop(0, bk, one, 0)
+
+    @pl.when(wg == 0)
+    def _start():
+        plgpu.copy_gmem_to_smem(addr_ref.at[b, split], idx_smem, idx_bar)
+        for w in range(2):
+            plgpu.copy_gmem_to_smem(q_lat_ref.at[b, heads, pl.ds(w * half, half)], q_smem.at[w], q_bar)
+        plgpu.copy_gmem_to_smem(q_rope_ref.at[b, heads], qr_smem, q_bar)
+        plgpu.barrier_wait(idx_bar)
+        issue_rows(0)
+
+    def run(w: int):  # the whole main loop of warpgroup w (static column half)
+        cols = pl.ds(w * half, half)
+        if w == 1:
+            plgpu.barrier_wait(idx_bar)
+        plgpu.barrier_wait(q_bar)
+
+        def convert():
+            if fp8:  # each 128-column block times its row's scale (exact in bf16: power-of-two scales)
+                for j in range(half // FP8_BLOCK):
+                    blk = w * half // FP8_BLOCK + j
+                    c = raw_c[:, pl.ds(blk * FP8_BLOCK, FP8_BLOCK)].astype(jnp.float32)
+                    sc = lax.broadcast_in_dim(raw_s[:, blk], (bk, FP8_BLOCK), [0])
+                    tile_c[w, :, pl.ds(j * FP8_BLOCK, FP8_BLOCK)] = (c * sc).astype(jnp.bfloat16)
+            else:
+                tile_c[w] = raw_c[:, cols]
+            if w == 0:
+                tile_r[...] = raw_r[...]
+            plgpu.commit_smem()
+
+        def scores():
+            def mma(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem.at[w], tile_c.at[w].T)
+                if w == 0:
+                    plgpu.wgmma(acc_ref, qr_smem, tile_r.T)
+                return acc_ref[...]
+            return pl.run_scoped(mma, plgpu.ACC((HEADS, bk), jnp.float32))
+
+        def step(i, carry):
+            acc, m_prev, l_prev = carry
+            plgpu.barrier_wait(loaded)
+            convert()
+            plgpu.barrier_arrive(consumed)
+
+            @pl.when(jnp.logical_and(wg == 0, i + 1 < steps))
+            def _next():
+                plgpu.barrier_wait(consumed)
+                issue_rows(i + 1)
+
+            s_mine = scores()
+            parity = lax.rem(i, 2)
+            s_x[parity, w] = s_mine
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(exchange)
+            plgpu.barrier_wait(exchange)
+            s = s_mine + s_x[parity, 1 - w]
+            addr = plgpu.load(idx_smem.at[pl.ds(i * bk, bk)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+            ok = lax.broadcast_in_dim(addr < nrows, (HEADS, bk), [1])
+            s = jnp.where(ok, s * tau, -jnp.inf)
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+            alpha = jnp.exp(m_prev - m_safe)
+            p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+            l_next = alpha * l_prev + jnp.sum(p, axis=1)
+            p_smem[w] = p.astype(jnp.bfloat16)  # the value MMA's A operand from shared memory
+            plgpu.commit_smem()
+
+            def pv(j):  # p @ c_w[:, chunk j] into a fresh accumulator (no pre-initialized one: see below)
+                def mma(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem.at[w], tile_c.at[w, :, pl.ds(j * CHUNK, CHUNK)])
+                    return acc_ref[...]
+                return pl.run_scoped(mma, plgpu.ACC((HEADS, CHUNK), jnp.float32))
+            acc = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) + pv(j) for j, a in enumerate(acc))
+            return acc, m_next, l_next
+
+        acc0 = tuple(plgpu.layout_cast(jnp.zeros((HEADS, CHUNK), jnp.float32), plgpu.Layout.WGMMA)
+                     for _ in range(half // CHUNK))
+        m0 = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l0 = plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc, m, l = lax.fori_loop(0, steps, step, (acc0, m0, l0))
+        for j, a in enumerate(acc):
+            o_ref[split, b, heads, pl.ds(w * half + j * CHUNK, CHUNK)] = a
+        if w == 0:
+            m_ref[split, b, heads] = m
+            l_ref[split, b, heads] = l
+
+    for w in range(2):
+        pl.when(wg == w)(functools.partial(run, w))
+
+
+@functools.partial(jax.jit, static_argnames=("tau", "interpret", "splits"))
+def sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row, valid, *, tau: float,
+                             latent_scale=None, layer=None, interpret: bool = False, splits: int | None = None):
+    """Mosaic GPU version of `sparse_mla_decode_reference`: same arguments, f32[B, H, C].
+
+    `splits` (static) is the number of split-K parts of the top-k; by default enough to give ~TARGET_BLOCKS
+    CUDA blocks (capped at one row block per split).
+
+    `interpret=True` runs it on the CPU in Mosaic GPU's interpret mode (race detection is the caller's
+    choice: wrap the call in `plgpu.force_gpu_interpret_mode(...)` instead to pass parameters)."""
+    plgpu = _plgpu()
+    check_shapes(q_lat, q_rope, *per_layer(latent_pages, rope_pages, latent_scale, layer), page, row, valid)
+    if layer is None:
+        latent_pages, rope_pages = latent_pages[None], rope_pages[None]
+        latent_scale = None if latent_scale is None else latent_scale[None]
+        layer = 0
+    B, H, C = q_lat.shape
+    L, P = latent_pages.shape[:2]
+    R, K = q_rope.shape[-1], page.shape[1]
+    fp8 = latent_scale is not None
+    if latent_pages.dtype not in (jnp.bfloat16, jnp.float8_e4m3fn) or rope_pages.dtype != jnp.bfloat16:
+        raise ValueError(f"the Mosaic kernel reads bfloat16 or float8_e4m3fn latent pools and a bfloat16 rope pool, "
+                         f"got {latent_pages.dtype} and {rope_pages.dtype}")
+    if C % (2 * CHUNK) or R % 64:
+        raise ValueError(f"the Mosaic kernel needs C a multiple of {2 * CHUNK} and R a multiple of 64 (got C={C}, R={R})")
+    nrows = L * P * 64
+    if nrows > MAX_ROWS:
+        raise ValueError(f"the flattened pool has {nrows} rows; TMA row coordinates are int32 (< 2^31)")
+    hp = pl.cdiv(H, HEADS) * HEADS
+    bk = BLOCK_ROWS
+    blocks = pl.cdiv(K, bk)
+    if splits is None:
+        splits = pl.cdiv(TARGET_BLOCKS, B * (hp // HEADS))
+    if splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    splits = min(blocks, splits)
+    steps = pl.cdiv(blocks, splits)
+    kp = splits * steps * bk
+
+    pad_h = ((0, 0), (0, hp - H), (0, 0))
+    q_lat = jnp.pad(q_lat.astype(jnp.bfloat16), pad_h)
+    q_rope = jnp.pad(q_rope.astype(jnp.bfloat16), pad_h)
+    flat = (jnp.asarray(layer, jnp.int32) * P + page.astype(jnp.int32)) * 64 + row.astype(jnp.int32)
+    addr = jnp.where(valid, flat, nrows)
+    addr = jnp.pad(addr, ((0, 0), (0, kp - K)), constant_values=nrows).reshape(B, splits, steps * bk)
+    pools = [latent_pages.reshape(nrows, C), rope_pages.reshape(nrows, R)]
+    if fp8:
+        pools.append(latent_scale.reshape(nrows, C // FP8_BLOCK))
+
+    half = C // 2
+    swz = lambda cols, itemsize: (plgpu.TilingTransform((8, min(cols, 128 // itemsize))),  # noqa: E731
+                                  plgpu.SwizzleTransform(min(128, cols * itemsize)))
+    scratch = [
+        plgpu.SMEM((2, HEADS, half), jnp.bfloat16, transforms=swz(half, 2)),  # q latent halves
+        plgpu.SMEM((HEADS, R), jnp.bfloat16, transforms=swz(R, 2)),  # q rope
+        plgpu.SMEM((steps * bk,), jnp.int32),  # this block's row addresses
+        plgpu.SMEM((bk, C), latent_pages.dtype),  # raw rows, as copied
+        plgpu.SMEM((bk, R), jnp.bfloat16),
+        plgpu.SMEM((bk, C // FP8_BLOCK if fp8 else 1), jnp.float32),
+        plgpu.SMEM((2, bk, half), jnp.bfloat16, transforms=swz(half, 2)),  # converted rows, one half per WG
+        plgpu.SMEM((bk, R), jnp.bfloat16, transforms=swz(R, 2)),
+        plgpu.SMEM((2, 2, HEADS, bk), jnp.float32),  # partial scores [parity, wg]
+        plgpu.SMEM((2, HEADS, bk), jnp.bfloat16, transforms=swz(bk, 2)),  # probabilities, one copy per WG
+        plgpu.Barrier(num_arrivals=3),  # q
+        plgpu.Barrier(),  # addresses
+        plgpu.Barrier(num_arrivals=bk * (3 if fp8 else 2)),  # one arrival per row copy
+        plgpu.Barrier(num_arrivals=2),  # raw rows converted by both WGs
+        plgpu.Barrier(num_arrivals=2),  # partial scores written by both WGs
+    ]
+    out_type = (jax.ShapeDtypeStruct((splits, B, hp, C), jnp.float32),
+                jax.ShapeDtypeStruct((splits, B, hp), jnp.float32),
+                jax.ShapeDtypeStruct((splits, B, hp), jnp.float32))
+    body = functools.partial(_body, tau=float(tau), steps=steps, fp8=fp8, nrows=nrows, plgpu=plgpu)
+    kernel = plgpu.kernel(body, out_type=out_type,
+                          scratch_types=[scratch], grid=(B, hp // HEADS, splits), grid_names=("b", "h", "s"),
+                          num_threads=2, thread_name="wg")
+    call = lambda: kernel(q_lat, q_rope, addr, *pools)  # noqa: E731
+    if interpret:
+        with plgpu.force_gpu_interpret_mode():
+            o, m, l = call()
+    else:
+        o, m, l = call()
+    return merge_splits(o, m, l)[:, :H]

@@ -1,0 +1,136 @@
+"""The Mosaic GPU sparse-MLA decode kernel == its reference, in Mosaic GPU's interpret mode with race detection.
+
+Same cases as tests/test_kernel_sparse_mla_decode.py (NaN-poisoned pools, permuted block tables, invalid
+top-k slots scattered among the valid ones and addressed at poisoned rows), through the public
+`sparse_mla_decode(..., backend="mosaic")`. Interpret mode simulates both warpgroups, the TMA engine and
+the barriers; `detect_races=True` raises on any unsynchronized shared-memory access, and uninitialized
+shared memory reads as NaN, so a missed wait or a stale buffer shows up as a race or as NaN.
+The kernel's operands are bf16 (fp32 accumulation), so outputs are compared to ~1e-2 of the reference's
+largest magnitude, and to the Triton kernel's bf16 path. Needs jax >= 0.11 (the newest-jax CI leg).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_reference
+from pallas_kernels.sparse_mla_decode.kernel_mosaic import sparse_mla_decode_mosaic
+from test_kernel_sparse_mla_decode import TAU, make_case
+
+try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    HAVE_INTERPRET = hasattr(plgpu, "force_gpu_interpret_mode")
+except ImportError:  # pragma: no cover
+    plgpu, HAVE_INTERPRET = None, False
+
+needs_interpret = pytest.mark.skipif(
+    not HAVE_INTERPRET, reason=f"Mosaic GPU interpret mode needs jax >= 0.11 (this is jax {jax.__version__})")
+
+
+def run_mosaic(args, kw, splits=None, **extra):
+    params = plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+    with plgpu.force_gpu_interpret_mode(params):
+        if splits is None:
+            return np.asarray(sparse_mla_decode(*args, tau=TAU, backend="mosaic", **kw, **extra))
+        return np.asarray(sparse_mla_decode_mosaic(*args, tau=TAU, splits=splits, **kw, **extra))
+
+
+def check(args, kw, rtol=1e-2, splits=None, **extra):
+    ref = np.asarray(sparse_mla_decode_reference(*args, tau=TAU, **kw, **extra))
+    out = run_mosaic(args, kw, splits, **extra)
+    assert out.shape == ref.shape and out.dtype == np.float32
+    assert np.all(np.isfinite(out)), "NaN/inf: a poisoned or uninitialized row reached the output"
+    err = np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30)
+    assert err <= rtol, err
+    return ref, out
+
+
+@needs_interpret
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8"])
+def test_matches_reference(kv):
+    check(*make_case(0, kv=kv, C=512))
+
+
+@needs_interpret
+@pytest.mark.parametrize("seq_len", [1, 31, 32, 33, 63, 64, 65])
+def test_seq_len_boundaries(seq_len):
+    """K = 40 against row blocks of 32: lengths around a block, the top-k and a page; mixed in one batch."""
+    check(*make_case(seq_len, seq_lens=[seq_len, 65, 1], kv="bfloat16", C=256))
+
+
+@needs_interpret
+@pytest.mark.parametrize("H,K", [(20, 33), (72, 97), (1, 1)])
+def test_awkward_heads_and_topk(H, K):
+    """Heads padded to the 64-head block (H = 72: two blocks), K not a multiple of the row block."""
+    check(*make_case(H + K, H=H, K=K, C=256, kv="bfloat16", seq_lens=[K + 3, K, max(K - 1, 1)]))
+
+
+@needs_interpret
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8"])
+def test_pipeline_steps_and_splits(splits, kv):
+    """K = 200: 7 row blocks, as 7 splits of one step (default at B = 1), one split of 7 steps (the row copies
+    of block i + 1 issued while block i computes, the score exchange alternating buffers) or 3 splits of
+    3 steps (the last split partly past K: all padding)."""
+    check(*make_case(9, B=1, K=200, C=256, kv=kv, seq_lens=[300]), splits=splits)
+
+
+@needs_interpret
+def test_no_valid_row_gives_zeros():
+    args, kw = make_case(2, kv="bfloat16", C=256)
+    args = args[:6] + (jnp.zeros_like(args[6]).at[0].set(args[6][0]),)  # only sequence 0 has rows
+    _, out = check(args, kw)
+    assert np.all(out[1:] == 0) and np.any(out[0] != 0)
+
+
+@needs_interpret
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8"])
+def test_layer_of_stacked_pools(kv):
+    """`layer=` (traced) reads one layer of [L, P, 64, *] pools whose other layers are NaN."""
+    args, kw = make_case(6, kv=kv, C=256)
+    q_lat, q_rope, latent, rope, page, row, valid = args
+    junk = lambda x: jnp.stack([jnp.full_like(x, jnp.nan), x, jnp.full_like(x, jnp.nan)])  # noqa: E731
+    stacked = (q_lat, q_rope, junk(latent), junk(rope), page, row, valid)
+    kw3 = {k: junk(v) for k, v in kw.items()}
+    want = np.asarray(sparse_mla_decode_reference(*args, tau=TAU, **kw))
+    out = run_mosaic(stacked, kw3, layer=jnp.int32(1))
+    assert np.all(np.isfinite(out))
+    assert np.max(np.abs(out - want)) <= 1e-2 * np.max(np.abs(want))
+
+
+@needs_interpret
+def test_close_to_triton_bf16_path():
+    """Both backends with bf16 operands agree with each other about as well as each with the reference."""
+    args, kw = make_case(4, kv="bfloat16", C=256, q_dtype=jnp.bfloat16)
+    ref = np.asarray(sparse_mla_decode_reference(*args, tau=TAU, **kw))
+    tri = np.asarray(sparse_mla_decode(*args, tau=TAU, interpret=True, **kw))
+    mos = run_mosaic(args, kw)
+    scale = np.max(np.abs(ref))
+    assert np.max(np.abs(mos - tri)) <= 1e-2 * scale
+
+
+@needs_interpret
+def test_interpret_flag_runs_without_a_context():
+    args, kw = make_case(7, kv="bfloat16", C=256, B=1, K=8, seq_lens=[8])
+    ref = np.asarray(sparse_mla_decode_reference(*args, tau=TAU, **kw))
+    out = np.asarray(sparse_mla_decode(*args, tau=TAU, backend="mosaic", interpret=True, **kw))
+    assert np.max(np.abs(out - ref)) <= 1e-2 * np.max(np.abs(ref))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(kv="float32"), "bfloat16 or float8_e4m3fn"),
+    (dict(kv="bfloat16", C=128), "multiple of 256"),
+])
+def test_refuses_unsupported_inputs(bad, match):
+    args, kw = make_case(8, **bad)
+    with pytest.raises((ValueError, NotImplementedError), match=match if HAVE_INTERPRET else "jax >= 0.11"):
+        sparse_mla_decode(*args, tau=TAU, backend="mosaic", interpret=True, **kw)
+
+
+def test_unknown_backend_is_refused():
+    args, kw = make_case(8)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        sparse_mla_decode(*args, tau=TAU, backend="cuda", **kw)
