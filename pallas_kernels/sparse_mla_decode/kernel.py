@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.sparse_mla_decode.reference import FP8_BLOCK, check_shapes, merge_splits, per_layer
+from pallas_kernels.sparse_mla_decode.reference import FP8_BLOCK, checked_stacked_pools, merge_splits
 
 TARGET_PROGRAMS = 264  # ~2 waves of programs on a 132-SM H100 / H200
 
@@ -139,11 +139,8 @@ def sparse_mla_decode(q_lat, q_rope, latent_pages, rope_pages, page, row, valid,
 @functools.partial(jax.jit, static_argnames=("tau", "interpret"))
 def _sparse_mla_decode_triton(q_lat, q_rope, latent_pages, rope_pages, page, row, valid, *, tau: float,
                               latent_scale=None, layer=None, interpret: bool = False):
-    check_shapes(q_lat, q_rope, *per_layer(latent_pages, rope_pages, latent_scale, layer), page, row, valid)
-    if layer is None:
-        latent_pages, rope_pages = latent_pages[None], rope_pages[None]
-        latent_scale = None if latent_scale is None else latent_scale[None]
-        layer = 0
+    latent_pages, rope_pages, latent_scale, layer = checked_stacked_pools(
+        q_lat, q_rope, latent_pages, rope_pages, latent_scale, layer, page, row, valid)
     B, H, C = q_lat.shape
     R, K = q_rope.shape[-1], page.shape[1]
     if not (_is_pow2(C) and _is_pow2(R)):

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.sparse_mla_decode.reference import FP8_BLOCK, check_shapes, merge_splits, per_layer
+from pallas_kernels.sparse_mla_decode.reference import FP8_BLOCK, checked_stacked_pools, merge_splits
 
 HEADS = 64  # heads per CUDA block: the M of one warpgroup MMA
 CHUNK = 128  # accumulator columns per value MMA
@@ -203,11 +203,8 @@ def sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row,
     `interpret=True` runs it on the CPU in Mosaic GPU's interpret mode (race detection is the caller's
     choice: wrap the call in `plgpu.force_gpu_interpret_mode(...)` instead to pass parameters)."""
     plgpu = _plgpu()
-    check_shapes(q_lat, q_rope, *per_layer(latent_pages, rope_pages, latent_scale, layer), page, row, valid)
-    if layer is None:
-        latent_pages, rope_pages = latent_pages[None], rope_pages[None]
-        latent_scale = None if latent_scale is None else latent_scale[None]
-        layer = 0
+    latent_pages, rope_pages, latent_scale, layer = checked_stacked_pools(
+        q_lat, q_rope, latent_pages, rope_pages, latent_scale, layer, page, row, valid)
     B, H, C = q_lat.shape
     L, P = latent_pages.shape[:2]
     R, K = q_rope.shape[-1], page.shape[1]

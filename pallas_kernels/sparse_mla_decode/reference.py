@@ -113,6 +113,17 @@ def per_layer(latent_pages, rope_pages, latent_scale, layer):
     return view(latent_pages), view(rope_pages), view(latent_scale)
 
 
+def checked_stacked_pools(q_lat, q_rope, latent_pages, rope_pages, latent_scale, layer, page, row, valid):
+    """The kernels' common prologue: `check_shapes`, then the pools as [L, P, 64, *] with a layer index
+    (a single layer's pools get a leading axis of 1 and layer 0)."""
+    check_shapes(q_lat, q_rope, *per_layer(latent_pages, rope_pages, latent_scale, layer), page, row, valid)
+    if layer is None:
+        latent_pages, rope_pages = latent_pages[None], rope_pages[None]
+        latent_scale = None if latent_scale is None else latent_scale[None]
+        layer = 0
+    return latent_pages, rope_pages, latent_scale, layer
+
+
 def check_shapes(q_lat, q_rope, latent_pages, rope_pages, latent_scale, page, row, valid):
     """Shared input checks of the reference and the kernel (ValueError naming the problem)."""
     B, H, C = q_lat.shape
