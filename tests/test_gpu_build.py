@@ -39,6 +39,11 @@ import deviceless as dl
 pytestmark = pytest.mark.skipif(dl.unavailable_reason() is not None, reason=str(dl.unavailable_reason()))
 
 TAU = 0.13523378
+try:  # the Mosaic GPU kernels need jax >= 0.11
+    from jax.experimental.pallas import mosaic_gpu as _plgpu
+    MOSAIC = hasattr(_plgpu, "kernel") and hasattr(_plgpu, "force_gpu_interpret_mode")
+except ImportError:  # pragma: no cover
+    MOSAIC = False
 sds = dl.abstract_on_cpu
 
 
@@ -73,23 +78,23 @@ def timed_build(log, case, build, **extra):
 
 
 # ----- 1. kernels at production shapes ---------------------------------------------------------
-def _mla_case(H, kv, q_dtype, *, B=32, C=512, R=64, K=2048, P=4096):
+def _mla_case(H, kv, q_dtype, backend="triton", *, B=32, C=512, R=64, K=2048, P=4096):
     pool_dt = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}[kv]
     args = [sds((B, H, C), q_dtype), sds((B, H, R), q_dtype), sds((P, 64, C), pool_dt), sds((P, 64, R), jnp.bfloat16),
             sds((B, K), jnp.int32), sds((B, K), jnp.int32), sds((B, K), jnp.bool_)]
     if kv == "fp8":
         args.append(sds((P, 64, C // 128), jnp.float32))
-        return (lambda *a: sparse_mla_decode()(*a[:7], tau=TAU, latent_scale=a[7])), args, {}
-    return functools.partial(lambda *a: sparse_mla_decode()(*a, tau=TAU)), args, {}
+        return (lambda *a: sparse_mla_decode()(*a[:7], tau=TAU, latent_scale=a[7], backend=backend)), args, {}
+    return (lambda *a: sparse_mla_decode()(*a, tau=TAU, backend=backend)), args, {}
 
 
-def _mla_stacked_case(H=64, B=32, C=512, R=64, K=2048, P=4096, L=78):
+def _mla_stacked_case(backend="triton", H=64, B=32, C=512, R=64, K=2048, P=4096, L=78):
     """The store's whole fp8 pools (78 layers x 4096 pages: 8.6 GB of latent, > 4 GiB so 64-bit offsets)
     read in place at a traced layer."""
     args = [sds((B, H, C), jnp.bfloat16), sds((B, H, R), jnp.bfloat16), sds((L, P, 64, C), jnp.float8_e4m3fn),
             sds((L, P, 64, R), jnp.bfloat16), sds((B, K), jnp.int32), sds((B, K), jnp.int32), sds((B, K), jnp.bool_),
             sds((L, P, 64, C // 128), jnp.float32), sds((), jnp.int32)]
-    return (lambda *a: sparse_mla_decode()(*a[:7], tau=TAU, latent_scale=a[7], layer=a[8])), args, {}
+    return (lambda *a: sparse_mla_decode()(*a[:7], tau=TAU, latent_scale=a[7], layer=a[8], backend=backend)), args, {}
 
 
 def _gather_case(HR, B=32, K=2048, Rq=64, MP=2048):
@@ -119,6 +124,14 @@ KERNEL_CASES = {
     **{f"sparse_mla_decode H={H} kv={kv} q={jnp.dtype(q).name} (B=32 K=2048 P=4096)": functools.partial(_mla_case, H, kv, q)
        for H in (128, 16) for kv in ("bf16", "fp8") for q in (_BF, _F32)},
     "sparse_mla_decode stacked fp8 pools L=78 (8.6 GB latent), layer= traced, H=64": _mla_stacked_case,
+    # the Mosaic GPU backend (jax >= 0.11): bf16 queries (it rounds f32 ones to bf16 in the wrapper)
+    **{f"sparse_mla_decode mosaic H={H} kv={kv} (B=32 K=2048 P=4096)": functools.partial(_mla_case, H, kv, _BF, "mosaic")
+       for H in (128, 16) for kv in ("bf16", "fp8")},
+    "sparse_mla_decode mosaic B=1 (66 splits) H=128 kv=fp8": functools.partial(_mla_case, 128, "fp8", _BF, "mosaic", B=1),
+    "sparse_mla_decode mosaic K=16384 B=128 H=64 (4 splits of 128 row blocks)": functools.partial(
+        _mla_case, 64, "bf16", _BF, "mosaic", B=128, K=16384),
+    "sparse_mla_decode mosaic stacked fp8 pools L=78 (8.6 GB latent), layer= traced, H=128":
+        functools.partial(_mla_stacked_case, "mosaic", H=128),
     **{f"sparse_gather hot_rows={HR} (B=32 K=2048 MP=2048)": functools.partial(_gather_case, HR) for HR in (4096, 10240)},
     **{f"indexer_topk q={jnp.dtype(q).name} k={jnp.dtype(k).name} (B=32 I=64 128K ctx top-2048)":
        functools.partial(_indexer_case, q, k) for q, k in ((_F32, _BF), (_BF, _BF), (_F32, _FP8), (_BF, _FP8))},
@@ -128,9 +141,15 @@ KERNEL_CASES = {
 @pytest.mark.parametrize("case", list(KERNEL_CASES))
 def test_kernel_builds_for_sm90(case, build_log):
     fn, args, kw = KERNEL_CASES[case]()
+    if " mosaic " in case and not MOSAIC:
+        pytest.skip(f"the Mosaic GPU backend needs jax >= 0.11 (this is jax {jax.__version__})")
     exe = timed_build(build_log, case, lambda: dl.compile_for_gpu(fn, *args, **kw))
     text = dl.hlo_text(exe)
-    assert "__triton" in text or "triton" in text, "no Triton kernel in the compiled module"
+    if " mosaic " in case:
+        assert 'custom_call_target="mosaic_gpu' in text, "no Mosaic GPU kernel in the compiled module"
+        assert "triton" not in text, "a Triton kernel in the Mosaic build"
+    else:
+        assert "__triton" in text or "triton" in text, "no Triton kernel in the compiled module"
 
 
 # ----- 2. the whole tiered decode step ---------------------------------------------------------

@@ -79,6 +79,19 @@ def test_pipeline_steps_and_splits(splits, kv):
 
 
 @needs_interpret
+def test_long_topk_takes_more_splits(monkeypatch):
+    """A split holds at most MAX_STEPS row blocks (its addresses live in shared memory): asked for one split
+    of 7 blocks with MAX_STEPS = 2, the kernel takes 4 splits and gives the same result."""
+    from pallas_kernels.sparse_mla_decode import kernel_mosaic
+
+    monkeypatch.setattr(kernel_mosaic, "MAX_STEPS", 2)
+    args, kw = make_case(10, B=1, K=199, C=256, kv="bfloat16", seq_lens=[250])  # a shape no other test traces
+    jaxpr = str(jax.make_jaxpr(lambda *a: sparse_mla_decode_mosaic(*a, tau=TAU, splits=1, **kw))(*args))
+    assert "f32[4,1,64,256]" in jaxpr, "not 4 splits"
+    check(args, kw, splits=1)
+
+
+@needs_interpret
 def test_no_valid_row_gives_zeros():
     args, kw = make_case(2, kv="bfloat16", C=256)
     args = args[:6] + (jnp.zeros_like(args[6]).at[0].set(args[6][0]),)  # only sequence 0 has rows

@@ -3,27 +3,34 @@
 Same signature and math as `reference.sparse_mla_decode_reference`. One CUDA block per (sequence, block of
 64 heads, split of the top-k), two warpgroups (`wg` 0 and 1), each owning half of the 512 latent columns:
 
-    start      WG 0 copies the block's 64 query heads (two latent halves + rope) and the block's row
-               addresses to shared memory (TMA), then issues the first row block's copies.
-    per block of BK rows (one TMA copy per row and operand, by its address; an invalid slot's address
-    is one past the pool, so TMA fills that row with zeros and reads nothing):
-      convert  each WG moves its columns of the raw rows into its own swizzled buffer (fp8: times the
-               row's scale, to bf16); WG 0 also the rope part. Both arrive on `consumed`; WG 0 then
-               issues the next block's row copies into the raw buffer (they overlap the math below).
-      scores   s_w = q_w . c_w^T (+ q_rope . kR^T on WG 0): warpgroup MMA, bf16 operands, fp32
-               accumulator [64, BK]. The halves are swapped through shared memory (double-buffered by
-               block parity, one `exchange` barrier per block) and summed: s = s_0 + s_1 on both WGs,
+    start      WG 0 copies the block's 64 query heads (latent per 128-column chunk, rope) and the split's
+               row addresses to shared memory (TMA), then issues the first row block's copies.
+    per block of BK = 32 rows (one TMA copy per row and operand, by its address; an invalid slot's
+    address is one past the pool, so TMA fills that row with zeros and reads nothing; fp8: plus one
+    dense copy of the block's scales, gathered by the wrapper, [C / 128, BK]):
+      convert  each WG moves its columns of the raw rows into swizzled bf16 tiles, one per 128-column
+               chunk (fp8: times the row's scale of that chunk); WG 0 also the rope part. Both arrive on
+               `consumed`; WG 0 then issues the next block's row copies into the raw buffers (they
+               overlap the math below).
+      scores   s_w = q_w . c_w^T (+ q_rope . kR^T on WG 0): warpgroup MMA per chunk, bf16 operands,
+               fp32 accumulator [64, BK]. The halves are swapped through shared memory (double-buffered
+               by block parity, one `exchange` barrier per block) and summed: s = s_0 + s_1 on both WGs,
                the same bits (addition commutes), so both run the same online softmax.
       softmax  s = tau s, invalid slots -inf; running max m, sum l (fp32), p rounded to bf16.
-      values   acc_w = alpha acc_w + p @ c_w: warpgroup MMA, p from registers, fp32 [64, 256] per WG.
+      values   acc_w = alpha acc_w + p @ c_w: warpgroup MMA per 128-column chunk, fp32 [64, 256] per WG.
     end        each WG writes its unnormalized accumulator half; WG 0 writes (m, l). The splits are
                merged in jnp (`merge_splits`, log-sum-exp weights).
 
 Each selected row is read from HBM once per 64 heads (H = 128 reads it twice; the two head blocks of a
 sequence are neighbours in the grid, so the second read mostly hits L2; a 2-block cluster multicasting the
-rows would make it one read). Addresses are (row of the flattened
-[L * P * 64, *] pool) TMA coordinates, so pools of any byte size are addressed with 64-bit offsets; the
-flattened row count must stay below 2^31 (checked).
+rows would make it one read). Addresses are (row of the flattened [L * P * 64, *] pool) TMA coordinates,
+so pools of any byte size are addressed with 64-bit offsets; the flattened row count must stay below 2^31
+(checked). A split holds at most MAX_STEPS row blocks (its addresses live in shared memory); a long top-k
+gets more splits.
+
+Shared memory at C = 512, R = 64 (bf16 pools): q 72 KB, raw rows 36 KB, bf16 tiles 36 KB, score exchange
+32 KB, p 8 KB, addresses <= 16 KB: <= 200 KB of the 227 KB. Every MMA operand is 64-byte swizzled
+(`SWIZZLE`): a warpgroup MMA needs both operands swizzled alike and p, [64, 32] bf16, has 64-byte rows.
 
 Numerics: bf16 MMA operands with fp32 accumulation (q and, for p @ c, the probabilities rounded to bf16, as
 FlashMLA does): ~1e-3 relative to the fp32 reference. Rows are exact (bf16 as stored; e4m3 times a
@@ -32,13 +39,15 @@ power-of-two scale is exact in bf16).
 Interpret-mode constraints shape two choices: the value MMA reads p from shared memory (interpret mode's
 wgmma takes no register operand) and accumulates into a fresh [64, 128] accumulator per column chunk that
 is added to the rescaled running one (interpret mode cannot lower `pl.run_state` on a pre-initialized
-accumulator), which also keeps the live registers per thread under the 255 limit.
+accumulator), which also keeps the live registers per thread under the 255 limit. The sm_90 lowering
+shapes three more: rows land in plain buffers (a TMA copy of one row into a tiled buffer is refused) and
+are moved to the tiles through registers in the layout Mosaic uses for swizzled copies; each 128-column
+chunk is its own tile (a column slice of a swizzled tile is not contiguous); the fp8 scales are gathered
+by the wrapper into per-chunk vectors (a strided column of a shared-memory buffer cannot be loaded).
 
-Status: equals the reference in GPU interpret mode with race detection (tests/test_kernel_mosaic.py). The
-sm_90 build does not pass yet: at BLOCK_ROWS = 32 Mosaic's layout inference finds no layout set (the
-64-byte-swizzled p operand is the suspect), and at 64 the buffers need 309 KB of shared memory (227 KB
-max): next, stage the raw rows in half blocks, single-buffer the score exchange and load the addresses per
-block.
+Status: equals the reference in GPU interpret mode with race detection (tests/test_kernel_mosaic.py) and
+builds for sm_90 (tests/test_gpu_build.py: H = 128 / 16, bf16 / fp8, B = 1, top-k 16384, the stacked
+78-layer fp8 pools with `layer=`). Not measured on a GPU yet.
 
 Limits (ValueError): latent_pages bfloat16 or float8_e4m3fn and rope bfloat16; C a multiple of 256, R a
 multiple of 64. Needs jax >= 0.11 (NotImplementedError otherwise); on CPU it runs in Mosaic GPU's interpret
@@ -61,6 +70,12 @@ CHUNK = 128  # accumulator columns per value MMA
 BLOCK_ROWS = 32  # rows per pipeline step (the N of the score MMA, the K of the value MMA)
 TARGET_BLOCKS = 132  # one wave of ~200 KB-shared-memory blocks on a 132-SM H100 / H200
 MAX_ROWS = 2**31 - 1  # TMA coordinates are int32
+# row blocks per split: the split's addresses take MAX_STEPS * BLOCK_ROWS * 4 bytes of shared memory, and one TMA
+# copy moves at most 256 elements along a dimension
+MAX_STEPS = 128
+# Every MMA operand's shared-memory swizzle, in bytes. A warpgroup MMA needs both operands swizzled alike, and p
+# (the value MMA's A operand, [64, BLOCK_ROWS] bf16) has 64-byte rows.
+SWIZZLE = 64
 
 
 def _plgpu():
@@ -77,8 +92,9 @@ def _plgpu():
 
 def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float, steps: int, fp8: bool,
           nrows: int, plgpu):
-    # q_lat_ref [B, Hp, C], q_rope_ref [B, Hp, R] bf16; addr_ref [B, S, steps * BK] int32 (nrows = invalid);
-    # lat_ref [nrows, C], rope_ref [nrows, R] (+ scale_ref [nrows, C / 128] f32 when fp8);
+    # q_lat_ref [B, Hp, C], q_rope_ref [B, Hp, R] bf16; addr_ref [B, S, steps, BK] int32 (nrows = invalid);
+    # lat_ref [nrows, C], rope_ref [nrows, R] (+ scale_ref [B, S, steps, C / 128, BK] f32 when fp8: the selected
+    # rows' scales, gathered by the wrapper, one contiguous vector per step and 128-column block);
     # o_ref [S, B, Hp, C] (unnormalized), m_ref / l_ref [S, B, Hp]; then the scratch list
     if fp8:
         scale_ref, o_ref, m_ref, l_ref, scratch = rest
@@ -89,52 +105,55 @@ def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float,
     b, hb, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     wg = lax.axis_index("wg")
     bk = BLOCK_ROWS
-    half = q_smem.shape[-1]
+    half = q_lat_ref.shape[-1] // 2
+    nch = half // CHUNK  # column chunks per warpgroup: q and the converted rows are kept per chunk (a column
+    # slice of a swizzled tile is not contiguous, so each chunk is its own [.., 128] tile)
     heads = pl.ds(hb * HEADS, HEADS)
-    copies = 3 if fp8 else 2
 
     def issue_rows(step):  # WG 0: one TMA copy per row and operand into the raw buffers
         def one(j, carry):
-            r = idx_smem[step * bk + j]
+            r = idx_smem[step, j]
             zeros = plgpu.OOBFillMode.ZEROS
             plgpu.copy_gmem_to_smem(lat_ref.at[pl.ds(r, 1)], raw_c.at[pl.ds(j, 1)], loaded, oob_mode=zeros)
             plgpu.copy_gmem_to_smem(rope_ref.at[pl.ds(r, 1)], raw_r.at[pl.ds(j, 1)], loaded, oob_mode=zeros)
-            if fp8:
-                plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(r, 1)], raw_s.at[pl.ds(j, 1)], loaded, oob_mode=zeros)
             return carry
         lax.fori_loop(0, bk, one, 0)
+        if fp8:
+            plgpu.copy_gmem_to_smem(scale_ref.at[b, split, step], raw_s, loaded)
 
     @pl.when(wg == 0)
     def _start():
         plgpu.copy_gmem_to_smem(addr_ref.at[b, split], idx_smem, idx_bar)
-        for w in range(2):
-            plgpu.copy_gmem_to_smem(q_lat_ref.at[b, heads, pl.ds(w * half, half)], q_smem.at[w], q_bar)
+        for g in range(2 * nch):
+            plgpu.copy_gmem_to_smem(q_lat_ref.at[b, heads, pl.ds(g * CHUNK, CHUNK)], q_smem.at[g], q_bar)
         plgpu.copy_gmem_to_smem(q_rope_ref.at[b, heads], qr_smem, q_bar)
         plgpu.barrier_wait(idx_bar)
         issue_rows(0)
 
     def run(w: int):  # the whole main loop of warpgroup w (static column half)
-        cols = pl.ds(w * half, half)
         if w == 1:
             plgpu.barrier_wait(idx_bar)
         plgpu.barrier_wait(q_bar)
 
+        def copy_layout(cols):  # registers that store efficiently into a swizzled bf16 [bk, cols] tile
+            return plgpu.Layout.SMEM_GMEM_COPY((bk, cols), jnp.bfloat16, SWIZZLE)
+
         def convert():
-            if fp8:  # each 128-column block times its row's scale (exact in bf16: power-of-two scales)
-                for j in range(half // FP8_BLOCK):
-                    blk = w * half // FP8_BLOCK + j
-                    c = raw_c[:, pl.ds(blk * FP8_BLOCK, FP8_BLOCK)].astype(jnp.float32)
-                    sc = lax.broadcast_in_dim(raw_s[:, blk], (bk, FP8_BLOCK), [0])
-                    tile_c[w, :, pl.ds(j * FP8_BLOCK, FP8_BLOCK)] = (c * sc).astype(jnp.bfloat16)
-            else:
-                tile_c[w] = raw_c[:, cols]
+            for g in range(w * nch, (w + 1) * nch):
+                c = plgpu.load(raw_c.at[:, pl.ds(g * CHUNK, CHUNK)], layout=copy_layout(CHUNK), optimized=False)
+                if fp8:  # times the row's scale of this 128-column block (exact in bf16: power-of-two scales)
+                    sc = plgpu.load(raw_s.at[g], layout=copy_layout(CHUNK).reduce(1), optimized=False)
+                    sc = lax.broadcast_in_dim(sc, (bk, CHUNK), [0])
+                    c = (c.astype(jnp.float32) * sc).astype(jnp.bfloat16)
+                tile_c[g] = c
             if w == 0:
-                tile_r[...] = raw_r[...]
+                tile_r[...] = plgpu.load(raw_r, layout=copy_layout(raw_r.shape[1]), optimized=False)
             plgpu.commit_smem()
 
         def scores():
             def mma(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem.at[w], tile_c.at[w].T)
+                for g in range(w * nch, (w + 1) * nch):
+                    plgpu.wgmma(acc_ref, q_smem.at[g], tile_c.at[g].T)
                 if w == 0:
                     plgpu.wgmma(acc_ref, qr_smem, tile_r.T)
                 return acc_ref[...]
@@ -157,8 +176,8 @@ def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float,
             plgpu.commit_smem()
             plgpu.barrier_arrive(exchange)
             plgpu.barrier_wait(exchange)
-            s = s_mine + s_x[parity, 1 - w]
-            addr = plgpu.load(idx_smem.at[pl.ds(i * bk, bk)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+            s = s_mine + plgpu.load(s_x.at[parity, 1 - w], layout=plgpu.Layout.WGMMA, optimized=False)
+            addr = plgpu.load(idx_smem.at[i], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
             ok = lax.broadcast_in_dim(addr < nrows, (HEADS, bk), [1])
             s = jnp.where(ok, s * tau, -jnp.inf)
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
@@ -171,14 +190,14 @@ def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float,
 
             def pv(j):  # p @ c_w[:, chunk j] into a fresh accumulator (no pre-initialized one: see below)
                 def mma(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem.at[w], tile_c.at[w, :, pl.ds(j * CHUNK, CHUNK)])
+                    plgpu.wgmma(acc_ref, p_smem.at[w], tile_c.at[w * nch + j])
                     return acc_ref[...]
                 return pl.run_scoped(mma, plgpu.ACC((HEADS, CHUNK), jnp.float32))
             acc = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) + pv(j) for j, a in enumerate(acc))
             return acc, m_next, l_next
 
         acc0 = tuple(plgpu.layout_cast(jnp.zeros((HEADS, CHUNK), jnp.float32), plgpu.Layout.WGMMA)
-                     for _ in range(half // CHUNK))
+                     for _ in range(nch))
         m0 = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l0 = plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc, m, l = lax.fori_loop(0, steps, step, (acc0, m0, l0))
@@ -224,7 +243,8 @@ def sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row,
         splits = pl.cdiv(TARGET_BLOCKS, B * (hp // HEADS))
     if splits < 1:
         raise ValueError(f"splits must be >= 1, got {splits}")
-    splits = min(blocks, splits)
+    # at most MAX_STEPS row blocks per split, so the addresses fit in shared memory at any top-k
+    splits = min(blocks, max(splits, pl.cdiv(blocks, MAX_STEPS)))
     steps = pl.cdiv(blocks, splits)
     kp = splits * steps * bk
 
@@ -233,28 +253,31 @@ def sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row,
     q_rope = jnp.pad(q_rope.astype(jnp.bfloat16), pad_h)
     flat = (jnp.asarray(layer, jnp.int32) * P + page.astype(jnp.int32)) * 64 + row.astype(jnp.int32)
     addr = jnp.where(valid, flat, nrows)
-    addr = jnp.pad(addr, ((0, 0), (0, kp - K)), constant_values=nrows).reshape(B, splits, steps * bk)
+    addr = jnp.pad(addr, ((0, 0), (0, kp - K)), constant_values=nrows).reshape(B, splits, steps, bk)
     pools = [latent_pages.reshape(nrows, C), rope_pages.reshape(nrows, R)]
     if fp8:
-        pools.append(latent_scale.reshape(nrows, C // FP8_BLOCK))
+        # the selected rows' scales, gathered here (16 bytes a row, ~2.5% of an fp8 row's bytes) so that the kernel
+        # reads them as one dense vector per 128-column block and step instead of a 16-byte copy per row
+        sel = latent_scale.reshape(nrows, C // FP8_BLOCK).at[addr].get(mode="fill", fill_value=0)
+        pools.append(sel.reshape(B, splits, steps, bk, C // FP8_BLOCK).transpose(0, 1, 2, 4, 3))
 
     half = C // 2
-    swz = lambda cols, itemsize: (plgpu.TilingTransform((8, min(cols, 128 // itemsize))),  # noqa: E731
-                                  plgpu.SwizzleTransform(min(128, cols * itemsize)))
+    swz = lambda cols, itemsize: (plgpu.TilingTransform((8, SWIZZLE // itemsize)),  # noqa: E731
+                                  plgpu.SwizzleTransform(SWIZZLE))
     scratch = [
-        plgpu.SMEM((2, HEADS, half), jnp.bfloat16, transforms=swz(half, 2)),  # q latent halves
+        plgpu.SMEM((C // CHUNK, HEADS, CHUNK), jnp.bfloat16, transforms=swz(CHUNK, 2)),  # q latent, per chunk
         plgpu.SMEM((HEADS, R), jnp.bfloat16, transforms=swz(R, 2)),  # q rope
-        plgpu.SMEM((steps * bk,), jnp.int32),  # this block's row addresses
+        plgpu.SMEM((steps, bk), jnp.int32),  # this block's row addresses
         plgpu.SMEM((bk, C), latent_pages.dtype),  # raw rows, as copied
         plgpu.SMEM((bk, R), jnp.bfloat16),
-        plgpu.SMEM((bk, C // FP8_BLOCK if fp8 else 1), jnp.float32),
-        plgpu.SMEM((2, bk, half), jnp.bfloat16, transforms=swz(half, 2)),  # converted rows, one half per WG
+        plgpu.SMEM((C // FP8_BLOCK if fp8 else 1, bk), jnp.float32),  # fp8: the scales, per 128-column block
+        plgpu.SMEM((C // CHUNK, bk, CHUNK), jnp.bfloat16, transforms=swz(CHUNK, 2)),  # converted rows, per chunk
         plgpu.SMEM((bk, R), jnp.bfloat16, transforms=swz(R, 2)),
         plgpu.SMEM((2, 2, HEADS, bk), jnp.float32),  # partial scores [parity, wg]
         plgpu.SMEM((2, HEADS, bk), jnp.bfloat16, transforms=swz(bk, 2)),  # probabilities, one copy per WG
-        plgpu.Barrier(num_arrivals=3),  # q
+        plgpu.Barrier(num_arrivals=C // CHUNK + 1),  # q
         plgpu.Barrier(),  # addresses
-        plgpu.Barrier(num_arrivals=bk * (3 if fp8 else 2)),  # one arrival per row copy
+        plgpu.Barrier(num_arrivals=2 * bk + fp8),  # one arrival per row copy (and the scales' copy)
         plgpu.Barrier(num_arrivals=2),  # raw rows converted by both WGs
         plgpu.Barrier(num_arrivals=2),  # partial scores written by both WGs
     ]
