@@ -74,8 +74,9 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
                         "(default), or chunks through the store within the decode batch")
     p.add_argument("--prefill-chunk", type=positive_int, default=240, help="prompt tokens per step when chunked (240)")
     p.add_argument("--kernels", default="reference", choices=KERNELS,
-                   help="decode step: jnp references (default), the Pallas GPU kernels (needs a GPU), or the same "
-                        "kernels interpreted (any backend; slow)")
+                   help="decode step: jnp references (default), the Pallas GPU kernels (needs a GPU; pallas_mosaic: "
+                        "the sparse MLA decode on the Mosaic GPU backend, jax >= 0.11), or the same kernels "
+                        "interpreted (any backend; slow)")
     p.add_argument("--miss-attention", default="single", choices=MISS_ATTENTION,
                    help="attention over the selected rows in one pass after the misses are fetched (default), or "
                         "split: rows already on the device and fetched misses apart, merged by log-sum-exp (the "
@@ -512,6 +513,8 @@ def _checked(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpars
         parser.error("argument --speculative-tokens: not carried across devices yet (use --devices 1)")
     if args.speculative_tokens and args.prefill != "whole":
         parser.error(f"argument --speculative-tokens: needs --prefill whole (got {args.prefill})")
+    if args.kernels == "pallas_mosaic_interpret":  # before jax's CPU client exists (see `tiered.check_kernels`)
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
     try:
         check_kernels(args.kernels)
     except ValueError as e:

@@ -4,7 +4,8 @@
 * `sparse_gather`     the fused HiSparse resolver: resident | hot hit (LRU touch) | miss (LRU slot claim)
 * `sparse_mla_decode` absorbed MLA decode over the selected rows, read from the pools by address
 
-Kernels use the Triton backend explicitly; pass `interpret=True` to run them on a CPU.
+Kernels use the Triton backend unless told otherwise (`sparse_mla_decode(..., backend="mosaic")`: Mosaic GPU, jax >=
+0.11; `backends`); pass `interpret=True` to run them on a CPU.
 """
 
 from pallas_kernels.indexer_topk import indexer_topk, indexer_topk_reference

@@ -40,7 +40,8 @@ from pallas_kernels.sparse_gather.kernel import MAX_TILE
 from pallas_kernels.sparse_mla_decode.kernel import TARGET_PROGRAMS
 
 __all__ = ["Pass", "Traffic", "dtype_bytes", "gather_plan_counts", "indexer_topk_traffic", "mla_decode_blocks",
-           "production_shapes", "roofline", "sparse_gather_traffic", "sparse_mla_decode_traffic"]
+           "production_shapes", "roofline", "sparse_gather_traffic", "sparse_mla_decode_mosaic_traffic",
+           "sparse_mla_decode_traffic"]
 
 I32 = 4
 F32 = 4
@@ -425,6 +426,71 @@ def sparse_mla_decode_traffic(batch: int, heads: int, latent_dim: int, rope_dim:
     excess = {"rows re-read by the other head blocks": (hblocks - 1) * rows_once,
               "split-K partials (write + merge read)": 2 * S * B * hp * (C + 2) * F32,
               "q re-read by every split": (S - 1) * B * hp * (C + R) * qb}
+    return _make(passes, ideal, why, rows_once, excess)
+
+
+def sparse_mla_decode_mosaic_traffic(batch: int, heads: int, latent_dim: int, rope_dim: int, topk: int, *,
+                                     kv_dtype: str = "fp8", query_dtype: str = "bfloat16",
+                                     valid_rows: int | None = None, splits: int | None = None) -> Traffic:
+    """`sparse_mla_decode(..., backend="mosaic")` (kernel_mosaic.py), same arguments as
+    `sparse_mla_decode_traffic` (kv_dtype "fp8" or "bf16"; the rope pool is bf16) plus the wrapper's `splits`.
+
+    Grid (`kernel_mosaic.decode_grid`): (B, Hp / 64, S), S splits of `steps` blocks of BK = 32 rows, Kp = S *
+    steps * BK. Per CUDA block, TMA copies: q (64 heads x (C + R) bf16), the split's addresses (steps * BK * 4),
+    then per block of rows one copy per row and operand: the latent (C * kv bytes) and rope (R * 2) of each
+    VALID row (an invalid slot's address is out of bounds: TMA reads nothing and fills zeros), and for fp8 the
+    block's gathered scales ((C / 128) * BK * 4, valid or not); writes o [64, C] f32 and m, l [64] f32.
+
+    So every selected row is read once per 64 heads: Hp / 64 times (twice at H = 128; a 2-block cluster
+    multicasting the rows would make it once), and with S > 1 the split-K partials go to memory and come back
+    for the merge (S = 1: the kernel normalizes and writes the answer).
+
+    XLA glue (estimated): q cast to bf16 and head padding, the flat addresses (reads layer/page/row/valid,
+    writes [B, Kp] int32), for fp8 the scale gather (reads each valid row's C / 128 f32 scales: 16 B, less than
+    the 32-byte sector a gather moves; writes [B, Kp, C / 128] f32), and the split merge (S > 1) or the slice
+    of padded heads (S = 1, Hp > H).
+    Ideal and reference_bytes as `sparse_mla_decode_traffic`.
+    """
+    from pallas_kernels.sparse_mla_decode.kernel_mosaic import BLOCK_ROWS, HEADS, decode_grid
+
+    B, H, C, R, K = batch, heads, latent_dim, rope_dim, topk
+    lb, qb = dtype_bytes(kv_dtype), dtype_bytes(query_dtype)
+    if lb not in (1, 2):
+        raise ValueError(f"the Mosaic kernel reads bf16 or fp8 latent pools, got {kv_dtype!r}")
+    fp8 = lb == 1
+    hp, S, steps = decode_grid(B, H, K, splits)
+    kp = S * steps * BLOCK_ROWS
+    hblocks = hp // HEADS
+    n_valid = B * K if valid_rows is None else valid_rows
+    nblk = C // FP8_BLOCK
+    row_bytes = C * lb + R * 2
+    scale_bytes = nblk * F32 if fp8 else 0
+    blocks = B * hblocks * S
+    kernel = Pass("sparse_mla_decode (mosaic)",
+                  blocks * (HEADS * (C + R) * 2 + steps * BLOCK_ROWS * I32) + hblocks * n_valid * row_bytes
+                  + hblocks * B * kp * scale_bytes,
+                  blocks * (HEADS * C + 2 * HEADS) * F32)
+    glue = []
+    if hp != H or qb != 2:
+        glue.append(Pass("xla: q to bf16, head padding", B * H * (C + R) * qb, B * hp * (C + R) * 2, 0, "xla"))
+    glue.append(Pass("xla: addresses", I32 + B * K * (2 * I32 + 1), B * kp * I32, 0, "xla"))
+    if fp8:
+        glue.append(Pass("xla: fp8 scale gather", B * kp * I32 + n_valid * scale_bytes, B * kp * scale_bytes, 0,
+                         "xla"))
+    if S > 1:
+        tail = [Pass("xla: split merge", S * B * hp * (C + 2) * F32, B * H * C * F32, 0, "xla")]
+    else:  # one split: normalized in the kernel; only padded heads cost a slice copy
+        tail = [Pass("xla: head slice", B * H * C * F32, B * H * C * F32, 0, "xla")] if hp != H else []
+    passes = [*glue, kernel, *tail]
+    rows_once = n_valid * (row_bytes + scale_bytes)
+    ideal = B * H * (C + R) * qb + B * K * (2 * I32 + 1) + rows_once + B * H * C * F32
+    why = (f"Each selected row ({row_bytes + scale_bytes} B) is read by all {hblocks} block(s) of {HEADS} heads; "
+           + (f"{S} splits write f32 partials [{S}, B, {hp}, {C}] that the merge reads back." if S > 1 else
+              "one split: the kernel writes the normalized answer."))
+    excess = {"rows re-read by the other head blocks": (hblocks - 1) * n_valid * row_bytes,
+              "split-K partials (write + merge read)": 2 * S * B * hp * (C + 2) * F32 if S > 1 else 0,
+              "fp8 scales gathered, written and read back": (B * kp * scale_bytes * (1 + hblocks)) if fp8 else 0,
+              "q re-read by every split": (S - 1) * B * hp * (C + R) * 2}
     return _make(passes, ideal, why, rows_once, excess)
 
 

@@ -11,6 +11,17 @@ import tempfile
 import pytest
 
 
+def _synchronous_cpu_dispatch() -> None:
+    """XLA:CPU runs each program on the calling thread (no asynchronous dispatch), set before jax's CPU client
+    exists. Needed by kernels='pallas_mosaic_interpret' (`tiered.check_kernels` refuses it otherwise): the
+    interpreted Mosaic kernel runs from a host callback of the decode step, and with asynchronous dispatch
+    its simulated warpgroups can wait for XLA:CPU threads the blocked step holds (seen: a hang in 3 of 5
+    runs on 2 cores). Values are unchanged; the suite's time is compile-bound either way."""
+    import jax  # (jax reads no environment variable for this flag)
+
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
 def _share_compiled_programs() -> None:
     """One persistent XLA compilation cache for the whole test run, subprocesses included (they inherit the
     environment). Most of the suite's time is XLA:CPU compiling the same small programs again: each test builds
@@ -48,6 +59,7 @@ def _compile_fast() -> None:
 
 _share_compiled_programs()
 _compile_fast()
+_synchronous_cpu_dispatch()
 
 # torch and transformers are numerical references only (extra `test`, Python 3.11 leg); the Python 3.12 /
 # newest-jax CI leg has neither, and the tests that need them skip with this reason.

@@ -92,10 +92,12 @@ def test_long_topk_takes_more_splits(monkeypatch):
 
 
 @needs_interpret
-def test_no_valid_row_gives_zeros():
+@pytest.mark.parametrize("splits", [None, 1])
+def test_no_valid_row_gives_zeros(splits):
+    """Merged splits, and one split (normalized in the kernel: l = 0 must give 0, not NaN)."""
     args, kw = make_case(2, kv="bfloat16", C=256)
     args = args[:6] + (jnp.zeros_like(args[6]).at[0].set(args[6][0]),)  # only sequence 0 has rows
-    _, out = check(args, kw)
+    _, out = check(args, kw, splits=splits)
     assert np.all(out[1:] == 0) and np.any(out[0] != 0)
 
 

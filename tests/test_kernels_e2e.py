@@ -1,4 +1,5 @@
-"""Generation with the Pallas kernels (interpret mode on the CPU) == generation with the jnp references."""
+"""Generation with the Pallas kernels (interpret mode on the CPU) == generation with the jnp references: the Triton
+kernels ("pallas_interpret") and the sparse MLA decode on Mosaic GPU ("pallas_mosaic_interpret", jax >= 0.11)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from flax import nnx
 import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.generate import generate
+from pallas_kernels.backends import mosaic_unavailable_reason
 from test_tiered_decode import model_cfg
 
 # Tolerance: the kernels sum the attention in blocks with an online softmax (another summation order
@@ -16,18 +18,58 @@ from test_tiered_decode import model_cfg
 LOGIT_ATOL = 1e-4
 
 
-def test_generation_with_kernels_matches_references():
-    m = hj.SparseMLAModel(model_cfg(), rngs=nnx.Rngs(0))
+def same_generation(kernels: str, kv_dtype: str, **cfg):
+    """Two requests under HiSparse with a device pool too small for both (hot buffers, misses from host):
+    `kernels` and the jnp references give the same tokens, hits and misses. Returns both runs' logits."""
+    m = hj.SparseMLAModel(model_cfg(**cfg), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 97, n).tolist() for n in (250, 190)]
-    cc = CacheConfig(kv_dtype="float32", device_pages=6, host_pages=16, max_seqs=2, max_seq_len=320)
+    cc = CacheConfig(kv_dtype=kv_dtype, device_pages=6, host_pages=16, max_seqs=2, max_seq_len=320)
     ref, s_ref, l_ref = generate(m, prompts, 8, cache=cc, return_stats=True, return_logits=True)
-    ker, s_ker, l_ker = generate(m, prompts, 8, cache=cc, return_stats=True, return_logits=True,
-                                 kernels="pallas_interpret")
+    ker, s_ker, l_ker = generate(m, prompts, 8, cache=cc, return_stats=True, return_logits=True, kernels=kernels)
     assert ker == ref
     assert s_ker["misses"] == s_ref["misses"] > 0 and s_ker["hits"] == s_ref["hits"]
-    for a, b in zip(l_ref, l_ker):
+    return l_ref, l_ker
+
+
+def test_generation_with_kernels_matches_references():
+    for a, b in zip(*same_generation("pallas_interpret", "float32")):
         np.testing.assert_allclose(a, b, atol=LOGIT_ATOL, rtol=0)
+
+
+# The Mosaic decode reads bf16 / fp8 pools, latent widths a multiple of 256, rope widths a multiple of 64
+MOSAIC_CFG = dict(kv_lora_rank=256, qk_rope_head_dim=64, index_head_dim=64)
+
+
+@pytest.mark.skipif(mosaic_unavailable_reason() is not None, reason=str(mosaic_unavailable_reason()))
+def test_generation_with_mosaic_decode_matches_references():
+    """bf16 KV. The Mosaic kernel multiplies bf16 operands (q and p rounded to bf16, as FlashMLA does): logits
+    agree to ~1e-3 of their scale (measured 5e-4), and the same rows are selected, hit and missed."""
+    l_ref, l_mos = same_generation("pallas_mosaic_interpret", "bf16", **MOSAIC_CFG)
+    scale = max(float(np.max(np.abs(a))) for a in l_ref)
+    for a, b in zip(l_ref, l_mos):
+        np.testing.assert_allclose(a, b, atol=5e-3 * scale, rtol=0)
+
+
+def test_mosaic_choice_is_checked():
+    """Refused before anything runs: float32 KV, or a latent width the kernel does not take (and, on jax 0.10, the
+    backend itself); on a CPU the non-interpreted choice needs a GPU backend."""
+    def run(cfg, kv, kernels="pallas_mosaic_interpret"):
+        m = hj.SparseMLAModel(model_cfg(**cfg), rngs=nnx.Rngs(0))
+        generate(m, [[1, 2, 3]], 2, cache=CacheConfig(kv_dtype=kv, max_seqs=1, max_seq_len=128, device_pages=4,
+                                                        host_pages=4), kernels=kernels)
+
+    if mosaic_unavailable_reason() is not None:
+        with pytest.raises(ValueError, match="jax >= 0.11"):
+            run(MOSAIC_CFG, "bf16")
+        return
+    with pytest.raises(ValueError, match="bfloat16 or fp8 KV .* kv_dtype 'float32'"):
+        run(MOSAIC_CFG, "float32")
+    with pytest.raises(ValueError, match="multiple of 256 .* latent 32"):
+        run({}, "bf16")
+    if __import__("jax").default_backend() != "gpu":
+        with pytest.raises(ValueError, match="GPU backend"):
+            run(MOSAIC_CFG, "bf16", kernels="pallas_mosaic")
 
 
 def test_kernel_choice_is_explicit():

@@ -397,3 +397,65 @@ def test_resolver_grows_with_hot_rows_and_decode_with_head_blocks():
     # the indexer: the fp8 keys once plus ~10 passes over 4-byte scores and q per 512 positions
     t = traffic.indexer_topk_traffic(4, 64, 128, 131072, 2048)
     assert t.reference_bytes == 4 * 131072 * 132 and 1.2 < t.total_bytes / t.reference_bytes < 2.5
+
+
+# ----- the Mosaic GPU decode (kernel_mosaic.py) ------------------------------------------------------------
+def test_mosaic_decode_reads_rows_once_per_64_heads():
+    rows = 64 * 2048 * (512 + 128)  # fp8 latent + bf16 rope, every slot valid
+    scales = 64 * 2048 * 16
+    for H, blocks in ((128, 2), (64, 1), (16, 1)):
+        t = traffic.sparse_mla_decode_mosaic_traffic(64, H, 512, 64, 2048)
+        kernel = t.by_pass()["sparse_mla_decode (mosaic)"][0]
+        assert blocks * (rows + scales) < kernel < blocks * (rows + scales) * 1.2, (H, kernel)
+        assert t.reference_bytes == rows + scales and t.ratio >= 1
+    # invalid slots are not read (TMA out of bounds), their gathered scales are
+    half = traffic.sparse_mla_decode_mosaic_traffic(64, 64, 512, 64, 2048, valid_rows=64 * 1024)
+    full = traffic.sparse_mla_decode_mosaic_traffic(64, 64, 512, 64, 2048)
+    diff = full.by_pass()["sparse_mla_decode (mosaic)"][0] - half.by_pass()["sparse_mla_decode (mosaic)"][0]
+    assert diff == 64 * 1024 * (512 + 128)
+    with pytest.raises(ValueError, match="bf16 or fp8"):
+        traffic.sparse_mla_decode_mosaic_traffic(64, 64, 512, 64, 2048, kv_dtype="float32")
+
+
+@pytest.mark.skipif(__import__("pallas_kernels.backends", fromlist=["x"]).mosaic_unavailable_reason() is not None,
+                    reason="the Mosaic GPU kernel needs jax >= 0.11")
+@pytest.mark.parametrize("B,H,K,kv", [(64, 128, 2048, "fp8"), (1, 16, 2048, "bf16"), (3, 72, 100, "fp8")])
+def test_mosaic_decode_model_matches_the_launched_kernel(B, H, K, kv):
+    """The model's grid, kernel operands and outputs are the ones the wrapper builds (read off its jaxpr: the
+    Mosaic call's operand and result shapes), and one split means no merge pass."""
+    from pallas_kernels.sparse_mla_decode import sparse_mla_decode
+
+    C, R, P = 512, 64, 256
+    sds = jax.ShapeDtypeStruct
+    pool = jnp.float8_e4m3fn if kv == "fp8" else jnp.bfloat16
+    args = [sds((B, H, C), jnp.bfloat16), sds((B, H, R), jnp.bfloat16), sds((P, 64, C), pool),
+            sds((P, 64, R), jnp.bfloat16), sds((B, K), jnp.int32), sds((B, K), jnp.int32), sds((B, K), jnp.bool_)]
+    if kv == "fp8":
+        args.append(sds((P, 64, C // 128), jnp.float32))
+
+    def call(*a):
+        return sparse_mla_decode(*a[:7], tau=0.1, latent_scale=a[7] if kv == "fp8" else None, backend="mosaic")
+    def eqns(jaxpr):  # every equation, nested jits included
+        for e in jaxpr.eqns:
+            yield e
+            for p in e.params.values():
+                inner = getattr(p, "jaxpr", None)
+                if inner is not None and hasattr(inner, "eqns"):
+                    yield from eqns(inner)
+                elif hasattr(p, "eqns"):
+                    yield from eqns(p)
+    every = list(eqns(jax.make_jaxpr(call)(*args).jaxpr))
+    calls = [e for e in every if any(k in str(e.primitive) for k in ("mosaic", "pallas", "mpmd", "core_map"))]
+    assert len(calls) == 1, sorted({str(e.primitive) for e in every})
+    (call,) = calls
+    out_bytes = sum(v.aval.size * v.aval.dtype.itemsize for v in call.outvars)
+    t = traffic.sparse_mla_decode_mosaic_traffic(B, H, C, R, K, kv_dtype=kv, query_dtype="bfloat16")
+    from pallas_kernels.sparse_mla_decode.kernel_mosaic import decode_grid
+
+    hp, S, steps = decode_grid(B, H, K)
+    assert call.outvars[0].aval.shape == (S, B, hp, C)
+    assert t.by_pass()["sparse_mla_decode (mosaic)"][1] == out_bytes
+    if kv == "fp8":  # the gathered scales: [B, S, steps, C / 128, 32] f32, read by every head block
+        gathered = [v for v in call.invars if v.aval.ndim == 5]
+        assert [v.aval.shape for v in gathered] == [(B, S, steps, C // 128, 32)]
+    assert ("xla: split merge" in t.by_pass()) == (S > 1)

@@ -102,7 +102,7 @@ def _jitted_loop(graphdef, num_steps: int, kernels: str):
 
 def decode_step(model: SparseMLAModel, store: KVStore, batch: dict, *, kernels: str = "reference"):
     """One jitted decode step; the store is donated. Returns (logits f32[B, V], store, stats).
-    kernels: "reference" | "pallas" | "pallas_interpret" (see `TieredKV`)."""
+    kernels: one of `tiered.KERNELS` (see `tiered.check_kernels`)."""
     graphdef, state = nnx.split(model)
     return _jitted_step(graphdef, tiered.check_kernels(kernels))(state, store, _commit(store, batch))
 

@@ -54,18 +54,39 @@ def stats_bytes(spec: StoreSpec, stats: dict) -> dict:
     return out
 
 
-KERNELS = ("reference", "pallas", "pallas_interpret")
+KERNELS = ("reference", "pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret")
 
 
 def check_kernels(kernels: str) -> str:
-    """Validate the kernel choice: "reference" (jnp), "pallas" (GPU kernels; needs a GPU backend), or
-    "pallas_interpret" (the same kernels in Pallas interpret mode, on any backend). Never a silent fallback."""
+    """Validate the kernel choice (never a silent fallback):
+      "reference"                 the jnp ops;
+      "pallas"                    the Pallas GPU kernels on the Triton backend (needs a GPU backend);
+      "pallas_mosaic"             the same, with the kernels that have a Mosaic GPU implementation (the sparse MLA
+                                  decode) on that backend (a GPU backend and jax >= 0.11);
+      "..._interpret"             either, interpreted (Pallas interpret mode / Mosaic GPU's interpret mode) on
+                                  any backend."""
     if kernels not in KERNELS:
         raise ValueError(f"unknown kernels {kernels!r}; choose one of {', '.join(KERNELS)}")
-    if kernels == "pallas" and jax.default_backend() != "gpu":
-        raise ValueError(f"kernels='pallas' needs a GPU backend (this one is {jax.default_backend()!r}); "
-                         "use kernels='pallas_interpret' to run the kernels on the CPU")
+    if kernels.startswith("pallas_mosaic"):
+        from pallas_kernels.backends import mosaic_unavailable_reason
+
+        if (why := mosaic_unavailable_reason()) is not None:
+            raise ValueError(f"kernels={kernels!r}: {why}")
+    if (kernels == "pallas_mosaic_interpret" and jax.default_backend() == "cpu"
+            and jax.config.values.get("jax_cpu_enable_async_dispatch", False)):
+        raise ValueError(
+            "kernels='pallas_mosaic_interpret' on the CPU needs synchronous dispatch, set before jax's first use: "
+            "jax.config.update('jax_cpu_enable_async_dispatch', False) (the interpreted kernel runs from a host "
+            "callback of the decode step, and XLA:CPU's asynchronous dispatch can deadlock it)")
+    if kernels in ("pallas", "pallas_mosaic") and jax.default_backend() != "gpu":
+        raise ValueError(f"kernels={kernels!r} needs a GPU backend (this one is {jax.default_backend()!r}); "
+                         f"use kernels='{kernels}_interpret' to run the kernels on the CPU")
     return kernels
+
+
+def kernel_backend(kernels: str) -> str:
+    """The Pallas backend (`pallas_kernels.backends.BACKENDS`) of a Pallas `kernels` choice."""
+    return "mosaic" if kernels.startswith("pallas_mosaic") else "triton"
 
 
 def check_backend(spec: StoreSpec, kernels: str) -> None:
@@ -73,6 +94,14 @@ def check_backend(spec: StoreSpec, kernels: str) -> None:
     if spec.miss_attention == "split" and kernels != "reference":
         raise ValueError(f"miss_attention='split' needs kernels='reference' (got {kernels!r}): the Pallas sparse "
                          "MLA kernel returns no log-sum-exp to merge the two parts with")
+    if kernels != "reference" and kernel_backend(kernels) == "mosaic":
+        from pallas_kernels.sparse_mla_decode.kernel_mosaic import CHUNK
+
+        if spec.kv_dtype not in ("bf16", "fp8") or spec.latent_dim % (2 * CHUNK) or spec.rope_dim % 64:
+            raise ValueError(f"kernels={kernels!r}: the Mosaic sparse MLA decode reads bfloat16 or fp8 KV with a latent "
+                             f"width that is a multiple of {2 * CHUNK} and a rope width that is a multiple of 64 (this "
+                             f"store: kv_dtype {spec.kv_dtype!r}, latent {spec.latent_dim}, rope {spec.rope_dim}); "
+                             "use kernels='pallas' / 'pallas_interpret' (Triton) for it")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +110,9 @@ class TieredKV:
     {"store": KVStore, "req": int32[B], "plan": ops.Plan | None, "stats": dict}; `attend` adds "plan_counts" (the
     leader's resident / hit / miss / row-miss counts, which the group's shared-index layers count again).
 
-    kernels: "reference" (jnp ops), "pallas" / "pallas_interpret": the indexer top-k, the fused resolver
-    and the sparse MLA decode run as Pallas kernels (`pallas_kernels`).
+    kernels: "reference" (jnp ops), or one of the Pallas choices of `check_kernels`: the indexer top-k, the fused
+    resolver and the sparse MLA decode run as Pallas kernels (`pallas_kernels`), the decode on the Mosaic GPU
+    backend with "pallas_mosaic*".
 
     rows_per_request: S, the query rows of one request in a step (speculative verification: k + 1). The batch's
     B rows are then B/S groups of S consecutive rows, each group's rows at the positions of one request (n..n+k)
@@ -115,7 +145,7 @@ class TieredKV:
 
     @property
     def _interpret(self) -> bool:
-        return self.kernels == "pallas_interpret"
+        return self.kernels.endswith("_interpret")
 
     def append(self, cache, layer, index_layer, positions, c, k_rope, k_index):
         store, dropped = ops.append_rows(self.spec, cache["store"], layer, index_layer, cache["req"], positions, c,
@@ -164,9 +194,14 @@ class TieredKV:
         elif self._pallas:
             from pallas_kernels import sparse_mla_decode
 
-            o_lat = sparse_mla_decode(q_lat, q_rope, store.latent, store.rope, plan.page, plan.row, plan.valid,
-                                      tau=tau, latent_scale=store.latent_scale, layer=layer,
-                                      interpret=self._interpret)
+            def decode(*a):
+                return sparse_mla_decode(*a[:7], latent_scale=a[7], tau=tau, layer=layer, interpret=self._interpret,
+                                         backend=kernel_backend(self.kernels))
+            args = (q_lat, q_rope, store.latent, store.rope, plan.page, plan.row, plan.valid, store.latent_scale)
+            if self._interpret and kernel_backend(self.kernels) == "mosaic":
+                o_lat = _outside_this_program(decode, jax.ShapeDtypeStruct(q_lat.shape, jnp.float32), *args)
+            else:
+                o_lat = decode(*args)
         else:
             rows_c, rows_r = jax.lax.optimization_barrier(ops.gather_rows(spec, store, layer, plan))
             o_lat = sparse_mla_decode_rows(q_lat, q_rope, rows_c, rows_r, plan.valid, tau)
@@ -201,6 +236,19 @@ class TieredKV:
         from pallas_kernels import sparse_gather
 
         return functools.partial(sparse_gather, interpret=self._interpret)
+
+
+def _outside_this_program(fn, out_shape, *args):
+    """fn(*args), run eagerly from an (unordered) host callback instead of inside the calling program.
+
+    For Mosaic GPU's interpret mode in the tiered step: the interpreted kernel orders itself with ordered I/O
+    callbacks, and jax (0.12.0.1) cannot lower a program that has both ordered effects and outputs in a non-default
+    memory (the store's pinned_host pools): "safe_zip() argument 1 has length 24 but argument 0 has length 23"
+    (the effect tokens are not counted in the propagated output memory kinds). Run as its own program, the
+    interpreted kernel is the same computation; only the interpreted (CPU) path takes this detour."""
+    def call(*a):
+        return np.asarray(fn(*a))
+    return jax.pure_callback(call, out_shape, *args)
 
 
 def index_span(spec: StoreSpec, longest: int):

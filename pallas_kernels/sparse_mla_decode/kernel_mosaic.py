@@ -18,8 +18,9 @@ Same signature and math as `reference.sparse_mla_decode_reference`. One CUDA blo
                the same bits (addition commutes), so both run the same online softmax.
       softmax  s = tau s, invalid slots -inf; running max m, sum l (fp32), p rounded to bf16.
       values   acc_w = alpha acc_w + p @ c_w: warpgroup MMA per 128-column chunk, fp32 [64, 256] per WG.
-    end        each WG writes its unnormalized accumulator half; WG 0 writes (m, l). The splits are
-               merged in jnp (`merge_splits`, log-sum-exp weights).
+    end        each WG writes its accumulator half; WG 0 writes (m, l). More than one split: unnormalized,
+               merged in jnp (`merge_splits`, log-sum-exp weights); one split: divided by l in the kernel,
+               which is then the whole answer (no merge pass: f32 [B, H, C] written once).
 
 Each selected row is read from HBM once per 64 heads (H = 128 reads it twice; the two head blocks of a
 sequence are neighbours in the grid, so the second read mostly hits L2; a 2-block cluster multicasting the
@@ -63,6 +64,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.backends import mosaic_gpu
 from pallas_kernels.sparse_mla_decode.reference import FP8_BLOCK, checked_stacked_pools, merge_splits
 
 HEADS = 64  # heads per CUDA block: the M of one warpgroup MMA
@@ -78,24 +80,12 @@ MAX_STEPS = 128
 SWIZZLE = 64
 
 
-def _plgpu():
-    try:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-    except ImportError as e:  # pragma: no cover - jax without Mosaic GPU
-        raise NotImplementedError(f"backend='mosaic' needs jax's Mosaic GPU Pallas API: {e}") from None
-    if not hasattr(plgpu, "kernel") or not hasattr(plgpu, "force_gpu_interpret_mode"):
-        raise NotImplementedError(
-            f"backend='mosaic' needs jax >= 0.11 (Mosaic GPU's plgpu.kernel and GPU interpret mode); this is jax "
-            f"{jax.__version__}: use backend='triton'")
-    return plgpu
-
-
 def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float, steps: int, fp8: bool,
-          nrows: int, plgpu):
+          nrows: int, final: bool, plgpu):
     # q_lat_ref [B, Hp, C], q_rope_ref [B, Hp, R] bf16; addr_ref [B, S, steps, BK] int32 (nrows = invalid);
     # lat_ref [nrows, C], rope_ref [nrows, R] (+ scale_ref [B, S, steps, C / 128, BK] f32 when fp8: the selected
     # rows' scales, gathered by the wrapper, one contiguous vector per step and 128-column block);
-    # o_ref [S, B, Hp, C] (unnormalized), m_ref / l_ref [S, B, Hp]; then the scratch list
+    # o_ref [S, B, Hp, C] (unnormalized; normalized when `final`, S = 1), m_ref / l_ref [S, B, Hp]; then the scratch
     if fp8:
         scale_ref, o_ref, m_ref, l_ref, scratch = rest
     else:
@@ -201,6 +191,9 @@ def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float,
         m0 = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l0 = plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc, m, l = lax.fori_loop(0, steps, step, (acc0, m0, l0))
+        if final:  # one split: the block's result is the answer, normalized here (no merge pass)
+            inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+            acc = tuple(a * lax.broadcast_in_dim(inv, a.shape, [0]) for a in acc)
         for j, a in enumerate(acc):
             o_ref[split, b, heads, pl.ds(w * half + j * CHUNK, CHUNK)] = a
         if w == 0:
@@ -211,17 +204,32 @@ def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float,
         pl.when(wg == w)(functools.partial(run, w))
 
 
+def decode_grid(batch: int, heads: int, topk: int, splits: int | None = None) -> tuple[int, int, int]:
+    """(padded heads Hp, splits S, row blocks per split) of a call; its grid is (B, Hp / HEADS, S).
+
+    `splits` None: TARGET_BLOCKS // (B * Hp / HEADS), at least 1 (one wave). Either way at least ceil(blocks / MAX_STEPS)
+    (a split's addresses live in shared memory) and at most one split per row block."""
+    if splits is not None and splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    hp = -(-heads // HEADS) * HEADS
+    blocks = -(-topk // BLOCK_ROWS)
+    if splits is None:
+        splits = max(1, TARGET_BLOCKS // (batch * (hp // HEADS)))  # no split when one wave is (nearly) full
+    splits = min(blocks, max(splits, -(-blocks // MAX_STEPS)))
+    return hp, splits, -(-blocks // splits)
+
+
 @functools.partial(jax.jit, static_argnames=("tau", "interpret", "splits"))
 def sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row, valid, *, tau: float,
                              latent_scale=None, layer=None, interpret: bool = False, splits: int | None = None):
     """Mosaic GPU version of `sparse_mla_decode_reference`: same arguments, f32[B, H, C].
 
-    `splits` (static) is the number of split-K parts of the top-k; by default enough to give ~TARGET_BLOCKS
-    CUDA blocks (capped at one row block per split).
+    `splits` (static) is the number of split-K parts of the top-k; by default TARGET_BLOCKS // (B * Hp / 64)
+    (one wave of ~TARGET_BLOCKS CUDA blocks; none when B * Hp / 64 alone nearly fills it), see `decode_grid`.
 
     `interpret=True` runs it on the CPU in Mosaic GPU's interpret mode (race detection is the caller's
     choice: wrap the call in `plgpu.force_gpu_interpret_mode(...)` instead to pass parameters)."""
-    plgpu = _plgpu()
+    plgpu = mosaic_gpu()
     latent_pages, rope_pages, latent_scale, layer = checked_stacked_pools(
         q_lat, q_rope, latent_pages, rope_pages, latent_scale, layer, page, row, valid)
     B, H, C = q_lat.shape
@@ -236,16 +244,8 @@ def sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row,
     nrows = L * P * 64
     if nrows > MAX_ROWS:
         raise ValueError(f"the flattened pool has {nrows} rows; TMA row coordinates are int32 (< 2^31)")
-    hp = pl.cdiv(H, HEADS) * HEADS
+    hp, splits, steps = decode_grid(B, H, K, splits)
     bk = BLOCK_ROWS
-    blocks = pl.cdiv(K, bk)
-    if splits is None:
-        splits = pl.cdiv(TARGET_BLOCKS, B * (hp // HEADS))
-    if splits < 1:
-        raise ValueError(f"splits must be >= 1, got {splits}")
-    # at most MAX_STEPS row blocks per split, so the addresses fit in shared memory at any top-k
-    splits = min(blocks, max(splits, pl.cdiv(blocks, MAX_STEPS)))
-    steps = pl.cdiv(blocks, splits)
     kp = splits * steps * bk
 
     pad_h = ((0, 0), (0, hp - H), (0, 0))
@@ -284,7 +284,8 @@ def sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row,
     out_type = (jax.ShapeDtypeStruct((splits, B, hp, C), jnp.float32),
                 jax.ShapeDtypeStruct((splits, B, hp), jnp.float32),
                 jax.ShapeDtypeStruct((splits, B, hp), jnp.float32))
-    body = functools.partial(_body, tau=float(tau), steps=steps, fp8=fp8, nrows=nrows, plgpu=plgpu)
+    body = functools.partial(_body, tau=float(tau), steps=steps, fp8=fp8, nrows=nrows, final=splits == 1,
+                             plgpu=plgpu)
     kernel = plgpu.kernel(body, out_type=out_type,
                           scratch_types=[scratch], grid=(B, hp // HEADS, splits), grid_names=("b", "h", "s"),
                           num_threads=2, thread_name="wg")
@@ -294,4 +295,4 @@ def sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row,
             o, m, l = call()
     else:
         o, m, l = call()
-    return merge_splits(o, m, l)[:, :H]
+    return (o[0] if splits == 1 else merge_splits(o, m, l))[:, :H]
