@@ -77,7 +77,8 @@ def check_kernels(kernels: str) -> str:
         raise ValueError(
             "kernels='pallas_mosaic_interpret' on the CPU needs synchronous dispatch, set before jax's first use: "
             "jax.config.update('jax_cpu_enable_async_dispatch', False) (the interpreted kernel runs from a host "
-            "callback of the decode step, and XLA:CPU's asynchronous dispatch can deadlock it)")
+            "callback of the decode step, and XLA:CPU's asynchronous dispatch can deadlock it; on a loaded machine "
+            "with few cores it can still hang: use it for debugging, not in CI)")
     if kernels in ("pallas", "pallas_mosaic") and jax.default_backend() != "gpu":
         raise ValueError(f"kernels={kernels!r} needs a GPU backend (this one is {jax.default_backend()!r}); "
                          f"use kernels='{kernels}_interpret' to run the kernels on the CPU")
