@@ -65,27 +65,20 @@ def evaluate() -> dict:
                          "value": per_slot, "target": STATE_SLOT_BYTES, "applies": d_slots > 0,
                          "growth_beyond_one_state_read_bytes": excess,
                          "meets": (per_slot <= STATE_SLOT_BYTES) if d_slots else None}})
-    for kw in shapes["sparse_mla_decode"]:
-        t = traffic.sparse_mla_decode_traffic(**kw)
-        value = t.total_bytes / t.reference_bytes
-        applies = kw["heads"] == 128
-        blk = traffic.mla_decode_blocks(kw["batch"], kw["heads"], kw["latent_dim"], kw["topk"])
-        q = "bf16" if kw["query_dtype"] == "bfloat16" else "f32"
-        rows.append({"kernel": "sparse_mla_decode", "shape": kw, "label": f"B {kw['batch']}, H {kw['heads']}, q {q}",
-                     "blocks": {k: v for k, v in blk.items() if k != "grid"} | {"grid": list(blk["grid"])},
-                     "traffic": t.to_json(), "target": {
-                         "metric": "total / selected rows read once", "value": value, "target": MLA_TARGET,
-                         "applies": applies, "meets": value <= MLA_TARGET if applies else None}})
-    for kw in shapes["sparse_mla_decode"]:  # the same shapes on the Mosaic GPU backend (kernel_mosaic.py)
-        kw = {k: v for k, v in kw.items()}
-        t = traffic.sparse_mla_decode_mosaic_traffic(**kw)
-        value = t.total_bytes / t.reference_bytes
-        applies = kw["heads"] == 128
-        q = "bf16" if kw["query_dtype"] == "bfloat16" else "f32"
-        rows.append({"kernel": "sparse_mla_decode (mosaic)", "shape": kw,
-                     "label": f"B {kw['batch']}, H {kw['heads']}, q {q}", "traffic": t.to_json(), "target": {
-                         "metric": "total / selected rows read once", "value": value, "target": MLA_TARGET,
-                         "applies": applies, "meets": value <= MLA_TARGET if applies else None}})
+    for name, model in (("sparse_mla_decode", traffic.sparse_mla_decode_traffic),
+                        ("sparse_mla_decode (mosaic)", traffic.sparse_mla_decode_mosaic_traffic)):
+        for kw in shapes["sparse_mla_decode"]:
+            t = model(**kw)
+            value = t.total_bytes / t.reference_bytes
+            applies = kw["heads"] == 128
+            q = "bf16" if kw["query_dtype"] == "bfloat16" else "f32"
+            row = {"kernel": name, "shape": kw, "label": f"B {kw['batch']}, H {kw['heads']}, q {q}"}
+            if name == "sparse_mla_decode":
+                blk = traffic.mla_decode_blocks(kw["batch"], kw["heads"], kw["latent_dim"], kw["topk"])
+                row["blocks"] = {k: v for k, v in blk.items() if k != "grid"} | {"grid": list(blk["grid"])}
+            rows.append(row | {"traffic": t.to_json(), "target": {
+                "metric": "total / selected rows read once", "value": value, "target": MLA_TARGET,
+                "applies": applies, "meets": value <= MLA_TARGET if applies else None}})
     return {"rows": rows}
 
 

@@ -12,7 +12,8 @@ import jax
 BACKENDS = ("triton", "mosaic")
 
 
-def check_backend(backend: str) -> str:
+def check_pallas_backend(backend: str) -> str:
+    """`backend` if it is one of BACKENDS, else ValueError."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return backend

@@ -13,10 +13,11 @@ import pytest
 
 def _synchronous_cpu_dispatch() -> None:
     """XLA:CPU runs each program on the calling thread (no asynchronous dispatch), set before jax's CPU client
-    exists. Needed by kernels='pallas_mosaic_interpret' (`tiered.check_kernels` refuses it otherwise): the
-    interpreted Mosaic kernel runs from a host callback of the decode step, and with asynchronous dispatch
-    its simulated warpgroups can wait for XLA:CPU threads the blocked step holds (seen: a hang in 3 of 5
-    runs on 2 cores). Values are unchanged; the suite's time is compile-bound either way."""
+    exists. kernels='pallas_mosaic_interpret' needs it (`tiered.check_kernels` refuses it otherwise, so the
+    refusal tests of test_kernels_e2e reach the checks after it): the interpreted Mosaic kernel runs from a host
+    callback of the decode step, and with asynchronous dispatch its simulated warpgroups can wait for XLA:CPU
+    threads the blocked step holds (seen: a hang in 3 of 5 runs on 2 cores; with this, 0 of 6 idle runs, but
+    one hang in CI beside the other leg, so that end-to-end test is opt-in). Values are unchanged."""
     import jax  # (jax reads no environment variable for this flag)
 
     jax.config.update("jax_cpu_enable_async_dispatch", False)

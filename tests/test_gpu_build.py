@@ -35,15 +35,12 @@ import jax.numpy as jnp
 import pytest
 
 import deviceless as dl
+from pallas_kernels.backends import mosaic_unavailable_reason
 
 pytestmark = pytest.mark.skipif(dl.unavailable_reason() is not None, reason=str(dl.unavailable_reason()))
 
 TAU = 0.13523378
-try:  # the Mosaic GPU kernels need jax >= 0.11
-    from jax.experimental.pallas import mosaic_gpu as _plgpu
-    MOSAIC = hasattr(_plgpu, "kernel") and hasattr(_plgpu, "force_gpu_interpret_mode")
-except ImportError:  # pragma: no cover
-    MOSAIC = False
+MOSAIC = mosaic_unavailable_reason() is None  # the Mosaic GPU kernels need jax >= 0.11
 sds = dl.abstract_on_cpu
 
 

@@ -88,3 +88,23 @@ def test_kernel_choice_is_explicit():
                  kernels="pallas")
     with pytest.raises(ValueError, match="tiered store"):
         generate(m, [[1, 2, 3]], 2, kernels="pallas_interpret")
+
+
+@pytest.mark.skipif(mosaic_unavailable_reason() is not None, reason=str(mosaic_unavailable_reason()))
+def test_mosaic_interpret_refused_with_asynchronous_cpu_dispatch():
+    """The interpreted Mosaic decode on an asynchronously dispatching CPU client is refused, saying what to set
+    (the suite itself runs synchronously: conftest)."""
+    import jax
+
+    from hisparse_jax.kv.tiered import check_kernels
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU only")
+    assert check_kernels("pallas_mosaic_interpret") == "pallas_mosaic_interpret"
+    jax.config.update("jax_cpu_enable_async_dispatch", True)  # the flag only; the existing client keeps its mode
+    try:
+        with pytest.raises(ValueError, match="jax_cpu_enable_async_dispatch', False"):
+            check_kernels("pallas_mosaic_interpret")
+        assert check_kernels("pallas_interpret") == "pallas_interpret"
+    finally:
+        jax.config.update("jax_cpu_enable_async_dispatch", False)

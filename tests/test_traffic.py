@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import traffic
+from pallas_kernels.backends import mosaic_unavailable_reason
 from pallas_kernels.indexer_topk.kernel import indexer_topk_chunked
 from pallas_kernels.indexer_topk.reference import indexer_topk_reference
 from pallas_kernels.sparse_gather.kernel import sparse_gather
@@ -417,8 +418,7 @@ def test_mosaic_decode_reads_rows_once_per_64_heads():
         traffic.sparse_mla_decode_mosaic_traffic(64, 64, 512, 64, 2048, kv_dtype="float32")
 
 
-@pytest.mark.skipif(__import__("pallas_kernels.backends", fromlist=["x"]).mosaic_unavailable_reason() is not None,
-                    reason="the Mosaic GPU kernel needs jax >= 0.11")
+@pytest.mark.skipif(mosaic_unavailable_reason() is not None, reason=str(mosaic_unavailable_reason()))
 @pytest.mark.parametrize("B,H,K,kv", [(64, 128, 2048, "fp8"), (1, 16, 2048, "bf16"), (3, 72, 100, "fp8")])
 def test_mosaic_decode_model_matches_the_launched_kernel(B, H, K, kv):
     """The model's grid, kernel operands and outputs are the ones the wrapper builds (read off its jaxpr: the

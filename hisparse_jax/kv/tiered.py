@@ -86,7 +86,8 @@ def check_kernels(kernels: str) -> str:
 
 
 def kernel_backend(kernels: str) -> str:
-    """The Pallas backend (`pallas_kernels.backends.BACKENDS`) of a Pallas `kernels` choice."""
+    """The Pallas backend (`pallas_kernels.backends.BACKENDS`) a `kernels` choice builds its kernels with
+    ("triton" for "reference" too, which builds none)."""
     return "mosaic" if kernels.startswith("pallas_mosaic") else "triton"
 
 
@@ -95,7 +96,7 @@ def check_backend(spec: StoreSpec, kernels: str) -> None:
     if spec.miss_attention == "split" and kernels != "reference":
         raise ValueError(f"miss_attention='split' needs kernels='reference' (got {kernels!r}): the Pallas sparse "
                          "MLA kernel returns no log-sum-exp to merge the two parts with")
-    if kernels != "reference" and kernel_backend(kernels) == "mosaic":
+    if kernel_backend(kernels) == "mosaic":
         from pallas_kernels.sparse_mla_decode.kernel_mosaic import CHUNK
 
         if spec.kv_dtype not in ("bf16", "fp8") or spec.latent_dim % (2 * CHUNK) or spec.rope_dim % 64:

@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.backends import check_backend
+from pallas_kernels.backends import check_pallas_backend
 from pallas_kernels.sparse_mla_decode.reference import FP8_BLOCK, checked_stacked_pools, merge_splits
 
 TARGET_PROGRAMS = 264  # ~2 waves of programs on a 132-SM H100 / H200
@@ -124,7 +124,7 @@ def sparse_mla_decode(q_lat, q_rope, latent_pages, rope_pages, page, row, valid,
     backend: "triton" (this module; every supported jax) or "mosaic" (`kernel_mosaic`: warpgroup MMA on
     bf16 operands, TMA row copies; jax >= 0.11, bf16 / fp8 pools).
     """
-    if check_backend(backend) == "mosaic":
+    if check_pallas_backend(backend) == "mosaic":
         from pallas_kernels.sparse_mla_decode.kernel_mosaic import sparse_mla_decode_mosaic
         return sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row, valid, tau=tau,
                                         latent_scale=latent_scale, layer=layer, interpret=interpret)
