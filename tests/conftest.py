@@ -15,12 +15,21 @@ def _synchronous_cpu_dispatch() -> None:
     """XLA:CPU runs each program on the calling thread (no asynchronous dispatch), set before jax's CPU client
     exists. kernels='pallas_mosaic_interpret' needs it (`tiered.check_kernels` refuses it otherwise, so the
     refusal tests of test_kernels_e2e reach the checks after it): the interpreted Mosaic kernel runs from a host
-    callback of the decode step, and with asynchronous dispatch its simulated warpgroups can wait for XLA:CPU
-    threads the blocked step holds (seen: a hang in 3 of 5 runs on 2 cores; with this, 0 of 6 idle runs, but
-    one hang in CI beside the other leg, so that end-to-end test is opt-in). Values are unchanged."""
+    callback of the decode step. (The hangs once seen there, 3 of 5 runs on 2 cores with asynchronous dispatch
+    and one in CI without, were the simulated warpgroups waiting for XLA:CPU pool threads: `_interpret_threads`.)
+    Values are unchanged."""
     import jax  # (jax reads no environment variable for this flag)
 
     jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+def _interpret_threads() -> None:
+    """XLA:CPU's pool large enough for Mosaic GPU's interpret mode (`pallas_kernels.backends`): a cluster of 2
+    blocks simulates 4 warpgroups at once, each holding a pool thread while it waits at a barrier, and on a 2-core
+    machine the pool has 2 (seen: the cluster tests hang). Set before jax's CPU client exists."""
+    from pallas_kernels.backends import request_interpret_threads
+
+    request_interpret_threads()
 
 
 def _share_compiled_programs() -> None:
@@ -60,6 +69,7 @@ def _compile_fast() -> None:
 
 _share_compiled_programs()
 _compile_fast()
+_interpret_threads()
 _synchronous_cpu_dispatch()
 
 # torch and transformers are numerical references only (extra `test`, Python 3.11 leg); the Python 3.12 /

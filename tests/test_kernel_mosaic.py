@@ -79,6 +79,67 @@ def test_pipeline_steps_and_splits(splits, kv):
 
 
 @needs_interpret
+@pytest.mark.parametrize("H,kv,splits", [(128, "fp8", 1), (128, "bfloat16", 3), (256, "fp8", None),
+                                         (136, "bfloat16", 1)])
+def test_head_block_clusters(H, kv, splits):
+    """Head blocks paired into clusters of 2 that share every row copy (multicast) and gate the next copies on
+    a cluster barrier: H = 128 (one cluster), 256 (two), and 136 (three 64-head blocks: no cluster); several
+    pipeline steps per split, so the cluster barrier turns over."""
+    from pallas_kernels.sparse_mla_decode.kernel_mosaic import decode_grid, head_cluster
+
+    assert head_cluster(decode_grid(1, H, 200)[0]) == (1 if H == 136 else 2)
+    check(*make_case(H, B=1, H=H, K=200, C=256, kv=kv, seq_lens=[300]), splits=splits)
+
+
+@needs_interpret
+@pytest.mark.parametrize("splits", [1, 3])
+def test_bfloat16_output(splits):
+    """out_dtype=bfloat16: the kernel writes (one split) or the merge rounds (several) the f32 result once; as
+    close to the reference's rounded output as the f32 outputs are to each other."""
+    args, kw = make_case(11, B=2, H=128, K=100, C=256, kv="fp8")
+    ref = np.asarray(sparse_mla_decode_reference(*args, tau=TAU, **kw, out_dtype=jnp.bfloat16).astype(jnp.float32))
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True, uninitialized_memory="nan")):
+        out = sparse_mla_decode_mosaic(*args, tau=TAU, splits=splits, out_dtype=jnp.bfloat16, **kw)
+    assert out.dtype == jnp.bfloat16
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.max(np.abs(out - ref)) <= 1e-2 * np.max(np.abs(ref))
+
+
+@needs_interpret
+def test_fp8_scales_of_the_last_row_of_the_pool():
+    """A row's scale copy moves SCALE_COPY values: at C = 256 (two scales a row) the copy of the pool's last
+    row runs past its end, where TMA fills zeros; the row's own scales must still be applied."""
+    args, kw = make_case(12, B=1, K=8, C=256, kv="fp8", seq_lens=[8])
+    q_lat, q_rope, lat, rope, page, row, valid = args
+    P = lat.shape[0]
+    rng = np.random.default_rng(0)
+    lat = lat.at[P - 1, 63].set(jnp.asarray(rng.normal(size=lat.shape[-1]), jnp.float32).astype(lat.dtype))
+    rope = rope.at[P - 1, 63].set(jnp.asarray(rng.normal(size=rope.shape[-1]), rope.dtype))
+    scale = kw["latent_scale"].at[P - 1, 63].set(jnp.asarray([4.0, 0.25], jnp.float32))
+    page, row, valid = page.at[0, 0].set(P - 1), row.at[0, 0].set(63), valid.at[0, 0].set(True)
+    check((q_lat, q_rope, lat, rope, page, row, valid), dict(latent_scale=scale))
+
+
+@needs_interpret
+def test_cluster_choice_is_checked(monkeypatch):
+    """`cluster` must be 1 or 2 and pair the head blocks; interpreted with `interpret=True`, a cluster whose 4
+    warpgroups the XLA:CPU pool cannot run at once is refused (it would hang), and cluster=1 then runs."""
+    args, kw = make_case(13, B=1, H=128, K=9, C=256, kv="bfloat16", seq_lens=[9])  # shapes no other test traces
+    for bad in (3, 0):
+        with pytest.raises(ValueError, match="cluster must be 1 or 2"):
+            sparse_mla_decode_mosaic(*args, tau=TAU, interpret=True, cluster=bad, **kw)
+    small, small_kw = make_case(13, B=1, H=20, K=9, C=256, kv="bfloat16", seq_lens=[9])
+    with pytest.raises(ValueError, match="divide the 1 head blocks"):
+        sparse_mla_decode_mosaic(*small, tau=TAU, interpret=True, cluster=2, **small_kw)
+    monkeypatch.setenv("PJRT_NPROC", "3")  # what the check reads (this process's pool is already larger)
+    with pytest.raises(ValueError, match="PJRT_NPROC=8"):
+        sparse_mla_decode_mosaic(*args, tau=TAU, interpret=True, **kw)
+    out = np.asarray(sparse_mla_decode_mosaic(*args, tau=TAU, interpret=True, cluster=1, **kw))
+    ref = np.asarray(sparse_mla_decode_reference(*args, tau=TAU, **kw))
+    assert np.max(np.abs(out - ref)) <= 1e-2 * np.max(np.abs(ref))
+
+
+@needs_interpret
 def test_long_topk_takes_more_splits(monkeypatch):
     """A split holds at most MAX_STEPS row blocks (its addresses live in shared memory): asked for one split
     of 7 blocks with MAX_STEPS = 2, the kernel takes 4 splits and gives the same result."""

@@ -127,6 +127,20 @@ def test_layer_of_stacked_pools(kv):
     np.testing.assert_allclose(out, want, rtol=0, atol=2e-6 * np.max(np.abs(want)))
 
 
+def test_bfloat16_output_is_the_rounded_answer():
+    """out_dtype=bfloat16 (reference and Triton kernel): the f32 answer rounded once; other dtypes are refused."""
+    args, kw = make_case(14, kv="bfloat16")
+    f32 = sparse_mla_decode_reference(*args, tau=TAU, **kw)
+    ref = sparse_mla_decode_reference(*args, tau=TAU, **kw, out_dtype=jnp.bfloat16)
+    out = sparse_mla_decode(*args, tau=TAU, interpret=True, **kw, out_dtype=jnp.bfloat16)
+    assert ref.dtype == out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(f32.astype(jnp.bfloat16)))
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=1e-2, atol=1e-6)
+    for f in (sparse_mla_decode_reference, sparse_mla_decode):
+        with pytest.raises(ValueError, match="out_dtype must be float32 or bfloat16"):
+            f(*args, tau=TAU, **kw, out_dtype=jnp.float16)
+
+
 def test_rejects_unsupported_shapes():
     args, _ = make_case(0, C=96, K=8)
     with pytest.raises(ValueError, match="powers of two"):

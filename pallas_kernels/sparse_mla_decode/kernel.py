@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.backends import check_pallas_backend
-from pallas_kernels.sparse_mla_decode.reference import FP8_BLOCK, checked_stacked_pools, merge_splits
+from pallas_kernels.sparse_mla_decode.reference import FP8_BLOCK, check_out_dtype, checked_stacked_pools, merge_splits
 
 TARGET_PROGRAMS = 264  # ~2 waves of programs on a 132-SM H100 / H200
 
@@ -116,8 +116,10 @@ def _is_pow2(n: int) -> bool:
 
 
 def sparse_mla_decode(q_lat, q_rope, latent_pages, rope_pages, page, row, valid, *, tau: float,
-                      latent_scale=None, layer=None, interpret: bool = False, backend: str = "triton"):
-    """Pallas version of `sparse_mla_decode_reference`: same arguments, f32[B, H, C].
+                      latent_scale=None, layer=None, interpret: bool = False, backend: str = "triton",
+                      out_dtype=jnp.float32):
+    """Pallas version of `sparse_mla_decode_reference`: same arguments, out_dtype[B, H, C] (float32 or bfloat16:
+    the Mosaic kernel writes bf16 itself, half the output bytes; the Triton one rounds its f32 result).
 
     With `layer` (int or int32 scalar) the pools are the store's [L, P, 64, *] arrays and layer `layer`
     is read in place (no per-layer slice copy before the custom call). `backend` picks the Pallas GPU
@@ -127,14 +129,17 @@ def sparse_mla_decode(q_lat, q_rope, latent_pages, rope_pages, page, row, valid,
     if check_pallas_backend(backend) == "mosaic":
         from pallas_kernels.sparse_mla_decode.kernel_mosaic import sparse_mla_decode_mosaic
         return sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row, valid, tau=tau,
-                                        latent_scale=latent_scale, layer=layer, interpret=interpret)
+                                        latent_scale=latent_scale, layer=layer, interpret=interpret,
+                                        out_dtype=out_dtype)
     return _sparse_mla_decode_triton(q_lat, q_rope, latent_pages, rope_pages, page, row, valid, tau=tau,
-                                     latent_scale=latent_scale, layer=layer, interpret=interpret)
+                                     latent_scale=latent_scale, layer=layer, interpret=interpret,
+                                     out_dtype=out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("tau", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tau", "interpret", "out_dtype"))
 def _sparse_mla_decode_triton(q_lat, q_rope, latent_pages, rope_pages, page, row, valid, *, tau: float,
-                              latent_scale=None, layer=None, interpret: bool = False):
+                              latent_scale=None, layer=None, interpret: bool = False, out_dtype=jnp.float32):
+    out_dtype = check_out_dtype(out_dtype)
     latent_pages, rope_pages, latent_scale, layer = checked_stacked_pools(
         q_lat, q_rope, latent_pages, rope_pages, latent_scale, layer, page, row, valid)
     B, H, C = q_lat.shape
@@ -182,4 +187,4 @@ def _sparse_mla_decode_triton(q_lat, q_rope, latent_pages, rope_pages, page, row
         interpret=interpret, name="sparse_mla_decode",
     )(layer, q_lat, q_rope, addr, row, *pools)
 
-    return merge_splits(o, m, l)[:, :H]
+    return merge_splits(o, m, l)[:, :H].astype(out_dtype)

@@ -1,16 +1,21 @@
 """Sparse absorbed-MLA decode reading rows straight from the paged pools: Pallas, Mosaic GPU backend (sm_90).
 
 Same signature and math as `reference.sparse_mla_decode_reference`. One CUDA block per (sequence, block of
-64 heads, split of the top-k), two warpgroups (`wg` 0 and 1), each owning half of the 512 latent columns:
+64 heads, split of the top-k), two warpgroups (`wg` 0 and 1), each owning half of the 512 latent columns.
+Neighbouring head blocks of one sequence and split form a cluster of 2 (`head_cluster`: H = 128 is one
+cluster) that reads every selected row from HBM once: each row copy is issued by both blocks as one
+multicast TMA copy (each block fetches half of the row and both receive all of it).
 
-    start      WG 0 copies the block's 64 query heads (latent per 128-column chunk, rope) and the split's
-               row addresses to shared memory (TMA), then issues the first row block's copies.
-    per block of BK = 32 rows (one TMA copy per row and operand, by its address; an invalid slot's
-    address is one past the pool, so TMA fills that row with zeros and reads nothing; fp8: plus one
-    dense copy of the block's scales, gathered by the wrapper, [C / 128, BK]):
+    start      WG 0 copies the block's 64 query heads (latent per 128-column chunk, rope per 32-column
+               chunk) and the split's row addresses (multicast) to shared memory, then issues the first
+               row block's copies.
+    per block of BK = 32 rows (by its address, one TMA copy per row of the latent and of the rope, both
+    multicast; fp8: one copy of the row's C / 128 scales, per block, 16 bytes; an invalid slot's address
+    is one past the pool, so TMA fills that row with zeros and reads nothing):
       convert  each WG moves its columns of the raw rows into swizzled bf16 tiles, one per 128-column
-               chunk (fp8: times the row's scale of that chunk); WG 0 also the rope part. Both arrive on
-               `consumed`; WG 0 then issues the next block's row copies into the raw buffers (they
+               chunk (fp8: times the row's scale of that chunk); WG 0 also the rope part. Both WGs of
+               every block of the cluster arrive on `consumed` (a cluster barrier: the next copies land
+               in all of them); WG 0 then issues the next block's row copies into the raw buffers (they
                overlap the math below).
       scores   s_w = q_w . c_w^T (+ q_rope . kR^T on WG 0): warpgroup MMA per chunk, bf16 operands,
                fp32 accumulator [64, BK]. The halves are swapped through shared memory (double-buffered
@@ -20,18 +25,20 @@ Same signature and math as `reference.sparse_mla_decode_reference`. One CUDA blo
       values   acc_w = alpha acc_w + p @ c_w: warpgroup MMA per 128-column chunk, fp32 [64, 256] per WG.
     end        each WG writes its accumulator half; WG 0 writes (m, l). More than one split: unnormalized,
                merged in jnp (`merge_splits`, log-sum-exp weights); one split: divided by l in the kernel,
-               which is then the whole answer (no merge pass: f32 [B, H, C] written once).
+               which is then the whole answer, written once in `out_dtype` (bf16: half the bytes, the
+               rounding a bf16 model applies before W_UV anyway). The blocks of a cluster then meet at a
+               cluster barrier, so none exits while its peer may still write into it.
 
-Each selected row is read from HBM once per 64 heads (H = 128 reads it twice; the two head blocks of a
-sequence are neighbours in the grid, so the second read mostly hits L2; a 2-block cluster multicasting the
-rows would make it one read). Addresses are (row of the flattened [L * P * 64, *] pool) TMA coordinates,
-so pools of any byte size are addressed with 64-bit offsets; the flattened row count must stay below 2^31
-(checked). A split holds at most MAX_STEPS row blocks (its addresses live in shared memory); a long top-k
-gets more splits.
+So each selected row is read once per 128 heads (per 64 when the head blocks do not pair up: H <= 64, or
+an odd number of 64-head blocks). Addresses are (row of the flattened [L * P * 64, *] pool) TMA
+coordinates, so pools of any byte size are addressed with 64-bit offsets; the flattened row count (and
+fp8 scale count) must stay below 2^31 (checked). A split holds at most MAX_STEPS row blocks (its
+addresses live in shared memory); a long top-k gets more splits.
 
 Shared memory at C = 512, R = 64 (bf16 pools): q 72 KB, raw rows 36 KB, bf16 tiles 36 KB, score exchange
-32 KB, p 8 KB, addresses <= 16 KB: <= 200 KB of the 227 KB. Every MMA operand is 64-byte swizzled
-(`SWIZZLE`): a warpgroup MMA needs both operands swizzled alike and p, [64, 32] bf16, has 64-byte rows.
+32 KB, p 8 KB, addresses <= 16 KB, fp8 scales 0.5 KB: <= 201 KB of the 227 KB. Every MMA operand is
+64-byte swizzled (`SWIZZLE`): a warpgroup MMA needs both operands swizzled alike and p, [64, 32] bf16, has
+64-byte rows.
 
 Numerics: bf16 MMA operands with fp32 accumulation (q and, for p @ c, the probabilities rounded to bf16, as
 FlashMLA does): ~1e-3 relative to the fp32 reference. Rows are exact (bf16 as stored; e4m3 times a
@@ -40,19 +47,25 @@ power-of-two scale is exact in bf16).
 Interpret-mode constraints shape two choices: the value MMA reads p from shared memory (interpret mode's
 wgmma takes no register operand) and accumulates into a fresh [64, 128] accumulator per column chunk that
 is added to the rescaled running one (interpret mode cannot lower `pl.run_state` on a pre-initialized
-accumulator), which also keeps the live registers per thread under the 255 limit. The sm_90 lowering
-shapes three more: rows land in plain buffers (a TMA copy of one row into a tiled buffer is refused) and
-are moved to the tiles through registers in the layout Mosaic uses for swizzled copies; each 128-column
-chunk is its own tile (a column slice of a swizzled tile is not contiguous); the fp8 scales are gathered
-by the wrapper into per-chunk vectors (a strided column of a shared-memory buffer cannot be loaded).
+accumulator), which also keeps the live registers per thread under the 255 limit. (Interpret mode runs a
+cluster's blocks together with its cluster barriers, and a multicast copy as each block's own copy: the
+same data in every block.) The sm_90 lowering shapes more: rows land in plain buffers (a TMA copy of one
+row into a tiled buffer is refused) and are moved to the tiles through registers in the layout Mosaic uses
+for swizzled copies; each 128-column latent chunk and 32-column rope chunk is its own tile (a column slice
+of a swizzled tile is not contiguous; and a 64-column rope buffer is given one 128-byte swizzled tile per
+row, which a multicast copy cannot split between two blocks); the fp8 scales of a row block are assembled
+into per-chunk vectors from scalar loads (a strided column of a shared-memory buffer cannot be loaded as
+a vector), and a row's scale copy moves at least SCALE_COPY values (TMA's 16-byte minimum; at C = 256 the
+next row's two come along) and is not multicast (half of it would be under that minimum).
 
 Status: equals the reference in GPU interpret mode with race detection (tests/test_kernel_mosaic.py) and
 builds for sm_90 (tests/test_gpu_build.py: H = 128 / 16, bf16 / fp8, B = 1, top-k 16384, the stacked
 78-layer fp8 pools with `layer=`). Not measured on a GPU yet.
 
 Limits (ValueError): latent_pages bfloat16 or float8_e4m3fn and rope bfloat16; C a multiple of 256, R a
-multiple of 64. Needs jax >= 0.11 (NotImplementedError otherwise); on CPU it runs in Mosaic GPU's interpret
-mode (`interpret=True`, or the caller's `plgpu.force_gpu_interpret_mode(...)`, e.g. with race detection).
+multiple of 64; out_dtype float32 or bfloat16. Needs jax >= 0.11 (NotImplementedError otherwise); on CPU it
+runs in Mosaic GPU's interpret mode (`interpret=True`, or the caller's `plgpu.force_gpu_interpret_mode(...)`,
+e.g. with race detection).
 """
 
 from __future__ import annotations
@@ -64,8 +77,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backends import mosaic_gpu
-from pallas_kernels.sparse_mla_decode.reference import FP8_BLOCK, checked_stacked_pools, merge_splits
+from pallas_kernels.backends import interpret_pool_short_reason, mosaic_gpu
+from pallas_kernels.sparse_mla_decode.reference import FP8_BLOCK, check_out_dtype, checked_stacked_pools, merge_splits
 
 HEADS = 64  # heads per CUDA block: the M of one warpgroup MMA
 CHUNK = 128  # accumulator columns per value MMA
@@ -78,10 +91,14 @@ MAX_STEPS = 128
 # Every MMA operand's shared-memory swizzle, in bytes. A warpgroup MMA needs both operands swizzled alike, and p
 # (the value MMA's A operand, [64, BLOCK_ROWS] bf16) has 64-byte rows.
 SWIZZLE = 64
+# rope columns per tile. A row's rope (R = 64 bf16) would be one tile of 128-byte swizzle, which a cluster's blocks
+# cannot share a copy of (a multicast copy is split along a dimension above the swizzled one)
+ROPE_CHUNK = SWIZZLE // 2
+SCALE_COPY = 4  # f32 scales per row copy at least: a TMA copy moves at least 16 bytes
 
 
 def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float, steps: int, fp8: bool,
-          nrows: int, final: bool, plgpu):
+          nrows: int, final: bool, cluster: int, plgpu):
     # q_lat_ref [B, Hp, C], q_rope_ref [B, Hp, R] bf16; addr_ref [B, S, steps, BK] int32 (nrows = invalid);
     # lat_ref [nrows, C], rope_ref [nrows, R] (+ scale_ref [B, S, steps, C / 128, BK] f32 when fp8: the selected
     # rows' scales, gathered by the wrapper, one contiguous vector per step and 128-column block);
@@ -91,11 +108,17 @@ def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float,
     else:
         scale_ref, (o_ref, m_ref, l_ref, scratch) = None, rest
     (q_smem, qr_smem, idx_smem, raw_c, raw_r, raw_s, tile_c, tile_r, s_x, p_smem,
-     q_bar, idx_bar, loaded, consumed, exchange) = scratch
-    b, hb, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+     q_bar, idx_bar, loaded, consumed, exchange, done) = scratch
+    b, split = lax.axis_index("b"), lax.axis_index("s")
+    hb = lax.axis_index("h") * cluster + lax.axis_index("c")  # this block's 64 heads
+    # The blocks of a cluster (neighbouring head blocks of one sequence and split) read the same rows: each row copy
+    # is issued by all of them and multicast (each block fetches its share and every block receives the whole row)
+    shared = "c" if cluster > 1 else None
     wg = lax.axis_index("wg")
     bk = BLOCK_ROWS
-    half = q_lat_ref.shape[-1] // 2
+    C = q_lat_ref.shape[-1]
+    half = C // 2
+    nrc = q_rope_ref.shape[-1] // ROPE_CHUNK  # rope column chunks, each its own tile (as the latent's)
     nch = half // CHUNK  # column chunks per warpgroup: q and the converted rows are kept per chunk (a column
     # slice of a swizzled tile is not contiguous, so each chunk is its own [.., 128] tile)
     heads = pl.ds(hb * HEADS, HEADS)
@@ -104,19 +127,25 @@ def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float,
         def one(j, carry):
             r = idx_smem[step, j]
             zeros = plgpu.OOBFillMode.ZEROS
-            plgpu.copy_gmem_to_smem(lat_ref.at[pl.ds(r, 1)], raw_c.at[pl.ds(j, 1)], loaded, oob_mode=zeros)
-            plgpu.copy_gmem_to_smem(rope_ref.at[pl.ds(r, 1)], raw_r.at[pl.ds(j, 1)], loaded, oob_mode=zeros)
+            plgpu.copy_gmem_to_smem(lat_ref.at[pl.ds(r, 1)], raw_c.at[pl.ds(j, 1)], loaded, oob_mode=zeros,
+                                    collective_axes=shared)
+            plgpu.copy_gmem_to_smem(rope_ref.at[pl.ds(r, 1)], raw_r.at[pl.ds(j, 1)], loaded, oob_mode=zeros,
+                                    collective_axes=shared)
+            if fp8:  # the row's C / 128 scales (16 bytes at C = 512; at least 16, a TMA copy's minimum, so
+                # at smaller C the next row's come along); per block: a share would be under TMA's minimum
+                w = raw_s.shape[1]
+                plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(r * (C // FP8_BLOCK), w)], raw_s.at[j], loaded,
+                                        oob_mode=zeros)
             return carry
         lax.fori_loop(0, bk, one, 0)
-        if fp8:
-            plgpu.copy_gmem_to_smem(scale_ref.at[b, split, step], raw_s, loaded)
 
     @pl.when(wg == 0)
     def _start():
-        plgpu.copy_gmem_to_smem(addr_ref.at[b, split], idx_smem, idx_bar)
+        plgpu.copy_gmem_to_smem(addr_ref.at[b, split], idx_smem, idx_bar, collective_axes=shared)
         for g in range(2 * nch):
             plgpu.copy_gmem_to_smem(q_lat_ref.at[b, heads, pl.ds(g * CHUNK, CHUNK)], q_smem.at[g], q_bar)
-        plgpu.copy_gmem_to_smem(q_rope_ref.at[b, heads], qr_smem, q_bar)
+        for g in range(nrc):
+            plgpu.copy_gmem_to_smem(q_rope_ref.at[b, heads, pl.ds(g * ROPE_CHUNK, ROPE_CHUNK)], qr_smem.at[g], q_bar)
         plgpu.barrier_wait(idx_bar)
         issue_rows(0)
 
@@ -128,16 +157,25 @@ def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float,
         def copy_layout(cols):  # registers that store efficiently into a swizzled bf16 [bk, cols] tile
             return plgpu.Layout.SMEM_GMEM_COPY((bk, cols), jnp.bfloat16, SWIZZLE)
 
+        def row_scales(g):  # [bk] f32: column g of the rows' scales [bk, w] (a strided column of a shared-memory
+            # buffer cannot be loaded as a vector: assembled from scalar loads instead)
+            rows = plgpu.broadcasted_iota(jnp.int32, (bk,), 0, layout=copy_layout(CHUNK).reduce(1))
+            sc = jnp.zeros((bk,), jnp.float32)
+            for j in range(bk):
+                sc = jnp.where(rows == j, raw_s[j, g], sc)
+            return sc
+
         def convert():
             for g in range(w * nch, (w + 1) * nch):
                 c = plgpu.load(raw_c.at[:, pl.ds(g * CHUNK, CHUNK)], layout=copy_layout(CHUNK), optimized=False)
                 if fp8:  # times the row's scale of this 128-column block (exact in bf16: power-of-two scales)
-                    sc = plgpu.load(raw_s.at[g], layout=copy_layout(CHUNK).reduce(1), optimized=False)
-                    sc = lax.broadcast_in_dim(sc, (bk, CHUNK), [0])
+                    sc = lax.broadcast_in_dim(row_scales(g), (bk, CHUNK), [0])
                     c = (c.astype(jnp.float32) * sc).astype(jnp.bfloat16)
                 tile_c[g] = c
             if w == 0:
-                tile_r[...] = plgpu.load(raw_r, layout=copy_layout(raw_r.shape[1]), optimized=False)
+                for g in range(nrc):
+                    tile_r[g] = plgpu.load(raw_r.at[:, pl.ds(g * ROPE_CHUNK, ROPE_CHUNK)],
+                                           layout=copy_layout(ROPE_CHUNK), optimized=False)
             plgpu.commit_smem()
 
         def scores():
@@ -145,7 +183,8 @@ def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float,
                 for g in range(w * nch, (w + 1) * nch):
                     plgpu.wgmma(acc_ref, q_smem.at[g], tile_c.at[g].T)
                 if w == 0:
-                    plgpu.wgmma(acc_ref, qr_smem, tile_r.T)
+                    for g in range(nrc):
+                        plgpu.wgmma(acc_ref, qr_smem.at[g], tile_r.at[g].T)
                 return acc_ref[...]
             return pl.run_scoped(mma, plgpu.ACC((HEADS, bk), jnp.float32))
 
@@ -153,7 +192,10 @@ def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float,
             acc, m_prev, l_prev = carry
             plgpu.barrier_wait(loaded)
             convert()
-            plgpu.barrier_arrive(consumed)
+
+            @pl.when(i + 1 < steps)
+            def _release():  # both WGs of every block of the cluster have converted block i
+                plgpu.barrier_arrive(consumed)
 
             @pl.when(jnp.logical_and(wg == 0, i + 1 < steps))
             def _next():
@@ -195,13 +237,22 @@ def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float,
             inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
             acc = tuple(a * lax.broadcast_in_dim(inv, a.shape, [0]) for a in acc)
         for j, a in enumerate(acc):
-            o_ref[split, b, heads, pl.ds(w * half + j * CHUNK, CHUNK)] = a
+            o_ref[split, b, heads, pl.ds(w * half + j * CHUNK, CHUNK)] = a.astype(o_ref.dtype)
         if w == 0:
             m_ref[split, b, heads] = m
             l_ref[split, b, heads] = l
+        if cluster > 1:  # no block exits while a peer may still multicast into it or arrive on its barriers
+            plgpu.barrier_arrive(done)
+            plgpu.barrier_wait(done)
 
     for w in range(2):
         pl.when(wg == w)(functools.partial(run, w))
+
+
+def head_cluster(hp: int) -> int:
+    """CUDA blocks per cluster for Hp padded heads: 2 (neighbouring head blocks sharing every row copy) when the
+    head blocks pair up, else 1."""
+    return 2 if (hp // HEADS) % 2 == 0 else 1
 
 
 def decode_grid(batch: int, heads: int, topk: int, splits: int | None = None) -> tuple[int, int, int]:
@@ -219,16 +270,23 @@ def decode_grid(batch: int, heads: int, topk: int, splits: int | None = None) ->
     return hp, splits, -(-blocks // splits)
 
 
-@functools.partial(jax.jit, static_argnames=("tau", "interpret", "splits"))
+@functools.partial(jax.jit, static_argnames=("tau", "interpret", "splits", "out_dtype", "cluster"))
 def sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row, valid, *, tau: float,
-                             latent_scale=None, layer=None, interpret: bool = False, splits: int | None = None):
-    """Mosaic GPU version of `sparse_mla_decode_reference`: same arguments, f32[B, H, C].
+                             latent_scale=None, layer=None, interpret: bool = False, splits: int | None = None,
+                             out_dtype=jnp.float32, cluster: int | None = None):
+    """Mosaic GPU version of `sparse_mla_decode_reference`: same arguments, out_dtype[B, H, C].
 
     `splits` (static) is the number of split-K parts of the top-k; by default TARGET_BLOCKS // (B * Hp / 64)
     (one wave of ~TARGET_BLOCKS CUDA blocks; none when B * Hp / 64 alone nearly fills it), see `decode_grid`.
 
+    `cluster` (static): CUDA blocks per cluster, 1 or 2 (default `head_cluster`: 2 when the 64-head blocks pair
+    up); 2 needs an even number of head blocks.
+
     `interpret=True` runs it on the CPU in Mosaic GPU's interpret mode (race detection is the caller's
-    choice: wrap the call in `plgpu.force_gpu_interpret_mode(...)` instead to pass parameters)."""
+    choice: wrap the call in `plgpu.force_gpu_interpret_mode(...)` instead to pass parameters). Interpreted, a
+    cluster's 2 x `cluster` warpgroups run at once, each holding a thread of XLA:CPU's pool
+    (`pallas_kernels.backends`): with `interpret=True` a pool too small for them is refused (ValueError
+    saying what to set) rather than left to hang."""
     plgpu = mosaic_gpu()
     latent_pages, rope_pages, latent_scale, layer = checked_stacked_pools(
         q_lat, q_rope, latent_pages, rope_pages, latent_scale, layer, page, row, valid)
@@ -242,9 +300,17 @@ def sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row,
     if C % (2 * CHUNK) or R % 64:
         raise ValueError(f"the Mosaic kernel needs C a multiple of {2 * CHUNK} and R a multiple of 64 (got C={C}, R={R})")
     nrows = L * P * 64
-    if nrows > MAX_ROWS:
-        raise ValueError(f"the flattened pool has {nrows} rows; TMA row coordinates are int32 (< 2^31)")
+    nblk = C // FP8_BLOCK
+    if nrows * (nblk if fp8 else 1) + SCALE_COPY > MAX_ROWS:
+        raise ValueError(f"the flattened pool has {nrows} rows ({nrows * nblk} fp8 scales); TMA coordinates are "
+                         f"int32 (< 2^31)")
+    out_dtype = check_out_dtype(out_dtype)
     hp, splits, steps = decode_grid(B, H, K, splits)
+    cluster = head_cluster(hp) if cluster is None else cluster
+    if cluster not in (1, 2) or (hp // HEADS) % cluster:
+        raise ValueError(f"cluster must be 1 or 2 and divide the {hp // HEADS} head blocks of {HEADS}, got {cluster}")
+    if interpret and (why := interpret_pool_short_reason(2 * cluster)) is not None:
+        raise ValueError(f"{why}; or pass cluster=1")
     bk = BLOCK_ROWS
     kp = splits * steps * bk
 
@@ -255,44 +321,43 @@ def sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row,
     addr = jnp.where(valid, flat, nrows)
     addr = jnp.pad(addr, ((0, 0), (0, kp - K)), constant_values=nrows).reshape(B, splits, steps, bk)
     pools = [latent_pages.reshape(nrows, C), rope_pages.reshape(nrows, R)]
-    if fp8:
-        # the selected rows' scales, gathered here (16 bytes a row, ~2.5% of an fp8 row's bytes) so that the kernel
-        # reads them as one dense vector per 128-column block and step instead of a 16-byte copy per row
-        sel = latent_scale.reshape(nrows, C // FP8_BLOCK).at[addr].get(mode="fill", fill_value=0)
-        pools.append(sel.reshape(B, splits, steps, bk, C // FP8_BLOCK).transpose(0, 1, 2, 4, 3))
+    if fp8:  # flat, so that a row's scales are one copy of SCALE_COPY (>= C / 128) values at row * C / 128
+        pools.append(latent_scale.reshape(nrows * nblk))
 
-    half = C // 2
     swz = lambda cols, itemsize: (plgpu.TilingTransform((8, SWIZZLE // itemsize)),  # noqa: E731
                                   plgpu.SwizzleTransform(SWIZZLE))
     scratch = [
         plgpu.SMEM((C // CHUNK, HEADS, CHUNK), jnp.bfloat16, transforms=swz(CHUNK, 2)),  # q latent, per chunk
-        plgpu.SMEM((HEADS, R), jnp.bfloat16, transforms=swz(R, 2)),  # q rope
+        plgpu.SMEM((R // ROPE_CHUNK, HEADS, ROPE_CHUNK), jnp.bfloat16, transforms=swz(R, 2)),  # q rope, per chunk
         plgpu.SMEM((steps, bk), jnp.int32),  # this block's row addresses
         plgpu.SMEM((bk, C), latent_pages.dtype),  # raw rows, as copied
         plgpu.SMEM((bk, R), jnp.bfloat16),
-        plgpu.SMEM((C // FP8_BLOCK if fp8 else 1, bk), jnp.float32),  # fp8: the scales, per 128-column block
+        plgpu.SMEM((bk, max(nblk, SCALE_COPY) if fp8 else 1), jnp.float32),  # fp8: each row's scales
         plgpu.SMEM((C // CHUNK, bk, CHUNK), jnp.bfloat16, transforms=swz(CHUNK, 2)),  # converted rows, per chunk
-        plgpu.SMEM((bk, R), jnp.bfloat16, transforms=swz(R, 2)),
+        plgpu.SMEM((R // ROPE_CHUNK, bk, ROPE_CHUNK), jnp.bfloat16, transforms=swz(R, 2)),
         plgpu.SMEM((2, 2, HEADS, bk), jnp.float32),  # partial scores [parity, wg]
         plgpu.SMEM((2, HEADS, bk), jnp.bfloat16, transforms=swz(bk, 2)),  # probabilities, one copy per WG
-        plgpu.Barrier(num_arrivals=C // CHUNK + 1),  # q
+        plgpu.Barrier(num_arrivals=C // CHUNK + R // ROPE_CHUNK),  # q
         plgpu.Barrier(),  # addresses
-        plgpu.Barrier(num_arrivals=2 * bk + fp8),  # one arrival per row copy (and the scales' copy)
-        plgpu.Barrier(num_arrivals=2),  # raw rows converted by both WGs
+        plgpu.Barrier(num_arrivals=(2 + fp8) * bk),  # one arrival per row copy
+        # raw rows converted by both WGs (of every block of the cluster: the next rows land in all of them)
+        plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=2) if cluster > 1 else plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=2),  # partial scores written by both WGs
+        # the cluster's blocks all done (unused without a cluster)
+        plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=2) if cluster > 1 else plgpu.Barrier(),
     ]
-    out_type = (jax.ShapeDtypeStruct((splits, B, hp, C), jnp.float32),
+    out_type = (jax.ShapeDtypeStruct((splits, B, hp, C), out_dtype if splits == 1 else jnp.float32),
                 jax.ShapeDtypeStruct((splits, B, hp), jnp.float32),
                 jax.ShapeDtypeStruct((splits, B, hp), jnp.float32))
     body = functools.partial(_body, tau=float(tau), steps=steps, fp8=fp8, nrows=nrows, final=splits == 1,
-                             plgpu=plgpu)
-    kernel = plgpu.kernel(body, out_type=out_type,
-                          scratch_types=[scratch], grid=(B, hp // HEADS, splits), grid_names=("b", "h", "s"),
-                          num_threads=2, thread_name="wg")
+                             cluster=cluster, plgpu=plgpu)
+    kernel = plgpu.kernel(body, out_type=out_type, scratch_types=[scratch],
+                          grid=(B, hp // HEADS // cluster, splits), grid_names=("b", "h", "s"),
+                          cluster=(cluster,), cluster_names=("c",), num_threads=2, thread_name="wg")
     call = lambda: kernel(q_lat, q_rope, addr, *pools)  # noqa: E731
     if interpret:
         with plgpu.force_gpu_interpret_mode():
             o, m, l = call()
     else:
         o, m, l = call()
-    return (o[0] if splits == 1 else merge_splits(o, m, l))[:, :H]
+    return (o[0] if splits == 1 else merge_splits(o, m, l).astype(out_dtype))[:, :H]

@@ -85,20 +85,30 @@ def gather_rows(latent_pages, rope_pages, page, row, valid, latent_scale=None):
     return c, rope_pages[page, row].astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("tau", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tau", "interpret", "out_dtype"))
 def sparse_mla_decode_reference(q_lat, q_rope, latent_pages, rope_pages, page, row, valid, *, tau: float,
-                                latent_scale=None, layer=None, interpret: bool = False):
+                                latent_scale=None, layer=None, interpret: bool = False, out_dtype=jnp.float32):
     """q_lat [B, H, C], q_rope [B, H, R], latent_pages [P, 64, C] (bf16 / f32, or float8_e4m3fn with
     latent_scale f32[P, 64, C / 128]), rope_pages [P, 64, R], page / row int32[B, K], valid bool[B, K]
-    -> f32[B, H, C]. With `layer` (int or int32 scalar) the pools carry a leading layer axis [L, ...] and
-    layer `layer` is used. `interpret` is accepted for signature parity and ignored."""
+    -> out_dtype[B, H, C] (float32, or bfloat16: the f32 result rounded, as a bf16 model rounds it before
+    W_UV). With `layer` (int or int32 scalar) the pools carry a leading layer axis [L, ...] and layer
+    `layer` is used. `interpret` is accepted for signature parity and ignored."""
     del interpret
+    out_dtype = check_out_dtype(out_dtype)
     check_shapes(q_lat, q_rope, *per_layer(latent_pages, rope_pages, latent_scale, layer), page, row, valid)
     if layer is not None:
         latent_pages, rope_pages = latent_pages[layer], rope_pages[layer]
         latent_scale = None if latent_scale is None else latent_scale[layer]
     rows_c, rows_r = gather_rows(latent_pages, rope_pages, page, row, valid, latent_scale)
-    return sparse_mla_decode_rows(q_lat, q_rope, rows_c, rows_r, valid, tau)
+    return sparse_mla_decode_rows(q_lat, q_rope, rows_c, rows_r, valid, tau).astype(out_dtype)
+
+
+def check_out_dtype(out_dtype):
+    """The decode's output dtype, float32 or bfloat16 (ValueError otherwise)."""
+    dt = jnp.dtype(out_dtype)
+    if dt not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"out_dtype must be float32 or bfloat16, got {dt}")
+    return dt
 
 
 def per_layer(latent_pages, rope_pages, latent_scale, layer):
