@@ -99,8 +99,10 @@ SIZES = {
         idx_B=4, idx_heads=64, idx_dim=128, idx_topk=2048, idx_contexts=(131072, 32768), idx_dtypes=("bf16", "fp8"),
         gather_B=32, gather_K=2048, gather_hot_rows=4096, gather_ctx=32768,
         mla_B=32, mla_C=512, mla_R=64, mla_K=2048,
+        # (H, pool, q[, backend]): the Mosaic GPU decode (jax >= 0.11) next to the Triton one at the same shapes
         mla_variants=((128, "bf16", "bf16"), (128, "fp8", "bf16"), (64, "bf16", "bf16"), (64, "fp8", "bf16"),
-                      (128, "bf16", "f32")),
+                      (128, "bf16", "f32"), (128, "fp8", "bf16", "mosaic"), (128, "bf16", "bf16", "mosaic"),
+                      (64, "fp8", "bf16", "mosaic")),
         big_layers=40, big_pages=4096, big_H=128, big_B=32, big_K=2048,  # 40 x 4096 x 64 x 512 B = 5 GiB fp8
     ),
     "smoke": dict(
@@ -123,7 +125,8 @@ SIZES = {
         gather_B=TINY["gather_B"], gather_K=TINY["gather_K"], gather_hot_rows=TINY["gather_hot_rows"],
         gather_ctx=TINY["gather_ctx"],
         mla_B=TINY["mla_B"], mla_C=TINY["mla_C"], mla_R=TINY["mla_R"], mla_K=TINY["mla_K"],
-        mla_variants=((TINY["mla_H"], "bf16", "bf16"), (TINY["mla_H"], "fp8", "bf16")),
+        mla_variants=((TINY["mla_H"], "bf16", "bf16"), (TINY["mla_H"], "fp8", "bf16"),
+                      (TINY["mla_H"], "fp8", "bf16", "mosaic")),
         big_layers=TINY["mla_layers"], big_pages=2 * TINY["mla_B"] * max(2 * TINY["mla_K"] // 64, 1),
         big_H=TINY["mla_H"], big_B=TINY["mla_B"], big_K=TINY["mla_K"],
     ),
@@ -764,25 +767,35 @@ def _mla_case(seed: int, B: int, H: int, C: int, R: int, K: int, pool: str, q_dt
     return _block(args), _block(kw), n, row_bytes, P
 
 
-def _kernel_mla(ctx, H: int, pool: str, q_name: str, seed: int) -> dict:
+def _kernel_mla(ctx, H: int, pool: str, q_name: str, seed: int, backend: str = "triton") -> dict:
+    """One sparse_mla_decode variant against its reference. backend "mosaic": the Mosaic GPU kernel (jax >= 0.11;
+    bf16 operands, so the bf16 tolerance; at least 256 latent columns, the smallest it takes)."""
     from functools import partial
 
     from pallas_kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_reference
 
     sz = ctx.sz
     B, C, R, K = sz["mla_B"], sz["mla_C"], sz["mla_R"], sz["mla_K"]
+    if backend == "mosaic":
+        from pallas_kernels.backends import mosaic_unavailable_reason
+
+        if (why := mosaic_unavailable_reason()) is not None:
+            return {"kernel": "sparse_mla_decode", "backend": backend, "passed": True, "skipped": why}
+        C = max(C, 256)
     q_dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32}[q_name]
-    tol = {"bf16": 2e-2, "f32": 1e-4}[q_name]
+    tol = {"bf16": 2e-2, "f32": 1e-4}["bf16" if backend == "mosaic" else q_name]
     tau = float(1 / np.sqrt(192))
     args, kw, n_valid, row_bytes, P = _mla_case(seed, B, H, C, R, K, pool, q_dtype)
-    kern = jax.jit(partial(sparse_mla_decode, tau=tau, interpret=ctx.interpret))
+    kern = jax.jit(partial(sparse_mla_decode, tau=tau, interpret=ctx.interpret, backend=backend))
     ref = jax.jit(partial(sparse_mla_decode_reference, tau=tau))
     got = np.asarray(kern(*args, **kw))
     want = np.asarray(ref(*args, **kw))
     finite = bool(np.all(np.isfinite(got)) and np.all(np.isfinite(want)))
     max_abs = float(np.max(np.abs(got - want))) if finite else None
     rel = max_abs / max(float(np.max(np.abs(want))), 1e-30) if finite else None
-    rec = {"kernel": "sparse_mla_decode", "variant": f"H{H} {pool} pool, q {q_name}", "B": B, "H": H, "C": C, "R": R,
+    rec = {"kernel": "sparse_mla_decode", "backend": backend,
+           "variant": f"H{H} {pool} pool, q {q_name}" + (f", {backend}" if backend != "triton" else ""),
+           "B": B, "H": H, "C": C, "R": R,
            "K": K, "pool": pool, "q_dtype": q_name, "pool_pages": P, "valid_rows": n_valid, "row_bytes": row_bytes,
            "interpret": ctx.interpret,
            "correct": {"finite": finite, "shape_dtype_ok": got.shape == want.shape and got.dtype == np.float32,
@@ -796,12 +809,15 @@ def _kernel_mla(ctx, H: int, pool: str, q_name: str, seed: int) -> dict:
                           n_valid * row_bytes))
     from pallas_kernels import traffic
 
-    rec.update(traffic_fields(ctx, rec, lambda: traffic.sparse_mla_decode_traffic(
-        B, H, C, R, K, kv_dtype=pool, query_dtype=q_name, valid_rows=n_valid)))
+    model = traffic.sparse_mla_decode_mosaic_traffic if backend == "mosaic" else traffic.sparse_mla_decode_traffic
+    rec.update(traffic_fields(ctx, rec, lambda: model(B, H, C, R, K, kv_dtype=pool, query_dtype=q_name,
+                                                      valid_rows=n_valid)))
     return rec
 
 def _kernel_line(r: dict) -> str:
     """One table line of a kernels run (after the name)."""
+    if r.get("skipped"):
+        return f"skipped: {r['skipped']}"
     c = r.get("correct", {})
     if r["kernel"] == "sparse_mla_decode":
         rel = c.get("max_rel_err")
@@ -895,9 +911,9 @@ def section_kernel_gather(ctx: Ctx) -> dict:
 
 
 def section_kernel_mla(ctx: Ctx) -> dict:
-    plan = [(f"sparse_mla_decode H={H} {pool} q={qn}",
-             lambda c, H=H, pool=pool, qn=qn, s=200 + i: _kernel_mla(c, H, pool, qn, s))
-            for i, (H, pool, qn) in enumerate(ctx.sz["mla_variants"])]
+    plan = [(f"sparse_mla_decode H={H} {pool} q={qn}" + (f" {be[0]}" if be else ""),
+             lambda c, H=H, pool=pool, qn=qn, be=be, s=200 + i: _kernel_mla(c, H, pool, qn, s, *be))
+            for i, (H, pool, qn, *be) in enumerate(ctx.sz["mla_variants"])]
     return dict(_run_variants(ctx, plan), convention=KERNEL_CONVENTION)
 
 
@@ -1030,6 +1046,9 @@ def section_compile(ctx: Ctx) -> dict:
         ("sparse_gather", lambda c: _kernel_gather(c, 3)),
         ("sparse_mla_decode bf16", lambda c: _kernel_mla(c, T["mla_H"], "bf16", "bf16", 4)),
         ("sparse_mla_decode fp8", lambda c: _kernel_mla(c, T["mla_H"], "fp8", "bf16", 5)),
+        ("sparse_mla_decode fp8 mosaic", lambda c: _kernel_mla(c, T["mla_H"], "fp8", "bf16", 7, "mosaic")),
+        ("sparse_mla_decode bf16 mosaic H=128 (cluster of 2)",
+         lambda c: _kernel_mla(c, 128, "bf16", "bf16", 8, "mosaic")),
         ("sparse_mla_decode fp8 stacked layer=", lambda c: _stacked_pool(
             c, T["mla_layers"], 2 * T["mla_B"] * max(2 * T["mla_K"] // 64, 1), T["mla_H"], T["mla_B"], T["mla_K"],
             T["mla_C"], T["mla_R"], 6)),
@@ -1824,6 +1843,10 @@ def main(argv=None) -> int:
         if args.section not in SECTIONS:
             p.error(f"unknown section {args.section!r}")
         return child_main(args)
+    if args.cpu_smoke:  # the sections' children inherit it: Mosaic GPU's interpreter needs a large XLA:CPU pool
+        from pallas_kernels.backends import request_interpret_threads
+
+        request_interpret_threads()
     only = [s for s in args.only.split(",") if s]
     unknown = [s for s in only if s not in SECTIONS]
     if unknown:

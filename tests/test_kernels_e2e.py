@@ -3,8 +3,6 @@ kernels ("pallas_interpret") and the sparse MLA decode on Mosaic GPU ("pallas_mo
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 from flax import nnx
@@ -44,14 +42,12 @@ MOSAIC_CFG = dict(kv_lora_rank=256, qk_rope_head_dim=64, index_head_dim=64)
 
 
 @pytest.mark.skipif(mosaic_unavailable_reason() is not None, reason=str(mosaic_unavailable_reason()))
-@pytest.mark.skipif(os.environ.get("HISPARSE_MOSAIC_E2E") != "1", reason=(
-    "set HISPARSE_MOSAIC_E2E=1 to run: the interpreted Mosaic kernel runs from a host callback of the decode step "
-    "and can deadlock XLA:CPU's thread pool on a loaded 2-core machine (it hung once in CI with synchronous "
-    "dispatch; it passed all 6 runs on an idle one)"))
-def test_generation_with_mosaic_decode_matches_references():
+@pytest.mark.parametrize("heads", [3, 128])
+def test_generation_with_mosaic_decode_matches_references(heads):
     """bf16 KV. The Mosaic kernel multiplies bf16 operands (q and p rounded to bf16, as FlashMLA does): logits
-    agree to ~1e-3 of their scale (measured 5e-4), and the same rows are selected, hit and missed."""
-    l_ref, l_mos = same_generation("pallas_mosaic_interpret", "bf16", **MOSAIC_CFG)
+    agree to ~1e-3 of their scale (measured 5e-4), and the same rows are selected, hit and missed. 128 heads: two
+    64-head blocks in one cluster sharing the row copies, inside the decode step."""
+    l_ref, l_mos = same_generation("pallas_mosaic_interpret", "bf16", **MOSAIC_CFG, num_attention_heads=heads)
     scale = max(float(np.max(np.abs(a))) for a in l_ref)
     for a, b in zip(l_ref, l_mos):
         np.testing.assert_allclose(a, b, atol=5e-3 * scale, rtol=0)
@@ -91,9 +87,9 @@ def test_kernel_choice_is_explicit():
 
 
 @pytest.mark.skipif(mosaic_unavailable_reason() is not None, reason=str(mosaic_unavailable_reason()))
-def test_mosaic_interpret_refused_with_asynchronous_cpu_dispatch():
-    """The interpreted Mosaic decode on an asynchronously dispatching CPU client is refused, saying what to set
-    (the suite itself runs synchronously: conftest)."""
+def test_mosaic_interpret_refused_without_what_it_needs():
+    """The interpreted Mosaic decode on an XLA:CPU pool too small for its warpgroups, or on an asynchronously
+    dispatching CPU client, is refused, saying what to set (the suite itself has both: conftest)."""
     import jax
 
     from hisparse_jax.kv.tiered import check_kernels
@@ -101,6 +97,10 @@ def test_mosaic_interpret_refused_with_asynchronous_cpu_dispatch():
     if jax.default_backend() != "cpu":
         pytest.skip("CPU only")
     assert check_kernels("pallas_mosaic_interpret") == "pallas_mosaic_interpret"
+    with pytest.MonkeyPatch.context() as mp:  # a 2-thread pool cannot run the kernel's warpgroups and the step's callback
+        mp.setenv("PJRT_NPROC", "2")
+        with pytest.raises(ValueError, match="PJRT_NPROC=8"):
+            check_kernels("pallas_mosaic_interpret")
     jax.config.update("jax_cpu_enable_async_dispatch", True)  # the flag only; the existing client keeps its mode
     try:
         with pytest.raises(ValueError, match="jax_cpu_enable_async_dispatch', False"):

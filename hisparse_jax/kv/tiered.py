@@ -57,6 +57,9 @@ def stats_bytes(spec: StoreSpec, stats: dict) -> dict:
 KERNELS = ("reference", "pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret")
 
 
+MOSAIC_INTERPRET_THREADS = 5  # XLA:CPU pool threads the interpreted Mosaic decode holds at once inside the step
+
+
 def check_kernels(kernels: str) -> str:
     """Validate the kernel choice (never a silent fallback):
       "reference"                 the jnp ops;
@@ -72,13 +75,17 @@ def check_kernels(kernels: str) -> str:
 
         if (why := mosaic_unavailable_reason()) is not None:
             raise ValueError(f"kernels={kernels!r}: {why}")
-    if (kernels == "pallas_mosaic_interpret" and jax.default_backend() == "cpu"
-            and jax.config.values.get("jax_cpu_enable_async_dispatch", False)):
-        raise ValueError(
-            "kernels='pallas_mosaic_interpret' on the CPU needs synchronous dispatch, set before jax's first use: "
-            "jax.config.update('jax_cpu_enable_async_dispatch', False) (the interpreted kernel runs from a host "
-            "callback of the decode step, and XLA:CPU's asynchronous dispatch can deadlock it; on a loaded machine "
-            "with few cores it can still hang: use it for debugging, not in CI)")
+    if kernels == "pallas_mosaic_interpret" and jax.default_backend() == "cpu":
+        from pallas_kernels.backends import interpret_pool_short_reason
+
+        if jax.config.values.get("jax_cpu_enable_async_dispatch", False):
+            raise ValueError(
+                "kernels='pallas_mosaic_interpret' on the CPU needs synchronous dispatch, set before jax's first use: "
+                "jax.config.update('jax_cpu_enable_async_dispatch', False) (the interpreted kernel runs from a host "
+                "callback of the decode step)")
+        # the step's host callback holds one XLA:CPU pool thread, a cluster of 2 blocks' warpgroups four more
+        if (why := interpret_pool_short_reason(MOSAIC_INTERPRET_THREADS)) is not None:
+            raise ValueError(f"kernels='pallas_mosaic_interpret': {why}")
     if kernels in ("pallas", "pallas_mosaic") and jax.default_backend() != "gpu":
         raise ValueError(f"kernels={kernels!r} needs a GPU backend (this one is {jax.default_backend()!r}); "
                          f"use kernels='{kernels}_interpret' to run the kernels on the CPU")
@@ -196,14 +203,21 @@ class TieredKV:
         elif self._pallas:
             from pallas_kernels import sparse_mla_decode
 
+            backend = kernel_backend(self.kernels)
+            # The Mosaic kernel writes bf16 itself when the queries are bf16 (half the output bytes): the model
+            # rounds o_lat to its compute dtype before W_UV, so the f32 view below costs nothing (XLA folds the
+            # bf16 -> f32 -> bf16 round trip) and changes no value the model uses.
+            out_dtype = jnp.bfloat16 if backend == "mosaic" and q_lat.dtype == jnp.bfloat16 else jnp.float32
+
             def decode(*a):
                 return sparse_mla_decode(*a[:7], latent_scale=a[7], tau=tau, layer=layer, interpret=self._interpret,
-                                         backend=kernel_backend(self.kernels))
+                                         backend=backend, out_dtype=out_dtype)
             args = (q_lat, q_rope, store.latent, store.rope, plan.page, plan.row, plan.valid, store.latent_scale)
-            if self._interpret and kernel_backend(self.kernels) == "mosaic":
-                o_lat = _outside_this_program(decode, jax.ShapeDtypeStruct(q_lat.shape, jnp.float32), *args)
+            if self._interpret and backend == "mosaic":
+                o_lat = _outside_this_program(decode, jax.ShapeDtypeStruct(q_lat.shape, out_dtype), *args)
             else:
                 o_lat = decode(*args)
+            o_lat = o_lat.astype(jnp.float32)
         else:
             rows_c, rows_r = jax.lax.optimization_barrier(ops.gather_rows(spec, store, layer, plan))
             o_lat = sparse_mla_decode_rows(q_lat, q_rope, rows_c, rows_r, plan.valid, tau)
