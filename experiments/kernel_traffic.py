@@ -65,14 +65,18 @@ def evaluate() -> dict:
                          "value": per_slot, "target": STATE_SLOT_BYTES, "applies": d_slots > 0,
                          "growth_beyond_one_state_read_bytes": excess,
                          "meets": (per_slot <= STATE_SLOT_BYTES) if d_slots else None}})
-    for name, model in (("sparse_mla_decode", traffic.sparse_mla_decode_traffic),
-                        ("sparse_mla_decode (mosaic)", traffic.sparse_mla_decode_mosaic_traffic)):
-        for kw in shapes["sparse_mla_decode"]:
+    for name, model, key in (("sparse_mla_decode", traffic.sparse_mla_decode_traffic, "sparse_mla_decode"),
+                             ("sparse_mla_decode (mosaic)", traffic.sparse_mla_decode_mosaic_traffic,
+                              "sparse_mla_decode_mosaic")):
+        for kw in shapes[key]:
             t = model(**kw)
             value = t.total_bytes / t.reference_bytes
             applies = kw["heads"] == 128
-            q = "bf16" if kw["query_dtype"] == "bfloat16" else "f32"
-            row = {"kernel": name, "shape": kw, "label": f"B {kw['batch']}, H {kw['heads']}, q {q}"}
+            short = lambda d: "bf16" if d == "bfloat16" else "f32"  # noqa: E731
+            label = f"B {kw['batch']}, H {kw['heads']}, q {short(kw['query_dtype'])}"
+            if "out_dtype" in kw:
+                label += f", out {short(kw['out_dtype'])}"
+            row = {"kernel": name, "shape": kw, "label": label}
             if name == "sparse_mla_decode":
                 blk = traffic.mla_decode_blocks(kw["batch"], kw["heads"], kw["latent_dim"], kw["topk"])
                 row["blocks"] = {k: v for k, v in blk.items() if k != "grid"} | {"grid": list(blk["grid"])}

@@ -431,65 +431,74 @@ def sparse_mla_decode_traffic(batch: int, heads: int, latent_dim: int, rope_dim:
 
 def sparse_mla_decode_mosaic_traffic(batch: int, heads: int, latent_dim: int, rope_dim: int, topk: int, *,
                                      kv_dtype: str = "fp8", query_dtype: str = "bfloat16",
-                                     valid_rows: int | None = None, splits: int | None = None) -> Traffic:
+                                     valid_rows: int | None = None, splits: int | None = None,
+                                     out_dtype: str = "float32") -> Traffic:
     """`sparse_mla_decode(..., backend="mosaic")` (kernel_mosaic.py), same arguments as
-    `sparse_mla_decode_traffic` (kv_dtype "fp8" or "bf16"; the rope pool is bf16) plus the wrapper's `splits`.
+    `sparse_mla_decode_traffic` (kv_dtype "fp8" or "bf16"; the rope pool is bf16) plus the wrapper's `splits`
+    and `out_dtype` ("float32" or "bfloat16": what the tiered step asks for with bf16 queries).
 
-    Grid (`kernel_mosaic.decode_grid`): (B, Hp / 64, S), S splits of `steps` blocks of BK = 32 rows, Kp = S *
-    steps * BK. Per CUDA block, TMA copies: q (64 heads x (C + R) bf16), the split's addresses (steps * BK * 4),
-    then per block of rows one copy per row and operand: the latent (C * kv bytes) and rope (R * 2) of each
-    VALID row (an invalid slot's address is out of bounds: TMA reads nothing and fills zeros), and for fp8 the
-    block's gathered scales ((C / 128) * BK * 4, valid or not); writes o [64, C] f32 and m, l [64] f32.
+    Grid (`kernel_mosaic.decode_grid`, `head_cluster`): B x Hp / 64 x S CUDA blocks of 64 heads, in clusters of
+    cs = 2 neighbouring head blocks when the head blocks pair up (else 1); S splits of `steps` blocks of BK = 32
+    rows, Kp = S * steps * BK. Per CUDA block, TMA copies: q (64 heads x (C + R) bf16) and, per cluster (one
+    multicast copy), the split's addresses (steps * BK * 4); then per block of rows, per cluster, one multicast
+    copy per VALID row of its latent (C * kv bytes) and rope (R * 2) (an invalid slot's address is out of
+    bounds: TMA reads nothing and fills zeros), and for fp8 per block one copy of each valid row's C / 128 f32
+    scales (at least SCALE_COPY values: 16 bytes; too small to split between two blocks); writes o [64, C]
+    (out_dtype when S = 1, else f32 partials) and m, l [64] f32.
 
-    So every selected row is read once per 64 heads: Hp / 64 times (twice at H = 128; a 2-block cluster
-    multicasting the rows would make it once), and with S > 1 the split-K partials go to memory and come back
-    for the merge (S = 1: the kernel normalizes and writes the answer).
+    So every selected row is read once per cluster of heads: Hp / (64 cs) times (once at H = 128), its scales
+    once per 64 heads, and with S > 1 the split-K partials go to memory and come back for the merge (S = 1: the
+    kernel normalizes and writes the answer).
 
     XLA glue (estimated): q cast to bf16 and head padding, the flat addresses (reads layer/page/row/valid,
-    writes [B, Kp] int32), for fp8 the scale gather (reads each valid row's C / 128 f32 scales: 16 B, less than
-    the 32-byte sector a gather moves; writes [B, Kp, C / 128] f32), and the split merge (S > 1) or the slice
-    of padded heads (S = 1, Hp > H).
-    Ideal and reference_bytes as `sparse_mla_decode_traffic`.
+    writes [B, Kp] int32), and the split merge (S > 1) or the slice of padded heads (S = 1, Hp > H).
+    Ideal as `sparse_mla_decode_traffic` with the output in out_dtype; reference_bytes: the valid rows (latent,
+    rope, fp8 scales) read once.
     """
-    from pallas_kernels.sparse_mla_decode.kernel_mosaic import BLOCK_ROWS, HEADS, decode_grid
+    from pallas_kernels.sparse_mla_decode.kernel_mosaic import BLOCK_ROWS, HEADS, SCALE_COPY, decode_grid, head_cluster
 
     B, H, C, R, K = batch, heads, latent_dim, rope_dim, topk
-    lb, qb = dtype_bytes(kv_dtype), dtype_bytes(query_dtype)
+    lb, qb, ob = dtype_bytes(kv_dtype), dtype_bytes(query_dtype), dtype_bytes(out_dtype)
     if lb not in (1, 2):
         raise ValueError(f"the Mosaic kernel reads bf16 or fp8 latent pools, got {kv_dtype!r}")
+    if ob not in (2, 4):
+        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype!r}")
     fp8 = lb == 1
     hp, S, steps = decode_grid(B, H, K, splits)
+    cs = head_cluster(hp)
     kp = S * steps * BLOCK_ROWS
     hblocks = hp // HEADS
     n_valid = B * K if valid_rows is None else valid_rows
     nblk = C // FP8_BLOCK
     row_bytes = C * lb + R * 2
     scale_bytes = nblk * F32 if fp8 else 0
+    scale_copy = max(nblk, SCALE_COPY) * F32 if fp8 else 0
     blocks = B * hblocks * S
+    kernel_out = ob if S == 1 else F32
     kernel = Pass("sparse_mla_decode (mosaic)",
-                  blocks * (HEADS * (C + R) * 2 + steps * BLOCK_ROWS * I32) + hblocks * n_valid * row_bytes
-                  + hblocks * B * kp * scale_bytes,
-                  blocks * (HEADS * C + 2 * HEADS) * F32)
+                  blocks * HEADS * (C + R) * 2 + (blocks // cs) * steps * BLOCK_ROWS * I32
+                  + (hblocks // cs) * n_valid * row_bytes + hblocks * n_valid * scale_copy,
+                  blocks * HEADS * (C * kernel_out + 2 * F32))
     glue = []
     if hp != H or qb != 2:
         glue.append(Pass("xla: q to bf16, head padding", B * H * (C + R) * qb, B * hp * (C + R) * 2, 0, "xla"))
     glue.append(Pass("xla: addresses", I32 + B * K * (2 * I32 + 1), B * kp * I32, 0, "xla"))
-    if fp8:
-        glue.append(Pass("xla: fp8 scale gather", B * kp * I32 + n_valid * scale_bytes, B * kp * scale_bytes, 0,
-                         "xla"))
     if S > 1:
-        tail = [Pass("xla: split merge", S * B * hp * (C + 2) * F32, B * H * C * F32, 0, "xla")]
+        tail = [Pass("xla: split merge", S * B * hp * (C + 2) * F32, B * H * C * ob, 0, "xla")]
     else:  # one split: normalized in the kernel; only padded heads cost a slice copy
-        tail = [Pass("xla: head slice", B * H * C * F32, B * H * C * F32, 0, "xla")] if hp != H else []
+        tail = [Pass("xla: head slice", B * H * C * ob, B * H * C * ob, 0, "xla")] if hp != H else []
     passes = [*glue, kernel, *tail]
     rows_once = n_valid * (row_bytes + scale_bytes)
-    ideal = B * H * (C + R) * qb + B * K * (2 * I32 + 1) + rows_once + B * H * C * F32
-    why = (f"Each selected row ({row_bytes + scale_bytes} B) is read by all {hblocks} block(s) of {HEADS} heads; "
+    ideal = B * H * (C + R) * qb + B * K * (2 * I32 + 1) + rows_once + B * H * C * ob
+    why = (f"Each selected row ({row_bytes} B + {scale_bytes} B of scales) is read by {hblocks // cs} cluster(s) of "
+           f"{cs} x {HEADS} heads (its scales by each of the {hblocks} blocks); "
            + (f"{S} splits write f32 partials [{S}, B, {hp}, {C}] that the merge reads back." if S > 1 else
-              "one split: the kernel writes the normalized answer."))
-    excess = {"rows re-read by the other head blocks": (hblocks - 1) * n_valid * row_bytes,
+              f"one split: the kernel writes the normalized answer ({out_dtype})."))
+    excess = {"rows re-read by the other head clusters": (hblocks // cs - 1) * n_valid * row_bytes,
+              "fp8 scales read by every head block (16-byte copies)": hblocks * n_valid * scale_copy
+              - n_valid * scale_bytes if fp8 else 0,
               "split-K partials (write + merge read)": 2 * S * B * hp * (C + 2) * F32 if S > 1 else 0,
-              "fp8 scales gathered, written and read back": (B * kp * scale_bytes * (1 + hblocks)) if fp8 else 0,
+              "q cast to bf16 / padded (written, read back)": 2 * B * hp * (C + R) * 2 if hp != H or qb != 2 else 0,
               "q re-read by every split": (S - 1) * B * hp * (C + R) * 2}
     return _make(passes, ideal, why, rows_once, excess)
 
@@ -508,4 +517,7 @@ def production_shapes() -> dict:
         "sparse_gather": [dict(batch=64, topk=2048, hot_rows=hr, max_pages=2048) for hr in (4096, 8192, 16384)],
         "sparse_mla_decode": [dict(batch=64, heads=h, latent_dim=512, rope_dim=64, topk=2048, kv_dtype="fp8",
                                    query_dtype=q) for h in (128, 16) for q in ("bfloat16", "float32")],
+        # the Mosaic decode as the tiered step calls it: bf16 output for bf16 queries (see tiered.py)
+        "sparse_mla_decode_mosaic": [dict(batch=64, heads=h, latent_dim=512, rope_dim=64, topk=2048, kv_dtype="fp8",
+                                          query_dtype=q, out_dtype=q) for h in (128, 16) for q in ("bfloat16", "float32")],
     }
