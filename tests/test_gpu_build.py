@@ -193,6 +193,8 @@ STEP_CASES = [("bf16", "row", "reference"), ("fp8", "page", "reference"), ("bf16
 if os.environ.get("HISPARSE_GPU_BUILD_ALL"):
     STEP_CASES = [(kv, fetch, kernels) for kernels in ("reference", "pallas") for kv in ("bf16", "fp8")
                   for fetch in ("row", "page")]
+if MOSAIC:  # the Mosaic decode inside the step (GLM-5: 64 heads, one block each; bf16 queries, so bf16 output)
+    STEP_CASES.append(("fp8", "row", "pallas_mosaic"))
 
 
 @pytest.fixture(scope="module", params=STEP_CASES, ids=lambda c: "-".join(c))
@@ -270,6 +272,15 @@ def test_step_store_is_donated(built_step):
     """(a) every store buffer (pools, host pools, tables, hot-buffer state) aliases an output of its shape."""
     case, store, text, _ = built_step
     check_store_donated("-".join(case), store, text)
+
+
+def test_step_runs_the_chosen_decode_kernel(built_step):
+    """kernels="pallas_mosaic" builds the decode as a Mosaic GPU kernel (the top-k and the resolver stay Pallas-
+    Triton kernels); the other choices build no Mosaic kernel."""
+    (_, _, kernels), _, text, _ = built_step
+    assert ('custom_call_target="mosaic_gpu' in text) == (kernels == "pallas_mosaic"), kernels
+    if kernels != "reference":
+        assert "__gpu$xla.gpu.triton" in text, f"no Pallas-Triton kernel in the {kernels} step"
 
 
 def check_store_donated(label, store, text):
