@@ -1845,7 +1845,7 @@ def main(argv=None) -> int:
             p.error(f"unknown section {args.section!r}")
         return child_main(args)
     if args.cpu_smoke:  # the sections' children inherit it: Mosaic GPU's interpreter needs a large XLA:CPU pool
-        from pallas_kernels.backends import request_interpret_threads
+        from hisparse_jax.cpu_pool import request_interpret_threads
 
         request_interpret_threads()
     only = [s for s in args.only.split(",") if s]

@@ -514,7 +514,7 @@ def _checked(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpars
     if args.speculative_tokens and args.prefill != "whole":
         parser.error(f"argument --speculative-tokens: needs --prefill whole (got {args.prefill})")
     if args.kernels == "pallas_mosaic_interpret":  # before jax's CPU client exists (see `tiered.check_kernels`)
-        from pallas_kernels.backends import request_interpret_threads
+        from hisparse_jax.cpu_pool import request_interpret_threads
 
         jax.config.update("jax_cpu_enable_async_dispatch", False)
         request_interpret_threads()

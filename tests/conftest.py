@@ -24,10 +24,10 @@ def _synchronous_cpu_dispatch() -> None:
 
 
 def _interpret_threads() -> None:
-    """XLA:CPU's pool large enough for Mosaic GPU's interpret mode (`pallas_kernels.backends`): a cluster of 2
+    """XLA:CPU's pool large enough for Mosaic GPU's interpret mode (`hisparse_jax.cpu_pool`): a cluster of 2
     blocks simulates 4 warpgroups at once, each holding a pool thread while it waits at a barrier, and on a 2-core
     machine the pool has 2 (seen: the cluster tests hang). Set before jax's CPU client exists."""
-    from pallas_kernels.backends import request_interpret_threads
+    from hisparse_jax.cpu_pool import request_interpret_threads
 
     request_interpret_threads()
 

@@ -121,19 +121,16 @@ def test_fp8_scales_of_the_last_row_of_the_pool():
 
 
 @needs_interpret
-def test_cluster_choice_is_checked(monkeypatch):
-    """`cluster` must be 1 or 2 and pair the head blocks; interpreted with `interpret=True`, a cluster whose 4
-    warpgroups the XLA:CPU pool cannot run at once is refused (it would hang), and cluster=1 then runs."""
-    args, kw = make_case(13, B=1, H=128, K=9, C=256, kv="bfloat16", seq_lens=[9])  # shapes no other test traces
+def test_cluster_choice_is_checked():
+    """`cluster` must be 1 or 2 and pair the head blocks; cluster=1 at H = 128 (two lone blocks that each copy the
+    rows) gives the same answer."""
+    args, kw = make_case(13, B=1, H=128, K=9, C=256, kv="bfloat16", seq_lens=[9])
     for bad in (3, 0):
         with pytest.raises(ValueError, match="cluster must be 1 or 2"):
             sparse_mla_decode_mosaic(*args, tau=TAU, interpret=True, cluster=bad, **kw)
     small, small_kw = make_case(13, B=1, H=20, K=9, C=256, kv="bfloat16", seq_lens=[9])
     with pytest.raises(ValueError, match="divide the 1 head blocks"):
         sparse_mla_decode_mosaic(*small, tau=TAU, interpret=True, cluster=2, **small_kw)
-    monkeypatch.setenv("PJRT_NPROC", "3")  # what the check reads (this process's pool is already larger)
-    with pytest.raises(ValueError, match="PJRT_NPROC=8"):
-        sparse_mla_decode_mosaic(*args, tau=TAU, interpret=True, **kw)
     out = np.asarray(sparse_mla_decode_mosaic(*args, tau=TAU, interpret=True, cluster=1, **kw))
     ref = np.asarray(sparse_mla_decode_reference(*args, tau=TAU, **kw))
     assert np.max(np.abs(out - ref)) <= 1e-2 * np.max(np.abs(ref))

@@ -76,7 +76,7 @@ def check_kernels(kernels: str) -> str:
         if (why := mosaic_unavailable_reason()) is not None:
             raise ValueError(f"kernels={kernels!r}: {why}")
     if kernels == "pallas_mosaic_interpret" and jax.default_backend() == "cpu":
-        from pallas_kernels.backends import interpret_pool_short_reason
+        from hisparse_jax.cpu_pool import interpret_pool_short_reason
 
         if jax.config.values.get("jax_cpu_enable_async_dispatch", False):
             raise ValueError(

@@ -77,7 +77,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backends import interpret_pool_short_reason, mosaic_gpu
+from pallas_kernels.backends import mosaic_gpu
 from pallas_kernels.sparse_mla_decode.reference import FP8_BLOCK, check_out_dtype, checked_stacked_pools, merge_splits
 
 HEADS = 64  # heads per CUDA block: the M of one warpgroup MMA
@@ -284,9 +284,8 @@ def sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row,
 
     `interpret=True` runs it on the CPU in Mosaic GPU's interpret mode (race detection is the caller's
     choice: wrap the call in `plgpu.force_gpu_interpret_mode(...)` instead to pass parameters). Interpreted, a
-    cluster's 2 x `cluster` warpgroups run at once, each holding a thread of XLA:CPU's pool
-    (`pallas_kernels.backends`): with `interpret=True` a pool too small for them is refused (ValueError
-    saying what to set) rather than left to hang."""
+    cluster's 2 x `cluster` warpgroups run at once, each holding a thread of XLA:CPU's pool: a pool smaller
+    than that hangs (set PJRT_NPROC=8 before jax starts, `hisparse_jax.cpu_pool`, or pass cluster=1)."""
     plgpu = mosaic_gpu()
     latent_pages, rope_pages, latent_scale, layer = checked_stacked_pools(
         q_lat, q_rope, latent_pages, rope_pages, latent_scale, layer, page, row, valid)
@@ -309,8 +308,6 @@ def sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row,
     cluster = head_cluster(hp) if cluster is None else cluster
     if cluster not in (1, 2) or (hp // HEADS) % cluster:
         raise ValueError(f"cluster must be 1 or 2 and divide the {hp // HEADS} head blocks of {HEADS}, got {cluster}")
-    if interpret and (why := interpret_pool_short_reason(2 * cluster)) is not None:
-        raise ValueError(f"{why}; or pass cluster=1")
     bk = BLOCK_ROWS
     kp = splits * steps * bk
 
