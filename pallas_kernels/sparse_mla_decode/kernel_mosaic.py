@@ -100,9 +100,9 @@ SCALE_COPY = 4  # f32 scales per row copy at least: a TMA copy moves at least 16
 def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float, steps: int, fp8: bool,
           nrows: int, final: bool, cluster: int, plgpu):
     # q_lat_ref [B, Hp, C], q_rope_ref [B, Hp, R] bf16; addr_ref [B, S, steps, BK] int32 (nrows = invalid);
-    # lat_ref [nrows, C], rope_ref [nrows, R] (+ scale_ref [B, S, steps, C / 128, BK] f32 when fp8: the selected
-    # rows' scales, gathered by the wrapper, one contiguous vector per step and 128-column block);
-    # o_ref [S, B, Hp, C] (unnormalized; normalized when `final`, S = 1), m_ref / l_ref [S, B, Hp]; then the scratch
+    # lat_ref [nrows, C], rope_ref [nrows, R] (+ scale_ref [nrows * C / 128] f32 when fp8: the pool's scales, flat);
+    # o_ref [S, B, Hp, C] (f32 unnormalized; normalized, in the output dtype, when `final`, S = 1), m_ref / l_ref
+    # [S, B, Hp]; then the scratch. The grid is (B, Hp / 64 / cluster, S) clusters of `cluster` blocks ("c").
     if fp8:
         scale_ref, o_ref, m_ref, l_ref, scratch = rest
     else:
