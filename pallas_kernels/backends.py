@@ -10,7 +10,6 @@ Mosaic GPU's interpret mode needs an XLA:CPU thread pool of at least the warpgro
 
 from __future__ import annotations
 
-
 import jax
 
 BACKENDS = ("triton", "mosaic")
@@ -41,4 +40,3 @@ def mosaic_gpu():
         raise NotImplementedError(why)
     from jax.experimental.pallas import mosaic_gpu as plgpu
     return plgpu
-

@@ -3,6 +3,7 @@ kernels ("pallas_interpret") and the sparse MLA decode on Mosaic GPU ("pallas_mo
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -51,6 +52,28 @@ def test_generation_with_mosaic_decode_matches_references(heads):
     scale = max(float(np.max(np.abs(a))) for a in l_ref)
     for a, b in zip(l_ref, l_mos):
         np.testing.assert_allclose(a, b, atol=5e-3 * scale, rtol=0)
+
+
+@pytest.mark.skipif(mosaic_unavailable_reason() is not None, reason=str(mosaic_unavailable_reason()))
+@pytest.mark.parametrize("dtype, want", [("bfloat16", "bfloat16"), ("float32", "float32")])
+def test_step_asks_the_mosaic_decode_for_the_queries_dtype(monkeypatch, dtype, want):
+    """The tiered step asks the Mosaic decode for bf16 output exactly when the queries are bf16 (the model rounds
+    o_lat to its dtype before W_UV). The decode is swapped for its reference here (same arguments): the wiring is
+    under test, not the kernel."""
+    import pallas_kernels
+    from pallas_kernels.sparse_mla_decode import sparse_mla_decode_reference
+
+    seen = []
+
+    def recording(*a, backend, interpret, out_dtype, **kw):
+        seen.append((backend, jnp.dtype(out_dtype).name))
+        return sparse_mla_decode_reference(*a, out_dtype=out_dtype, **kw)
+
+    monkeypatch.setattr(pallas_kernels, "sparse_mla_decode", recording)
+    m = hj.SparseMLAModel(model_cfg(**MOSAIC_CFG, dtype=dtype), rngs=nnx.Rngs(0))
+    cc = CacheConfig(kv_dtype="bf16", device_pages=6, host_pages=16, max_seqs=1, max_seq_len=320)
+    generate(m, [list(range(1, 70))], 2, cache=cc, kernels="pallas_mosaic_interpret")
+    assert seen and set(seen) == {("mosaic", want)}
 
 
 def test_mosaic_choice_is_checked():

@@ -108,7 +108,7 @@ def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float,
     else:
         scale_ref, (o_ref, m_ref, l_ref, scratch) = None, rest
     (q_smem, qr_smem, idx_smem, raw_c, raw_r, raw_s, tile_c, tile_r, s_x, p_smem,
-     q_bar, idx_bar, loaded, consumed, exchange, done) = scratch
+     q_bar, idx_bar, loaded, consumed, exchange, *done) = scratch  # done: with a cluster only
     b, split = lax.axis_index("b"), lax.axis_index("s")
     hb = lax.axis_index("h") * cluster + lax.axis_index("c")  # this block's 64 heads
     # The blocks of a cluster (neighbouring head blocks of one sequence and split) read the same rows: each row copy
@@ -242,8 +242,8 @@ def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float,
             m_ref[split, b, heads] = m
             l_ref[split, b, heads] = l
         if cluster > 1:  # no block exits while a peer may still multicast into it or arrive on its barriers
-            plgpu.barrier_arrive(done)
-            plgpu.barrier_wait(done)
+            plgpu.barrier_arrive(done[0])
+            plgpu.barrier_wait(done[0])
 
     for w in range(2):
         pl.when(wg == w)(functools.partial(run, w))
@@ -256,7 +256,8 @@ def head_cluster(hp: int) -> int:
 
 
 def decode_grid(batch: int, heads: int, topk: int, splits: int | None = None) -> tuple[int, int, int]:
-    """(padded heads Hp, splits S, row blocks per split) of a call; its grid is (B, Hp / HEADS, S).
+    """(padded heads Hp, splits S, row blocks per split) of a call; its CUDA blocks are (B, Hp / HEADS, S), launched
+    as clusters of `head_cluster(Hp)` along the heads.
 
     `splits` None: TARGET_BLOCKS // (B * Hp / HEADS), at least 1 (one wave). Either way at least ceil(blocks / MAX_STEPS)
     (a split's addresses live in shared memory) and at most one split per row block."""
@@ -300,9 +301,9 @@ def sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row,
         raise ValueError(f"the Mosaic kernel needs C a multiple of {2 * CHUNK} and R a multiple of 64 (got C={C}, R={R})")
     nrows = L * P * 64
     nblk = C // FP8_BLOCK
-    if nrows * (nblk if fp8 else 1) + SCALE_COPY > MAX_ROWS:
-        raise ValueError(f"the flattened pool has {nrows} rows ({nrows * nblk} fp8 scales); TMA coordinates are "
-                         f"int32 (< 2^31)")
+    if nrows > MAX_ROWS or (fp8 and nrows * nblk + SCALE_COPY > MAX_ROWS):
+        raise ValueError(f"the flattened pool has {nrows} rows" + (f" ({nrows * nblk} fp8 scales)" if fp8 else "")
+                         + "; TMA coordinates are int32 (< 2^31)")
     out_dtype = check_out_dtype(out_dtype)
     hp, splits, steps = decode_grid(B, H, K, splits)
     cluster = head_cluster(hp) if cluster is None else cluster
@@ -340,9 +341,9 @@ def sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row,
         # raw rows converted by both WGs (of every block of the cluster: the next rows land in all of them)
         plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=2) if cluster > 1 else plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=2),  # partial scores written by both WGs
-        # the cluster's blocks all done (unused without a cluster)
-        plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=2) if cluster > 1 else plgpu.Barrier(),
     ]
+    if cluster > 1:  # the cluster's blocks all done
+        scratch.append(plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=2))
     out_type = (jax.ShapeDtypeStruct((splits, B, hp, C), out_dtype if splits == 1 else jnp.float32),
                 jax.ShapeDtypeStruct((splits, B, hp), jnp.float32),
                 jax.ShapeDtypeStruct((splits, B, hp), jnp.float32))
