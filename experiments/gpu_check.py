@@ -714,14 +714,14 @@ def _kernel_gather(ctx, seed: int) -> dict:
 
 
 def _gather_loop_traffic(ref, args, want, HR: int, MP: int, n: int):
-    """The traffic model of one call of the timing loop: its first call (the case's state: random stamps,
-    maybe the O(HR^2) ranking) and n - 1 calls on the state the previous call left, averaged per call."""
+    """The traffic model of one call of the timing loop: its first call (the case's state: random stamps, maybe
+    radix passes to select the victims) and n - 1 calls on the state the previous call left, averaged per call."""
     from pallas_kernels import traffic
 
     B, K = args[0].shape
-    first = traffic.gather_plan_counts(args[0], args[1], args[2], args[4], args[6], *want[2:5], hot_rows=HR)
+    first = traffic.gather_plan_counts(*args[:3], args[4], args[5], args[6], args[7], *want[2:5], hot_rows=HR)
     nxt = [np.asarray(x) for x in ref(*args[:5], want[7], want[8], args[7] + 1)]
-    later = traffic.gather_plan_counts(args[0], args[1], args[2], args[4], want[8], *nxt[2:5], hot_rows=HR)
+    later = traffic.gather_plan_counts(*args[:3], args[4], want[7], want[8], args[7] + 1, *nxt[2:5], hot_rows=HR)
     t1 = traffic.sparse_gather_traffic(B, K, HR, MP, **first)
     t2 = traffic.sparse_gather_traffic(B, K, HR, MP, **later)
     mean = lambda a, b: (a + (n - 1) * b) // max(n, 1)  # noqa: E731

@@ -7,10 +7,10 @@ indexer group. Every position is treated as offloaded (served by the hot buffer:
 copied from host); the resident tail pages of the real store are ignored.
 
 Policies (a slot hit or filled in the current step is never a victim of that step):
-  lru    the published rule, identical to `hisparse_jax.kv.ops.resolve`: misses, in top-k order, take the
-         least recently used slots not hit this step (never-used slots first, lower slot first); the order
-         after the step is [untouched | missed, in top-k order | hit, in their previous order], kept as
-         per-slot ranks 0..HR-1 in `stamp` (-1 everywhere at the start reads as ranks = slot index).
+  lru    the store's rule, identical to `hisparse_jax.kv.ops.resolve`: the misses take the least recently
+         used slots not hit this step ((stamp, slot) order: never-used slots first, lower slot first among
+         equal stamps), in slot order; every hit or filled slot gets stamp := the step (LRU at step
+         granularity: within a step the published rule ranks filled slots before hit ones).
   fifo   like lru but a hit does not refresh the stamp (stamp = insertion step).
   clock  second chance: one reference bit per slot, set on hit/insert; the hand clears set bits and takes
          the first clear, unprotected slot.
@@ -94,8 +94,8 @@ def simulate(trace, hot_rows: int, policy: str = "lru", *, max_pos: int | None =
         hits[clock], misses[clock] = hit.sum(), nm
         protected = np.zeros(HR, bool)
         protected[hs] = True
-        if policy == "lru":  # the previous order: ranks of (stamp, slot)
-            rank = np.argsort(np.argsort(stamp, kind="stable"), kind="stable")
+        if policy == "lru":
+            stamp[hs] = clock
         if policy in ("lfu", "lru2"):
             prev[hs] = stamp[hs]
             stamp[hs] = clock
@@ -108,6 +108,8 @@ def simulate(trace, hot_rows: int, policy: str = "lru", *, max_pos: int | None =
             if policy in ("lru", "fifo"):
                 key = np.where(protected, 1 << 40, stamp)
                 victims = np.argsort(key, kind="stable")[:nm]
+                if policy == "lru":  # claimed in slot order
+                    victims = np.sort(victims)
             elif policy == "lfu":
                 victims = np.lexsort((np.arange(HR), stamp, np.where(protected, 1 << 40, count)))[:nm]
             elif policy == "lru2":
@@ -138,11 +140,6 @@ def simulate(trace, hot_rows: int, policy: str = "lru", *, max_pos: int | None =
             ref[victims] = True
             if policy == "opt":
                 nextuse[victims] = nu[clock][~hit]
-        if policy == "lru":  # new ranks: [untouched, previous order | claimed, claim order | hit, previous order]
-            key = np.where(protected, 2 * HR + rank, rank)
-            if nm:
-                key[victims] = HR + np.arange(nm)
-            stamp = np.argsort(np.argsort(key, kind="stable"), kind="stable")
     if return_state:
         return hits, misses, tokens.copy(), stamp.copy()
     return hits, misses

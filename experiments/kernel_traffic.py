@@ -125,8 +125,8 @@ def main(argv=None) -> int:
               "commit": _git_commit(), "python": platform.python_version(),
               "units": "bytes (MB in the table = 1e6 bytes); total = read + write, global-memory bytes issued",
               "assumptions": {"sparse_gather": "every row live with a hot buffer, every top-k slot valid, 25% "
-                                               "resident, half the rest hits, canonical stamps, every lookup "
-                                               "tile scans the tags",
+                                               "resident, half the rest hits, every lookup tile scans the tags, "
+                                               "each row's victims found in the window pass (steady state)",
                               "sparse_mla_decode": "every selected row valid, rope bf16",
                               "indexer_topk": "every row at the full context; q passed in bf16"},
               "targets": {"indexer_topk": f"total <= {INDEXER_TARGET} x keys read once at 128K",

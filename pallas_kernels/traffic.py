@@ -36,11 +36,11 @@ from typing import Iterable, Sequence
 from pallas_kernels.common import FP8_BLOCK, PAGE
 from pallas_kernels.indexer_topk.kernel import (COUNT_SUB, MAX_CHUNK, MIN_DOT, PAGES_PER_BLOCK, RADIX_BITS,
                                                 RANK_COLS, RANK_ROWS)
-from pallas_kernels.sparse_gather.kernel import MAX_TILE
+from pallas_kernels.sparse_gather.kernel import SELECT_BITS, SELECT_BUCKETS, tiles as gather_tiles
 from pallas_kernels.sparse_mla_decode.kernel import TARGET_PROGRAMS
 
 __all__ = ["Pass", "Traffic", "dtype_bytes", "gather_plan_counts", "indexer_topk_traffic", "mla_decode_blocks",
-           "production_shapes", "roofline", "sparse_gather_traffic", "sparse_mla_decode_mosaic_traffic",
+           "production_shapes", "roofline", "selection_passes", "sparse_gather_traffic", "sparse_mla_decode_mosaic_traffic",
            "sparse_mla_decode_traffic"]
 
 I32 = 4
@@ -242,7 +242,7 @@ def sparse_gather_traffic(batch: int, topk: int, hot_rows: int, max_pages: int, 
                           resident: int | None = None, hits: int | None = None, misses: int | None = None,
                           resident_frac: float = 0.25, hit_frac: float = 0.5, no_copy: int = 0,
                           live_rows: int | None = None, hot_rows_live: int | None = None,
-                          scan_tiles: int | None = None, empty_slots: int = 0, canonical: bool = True,
+                          scan_tiles: int | None = None, select_rows: int | None = None, select_passes: int = 0,
                           hot_pages_width: int | None = None, out_of_range: int = 0) -> Traffic:
     """`sparse_gather(topk [B, K], req, block_table / host_table [Rq, MP], hot_pages [Rq, NH],
     hot_token / hot_stamp [Rq, HR], clock, hot_rows=HR)`; all tables int32.
@@ -251,27 +251,24 @@ def sparse_gather_traffic(batch: int, topk: int, hot_rows: int, max_pages: int, 
     buffer, every top-k slot valid, resident = resident_frac of them, hits = hit_frac of the rest, the
     others misses): resident / hits / misses (kinds 1 / 2 / 3 of the lookup); no_copy: positions that
     wanted the hot buffer but have no hot or host copy (kind 0); live_rows (req >= 0), hot_rows_live (live
-    with a hot buffer: only they run the LRU update); scan_tiles: lookup tiles holding a position the hot
-    buffer may serve (default every tile of a hot row: only they scan the HR tags); empty_slots: hot_stamp
-    == -1 slots of the hot rows' requests; canonical: stamps are the resolver's own ranks (False: the
-    O(HR^2) `general` ranking runs); out_of_range: top-k lanes whose page index is >= MP. HR >= K
-    (`check_shapes`), so every miss finds a victim.
+    with a hot buffer); scan_tiles: lookup tiles holding a position the hot buffer may serve (default every
+    tile of a hot row: only they scan the HR tags); select_rows: hot rows with a miss (they select victims;
+    default: every hot row when misses > 0); select_passes: passes over a row's HR stamps beyond the two every
+    selecting row makes (the window histogram and the pick), summed over the rows: 0 when each row's m-th
+    least recent key lies in the window ending at the clock, else 1 + its radix passes (`gather_plan_counts`
+    counts them); out_of_range: top-k lanes whose page index is >= MP. HR >= K (`check_shapes`).
 
-    Tiles (kernel.py `sparse_gather`): TK = min(MAX_TILE, next_pow2(K)), Kp = K rounded up to TK, TS = the
-    largest power of two <= MAX_TILE dividing HR.
+    Tiles (kernel.py `tiles`): TK = min(TOPK_TILE, next_pow2(K)), Kp = K rounded up to TK.
 
     1. `_lookup_kernel`, grid (B, Kp / TK): `req_ref[b]`, the tile's top-k (TK * 4), the block-table gather
        (in-range lanes * 4), `hot_ok_ref[b]`, the host-table gather (wanting lanes * 4), and when a lane wants
-       the hot buffer the request's whole tag row, HR * 4, in TS steps; writes kind and addr (TK * 8).
+       the hot buffer the request's whole tag row, HR * 4; writes kind and addr (TK * 8).
        The tag scan is HR * 4 per tile: Kp / TK * HR * 4 per hot row, the resolver's dominant term.
-    2. `_assign_kernel`, grid (B,): `req_ref[b]`, the kinds (Kp * 4, miss count) and `hot_ok_ref[b]`; for
-       a hot row (lru_update): fill work (w HR*4); claim: stamps (r HR*4), scatter (w in-range stamps*4);
-       check: stamps (r HR*4), gather (r in-range*4); canonical: below (r+w HR*4), slot_rank: stamps (r HR*4),
-       gather (r stamped*4), prev (w HR*4) -- or general: stamps (HR/TS + 1) * HR * 4 read, prev written;
-       fill work (w HR*4); touch: kind + addr (r Kp*8), prev gather and work scatter (r + w hits*4);
-       scan (r+w HR*4); rerank: prev (r HR*4), work gather (r HR*4), hot_stamp (w HR*4), order scatter
-       (w misses*4). Then for every row (assign): kind, addr, topk (r Kp*12), order (r misses*4), hot_pages
-       (r (hits+misses)*4), host_table (r misses*4); page, row, src (w Kp*12), hot_token (w misses*4).
+    2. `_assign_kernel`, grid (B,): `req_ref[b]`, `hot_ok_ref[b]`, the clock, the kinds (Kp * 4); on a hot row
+       the addresses (Kp * 4) and the hit marks (w hits * 4); on a selecting row the stamps HR * 4 per pass
+       (window histogram, [extremes and radix passes,] pick) and the victim list (w misses * 4). Then for
+       every row (assign): kind, addr, topk (r Kp*12), order (r misses*4), hot_pages (r (hits+misses)*4),
+       host_table (r misses*4); page, row, src (w Kp*12), hot_token (w misses*4), hot_stamp (w (hits+misses)*4).
 
     XLA glue (estimated): `has_hot_buffer` (B rows of hot_pages), top-k padding when Kp > K, and the
     outputs valid / resident / miss (bool) and src_row from the kinds and the top-k.
@@ -283,9 +280,7 @@ def sparse_gather_traffic(batch: int, topk: int, hot_rows: int, max_pages: int, 
     B, K, HR, MP = batch, topk, hot_rows, max_pages
     if HR < K:
         raise ValueError(f"hot_rows={HR} must be >= K={K}")
-    TK = min(MAX_TILE, _next_pow2(K))
-    Kp = _cdiv(K, TK) * TK
-    TS = min(MAX_TILE, HR & -HR)
+    TK, Kp, _, _ = gather_tiles(K, HR)
     NH = hot_pages_width if hot_pages_width is not None else _cdiv(HR, PAGE)
     live = B if live_rows is None else live_rows
     hot = live if hot_rows_live is None else hot_rows_live
@@ -299,18 +294,16 @@ def sparse_gather_traffic(batch: int, topk: int, hot_rows: int, max_pages: int, 
     want = hits + misses + no_copy
     in_range = B * Kp - out_of_range
     tiles = scan_tiles if scan_tiles is not None else hot * (Kp // TK)
-    inr = hot * HR - empty_slots  # stamps in [0, HR) (canonical rows: every non-empty slot)
+    selecting = select_rows if select_rows is not None else (hot if misses else 0)
 
     lookup = Pass("lookup", B * (Kp // TK) * (2 * I32 + TK * I32) + in_range * I32 + want * I32 + tiles * HR * I32,
                   B * Kp * 2 * I32)
-    hr = hot * HR * I32
-    ranking_r = (2 * hr + (hr if canonical else 0) + inr * I32  # claim + check stamps, below, check gather
-                 + (hr + inr * I32 if canonical else hot * (HR // TS + 1) * HR * I32))  # slot_rank | general
-    ranking_w = hr + inr * I32 + (2 * hr if canonical else hr)  # fill, claim scatter, below + prev | prev
-    lru_r = ranking_r + hot * Kp * 2 * I32 + hits * I32 + hr + 2 * hr
-    lru_w = ranking_w + hr + hits * I32 + hr + hr + misses * I32
-    assign = Pass("assign", B * (2 * I32 + Kp * I32) + lru_r + B * Kp * 3 * I32 + misses * I32 + (hits + misses) * I32
-                  + misses * I32, lru_w + B * Kp * 3 * I32 + misses * I32)
+    stamp_passes = (2 * selecting + select_passes) * HR * I32
+    lru_r = hot * Kp * I32 + stamp_passes  # addresses (hit marks), stamp passes
+    lru_w = hits * I32 + misses * I32  # hit marks, victim list
+    assign = Pass("assign", B * (3 * I32 + Kp * I32) + lru_r + B * Kp * 3 * I32 + misses * I32
+                  + (hits + misses) * I32 + misses * I32,
+                  lru_w + B * Kp * 3 * I32 + misses * I32 + (hits + misses) * I32)
     glue = [Pass("xla: has_hot_buffer", B * I32 + B * NH * I32, B * I32, 0, "xla")]
     if Kp != K:
         glue.append(Pass("xla: top-k pad", B * K * I32, B * Kp * I32, 0, "xla"))
@@ -320,28 +313,54 @@ def sparse_gather_traffic(batch: int, topk: int, hot_rows: int, max_pages: int, 
     state_once = B * (2 * HR + NH) * I32
     ideal = (B * K * I32 + B * I32 + 2 * B * min(K, MP) * I32 + state_once  # reads
              + B * K * (4 * I32 + 3) + 2 * B * HR * I32)  # writes
-    per_slot = (lru_r + lru_w - hot * Kp * 2 * I32 - hits * 2 * I32 - misses * I32) / (hot * HR) if hot else 0.0
+    per_row = stamp_passes / selecting / HR if selecting else 0.0
     why = (f"The lookup scans a hot row's {HR} tags once per {TK}-position tile ({Kp // TK} x HR x 4 B per row); "
-           f"the LRU update reads or writes [HR] int32 rows ~{per_slot / I32:.0f} times ({per_slot:.0f} B per slot).")
+           f"victim selection reads a selecting row's stamps {per_row / I32:.1f} times ({per_row:.0f} B per slot).")
     excess = {"tag scans (lookup)": tiles * HR * I32 - hot * HR * I32,
-              "LRU passes over [HR] rows (assign)": lru_r + lru_w - hot * HR * 2 * I32 - hot * Kp * 2 * I32}
+              "stamp passes (assign)": stamp_passes - hot * HR * I32}
     return _make(passes, ideal, why, state_once, excess)
 
 
-def gather_plan_counts(topk, req, block_table, hot_pages, hot_stamp, valid, resident, miss, *,
-                       hot_rows: int) -> dict:
-    """The plan keywords of `sparse_gather_traffic` for one call, from its inputs (topk, req, block_table,
-    hot_pages, hot_stamp: the state *before* the call) and its valid / resident / miss outputs (array-likes;
-    uses NumPy, imported here)."""
+def selection_passes(keys, m: int, clock: int) -> int:
+    """Passes over a row's stamps beyond the window histogram and the pick, for victim selection over the
+    untouched slots' LRU keys `keys` (int array, hit slots removed) with m >= 1 misses: the kernel's
+    `select_victims` decisions, in NumPy (0 when the m-th smallest key lies in [clock - NB + 2, clock + 1])."""
     import numpy as np
 
-    topk, req, block_table, hot_pages, hot_stamp = (np.asarray(a) for a in (topk, req, block_table, hot_pages,
-                                                                            hot_stamp))
+    keys = np.maximum(np.asarray(keys, np.int64), -1)
+    base = clock - (SELECT_BUCKETS - 2)
+    below = int((keys < base).sum())
+    if below < m <= int((keys < base + SELECT_BUCKETS).sum()):
+        return 0
+    if below >= m:
+        lo, hi = int(keys.min()), base - 1
+    else:
+        lo, hi = int(keys[keys >= clock + 2].min()), int(keys.max())
+    passes, shift, v = 1, max((hi - lo).bit_length() - SELECT_BITS, 0), lo  # the extremes pass, then radix
+    while True:
+        passes += 1
+        below = int((keys < v).sum())
+        if below + int((keys == v).sum()) >= m or shift == 0:
+            return passes
+        d = 0
+        while below + int(((keys >= v) & (keys < v + ((d + 1) << shift))).sum()) < m:
+            d += 1
+        v, shift = v + (d << shift), max(shift - SELECT_BITS, 0)
+
+
+def gather_plan_counts(topk, req, block_table, hot_pages, hot_token, hot_stamp, clock, valid, resident, miss, *,
+                       hot_rows: int) -> dict:
+    """The plan keywords of `sparse_gather_traffic` for one call, from its inputs (topk, req, block_table,
+    hot_pages, hot_token, hot_stamp, clock: the state *before* the call) and its valid / resident / miss outputs
+    (array-likes; uses NumPy, imported here)."""
+    import numpy as np
+
+    topk, req, block_table, hot_pages, hot_token, hot_stamp = (
+        np.asarray(a) for a in (topk, req, block_table, hot_pages, hot_token, hot_stamp))
     valid, resident, miss = (np.asarray(a, bool) for a in (valid, resident, miss))
     B, K = topk.shape
     MP = block_table.shape[1]
-    TK = min(MAX_TILE, _next_pow2(K))
-    Kp = _cdiv(K, TK) * TK
+    TK, Kp, _, _ = gather_tiles(K, hot_rows)
     live = req >= 0
     r = np.maximum(req, 0)
     hot_ok = live & np.all(hot_pages[r, :_cdiv(hot_rows, PAGE)] >= 0, axis=1)
@@ -351,13 +370,18 @@ def gather_plan_counts(topk, req, block_table, hot_pages, hot_stamp, valid, resi
     want = (topk >= 0) & live[:, None] & (dpage < 0) & hot_ok[:, None]
     hits = valid & ~resident & ~miss
     wantp = np.pad(want, ((0, 0), (0, Kp - K)))
-    st = hot_stamp[r[hot_ok]]
-    canonical = bool(all(((row >= -1) & (row < hot_rows)).all()
-                         and len(np.unique(row[row >= 0])) == int((row >= 0).sum()) for row in st))
+    select_rows, select_passes = 0, 0
+    for b in np.nonzero(hot_ok & miss.any(axis=1))[0]:
+        tags = hot_token[r[b]]
+        hit_slots = {int(np.argmax(tags == t)) for t in topk[b][hits[b]]}  # the lowest slot holding t
+        untouched = np.ones(hot_rows, bool)
+        untouched[list(hit_slots)] = False
+        select_rows += 1
+        select_passes += selection_passes(hot_stamp[r[b]][untouched], int(miss[b].sum()), int(clock))
     return dict(resident=int(resident.sum()), hits=int(hits.sum()), misses=int(miss.sum()),
                 no_copy=int((want & ~hits & ~miss).sum()), live_rows=int(live.sum()),
                 hot_rows_live=int(hot_ok.sum()), scan_tiles=int(wantp.reshape(B, Kp // TK, TK).any(axis=2).sum()),
-                empty_slots=int((st == -1).sum()), canonical=canonical, out_of_range=int((~in_range).sum()))
+                select_rows=select_rows, select_passes=select_passes, out_of_range=int((~in_range).sum()))
 
 
 # ----- sparse MLA decode ----------------------------------------------------------------------------------

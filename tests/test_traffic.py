@@ -251,12 +251,14 @@ def test_indexer_model_matches_the_kernel(emulate, kd, I, D, MP, lens, topk, chu
 GATHER_NAMES = {"lookup": "hisparse_lookup", "assign": "hisparse_assign"}
 
 
-def _gather_case(seed, B, K, HR, MP, *, stamps="canonical", hot_for=None, idle=()):
+def _gather_case(seed, B, K, HR, MP, *, stamps="window", hot_for=None, idle=()):
     """Resolver inputs: mixed resident / hit / miss positions, an optional request without a hot buffer, an
-    idle row, canonical (distinct ranks and -1) or foreign (duplicate) stamps."""
+    idle row; stamps in the selection window ending at the clock ("window"), or spread over the past (the
+    extremes pass and radix passes: "spread")."""
     rng = np.random.default_rng(seed)
     S, Rq = MP * 64, B + 1
     NH = -(-HR // 64)
+    clock = 700
     topk = np.stack([np.sort(rng.choice(S, K, replace=False)) for _ in range(B)]).astype(np.int32)
     topk[0, -3:] = -1  # a few invalid slots
     req = rng.permutation(Rq)[:B].astype(np.int32)
@@ -276,17 +278,21 @@ def _gather_case(seed, B, K, HR, MP, *, stamps="canonical", hot_for=None, idle=(
         held = rng.choice(S, n, replace=False)
         slots = rng.permutation(HR)[:n]
         tok[r, slots] = held
-        stamp[r, slots] = rng.permutation(HR)[:n] if stamps == "canonical" else rng.integers(0, 5, n)
+        stamp[r, slots] = (rng.integers(clock - 40, clock, n) if stamps == "window"
+                           else rng.integers(0, clock - 100, n))
+    if stamps == "window":
+        stamp[tok == -1] = clock - 50  # no never-used slot: the victims' keys lie in the window
     return tuple(jnp.asarray(x) for x in (topk, req, block_table, host_table, hot_pages, tok, stamp,
-                                          np.int32(7)))
+                                          np.int32(clock)))
 
 
 def _gather_counts(args, out, HR):
-    """The plan counts the model takes, measured on the inputs and the reference's outputs."""
-    topk, req, block_table, host_table, hot_pages, tok, stamp, _ = (np.asarray(a) for a in args)
+    """The plan counts the model takes, measured on the inputs and the reference's outputs (the selection
+    passes by the kernel's rule, `traffic.selection_passes`, checked against the emulated kernel below)."""
+    topk, req, block_table, host_table, hot_pages, tok, stamp, clock = (np.asarray(a) for a in args)
     valid, resident, miss = (np.asarray(x) for x in out[2:5])
     B, K = topk.shape
-    TK = min(64, 1 << (K - 1).bit_length())
+    TK = min(256, 1 << (K - 1).bit_length())
     Kp = -(-K // TK) * TK
     live = req >= 0
     hot_ok = live & np.all(hot_pages[np.maximum(req, 0), :-(-HR // 64)] >= 0, axis=1)
@@ -295,19 +301,22 @@ def _gather_counts(args, out, HR):
     want = nonres & hot_ok[:, None]
     wantp = np.pad(want, ((0, 0), (0, Kp - K)))
     hits = valid & ~resident & ~miss
-    st = stamp[np.maximum(req, 0)][hot_ok]  # the LRU-updated rows' stamps
-    canonical = all(len(set(r[r >= 0].tolist())) == (r >= 0).sum() and (r < HR).all() and (r >= -1).all()
-                    for r in st)
+    selecting = hot_ok & miss.any(axis=1)
+    passes = 0
+    for b in np.nonzero(selecting)[0]:
+        r = req[b]
+        untouched = ~np.isin(np.arange(HR), [np.argmax(tok[r] == t) for t in topk[b][hits[b]]])
+        passes += traffic.selection_passes(stamp[r][untouched], int(miss[b].sum()), int(clock))
     return dict(resident=int(resident.sum()), hits=int(hits.sum()), misses=int(miss.sum()),
                 no_copy=int((want & ~hits & ~miss).sum()), live_rows=int(live.sum()), hot_rows_live=int(hot_ok.sum()),
-                scan_tiles=int(wantp.reshape(B, Kp // TK, TK).any(axis=2).sum()), empty_slots=int((st == -1).sum()),
-                canonical=canonical)
+                scan_tiles=int(wantp.reshape(B, Kp // TK, TK).any(axis=2).sum()), select_rows=int(selecting.sum()),
+                select_passes=passes)
 
 
 @pytest.mark.parametrize("B,K,HR,MP,case", [
-    (3, 40, 128, 6, dict()),  # K padded 40 -> 64 (one tile), canonical stamps
-    (3, 128, 192, 8, dict(hot_for=1, idle=(2,))),  # 2 tiles, HR tiles of 64, a row without hot buffer, idle row
-    (2, 64, 96, 4, dict(stamps="foreign")),  # duplicate stamps: the O(HR^2) general ranking; TS = 32
+    (3, 40, 128, 6, dict()),  # K padded 40 -> 64 (one tile), victims in the window
+    (3, 300, 320, 8, dict(hot_for=1, idle=(2,))),  # 2 tiles of 256, HR tiles of 64, no hot buffer, idle row
+    (2, 64, 96, 4, dict(stamps="spread")),  # the extremes pass and radix passes; slot tile 32
 ])
 def test_gather_model_matches_the_kernel(emulate, B, K, HR, MP, case):
     args = _gather_case(5, B, K, HR, MP, **case)
@@ -316,10 +325,11 @@ def test_gather_model_matches_the_kernel(emulate, B, K, HR, MP, case):
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     c = _gather_counts(args, want, HR)
-    assert c["canonical"] == (case.get("stamps", "canonical") == "canonical")
+    assert (c["select_passes"] > c["select_rows"]) == (case.get("stamps") == "spread")
     assert c["hits"] > 0 and c["misses"] > 0 and c["resident"] > 0 and c["no_copy"] > 0
-    t, r, bt, _, hp, _, stamp, _ = args
-    assert traffic.gather_plan_counts(t, r, bt, hp, stamp, *want[2:5], hot_rows=HR) == dict(c, out_of_range=0)
+    t, r, bt, _, hp, tok, stamp, clock = args
+    assert traffic.gather_plan_counts(t, r, bt, hp, tok, stamp, clock, *want[2:5], hot_rows=HR) == dict(
+        c, out_of_range=0)
     model = traffic.sparse_gather_traffic(B, K, HR, MP, **c)
     _check_pallas(model, counted, GATHER_NAMES)
     assert model.ratio >= 1
@@ -382,10 +392,14 @@ def test_linear_in_batch_and_ratios_at_least_one():
 def test_resolver_grows_with_hot_rows_and_decode_with_head_blocks():
     g = [traffic.sparse_gather_traffic(64, 2048, hr, 2048) for hr in (4096, 8192, 16384)]
     state = [t.reference_bytes for t in g]
-    # the current lookup re-reads the tag row per 64-position tile: far more than one read of the state per HR
+    # the lookup re-reads the tag row per 256-position tile (8 x 4 B per slot at K 2048), victim selection
+    # reads the stamps twice (8 B): 40 B per extra slot and request, 5x one read of the state (8 B + hot_pages)
     slope = (g[2].total_bytes - g[0].total_bytes) / (state[2] - state[0])
-    assert slope > 10
+    assert slope == pytest.approx((40 + 4 / 64) / (8 + 4 / 64))  # (+ has_hot_buffer reading hot_pages)
     assert g[0].total_bytes < g[1].total_bytes < g[2].total_bytes
+    # a radix pass adds one read of a row's stamps
+    more = traffic.sparse_gather_traffic(64, 2048, 4096, 2048, select_passes=3)
+    assert more.total_bytes - g[0].total_bytes == 3 * 4096 * 4
     # without hot buffers nothing scans or ranks: independent of HR except has_hot_buffer's hot_pages read
     idle = [traffic.sparse_gather_traffic(64, 2048, hr, 2048, hot_rows_live=0, scan_tiles=0, hits=0, misses=0,
                                           resident=64 * 2048) for hr in (4096, 16384)]

@@ -3,54 +3,55 @@
 Same signature and bit-identical results as `reference.sparse_gather_reference` (read its docstring for
 the semantics). Two `pallas_call`s, no sort, no host sync, fixed shapes (CUDA-graph capturable):
 
-1. `_lookup_kernel`, grid (B, K / TK), one program per tile of TK top-k positions:
+1. `_lookup_kernel`, grid (B, Kp / TK), one program per tile of TK (<= TOPK_TILE) top-k positions:
    residency by gathering block_table[r, t // 64]; hit lookup by comparing the tile's positions with the
-   request's HR slot tags, TS slots at a time ([TK, TS] equality, min over matching slot ids gives the
+   request's HR slot tags, TL slots at a time ([TK, TL] equality, min over matching slot ids gives the
    lowest matching slot). Tiles without a position the hot buffer may serve skip the comparison. Writes a
    kind code (0 invalid, 1 resident, 2 hit, 3 miss) and an address (device page | hit slot | -1) per
    position. The reference's validity masks are applied here, once: a non-resident position is a hit or
    a miss only when the request has a hot buffer (`has_hot_buffer`, computed by the wrapper: its hot
    pages of -1 are never addresses), and a miss only when host_table[r, t // 64] >= 0 (else there is no
    copy anywhere: invalid). Every later phase acts on kinds 1-3 only.
-   Work O(K * HR) compares per row, spread over K / TK programs.
+   Work O(K * HR) compares per row, spread over Kp / TK programs; the tag row is read once per program.
 2. `_assign_kernel`, grid (B,), one program per decode row, owning row req[b] of the (aliased) hot state;
-   steps b-d run only for a live row whose request has a hot buffer (other rows keep their stamps):
-   a. count the misses m.
-   b. previous order: prev[j] = the rank of slot j in the (stamp, slot) order, a permutation of 0..HR-1.
-      Canonical rows — every stamp in [-1, HR) and the non-negative ones distinct (the ranks this rule
-      writes, or the -1 of a fresh request) — in O(HR), no sort: scatter owner[stamp] := slot and check
-      that every slot won its own stamp (a duplicate loses somewhere); then prefix counts over stamp
-      values give n(-1) + #{stamps < s} for a stamped slot, and -1 slots take their place in slot order.
-      Any other row (foreign stamps only; the resolver never writes one) is ranked by compare-and-count
-      over [TS, TS] tiles, O(HR^2).
-   c. by previous rank p, work[p] = 2 * #{untouched slots of rank < p} + untouched(p): fill 1, scatter 0
-      at the previous rank of every hit slot, one running cumsum over the HR ranks (n_u = #untouched).
-   d. per slot (rank p, ru = #untouched before it): untouched with ru < m -> it is the victim of the
-      ru-th miss (order[ru] := slot) and takes rank n_u - m + ru; other untouched -> ru - m; hit ->
-      n_u + (p - ru). That is the module's order [untouched | claimed, in claim order | hit], written
-      straight into hot_stamp (every read of the old stamps happened in b).
-   e. one pass over the K positions: miss rank q = running cumsum of the miss mask, slot = order[q];
+   steps b and c run only for a live row whose request has a hot buffer and that has a miss:
+   a. count the misses m; on a hot row mark every hit slot in place, hot_stamp := STAMP_MARK (a reserved
+      value: the slots not hit are those with any other stamp).
+   b. the threshold of the m least recent untouched slots, (key, slot) order, key = max(stamp, -1): the
+      m-th smallest key v and e = how many slots keyed v are victims. One histogram pass over the NB
+      (= 2**SELECT_BITS) exact keys of the window [clock - NB + 2, clock + 1] (plus counts below it) finds
+      v when it lies there: the steady state, where the victims were touched within the last NB - 2 steps.
+      Otherwise (never-used slots, stamps older than the window or newer than the clock) one pass for the
+      extremes (smallest key; smallest above the window; largest), then exact radix passes of NB buckets
+      over the remaining range, SELECT_BITS bits each (at most 6 for 31 bits), ending early when the
+      m-th key equals a pass's base (e.g. never-used slots at -1).
+   c. one pass in slot order: victims are the untouched slots with key < v, then the first e keyed v; the
+      q-th victim (slot order) goes to order[q]. The stamps are only read: O(HR) reads, no O(HR) write.
+   d. one pass over the K positions: miss rank q = running cumsum of the miss mask, slot = order[q];
       page = hot_pages[r, slot // 64] (hits and misses) or the resident page, row = slot % 64 or t % 64;
-      scatter hot_token := t at the claimed slots; src_page = host_table[r, t // 64].
+      scatter hot_token := t at the claimed slots and hot_stamp := clock at every hit or claimed slot (which
+      replaces the marks); src_page = host_table[r, t // 64].
    Every table read here is an address: the load is masked to the lanes that need it, the index clamped
    into the table, and a page id is used only where it was checked >= 0 (else page 0, which the readers
    ignore because valid is False).
    Masked-off lanes of every scatter point one past the end of the row: never written on a GPU, and
-   dropped (not clamped onto a real slot) by interpret mode's scatter. Global scratch (the hot rows,
-   prev / work [B, HR], order [B, Kp]) is shared by the program's threads across phases; a block barrier
-   (`debug_barrier`, i.e. __syncthreads, which orders global memory within a CTA) separates the phases on
-   the GPU (interpret mode runs sequentially and needs none).
+   dropped (not clamped onto a real slot) by interpret mode's scatter. Global state and scratch (the hot
+   rows, order [B, Kp]) are shared by the program's threads across phases; a block barrier (`debug_barrier`,
+   i.e. __syncthreads, which orders global memory within a CTA) separates the phases on the GPU (interpret
+   mode runs sequentially and needs none).
 
-Cost (B=32, K=2048, HR=4096; estimates, not measured): the lookup is ~8.4M tag compares per row
-(~0.27G compare-select-min triples per call, ~50 us of H200 integer throughput spread over B * K / 64 =
-1024 programs); the assign pass is O(K + 8 HR) per canonical row (8 tiled passes over the HR slots or
-ranks, 2 over the K positions), and O(HR^2) (~16.7M compares) for a row with foreign stamps. A position ->
-slot inverse map per request (O(K + HR) per row, but a [Rq, max positions] array in the store) would
-remove the O(K * HR) lookup term, at the price of a KVStore layout change.
+Cost (B=64, K=2048, HR=4096; estimates, not measured): the lookup is ~8.4M tag compares per row (~0.5G
+compare-select-min triples per call, spread over B * K / 256 = 512 programs) and reads a hot row's tags
+K / 256 = 8 times (32 B per slot); victim selection reads the stamps twice in the steady state (8 B per slot)
+and writes O(K). `pallas_kernels.traffic.sparse_gather_traffic` counts the bytes exactly. What is left above
+one read of the state (8 B per slot) is the tag comparison: a hash of the top-k in shared memory (vLLM's
+design) would make it O(K + HR) with one read of the tags, but neither Pallas GPU backend can express it
+(Triton: no shared-memory scratch; Mosaic GPU: no gather / scatter at vector indices); a position -> slot
+map per request in the store would too, at the price of a KVStore layout change.
 
 Padding: K is padded to a multiple of the tile with -1 (invalid) so that every tile load is in bounds
 (interpret mode clamps out-of-bounds slices instead of masking them); the slot tile TS is the largest power
-of two (<= 64) dividing HR, so HR needs no padding.
+of two (<= SLOT_TILE) dividing HR, so HR needs no padding.
 """
 
 from __future__ import annotations
@@ -63,10 +64,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.sparse_gather.reference import PAGE, check_shapes, has_hot_buffer
+from pallas_kernels.sparse_gather.reference import PAGE, STAMP_MARK, check_shapes, has_hot_buffer, lru_key
 
 INT_MIN = -(2**31)
-MAX_TILE = 64
+TOPK_TILE = 256  # top-k positions per lookup program (and per step of the assign program's loops over K)
+SLOT_TILE = 64  # hot slots per step of the loops over a request's HR slots
+LOOKUP_COMPARE = 4096  # elements of the lookup's [TK, TS] tag comparison (TS = min(slot tile, this / TK))
+SELECT_BITS = 6  # key bits decided per selection pass
+SELECT_BUCKETS = 2**SELECT_BITS
 
 
 def _barrier(interpret: bool):
@@ -110,12 +115,12 @@ def _lookup_kernel(req_ref, hot_ok_ref, topk_ref, block_table_ref, host_table_re
     addr_ref[b, pl.ds(t * tk, tk)] = jnp.where(resident, dpage, jnp.where(hit, best, -1))
 
 
-def _assign_kernel(req_ref, hot_ok_ref, topk_ref, kind_ref, addr_ref, host_table_ref, hot_pages_ref,
+def _assign_kernel(req_ref, hot_ok_ref, clock_ref, topk_ref, kind_ref, addr_ref, host_table_ref, hot_pages_ref,
                    hot_token_in, hot_stamp_in,  # inputs (the last two aliased to the outputs below)
-                   page_ref, row_ref, src_ref, hot_token_ref, hot_stamp_ref, prev_ref, work_ref, order_ref,  # outputs
+                   page_ref, row_ref, src_ref, hot_token_ref, hot_stamp_ref, order_ref,  # outputs
                    *, tk: int, ts: int, interpret: bool):
-    # req_ref [B], hot_ok_ref [B], topk/kind/addr [B, Kp], host_table [Rq, MP], hot_pages [Rq, NH]
-    # page/row/src [B, Kp]; hot_token/hot_stamp [Rq, HR] (in place); prev/work [B, HR], order [B, Kp] scratch
+    # req_ref [B], hot_ok_ref [B], clock_ref [1], topk/kind/addr [B, Kp], host_table [Rq, MP], hot_pages [Rq, NH]
+    # page/row/src [B, Kp]; hot_token/hot_stamp [Rq, HR] (in place); order [B, Kp] scratch (victims, slot order)
     del hot_token_in, hot_stamp_in  # same buffers as hot_token_ref / hot_stamp_ref
     b = pl.program_id(0)
     kp = topk_ref.shape[1]
@@ -123,125 +128,123 @@ def _assign_kernel(req_ref, hot_ok_ref, topk_ref, kind_ref, addr_ref, host_table
     r_raw = req_ref[b]
     live = r_raw >= 0
     r = jnp.maximum(r_raw, 0)
+    clock = clock_ref[0]
     k_tiles, s_tiles = kp // tk, hr // ts
     lanes_s = lax.broadcasted_iota(jnp.int32, (ts,), 0)
+    lanes_nb = lax.broadcasted_iota(jnp.int32, (SELECT_BUCKETS,), 0)
     i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
+    hot_row = live & (hot_ok_ref[b] > 0)
 
-    # a. count the misses
-    m = lax.fori_loop(0, k_tiles, lambda t, c: c + jnp.sum(i32(kind_ref[b, pl.ds(t * tk, tk)] == 3)), jnp.int32(0))
+    # a. count hits and misses; mark the hit slots in place (stamp := STAMP_MARK) on a hot row
+    def count_and_mark(t, c):
+        sl = pl.ds(t * tk, tk)
+        kind = kind_ref[b, sl]
+        hit = (kind == 2) & hot_row
+        n_hit = jnp.sum(i32(hit))
 
-    def stamps(j):
-        return hot_stamp_ref[r, pl.ds(j * ts, ts)]  # [TS]
+        def mark():
+            plgpu.store(hot_stamp_ref.at[r, jnp.where(hit, addr_ref[b, sl], hr)],
+                        jnp.full((tk,), STAMP_MARK, jnp.int32), mask=hit)
 
-    def fill(ref, value):
-        def body(j, c):
-            ref[b, pl.ds(j * ts, ts)] = jnp.full((ts,), value, jnp.int32)
-            return c
+        pl.when(hot_row)(mark)
+        return c[0] + n_hit, c[1] + jnp.sum(i32(kind == 3))
 
-        lax.fori_loop(0, s_tiles, body, jnp.int32(0))
-
-    def lru_update():
-        # b. the previous order: prev[j] = rank of slot j in the (stamp, slot) order (a permutation of 0..HR-1).
-        # Canonical rows (every stamp in [-1, HR), the non-negative ones distinct: ranks, or -1 = fresh) in
-        # O(HR): work[v] := the slot stamped v, checked; then prefix counts over stamp values.
-        fill(work_ref, -1)
-        _barrier(interpret)
-
-        def claim_value(j, c):
-            st = stamps(j)
-            inr = (st >= 0) & (st < hr)
-            plgpu.store(work_ref.at[b, jnp.where(inr, st, hr)], j * ts + lanes_s, mask=inr)
-            return c
-
-        lax.fori_loop(0, s_tiles, claim_value, jnp.int32(0))
-        _barrier(interpret)
-
-        def check(j, c):
-            bad, neg = c
-            st = stamps(j)
-            inr = (st >= 0) & (st < hr)
-            owner = plgpu.load(work_ref.at[b, jnp.where(inr, st, 0)], mask=inr, other=-1)
-            ok = (st == -1) | (inr & (owner == j * ts + lanes_s))  # a duplicate stamp loses the claim somewhere
-            return bad + jnp.sum(i32(~ok)), neg + jnp.sum(i32(st == -1))
-
-        bad, n_neg = lax.fori_loop(0, s_tiles, check, (jnp.int32(0), jnp.int32(0)))
-        _barrier(interpret)
-
-        def canonical():
-            def below(j, seen):  # work[v] := n_neg + #{stamps in [0, v)}
-                present = i32(work_ref[b, pl.ds(j * ts, ts)] >= 0)
-                work_ref[b, pl.ds(j * ts, ts)] = n_neg + seen + jnp.cumsum(present) - present
-                return seen + jnp.sum(present)
-
-            lax.fori_loop(0, s_tiles, below, jnp.int32(0))
-            _barrier(interpret)
-
-            def slot_rank(j, seen):  # -1 slots first, in slot order; then by stamp
-                st = stamps(j)
-                neg = st == -1
-                by_value = plgpu.load(work_ref.at[b, jnp.where(neg, 0, st)], mask=~neg, other=0)
-                prev_ref[b, pl.ds(j * ts, ts)] = jnp.where(neg, seen + jnp.cumsum(i32(neg)) - 1, by_value)
-                return seen + jnp.sum(i32(neg))
-
-            lax.fori_loop(0, s_tiles, slot_rank, jnp.int32(0))
-
-        def general():  # any other stamps (never produced by the resolver): O(HR^2) compare-and-count
-            def rank_tile(i, c):
-                s_i, v_i = stamps(i)[:, None], (i * ts + lanes_s)[:, None]
-
-                def count_before(j, rank):
-                    s_j, v_j = stamps(j)[None, :], (j * ts + lanes_s)[None, :]
-                    before = (s_j < s_i) | ((s_j == s_i) & (v_j < v_i))  # [TS, TS]
-                    return rank + jnp.sum(i32(before), axis=1)
-
-                prev_ref[b, pl.ds(i * ts, ts)] = lax.fori_loop(0, s_tiles, count_before, jnp.zeros((ts,), jnp.int32))
-                return c
-
-            lax.fori_loop(0, s_tiles, rank_tile, jnp.int32(0))
-
-        pl.when(bad == 0)(canonical)
-        pl.when(bad > 0)(general)
-        _barrier(interpret)
-
-        # c. by previous rank p: work[p] := 2 * #{untouched slots of rank < p} + (1 if untouched else 0)
-        fill(work_ref, 1)
-        _barrier(interpret)
-
-        def touch(t, c):
-            hit = kind_ref[b, pl.ds(t * tk, tk)] == 2
-            p = plgpu.load(prev_ref.at[b, jnp.where(hit, addr_ref[b, pl.ds(t * tk, tk)], 0)], mask=hit, other=0)
-            plgpu.store(work_ref.at[b, jnp.where(hit, p, hr)], jnp.zeros((tk,), jnp.int32), mask=hit)
-            return c
-
-        lax.fori_loop(0, k_tiles, touch, jnp.int32(0))
-        _barrier(interpret)
-
-        def scan(j, seen):
-            u = work_ref[b, pl.ds(j * ts, ts)]
-            work_ref[b, pl.ds(j * ts, ts)] = 2 * (seen + jnp.cumsum(u) - u) + u
-            return seen + jnp.sum(u)
-
-        n_u = lax.fori_loop(0, s_tiles, scan, jnp.int32(0))
-        _barrier(interpret)
-
-        # d. the new ranks: [untouched, unclaimed | claimed, in claim order | hit]; the m least recent
-        # untouched slots are the victims, order[q] = the slot the q-th miss claims
-        def rerank(j, c):
-            p = prev_ref[b, pl.ds(j * ts, ts)]
-            e = plgpu.load(work_ref.at[b, p])
-            untouched, ru = (e & 1) == 1, e >> 1
-            victim = untouched & (ru < m)
-            hot_stamp_ref[r, pl.ds(j * ts, ts)] = jnp.where(
-                untouched, jnp.where(victim, n_u - m + ru, ru - m), n_u + p - ru)
-            plgpu.store(order_ref.at[b, jnp.where(victim, ru, kp)], j * ts + lanes_s, mask=victim)
-            return c
-
-        lax.fori_loop(0, s_tiles, rerank, jnp.int32(0))
-
-    pl.when(live & (hot_ok_ref[b] > 0))(lru_update)  # rows without a hot buffer keep their stamps
+    _, m = lax.fori_loop(0, k_tiles, count_and_mark, (jnp.int32(0), jnp.int32(0)))
     _barrier(interpret)
 
-    # e. addresses, host sources and the claimed slots' new tags
+    def keys(j):  # [TS] LRU keys of slot tile j (hit slots read STAMP_MARK)
+        return lru_key(hot_stamp_ref[r, pl.ds(j * ts, ts)])
+
+    def histogram(base, shift):
+        """Over the untouched slots: #(key < base), #(key == base), and per bucket d < NB #((key - base) >> shift
+        == d) for key >= base (a key - base that wraps past 2**31 is negative: above every bucket)."""
+        def body(j, c):
+            below, at_base, counts = c
+            k = keys(j)
+            untouched = k != STAMP_MARK
+            d = (k - base) >> shift
+            bucket = untouched & (k >= base) & (d >= 0) & (d < SELECT_BUCKETS)
+            onehot = (d[:, None] == lanes_nb[None, :]) & bucket[:, None]  # [TS, NB]
+            return (below + jnp.sum(i32(untouched & (k < base))), at_base + jnp.sum(i32(untouched & (k == base))),
+                    counts + jnp.sum(i32(onehot), axis=0))
+
+        zero = jnp.int32(0)
+        return lax.fori_loop(0, s_tiles, body, (zero, zero, jnp.zeros((SELECT_BUCKETS,), jnp.int32)))
+
+    def bucket_of_mth(below, counts):
+        """The bucket holding the m-th smallest key (below < m <= below + sum(counts)) and #keys before it."""
+        d = jnp.sum(i32(below + jnp.cumsum(counts) < m))
+        return d, below + jnp.sum(jnp.where(lanes_nb < d, counts, 0))
+
+    def extremes():
+        """One pass over the untouched keys: the smallest, the largest, and the smallest above the window."""
+        above = clock + 2  # the first key past the window [clock - NB + 2, clock + 1]
+
+        def body(j, c):
+            lo, hi, lo_above = c
+            k = keys(j)
+            untouched = k != STAMP_MARK
+            big = jnp.int32(STAMP_MARK)
+            return (jnp.minimum(lo, jnp.min(jnp.where(untouched, k, big))),
+                    jnp.maximum(hi, jnp.max(jnp.where(untouched, k, -1))),
+                    jnp.minimum(lo_above, jnp.min(jnp.where(untouched & (k >= above), k, big))))
+
+        return lax.fori_loop(0, s_tiles, body, (jnp.int32(STAMP_MARK), jnp.int32(-1), jnp.int32(STAMP_MARK)))
+
+    def radix_select(lo, hi):
+        """(v, e): the m-th smallest key v and how many slots keyed v are victims, given lo <= v <= hi."""
+        nbits = 32 - lax.clz(hi - lo)  # hi - lo < 2**nbits (0 <= hi - lo < 2**31)
+        shift0 = jnp.maximum(nbits - SELECT_BITS, 0)
+
+        def body(c):
+            base, shift, _, v, e = c
+            below, at_base, counts = histogram(base, shift)
+            d, before = bucket_of_mth(below, counts)
+            exact = below + at_base >= m  # the m-th smallest is `base` itself
+            nxt = base + (d << shift)
+            done = exact | (shift == 0)
+            return (nxt, jnp.maximum(shift - SELECT_BITS, 0), done,
+                    jnp.where(exact, base, nxt), jnp.where(exact, m - below, m - before))
+
+        z = jnp.int32(0)
+        _, _, _, v, e = lax.while_loop(lambda c: ~c[2], body, (lo, shift0, False, z, z))
+        return v, e
+
+    def select_victims():
+        # b. the threshold: the m-th smallest untouched key v, and e = how many slots keyed v are victims (the
+        # lowest ones). First one pass over a window of NB exact keys ending just past the clock (a steady hot
+        # buffer's victims were touched within the last NB - 2 steps); else exact radix passes of NB buckets.
+        base = clock - (SELECT_BUCKETS - 2)
+        below, at_base, counts = histogram(base, 0)
+        d, before = bucket_of_mth(below, counts)
+        in_window = (below < m) & (below + jnp.sum(counts) >= m)
+
+        def refine():
+            lo, hi, lo_above = extremes()
+            older = below >= m
+            return radix_select(jnp.where(older, lo, lo_above), jnp.where(older, base - 1, hi))
+
+        v, e = lax.cond(in_window, lambda: (base + d, m - before), refine)
+
+        # c. one pass in slot order: the victims are key < v, then the first e slots keyed v; the q-th of them
+        # (slot order) is the q-th miss's slot
+        def pick(j, c):
+            eq_seen, q0 = c
+            k = keys(j)
+            untouched = k != STAMP_MARK
+            eq = i32(untouched & (k == v))
+            victim = (untouched & (k < v)) | ((eq > 0) & (eq_seen + jnp.cumsum(eq) - eq < e))
+            q = q0 + jnp.cumsum(i32(victim)) - i32(victim)
+            plgpu.store(order_ref.at[b, jnp.where(victim, q, kp)], j * ts + lanes_s, mask=victim)
+            return eq_seen + jnp.sum(eq), q0 + jnp.sum(i32(victim))
+
+        lax.fori_loop(0, s_tiles, pick, (jnp.int32(0), jnp.int32(0)))
+
+    pl.when(hot_row & (m > 0))(select_victims)  # m > 0 only on a hot row; no miss: no pass over the slots
+    _barrier(interpret)
+
+    # d. addresses, host sources; the claimed slots' new tags, and stamp := clock on every touched slot (which
+    # replaces the hit marks)
     def assign(t, n_miss):
         sl = pl.ds(t * tk, tk)
         kind, addr = kind_ref[b, sl], addr_ref[b, sl]
@@ -260,26 +263,29 @@ def _assign_kernel(req_ref, hot_ok_ref, topk_ref, kind_ref, addr_ref, host_table
         src_ref[b, sl] = jnp.where(miss, src, -1)
         claim = miss & live
         plgpu.store(hot_token_ref.at[r, jnp.where(claim, slot, hr)], pos, mask=claim)
+        touch = want & hot_row
+        plgpu.store(hot_stamp_ref.at[r, jnp.where(touch, slot, hr)], jnp.full((tk,), clock, jnp.int32), mask=touch)
         return n_miss + jnp.sum(i32(miss))
 
     lax.fori_loop(0, k_tiles, assign, jnp.int32(0))
 
 
-def _slot_tile(hr: int) -> int:
-    return min(MAX_TILE, hr & -hr)  # the largest power of two dividing hr, capped
+def tiles(K: int, HR: int) -> tuple[int, int, int, int]:
+    """(TK, Kp, TS, TL): top-k tile, K padded to it, slot tile (the largest power of two <= SLOT_TILE dividing
+    HR, so HR needs no padding), and the lookup's slot tile."""
+    tk = min(TOPK_TILE, pl.next_power_of_2(K))
+    ts = min(SLOT_TILE, HR & -HR)
+    return tk, pl.cdiv(K, tk) * tk, ts, max(1, min(ts, LOOKUP_COMPARE // tk))
 
 
 @functools.partial(jax.jit, static_argnames=("hot_rows", "interpret"))
 def sparse_gather(topk, req, block_table, host_table, hot_pages, hot_token, hot_stamp, clock, *,
                   hot_rows: int, interpret: bool = False):
     """Pallas (Triton) version of `sparse_gather_reference`; same arguments and results, bit for bit."""
-    del clock  # the LRU ranks need no clock
     check_shapes(topk, req, block_table, host_table, hot_pages, hot_token, hot_stamp, hot_rows)
     B, K = topk.shape
     Rq, HR = hot_token.shape
-    tk = min(MAX_TILE, pl.next_power_of_2(K))
-    kp = pl.cdiv(K, tk) * tk
-    ts = _slot_tile(HR)
+    tk, kp, ts, tl = tiles(K, HR)
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
     topk_p = jnp.pad(i32(topk), ((0, 0), (0, kp - K)), constant_values=-1)
     req, block_table, host_table, hot_pages = i32(req), i32(block_table), i32(host_table), i32(hot_pages)
@@ -289,17 +295,17 @@ def sparse_gather(topk, req, block_table, host_table, hot_pages, hot_token, hot_
     hot_ok = has_hot_buffer(req, hot_pages, HR).astype(jnp.int32)  # [B]
 
     kind, addr = pl.pallas_call(
-        functools.partial(_lookup_kernel, tk=tk, ts=ts), grid=(B, kp // tk), out_shape=(bk, bk),
+        functools.partial(_lookup_kernel, tk=tk, ts=tl), grid=(B, kp // tk), out_shape=(bk, bk),
         compiler_params=params, interpret=interpret, name="hisparse_lookup",
     )(req, hot_ok, topk_p, block_table, host_table, i32(hot_token))
 
-    hr_scratch = jax.ShapeDtypeStruct((B, HR), jnp.int32)
-    page, row, src_page, hot_token, hot_stamp, _, _, _ = pl.pallas_call(
+    state = jax.ShapeDtypeStruct((Rq, HR), jnp.int32)
+    page, row, src_page, hot_token, hot_stamp, _ = pl.pallas_call(
         functools.partial(_assign_kernel, tk=tk, ts=ts, interpret=interpret), grid=(B,),
-        out_shape=(bk, bk, bk, jax.ShapeDtypeStruct((Rq, HR), jnp.int32),
-                   jax.ShapeDtypeStruct((Rq, HR), jnp.int32), hr_scratch, hr_scratch, bk),
-        input_output_aliases={7: 3, 8: 4}, compiler_params=params, interpret=interpret, name="hisparse_assign",
-    )(req, hot_ok, topk_p, kind, addr, host_table, hot_pages, i32(hot_token), i32(hot_stamp))
+        out_shape=(bk, bk, bk, state, state, bk),
+        input_output_aliases={8: 3, 9: 4}, compiler_params=params, interpret=interpret, name="hisparse_assign",
+    )(req, hot_ok, jnp.reshape(i32(clock), (1,)), topk_p, kind, addr, host_table, hot_pages, i32(hot_token),
+      i32(hot_stamp))
 
     kind = kind[:, :K]
     valid = kind > 0

@@ -10,14 +10,14 @@ HR hot rows (slots) per request; 64 tokens per page.
 A request has a hot buffer when every page its HR slots live on is lent: hot_pages[r, :ceil(HR / 64)] >= 0
 (`has_hot_buffer`; the cache manager lends them all or none). Slot j lives at (hot_pages[r, j // 64], j % 64).
 
-LRU state. hot_stamp[r, j] is slot j's LRU *rank* (0 = least recently used, HR - 1 = most recent): after
-every step in which r is live and has a hot buffer, hot_stamp[r] is a permutation of 0..HR-1, so the
-order is total and the values never grow (no clock, no int32 overflow however long a request runs). The
-order a step reads (the "previous order") is the (hot_stamp, slot) order, least recent first; it is
-defined for any stamps. A fresh or re-admitted request holds -1 everywhere (`init_store`,
-`ops.set_tables`), which this order reads exactly as ranks = slot index. "Never used" is hot_token == -1;
-starting from -1 stamps, never-used slots always hold the lowest ranks, in slot order (they start there,
-are never hit, and are the first victims), so misses fill an empty buffer from slot 0 up.
+LRU state. hot_stamp[r, j] is the `clock` of the step that last touched slot j (hit it or claimed it;
+-1 = never since the request was admitted: `init_store`, `ops.set_tables`). The order a step reads (the
+"previous order", least recent first) is the (key, slot) order with key = max(hot_stamp, -1): never-used
+slots first, then older stamps, ties in slot order. Only the touched slots are written (stamp := clock), so
+a step writes O(K) stamps whatever HR is, and the values never need renormalizing: the store's clock counts
+decode steps and stays below 2**31 - 1 (a reserved value: the kernel marks hit slots with it in place, so
+hot_stamp must be < 2**31 - 1 on entry; the store never writes anything else). "Never used" is
+hot_token == -1; never-used slots hold stamp -1, the lowest key, so misses fill an empty buffer from slot 0 up.
 
 For top-k position t of decode row b (request r = req[b]), with dpage = block_table[r, t // 64] and
 hpage = host_table[r, t // 64] (a position at or beyond MP * 64 has neither):
@@ -25,10 +25,11 @@ hpage = host_table[r, t // 64] (a position at or beyond MP * 64 has neither):
 * resident   dpage >= 0: read in place at (dpage, t % 64).
 * hot hit    r has a hot buffer and it holds t (the lowest slot j with hot_token[r, j] == t, looked up in
              the buffer as it was *before* this step): read slot j.
-* miss       r has a hot buffer that does not hold t, and hpage >= 0: the q-th miss of the row (q counted
-             in top-k order) claims the q-th slot, in the previous order, among the slots *not hit* this
-             step — i.e. the least recently used untouched slot (never-used slots first, lower slot first
-             among them). The slot gets hot_token := t, and the plan names the host row to copy into it:
+* miss       r has a hot buffer that does not hold t, and hpage >= 0: the victims of row b are the m
+             least recent slots (previous order) among the slots *not hit* this step, m = the row's
+             number of misses; the q-th miss (q counted in top-k order) claims the q-th victim in *slot*
+             order (which victim takes which row does not change what is hit later: every claimed slot gets
+             the same stamp). The slot gets hot_token := t, and the plan names the host row to copy into it:
              (src_page, src_row) = (hpage, t % 64). (A hit slot is never a victim; hot_rows >= K leaves at
              least as many untouched slots as misses.)
 * invalid    everything else: t == -1 (padding), r == -1 (idle row), a non-resident position of a request
@@ -36,18 +37,13 @@ hpage = host_table[r, t // 64] (a position at or beyond MP * 64 has neither):
              (not resident, not in the hot buffer, no host page). Page 0, row 0, valid False, nothing
              changes, nothing is fetched; the readers ignore the address.
 
-LRU order after the step (vLLM / SGLang HiSparse's order), from least to most recently used, written as
-ranks 0..HR-1 into hot_stamp[r] of every live row whose request has a hot buffer (rows of requests without
-one keep their stamps):
-  1. the slots untouched this step (neither hit nor claimed), in their previous order;
-  2. then the slots claimed by this step's misses, in claim order (= top-k order of the misses);
-  3. then the slots hit this step, in their previous order (a slot hit twice counts once).
-I.e. new rank = position of the slot when sorted by (group: untouched 0 / missed 1 / hit 2, then previous
-rank in groups 0 and 2, claim index in group 1). A step with no hits and no misses keeps the order (and
-turns -1 stamps into slot-index ranks).
+LRU order after the step: the slots hit or claimed this step get hot_stamp := clock (so they follow every
+untouched slot, among themselves in slot order); every other stamp is unchanged. Rows of requests without a
+hot buffer, idle rows, and steps with no hits or misses write no stamp. This is vLLM / SGLang HiSparse's LRU
+at step granularity: their list moves the hit slots behind the claimed ones within a step, which needs the
+whole order rewritten every step (O(HR) writes per request); the clock rule writes O(K).
 
-Live rows must name distinct requests. hot_rows >= K, so every miss finds a slot. `clock` is accepted for
-signature compatibility and not used (the ranks need no clock; page_stamp, outside the resolver, does).
+Live rows must name distinct requests. hot_rows >= K, so every miss finds a slot.
 """
 
 from __future__ import annotations
@@ -69,15 +65,16 @@ def has_hot_buffer(req, hot_pages, hot_rows: int):
     return (req >= 0) & lent
 
 
-def previous_rank(stamps):
-    """int32[B, HR]: each slot's rank in the (stamp, slot) order (0 = least recent): a permutation per row."""
-    order = jnp.argsort(stamps, axis=1, stable=True)  # slots, least recent first; equal stamps in slot order
-    return jnp.argsort(order, axis=1).astype(jnp.int32)  # the inverse permutation
+STAMP_MARK = 2**31 - 1  # reserved stamp value (the kernel's in-place mark of a hit slot)
+
+
+def lru_key(stamps):
+    """int32 key of the (key, slot) LRU order: the stamp, with anything below -1 read as -1 (never used)."""
+    return jnp.maximum(stamps, -1)
 
 
 def resolve_positions(topk, req, block_table, host_table, hot_pages, hot_token, hot_stamp, clock, *, hot_rows: int):
     """The resolver rule (module docstring), unchecked and un-jitted: what `sparse_gather_reference` returns."""
-    del clock  # the LRU ranks need no clock
     B, K = topk.shape
     HR = hot_rows
     r = jnp.maximum(req, 0)
@@ -101,19 +98,18 @@ def resolve_positions(topk, req, block_table, host_table, hot_pages, hot_token, 
     hit_slot = jnp.take_along_axis(order, at, axis=1)
 
     bidx = jnp.arange(B)[:, None]
-    prev = previous_rank(stamps)  # [B, HR]
     was_hit = jnp.zeros((B, HR), bool).at[bidx, jnp.where(hit, hit_slot, HR)].set(True, mode="drop")
-    # victims: the untouched slots in the previous order (keys distinct, so lax.top_k's order is the order)
-    _, victims = jax.lax.top_k(-jnp.where(was_hit, HR + prev, prev), K)  # [B, K]
+    # victims: the m least recent untouched slots in the (key, slot) order, m = the row's misses
+    m = jnp.sum(miss, axis=1, dtype=jnp.int32)
+    order = jnp.lexsort((jnp.broadcast_to(jnp.arange(HR), (B, HR)), lru_key(stamps), was_hit.astype(jnp.int32)), axis=1)
+    rank = jnp.zeros((B, HR), jnp.int32).at[bidx, order].set(jnp.arange(HR, dtype=jnp.int32))
+    victim = rank < m[:, None]  # never a hit slot: at least m slots are untouched
+    victims = jnp.argsort(~victim, axis=1, stable=True)[:, :K]  # the victims in slot order first
     q = jnp.cumsum(miss, axis=1) - 1  # claim index of each miss
     miss_slot = jnp.take_along_axis(victims, jnp.maximum(q, 0), axis=1)
     dst = jnp.where(miss, miss_slot, HR)
     tokens = tokens.at[bidx, dst].set(pos, mode="drop")
-    claim = jnp.full((B, HR), -1, jnp.int32).at[bidx, dst].set(q, mode="drop")  # claim index, -1 unclaimed
-    # the order after the step: (group, previous rank | claim index), written as ranks
-    key = jnp.where(was_hit, 2 * HR + prev, jnp.where(claim >= 0, HR + claim, prev))
-    ranks = previous_rank(key)
-    stamps = jnp.where(hot_ok[:, None], ranks, stamps)  # requests without a hot buffer keep their stamps
+    stamps = jnp.where(was_hit | victim, clock, stamps)  # the touched slots; only rows with a hot buffer have any
 
     served = hit | miss
     slot = jnp.where(hit, hit_slot, miss_slot)
@@ -134,7 +130,8 @@ def sparse_gather_reference(topk, req, block_table, host_table, hot_pages, hot_t
     """Resolve int32[B, K] top-k positions (-1 padded) of decode rows `req` int32[B] (-1 idle).
 
     block_table / host_table int32[Rq, MP], hot_pages int32[Rq, NH], hot_token / hot_stamp int32[Rq, HR]
-    (this group's slice; hot_stamp holds LRU ranks, see the module docstring), clock int32[] (unused).
+    (this group's slice; hot_stamp holds LRU stamps < 2**31 - 1, see the module docstring), clock int32[] (this
+    step's stamp).
     Returns (page, row, valid, resident, miss, src_page, src_row) [B, K] (int32 / bool; page 0 and row 0
     where not valid; src_page -1 where not a miss; src_row = t % 64 everywhere) and the updated
     (hot_token, hot_stamp) int32[Rq, HR]. `interpret` is accepted for signature parity and ignored.
