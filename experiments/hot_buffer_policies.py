@@ -9,8 +9,9 @@ copied from host); the resident tail pages of the real store are ignored.
 Policies (a slot hit or filled in the current step is never a victim of that step):
   lru    the store's rule, identical to `hisparse_jax.kv.ops.resolve`: the misses take the least recently
          used slots not hit this step ((stamp, slot) order: never-used slots first, lower slot first among
-         equal stamps), in slot order; every hit or filled slot gets stamp := the step (LRU at step
-         granularity: within a step the published rule ranks filled slots before hit ones).
+         equal stamps), in slot order; a filled slot gets stamp := 2 * step, a hit one 2 * step + 1 (the
+         published order's groups [untouched | filled | hit], each in slot order rather than claim / previous
+         order).
   fifo   like lru but a hit does not refresh the stamp (stamp = insertion step).
   clock  second chance: one reference bit per slot, set on hit/insert; the hand clears set bits and takes
          the first clear, unprotected slot.
@@ -95,7 +96,7 @@ def simulate(trace, hot_rows: int, policy: str = "lru", *, max_pos: int | None =
         protected = np.zeros(HR, bool)
         protected[hs] = True
         if policy == "lru":
-            stamp[hs] = clock
+            stamp[hs] = 2 * clock + 1
         if policy in ("lfu", "lru2"):
             prev[hs] = stamp[hs]
             stamp[hs] = clock
@@ -134,7 +135,7 @@ def simulate(trace, hot_rows: int, policy: str = "lru", *, max_pos: int | None =
             where[old[old >= 0]] = -1
             tokens[victims] = m
             where[m] = victims
-            stamp[victims] = clock
+            stamp[victims] = 2 * clock if policy == "lru" else clock
             prev[victims] = -(1 << 40)
             count[victims] = 1
             ref[victims] = True

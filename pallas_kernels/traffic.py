@@ -255,8 +255,8 @@ def sparse_gather_traffic(batch: int, topk: int, hot_rows: int, max_pages: int, 
     tile of a hot row: only they scan the HR tags); select_rows: hot rows with a miss (they select victims;
     default: every hot row when misses > 0); select_passes: passes over a row's HR stamps beyond the two every
     selecting row makes (the window histogram and the pick), summed over the rows: 0 when each row's m-th
-    least recent key lies in the window ending at the clock, else 1 + its radix passes (`gather_plan_counts`
-    counts them); out_of_range: top-k lanes whose page index is >= MP. HR >= K (`check_shapes`).
+    least recent key lies in the window ending at this step's stamps or is -1 (never used), else 1 + its radix
+    passes (`gather_plan_counts` counts them); out_of_range: top-k lanes whose page index is >= MP. HR >= K (`check_shapes`).
 
     Tiles (kernel.py `tiles`): TK = min(TOPK_TILE, next_pow2(K)), Kp = K rounded up to TK.
 
@@ -324,18 +324,19 @@ def sparse_gather_traffic(batch: int, topk: int, hot_rows: int, max_pages: int, 
 def selection_passes(keys, m: int, clock: int) -> int:
     """Passes over a row's stamps beyond the window histogram and the pick, for victim selection over the
     untouched slots' LRU keys `keys` (int array, hit slots removed) with m >= 1 misses: the kernel's
-    `select_victims` decisions, in NumPy (0 when the m-th smallest key lies in [clock - NB + 2, clock + 1])."""
+    `select_victims` decisions, in NumPy (0 when the m-th smallest key lies in [2 clock - NB + 2, 2 clock + 1]
+    or is -1, never used)."""
     import numpy as np
 
     keys = np.maximum(np.asarray(keys, np.int64), -1)
-    base = clock - (SELECT_BUCKETS - 2)
+    base = 2 * clock - (SELECT_BUCKETS - 2)
     below = int((keys < base).sum())
-    if below < m <= int((keys < base + SELECT_BUCKETS).sum()):
+    if below < m <= int((keys < base + SELECT_BUCKETS).sum()) or int((keys == -1).sum()) >= m:
         return 0
     if below >= m:
         lo, hi = int(keys.min()), base - 1
     else:
-        lo, hi = int(keys[keys >= clock + 2].min()), int(keys.max())
+        lo, hi = int(keys[keys >= 2 * clock + 2].min()), int(keys.max())
     passes, shift, v = 1, max((hi - lo).bit_length() - SELECT_BITS, 0), lo  # the extremes pass, then radix
     while True:
         passes += 1

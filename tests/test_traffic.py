@@ -278,10 +278,10 @@ def _gather_case(seed, B, K, HR, MP, *, stamps="window", hot_for=None, idle=()):
         held = rng.choice(S, n, replace=False)
         slots = rng.permutation(HR)[:n]
         tok[r, slots] = held
-        stamp[r, slots] = (rng.integers(clock - 40, clock, n) if stamps == "window"
-                           else rng.integers(0, clock - 100, n))
+        stamp[r, slots] = (rng.integers(2 * clock - 40, 2 * clock, n) if stamps == "window"
+                           else rng.integers(0, 2 * clock - 100, n))
     if stamps == "window":
-        stamp[tok == -1] = clock - 50  # no never-used slot: the victims' keys lie in the window
+        stamp[tok == -1] = 2 * clock - 50  # no never-used slot: the victims' keys lie in the window
     return tuple(jnp.asarray(x) for x in (topk, req, block_table, host_table, hot_pages, tok, stamp,
                                           np.int32(clock)))
 

@@ -201,7 +201,7 @@ def check_hot_buffers(tc, store):
             continue
         for g, layers in enumerate(spec.groups):
             np.testing.assert_array_equal(stamps[s, g] >= 0, tokens[s, g] >= 0)
-            assert np.all(stamps[s, g] < clock)
+            assert np.all(stamps[s, g] < 2 * clock)
             used = np.nonzero(tokens[s, g] >= 0)[0]
             t = tokens[s, g, used]
             assert len(set(t.tolist())) == len(t) and np.all(t < tc.lengths[s])

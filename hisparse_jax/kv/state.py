@@ -15,10 +15,9 @@ MP pages per request, G indexer groups, HR hot rows):
     seq_lens    int32[Rq]      tokens stored per request
     hot_pages   int32[Rq, NH]  device pages lent to the request's hot buffer (NH = ceil(HR / 64)), -1 = none
     hot_token   int32[Rq, G, HR] the position each hot slot holds (-1 empty), per indexer group
-    hot_stamp   int32[Rq, G, HR] LRU rank of each slot (0 = least recently used; a permutation of 0..HR-1
-                               once the request has been resolved; -1 everywhere when fresh, read as
-                               rank = slot index): pallas_kernels/sparse_gather/reference.py
-    clock       int32[]        the step counter page_stamp refers to
+    hot_stamp   int32[Rq, G, HR] the step that last filled (2 * clock) or hit (2 * clock + 1) each slot, -1
+                               never: the LRU order is (stamp, slot), pallas_kernels/sparse_gather/reference.py
+    clock       int32[]        the step counter hot_stamp and page_stamp refer to
     page_stamp  int32[Rq, MP]  last step the indexer selected a position of each logical page (-1 never):
                                per-page access recency, for free, for the coldness policies
 

@@ -19,9 +19,10 @@ the semantics). Two `pallas_call`s, no sort, no host sync, fixed shapes (CUDA-gr
       value: the slots not hit are those with any other stamp).
    b. the threshold of the m least recent untouched slots, (key, slot) order, key = max(stamp, -1): the
       m-th smallest key v and e = how many slots keyed v are victims. One histogram pass over the NB
-      (= 2**SELECT_BITS) exact keys of the window [clock - NB + 2, clock + 1] (plus counts below it) finds
-      v when it lies there: the steady state, where the victims were touched within the last NB - 2 steps.
-      Otherwise (never-used slots, stamps older than the window or newer than the clock) one pass for the
+      (= 2**SELECT_BITS) exact keys of the window [2 clock - NB + 2, 2 clock + 1] (plus counts below it)
+      finds v when it lies there: the steady state, where the victims were touched within the last
+      NB / 2 - 1 steps; it also counts the never-used slots (key -1), where a buffer still filling up takes
+      all its victims. Otherwise (stamps older than the window or newer than the clock) one pass for the
       extremes (smallest key; smallest above the window; largest), then exact radix passes of NB buckets
       over the remaining range, SELECT_BITS bits each (at most 6 for 31 bits), ending early when the
       m-th key equals a pass's base (e.g. never-used slots at -1).
@@ -29,8 +30,8 @@ the semantics). Two `pallas_call`s, no sort, no host sync, fixed shapes (CUDA-gr
       q-th victim (slot order) goes to order[q]. The stamps are only read: O(HR) reads, no O(HR) write.
    d. one pass over the K positions: miss rank q = running cumsum of the miss mask, slot = order[q];
       page = hot_pages[r, slot // 64] (hits and misses) or the resident page, row = slot % 64 or t % 64;
-      scatter hot_token := t at the claimed slots and hot_stamp := clock at every hit or claimed slot (which
-      replaces the marks); src_page = host_table[r, t // 64].
+      scatter hot_token := t at the claimed slots, hot_stamp := 2 clock at the claimed slots and 2 clock + 1
+      at the hit ones (which replaces the marks); src_page = host_table[r, t // 64].
    Every table read here is an address: the load is masked to the lanes that need it, the index clamped
    into the table, and a page id is used only where it was checked >= 0 (else page 0, which the readers
    ignore because valid is False).
@@ -128,7 +129,7 @@ def _assign_kernel(req_ref, hot_ok_ref, clock_ref, topk_ref, kind_ref, addr_ref,
     r_raw = req_ref[b]
     live = r_raw >= 0
     r = jnp.maximum(r_raw, 0)
-    clock = clock_ref[0]
+    now = 2 * clock_ref[0]  # this step's stamp of a claimed slot (a hit one gets now + 1)
     k_tiles, s_tiles = kp // tk, hr // ts
     lanes_s = lax.broadcasted_iota(jnp.int32, (ts,), 0)
     lanes_nb = lax.broadcasted_iota(jnp.int32, (SELECT_BUCKETS,), 0)
@@ -156,20 +157,21 @@ def _assign_kernel(req_ref, hot_ok_ref, clock_ref, topk_ref, kind_ref, addr_ref,
         return lru_key(hot_stamp_ref[r, pl.ds(j * ts, ts)])
 
     def histogram(base, shift):
-        """Over the untouched slots: #(key < base), #(key == base), and per bucket d < NB #((key - base) >> shift
-        == d) for key >= base (a key - base that wraps past 2**31 is negative: above every bucket)."""
+        """Over the untouched slots: #(key < base), #(key == base), #(key == -1: never used), and per bucket
+        d < NB #((key - base) >> shift == d) for key >= base (a key - base that wraps past 2**31 is negative:
+        above every bucket)."""
         def body(j, c):
-            below, at_base, counts = c
+            below, at_base, fresh, counts = c
             k = keys(j)
             untouched = k != STAMP_MARK
             d = (k - base) >> shift
             bucket = untouched & (k >= base) & (d >= 0) & (d < SELECT_BUCKETS)
             onehot = (d[:, None] == lanes_nb[None, :]) & bucket[:, None]  # [TS, NB]
             return (below + jnp.sum(i32(untouched & (k < base))), at_base + jnp.sum(i32(untouched & (k == base))),
-                    counts + jnp.sum(i32(onehot), axis=0))
+                    fresh + jnp.sum(i32(k == -1)), counts + jnp.sum(i32(onehot), axis=0))
 
         zero = jnp.int32(0)
-        return lax.fori_loop(0, s_tiles, body, (zero, zero, jnp.zeros((SELECT_BUCKETS,), jnp.int32)))
+        return lax.fori_loop(0, s_tiles, body, (zero, zero, zero, jnp.zeros((SELECT_BUCKETS,), jnp.int32)))
 
     def bucket_of_mth(below, counts):
         """The bucket holding the m-th smallest key (below < m <= below + sum(counts)) and #keys before it."""
@@ -178,7 +180,7 @@ def _assign_kernel(req_ref, hot_ok_ref, clock_ref, topk_ref, kind_ref, addr_ref,
 
     def extremes():
         """One pass over the untouched keys: the smallest, the largest, and the smallest above the window."""
-        above = clock + 2  # the first key past the window [clock - NB + 2, clock + 1]
+        above = now + 2  # the first key past the window [now - NB + 2, now + 1]
 
         def body(j, c):
             lo, hi, lo_above = c
@@ -198,7 +200,7 @@ def _assign_kernel(req_ref, hot_ok_ref, clock_ref, topk_ref, kind_ref, addr_ref,
 
         def body(c):
             base, shift, _, v, e = c
-            below, at_base, counts = histogram(base, shift)
+            below, at_base, _, counts = histogram(base, shift)
             d, before = bucket_of_mth(below, counts)
             exact = below + at_base >= m  # the m-th smallest is `base` itself
             nxt = base + (d << shift)
@@ -212,10 +214,11 @@ def _assign_kernel(req_ref, hot_ok_ref, clock_ref, topk_ref, kind_ref, addr_ref,
 
     def select_victims():
         # b. the threshold: the m-th smallest untouched key v, and e = how many slots keyed v are victims (the
-        # lowest ones). First one pass over a window of NB exact keys ending just past the clock (a steady hot
-        # buffer's victims were touched within the last NB - 2 steps); else exact radix passes of NB buckets.
-        base = clock - (SELECT_BUCKETS - 2)
-        below, at_base, counts = histogram(base, 0)
+        # lowest ones). First one pass over a window of NB exact keys ending just past this step's stamps (a
+        # steady hot buffer's victims were touched within the last NB / 2 - 1 steps) that also counts the
+        # never-used slots (a buffer still filling up takes its victims there); else exact radix passes.
+        base = now - (SELECT_BUCKETS - 2)
+        below, _, fresh, counts = histogram(base, 0)
         d, before = bucket_of_mth(below, counts)
         in_window = (below < m) & (below + jnp.sum(counts) >= m)
 
@@ -224,7 +227,10 @@ def _assign_kernel(req_ref, hot_ok_ref, clock_ref, topk_ref, kind_ref, addr_ref,
             older = below >= m
             return radix_select(jnp.where(older, lo, lo_above), jnp.where(older, base - 1, hi))
 
-        v, e = lax.cond(in_window, lambda: (base + d, m - before), refine)
+        use_fresh = ~in_window & (fresh >= m)
+        v_r, e_r = lax.cond(~in_window & ~use_fresh, refine, lambda: (base, m))  # (traced values in both branches)
+        v = jnp.where(in_window, base + d, jnp.where(use_fresh, -1, v_r))
+        e = jnp.where(in_window, m - before, jnp.where(use_fresh, m, e_r))
 
         # c. one pass in slot order: the victims are key < v, then the first e slots keyed v; the q-th of them
         # (slot order) is the q-th miss's slot
@@ -243,8 +249,8 @@ def _assign_kernel(req_ref, hot_ok_ref, clock_ref, topk_ref, kind_ref, addr_ref,
     pl.when(hot_row & (m > 0))(select_victims)  # m > 0 only on a hot row; no miss: no pass over the slots
     _barrier(interpret)
 
-    # d. addresses, host sources; the claimed slots' new tags, and stamp := clock on every touched slot (which
-    # replaces the hit marks)
+    # d. addresses, host sources; the claimed slots' new tags; stamps 2 clock (claimed) and 2 clock + 1 (hit,
+    # which replaces the mark)
     def assign(t, n_miss):
         sl = pl.ds(t * tk, tk)
         kind, addr = kind_ref[b, sl], addr_ref[b, sl]
@@ -264,7 +270,7 @@ def _assign_kernel(req_ref, hot_ok_ref, clock_ref, topk_ref, kind_ref, addr_ref,
         claim = miss & live
         plgpu.store(hot_token_ref.at[r, jnp.where(claim, slot, hr)], pos, mask=claim)
         touch = want & hot_row
-        plgpu.store(hot_stamp_ref.at[r, jnp.where(touch, slot, hr)], jnp.full((tk,), clock, jnp.int32), mask=touch)
+        plgpu.store(hot_stamp_ref.at[r, jnp.where(touch, slot, hr)], jnp.where(hit, now + 1, now), mask=touch)
         return n_miss + jnp.sum(i32(miss))
 
     lax.fori_loop(0, k_tiles, assign, jnp.int32(0))

@@ -10,13 +10,14 @@ HR hot rows (slots) per request; 64 tokens per page.
 A request has a hot buffer when every page its HR slots live on is lent: hot_pages[r, :ceil(HR / 64)] >= 0
 (`has_hot_buffer`; the cache manager lends them all or none). Slot j lives at (hot_pages[r, j // 64], j % 64).
 
-LRU state. hot_stamp[r, j] is the `clock` of the step that last touched slot j (hit it or claimed it;
--1 = never since the request was admitted: `init_store`, `ops.set_tables`). The order a step reads (the
-"previous order", least recent first) is the (key, slot) order with key = max(hot_stamp, -1): never-used
-slots first, then older stamps, ties in slot order. Only the touched slots are written (stamp := clock), so
-a step writes O(K) stamps whatever HR is, and the values never need renormalizing: the store's clock counts
-decode steps and stays below 2**31 - 1 (a reserved value: the kernel marks hit slots with it in place, so
-hot_stamp must be < 2**31 - 1 on entry; the store never writes anything else). "Never used" is
+LRU state. hot_stamp[r, j] records the step that last touched slot j: 2 * clock when a miss of that step
+claimed it, 2 * clock + 1 when the step hit it (-1 = never since the request was admitted: `init_store`,
+`ops.set_tables`). The order a step reads (the "previous order", least recent first) is the (key, slot)
+order with key = max(hot_stamp, -1): never-used slots first, then older steps, within a step the claimed
+slots before the hit ones, ties in slot order. Only the touched slots are written, so a step writes O(K)
+stamps whatever HR is, and the values never need renormalizing: the store's clock counts decode steps and
+stays below 2**30 - 1, so stamps stay below 2**31 - 1 (a reserved value: the kernel marks hit slots with it
+in place, so hot_stamp must be < 2**31 - 1 on entry; the store never writes anything else). "Never used" is
 hot_token == -1; never-used slots hold stamp -1, the lowest key, so misses fill an empty buffer from slot 0 up.
 
 For top-k position t of decode row b (request r = req[b]), with dpage = block_table[r, t // 64] and
@@ -37,11 +38,13 @@ hpage = host_table[r, t // 64] (a position at or beyond MP * 64 has neither):
              (not resident, not in the hot buffer, no host page). Page 0, row 0, valid False, nothing
              changes, nothing is fetched; the readers ignore the address.
 
-LRU order after the step: the slots hit or claimed this step get hot_stamp := clock (so they follow every
-untouched slot, among themselves in slot order); every other stamp is unchanged. Rows of requests without a
-hot buffer, idle rows, and steps with no hits or misses write no stamp. This is vLLM / SGLang HiSparse's LRU
-at step granularity: their list moves the hit slots behind the claimed ones within a step, which needs the
-whole order rewritten every step (O(HR) writes per request); the clock rule writes O(K).
+LRU order after the step: the claimed slots get hot_stamp := 2 * clock and the hit slots 2 * clock + 1, so
+the order is [untouched, previous order | claimed, slot order | hit, slot order]; every other stamp is
+unchanged. Rows of requests without a hot buffer, idle rows, and steps with no hits or misses write no
+stamp. vLLM / SGLang HiSparse keep the same three groups in an LRU list, ordered within the claimed group
+by claim order and within the hit group by previous order, which rewrites the whole list every step (O(HR)
+writes per request); the stamps write O(K) and give the same hit rates on the project's traces
+(experiments/hot_buffer_policies.py; ordering only the groups is what matters).
 
 Live rows must name distinct requests. hot_rows >= K, so every miss finds a slot.
 """
@@ -109,7 +112,8 @@ def resolve_positions(topk, req, block_table, host_table, hot_pages, hot_token, 
     miss_slot = jnp.take_along_axis(victims, jnp.maximum(q, 0), axis=1)
     dst = jnp.where(miss, miss_slot, HR)
     tokens = tokens.at[bidx, dst].set(pos, mode="drop")
-    stamps = jnp.where(was_hit | victim, clock, stamps)  # the touched slots; only rows with a hot buffer have any
+    # the touched slots (only rows with a hot buffer have any): claimed 2 * clock, hit 2 * clock + 1
+    stamps = jnp.where(was_hit, 2 * clock + 1, jnp.where(victim, 2 * clock, stamps))
 
     served = hit | miss
     slot = jnp.where(hit, hit_slot, miss_slot)
@@ -131,7 +135,7 @@ def sparse_gather_reference(topk, req, block_table, host_table, hot_pages, hot_t
 
     block_table / host_table int32[Rq, MP], hot_pages int32[Rq, NH], hot_token / hot_stamp int32[Rq, HR]
     (this group's slice; hot_stamp holds LRU stamps < 2**31 - 1, see the module docstring), clock int32[] (this
-    step's stamp).
+    step: claimed slots are stamped 2 * clock, hit ones 2 * clock + 1).
     Returns (page, row, valid, resident, miss, src_page, src_row) [B, K] (int32 / bool; page 0 and row 0
     where not valid; src_page -1 where not a miss; src_row = t % 64 everywhere) and the updated
     (hot_token, hot_stamp) int32[Rq, HR]. `interpret` is accepted for signature parity and ignored.
