@@ -4,6 +4,7 @@
 * `INVALID`        the one "no page / no position / no slot" sentinel of every table and top-k list
 * `fp8_quantize`   per-block e4m3 with power-of-two scales (the FP8 latent pool, the indexer's FP8 emulation)
 * `hadamard`       the Sylvester Hadamard rotation DeepSeek applies before quantizing indexer q and k
+* `float_to_key`   f32 -> int32 whose signed order is the float order (the indexer kernels select on it)
 """
 
 from __future__ import annotations
@@ -12,11 +13,19 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 PAGE = 64
 INVALID = -1
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8_BLOCK = 128  # values per scale of the FP8 latent layout
+
+
+def float_to_key(s):
+    """f32 -> int32 whose signed order is the float order (-0.0 mapped to +0.0's key 0)."""
+    bits = lax.bitcast_convert_type(s, jnp.int32)
+    key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+    return jnp.where(bits == jnp.int32(-(2**31)), 0, key)
 
 
 def hadamard(x):

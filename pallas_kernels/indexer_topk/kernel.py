@@ -54,7 +54,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import fp8_quantize, hadamard
+from pallas_kernels.backends import check_pallas_backend
+from pallas_kernels.common import float_to_key, fp8_quantize, hadamard
 
 INT_MIN = -(2**31)
 RADIX_BITS = 4  # bits of the key decided per counting round (divides 32): 32 / RADIX_BITS rounds
@@ -73,13 +74,6 @@ def _pow2(n: int) -> bool:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
-
-
-def _float_to_key(s):
-    """f32 -> int32 whose signed order is the float order (-0.0 mapped to +0.0's key 0)."""
-    bits = lax.bitcast_convert_type(s, jnp.int32)
-    key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
-    return jnp.where(bits == INT_MIN, 0, key)
 
 
 def _u32_to_key(u):
@@ -113,7 +107,7 @@ def _score_kernel(seq_ref, q_ref, w_ref, bt_ref, k_ref, *rest, page, ppb, fp8, c
             s = jnp.sum(jnp.maximum(dots, 0.0) * w[:, None], axis=0)  # [page]
             if fp8:
                 s = s * ks_ref[pg]
-            return jnp.where(pos < seq_len, _float_to_key(s), INT_MIN)
+            return jnp.where(pos < seq_len, float_to_key(s), INT_MIN)
 
         return lax.cond(start < seq_len, compute, lambda: jnp.full((page,), INT_MIN, jnp.int32))
 
@@ -300,7 +294,8 @@ def _rank(seq, cand_key, cand_pos, *, k, interpret):
 
 
 # ----- public ------------------------------------------------------------------------------------
-def _check(q, w, k_pages, block_table, seq_lens, topk, k_scale, max_chunk):
+def _check(q, w, k_pages, block_table, seq_lens, topk, k_scale):
+    """Operand shapes every backend needs (ValueError naming the problem)."""
     if q.ndim != 3 or w.shape != q.shape[:2]:
         raise ValueError(f"q must be [B, I, dI] and w [B, I]; got q {q.shape}, w {w.shape}")
     B, _, D = q.shape
@@ -309,7 +304,18 @@ def _check(q, w, k_pages, block_table, seq_lens, topk, k_scale, max_chunk):
     if block_table.ndim != 2 or block_table.shape[0] != B or seq_lens.shape != (B,):
         raise ValueError(f"block_table must be [B={B}, MP] and seq_lens [B]; got {block_table.shape}, "
                          f"{seq_lens.shape}")
-    page = k_pages.shape[1]
+    fp8 = k_pages.dtype == jnp.float8_e4m3fn
+    if fp8 != (k_scale is not None):
+        raise ValueError("float8_e4m3fn keys need k_scale f32[P, page], and only they take one")
+    if fp8 and k_scale.shape != k_pages.shape[:2]:
+        raise ValueError(f"k_scale must be [P, page] = {k_pages.shape[:2]}; got {k_scale.shape}")
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1; got {topk}")
+
+
+def _check_triton(q, k_pages, topk, max_chunk):
+    """The Triton kernels' own limits."""
+    D, page = q.shape[2], k_pages.shape[1]
     if not (_pow2(D) and D >= MIN_DOT):
         raise ValueError(f"indexer_topk needs a power-of-two head dim >= {MIN_DOT} (Triton); got dI={D}")
     if not (_pow2(page) and page >= MIN_DOT):
@@ -318,28 +324,58 @@ def _check(q, w, k_pages, block_table, seq_lens, topk, k_scale, max_chunk):
         raise ValueError(f"max_chunk must be a power of two >= the page size {page}; got {max_chunk}")
     if not (_pow2(topk) and topk <= MAX_TOPK):
         raise ValueError(f"indexer_topk needs topk a power of two <= MAX_TOPK={MAX_TOPK}; got {topk}")
-    fp8 = k_pages.dtype == jnp.float8_e4m3fn
-    if fp8 != (k_scale is not None):
-        raise ValueError("float8_e4m3fn keys need k_scale f32[P, page], and only they take one")
-    if fp8 and k_scale.shape != k_pages.shape[:2]:
-        raise ValueError(f"k_scale must be [P, page] = {k_pages.shape[:2]}; got {k_scale.shape}")
-    if not fp8 and k_pages.dtype not in (jnp.bfloat16, jnp.float32):
+    if k_pages.dtype not in (jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn):
         raise ValueError(f"k_pages must be bfloat16, float32 or float8_e4m3fn; got {k_pages.dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("topk", "interpret"))
-def indexer_topk(q, w, k_pages, block_table, seq_lens, *, topk: int, k_scale=None, interpret=False):
-    """Exact paged indexer top-k (Pallas Triton kernels) -> int32[B, topk]; same contract as
-    `indexer_topk_reference`.
+@functools.partial(jax.jit, static_argnames=("topk", "interpret", "backend"))
+def indexer_topk(q, w, k_pages, block_table, seq_lens, *, topk: int, k_scale=None, interpret=False,
+                 backend: str = "triton"):
+    """Exact paged indexer top-k (Pallas kernels) -> int32[B, topk]; same contract as `indexer_topk_reference`.
 
     q f32/bf16[B, I, dI], w f32[B, I] (scale constants folded in), k_pages bf16/f32/e4m3[P, page, dI]
     (e4m3 keys are the rotated + quantized keys of `quantize_index_keys`, with k_scale f32[P, page]),
-    block_table int32[B, MP] (-1 unused), seq_lens int32[B] (0 = idle row). Raises ValueError for shapes
-    the kernels cannot handle (non-power-of-two dI, page or topk, topk > MAX_TOPK). With q in bf16 and
+    block_table int32[B, MP] (-1 unused), seq_lens int32[B] (0 = idle row).
+
+    backend "triton" (default): scores and an exact radix selection, all Pallas Triton; raises ValueError for
+    shapes the kernels cannot handle (non-power-of-two dI, page or topk, topk > MAX_TOPK). With q in bf16 and
     bf16 / FP8 keys the dots run on tensor cores (bf16 in, f32 accumulate); f32 operands use IEEE f32 dots.
+    backend "mosaic": the scores on Mosaic GPU (`kernel_mosaic`: warpgroup MMA on bf16 operands, pages of 64,
+    bf16 or e4m3 keys, dI a multiple of 32) and XLA's top-k over them; jax >= 0.11.
     """
+    if check_pallas_backend(backend) == "mosaic":
+        return _indexer_topk_mosaic(q, w, k_pages, block_table, seq_lens, topk=topk, k_scale=k_scale,
+                                    interpret=interpret)
     return indexer_topk_chunked(q, w, k_pages, block_table, seq_lens, topk=topk, k_scale=k_scale,
                                 interpret=interpret, max_chunk=MAX_CHUNK)
+
+
+def _prepare_query(q, w, k_scale):
+    """(q, w, compute dtype) as the score kernels take them: for e4m3 keys the query side of
+    `index_scores_fp8` (rotated, quantized; its scales folded into w), same shapes so the same bits."""
+    w = w.astype(jnp.float32)
+    if k_scale is not None:
+        qq, qs = fp8_quantize(hadamard(q.astype(jnp.float32)[:, None]), block=q.shape[-1])  # [B, 1, I, dI], [B, 1, I]
+        return qq[:, 0].astype(jnp.bfloat16), w * qs[:, 0], jnp.bfloat16  # e4m3 values are exact in bf16
+    return q, w, None
+
+
+def _indexer_topk_mosaic(q, w, k_pages, block_table, seq_lens, *, topk, k_scale, interpret):
+    from pallas_kernels.indexer_topk import kernel_mosaic as km
+
+    _check(q, w, k_pages, block_table, seq_lens, topk, k_scale)
+    km.check_mosaic_shapes(q, k_pages, k_scale)
+    B, I, _ = q.shape
+    MP = block_table.shape[1]
+    q, w, _ = _prepare_query(q, w, k_scale)
+    ip = -(-I // km.HEADS) * km.HEADS  # zero heads with zero weight add nothing
+    q = jnp.pad(q.astype(km.operand_dtype(k_pages.dtype)), ((0, 0), (0, ip - I), (0, 0)))
+    w = jnp.pad(w, ((0, 0), (0, ip - I)))
+    mpp = -(-MP // km.PAGES_PER_BLOCK) * km.PAGES_PER_BLOCK
+    bt = jnp.pad(block_table.astype(jnp.int32), ((0, 0), (0, mpp - MP)), constant_values=-1)
+    seq = jnp.clip(seq_lens.astype(jnp.int32), 0, MP * k_pages.shape[1])
+    keys = km.indexer_keys_mosaic(seq, q, w, bt, k_pages, k_scale, interpret=interpret)  # [B, mpp * 64]
+    return km.topk_from_keys(keys, seq, topk)
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "interpret", "max_chunk"))
@@ -347,21 +383,19 @@ def indexer_topk_chunked(q, w, k_pages, block_table, seq_lens, *, topk: int, k_s
                          max_chunk: int = MAX_CHUNK):
     """`indexer_topk` with the selection chunk (keys per selection program, a power of two >= page) as a
     knob; tests use small chunks to exercise the cross-chunk offsets on small pools."""
-    _check(q, w, k_pages, block_table, seq_lens, topk, k_scale, max_chunk)
+    _check(q, w, k_pages, block_table, seq_lens, topk, k_scale)
+    _check_triton(q, k_pages, topk, max_chunk)
     B, I, D = q.shape
     page = k_pages.shape[1]
     MP = block_table.shape[1]
     fp8 = k_scale is not None
 
-    w = w.astype(jnp.float32)
-    if fp8:  # the query side of `index_scores_fp8`, same shapes so the same bits
-        qq, qs = fp8_quantize(hadamard(q.astype(jnp.float32)[:, None]), block=D)  # [B, 1, I, dI], [B, 1, I]
-        q, w = qq[:, 0].astype(jnp.bfloat16), w * qs[:, 0]  # e4m3 values are exact in bf16
-        compute_dtype = jnp.bfloat16
-    elif q.dtype == jnp.bfloat16 and k_pages.dtype == jnp.bfloat16:
-        compute_dtype = jnp.bfloat16
-    else:
-        q, compute_dtype = q.astype(jnp.float32), jnp.float32
+    q, w, compute_dtype = _prepare_query(q, w, k_scale)
+    if not fp8:
+        if q.dtype == jnp.bfloat16 and k_pages.dtype == jnp.bfloat16:
+            compute_dtype = jnp.bfloat16
+        else:
+            q, compute_dtype = q.astype(jnp.float32), jnp.float32
     Ip = max(MIN_DOT, _next_pow2(I))  # zero heads with zero weight add nothing
     q = jnp.pad(q, ((0, 0), (0, Ip - I), (0, 0)))
     w = jnp.pad(w, ((0, 0), (0, Ip - I)))
