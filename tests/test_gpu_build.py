@@ -102,12 +102,15 @@ def _gather_case(HR, B=32, K=2048, Rq=64, MP=2048):
     return functools.partial(sparse_gather, hot_rows=HR), args, {}
 
 
-def _indexer_case(q_dtype, k_dtype, backend="triton", B=32, I=64, D=128, MP=2048, P=20480):
+def _indexer_case(q_dtype, k_dtype, backend="triton", B=32, I=64, D=128, MP=2048, P=20480, L=None):
     from pallas_kernels.indexer_topk import indexer_topk
 
-    args = [sds((B, I, D), q_dtype), sds((B, I), jnp.float32), sds((P, 64, D), k_dtype), sds((B, MP), jnp.int32),
-            sds((B,), jnp.int32)]
-    kw = dict(k_scale=sds((P, 64), jnp.float32)) if k_dtype == jnp.float8_e4m3fn else {}
+    stack = () if L is None else (L,)
+    args = [sds((B, I, D), q_dtype), sds((B, I), jnp.float32), sds((*stack, P, 64, D), k_dtype),
+            sds((B, MP), jnp.int32), sds((B,), jnp.int32)]
+    kw = dict(k_scale=sds((*stack, P, 64), jnp.float32)) if k_dtype == jnp.float8_e4m3fn else {}
+    if L is not None:
+        kw["layer"] = sds((), jnp.int32)
     return functools.partial(indexer_topk, topk=2048, backend=backend), args, kw
 
 
@@ -135,6 +138,10 @@ KERNEL_CASES = {
     # the Mosaic GPU scores (the selection is XLA's top-k): DeepSeek-V3.2's 64 heads and GLM-5's 32 (padded to 64)
     **{f"indexer_topk mosaic I={I} k={jnp.dtype(k).name} (B=32 128K ctx top-2048)":
        functools.partial(_indexer_case, _BF, k, "mosaic", I=I) for I in (64, 32) for k in (_BF, _FP8)},
+    "indexer_topk mosaic q=float32 k=bfloat16 (three bf16 query parts)": functools.partial(
+        _indexer_case, _F32, _BF, "mosaic"),
+    "indexer_topk mosaic stacked fp8 index pool L=21 x 100000 pages (17 GB), layer= traced": functools.partial(
+        _indexer_case, _BF, _FP8, "mosaic", P=100_000, L=21),
 }
 
 
@@ -280,10 +287,12 @@ def test_step_store_is_donated(built_step):
 
 
 def test_step_runs_the_chosen_decode_kernel(built_step):
-    """kernels="pallas_mosaic" builds the decode as a Mosaic GPU kernel (the top-k and the resolver stay Pallas-
-    Triton kernels); the other choices build no Mosaic kernel."""
+    """kernels="pallas_mosaic" builds the decode and the indexer's scores as Mosaic GPU kernels (the resolver stays
+    a Pallas-Triton kernel); the other choices build no Mosaic kernel."""
     (_, _, kernels), _, text, _ = built_step
-    assert ('custom_call_target="mosaic_gpu' in text) == (kernels == "pallas_mosaic"), kernels
+    mosaic = text.count('custom_call_target="mosaic_gpu')
+    # 4 layers: 3 full indexers' scores, 4 decodes
+    assert mosaic == (3 + NUM_LAYERS if kernels == "pallas_mosaic" else 0), (kernels, mosaic)
     if kernels != "reference":
         assert "__gpu$xla.gpu.triton" in text, f"no Pallas-Triton kernel in the {kernels} step"
 

@@ -47,8 +47,9 @@ def test_equals_reference_slot_by_slot(dtype):
         check_well_formed(got, seq_lens, TOPK)
 
 
-@pytest.mark.parametrize("dtype", ["bf16q", "fp8"])
+@pytest.mark.parametrize("dtype", ["bf16", "bf16q", "fp8"])
 def test_continuous_scores_match_up_to_near_ties(dtype):
+    """bf16: f32 queries, as three bf16 parts (exact products): the same scores up to the summation order."""
     seq_lens = [6 * PAGE, 130, 0, 64]
     args, kw, _ = make_case(7, seq_lens, dtype, integer=False)
     got = mosaic(args, kw)

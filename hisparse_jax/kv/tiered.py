@@ -65,7 +65,8 @@ def check_kernels(kernels: str) -> str:
       "reference"                 the jnp ops;
       "pallas"                    the Pallas GPU kernels on the Triton backend (needs a GPU backend);
       "pallas_mosaic"             the same, with the kernels that have a Mosaic GPU implementation (the sparse MLA
-                                  decode) on that backend (a GPU backend and jax >= 0.11);
+                                  decode, the indexer's scores with XLA's top-k over them) on that backend (a GPU
+                                  backend and jax >= 0.11); the resolver stays on Triton;
       "..._interpret"             either, interpreted (Pallas interpret mode / Mosaic GPU's interpret mode) on
                                   any backend."""
     if kernels not in KERNELS:
@@ -104,6 +105,7 @@ def check_backend(spec: StoreSpec, kernels: str) -> None:
         raise ValueError(f"miss_attention='split' needs kernels='reference' (got {kernels!r}): the Pallas sparse "
                          "MLA kernel returns no log-sum-exp to merge the two parts with")
     if kernel_backend(kernels) == "mosaic":
+        from pallas_kernels.indexer_topk.kernel_mosaic import MAX_DIM
         from pallas_kernels.sparse_mla_decode.kernel_mosaic import CHUNK
 
         if spec.kv_dtype not in ("bf16", "fp8") or spec.latent_dim % (2 * CHUNK) or spec.rope_dim % 64:
@@ -111,6 +113,10 @@ def check_backend(spec: StoreSpec, kernels: str) -> None:
                              f"width that is a multiple of {2 * CHUNK} and a rope width that is a multiple of 64 (this "
                              f"store: kv_dtype {spec.kv_dtype!r}, latent {spec.latent_dim}, rope {spec.rope_dim}); "
                              "use kernels='pallas' / 'pallas_interpret' (Triton) for it")
+        if spec.index_dim % 32 or spec.index_dim > MAX_DIM:
+            raise ValueError(f"kernels={kernels!r}: the Mosaic indexer top-k needs an indexer head dim that is a "
+                             f"multiple of 32 and at most {MAX_DIM} (this store: {spec.index_dim}); use kernels="
+                             "'pallas' / 'pallas_interpret' (Triton) for it")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +126,8 @@ class TieredKV:
     leader's resident / hit / miss / row-miss counts, which the group's shared-index layers count again).
 
     kernels: "reference" (jnp ops), or one of the Pallas choices of `check_kernels`: the indexer top-k, the fused
-    resolver and the sparse MLA decode run as Pallas kernels (`pallas_kernels`), the decode on the Mosaic GPU
-    backend with "pallas_mosaic*".
+    resolver and the sparse MLA decode run as Pallas kernels (`pallas_kernels`), the decode and the indexer's scores
+    on the Mosaic GPU backend with "pallas_mosaic*" (its top-k reads the stacked indexer pool in place).
 
     rows_per_request: S, the query rows of one request in a step (speculative verification: k + 1). The batch's
     B rows are then B/S groups of S consecutive rows, each group's rows at the positions of one request (n..n+k)
@@ -171,8 +177,18 @@ class TieredKV:
         spec, store, req = self.spec, cache["store"], cache["req"]
         seq = jnp.where(req >= 0, positions + 1, 0)
         table = store.index_table[jnp.maximum(req, 0)][:, :self.index_pages]
-        topk = indexer_topk(q_index, w, store.index_k[index_layer], table, seq, topk=spec.topk,
-                            k_scale=store.index_scale[index_layer] if spec.fp8 else None, interpret=self._interpret)
+        if kernel_backend(self.kernels) == "mosaic":  # the stacked pools read in place at the layer
+
+            def select(*a):
+                return indexer_topk(*a[:5], topk=spec.topk, k_scale=a[5], layer=index_layer, backend="mosaic",
+                                    interpret=self._interpret)
+            args = (q_index, w, store.index_k, table, seq, store.index_scale if spec.fp8 else None)
+            out = jax.ShapeDtypeStruct((req.shape[0], spec.topk), jnp.int32)
+            topk = _outside_this_program(select, out, *args) if self._interpret else select(*args)
+        else:
+            topk = indexer_topk(q_index, w, store.index_k[index_layer], table, seq, topk=spec.topk,
+                                k_scale=store.index_scale[index_layer] if spec.fp8 else None,
+                                interpret=self._interpret)
         return ops.pad_topk(spec, topk[:, :min(spec.topk, table.shape[1] * 64)]), cache
 
     def attend(self, cache, layer, topk, q_lat, q_rope, tau):

@@ -329,13 +329,15 @@ def _check_triton(q, k_pages, topk, max_chunk):
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "interpret", "backend"))
-def indexer_topk(q, w, k_pages, block_table, seq_lens, *, topk: int, k_scale=None, interpret=False,
+def indexer_topk(q, w, k_pages, block_table, seq_lens, *, topk: int, k_scale=None, layer=None, interpret=False,
                  backend: str = "triton"):
     """Exact paged indexer top-k (Pallas kernels) -> int32[B, topk]; same contract as `indexer_topk_reference`.
 
     q f32/bf16[B, I, dI], w f32[B, I] (scale constants folded in), k_pages bf16/f32/e4m3[P, page, dI]
     (e4m3 keys are the rotated + quantized keys of `quantize_index_keys`, with k_scale f32[P, page]),
-    block_table int32[B, MP] (-1 unused), seq_lens int32[B] (0 = idle row).
+    block_table int32[B, MP] (-1 unused), seq_lens int32[B] (0 = idle row). With `layer` (an int32 scalar,
+    traced or not) k_pages / k_scale are the store's stacked pools [L, P, page, dI] / [L, P, page] and layer
+    `layer` is read: in place by the Mosaic kernel, as a copied slice by the Triton one.
 
     backend "triton" (default): scores and an exact radix selection, all Pallas Triton; raises ValueError for
     shapes the kernels cannot handle (non-power-of-two dI, page or topk, topk > MAX_TOPK). With q in bf16 and
@@ -344,8 +346,11 @@ def indexer_topk(q, w, k_pages, block_table, seq_lens, *, topk: int, k_scale=Non
     bf16 or e4m3 keys, dI a multiple of 32) and XLA's top-k over them; jax >= 0.11.
     """
     if check_pallas_backend(backend) == "mosaic":
-        return _indexer_topk_mosaic(q, w, k_pages, block_table, seq_lens, topk=topk, k_scale=k_scale,
+        return _indexer_topk_mosaic(q, w, k_pages, block_table, seq_lens, topk=topk, k_scale=k_scale, layer=layer,
                                     interpret=interpret)
+    if layer is not None:
+        _check_stacked(k_pages, k_scale)
+        k_pages, k_scale = k_pages[layer], None if k_scale is None else k_scale[layer]
     return indexer_topk_chunked(q, w, k_pages, block_table, seq_lens, topk=topk, k_scale=k_scale,
                                 interpret=interpret, max_chunk=MAX_CHUNK)
 
@@ -360,16 +365,33 @@ def _prepare_query(q, w, k_scale):
     return q, w, None
 
 
-def _indexer_topk_mosaic(q, w, k_pages, block_table, seq_lens, *, topk, k_scale, interpret):
+def _check_stacked(k_pages, k_scale):
+    if k_pages.ndim != 4 or (k_scale is not None and k_scale.shape != k_pages.shape[:3]):
+        raise ValueError(f"with layer=, k_pages must be the stacked [L, P, page, dI] pool (and k_scale [L, P, page]); "
+                         f"got {k_pages.shape}" + ("" if k_scale is None else f" and {k_scale.shape}"))
+
+
+def _indexer_topk_mosaic(q, w, k_pages, block_table, seq_lens, *, topk, k_scale, layer, interpret):
     from pallas_kernels.indexer_topk import kernel_mosaic as km
 
-    _check(q, w, k_pages, block_table, seq_lens, topk, k_scale)
-    km.check_mosaic_shapes(q, k_pages, k_scale)
+    if layer is None:
+        k_pages, k_scale, layer = k_pages[None], None if k_scale is None else k_scale[None], 0
+    _check_stacked(k_pages, k_scale)
+    L, P = k_pages.shape[:2]
+    _check(q, w, k_pages[0], block_table, seq_lens, topk, None if k_scale is None else k_scale[0])
+    km.check_mosaic_shapes(q, k_pages[0], k_scale)
+    if L * P * k_pages.shape[2] >= 2**31:
+        raise ValueError(f"the Mosaic indexer kernel addresses the {L} x {P} pages' rows with int32 TMA coordinates "
+                         f"(< 2^31 rows); got {L * P * k_pages.shape[2]}")
     B, I, _ = q.shape
     MP = block_table.shape[1]
+    # the layer's pages as pages of the flattened [L * P] pool (read in place, nothing copied)
+    block_table = jnp.where(block_table >= 0, jnp.asarray(layer, jnp.int32) * P + block_table, -1)
+    k_pages = k_pages.reshape(L * P, *k_pages.shape[2:])
+    k_scale = None if k_scale is None else k_scale.reshape(L * P, -1)
     q, w, _ = _prepare_query(q, w, k_scale)
     ip = -(-I // km.HEADS) * km.HEADS  # zero heads with zero weight add nothing
-    q = jnp.pad(q.astype(km.operand_dtype(k_pages.dtype)), ((0, 0), (0, ip - I), (0, 0)))
+    q = jnp.pad(km.query_terms(q, k_pages.dtype), ((0, 0), (0, ip - I), (0, 0)))
     w = jnp.pad(w, ((0, 0), (0, ip - I)))
     mpp = -(-MP // km.PAGES_PER_BLOCK) * km.PAGES_PER_BLOCK
     bt = jnp.pad(block_table.astype(jnp.int32), ((0, 0), (0, mpp - MP)), constant_values=-1)

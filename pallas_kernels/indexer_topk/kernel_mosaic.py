@@ -22,10 +22,10 @@ Mosaic GPU backend has no gather, scatter, sort or prefix scan at vector indices
 radix selection and compaction cannot be written there; XLA's top-k keeps this path free of the deprecated
 Triton backend.
 
-Numerics: 16-bit MMA operands with f32 accumulation, exact for the FP8 path (e4m3 q and keys are exact in
-f16) and for bf16 q and keys; f32 q is rounded to bf16 (the Triton kernel uses IEEE f32 dots there). The head
-sum runs in another order than the reference's, so scores may differ in the last bits (top-k compared as sets,
-and only at demonstrated near-ties of the reference's scores may they differ).
+Numerics: 16-bit MMA operands with f32 accumulation. Every product is exact: e4m3 q and keys are exact in f16
+(the FP8 path), bf16 q and keys are bf16, and an f32 query is split into three bf16 parts whose sum it is exactly
+(`query_terms`; three MMAs per page instead of one, the MMA is not what bounds this kernel). The sums run in
+another order than the reference's, so a score may differ in its last bits, as the Triton kernel's f32 dots do.
 
 Limits (ValueError): dI a multiple of 32 and at most 256, heads at most 256, page 64, bf16 or e4m3 keys.
 Needs jax >= 0.11; on a CPU it runs in Mosaic GPU's interpret mode (`interpret=True`, or the caller's
@@ -65,9 +65,10 @@ def _body(seq_ref, q_ref, w_ref, bt_ref, k_ref, *rest, ppb: int, fp8: bool, plgp
     first = j * ppb  # this block's first page (of the row's block table)
     ip = q_ref.shape[1]
     nct = tile.shape[0]  # column tiles of a key tile
+    terms = q_smem.shape[0] // nct  # q as a sum of `terms` 16-bit parts (3 for f32 queries, else 1)
 
     plgpu.copy_gmem_to_smem(bt_ref.at[b, j], bt_smem, q_bar)
-    for c in range(nct):
+    for c in range(terms * nct):
         plgpu.copy_gmem_to_smem(q_ref.at[b, :, pl.ds(c * 32, 32)], q_smem.at[c], q_bar)
     plgpu.copy_gmem_to_smem(w_ref.at[b], w_smem, q_bar)
     plgpu.barrier_wait(q_bar)
@@ -106,8 +107,9 @@ def _body(seq_ref, q_ref, w_ref, bt_ref, k_ref, *rest, ppb: int, fp8: bool, plgp
                 issue(i + 1)
 
             def mma(acc_ref):
-                for c in range(nct):
-                    plgpu.wgmma(acc_ref, tile.at[c], q_smem.at[c].T)
+                for t in range(terms):
+                    for c in range(nct):
+                        plgpu.wgmma(acc_ref, tile.at[c], q_smem.at[t * nct + c].T)
                 return acc_ref[...]
 
             dots = pl.run_scoped(mma, plgpu.ACC((PAGE, ip), jnp.float32))  # [64 keys, Ip heads]
@@ -127,10 +129,12 @@ def _body(seq_ref, q_ref, w_ref, bt_ref, k_ref, *rest, ppb: int, fp8: bool, plgp
 
 def indexer_keys_mosaic(seq, q, w, bt, k_pages, k_scale, *, interpret: bool = False):
     """int32 score keys [B, Sp] (Sp = bt.shape[1] * 64, a multiple of PAGES_PER_BLOCK pages) of the prepared
-    operands: q [B, Ip, dI] (Ip a multiple of 64; `operand_dtype(k_pages.dtype)`), w f32[B, Ip], bt int32[B,
-    Sp / 64] (-1 unused), seq int32[B] (<= Sp), k_pages bf16/e4m3[P, 64, dI] (+ k_scale f32[P, 64] for e4m3)."""
+    operands: q [B, Ip, T * dI] (`query_terms`: T 16-bit parts whose sum is the query; Ip a multiple of 64),
+    w f32[B, Ip], bt int32[B, Sp / 64] (-1 unused), seq int32[B] (<= Sp), k_pages bf16/e4m3[P, 64, dI] (+ k_scale
+    f32[P, 64] for e4m3)."""
     plgpu = mosaic_gpu()
-    B, ip, D = q.shape
+    B, ip, TD = q.shape
+    D = k_pages.shape[2]
     P = k_pages.shape[0]
     mp = bt.shape[1]
     ppb = PAGES_PER_BLOCK
@@ -138,13 +142,13 @@ def indexer_keys_mosaic(seq, q, w, bt, k_pages, k_scale, *, interpret: bool = Fa
     fp8 = k_scale is not None
     swz = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
     scratch = [
-        plgpu.SMEM((D // 32, ip, 32), q.dtype, transforms=swz),  # q, per 32-column tile
+        plgpu.SMEM((TD // 32, ip, 32), q.dtype, transforms=swz),  # q's terms, per 32-column tile
         plgpu.SMEM((ip,), jnp.float32),  # head weights
         plgpu.SMEM((ppb,), jnp.int32),  # this block's pages
         plgpu.SMEM((2, PAGE, D), k_pages.dtype),  # raw keys, two buffers
         plgpu.SMEM((2, PAGE), jnp.float32),  # raw fp8 scales (unused for bf16 keys)
         plgpu.SMEM((D // 32, PAGE, 32), q.dtype, transforms=swz),  # keys as a swizzled 16-bit tile
-        plgpu.Barrier(num_arrivals=2 + D // 32),  # block table slice, q tiles, w
+        plgpu.Barrier(num_arrivals=2 + TD // 32),  # block table slice, q tiles, w
         plgpu.Barrier(num_arrivals=1 + fp8, num_barriers=2),  # page copies, one per buffer
     ]
     body = functools.partial(_body, ppb=ppb, fp8=fp8, plgpu=plgpu)
@@ -161,6 +165,22 @@ def operand_dtype(key_dtype):
     """The MMA operands' dtype for keys of `key_dtype`: float16 for e4m3 (exact; sm_90 converts e4m3 to f16, not
     to bf16, natively), else bfloat16."""
     return jnp.float16 if jnp.dtype(key_dtype) == jnp.float8_e4m3fn else jnp.bfloat16
+
+
+def query_terms(q, key_dtype):
+    """q [B, Ip, dI] -> [B, Ip, T * dI] in `operand_dtype(key_dtype)`: T 16-bit parts, concatenated along dI, whose
+    sum is q exactly. float32 q with bf16 keys: 3 bf16 parts (8 mantissa bits each), so every product with a
+    bf16 key is exact in the f32 accumulator, as in the reference's f32 dots (only the summation order differs);
+    16-bit q (and the e4m3 values of the FP8 path): itself."""
+    dt = operand_dtype(key_dtype)
+    if q.dtype != jnp.float32:
+        return q.astype(dt)
+    parts, rest = [], q
+    for _ in range(3):
+        part = rest.astype(dt)
+        parts.append(part)
+        rest = rest - part.astype(jnp.float32)
+    return jnp.concatenate(parts, axis=-1)
 
 
 def check_mosaic_shapes(q, k_pages, k_scale):
