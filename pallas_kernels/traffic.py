@@ -39,7 +39,8 @@ from pallas_kernels.indexer_topk.kernel import (COUNT_SUB, MAX_CHUNK, MIN_DOT, P
 from pallas_kernels.sparse_gather.kernel import SELECT_BITS, SELECT_BUCKETS, tiles as gather_tiles
 from pallas_kernels.sparse_mla_decode.kernel import TARGET_PROGRAMS
 
-__all__ = ["Pass", "Traffic", "dtype_bytes", "gather_plan_counts", "indexer_topk_traffic", "mla_decode_blocks",
+__all__ = ["Pass", "Traffic", "dtype_bytes", "gather_plan_counts", "indexer_topk_mosaic_traffic",
+           "indexer_topk_traffic", "mla_decode_blocks",
            "production_shapes", "roofline", "selection_passes", "sparse_gather_traffic", "sparse_mla_decode_mosaic_traffic",
            "sparse_mla_decode_traffic"]
 
@@ -234,6 +235,65 @@ def indexer_topk_traffic(batch: int, index_heads: int, index_dim: int, seq_len: 
     excess = {"int32 score buffer (1 write + %d reads)" % (rounds + 2): (rounds + 3) * B * Sp * I32,
               "q / w re-read per score program": score_programs * (Ip * D * qb + Ip * F32) - B * I * (D * qb_in + F32),
               "rank (all K candidates per %d ranked)" % rows: B * (K // rows) * (I32 + rows * 2 * I32 + K * 2 * I32)}
+    return _make(passes, ideal, why, keys_once, excess)
+
+
+TOPK_SORT_PASSES = 4  # the estimate of XLA's top-k over [B, Sp] int32 keys: radix passes of 8 bits over (key, index)
+
+
+def indexer_topk_mosaic_traffic(batch: int, index_heads: int, index_dim: int, seq_len: int, topk: int, *,
+                                key_dtype: str = "fp8", query_dtype: str = "bfloat16",
+                                seq_lens: Iterable[int] | None = None, max_pages: int | None = None) -> Traffic:
+    """`indexer_topk(..., backend="mosaic")`: the Mosaic GPU scores kernel (kernel_mosaic.py) and XLA's top-k.
+    Arguments as `indexer_topk_traffic` (pages of 64; key_dtype "fp8" or "bf16").
+
+    Shapes of the wrapper: Ip = I rounded up to 64 (HEADS); MPp = MP rounded up to PAGES_PER_BLOCK (ppb) pages;
+    Sp = MPp * 64; T query parts (3 bf16 parts for float32 q with bf16 keys, else 1), 2 bytes each.
+
+    1. the scores kernel, grid (B, MPp / ppb), one warpgroup: per block the row's seq_len (4 B), its ppb block-table
+       entries (one copy, ppb * 4), q (Ip * T * dI * 2) and w (Ip * 4); per page whose start < seq_len one copy of
+       its keys (64 * dI key bytes) and for fp8 one of its 64 scales (64 * 4); writes the 64 int32 keys of every
+       page (live or not): B * Sp * 4. So the keys are read once and q once per ppb pages (Ip * T * dI * 2 B per
+       512 positions: 32 B per position at 64 heads x 128, bf16 q).
+    2. XLA's top-k over the [B, Sp] keys (estimated: TOPK_SORT_PASSES radix passes reading and writing (key,
+       index) pairs, 8 B per position each way), then the -1 mask of the [B, K] result.
+
+    XLA glue (estimated): q rotation / quantization / split / padding, the block table offset by the layer.
+    Ideal and reference_bytes as `indexer_topk_traffic`'s (the live keys + scales read once is the reference).
+    """
+    from pallas_kernels.indexer_topk.kernel_mosaic import HEADS, PAGES_PER_BLOCK as PPB
+
+    B, I, D, K = batch, index_heads, index_dim, topk
+    kb = dtype_bytes(key_dtype)
+    qb_in = dtype_bytes(query_dtype)
+    fp8 = kb == 1
+    T = 3 if (qb_in == 4 and not fp8) else 1
+    MP = max_pages if max_pages is not None else _cdiv(seq_len, PAGE)
+    lens = [min(max(int(n), 0), MP * PAGE) for n in (seq_lens if seq_lens is not None else [seq_len] * B)]
+    if len(lens) != B:
+        raise ValueError(f"seq_lens has {len(lens)} rows, batch is {B}")
+    Ip = _cdiv(I, HEADS) * HEADS
+    MPp = _cdiv(MP, PPB) * PPB
+    Sp = MPp * PAGE
+    blocks = B * (MPp // PPB)
+    live_pages = sum(_cdiv(n, PAGE) for n in lens)
+    key_page = PAGE * (D * kb + (F32 if fp8 else 0))
+    passes = [
+        Pass("xla: q / w prep", B * I * (D * qb_in + F32), B * Ip * (T * D * 2 + F32), 0, "xla"),
+        Pass("xla: block table (layer offset, pad)", B * MP * I32, B * MPp * I32, 0, "xla"),
+        Pass("scores (mosaic)", blocks * (I32 + PPB * I32 + Ip * T * D * 2 + Ip * F32) + live_pages * key_page,
+             B * Sp * I32),
+        Pass("xla: top-k (estimated)", TOPK_SORT_PASSES * B * Sp * 2 * I32 + B * I32,
+             TOPK_SORT_PASSES * B * Sp * 2 * I32 + B * K * I32, 0, "xla"),
+    ]
+    keys_once = sum(n * (D * kb + (F32 if fp8 else 0)) for n in lens)
+    ideal = B * I * (D * qb_in + F32) + B * I32 + live_pages * I32 + keys_once + B * K * I32
+    why = (f"The live keys are read once ({keys_once} B) and q once per {PPB} pages; the scores are written once "
+           f"(4 B per position) and XLA's top-k is estimated at {TOPK_SORT_PASSES} radix passes over (key, index) "
+           "pairs (16 B per position each).")
+    excess = {"scores written": B * Sp * I32,
+              "top-k (estimated)": 2 * TOPK_SORT_PASSES * B * Sp * 2 * I32,
+              "q / w re-read per block": blocks * (Ip * T * D * 2 + Ip * F32) - B * I * (D * qb_in + F32)}
     return _make(passes, ideal, why, keys_once, excess)
 
 
@@ -539,6 +599,8 @@ def production_shapes() -> dict:
     return {
         "indexer_topk": [dict(batch=4, index_heads=64, index_dim=128, seq_len=s, topk=2048, key_dtype="fp8",
                               query_dtype="bfloat16") for s in (8192, 32768, 131072)],
+        "indexer_topk_mosaic": [dict(batch=4, index_heads=64, index_dim=128, seq_len=s, topk=2048, key_dtype="fp8",
+                                     query_dtype="bfloat16") for s in (8192, 32768, 131072)],
         "sparse_gather": [dict(batch=64, topk=2048, hot_rows=hr, max_pages=2048) for hr in (4096, 8192, 16384)],
         "sparse_mla_decode": [dict(batch=64, heads=h, latent_dim=512, rope_dim=64, topk=2048, kv_dtype="fp8",
                                    query_dtype=q) for h in (128, 16) for q in ("bfloat16", "float32")],

@@ -389,6 +389,56 @@ def test_linear_in_batch_and_ratios_at_least_one():
     assert b.total_bytes == 2 * a.total_bytes and b.ideal_bytes == 2 * a.ideal_bytes
 
 
+def _launched_mosaic_operands(fn, *args):
+    """(operand avals, result avals) of the one Mosaic GPU kernel (`plgpu.kernel`: an mpmd_map) `fn` launches."""
+    def find(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "mpmd_map":
+                return e
+            for p in e.params.values():
+                inner = getattr(p, "jaxpr", None)
+                if inner is not None and (hit := find(inner if hasattr(inner, "eqns") else inner.jaxpr)):
+                    return hit
+        return None
+
+    eqn = find(jax.make_jaxpr(fn)(*args).jaxpr)
+    assert eqn is not None, "no Mosaic GPU kernel launched"
+    return [v.aval for v in eqn.invars], [v.aval for v in eqn.outvars]
+
+
+@pytest.mark.skipif(mosaic_unavailable_reason() is not None, reason=str(mosaic_unavailable_reason()))
+@pytest.mark.parametrize("I,D,MP,kd,qd,lens", [
+    (72, 64, 11, "bf16", "float32", (700, 64)),  # heads padded to 128, f32 q in 3 parts, 11 pages -> 2 blocks
+    (64, 128, 16, "fp8", "bfloat16", (1024, 1, 0)),  # fp8 keys and scales, an idle row
+    (3, 32, 5, "bf16", "bfloat16", (320,)),
+])
+def test_mosaic_indexer_model_matches_the_launched_kernel(I, D, MP, kd, qd, lens):
+    """The model's scores pass == the bytes the launched kernel's body copies, from its operands: per block the
+    row's seq_len, its block-table slice, q and w; per live page its keys (+ scales); the keys of every page out."""
+    from pallas_kernels.indexer_topk import indexer_topk
+    from pallas_kernels.indexer_topk.kernel_mosaic import PAGES_PER_BLOCK
+
+    B, P = len(lens), 4 * MP * len(lens)
+    kdt = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}[kd]
+    sds = jax.ShapeDtypeStruct
+    args = [sds((B, I, D), jnp.dtype(qd)), sds((B, I), jnp.float32), sds((P, 64, D), kdt), sds((B, MP), jnp.int32),
+            sds((B,), jnp.int32)]
+    kw = dict(k_scale=sds((P, 64), jnp.float32)) if kd == "fp8" else {}
+    ops, (out,) = _launched_mosaic_operands(
+        lambda *a: indexer_topk(*a[:5], topk=64, backend="mosaic", **dict(zip(kw, a[5:]))), *args, *kw.values())
+    seq, q, w, bt, keys = ops[:5]
+    blocks = bt.shape[0] * bt.shape[1]
+    assert bt.shape[2] == PAGES_PER_BLOCK and out.shape == (B, bt.shape[1] * PAGES_PER_BLOCK * 64)
+    nbytes = lambda a: a.size * a.dtype.itemsize  # noqa: E731
+    live_pages = sum(-(-n // 64) for n in lens)
+    page_bytes = 64 * keys.shape[1] * keys.dtype.itemsize + (64 * 4 if kd == "fp8" else 0)
+    read = blocks * (4 + PAGES_PER_BLOCK * 4 + nbytes(q) // B + nbytes(w) // B) + live_pages * page_bytes
+    model = traffic.indexer_topk_mosaic_traffic(B, I, D, MP * 64, 64, key_dtype=kd, query_dtype=qd, seq_lens=lens)
+    (kernel,) = [p for p in model.passes if p.kind == "pallas"]
+    assert (kernel.read_bytes, kernel.write_bytes) == (read, nbytes(out))
+    assert model.launches == 1
+
+
 def test_resolver_grows_with_hot_rows_and_decode_with_head_blocks():
     g = [traffic.sparse_gather_traffic(64, 2048, hr, 2048) for hr in (4096, 8192, 16384)]
     state = [t.reference_bytes for t in g]
