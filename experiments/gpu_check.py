@@ -19,8 +19,9 @@ leaves everything measured so far. Child logs: DIR/logs/NAME.log (stdout) and NA
 Sections, in order (`SECTIONS`: name -> timeout on a GPU; the timeouts add up to < 450 s, the parent also
 stops starting sections once --budget-s is spent, and trims the last one's timeout to what remains):
 
-* compile (70 s): every kernel (indexer_topk bf16 / fp8, sparse_gather, sparse_mla_decode bf16 / fp8 / fp8
-  stacked pools with `layer=`) compiled and run once at tiny shapes against its reference, then the tiered
+* compile (70 s): every kernel (indexer_topk bf16 / fp8 / fp8 on Mosaic GPU, sparse_gather, sparse_mla_decode
+  bf16 / fp8 / fp8 stacked pools with `layer=` / Mosaic GPU) compiled and run once at tiny shapes against its
+  reference, then the tiered
   decode step (`generate(cache=...)`, both fetch mechanisms, kernels "reference" and "pallas") on a tiny
   model -- before anything big.
 * ceilings (40 s): device-to-device copy bandwidth and pinned_host -> device copy bandwidth (device_put,
@@ -33,7 +34,8 @@ stops starting sections once --budget-s is spent, and trims the last one's timeo
 * decode_kernels (50 s): `decode_loop` (one lax.scan of n steps) under pressure with kernels="reference" and
   kernels="pallas" ("pallas_interpret" on a CPU): tokens equal, logits close, time per step of each.
 * kernel_indexer (45 s), kernel_gather (25 s), kernel_mla (40 s): each Pallas kernel against its jnp reference
-  on fresh random inputs (NaN-poisoned unused rows, permuted tables), then kernel vs reference time per call.
+  on fresh random inputs (NaN-poisoned unused rows, permuted tables), then kernel vs reference time per call;
+  the Mosaic GPU top-k and decode right after the Triton ones at the same shapes (jax >= 0.11).
 * mla_big_pool (35 s): sparse_mla_decode on the store's stacked fp8 pools [L, P, 64, C] of > 4 GiB read at
   the last layer with `layer=` (byte offsets past 2**32): correctness vs the reference, then timing.
 
@@ -97,6 +99,7 @@ SIZES = {
         decode_mechanisms=("row", "page"), decode_public_steps=4, decode_loop_steps=8, decode_loop_reps=2,
         kernels_time=True, loop_n=50, loop_reps=5, timed_variants=None,
         idx_B=4, idx_heads=64, idx_dim=128, idx_topk=2048, idx_contexts=(131072, 32768), idx_dtypes=("bf16", "fp8"),
+        idx_mosaic_contexts=(131072,),  # the Mosaic GPU top-k (jax >= 0.11) right after the Triton one there
         gather_B=32, gather_K=2048, gather_hot_rows=4096, gather_ctx=32768,
         mla_B=32, mla_C=512, mla_R=64, mla_K=2048,
         # (H, pool, q[, backend]): the Mosaic GPU decode (jax >= 0.11) right after the Triton one at the same shapes
@@ -122,7 +125,7 @@ SIZES = {
         # first variant of each timed (a timing loop is one more compile of the interpreted kernel)
         kernels_time=True, loop_n=2, loop_reps=1, timed_variants=1,
         idx_B=TINY["idx_B"], idx_heads=TINY["idx_heads"], idx_dim=TINY["idx_dim"], idx_topk=TINY["idx_topk"],
-        idx_contexts=(TINY["idx_context"],), idx_dtypes=("bf16", "fp8"),
+        idx_contexts=(TINY["idx_context"],), idx_dtypes=("bf16", "fp8"), idx_mosaic_contexts=(TINY["idx_context"],),
         gather_B=TINY["gather_B"], gather_K=TINY["gather_K"], gather_hot_rows=TINY["gather_hot_rows"],
         gather_ctx=TINY["gather_ctx"],
         mla_B=TINY["mla_B"], mla_C=TINY["mla_C"], mla_R=TINY["mla_R"], mla_K=TINY["mla_K"],
@@ -600,15 +603,22 @@ def _indexer_case(seed: int, B: int, I: int, D: int, S: int, kd: str):
     return _block(args), _block(kw), seq_lens, key_bytes
 
 
-def _kernel_indexer(ctx, S: int, kd: str, seed: int) -> dict:
+def _kernel_indexer(ctx, S: int, kd: str, seed: int, backend: str = "triton") -> dict:
+    """One indexer_topk variant against its reference. backend "mosaic": the Mosaic GPU scores and XLA's top-k
+    (jax >= 0.11)."""
     from functools import partial
 
     from pallas_kernels.indexer_topk import indexer_topk, indexer_topk_reference
 
+    if backend == "mosaic":
+        from pallas_kernels.backends import mosaic_unavailable_reason
+
+        if (why := mosaic_unavailable_reason()) is not None:
+            return {"kernel": "indexer_topk", "backend": backend, "passed": True, "skipped": why}
     sz = ctx.sz
     B, I, D, topk = sz["idx_B"], sz["idx_heads"], sz["idx_dim"], sz["idx_topk"]
     args, kw, seq_lens, key_bytes = _indexer_case(seed, B, I, D, S, kd)
-    kern = jax.jit(partial(indexer_topk, topk=topk, interpret=ctx.interpret))
+    kern = jax.jit(partial(indexer_topk, topk=topk, interpret=ctx.interpret, backend=backend))
     ref = jax.jit(partial(indexer_topk_reference, topk=topk))
     got, want = np.asarray(kern(*args, **kw)), np.asarray(ref(*args, **kw))
     well_formed = True
@@ -618,7 +628,8 @@ def _kernel_indexer(ctx, S: int, kd: str, seed: int) -> dict:
                             and len(set(row[:m].tolist())) == m)
     sets_equal = all(set(a.tolist()) == set(b.tolist()) for a, b in zip(got, want))
     order_equal = bool(np.array_equal(got, want))
-    rec = {"kernel": "indexer_topk", "variant": kd, "q_dtype": str(args[0].dtype), "key_dtype": str(args[2].dtype),
+    rec = {"kernel": "indexer_topk", "backend": backend, "variant": kd, "q_dtype": str(args[0].dtype),
+           "key_dtype": str(args[2].dtype),
            "B": B, "heads": I, "dim": D, "context": S, "pages": S // 64, "topk": topk,
            "seq_lens": seq_lens.tolist(), "interpret": ctx.interpret,
            "correct": {"sets_equal": sets_equal, "order_equal": order_equal, "well_formed": well_formed,
@@ -636,7 +647,8 @@ def _kernel_indexer(ctx, S: int, kd: str, seed: int) -> dict:
         rec["reference_vs_keys_read_once"] = rec["reference_s"] / t_read
     from pallas_kernels import traffic
 
-    rec.update(traffic_fields(ctx, rec, lambda: traffic.indexer_topk_traffic(
+    model = traffic.indexer_topk_mosaic_traffic if backend == "mosaic" else traffic.indexer_topk_traffic
+    rec.update(traffic_fields(ctx, rec, lambda: model(
         B, I, D, S, topk, key_dtype=kd, query_dtype=str(args[0].dtype), seq_lens=seq_lens.tolist())))
     return rec
 
@@ -901,8 +913,10 @@ KERNEL_CONVENTION = ("kernel_s / reference_s: time per call from N chained calls
 # ----- sections: kernels ------------------------------------------------------------------------------
 def section_kernel_indexer(ctx: Ctx) -> dict:
     sz = ctx.sz
-    plan = [(f"indexer_topk {kd} ctx={S}", lambda c, S=S, kd=kd, s=10 * i + j: _kernel_indexer(c, S, kd, s))
-            for i, S in enumerate(sz["idx_contexts"]) for j, kd in enumerate(sz["idx_dtypes"])]
+    plan = [(f"indexer_topk {kd} ctx={S}" + (f" {be[0]}" if be else ""),
+             lambda c, S=S, kd=kd, s=10 * i + j, be=be: _kernel_indexer(c, S, kd, s, *be))
+            for i, S in enumerate(sz["idx_contexts"]) for j, kd in enumerate(sz["idx_dtypes"])
+            for be in ((), ("mosaic",)) if not be or S in sz["idx_mosaic_contexts"]]
     return dict(_run_variants(ctx, plan), convention=KERNEL_CONVENTION)
 
 
@@ -1044,6 +1058,7 @@ def section_compile(ctx: Ctx) -> dict:
     plan = [
         ("indexer_topk bf16", lambda c: _kernel_indexer(c, T["idx_context"], "bf16", 1)),
         ("indexer_topk fp8", lambda c: _kernel_indexer(c, T["idx_context"], "fp8", 2)),
+        ("indexer_topk fp8 mosaic", lambda c: _kernel_indexer(c, T["idx_context"], "fp8", 9, "mosaic")),
         ("sparse_gather", lambda c: _kernel_gather(c, 3)),
         ("sparse_mla_decode bf16", lambda c: _kernel_mla(c, T["mla_H"], "bf16", "bf16", 4)),
         ("sparse_mla_decode fp8", lambda c: _kernel_mla(c, T["mla_H"], "fp8", "bf16", 5)),

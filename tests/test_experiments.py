@@ -98,6 +98,7 @@ def test_gpu_check_cpu_smoke(runs):
     cnames = [r["name"] for r in comp["runs"]]
     for want in ("indexer_topk bf16", "indexer_topk fp8", "sparse_gather", "sparse_mla_decode bf16",
                  "sparse_mla_decode fp8", "sparse_mla_decode fp8 stacked layer=", "decode_step reference fetch=row",
+                 "indexer_topk fp8 mosaic", "sparse_mla_decode fp8 mosaic",
                  "decode_step pallas_interpret fetch=row"):
         assert want in cnames, cnames
     for r in comp["runs"]:
@@ -119,6 +120,9 @@ def test_gpu_check_cpu_smoke(runs):
         assert sec["runs"][0]["timed"] is True, n
     assert {r["kernel"] for r in kern} == {"indexer_topk", "sparse_gather", "sparse_mla_decode"}
     assert {r["variant"] for r in kern if r["kernel"] == "indexer_topk"} == {"bf16", "fp8"}
+    # the Mosaic GPU top-k and decode ran (interpreted) next to the Triton ones
+    assert {(r["kernel"], r.get("backend")) for r in kern if "skipped" not in r} >= {
+        ("indexer_topk", "triton"), ("indexer_topk", "mosaic"), ("sparse_mla_decode", "mosaic")}
     assert {r["pool"] for r in kern if r["kernel"] == "sparse_mla_decode"} == {"bf16", "fp8"}
     for r in kern:
         assert r["status"] == "ok" and r["passed"] is True, r

@@ -136,21 +136,20 @@ def _assign_kernel(req_ref, hot_ok_ref, clock_ref, topk_ref, kind_ref, addr_ref,
     i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
     hot_row = live & (hot_ok_ref[b] > 0)
 
-    # a. count hits and misses; mark the hit slots in place (stamp := STAMP_MARK) on a hot row
-    def count_and_mark(t, c):
+    # a. count the misses; mark the hit slots in place (stamp := STAMP_MARK) on a hot row
+    def count_and_mark(t, m):
         sl = pl.ds(t * tk, tk)
         kind = kind_ref[b, sl]
         hit = (kind == 2) & hot_row
-        n_hit = jnp.sum(i32(hit))
 
         def mark():
             plgpu.store(hot_stamp_ref.at[r, jnp.where(hit, addr_ref[b, sl], hr)],
                         jnp.full((tk,), STAMP_MARK, jnp.int32), mask=hit)
 
         pl.when(hot_row)(mark)
-        return c[0] + n_hit, c[1] + jnp.sum(i32(kind == 3))
+        return m + jnp.sum(i32(kind == 3))
 
-    _, m = lax.fori_loop(0, k_tiles, count_and_mark, (jnp.int32(0), jnp.int32(0)))
+    m = lax.fori_loop(0, k_tiles, count_and_mark, jnp.int32(0))
     _barrier(interpret)
 
     def keys(j):  # [TS] LRU keys of slot tile j (hit slots read STAMP_MARK)
