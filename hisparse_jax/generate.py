@@ -190,10 +190,10 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     [len(tokens[i]), V] — the distribution each new token was drawn from.
 
     kernels (tiered only): "reference" (jnp), "pallas" (the Pallas GPU kernels for the indexer top-k, the fused
-    resolver and the sparse MLA decode), "pallas_mosaic" (the same with the sparse MLA decode on the Mosaic GPU
-    backend; jax >= 0.11), or either interpreted ("pallas_interpret", "pallas_mosaic_interpret"; e.g. on a
-    CPU). The Mosaic decode needs bf16 or fp8 KV, a latent width that is a multiple of 256 and a rope width
-    that is a multiple of 64.
+    resolver and the sparse MLA decode), "pallas_mosaic" (the same with the sparse MLA decode and the indexer's
+    scores on the Mosaic GPU backend; jax >= 0.11), or either interpreted ("pallas_interpret",
+    "pallas_mosaic_interpret"; e.g. on a CPU). The Mosaic kernels need bf16 or fp8 KV, a latent width that is a
+    multiple of 256, a rope width that is a multiple of 64 and an indexer head dim that is a multiple of 32.
 
     mesh (tiered only): attention data parallelism over a one-axis `jax.sharding.Mesh` (`parallel.data_mesh(n)`).
     Prompt i is served by rank i % n (round-robin); each rank has its own tiered store slice on its device and

@@ -54,8 +54,8 @@ class EngineConfig:
     prefix_caching: share full prompt pages (hash-chained, refcounted, on every tier) across requests and
     prefill only what is not cached;
     kernels: what the decode step runs, as in `generate`: "reference" (jnp), "pallas" (the Pallas GPU kernels;
-    needs a GPU backend), "pallas_mosaic" (the same, the sparse MLA decode on the Mosaic GPU backend; jax >=
-    0.11), or either interpreted ("pallas_interpret", "pallas_mosaic_interpret"; any backend);
+    needs a GPU backend), "pallas_mosaic" (the same, the sparse MLA decode and the indexer's scores on the Mosaic GPU
+    backend; jax >= 0.11), or either interpreted ("pallas_interpret", "pallas_mosaic_interpret"; any backend);
     speculative_tokens: k > 0 turns on MTP speculative decoding (`engine.speculative`): each step verifies k + 1
     rows per request and drafts the next k with the model's MTP layer (the model must be built with it:
     `SparseMLAModel(cfg, mtp=True)` / `load_pretrained(path, mtp=True)`); speculative_acceptance: "match" (a
