@@ -176,21 +176,27 @@ def test_topk_smaller_than_a_page_and_larger_than_the_table(topk):
     check_well_formed(got, seq_lens, topk)
 
 
+def with_huge_keys_past_seq_len(args, seed=0):
+    """The case's arguments with huge keys at every position >= seq_len of every row (in the row's pages) and
+    across the rest of the pool: an indexer that looks past seq_len would select them."""
+    q, w, k_pages, block_table, seq_lens = args
+    rng = np.random.default_rng(seed)
+    kp = np.array(k_pages.astype(jnp.float32))
+    bt = np.asarray(block_table)
+    for b, n in enumerate(np.asarray(seq_lens)):
+        for j in range(bt.shape[1]):
+            lo = max(n - j * PAGE, 0)
+            if bt[b, j] >= 0 and lo < PAGE:
+                kp[bt[b, j], lo:] = 100.0 * rng.integers(1, 4, (PAGE - lo, kp.shape[2]))
+    kp[np.isnan(kp)] = 1000.0
+    return q, w, jnp.asarray(kp, jnp.bfloat16), block_table, seq_lens
+
+
 def test_causality_keys_past_seq_len_never_matter():
     seq_lens = [100, 1, 64, 250]
     args, kw, _ = make_case(5, seq_lens, "bf16")
-    q, w, k_pages, block_table, sl = args
     base = kernel(*args, **kw)
-    rng = np.random.default_rng(0)
-    kp = np.array(k_pages.astype(jnp.float32))
-    bt = np.asarray(block_table)
-    for b, n in enumerate(seq_lens):  # huge keys at every position >= seq_len of every row
-        for j in range(MP):
-            lo = max(n - j * PAGE, 0)
-            if bt[b, j] >= 0 and lo < PAGE:
-                kp[bt[b, j], lo:] = 100.0 * rng.integers(1, 4, (PAGE - lo, D))
-    kp[np.isnan(kp)] = 1000.0  # and the rest of the pool
-    changed = (q, w, jnp.asarray(kp, jnp.bfloat16), block_table, sl)
+    changed = with_huge_keys_past_seq_len(args)
     np.testing.assert_array_equal(kernel(*changed, **kw), base)
     np.testing.assert_array_equal(np.asarray(indexer_topk_reference(*changed, **kw)), base)
 

@@ -10,23 +10,15 @@ up to near ties. Needs jax >= 0.11 (the newest-jax CI leg).
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.indexer_topk import indexer_topk, indexer_topk_reference, paged_index_scores
 from test_kernel_indexer_topk import (PAGE, SWEEP, TOPK, assert_same_up_to_near_ties, check_well_formed,
-                                      contiguous_topk, make_case)
+                                      contiguous_topk, make_case, with_huge_keys_past_seq_len)
+from test_kernel_mosaic import needs_interpret, plgpu
 
-try:
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    HAVE_INTERPRET = hasattr(plgpu, "force_gpu_interpret_mode")
-except ImportError:  # pragma: no cover
-    plgpu, HAVE_INTERPRET = None, False
-
-pytestmark = pytest.mark.skipif(
-    not HAVE_INTERPRET, reason=f"Mosaic GPU interpret mode needs jax >= 0.11 (this is jax {jax.__version__})")
+pytestmark = needs_interpret
 
 
 def mosaic(args, kw):
@@ -81,19 +73,8 @@ def test_topk_smaller_than_a_page_and_larger_than_the_table(topk):
 
 def test_keys_past_seq_len_never_matter():
     """Huge keys at every position at or past a row's seq_len (and across the rest of the pool) change nothing."""
-    seq_lens = [100, 1, 64, 250]
-    args, kw, _ = make_case(5, seq_lens, "bf16q")
-    q, w, k_pages, block_table, sl = args
-    base = mosaic(args, kw)
-    kp = np.array(k_pages.astype(jnp.float32))
-    kp[np.isnan(kp)] = 1000.0
-    bt = np.asarray(block_table)
-    for b, n in enumerate(seq_lens):
-        for j in range(bt.shape[1]):
-            lo = max(n - j * PAGE, 0)
-            if bt[b, j] >= 0 and lo < PAGE:
-                kp[bt[b, j], lo:] = 500.0
-    np.testing.assert_array_equal(mosaic((q, w, jnp.asarray(kp, jnp.bfloat16), block_table, sl), kw), base)
+    args, kw, _ = make_case(5, [100, 1, 64, 250], "bf16q")
+    np.testing.assert_array_equal(mosaic(with_huge_keys_past_seq_len(args), kw), mosaic(args, kw))
 
 
 @pytest.mark.parametrize("change,match", [
