@@ -4,8 +4,8 @@ Same contract as `reference.indexer_topk_reference` (`indexer_topk(..., backend=
 what the keys' bytes go into, so they are the kernel: one CUDA block (one warpgroup) per (row b, block of
 PAGES_PER_BLOCK pages of its block table), which
 
-    start      copies the row's queries [Ip, dI] (bf16, heads padded to a multiple of 64 with zero weight) into
-               a swizzled tile and its weights [Ip] into shared memory;
+    start      copies the row's queries [Ip, T * dI] (T 16-bit parts, `query_terms`; heads padded to a multiple of
+               64 with zero weight) into swizzled tiles and its weights [Ip] into shared memory;
     per page   of the block below seq_len (pages past it are not read: unused pages may hold anything):
                one TMA copy of the page's 64 keys [64, dI] (bf16 or e4m3, by its block-table entry; the next
                page's copy is issued before this page's math, into the other of two buffers) and, for e4m3,
@@ -26,6 +26,10 @@ Numerics: 16-bit MMA operands with f32 accumulation. Every product is exact: e4m
 (the FP8 path), bf16 q and keys are bf16, and an f32 query is split into three bf16 parts whose sum it is exactly
 (`query_terms`; three MMAs per page instead of one, the MMA is not what bounds this kernel). The sums run in
 another order than the reference's, so a score may differ in its last bits, as the Triton kernel's f32 dots do.
+
+With `layer=` the wrapper reads the store's stacked pool [L, P, 64, dI] in place: the block table is offset by
+layer * P into the flattened [L * P] pages, whose rows are int32 TMA coordinates (L * P * 64 < 2^31, checked;
+byte offsets are 64-bit).
 
 Limits (ValueError): dI a multiple of 32 and at most 256, heads at most 256, page 64, bf16 or e4m3 keys.
 Needs jax >= 0.11; on a CPU it runs in Mosaic GPU's interpret mode (`interpret=True`, or the caller's
@@ -52,7 +56,7 @@ MAX_DIM = 256  # a TMA copy moves at most 256 elements along a dimension; the MM
 
 
 def _body(seq_ref, q_ref, w_ref, bt_ref, k_ref, *rest, ppb: int, fp8: bool, plgpu):
-    # seq_ref [B] int32; q_ref [B, Ip, D] bf16; w_ref [B, Ip] f32; bt_ref [B, NB, ppb] int32 (pages per block);
+    # seq_ref [B] int32; q_ref [B, Ip, T * D] 16-bit; w_ref [B, Ip] f32; bt_ref [B, NB, ppb] int32 (pages per block);
     # k_ref [P * 64, D] keys (+ ks_ref [P, 64] f32 for e4m3); out_ref [B, Sp] int32; then the scratch
     if fp8:
         ks_ref, out_ref, scratch = rest
