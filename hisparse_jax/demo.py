@@ -75,8 +75,8 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
     p.add_argument("--prefill-chunk", type=positive_int, default=240, help="prompt tokens per step when chunked (240)")
     p.add_argument("--kernels", default="reference", choices=KERNELS,
                    help="decode step: jnp references (default), the Pallas GPU kernels (needs a GPU; pallas_mosaic: "
-                        "the sparse MLA decode and the indexer's scores on the Mosaic GPU backend, jax >= 0.11), or the same kernels "
-                        "interpreted (any backend; slow)")
+                        "the sparse MLA decode and the indexer's scores on the Mosaic GPU backend, jax >= 0.11), or "
+                        "the same kernels interpreted (any backend; slow)")
     p.add_argument("--miss-attention", default="single", choices=MISS_ATTENTION,
                    help="attention over the selected rows in one pass after the misses are fetched (default), or "
                         "split: rows already on the device and fetched misses apart, merged by log-sum-exp (the "

@@ -41,7 +41,8 @@ from pallas_kernels.sparse_mla_decode.kernel import TARGET_PROGRAMS
 
 __all__ = ["Pass", "Traffic", "dtype_bytes", "gather_plan_counts", "indexer_topk_mosaic_traffic",
            "indexer_topk_traffic", "mla_decode_blocks",
-           "production_shapes", "roofline", "selection_passes", "sparse_gather_traffic", "sparse_mla_decode_mosaic_traffic",
+           "production_shapes", "roofline", "selection_passes", "sparse_gather_traffic",
+           "sparse_mla_decode_mosaic_traffic",
            "sparse_mla_decode_traffic"]
 
 I32 = 4
@@ -316,7 +317,8 @@ def sparse_gather_traffic(batch: int, topk: int, hot_rows: int, max_pages: int, 
     default: every hot row when misses > 0); select_passes: passes over a row's HR stamps beyond the two every
     selecting row makes (the window histogram and the pick), summed over the rows: 0 when each row's m-th
     least recent key lies in the window ending at this step's stamps or is -1 (never used), else 1 + its radix
-    passes (`gather_plan_counts` counts them); out_of_range: top-k lanes whose page index is >= MP. HR >= K (`check_shapes`).
+    passes (`gather_plan_counts` counts them); out_of_range: top-k lanes whose page index is >= MP. HR >= K
+    (`check_shapes`).
 
     Tiles (kernel.py `tiles`): TK = min(TOPK_TILE, next_pow2(K)), Kp = K rounded up to TK.
 

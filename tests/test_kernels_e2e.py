@@ -77,8 +77,8 @@ def test_step_asks_the_mosaic_decode_for_the_queries_dtype(monkeypatch, dtype, w
 
 
 def test_mosaic_choice_is_checked():
-    """Refused before anything runs: float32 KV, or a latent width the kernel does not take (and, on jax 0.10, the
-    backend itself); on a CPU the non-interpreted choice needs a GPU backend."""
+    """Refused before anything runs: float32 KV, a latent width or an indexer head dim the kernels do not take (and,
+    on jax 0.10, the backend itself); on a CPU the non-interpreted choice needs a GPU backend."""
     def run(cfg, kv, kernels="pallas_mosaic_interpret"):
         m = hj.SparseMLAModel(model_cfg(**cfg), rngs=nnx.Rngs(0))
         generate(m, [[1, 2, 3]], 2, cache=CacheConfig(kv_dtype=kv, max_seqs=1, max_seq_len=128, device_pages=4,
@@ -92,6 +92,8 @@ def test_mosaic_choice_is_checked():
         run(MOSAIC_CFG, "float32")
     with pytest.raises(ValueError, match="multiple of 256 .* latent 32"):
         run({}, "bf16")
+    with pytest.raises(ValueError, match="indexer head dim that is a multiple of 32 .*this store: 80"):
+        run(dict(MOSAIC_CFG, index_head_dim=80), "bf16")
     if __import__("jax").default_backend() != "gpu":
         with pytest.raises(ValueError, match="GPU backend"):
             run(MOSAIC_CFG, "bf16", kernels="pallas_mosaic")

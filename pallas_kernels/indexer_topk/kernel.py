@@ -378,8 +378,10 @@ def _indexer_topk_mosaic(q, w, k_pages, block_table, seq_lens, *, topk, k_scale,
         k_pages, k_scale, layer = k_pages[None], None if k_scale is None else k_scale[None], 0
     _check_stacked(k_pages, k_scale)
     L, P = k_pages.shape[:2]
-    _check(q, w, k_pages[0], block_table, seq_lens, topk, None if k_scale is None else k_scale[0])
-    km.check_mosaic_shapes(q, k_pages[0], k_scale)
+    one_layer = jax.ShapeDtypeStruct(k_pages.shape[1:], k_pages.dtype)  # the checks need shapes only
+    one_scale = None if k_scale is None else jax.ShapeDtypeStruct(k_scale.shape[1:], k_scale.dtype)
+    _check(q, w, one_layer, block_table, seq_lens, topk, one_scale)
+    km.check_mosaic_shapes(q, one_layer, k_scale)
     if L * P * k_pages.shape[2] >= 2**31:
         raise ValueError(f"the Mosaic indexer kernel addresses the {L} x {P} pages' rows with int32 TMA coordinates "
                          f"(< 2^31 rows); got {L * P * k_pages.shape[2]}")
