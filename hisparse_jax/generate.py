@@ -3,8 +3,8 @@
 Shapes are bucketed (batch to a power of two, prompt length to a power of two >= 16, cache length to a
 multiple of 64) so a decode loop compiles once, whatever the step. Every trace of a step increments
 `TRACE_COUNTS`, which the tests use to prove there is no recompilation per step. The contiguous step updates its
-donated cache in place (one row per layer and sequence) and reads weights laid out once per call
-(`_step_weights`): its cost per token follows the work, not copies of the cache or of the weights.
+donated cache in place (one row per layer and sequence): its cost per token follows the work, not copies of the
+cache.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from flax import nnx
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.kv.dense import DenseKV, init_dense_cache
 from hisparse_jax.model.decoder import SparseMLAModel, decode_step
-from hisparse_jax.model.mla import split_kv_b
-from hisparse_jax.model.moe import MoE
 from hisparse_jax.validation import check_float, check_int, check_prompt, check_token_list
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -98,77 +96,17 @@ def prefill_rows_split(graphdef, state, tokens: Sequence[int], *, with_hidden: b
 
 @functools.lru_cache(maxsize=32)
 def _decode_fn(graphdef, backend, temperature: float, top_p: float):
-    """The contiguous decode step: step(state, tokens, positions, cache, key, weights=None) -> (tokens, logits,
-    cache). The cache is donated and updated in place (`DenseKV` writes one row per layer and sequence);
-    `weights` (optional, `_step_weights`) are weights already in the layout the step's matmuls read."""
+    """The contiguous decode step: step(state, tokens, positions, cache, key) -> (tokens, logits, cache). The cache is
+    donated and updated in place (`DenseKV` writes one row per layer and sequence)."""
 
     @functools.partial(jax.jit, donate_argnums=(3,))
-    def step(state, tokens, positions, cache, key, weights=None):
+    def step(state, tokens, positions, cache, key):
         TRACE_COUNTS["decode"] += 1
         model = nnx.merge(graphdef, state)
-        if weights is not None:
-            _use_step_weights(model, weights)
         logits, cache, _ = decode_step(model, tokens, positions, cache, backend)
         return sample_tokens(logits, key, temperature, top_p), logits, cache
 
     return step
-
-
-# Weights the decode step would otherwise re-lay out on every call. On the CPU backend XLA transposes, per step,
-# `kv_b_proj` into the batched-over-heads operands of the absorbed MLA matmuls (W_UK [C, H, N] read as [H, C, N],
-# W_UV [C, H, V] as [H, V, C]) and the routed experts: with the "ragged" MoE every expert weight [E, X, Y] as
-# [X, E, Y] (`lax.ragged_dot`'s dense lowering), with the "dense" MoE gate / up [E, D, F] as [E, F, D].
-# `_step_weights` makes those arrays once per `generate` call; inside the step `_use_step_weights` hands the model
-# the inverse transposes of them, which XLA cancels, so the matmuls read the prepared arrays directly: the same
-# operands in the same layout as before, hence the same numbers, without the per-step copies. The cost: one more
-# copy of those weights, held for the duration of the call. Other backends choose their own layouts; nothing is
-# prepared there.
-_KV_B_LAYOUT = ((1, 0, 2), (1, 2, 0))  # W_UK [C, H, N] -> [H, C, N]; W_UV [C, H, V] -> [H, V, C]
-_EXPERT_LAYOUTS = {"ragged": ((1, 0, 2), (1, 0, 2), (1, 0, 2)),  # (gate, up, down); None: read as stored
-                   "dense": ((0, 2, 1), (0, 2, 1), None)}
-
-
-@functools.lru_cache(maxsize=32)
-def _step_weights_fn(graphdef):
-    @jax.jit
-    def prepare(state):
-        model = nnx.merge(graphdef, state)
-        out = []
-        for layer in model.layers:
-            w_uk, w_uv = split_kv_b(layer.self_attn, model.cfg)
-            entry = {"kv_b": tuple(jnp.transpose(w, p) for w, p in zip((w_uk, w_uv), _KV_B_LAYOUT))}
-            if isinstance(layer.mlp, MoE) and model.moe_impl in _EXPERT_LAYOUTS:
-                e = layer.mlp.experts
-                entry["experts"] = tuple(None if p is None else jnp.transpose(w[...], p)
-                                         for w, p in zip((e.gate, e.up, e.down), _EXPERT_LAYOUTS[model.moe_impl]))
-            out.append(entry)
-        return out
-
-    return prepare
-
-
-def _step_weights(graphdef, state):
-    """The step's pre-laid-out weights (see above) on the CPU backend; None elsewhere."""
-    if jax.default_backend() != "cpu":
-        return None
-    return _step_weights_fn(graphdef)(state)
-
-
-def _inverse(perm):
-    return tuple(int(i) for i in np.argsort(perm))
-
-
-def _use_step_weights(model: SparseMLAModel, weights) -> None:
-    """Point the (traced, freshly merged) model's kv_b_proj and expert weights at views of the prepared arrays."""
-    cfg = model.cfg
-    for layer, entry in zip(model.layers, weights):
-        w_uk, w_uv = (jnp.transpose(w, _inverse(p)) for w, p in zip(entry["kv_b"], _KV_B_LAYOUT))
-        layer.self_attn.kv_b_proj.kernel.set_value(jnp.concatenate([w_uk, w_uv], axis=-1).reshape(cfg.kv_lora_rank, -1))
-        if "experts" in entry:
-            e = layer.mlp.experts
-            for var, w, p in zip((e.gate, e.up, e.down), entry["experts"], _EXPERT_LAYOUTS[model.moe_impl]):
-                if p is not None:
-                    var.set_value(jnp.transpose(w, _inverse(p)))
 
 
 def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
@@ -241,7 +179,6 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     cache = _cache_from_prefill(cfg, aux, B, S, T, model.dtype)
     backend = DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8)
     step = _decode_fn(graphdef, backend, float(temperature), float(top_p))
-    weights = _step_weights(graphdef, state) if max_new_tokens > 1 else None
 
     key, sub = jax.random.split(key)
     tokens = sample_tokens(first_logits, sub, temperature, top_p)
@@ -249,7 +186,7 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     positions = jnp.asarray(lens)
     for t in range(1, max_new_tokens):
         key, sub = jax.random.split(key)
-        tokens, logits, cache = step(state, tokens, positions, cache, sub, weights)
+        tokens, logits, cache = step(state, tokens, positions, cache, sub)
         positions = positions + 1
         out_tokens.append(tokens)
         if return_logits:

@@ -422,4 +422,4 @@ def test_invalid_rope_config(kw, words):
 def test_unknown_moe_impl():
     model = tiny_model(mlp_layer_types=("dense", "sparse"))
     with pytest.raises(ValueError, match="unknown moe impl 'sorted'"):
-        model.layers[1].mlp(jnp.zeros((1, 32), jnp.float32), impl="sorted")
+        model.layer(1).mlp(jnp.zeros((1, 32), jnp.float32), impl="sorted")

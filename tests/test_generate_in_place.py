@@ -1,6 +1,5 @@
 """The contiguous decode step of plain `generate` (cache=None) updates its donated cache in place and reads its
-weights as they were laid out once per call: no per-step copy of a layer's cache, of the whole cache, or of a
-weight; one compile for a 40-step loop; the prepared weights change no number."""
+no per-step copy of a layer's cache or of the whole cache; one compile for a 40-step loop."""
 
 from __future__ import annotations
 
@@ -55,13 +54,12 @@ def big(dims) -> tuple:
     return tuple(sorted(d for d in dims if d > 1))
 
 
-def compiled_step(model, B: int, S: int, *, weights: bool = True):
+def compiled_step(model, B: int, S: int):
     cfg = model.cfg
     graphdef, state = nnx.split(model)
     step = G._decode_fn(graphdef, DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8), 0.0, 1.0)
     cache = init_dense_cache(cfg, B, S, model.dtype)
-    w = G._step_weights(graphdef, state) if weights else None
-    args = (state, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32), cache, jax.random.key(0), w)
+    args = (state, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32), cache, jax.random.key(0))
     return step.lower(*args).compile(), cache
 
 
@@ -79,11 +77,16 @@ def test_decode_step_updates_the_cache_in_place(tiny_glm):
 
     # memory: the donated cache is aliased to the output, and the step's scratch is well below one layer's latent
     # cache (the slice-modify-writeback of every layer this replaced needed 1.7x a layer here, 2.6x the whole cache
-    # at B=1)
+    # at B=1) beside the weights XLA:CPU re-lays out for its matmuls (kv_b_proj's W_UK / W_UV and the experts, read
+    # transposed; 4.2 MB here, measured: 5.4 MB of scratch, 1.2 MB before the layers were stacked and when these
+    # weights were prepared once per call, which stopped paying off under the scan)
+    relaid = sum(v.nbytes for path, v in nnx.to_flat_state(nnx.state(tiny_glm, nnx.Param))
+                 if "kv_b_proj" in path or "experts" in path)
     mem = compiled.memory_analysis()
     if mem is not None:
         assert mem.alias_size_in_bytes >= cache_bytes, (mem.alias_size_in_bytes, cache_bytes)
-        assert mem.temp_size_in_bytes < layer_latent_bytes / 2, (mem.temp_size_in_bytes, layer_latent_bytes)
+        assert mem.temp_size_in_bytes < layer_latent_bytes / 2 + relaid, (mem.temp_size_in_bytes, layer_latent_bytes,
+                                                                          relaid)
 
     # HLO: no copy / transpose / slice shaped like a layer's latent or rope cache or like a whole cache, none as large
     # as a layer's latent cache, none reading more than a row per sequence of a cache parameter. (The indexer's score matmul may read one slot's keys
@@ -105,24 +108,6 @@ def test_decode_step_updates_the_cache_in_place(tiny_glm):
     assert not bad, f"the decode step copies cache-sized buffers: {bad}"
 
 
-def test_weights_are_not_relaid_out_per_step(tiny_glm):
-    """No copy / transpose in the step reads only parameters (kv_b_proj's W_UK / W_UV, the expert weights were
-    re-laid out there on every step before): the prepared weights are read as they are."""
-
-    def relayouts(compiled):
-        instrs = entry_instructions(compiled.as_text())
-        params = {n for n, _, op, _ in instrs if op == "parameter"}
-        return [(n, dims) for n, dims, op, operands in instrs
-                if is_data_movement(n, op) and operands and all(o in params for o in operands)
-                and int(np.prod(dims)) >= 1024]
-
-    compiled, _ = compiled_step(tiny_glm, 2, 256)
-    assert relayouts(compiled) == []
-    if jax.default_backend() == "cpu":  # the detector sees them when the weights are not prepared
-        plain, _ = compiled_step(tiny_glm, 2, 256, weights=False)
-        assert len(relayouts(plain)) > 0
-
-
 def small_cfg(**over):
     kw = dict(model_type="glm_moe_dsa", vocab_size=89, hidden_size=48, intermediate_size=64,
               moe_intermediate_size=24, num_hidden_layers=4, num_attention_heads=3, q_lora_rank=40,
@@ -133,31 +118,6 @@ def small_cfg(**over):
               indexer_rope_interleaved=True, indexer_types=("full", "shared", "full", "shared"), dtype="float32")
     kw.update(over)
     return hj.ModelConfig(**kw)
-
-
-@pytest.mark.parametrize("moe_impl", ["ragged", "dense"])
-def test_prepared_weights_change_no_number(moe_impl):
-    """Steps with the prepared weights and steps reading the model's own weights: bit-identical logits, tokens
-    and caches (idle batch row included)."""
-    cfg = small_cfg()
-    model = hj.SparseMLAModel(cfg, rngs=nnx.Rngs(3), moe_impl=moe_impl)
-    graphdef, state = nnx.split(model)
-    step = G._decode_fn(graphdef, DenseKV(topk=cfg.index_topk), 0.0, 1.0)
-    ids = jax.random.randint(jax.random.key(5), (4, 64), 0, cfg.vocab_size, dtype=jnp.int32)
-    _, aux = G._prefill_fn(graphdef)(state, ids)
-    caches = [G._cache_from_prefill(cfg, aux, 4, 128, 64, model.dtype) for _ in range(2)]
-    weights = G._step_weights(graphdef, state)
-    toks = [jnp.array([1, 2, 3, 4], jnp.int32)] * 2
-    pos = jnp.array([40, 63, 10, -1], jnp.int32)
-    key = jax.random.key(0)
-    for _ in range(5):
-        toks[0], l0, caches[0] = step(state, toks[0], pos, caches[0], key, weights)
-        toks[1], l1, caches[1] = step(state, toks[1], pos, caches[1], key)
-        np.testing.assert_array_equal(np.asarray(l0), np.asarray(l1))
-        np.testing.assert_array_equal(np.asarray(toks[0]), np.asarray(toks[1]))
-        pos = jnp.where(pos >= 0, pos + 1, pos)
-    for k in caches[0]:
-        np.testing.assert_array_equal(np.asarray(caches[0][k]), np.asarray(caches[1][k]))
 
 
 def test_decode_step_compiles_once_for_40_steps_and_matches_the_paged_store():

@@ -148,7 +148,7 @@ def test_prefill_then_fetch_misses_is_bit_exact(fetch):
                     valid=jnp.ones((1, K), bool), resident=jnp.zeros((1, K), bool), miss=jnp.ones((1, K), bool),
                     src_page=jnp.asarray(host_of[pos // 64], jnp.int32)[None],
                     src_row=jnp.asarray(pos % 64, jnp.int32)[None])
-    store, payload, _ = jax.jit(ops.fetch_misses, static_argnums=(0, 2))(spec, store, (0, 1), plan)
+    store, payload, _ = jax.jit(ops.fetch_misses, static_argnums=(0, 3))(spec, store, 0, 2, plan)
     assert int(payload) == K * L
     for dev, want in ((store.latent, lat_b), (store.rope, rope_b)):
         assert_device_bits(bits_of(np.asarray(dev)[:, 6 + slot // 64, slot % 64]), want[:, pos])

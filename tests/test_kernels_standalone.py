@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from hisparse_jax.kv.state import StoreSpec, init_store
-from hisparse_jax.kv.tiered import TieredKV, empty_stats
+from hisparse_jax.kv.tiered import TieredKV
+from hisparse_jax.model.block import LayerIds
 from pallas_kernels.sparse_gather import sparse_gather, sparse_gather_reference
 from pallas_kernels.sparse_mla_decode.reference import sparse_mla_decode_rows
 from test_kernel_sparse_gather import FIELDS, assert_same, make_case, run
@@ -99,8 +100,10 @@ def test_released_request_without_hot_buffer_is_never_an_address(kernels, fetch)
 
     @jax.jit
     def attend(store):
-        cache = {"store": store, "req": jnp.asarray(REQ), "plan": None, "stats": empty_stats(spec)}
-        o, cache = TieredKV(spec, kernels).attend(cache, 0, jnp.asarray(TOPK), q_lat, q_rope, 0.25)
+        backend = TieredKV(spec, kernels)
+        cache = backend.init_cache(store, jnp.asarray(REQ))
+        o, cache = backend.attend(cache, LayerIds(layer=0, index=0, owns_index=True, group_size=1),
+                                  jnp.asarray(TOPK), q_lat, q_rope, 0.25)
         return o, cache["store"], cache["plan"], cache["stats"]
 
     o, out, plan, stats = attend(store)

@@ -205,7 +205,7 @@ def test_transfer_bytes_per_mechanism():
         tc.evict(s, [0])
         topk = jnp.asarray([[0, 1, 2, 63, 64, 100, 130, -1]], jnp.int32)
         plan, store = ops.resolve(tc.spec, tc.sync(), 0, jnp.asarray([s], jnp.int32), topk)
-        _, payload, transfer = ops.fetch_misses(tc.spec, store, (0, 1), plan)
+        _, payload, transfer = ops.fetch_misses(tc.spec, store, 0, 2, plan)
         assert int(payload) * ROW_BYTES == 4 * 2 * ROW_BYTES  # layer-rows; bytes = rows x row_bytes
         assert int(transfer) * ROW_BYTES == (1 * 4 * 2 * ROW_BYTES if fetch == "row" else 1 * 2 * 64 * ROW_BYTES)
 

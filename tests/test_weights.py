@@ -161,7 +161,7 @@ def test_load_reads_config(hf_ckpt):
     assert cfg.mlp_layer_types == tuple(hc.mlp_layer_types) == ("dense", "sparse", "sparse")
     if arch == "glm_moe_dsa":
         assert cfg.indexer_types == ("full", "shared", "full") and cfg.indexer_rope_interleaved
-        assert ours.layers[1].self_attn.indexer is None
+        assert ours.layer(1).self_attn.indexer is None
     else:
         assert cfg.indexer_types == ("full",) * 3 and cfg.rope.rope_type == "yarn"
 
@@ -348,7 +348,7 @@ def test_fused_expert_halves_are_gate_then_up(tmp_path):
     e, dd, f = np.meshgrid(np.arange(E), np.arange(D), np.arange(F), indexing="ij")
     t["model.layers.1.mlp.experts.down_proj"] = -(1000 * e + dd + f / 100).astype(np.float32)
     m = hisparse_jax.load_pretrained(write_checkpoint(tmp_path / "fused", src, t))
-    ex = m.layers[1].mlp.experts
+    ex = m.layer(1).mlp.experts
     gate, up, down = np.asarray(ex.gate[...]), np.asarray(ex.up[...]), np.asarray(ex.down[...])
     assert gate.shape == up.shape == (E, D, F) and down.shape == (E, F, D)
     for j, fi, di in [(0, 0, 0), (3, F - 1, D - 1), (2, 5, 17)]:

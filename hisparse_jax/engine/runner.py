@@ -58,9 +58,9 @@ def step_impl(model: SparseMLAModel, store: KVStore, batch: dict, kernels: str =
     index_pages = batch["index_span"].shape[0] if "index_span" in batch else None
     req = batch["req"].astype(jnp.int32)
     positions = _positions(store, req) if "pos" not in batch else jnp.where(req >= 0, batch["pos"], -1)
-    cache = {"store": store, "req": req, "plan": None, "stats": tiered.empty_stats(spec)}
-    logits, cache, _ = model_decode_step(model, batch["tokens"].astype(jnp.int32), positions, cache,
-                                         tiered.TieredKV(spec, kernels, index_pages, rows_per_request))
+    backend = tiered.TieredKV(spec, kernels, index_pages, rows_per_request)
+    logits, cache, _ = model_decode_step(model, batch["tokens"].astype(jnp.int32), positions,
+                                         backend.init_cache(store, req), backend)
     store, stats = cache["store"], cache["stats"]
     if spec.mirror_to_host:
         store, d2h = ops.mirror_rows(spec, store, req, positions)

@@ -104,10 +104,9 @@ def spec_step_impl(model, store: KVStore, batch: dict, sampling: dict, kernels: 
     req = batch["req"].astype(jnp.int32)
     G = req.shape[0] // S
     pos = jnp.where(req >= 0, batch["pos"], -1)
-    cache = {"store": store, "req": req, "plan": None, "stats": tiered.empty_stats(spec)}
     verify = tiered.TieredKV(spec, kernels, index_pages, rows_per_request=S)
-    logits, cache, _, hidden = model_decode_step(model, batch["tokens"].astype(jnp.int32), pos, cache, verify,
-                                                 return_hidden=True)
+    logits, cache, _, hidden = model_decode_step(model, batch["tokens"].astype(jnp.int32), pos,
+                                                 verify.init_cache(store, req), verify, return_hidden=True)
     target, accepted = verify_rows(logits.reshape(G, S, -1), batch["tokens"].reshape(G, S)[:, 1:],
                                    batch["draft_ok"].reshape(G, S)[:, 1:] > 0, sampling["seed"],
                                    (jnp.maximum(pos, 0) + 1).reshape(G, S), sampling["temperature"],

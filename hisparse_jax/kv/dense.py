@@ -41,8 +41,8 @@ def init_dense_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float
     }
 
 
-def _write(cache, index: int, positions, value):
-    """Store one row per sequence: cache [N, B, S, X] (N layers or indexer slots; `index` static), positions
+def _write(cache, index, positions, value):
+    """Store one row per sequence: cache [N, B, S, X] (N layers or indexer slots), positions
     int32[B] (-1: drop), value [B, X].
 
     One scatter of B rows at [index, b, positions[b]] into the whole stacked cache — never a slice of a layer
@@ -53,7 +53,7 @@ def _write(cache, index: int, positions, value):
     return cache.at[index, jnp.arange(B), pos].set(value.astype(cache.dtype), mode="drop")
 
 
-def _rows(cache, index: int, topk):
+def _rows(cache, index, topk):
     """cache [N, B, S, X], topk int32[B, K] (>= 0) -> rows [B, K, X] of `index`: one gather from the whole stacked
     cache (the layer is not sliced out first)."""
     B = cache.shape[1]
@@ -69,21 +69,21 @@ class DenseKV:
     topk: int
     indexer_fp8: bool = False
 
-    def append(self, cache, layer, index_layer, positions, c, k_rope, k_index):
+    def append(self, cache, ids, positions, c, k_rope, k_index):
         cache = dict(cache)
-        cache["latent"] = _write(cache["latent"], layer, positions, c)
-        cache["rope"] = _write(cache["rope"], layer, positions, k_rope)
-        if index_layer is not None:
-            cache["index_k"] = _write(cache["index_k"], index_layer, positions, k_index)
+        cache["latent"] = _write(cache["latent"], ids.layer, positions, c)
+        cache["rope"] = _write(cache["rope"], ids.layer, positions, k_rope)
+        if ids.owns_index:
+            cache["index_k"] = _write(cache["index_k"], ids.index, positions, k_index)
         return cache
 
-    def select(self, cache, index_layer, positions, q_index, w):
-        keys = cache["index_k"][index_layer]
+    def select(self, cache, ids, positions, q_index, w):
+        keys = cache["index_k"][ids.index]
         return index_select_reference(keys, positions, q_index, w, self.topk, fp8=self.indexer_fp8), cache
 
-    def attend(self, cache, layer, topk, q_lat, q_rope, tau):
+    def attend(self, cache, ids, topk, q_lat, q_rope, tau):
         valid = topk >= 0
         safe = jnp.where(valid, topk, 0)
-        rows_c = _rows(cache["latent"], layer, safe)
-        rows_r = _rows(cache["rope"], layer, safe)
+        rows_c = _rows(cache["latent"], ids.layer, safe)
+        rows_r = _rows(cache["rope"], ids.layer, safe)
         return sparse_mla_decode_rows(q_lat, q_rope, rows_c, rows_r, valid, tau), cache

@@ -170,7 +170,7 @@ def _gather_all(store, req, topk):
     lats, ropes, valid, total = [None] * spec.num_layers, [None] * spec.num_layers, None, 0
     for g, layers in enumerate(spec.groups):
         plan, store = ops.resolve(spec, store, g, req, topk)
-        store, payload, _ = ops.fetch_misses(spec, store, layers, plan)
+        store, payload, _ = ops.fetch_misses(spec, store, layers[0], len(layers), plan)
         total = total + payload
         for layer in layers:
             lats[layer], ropes[layer] = ops.gather_rows(spec, store, layer, plan)

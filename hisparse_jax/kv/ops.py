@@ -285,8 +285,9 @@ def row_plan(union_plan: Plan, union, topk, S: int) -> Plan:
 
 
 # ----- host -> device fetch of the misses -------------------------------------------------------
-def fetch_misses(spec: StoreSpec, store: KVStore, layers: tuple[int, ...], plan: Plan):
-    """Copy every miss's row (all `layers`, a contiguous range) from its host page into its hot slot.
+def fetch_misses(spec: StoreSpec, store: KVStore, first_layer, num_layers: int, plan: Plan):
+    """Copy every miss's row (layers first_layer .. first_layer + num_layers - 1: an indexer group) from its host
+    page into its hot slot. `first_layer` may be traced (the scan over layers); `num_layers` is static.
 
     Returns (store, payload_rows, transfer_rows) in layer-rows (one token's row in one layer; bytes =
     rows x `spec.row_bytes`, computed on the host so nothing overflows int32): payload = misses x layers;
@@ -294,8 +295,8 @@ def fetch_misses(spec: StoreSpec, store: KVStore, layers: tuple[int, ...], plan:
     the mechanism moved (row: whole chunks of `fetch_chunk` rows; page: each distinct host page once).
     """
     if spec.fetch == "row":
-        return _fetch_rows(spec, store, layers, plan)
-    return _fetch_pages(spec, store, layers, plan)
+        return _fetch_rows(spec, store, first_layer, num_layers, plan)
+    return _fetch_pages(spec, store, first_layer, num_layers, plan)
 
 
 def _compact_misses(plan: Plan):
@@ -310,18 +311,10 @@ def _compact_misses(plan: Plan):
     return jnp.sum(miss).astype(jnp.int32), take(plan.src_page), take(plan.src_row), take(plan.page), take(plan.row)
 
 
-def _layer_range(layers):
-    lo, hi = min(layers), max(layers) + 1
-    if tuple(range(lo, hi)) != tuple(layers):
-        raise ValueError(f"indexer groups must be contiguous layer ranges, got {layers}")
-    return lo, hi - lo
-
-
-def _fetch_rows(spec, store, layers, plan):
+def _fetch_rows(spec, store, lo, nl, plan):
     """Row fetch: each chunk of `fetch_chunk` misses is gathered on the host and copied to a device staging buffer;
     the staged rows go into the device pools in one scatter per pool after the loop (a scatter per chunk inside
     the loop cost O(pool) per chunk on XLA:CPU)."""
-    lo, nl = _layer_range(layers)
     n, sp, sr, dp, dr = _compact_misses(plan)
     chunk = min(spec.fetch_chunk, sp.shape[0])
     pad = (-sp.shape[0]) % chunk
@@ -335,22 +328,23 @@ def _fetch_rows(spec, store, layers, plan):
         ok = i * chunk + jnp.arange(chunk) < n
         hp = jax.device_put(jnp.where(ok, sl(sp), 0), HOST)
         hr = jax.device_put(sl(sr), HOST)
+        hlo = jax.device_put(jnp.asarray(lo, jnp.int32), HOST)
         out = []
         for buf, host in zip(staging, _host_pools(store)):
-            rows = on_host(lambda h, p, r: jax.lax.dynamic_slice_in_dim(h, lo, nl, axis=0)[:, p, r],
-                           host, hp, hr)  # [nl, chunk, X]
+            rows = on_host(lambda h, first, p, r: jax.lax.dynamic_slice_in_dim(h, first, nl, axis=0)[:, p, r],
+                           host, hlo, hp, hr)  # [nl, chunk, X]
             out.append(jax.lax.dynamic_update_slice_in_dim(buf, _from_host(rows, buf.dtype), i * chunk, axis=1))
         return tuple(out)
 
     staging = tuple(jnp.zeros((nl, sp.shape[0]) + pool.shape[3:], pool.dtype) for pool in pools)
     staging = jax.lax.fori_loop(0, n_chunks, body, staging)
     dpage = jnp.where(jnp.arange(sp.shape[0]) < n, dp, spec.device_pages)  # past the misses: dropped
-    pools = tuple(pool.at[lo:lo + nl, dpage, dr].set(buf, mode="drop") for pool, buf in zip(pools, staging))
+    layer = lo + jnp.arange(nl, dtype=jnp.int32)[:, None]
+    pools = tuple(pool.at[layer, dpage[None], dr[None]].set(buf, mode="drop") for pool, buf in zip(pools, staging))
     return _with_device_pools(store, pools), n * nl, n_chunks * chunk * nl
 
 
-def _fetch_pages(spec, store, layers, plan):
-    lo, nl = _layer_range(layers)
+def _fetch_pages(spec, store, lo, nl, plan):
     n, sp, sr, dp, dr = _compact_misses(plan)
     first = jnp.concatenate([jnp.ones((1,), bool), sp[1:] != sp[:-1]]) & (jnp.arange(sp.shape[0]) < n)
     n_pages = jnp.sum(first).astype(jnp.int32)

@@ -121,9 +121,10 @@ def check_backend(spec: StoreSpec, kernels: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TieredKV:
-    """`KVBackend` over a `KVStore`. The cache threaded through the model is
-    {"store": KVStore, "req": int32[B], "plan": ops.Plan | None, "stats": dict}; `attend` adds "plan_counts" (the
-    leader's resident / hit / miss / row-miss counts, which the group's shared-index layers count again).
+    """`KVBackend` over a `KVStore`. The cache threaded through the model is `init_cache(store, req)`:
+    {"store": KVStore, "req": int32[B], "plan": ops.Plan, "plan_counts": 4 x int32[], "stats": dict}; a group's
+    leader writes its plan and its resident / hit / miss / row-miss counts there, which the group's shared-index
+    layers read (and count again).
 
     kernels: "reference" (jnp ops), or one of the Pallas choices of `check_kernels`: the indexer top-k, the fused
     resolver and the sparse MLA decode run as Pallas kernels (`pallas_kernels`), the decode and the indexer's scores
@@ -162,13 +163,24 @@ class TieredKV:
     def _interpret(self) -> bool:
         return self.kernels.endswith("_interpret")
 
-    def append(self, cache, layer, index_layer, positions, c, k_rope, k_index):
-        store, dropped = ops.append_rows(self.spec, cache["store"], layer, index_layer, cache["req"], positions, c,
-                                         k_rope, k_index)
+    def init_cache(self, store, req) -> dict:
+        """The cache this backend threads through a decode step for the batch's rows `req` int32[B]."""
+        B, K = req.shape[0], min(self.spec.topk, self.spec.max_pages * 64)
+        zeros = jnp.zeros((B, K), jnp.int32)
+        no = jnp.zeros((B, K), bool)
+        plan = ops.Plan(page=zeros, row=zeros, valid=no, resident=no, miss=no, src_page=zeros, src_row=zeros)
+        count = jnp.zeros((), jnp.int32)
+        return {"store": store, "req": req, "plan": plan, "plan_counts": (count,) * 4,
+                "stats": empty_stats(self.spec)}
+
+    def append(self, cache, ids, positions, c, k_rope, k_index):
+        store, dropped = ops.append_rows(self.spec, cache["store"], ids.layer, ids.index if ids.owns_index else None,
+                                         cache["req"], positions, c, k_rope, k_index)
         stats = dict(cache["stats"], append_dropped=cache["stats"]["append_dropped"] + dropped)
         return dict(cache, store=store, stats=stats)
 
-    def select(self, cache, index_layer, positions, q_index, w):
+    def select(self, cache, ids, positions, q_index, w):
+        index_layer = ids.index
         if not self._pallas:
             return ops.index_select(self.spec, cache["store"], index_layer, cache["req"], positions, q_index, w,
                                     self.index_pages), cache
@@ -179,10 +191,11 @@ class TieredKV:
         table = store.index_table[jnp.maximum(req, 0)][:, :self.index_pages]
         if kernel_backend(self.kernels) == "mosaic":  # the stacked pools read in place at the layer
 
-            def select(*a):
-                return indexer_topk(*a[:5], topk=spec.topk, k_scale=a[5], layer=index_layer, backend="mosaic",
+            def select(*a):  # the layer is an argument: it may be traced, and the interpreted call is a callback
+                return indexer_topk(*a[:5], topk=spec.topk, k_scale=a[5], layer=a[6], backend="mosaic",
                                     interpret=self._interpret)
-            args = (q_index, w, store.index_k, table, seq, store.index_scale if spec.fp8 else None)
+            args = (q_index, w, store.index_k, table, seq, store.index_scale if spec.fp8 else None,
+                    jnp.asarray(index_layer, jnp.int32))
             out = jax.ShapeDtypeStruct((req.shape[0], spec.topk), jnp.int32)
             topk = _outside_this_program(select, out, *args) if self._interpret else select(*args)
         else:
@@ -191,16 +204,16 @@ class TieredKV:
                                 interpret=self._interpret)
         return ops.pad_topk(spec, topk[:, :min(spec.topk, table.shape[1] * 64)]), cache
 
-    def attend(self, cache, layer, topk, q_lat, q_rope, tau):
+    def attend(self, cache, ids, topk, q_lat, q_rope, tau):
         spec = self.spec
         store, stats = cache["store"], dict(cache["stats"])
-        g = spec.group_of_layer[layer]
+        layer, g = ids.layer, ids.index  # indexer group g is led by full-indexer layer g
         split = spec.miss_attention == "split"
-        if layer == spec.groups[g][0]:  # the group's leader resolves and fetches for every layer of the group
+        if ids.owns_index:  # the group's leader resolves and fetches for every layer of the group
             plan, fetch_plan, store = self._resolve(store, g, cache["req"], topk)
             if split:  # the rows already on the device, read before the fetch: nothing waits for the copy
                 on_device = self._attend_part(store, layer, plan, plan.valid & ~plan.miss, q_lat, q_rope, tau)
-            store, payload, transfer = ops.fetch_misses(spec, store, spec.groups[g], fetch_plan)
+            store, payload, transfer = ops.fetch_misses(spec, store, layer, ids.group_size, fetch_plan)
             stats["h2d_rows"] = stats["h2d_rows"] + payload
             stats["h2d_transfer_rows"] = stats["h2d_transfer_rows"] + transfer
             count = lambda m: jnp.sum(m).astype(jnp.int32)  # noqa: E731
@@ -212,7 +225,7 @@ class TieredKV:
         # sizes, so tiered and all-resident runs agree bit for bit (fusing the gather into the attention
         # would let the reduction order depend on the store's shape).
         if split:
-            if layer != spec.groups[g][0]:
+            if not ids.owns_index:
                 on_device = self._attend_part(store, layer, plan, plan.valid & ~plan.miss, q_lat, q_rope, tau)
             fetched = self._attend_part(store, layer, plan, plan.miss, q_lat, q_rope, tau)
             o_lat = merge_partial_attention(*on_device, *fetched)
@@ -225,10 +238,11 @@ class TieredKV:
             # bf16 -> f32 -> bf16 round trip) and changes no value the model uses.
             out_dtype = jnp.bfloat16 if backend == "mosaic" and q_lat.dtype == jnp.bfloat16 else jnp.float32
 
-            def decode(*a):
-                return sparse_mla_decode(*a[:7], latent_scale=a[7], tau=tau, layer=layer, interpret=self._interpret,
+            def decode(*a):  # the layer is an argument: it may be traced, and the interpreted call is a callback
+                return sparse_mla_decode(*a[:7], latent_scale=a[7], tau=tau, layer=a[8], interpret=self._interpret,
                                          backend=backend, out_dtype=out_dtype)
-            args = (q_lat, q_rope, store.latent, store.rope, plan.page, plan.row, plan.valid, store.latent_scale)
+            args = (q_lat, q_rope, store.latent, store.rope, plan.page, plan.row, plan.valid, store.latent_scale,
+                    jnp.asarray(layer, jnp.int32))
             if self._interpret and backend == "mosaic":
                 o_lat = _outside_this_program(decode, jax.ShapeDtypeStruct(q_lat.shape, out_dtype), *args)
             else:
@@ -289,15 +303,3 @@ def index_span(spec: StoreSpec, longest: int):
     so a decode loop compiles once per doubling of its context, not once per page."""
     need = max(1, -(-longest // 64))
     return np.zeros(min(spec.max_pages, 1 << (need - 1).bit_length()), np.int32)
-
-
-_MOVED = ("TRACE_COUNTS", "step_impl", "decode_step", "decode_step_split", "make_decode_step", "decode_loop")
-
-
-def __getattr__(name: str):
-    """The model-driving steps' old names here (they live in `hisparse_jax.engine.runner`)."""
-    if name in _MOVED:
-        from hisparse_jax.engine import runner
-
-        return getattr(runner, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,13 @@
 """The DSA decoder: embeddings, layers (MLA + indexer, dense MLP or MoE), final norm, LM head.
 
+The layers are stacked and scanned, as maxtext does, so a compiled step does not grow with depth. DeepSeek-V3.2 and
+GLM-5 are not uniform (dense MLP layers first, then MoE; GLM-5's full / shared indexer pattern), so the unit of the
+scan is a *block*: a layer with its own indexer and the shared-index layers after it (one indexer group). Runs of
+consecutive identical blocks (`layer_runs`) keep their parameters stacked on a leading axis (`model.stacks[r][p]`:
+position p of run r's block, parameters [repeats, ...]), and each run is one `lax.scan` (`scan_layers`). GLM-5's 78
+layers are 4 runs (three one-block runs, then 18 blocks of 4 layers), DeepSeek-V3.2's 61 are 2 (3 dense, 58 MoE).
+`model.layer(i)` is layer i on its own (a copy of its slice); checkpoints keep per-layer names (`weights.py`).
+
 Two entry points:
 
 * `SparseMLAModel.__call__(input_ids [B, T]) -> logits [B, T, V]` — the full causal forward in which
@@ -7,54 +15,79 @@ Two entry points:
   transformers does. `forward(...)` also returns what a cache needs (per-layer latent rows, indexer
   keys) and the per-layer top-k.
 * `decode_step(model, tokens [B], positions [B], cache, backend)` — one new token per sequence in
-  the absorbed MLA form. Where the rows come from is the *backend's* business (see `KVBackend`):
+  the absorbed MLA form. Where the rows come from is the *backend's* business (`block.KVBackend`):
   a contiguous cache here, the tiered paged store and the Pallas kernels elsewhere, without touching
   the model.
 
-The per-layer bodies (`prefill_layer`, `decode_layer`) are shared with the multi-token-prediction layers
-(`hisparse_jax.model.mtp`, built with `SparseMLAModel(..., mtp=True)`), whose block is one more decoder layer.
+The per-layer bodies (`block.prefill_layer`, `block.decode_layer`) are shared with the multi-token-prediction
+layers (`hisparse_jax.model.mtp`, built with `SparseMLAModel(..., mtp=True)`), whose block is one more decoder layer.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from hisparse_jax.config import ModelConfig
-from hisparse_jax.model.indexer import index_scores, indexer_project, select_topk
-from hisparse_jax.model.layers import MLP, Linear, RMSNorm, _normal
-from hisparse_jax.model.mla import MLA, mla_prefill_output, mla_prefill_probs, mla_project, split_kv_b
-from hisparse_jax.model.moe import MoE
+from hisparse_jax.model.block import DecoderLayer, KVBackend, LayerIds, decode_layer, prefill_layer
+from hisparse_jax.model.layers import Linear, RMSNorm, _normal
+from hisparse_jax.model.mtp import MTPLayer
 from hisparse_jax.model.rope import rope_cos_sin, rope_frequencies
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-class DecoderLayer(nnx.Module):
-    """One decoder layer: MLA (+ its indexer when "full") and a dense MLP or an MoE. `indexer_type` ("full" |
-    "shared") and `mlp_type` ("dense" | "sparse") override `cfg.indexer_types[layer]` / `cfg.mlp_layer_types[layer]`
-    (for an MTP layer, whose number is past the main layers)."""
+@dataclasses.dataclass(frozen=True)
+class LayerRun:
+    """`repeats` consecutive identical blocks of layers, scanned as one (see the module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, indexer_type: str | None = None,
-                 mlp_type: str | None = None):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = MLA(cfg, layer, dtype=dtype, rngs=rngs, indexer_type=indexer_type)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        mlp_type = cfg.mlp_layer_types[layer] if mlp_type is None else mlp_type
-        if mlp_type not in ("dense", "sparse"):
-            raise ValueError(f"mlp_type must be 'dense' or 'sparse', got {mlp_type!r}")
-        if mlp_type == "sparse":
-            self.mlp = MoE(cfg, dtype=dtype, rngs=rngs)
+    first: int  # the number of its first layer
+    first_index: int  # the number of its first block's indexer among the full-indexer layers
+    repeats: int  # blocks in the run: the scan's length
+    kinds: tuple[tuple[str, str], ...]  # (indexer type, mlp type) of each layer of a block; the first is "full"
+
+    @property
+    def size(self) -> int:
+        """Layers per block."""
+        return len(self.kinds)
+
+    @property
+    def num_layers(self) -> int:
+        return self.repeats * self.size
+
+
+@functools.lru_cache(maxsize=64)
+def layer_runs(cfg: ModelConfig) -> tuple[LayerRun, ...]:
+    """The model's main layers as runs of identical blocks, in layer order."""
+    blocks: list[tuple[int, list]] = []
+    for i, kind in enumerate(zip(cfg.indexer_types, cfg.mlp_layer_types)):
+        if kind[0] == "full":
+            blocks.append((i, []))
+        blocks[-1][1].append(kind)
+    runs: list[LayerRun] = []
+    for index, (first, kinds) in enumerate(blocks):
+        if runs and runs[-1].kinds == tuple(kinds):
+            runs[-1] = dataclasses.replace(runs[-1], repeats=runs[-1].repeats + 1)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+            runs.append(LayerRun(first, index, 1, tuple(kinds)))
+    return tuple(runs)
+
+
+def _stack(modules: list[nnx.Module]) -> nnx.Module:
+    """Modules of one structure -> one module of that structure whose arrays are stacked on a new leading axis."""
+    graphdef, _ = nnx.split(modules[0])
+    states = [nnx.split(m)[1] for m in modules]
+    return nnx.merge(graphdef, jax.tree.map(lambda *a: jnp.stack(a), *states))
 
 
 class SparseMLAModel(nnx.Module):
-    """A DeepSeek-V3.2 / GLM-5 style decoder. Parameters mirror the Hugging Face names
-    (`model.layers.{i}.self_attn.q_a_proj.weight` -> `layers[i].self_attn.q_a_proj.kernel`, transposed).
+    """A DeepSeek-V3.2 / GLM-5 style decoder. Parameters mirror the Hugging Face names, the main layers' stacked
+    by runs of identical blocks (`model.layers.{i}.self_attn.q_a_proj.weight` -> the slice of layer i in
+    `stacks[r][p].self_attn.q_a_proj.kernel`, transposed; `weights.layer_param_paths` maps the two).
 
     Options (static, not parameters): `moe_impl` ("ragged" | "dense"), `indexer_fp8` (emulate DeepSeek's
     FP8 + Hadamard indexer instead of the exact float32 scores transformers computes). `mtp=True` also builds the
@@ -74,15 +107,40 @@ class SparseMLAModel(nnx.Module):
         self.moe_impl = moe_impl
         self.indexer_fp8 = indexer_fp8
         self.embed_tokens = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        # built one by one (each layer draws its initial values in layer order), then stacked run by run
+        layers = [DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)]
+        self.stacks = nnx.List([
+            nnx.List([_stack([layers[run.first + j * run.size + p] for j in range(run.repeats)])
+                      for p in range(run.size)])
+            for run in layer_runs(cfg)])
+        del layers
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype,
                                                                     rngs=rngs)
-        from hisparse_jax.model.mtp import MTPLayer  # mtp.py builds on DecoderLayer, defined above
-
         # the multi-token-prediction layers (`hisparse_jax.model.mtp`), empty unless asked for
         self.mtp = nnx.List([MTPLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_nextn_predict_layers)]
                             if mtp else [])
+
+    @property
+    def runs(self) -> tuple[LayerRun, ...]:
+        return layer_runs(self.cfg)
+
+    def layer_slot(self, i: int) -> tuple[int, int, int]:
+        """Layer i's place in the stacks: (run r, block j within the run, position p within the block)."""
+        if not 0 <= i < self.cfg.num_hidden_layers:
+            raise IndexError(f"layer {i} out of range: the model has {self.cfg.num_hidden_layers} layers")
+        for r, run in enumerate(self.runs):
+            if i < run.first + run.num_layers:
+                j, p = divmod(i - run.first, run.size)
+                return r, j, p
+        raise AssertionError("unreachable: the runs cover every layer")
+
+    def layer(self, i: int) -> DecoderLayer:
+        """Layer i as a `DecoderLayer` of its own: a copy of its slice of the stacked parameters (to read or run
+        one layer; writing to it does not change the model)."""
+        r, j, p = self.layer_slot(i)
+        graphdef, state = nnx.split(self.stacks[r][p])
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[j], state))
 
     # ----- pieces shared by prefill and decode ---------------------------------------------------
     def rope(self, positions):
@@ -102,11 +160,6 @@ class SparseMLAModel(nnx.Module):
             return jnp.einsum("...d,vd->...v", h, self.embed_tokens[...])
         return self.lm_head(h)
 
-    def mlp(self, layer: DecoderLayer, h):
-        if isinstance(layer.mlp, MoE):
-            return layer.mlp(h, impl=self.moe_impl)
-        return layer.mlp(h)
-
     # ----- full causal forward -------------------------------------------------------------------
     def __call__(self, input_ids):
         return self.forward(input_ids)[0]
@@ -114,160 +167,88 @@ class SparseMLAModel(nnx.Module):
     def forward(self, input_ids, *, topk_override=None):
         """input_ids int32[B, T] (positions 0..T-1) -> (logits [B, T, V], aux).
 
-        aux = {"latent": [L x [B, T, C]], "rope": [L x [B, T, R]], "index_k": [L_I x [B, T, dI]],
-               "topk": [L_I x int32[B, T, K]], "hidden": [B, T, D]}; top-k rows are -1 padded (K = min(index_topk, T));
-        "hidden" is the final hidden state after the final norm (what the MTP layers read).
-        topk_override: optional list (one per full indexer) of int32[B, T, K] index sets to use instead of
-        the indexer's — to test the attention math separately from the selection.
+        aux = {"latent": [L, B, T, C], "rope": [L, B, T, R], "index_k": [L_I, B, T, dI], "topk": int32[L_I, B, T, K],
+        "hidden": [B, T, D]}; top-k rows are -1 padded (K = min(index_topk, T)); "hidden" is the final hidden state
+        after the final norm (what the MTP layers read).
+        topk_override: optional int32[L_I, B, T, K] (one index set per full indexer, or a list of them) to use instead
+        of the indexer's — to test the attention math separately from the selection.
         """
         B, T = input_ids.shape
         pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         cos, sin = self.rope(pos)
         causal = jnp.tril(jnp.ones((T, T), bool))[None]
-        x = self.embed(input_ids)
-        aux = {"latent": [], "rope": [], "index_k": [], "topk": []}
-        attend = None
-        for layer in self.layers:
-            override = None
-            if topk_override is not None and layer.self_attn.indexer is not None:
-                override = topk_override[len(aux["topk"])]
-            x, rows, attend = prefill_layer(self, layer, x, cos, sin, causal, attend, topk_override=override)
-            for k, v in rows.items():
-                if v is not None:
-                    aux[k].append(v)
-        aux["hidden"] = self.norm(x)
+        override = None if topk_override is None else jnp.stack(list(topk_override))
+
+        def body(x, layer, ids, attend, topk):
+            x, rows, attend = prefill_layer(self, layer, x, cos, sin, causal, attend, topk_override=topk)
+            index_rows = (rows["index_k"], rows["topk"]) if ids.owns_index else None
+            return x, attend, (rows["latent"], rows["rope"]), index_rows
+
+        x, (latent, rope), (index_k, topk) = scan_layers(self, body, self.embed(input_ids), index_xs=override)
+        aux = {"latent": latent, "rope": rope, "index_k": index_k, "topk": topk, "hidden": self.norm(x)}
         return self.head(aux["hidden"]), aux
 
 
-INDEXER_MODES = ("select", "score", "off")
+def scan_layers(model: SparseMLAModel, body, carry, *, index_xs=None):
+    """Run `body` over the model's main layers in order, one `lax.scan` per run of identical blocks.
 
-
-def prefill_layer(model: SparseMLAModel, layer: DecoderLayer, x, cos, sin, causal, attend, *, topk_override=None,
-                  indexer: str = "select", with_probs: bool = False):
-    """One decoder layer of the causal forward (the main layers', the MTP block's and training's).
-
-    x [B, T, D]; cos/sin of positions 0..T-1; causal bool[1, T, T]; attend bool[B, T, T]: the mask a shared-index
-    layer reuses (its leader's; ignored by a layer with its own indexer, which selects its top-k — or takes
-    `topk_override` int32[B, T, K]). Returns (x, rows, attend): rows = {"latent": c [B, T, C], "rope": kR [B, T, R],
-    "index_k": kI [B, T, dI] or None, "topk": int32[B, T, K] or None} (None for a shared-index layer).
-
-    `indexer` (what a layer with its own indexer does; training's stages): "select" attends over its top-k (the
-    model), "score" computes its scores but attends densely (the indexer warm-up), "off" neither runs it nor
-    selects (dense language modelling). `with_probs` adds rows["probs"], the attention distribution
-    [B, H, T, S], and rows["scores"], the indexer's [B, T, S] (None where not computed). The indexer's inputs are
-    detached, as DeepSeek trains it: its own loss does not reach the main model (its top-k is integer, so the LM
-    loss never reaches the indexer); values are unchanged.
+    body(carry, layer: DecoderLayer, ids: LayerIds, local, xs) -> (carry, local, layer_out, index_out):
+      `local` is what a block's leader hands its shared-index layers (None when the leader is called);
+      `xs` is this block's slice of `index_xs` (a pytree of arrays with a leading axis of L_I, one entry per full
+      indexer) for the leader, None for the others; `layer_out` is any pytree, the same for every layer;
+      `index_out` the leader's (None for shared layers), the same for every leader.
+    Returns (carry, layer_outs stacked [L, ...] in layer order, index_outs stacked [L_I, ...]).
     """
-    if indexer not in INDEXER_MODES:
-        raise ValueError(f"indexer must be one of {', '.join(INDEXER_MODES)}, got {indexer!r}")
-    cfg = model.cfg
-    B, T, _ = x.shape
-    attn = layer.self_attn
-    h = layer.input_layernorm(x)
-    q_nope, q_rope, cq, c, k_rope = mla_project(attn, cfg, h, cos, sin)
-    rows = {"latent": c, "rope": k_rope, "index_k": None, "topk": None}
-    scores = None
-    if attn.indexer is not None:
-        attend = causal
-        if indexer != "off":
-            qI, kI, w = indexer_project(attn.indexer, cfg, jax.lax.stop_gradient(h), jax.lax.stop_gradient(cq),
-                                        cos, sin)
-            rows["index_k"] = kI
-            if topk_override is None or with_probs:
-                scores = index_scores(qI, w, kI, fp8=model.indexer_fp8)
-        if indexer == "select":
-            if topk_override is not None:
-                topk = topk_override
-            else:
-                topk = select_topk(scores, jnp.broadcast_to(causal, scores.shape), cfg.index_topk)
-            rows["topk"] = topk
-            attend = topk_to_mask(topk, T) & causal
-    w_uk, w_uv = split_kv_b(attn, cfg)
-    p = mla_prefill_probs(q_nope, q_rope, c, k_rope, attend, w_uk, cfg.softmax_scale)
-    o = mla_prefill_output(p, c, w_uv)
-    if with_probs:
-        rows.update(probs=p, scores=scores)
-    x = x + attn.o_proj(o.reshape(B, T, -1))
-    x = x + model.mlp(layer, layer.post_attention_layernorm(x))
-    return x, rows, attend
+    layer_outs, index_outs = [], []
+    for run, stack in zip(model.runs, model.stacks):
+        graphdefs, params = zip(*(nnx.split(m) for m in stack))
+        xs = None if index_xs is None else jax.tree.map(lambda a: a[run.first_index:run.first_index + run.repeats],
+                                                        index_xs)
 
+        def block(carry, inputs, run=run, graphdefs=graphdefs):
+            params_j, j, xs_j = inputs  # j: the block's number in the run (traced inside the scan)
+            local, outs, index_out = None, [], None
+            for p, (graphdef, state) in enumerate(zip(graphdefs, params_j)):
+                ids = LayerIds(layer=run.first + j * run.size + p, index=run.first_index + j, owns_index=p == 0,
+                               group_size=run.size)
+                carry, local, out, idx = body(carry, nnx.merge(graphdef, state), ids, local,
+                                              xs_j if p == 0 else None)
+                outs.append(out)
+                if p == 0:
+                    index_out = idx
+            return carry, (jax.tree.map(lambda *a: jnp.stack(a), *outs), index_out)
 
-def topk_to_mask(topk, S: int):
-    """int32[..., K] positions (-1 = none) -> bool[..., S]. A scatter, O(K + S) per row (comparing every slot
-    with every position would build [..., K, S], 0.5 G elements per sequence at T = 2048, K = 128)."""
-    rows = topk.reshape(-1, topk.shape[-1])
-    cols = jnp.where(rows >= 0, rows, S)  # -1 -> out of range, dropped
-    mask = jnp.zeros((rows.shape[0], S), bool).at[jnp.arange(rows.shape[0])[:, None], cols].set(True, mode="drop")
-    return mask.reshape(*topk.shape[:-1], S)
+        if run.repeats == 1:  # one block: called as it is, its numbers static (a reshape, not a slice, drops the
+            # stacking axis: XLA sees through a reshape of a prepared weight where it copies a slice of it)
+            params_0, xs_0 = jax.tree.map(lambda a: a.reshape(a.shape[1:]), (params, xs))
+            carry, (outs, idx) = block(carry, (params_0, 0, xs_0))
+            outs, idx = jax.tree.map(lambda a: a[None], (outs, idx))
+        else:
+            carry, (outs, idx) = jax.lax.scan(block, carry, (params, jnp.arange(run.repeats, dtype=jnp.int32), xs))
+        layer_outs.append(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), outs))
+        index_outs.append(idx)
 
+    def cat(*a):
+        return a[0] if len(a) == 1 else jnp.concatenate(a)
 
-class KVBackend(Protocol):
-    """Where decode reads and writes KV rows. Methods are pure: they take and return the cache pytree.
-
-    positions int32[B]: the position of the token being decoded (-1 for an idle batch slot, whose
-    writes must be dropped and whose top-k is all -1). Layer numbers and indexer-layer numbers are static.
-    """
-
-    def append(self, cache: Any, layer: int, index_layer: int | None, positions, c, k_rope, k_index) -> Any:
-        """Store this token's rows of `layer`: c [B, C], k_rope [B, R]; k_index [B, dI] when the layer has a full
-        indexer, `index_layer` being its number among the full-indexer layers (else None)."""
-
-    def select(self, cache: Any, index_layer: int, positions, q_index, w) -> tuple[jnp.ndarray, Any]:
-        """Indexer top-k over keys 0..positions[b]: q_index f32[B, I, dI], w f32[B, I] -> (int32[B, K], cache)."""
-
-    def attend(self, cache: Any, layer: int, topk, q_lat, q_rope, tau: float) -> tuple[jnp.ndarray, Any]:
-        """Absorbed sparse MLA over the rows at `topk` (int32[B, K], -1 padded): q_lat [B, H, C],
-        q_rope [B, H, R] -> (o_lat f32[B, H, C], cache)."""
+    return carry, jax.tree.map(cat, *layer_outs), jax.tree.map(cat, *index_outs)
 
 
 def decode_step(model: SparseMLAModel, tokens, positions, cache, backend: KVBackend, *, return_hidden: bool = False):
-    """One decode step: tokens int32[B] at positions int32[B] -> (logits f32[B, V], cache, topk per indexer), or
-    with `return_hidden` (logits, cache, topk per indexer, hidden [B, D]): the final hidden state after the final
-    norm, what `model.mtp` reads."""
+    """One decode step: tokens int32[B] at positions int32[B] -> (logits f32[B, V], cache, topk int32[L_I, B, K]: each
+    full indexer's selection), or with `return_hidden` (logits, cache, topk, hidden [B, D]): the final hidden state
+    after the final norm, what `model.mtp` reads. The backend must keep the cache's structure (`KVBackend`)."""
     pos = jnp.maximum(positions, 0)[:, None]  # [B, 1]
     cos, sin = model.rope(pos)
-    x = model.embed(tokens[:, None])  # [B, 1, D]
-    topk, index_layer, all_topk = None, -1, []
-    for i, layer in enumerate(model.layers):
-        full = layer.self_attn.indexer is not None
-        index_layer += full
-        x, cache, own = decode_layer(model, layer, i, index_layer if full else None, x, cos, sin, positions, cache,
-                                     backend, topk)
-        if own is not None:
-            topk = own
-            all_topk.append(own)
+
+    def body(carry, layer, ids, topk, _):
+        x, cache = carry
+        x, cache, topk = decode_layer(model, layer, ids, x, cos, sin, positions, cache, backend, topk)
+        return (x, cache), topk, None, topk if ids.owns_index else None
+
+    (x, cache), _, all_topk = scan_layers(model, body, (model.embed(tokens[:, None]), cache))
     h = model.norm(x)
     logits = model.head(h)[:, 0].astype(jnp.float32)
     if return_hidden:
         return logits, cache, all_topk, h[:, 0]
     return logits, cache, all_topk
-
-
-def decode_layer(model: SparseMLAModel, layer: DecoderLayer, layer_no: int, index_layer: int | None, x, cos, sin,
-                 positions, cache, backend: KVBackend, topk):
-    """One decoder layer of a decode step (the main layers' and the MTP block's), rows through `backend`.
-
-    x [B, 1, D]; `layer_no` / `index_layer` are the layer's numbers in the store (`index_layer` None for a
-    shared-index layer, which attends over `topk` int32[B, K], its leader's). Returns (x, cache, the layer's own
-    top-k, or None for a shared-index layer).
-    """
-    cfg = model.cfg
-    B = x.shape[0]
-    attn = layer.self_attn
-    h = layer.input_layernorm(x)
-    q_nope, q_rope, cq, c, k_rope = mla_project(attn, cfg, h, cos, sin)
-    own = None
-    if attn.indexer is not None:
-        qI, kI, w = indexer_project(attn.indexer, cfg, h, cq, cos, sin)
-        cache = backend.append(cache, layer_no, index_layer, positions, c[:, 0], k_rope[:, 0], kI[:, 0])
-        own, cache = backend.select(cache, index_layer, positions, qI[:, 0], w[:, 0])
-        topk = own
-    else:
-        cache = backend.append(cache, layer_no, None, positions, c[:, 0], k_rope[:, 0], None)
-    w_uk, w_uv = split_kv_b(attn, cfg)
-    q_lat = jnp.einsum("bhn,chn->bhc", q_nope[:, 0], w_uk)
-    o_lat, cache = backend.attend(cache, layer_no, topk, q_lat, q_rope[:, 0], cfg.softmax_scale)
-    o = jnp.einsum("bhc,chv->bhv", o_lat.astype(w_uv.dtype), w_uv)
-    x = x + attn.o_proj(o.reshape(B, 1, -1).astype(x.dtype))
-    x = x + model.mlp(layer, layer.post_attention_layernorm(x))
-    return x, cache, own

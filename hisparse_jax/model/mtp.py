@@ -41,8 +41,8 @@ DeepSeek-V3.2 and GLM-5 checkpoints carry `num_nextn_predict_layers` (1) MTP lay
   `mtp.{i}.shared_head_norm` <-> `...shared_head.norm` (see `weights.hf_names`).
 
 Entry points: `mtp_forward` (causal, over a whole sequence, as a prefill) and `mtp_decode_step` (one row per
-sequence through a `KVBackend`), both on the per-layer bodies the main model uses (`decoder.prefill_layer`,
-`decoder.decode_layer`).
+sequence through a `KVBackend`), both on the per-layer bodies the main model uses (`block.prefill_layer`,
+`block.decode_layer`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hisparse_jax.config import ModelConfig
-from hisparse_jax.model.decoder import DecoderLayer, KVBackend, SparseMLAModel, decode_layer, prefill_layer
+from hisparse_jax.model.block import DecoderLayer, KVBackend, LayerIds, decode_layer, prefill_layer
 from hisparse_jax.model.layers import Linear, RMSNorm
 
 
@@ -87,7 +87,7 @@ def mtp_logits(layer: MTPLayer, y):
     return layer.shared_head(layer.shared_head_norm(y)).astype(jnp.float32)
 
 
-def _layer(model: SparseMLAModel, depth: int) -> MTPLayer:
+def _layer(model, depth: int) -> MTPLayer:
     mtp = getattr(model, "mtp", None)
     if mtp is None or len(mtp) == 0:
         raise ValueError("this model has no MTP layers: build it with SparseMLAModel(..., mtp=True) or "
@@ -97,7 +97,7 @@ def _layer(model: SparseMLAModel, depth: int) -> MTPLayer:
     return mtp[depth]
 
 
-def mtp_forward(model: SparseMLAModel, hidden, next_ids, *, depth: int = 0):
+def mtp_forward(model, hidden, next_ids, *, depth: int = 0):
     """The MTP layer `model.mtp[depth]` over whole sequences, causally, as a prefill.
 
     hidden [B, T, D]: the main forward's `aux["hidden"]` (final hidden states after the final norm) at positions
@@ -116,7 +116,7 @@ def mtp_forward(model: SparseMLAModel, hidden, next_ids, *, depth: int = 0):
     return mtp_logits(layer, y), {**rows, "hidden": y}
 
 
-def mtp_decode_step(model: SparseMLAModel, tokens, positions, hidden, cache, backend: KVBackend, *, depth: int = 0):
+def mtp_decode_step(model, tokens, positions, hidden, cache, backend: KVBackend, *, depth: int = 0):
     """One row per sequence through the MTP layer `model.mtp[depth]`, its KV through `backend`.
 
     tokens int32[B]: the next tokens (the token at positions[b] + 1); positions int32[B] (-1: an idle slot);
@@ -129,6 +129,7 @@ def mtp_decode_step(model: SparseMLAModel, tokens, positions, hidden, cache, bac
     layer = _layer(model, depth)
     cos, sin = model.rope(jnp.maximum(positions, 0)[:, None])
     x = mtp_input(layer, model.embed(tokens[:, None]), hidden[:, None], positions[:, None])
-    y, cache, _ = decode_layer(model, layer.block, cfg.num_hidden_layers + depth, cfg.num_indexer_layers + depth, x,
-                               cos, sin, positions, cache, backend, None)
+    ids = LayerIds(layer=cfg.num_hidden_layers + depth, index=cfg.num_indexer_layers + depth, owns_index=True,
+                   group_size=1)
+    y, cache, _ = decode_layer(model, layer.block, ids, x, cos, sin, positions, cache, backend, None)
     return mtp_logits(layer, y)[:, 0], y[:, 0], cache

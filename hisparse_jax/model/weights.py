@@ -66,10 +66,22 @@ def quantize_fp8(w: np.ndarray, block: int = FP8_BLOCK) -> tuple[np.ndarray, np.
     return (w / s).astype(ml_dtypes.float8_e4m3fn), scale.astype(np.float32)
 
 
-def _param_paths(model: SparseMLAModel) -> Iterator[tuple[tuple, nnx.Param]]:
+def layer_param_paths(model: SparseMLAModel) -> Iterator[tuple[tuple, tuple, int | None, nnx.Param]]:
+    """Every parameter as checkpoints name it: (per-layer path, the model's path, index, variable).
+
+    The main layers' parameters are stacked by runs of identical blocks (`decoder.layer_runs`): the model's path
+    `("stacks", r, p, *rest)` holds [repeats, ...], and its slice j is layer `first + j * size + p`, whose
+    per-layer path is `("layers", i, *rest)` and index j. Every other parameter is its own path, index None."""
+    runs = model.runs
     for path, var in nnx.iter_graph(model):
-        if isinstance(var, nnx.Param):
-            yield path, var
+        if not isinstance(var, nnx.Param):
+            continue
+        if path[0] != "stacks":
+            yield path, path, None, var
+            continue
+        run, p = runs[int(path[1])], int(path[2])
+        for j in range(run.repeats):
+            yield ("layers", run.first + j * run.size + p, *path[3:]), path, j, var
 
 
 # an MTP layer's own parameters -> their names under `model.layers.{L + i}` (the rest is its decoder block)
@@ -155,10 +167,10 @@ def load_pretrained(path: str | os.PathLike, dtype=None, *, mtp: bool = False, *
             return dequantize_fp8(w, scale)
         return np.asarray(w)
 
-    values = {}
-    for path_, var in _param_paths(model):
+    values: dict[tuple, dict] = {}  # the model's path -> {index in the stack (None: not stacked): value}
+    for path_, model_path, j, var in layer_param_paths(model):
         keys = checkpoint_keys(path_, L)
-        want = var.get_value().shape
+        want = var.get_value().shape if j is None else var.get_value().shape[1:]
         if keys[-2:-1] == ["experts"] and keys[-1] in ("gate", "up", "down"):
             value = _load_experts(keys, tensors, fetch, used, want)
         else:
@@ -171,7 +183,7 @@ def load_pretrained(path: str | os.PathLike, dtype=None, *, mtp: bool = False, *
         if tuple(value.shape) != tuple(want):
             misshaped.append(f"{'.'.join(keys)}: expected {tuple(want)}, got {tuple(value.shape)}")
             continue
-        values[path_] = value.astype(var.get_value().dtype)
+        values.setdefault(model_path, {})[j] = value.astype(var.get_value().dtype)
     main_embed = "model.embed_tokens.weight"
     for i in range(_num_mtp(model)):  # the MTP layers' embedding copies, when stored, must be the main embedding
         name = f"model.layers.{L + i}.embed_tokens.weight"
@@ -192,7 +204,8 @@ def load_pretrained(path: str | os.PathLike, dtype=None, *, mtp: bool = False, *
         raise CheckpointError(f"checkpoint {path} does not match its config: " + " | ".join(lines))
     state = nnx.state(model)
     flat = dict(nnx.to_flat_state(state))
-    for p, v in values.items():
+    for p, parts in values.items():
+        v = parts[None] if None in parts else np.stack([parts[j] for j in range(len(parts))])
         flat[p] = flat[p].replace(jnp.asarray(v))
     nnx.update(model, nnx.from_flat_state(flat))
     return model
@@ -237,9 +250,9 @@ def model_to_hf_tensors(model: SparseMLAModel) -> dict[str, np.ndarray]:
     `embed_tokens.weight` copy of the main embedding, as the released checkpoints store it."""
     out = {}
     L = model.cfg.num_hidden_layers
-    for path_, var in _param_paths(model):
+    for path_, _, j, var in layer_param_paths(model):
         keys = checkpoint_keys(path_, L)
-        value = np.asarray(jax.device_get(var.get_value()))
+        value = np.asarray(jax.device_get(var.get_value() if j is None else var.get_value()[j]))
         if keys[-2:-1] == ["experts"] and keys[-1] in ("gate", "up", "down"):
             for j, name in enumerate(_expert_part_names("model." + ".".join(keys[:-1]), keys[-1], value.shape[0])):
                 out[name] = np.ascontiguousarray(value[j].T)

@@ -8,7 +8,7 @@
    the main model learns from the LM loss, the indexer from the KL restricted to the selected keys; the
    indexer's inputs are detached, so the two losses train disjoint parameters.
 
-`train_forward` is the causal forward of `SparseMLAModel.forward`, layer by layer with the same
+`train_forward` is the causal forward of `SparseMLAModel.forward`, scanned over the stacked layers with the same
 `prefill_layer` (in the stage's indexer mode, returning the attention distribution and the indexer's scores),
 plus the indexer loss. In "sparse" mode its logits are the model's own (`model(ids)`), which the tests check.
 The optimizer is optax's AdamW with the stage's frozen parameters under `optax.set_to_zero`.
@@ -27,7 +27,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from hisparse_jax.model.decoder import SparseMLAModel, prefill_layer, topk_to_mask
+from hisparse_jax.model.block import prefill_layer, topk_to_mask
+from hisparse_jax.model.decoder import SparseMLAModel, scan_layers
 from hisparse_jax.model.indexer import select_topk
 
 STAGES = ("dense", "warmup", "sparse")
@@ -45,9 +46,9 @@ def _check_stage(stage: str) -> None:
 def train_forward(model: SparseMLAModel, ids, *, stage: str, recall: bool = False):
     """ids int32[B, T] (positions 0..T-1) -> (logits f32[B, T, V], aux).
 
-    aux = {"kl": f32[L_I] (the indexer loss per full-indexer layer; empty in "dense"), "topk": [L_I x int32[B, T, K]]
-    (the selection in "sparse", else empty)}; with `recall` (not in "dense") also "recall": f32[L_I], the share of
-    the attention's top-k keys (its distribution summed over heads) that the indexer's top-k holds, over the
+    aux = {"kl": f32[L_I] (the indexer loss per full-indexer layer; empty in "dense"), "topk": int32[L_I, B, T, K]
+    (the selection in "sparse", else an empty list)}; with `recall` (not in "dense") also "recall": f32[L_I], the
+    share of the attention's top-k keys (its distribution summed over heads) that the indexer's top-k holds, over the
     queries that see more than K keys (in "warmup" the attention is dense: what the indexer is taught).
     """
     _check_stage(stage)
@@ -56,25 +57,29 @@ def train_forward(model: SparseMLAModel, ids, *, stage: str, recall: bool = Fals
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     cos, sin = model.rope(pos)
     causal = jnp.tril(jnp.ones((T, T), bool))[None]
-    x = model.embed(ids)
-    kls, topks, recalls = [], [], []
-    attend = causal
-    for layer in model.layers:
+
+    def body(x, layer, where, attend, _):
         x, rows, attend = prefill_layer(model, layer, x, cos, sin, causal, attend, indexer=INDEXER_MODE[stage],
                                         with_probs=True)
+        if not where.owns_index:
+            return x, attend, None, None
+        out = {}
         if rows["topk"] is not None:
-            topks.append(rows["topk"])
+            out["topk"] = rows["topk"]
         if rows["scores"] is not None:
             p = jax.lax.stop_gradient(rows["probs"])
-            kls.append(indexer_kl(p, rows["scores"], attend))
+            out["kl"] = indexer_kl(p, rows["scores"], attend)
             if recall:
-                recalls.append(topk_recall(rows["scores"], jnp.sum(p.astype(jnp.float32), axis=1),
-                                           jnp.broadcast_to(causal, rows["scores"].shape), cfg.index_topk))
+                out["recall"] = topk_recall(rows["scores"], jnp.sum(p.astype(jnp.float32), axis=1),
+                                            jnp.broadcast_to(causal, rows["scores"].shape), cfg.index_topk)
+        return x, attend, None, out
+
+    x, _, out = scan_layers(model, body, model.embed(ids))
     logits = model.logits(x).astype(jnp.float32)
-    kl = jnp.stack(kls) if kls else jnp.zeros((0,), jnp.float32)
-    aux = {"kl": kl, "topk": topks}
+    none = jnp.zeros((0,), jnp.float32)
+    aux = {"kl": out.get("kl", none), "topk": out.get("topk", [])}
     if recall:
-        aux["recall"] = jnp.stack(recalls) if recalls else jnp.zeros((0,), jnp.float32)
+        aux["recall"] = out.get("recall", none)
     return logits, aux
 
 
