@@ -47,6 +47,11 @@ Kernel and decode times are N calls chained inside one jitted `lax.fori_loop` (e
 the previous call's output, so nothing is hoisted) divided by N: per-call dispatch (20-60 us) is larger than
 a kernel's ideal time. Ceilings and fetches are large enough to be timed per call.
 
+--cpu-smoke runs every check the installed jax can run: before jax 0.11 (no Mosaic GPU Pallas API) each Mosaic
+GPU kernel check is recorded as passed with `skipped` saying why (and listed in its section's `unavailable`),
+the Triton ones run. Its section timeouts are hang guards sized for two idle cores, stretched on a busier machine
+by its load average per core (at most SMOKE_TIMEOUT_MAX_SCALE; a section's `timeout_scale`).
+
 Units in the JSON: *_s seconds, *_bytes bytes, *_gb_per_s 1e9 bytes per second, *_mib 2**20 bytes.
 """
 
@@ -614,7 +619,8 @@ def _kernel_indexer(ctx, S: int, kd: str, seed: int, backend: str = "triton") ->
         from pallas_kernels.backends import mosaic_unavailable_reason
 
         if (why := mosaic_unavailable_reason()) is not None:
-            return {"kernel": "indexer_topk", "backend": backend, "passed": True, "skipped": why}
+            return {"kernel": "indexer_topk", "backend": backend, "variant": kd, "context": S, "passed": True,
+                    "skipped": why}
     sz = ctx.sz
     B, I, D, topk = sz["idx_B"], sz["idx_heads"], sz["idx_dim"], sz["idx_topk"]
     args, kw, seq_lens, key_bytes = _indexer_case(seed, B, I, D, S, kd)
@@ -789,11 +795,13 @@ def _kernel_mla(ctx, H: int, pool: str, q_name: str, seed: int, backend: str = "
 
     sz = ctx.sz
     B, C, R, K = sz["mla_B"], sz["mla_C"], sz["mla_R"], sz["mla_K"]
+    variant = f"H{H} {pool} pool, q {q_name}" + (f", {backend}" if backend != "triton" else "")
     if backend == "mosaic":
         from pallas_kernels.backends import mosaic_unavailable_reason
 
         if (why := mosaic_unavailable_reason()) is not None:
-            return {"kernel": "sparse_mla_decode", "backend": backend, "passed": True, "skipped": why}
+            return {"kernel": "sparse_mla_decode", "backend": backend, "variant": variant, "H": H, "pool": pool,
+                    "q_dtype": q_name, "passed": True, "skipped": why}
         C = max(C, 256)
     q_dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32}[q_name]
     tol = {"bf16": 2e-2, "f32": 1e-4}["bf16" if backend == "mosaic" else q_name]
@@ -807,7 +815,7 @@ def _kernel_mla(ctx, H: int, pool: str, q_name: str, seed: int, backend: str = "
     max_abs = float(np.max(np.abs(got - want))) if finite else None
     rel = max_abs / max(float(np.max(np.abs(want))), 1e-30) if finite else None
     rec = {"kernel": "sparse_mla_decode", "backend": backend,
-           "variant": f"H{H} {pool} pool, q {q_name}" + (f", {backend}" if backend != "triton" else ""),
+           "variant": variant,
            "B": B, "H": H, "C": C, "R": R,
            "K": K, "pool": pool, "q_dtype": q_name, "pool_pages": P, "valid_rows": n_valid, "row_bytes": row_bytes,
            "interpret": ctx.interpret,
@@ -895,7 +903,9 @@ def _run_variants(ctx, plan) -> dict:
     ok_runs = [r for r in runs if r["status"] == "ok"]
     out = {"interpret": ctx.interpret, "d2d_ceiling": d2d_ceiling(ctx), "runs": runs,
            "all_correct": bool(ok_runs) and not failed and not errors,
-           "skipped": [r["name"] for r in runs if r["status"] == "skipped"]}
+           "skipped": [r["name"] for r in runs if r["status"] == "skipped"],
+           # checks this jax cannot run (the Mosaic GPU kernels before jax 0.11): name -> why
+           "unavailable": {r["name"]: r["skipped"] for r in runs if r["status"] == "ok" and r.get("skipped")}}
     if errors or failed:
         out.update(status="error", error=f"errors: {', '.join(errors) or '-'}; incorrect: {', '.join(failed) or '-'}")
     return out
@@ -1266,8 +1276,11 @@ def _fetch_one(ctx, ops, spec, layers, kvd, mech, ceiling, fracs) -> list[dict]:
                if getattr(store, n) is not None}
     dev_s = ctx.sharding("device")
 
+    lo, nl = layers[0], len(layers)
+    assert tuple(layers) == tuple(range(lo, lo + nl)), layers  # an indexer group: a contiguous layer range
+
     def fn(s, plan):
-        return ops.fetch_misses(s.spec, s, layers, plan)
+        return ops.fetch_misses(s.spec, s, lo, nl, plan)
 
     runs = []
     compiled = None
@@ -1525,6 +1538,8 @@ def section_decode_kernels(ctx: Ctx) -> dict:
             times.append(time.perf_counter() - t)
             tc.advance(slots, n)
         rec.update(loops_timed=len(times), step_s=statistics.median(times) / n if times else None)
+        if reps and not times:
+            rec["untimed"] = "section soft deadline"  # the first loop took the section's time (a busy machine)
         for s in slots:
             tc.release(s)
         ctx.log(f"decode_loop kernels={kind}: first loop {first_s:.2f} s, "
@@ -1566,6 +1581,18 @@ SECTIONS: dict[str, Section] = {
     "mla_big_pool": Section(section_mla_big_pool, 35, 30),
 }
 MIN_SECTION_S = 12.0  # a section is not started with less time than this left in the budget
+# --cpu-smoke's timeouts are hang guards for two idle cores; on a busier machine each section's timeout (and so its
+# soft budget) is stretched by how many cores' worth of work the machine runs per core (load average / cores) when
+# it starts, at most this much. Timeouts given with --timeouts are taken as they are.
+SMOKE_TIMEOUT_MAX_SCALE = 3.0
+
+
+def _contention() -> float:
+    """Runnable work per core (1-minute load average / cores), at least 1."""
+    try:
+        return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    except OSError:  # no load average on this platform
+        return 1.0
 
 
 # ----- summary table ----------------------------------------------------------------------------------
@@ -1801,8 +1828,8 @@ def parent_main(args, only: list[str]) -> int:
                 os.remove(path)
     plan = [n for n in SECTIONS if not only or n in only]
     timeouts = {n: SECTIONS[n].smoke_timeout_s if args.cpu_smoke else SECTIONS[n].timeout_s for n in plan}
-    timeouts.update({n: float(v) for n, v in (t.split("=", 1) for t in args.timeouts.split(",") if t)
-                     if n in timeouts})
+    overridden = {n: float(v) for n, v in (t.split("=", 1) for t in args.timeouts.split(",") if t) if n in timeouts}
+    timeouts.update(overridden)
     report = {"tool": "experiments/gpu_check.py", "argv": sys.argv[1:], "budget_s": args.budget_s,
               "parent_pid": os.getpid(), "mode": "cpu-smoke" if args.cpu_smoke else "full",
               "plan": [{"section": n, "timeout_s": timeouts[n]} for n in plan],
@@ -1830,7 +1857,10 @@ def parent_main(args, only: list[str]) -> int:
                                         "timeout_s": timeouts[name]}
             write()
             continue
-        rec = run_section(args, name, min(timeouts[name], remaining), lambda s, name=name: write(name, s))
+        scale = min(_contention(), SMOKE_TIMEOUT_MAX_SCALE) if args.cpu_smoke and name not in overridden else 1.0
+        rec = run_section(args, name, min(timeouts[name] * scale, remaining), lambda s, name=name: write(name, s))
+        if scale > 1.0:
+            rec["timeout_scale"] = scale  # the machine was busy: the smoke timeout stretched by this much
         report["sections"][name] = rec
         child_env = rec.get("env")
         if isinstance(child_env, dict) and "backend" in child_env and "backend" not in report["environment"]:
