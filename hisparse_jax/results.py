@@ -79,7 +79,10 @@ class StepMetrics(Record):
     speculation); drafted / accepted: speculative drafts verified / accepted; duplicate_misses: misses the rows of
     one request would have fetched twice had each resolved alone (speculative verification resolves their union
     once); hits / misses / resident / h2d_bytes / d2h_bytes: as in `GenerateStats`;
-    device_pages_used: after the step; step_time_s: wall time; compiled: whether the step compiled."""
+    device_pages_used: after the step; step_time_s: wall time; compiled: whether the step compiled;
+    wait_reasons: requests that made no progress this step, per reason (`engine.scheduler.WAIT_REASONS`: waiting
+    for max_running / the device, indexer or host budget / a prompt being written / behind the first waiting one,
+    preempted, swapped out or not yet back, no prompt tokens left this step)."""
 
     step: int
     running: int
@@ -108,6 +111,7 @@ class StepMetrics(Record):
     device_pages_used: int
     step_time_s: float
     compiled: bool
+    wait_reasons: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, eq=True)
@@ -123,7 +127,8 @@ class EngineMetrics(Record):
     (drafts accepted / verified), duplicate_misses (fetches the union resolve saved) and tokens_per_step (tokens a running request gains per decode step: 1 without
     speculation); mean_ttft_steps and
     mean_latency_steps (finished requests, in steps from arrival to first / last token). ranks: a `MeshEngine`'s
-    per-rank `EngineMetrics` (its totals and `history` are summed over ranks step by step); empty on one device."""
+    per-rank `EngineMetrics` (its totals and `history` are summed over ranks step by step); empty on one device.
+    wait_reasons: request-steps without progress per reason, summed over the steps (`StepMetrics.wait_reasons`)."""
 
     policy: str
     steps: int
@@ -155,3 +160,4 @@ class EngineMetrics(Record):
     mean_latency_steps: float
     history: list
     ranks: list = dataclasses.field(default_factory=list)
+    wait_reasons: dict = dataclasses.field(default_factory=dict)

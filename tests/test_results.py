@@ -12,6 +12,7 @@ from flax import nnx
 import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine import Engine, EngineConfig, SamplingParams
+from hisparse_jax.engine.scheduler import WAIT_REASONS
 from hisparse_jax.generate import generate
 from hisparse_jax.results import EngineMetrics, GenerateStats, StepMetrics
 from test_tiered_decode import BIG, model_cfg
@@ -53,6 +54,9 @@ def test_engine_step_and_metrics(model, tmp_path):
     assert m.tokens == m["tokens"] == 24 and m.steps == len(m.history) == eng.step_count
     assert m.mean_running == pytest.approx(sum(h.running for h in m.history if h.running) /
                                            sum(1 for h in m.history if h.running))
+    # 3 requests, max_running 4, 12 device pages: the first steps have requests waiting, each with its reason
+    assert sum(m.wait_reasons.values()) == sum(sum(h.wait_reasons.values()) for h in m.history) > 0
+    assert set(m.wait_reasons) <= set(WAIT_REASONS)
     data = json.loads(json.dumps(m.to_json()))
     assert data["history"][0] == first.to_json() and data["policy"] == "hisparse"
     logged = [json.loads(line) for line in log.read_text().splitlines()]

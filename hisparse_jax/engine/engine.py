@@ -375,7 +375,7 @@ class Engine:
             "hits": st.get("hits", 0), "misses": st.get("misses", 0), "resident": st.get("resident", 0),
             "h2d_bytes": st.get("h2d_bytes", 0), "d2h_bytes": st.get("d2h_bytes", 0),
             "device_pages_used": self.cache.pool.num_used("device"), "step_time_s": dt,
-            "compiled": TRACE_COUNTS["decode_step"] > w.traces,
+            "compiled": TRACE_COUNTS["decode_step"] > w.traces, "wait_reasons": plan.wait_reasons(),
         })
         self.history.append(m)
         if self._log:
@@ -527,7 +527,7 @@ class Engine:
                 w = self.scheduler.waiting
                 raise RuntimeError(f"no progress at step {m['step']}: {len(self.scheduler.active)} admitted, "
                                    f"{len(w)} waiting (first: {w[0].request_id if w else None}); "
-                                   f"pool {self.cache.pool.stats()}")
+                                   f"waiting for {m['wait_reasons']}; pool {self.cache.pool.stats()}")
             if progress:
                 progress(self)
 
@@ -597,8 +597,17 @@ def summarize(h: list, requests: list, *, policy: str, speculative_tokens: int =
         # in engine steps, from arrival (add_request) to the first token / to the last, finished requests only
         "mean_ttft_steps": _mean(r.first_token_step - r.arrival for r in done if r.first_token_step is not None),
         "mean_latency_steps": _mean(r.finish_step - r.arrival for r in done),
-        "history": list(h), "ranks": list(ranks),
+        "history": list(h), "ranks": list(ranks), "wait_reasons": sum_counts(m["wait_reasons"] for m in h),
     })
+
+
+def sum_counts(dicts) -> dict[str, int]:
+    """Counts per key summed over `dicts`, keys sorted."""
+    out: dict[str, int] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return dict(sorted(out.items()))
 
 
 def _ratio(a: float, b: float) -> float:

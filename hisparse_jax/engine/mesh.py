@@ -31,7 +31,7 @@ import numpy as np
 
 from hisparse_jax import parallel
 from hisparse_jax.config import CacheConfig
-from hisparse_jax.engine.engine import Engine, EngineConfig, UnknownRequest, run_prompts, summarize
+from hisparse_jax.engine.engine import Engine, EngineConfig, UnknownRequest, run_prompts, sum_counts, summarize
 from hisparse_jax.engine.request import Request, SamplingParams
 from hisparse_jax.engine.runner import TRACE_COUNTS, StepOutput
 from hisparse_jax.kv import device as kv_device, tiered
@@ -286,8 +286,8 @@ class MeshEngine:
 
 
 def combine_steps(ms: list[StepMetrics], step_time_s: float, compiled: bool) -> StepMetrics:
-    """One mesh step's metrics from its ranks' (same step): counts summed, `index_pages` the largest, the mesh
-    step's wall time and whether it compiled."""
+    """One mesh step's metrics from its ranks' (same step): counts summed (wait reasons per reason), `index_pages`
+    the largest, the mesh step's wall time and whether it compiled."""
     out = {}
     for f in dataclasses.fields(StepMetrics):
         vals = [m[f.name] for m in ms]
@@ -299,6 +299,8 @@ def combine_steps(ms: list[StepMetrics], step_time_s: float, compiled: bool) -> 
             out[f.name] = step_time_s
         elif f.name == "compiled":
             out[f.name] = compiled
+        elif f.name == "wait_reasons":
+            out[f.name] = sum_counts(vals)
         else:
             out[f.name] = sum(vals)
     return StepMetrics(**out)

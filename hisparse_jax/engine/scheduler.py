@@ -17,6 +17,11 @@ With prefix caching on (`TieredCache.prefix_caching`), a waiting request whose p
 full pages shares them at admission and prefills only the rest, through the store (even in "whole" mode: the
 shared rows are read back from the store, so the rest is written chunk by chunk with the prompt resident;
 when the device cannot hold the prompt now but a whole prefill fits, it is prefilled whole without sharing).
+A prompt written chunk by chunk gets all its pages at admission (resident until written): its chunks never wait
+for pages, and the device floor of later admissions counts them.
+
+A request that does not progress in a step (no decode row, no prompt rows) has a stated reason in the step's plan
+(`StepPlan.waits`, one of `WAIT_REASONS`); the engine counts them per step (`StepMetrics.wait_reasons`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,21 @@ POLICIES = ("preempt", "offload", "hisparse")
 # written, since its rows read each other's top-k); whole: one full causal forward per prompt, written straight
 # into the store — under HiSparse only the tail pages need to be on the device.
 PREFILL_MODES = ("chunked", "whole")
+# Why a request made no progress in a step (`StepPlan.waits`). Waiting requests: the first in the queue says what
+# keeps it out, the rest are "queued" behind it. Admitted ones: swapped out (this step, or still not back), or
+# their prompt got no rows this step. Preempted ones are back in the queue.
+WAIT_REASONS = {
+    "max_running": "max_running requests are admitted already (or every request slot is in use)",
+    "device_budget": "the device pool cannot hold it now (HiSparse: next to the admitted requests' floor)",
+    "index_budget": "the indexer pool cannot hold its pages next to what the admitted requests may grow to",
+    "host_budget": "the host pool cannot hold its pages next to what the admitted requests may grow to",
+    "prefill_busy": "another prompt is being written through the store (one at a time)",
+    "queued": "behind an earlier waiting request (first come, first served)",
+    "preempted": "preempted this step (its KV dropped; recomputed when readmitted)",
+    "swapped_out": "swapped out to the host this step",
+    "swap_in": "swapped out; its whole KV does not fit on the device yet",
+    "prefill_chunk": "this step's prompt tokens (prefill_chunk) went to earlier prompts",
+}
 
 
 def pages(n_tokens: int) -> int:
@@ -49,6 +69,16 @@ class StepPlan:
     swapped_in: list[Request]
     whole: list[Request] = dataclasses.field(default_factory=list)  # one full causal forward each
     cached_tokens: int = 0  # prompt tokens shared from the prefix cache by this step's admissions
+    # request id -> why it makes no progress this step (a key of WAIT_REASONS): every waiting request, every
+    # admitted one with no decode row, prompt rows or whole prefill, every one preempted
+    waits: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def wait_reasons(self) -> dict[str, int]:
+        """Requests per wait reason this step."""
+        out: dict[str, int] = {}
+        for why in self.waits.values():
+            out[why] = out.get(why, 0) + 1
+        return out
 
 
 class Scheduler:
@@ -62,6 +92,9 @@ class Scheduler:
         self.max_running, self.prefill_chunk = max_running, prefill_chunk
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # admitted: PREFILLING, RUNNING or SWAPPED, in admission order
+        # chunked admissions whose prompt pages could not be reserved although the budgets said they fit (the
+        # request stays waiting, reason "device_budget"): a bookkeeping slip, counted so checks can see it
+        self.admission_out_of_pages = 0
 
     # ----- budgets -------------------------------------------------------------------------------
     def _committed(self, tier: Tier) -> int:
@@ -72,28 +105,59 @@ class Scheduler:
                                            for r in self.active)
 
     def _device_floor(self) -> tuple[int, set[int]]:
-        """Device pages the admitted requests cannot go below, and the resident pages among them (a page shared
-        by several requests counts once). A prefilling request (or any under preempt / offload) keeps all its
-        pages plus one; a decoding HiSparse request keeps its tail pages and its hot buffer (it can release
-        every other page, shared ones together with their other holders)."""
+        """Device pages the admitted requests may need at once from now on, and the resident pages among them (a
+        page shared by several requests counts once). Under preempt / offload a request keeps all its pages plus
+        one (and a prompt being written the pages it has yet to get). Under HiSparse see `_least`: a prompt being
+        written stays resident; a decoding request keeps its tail pages and its hot buffer, and (before it has a
+        hot buffer) its shared pages; one that never needs to release a page keeps all of them. Admission keeps
+        this floor within the device pool, and every request can reach its share of it by releasing pages (or
+        the eviction of others') without waiting for a page that is not there: no `reserve` fails."""
         c = self.cache
         held: set[int] = set()
         extra = 0
+        rc = c.pool.refcounts(Tier.DEVICE)
         for r in self.active:
             if r.state is RequestState.SWAPPED:
                 continue
             rp = c.requests[r.slot]
-            if self.policy == "hisparse" and r.state is RequestState.RUNNING:
-                tail = [d for d in rp.device[-TAIL_PAGES:] if d != INVALID]
-                held.update(tail)
-                # what it needs at its longest: all its pages, or tail + hot buffer once it has one
-                least = (TAIL_PAGES + c.hot_pages_per_request if rp.hot else
-                         c.min_device_pages(max(pages(r.max_kv_len), rp.num_pages)))
-                extra += max(least - len(tail), 0)
+            resident = [d for d in rp.device if d != INVALID]
+            if self.policy != "hisparse":
+                held.update(resident)
+                todo = pages(len(r.kv_tokens)) - rp.num_pages if r.state is RequestState.PREFILLING else 0
+                extra += 1 + len(rp.host_only_pages()) + max(todo, 0)
+                continue
+            shared = {d for d in resident if rc[d] > 1}
+            tail = {d for d in rp.device[-TAIL_PAGES:] if d != INVALID}
+            n_max = max(pages(r.max_kv_len), rp.num_pages)
+            if rp.hot:  # its tail and hot buffer; a shared tail page stays with its other holders when it moves on
+                keep = tail & shared
+                need = len(keep) + TAIL_PAGES + c.hot_pages_per_request
             else:
-                held.update(d for d in rp.device if d != INVALID)
-                extra += 1 + len(rp.host_only_pages())
+                writing = r.slot in c.resident_only  # a prompt being written: all its pages resident meanwhile
+                now = max(pages(len(r.kv_tokens)), rp.num_pages) if writing else len(resident)
+                need = self._least(now if writing else 0, n_max, len(shared), len(shared & tail), len(resident))
+                keep = set(resident) if writing or c.min_device_pages(n_max) >= n_max else shared
+            held.update(keep)
+            extra += max(need - len(keep), 0)
         return len(held) + extra, held
+
+    def _least(self, now: int, n_max: int, n_shared: int, n_shared_tail: int, n_resident: int) -> int:
+        """Device pages a HiSparse request without a hot buffer may need at once from now on (its own pages and
+        its shared ones): `now` pages it must hold now (a prompt being written), `n_resident` resident, `n_max` at
+        its longest, `n_shared` shared with other requests (`n_shared_tail` of them in its tail pages).
+
+        One whose longest length fits its tail pages and a hot buffer never releases a page: n_max (unless the
+        pool lends it a hot buffer to release a shared page together with its other holders: then tail + hot
+        buffer). A longer one releases its own sealed pages once it has more than a hot buffer's worth of them
+        (they pay for the buffer; before that it grows into free pages), and a shared one only after the pool has
+        lent it the buffer: it needs at most its shared pages, its tail pages and a hot buffer's worth."""
+        nh = self.cache.hot_pages_per_request
+        if self.cache.min_device_pages(n_max) >= n_max:
+            need = max(n_max, n_resident)
+            if n_shared > n_shared_tail:
+                need = max(need, n_shared_tail + TAIL_PAGES + nh)
+            return max(need, now)
+        return max(now, n_shared + TAIL_PAGES + nh)
 
     def can_admit(self, r: Request) -> bool:
         return self._admission(r) is not None
@@ -101,45 +165,66 @@ class Scheduler:
     def _admission(self, r: Request) -> str | None:
         """How `r` would be admitted now: "chunked" (its rows written through the store, prompt resident;
         shares its cached prefix when prefix caching is on), "whole" (one forward, nothing shared), or None."""
+        return self._decide(r)[0]
+
+    def _decide(self, r: Request) -> tuple[str | None, str]:
+        """(`_admission`'s answer, and when it is None the reason `r` waits: a key of WAIT_REASONS)."""
         c = self.cache
         if len(self.active) >= self.max_running or not c.free_slots():
-            return None
+            return None, "max_running"
         hits = c.match_prefix(r.kv_tokens) if c.prefix_caching else []
-        for tier, field in ((Tier.INDEX, "index"), (Tier.HOST, "host")):
-            if tier is Tier.HOST and not c.spec.mirror_to_host:
-                continue
-            rc = c.pool.refcounts(tier)  # hit pages in use cost nothing (whether or not the hits are taken)
-            n_max = pages(r.max_kv_len) - sum(1 for x in hits if getattr(x, field) != INVALID
-                                           and rc[getattr(x, field)] > 0)
-            if self._committed(tier) + n_max > c.pool.capacity(tier):
-                return None
-        # the prompt's pages and one growth page (slack the HiSparse floor relies on when pages are shared); a
-        # request admitted alone needs only the pages of its prompt and first decode row — exactly what
-        # `Engine.add_request` checked, so a request that fits alone is never left waiting forever
+        short = self._short_tier(r, hits)  # (a whole prefill shares nothing: its pages are all new)
+        if short:
+            return None, short
+        # preempt / offload: the prompt's pages and one growth page; a request admitted alone needs only the pages
+        # of its prompt and first decode row. HiSparse: what it adds to the device floor (`_least`). Either way a
+        # request alone needs no more than `Engine.add_request` checked, so one that fits alone never waits forever
         n_kv = len(r.kv_tokens)
         if self.active:
             prompt_pages = max(min(pages(n_kv) + 1, pages(r.max_kv_len)), pages(n_kv))
         else:
             prompt_pages = max(pages(n_kv), pages(min(n_kv + 1 + r.lookahead, r.max_kv_len)))
         hisparse = self.policy == "hisparse"
+        n_max = max(pages(r.max_kv_len), pages(n_kv))
         # one prompt resident at a time while written through the store keeps the device floor predictable
         chunking = any(x.state is RequestState.PREFILLING and x.slot in c.resident_only for x in self.active)
         if r.imported is None and (self.prefill == "chunked" or hits):  # an import's rows arrive whole
             rc = c.pool.refcounts(Tier.DEVICE)
-            if hisparse:  # a hit page the floor holds already costs nothing more
+            if hisparse:  # what it adds to the floor; a hit page the floor holds already costs nothing more
                 floor, held = self._device_floor()
-                new = prompt_pages - sum(1 for x in hits if x.device in held)
-                fits = floor + new <= c.spec.device_pages
+                shared = sum(1 for x in hits if x.device != INVALID and rc[x.device] > 0)
+                tail = sum(1 for i, x in enumerate(hits) if i >= pages(n_kv) - TAIL_PAGES
+                           and x.device != INVALID and rc[x.device] > 0)
+                need = self._least(pages(n_kv), n_max, shared, tail, pages(n_kv))
+                fits = floor + need - sum(1 for x in hits if x.device in held) <= c.spec.device_pages
             else:  # a hit page in use costs nothing; a cached one is revived out of the free pages
                 new = prompt_pages - sum(1 for x in hits if x.device != INVALID and rc[x.device] > 0)
                 fits = c.pool.num_free(Tier.DEVICE) >= new
             if fits:  # (a prefix hit waits for the prompt being written: its suffix is short to write)
-                return None if chunking else "chunked"
+                return (None, "prefill_busy") if chunking else ("chunked", "")
             if self.prefill == "chunked":
-                return None
-        fits = (self._device_floor()[0] + c.min_device_pages(prompt_pages) <= c.spec.device_pages if hisparse
+                return None, "device_budget"
+            if hits and (short := self._short_tier(r, [])):
+                return None, short
+        # whole: under HiSparse it adds its tail pages and a hot buffer (or all its pages when it never needs to
+        # release one) to the floor
+        fits = (self._device_floor()[0] + c.min_device_pages(n_max) <= c.spec.device_pages if hisparse
                 else c.pool.num_free(Tier.DEVICE) >= prompt_pages)
-        return "whole" if fits else None
+        return ("whole", "") if fits else (None, "device_budget")
+
+    def _short_tier(self, r: Request, hits: list) -> str:
+        """The wait reason when the indexer or host pool cannot hold `r` at its longest next to what the admitted
+        requests may grow to, sharing the pages of `hits` (a hit page in use costs nothing); "" when both can."""
+        c = self.cache
+        for tier, field in ((Tier.INDEX, "index"), (Tier.HOST, "host")):
+            if tier is Tier.HOST and not c.spec.mirror_to_host:
+                continue
+            rc = c.pool.refcounts(tier)
+            n_max = pages(r.max_kv_len) - sum(1 for x in hits if getattr(x, field) != INVALID
+                                           and rc[getattr(x, field)] > 0)
+            if self._committed(tier) + n_max > c.pool.capacity(tier):
+                return f"{field}_budget"
+        return ""
 
     # ----- one step ------------------------------------------------------------------------------
     def schedule(self, step: int) -> StepPlan:
@@ -161,8 +246,14 @@ class Scheduler:
                 continue
             plan.decode.append(r)
         # 3. admit waiting requests
-        while self.waiting and (mode := self._admission(self.waiting[0])):
-            r = self.waiting.popleft()
+        while self.waiting:
+            r = self.waiting[0]
+            mode, why = self._decide(r)
+            if mode is None:
+                plan.waits[r.request_id] = why
+                break
+            self.waiting.popleft()
+            plan.waits.pop(r.request_id, None)  # (preempted earlier in this step, readmitted now)
             if mode == "whole":
                 # the whole prompt's pages; under HiSparse older ones may start on the host
                 r.slot = c.admit(len(r.kv_tokens), resident=self.policy != "hisparse")
@@ -172,23 +263,37 @@ class Scheduler:
                 continue
             r.slot = c.admit(0, tokens=r.kv_tokens)  # shares the cached prefix (resident) if there is one
             c.keep_resident(r.slot)
+            try:  # every page of the prompt now: its chunks never wait for pages (the floor counted them)
+                c.reserve(r.slot, len(r.kv_tokens))
+            except OutOfPages:  # the budgets said it fits: not admitted after all, and counted (never silent)
+                c.release(r.slot)
+                r.slot = -1
+                self.waiting.appendleft(r)
+                self.admission_out_of_pages += 1
+                plan.waits[r.request_id] = "device_budget"
+                break
             r.state, r.computed = RequestState.PREFILLING, c.cached_tokens[r.slot]
             r.cached_tokens += r.computed
             plan.cached_tokens += r.computed
             self.active.append(r)
-        # 4. prompt chunks
+        for r in self.waiting:
+            plan.waits.setdefault(r.request_id, "queued")
+        # 4. prompt chunks (their pages were reserved at admission: `reserve` only checks)
         budget = self.prefill_chunk
         for r in self.active:
-            if r.state is not RequestState.PREFILLING or r in plan.whole or budget <= 0:
+            if r.state is not RequestState.PREFILLING or r in plan.whole:
+                continue
+            if budget <= 0:
+                plan.waits[r.request_id] = "prefill_chunk"
                 continue
             todo = len(r.kv_tokens) - r.computed
             n = min(todo, budget)
-            try:
-                c.reserve(r.slot, r.computed + n)
-            except OutOfPages:
-                continue
+            c.reserve(r.slot, r.computed + n)
             plan.prefill.append((r, r.computed, n))
             budget -= n
+        for r in self.active:
+            if r.state is RequestState.SWAPPED:
+                plan.waits[r.request_id] = "swapped_out" if r in plan.swapped_out else "swap_in"
         return plan
 
     def _make_writable(self, r: Request, need: int, plan: StepPlan) -> bool:
@@ -227,6 +332,7 @@ class Scheduler:
         r.preemptions += 1
         self.waiting.appendleft(r)
         plan.preempted.append(r)
+        plan.waits[r.request_id] = "preempted"
 
     def _swap_out(self, r: Request, plan: StepPlan) -> None:
         self.cache.swap_out(r.slot)
