@@ -101,20 +101,36 @@ def fixed_windows(tokens: np.ndarray, seq_len: int, count: int) -> np.ndarray:
     return np.stack([tokens[s:s + seq_len] for s in starts]).astype(np.int32)
 
 
-def document_prompts(tokens: np.ndarray, lengths, seed: int) -> list[list[int]]:
+def document_prompts(tokens: np.ndarray, lengths, seed: int, repeat: bool = False) -> list[list[int]]:
     """One prompt per length: `length` tokens of `tokens` from the start of a document (a BOS), documents drawn
-    without repetition while they last (numpy's PCG64, `seed`); a prompt longer than its document runs on into
-    the next one, as the training windows do. The demo's text workload (on the held-out text)."""
+    without repetition (numpy's PCG64, `seed`); a prompt longer than its document runs on into the next one, as
+    the training windows do. The demo's text workload (on the held-out text).
+
+    With more prompts than documents the documents are drawn again, pass after pass: with `repeat` from their
+    starts (later prompts then begin as earlier ones do: shared prefixes); otherwise (the default) the k-th pass
+    starts k / passes of the way into each document, and no two prompts start at the same position (a start
+    clamped to the end of the text moves back past the ones used), so no prompt repeats another's beginning."""
     lengths = [int(n) for n in lengths]
     if lengths and max(lengths) > tokens.size:
         raise ValueError(f"the text has {tokens.size} tokens, fewer than a prompt of {max(lengths)}")
     starts = np.flatnonzero(tokens == BOS_ID)
     if not starts.size:
         raise ValueError("the text has no document start (BOS)")
+    ends = np.append(starts[1:], tokens.size)
     rng = np.random.default_rng(seed)
-    order = np.concatenate([rng.permutation(starts) for _ in range(-(-len(lengths) // starts.size))])
-    out = []
-    for n, s in zip(lengths, order):
-        s = min(int(s), tokens.size - n)
+    passes = -(-len(lengths) // starts.size)
+    order = np.concatenate([rng.permutation(starts.size) for _ in range(passes)]) if lengths else []
+    out, used = [], set()
+    for i, (n, d) in enumerate(zip(lengths, order)):
+        k, s = i // starts.size, int(starts[d])
+        if k and not repeat:
+            s += max(k * int(ends[d] - starts[d]) // passes, k)
+        s = min(s, tokens.size - n)
+        while not repeat and s in used:
+            s -= 1
+        if s < 0:
+            raise ValueError(f"the text has {tokens.size} tokens, too few for {len(lengths)} prompts at distinct "
+                             "starts")
+        used.add(s)
         out.append(tokens[s:s + n].astype(int).tolist())
     return out
