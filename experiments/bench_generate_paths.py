@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from hisparse_jax.config import PAGE_SIZE, CacheConfig, get_preset
+from hisparse_jax.engine import runner as programs
 from hisparse_jax.engine.runner import Runner
 from hisparse_jax.kv.dense import DenseKV
 from hisparse_jax.kv import device as kv_device
@@ -58,27 +59,26 @@ def contiguous_steps(model, prompts, steps: int, tokens_out: list):
     [n, steps + 1] go to `tokens_out` at the end."""
     cfg = model.cfg
     n = len(prompts)
-    B = G._bucket_pow2(n)
+    B = programs.bucket_pow2(n)
     lens = np.array([len(p) for p in prompts] + [1] * (B - n), np.int32)
-    T = G._bucket_pow2(int(lens.max()), 16)
+    T = programs.bucket_pow2(int(lens.max()), 16)
     S = -(-(int(lens.max()) + steps + 1) // 64) * 64
     ids = np.zeros((B, T), np.int32)
     for i, p in enumerate(prompts):
         ids[i, :len(p)] = p
     graphdef, state = nnx.split(model)
-    logits_all, aux = G._prefill_fn(graphdef)(state, jnp.asarray(ids))
+    logits_all, aux = programs.jitted_prefill(graphdef)(state, jnp.asarray(ids))
     first = logits_all[jnp.arange(B), jnp.asarray(lens - 1)].astype(jnp.float32)
     cache = G._cache_from_prefill(cfg, aux, B, S, T, model.dtype)
-    step = G._decode_fn(graphdef, DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8), 0.0, 1.0)
-    prepare = getattr(G, "_step_weights", None)  # absent before the in-place change: lets this run on old code
-    extra = (prepare(graphdef, state),) if prepare is not None else ()
+    step = programs.jitted_dense_decode(graphdef, DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8), 0.0,
+                                        1.0)
     key = jax.random.key(0)
     tokens = _sync(jnp.argmax(first, axis=-1).astype(jnp.int32))
     out = [tokens]
     positions = jnp.asarray(lens)
     for _ in range(steps):
         t0 = time.perf_counter()
-        tokens, logits, cache = step(state, tokens, positions, cache, key, *extra)
+        tokens, logits, cache = step(state, tokens, positions, cache, key)
         _sync((tokens, logits))
         dt = time.perf_counter() - t0
         positions = positions + 1
@@ -94,9 +94,9 @@ def paged_steps(model, prompts, steps: int, cache_cfg: CacheConfig, tokens_out: 
     tc = TieredCache(model.cfg, cache_cfg)
     store, slots, first = runner.admit_prompts(kv_device.new_store(tc), tc, prompts)
     n = len(prompts)
-    B = G._bucket_pow2(n)
+    B = programs.bucket_pow2(n)
     req = jnp.asarray(slots + [-1] * (B - n), jnp.int32)
-    sample = G._sample_fn(0.0, 1.0)
+    sample = programs.jitted_batch_sampler(0.0, 1.0)
     key = jax.random.key(0)
     tokens = _sync(sample(jnp.stack(first + [first[0]] * (B - n)), key))
     out = [tokens]

@@ -124,7 +124,7 @@ def run(args) -> dict:
         gen[name]["tokens_match_resident"] = tokens[name] == tokens["resident"]
 
     # ---- 2. per-step timing, side by side -----------------------------------------------------------------
-    from hisparse_jax.generate import prefill_rows
+    from hisparse_jax.engine.runner import prefill_rows
 
     rows, first = [], []
     for p in prompts:

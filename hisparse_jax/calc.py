@@ -52,8 +52,7 @@ from types import SimpleNamespace
 from typing import Any, Sequence
 
 from hisparse_jax.cli_args import bounded_float, check_output_file, choice, int_at_least
-
-PAGE_TOKENS = 64
+from hisparse_jax.config import PAGE_SIZE
 GPU_MEMORY_GB = {"h200": 141, "b200": 180, "b300": 288}  # decimal GB per GPU, as published
 HOST_SLIDER_GIB = (16, 4096)  # the calculator's host-pool slider range (GiB per DP replica)
 # Sweep points: powers of two 8K..1M plus the blog's 74,160-token first turn, the ~86K context
@@ -89,11 +88,11 @@ class BlockLayout:
 
     @property
     def host(self) -> int:
-        return PAGE_TOKENS * self.layers * self.mla_row
+        return PAGE_SIZE * self.layers * self.mla_row
 
     @property
     def indexer_page(self) -> int:
-        return PAGE_TOKENS * self.full_layers * self.indexer_row
+        return PAGE_SIZE * self.full_layers * self.indexer_row
 
     @property
     def baseline(self) -> int:
@@ -101,11 +100,11 @@ class BlockLayout:
 
     @property
     def hisparse_gpu_unpadded(self) -> int:
-        return max(self.indexer_page, PAGE_TOKENS * self.mla_row * max(self.hot_group_layers))
+        return max(self.indexer_page, PAGE_SIZE * self.mla_row * max(self.hot_group_layers))
 
     @property
     def hisparse_gpu(self) -> int:
-        layer_page = PAGE_TOKENS * self.mla_row
+        layer_page = PAGE_SIZE * self.mla_row
         return -(-self.hisparse_gpu_unpadded // layer_page) * layer_page
 
     @property
@@ -137,10 +136,10 @@ def block_layout(cfg: Any, kv_dtype: str = "fp8", *, mla_fp8_layout: str = "fp8"
         if t == "full" or i == 0:
             units.append(0)
         units[-1] += 1
-    limit = PAGE_TOKENS * full * idx_row  # vLLM packs units while the group page <= indexer page
+    limit = PAGE_SIZE * full * idx_row  # vLLM packs units while the group page <= indexer page
     groups: list[int] = []
     for u in units:
-        if groups and (groups[-1] + u) * PAGE_TOKENS * mla_row <= limit:
+        if groups and (groups[-1] + u) * PAGE_SIZE * mla_row <= limit:
             groups[-1] += u
         else:
             groups.append(u)
@@ -318,11 +317,11 @@ def capacity(inp: CalcInput) -> CalcResult:
         raise CalcError(f"no HBM left for KV: {inp.gpu} x{inp.gpu_memory_utilization} gives {budget:.1f} GiB/GPU, "
                         f"weights need {weights:.1f} GiB/GPU and the reserve {inp.reserve_gib:g} GiB "
                         f"(raise TP, enable EP or pick a larger GPU)")
-    n = -(-inp.seq // PAGE_TOKENS)
+    n = -(-inp.seq // PAGE_SIZE)
     base_pool = math.floor(kv * 2 ** 30 / bb.baseline)
     baseline = min(inp.max_seqs, base_pool // n)
     gpu_pool = math.floor(kv * 2 ** 30 / bb.hisparse_gpu)
-    per_req = n + groups * -(-inp.hot_rows // PAGE_TOKENS) + groups * inp.retained + inp.other
+    per_req = n + groups * -(-inp.hot_rows // PAGE_SIZE) + groups * inp.retained + inp.other
     gpu_limit = gpu_pool // per_req
     target = min(inp.max_seqs, gpu_limit)
     min_host = target * n * bb.host / 2 ** 30 if target > baseline else 0.0

@@ -37,7 +37,6 @@ from hisparse_jax.engine.speculative import lookahead
 from hisparse_jax import parallel
 from hisparse_jax.engine import Engine, EngineConfig, MeshEngine, SamplingParams, device_budget
 from hisparse_jax.engine.scheduler import POLICIES, pages
-from hisparse_jax.generate import TRACE_COUNTS as _PREFILL_TRACES
 from hisparse_jax.kv.tiered import KERNELS, check_kernels
 from hisparse_jax.engine.runner import TRACE_COUNTS as _STEP_TRACES
 from hisparse_jax.model.decoder import SparseMLAModel
@@ -281,7 +280,7 @@ _PLAIN_EVERY_S = 5.0  # a plain progress line at least this often when stderr is
 
 def _traces() -> tuple[int, int]:
     """(decode-step traces, whole-prompt prefill traces) so far: each new one is a compile under way."""
-    return _STEP_TRACES["decode_step"], _PREFILL_TRACES["prefill"]
+    return _STEP_TRACES["decode_step"], _STEP_TRACES["prefill"]
 
 
 def _terminal(stream) -> bool:

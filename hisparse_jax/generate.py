@@ -1,16 +1,14 @@
-"""Batched generation: a prefill forward, then a jitted decode step with fixed shapes.
+"""Batched generation: a prefill forward, then a jitted decode step with fixed shapes, per step.
 
-Shapes are bucketed (batch to a power of two, prompt length to a power of two >= 16, cache length to a
-multiple of 64) so a decode loop compiles once, whatever the step. Every trace of a step increments
-`TRACE_COUNTS`, which the tests use to prove there is no recompilation per step. The contiguous step updates its
-donated cache in place (one row per layer and sequence): its cost per token follows the work, not copies of the
-cache.
+The host loops live here; every jitted program they run is the runner's (`hisparse_jax.engine.runner`). Shapes are
+bucketed (batch to a power of two, prompt length to a power of two >= 16, cache length to a multiple of 64) so a
+decode loop compiles once, whatever the step: every trace of a program increments `runner.TRACE_COUNTS`, which the
+tests use to prove there is no recompilation per step. The contiguous step updates its donated cache in place (one
+row per layer and sequence): its cost per token follows the work, not copies of the cache.
 """
 
 from __future__ import annotations
 
-import collections
-import functools
 from typing import Sequence
 
 import jax
@@ -18,16 +16,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hisparse_jax import parallel
 from hisparse_jax.config import CacheConfig
+from hisparse_jax.engine.runner import (Runner, bucket_pow2, jitted_batch_sampler, jitted_dense_decode, jitted_prefill,
+                                        jitted_sharded_step)
+from hisparse_jax.engine.sampling import sample_tokens
+from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.dense import DenseKV, init_dense_cache
-from hisparse_jax.model.decoder import SparseMLAModel, decode_step
+from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.tiered import check_backend, check_kernels, empty_stats, index_span, stats_bytes
+from hisparse_jax.model.decoder import SparseMLAModel
+from hisparse_jax.results import GenerateStats
 from hisparse_jax.validation import check_float, check_int, check_prompt, check_token_list
-
-TRACE_COUNTS: collections.Counter = collections.Counter()
-
-
-def _bucket_pow2(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
 def validate_prompts(model: SparseMLAModel, prompts, max_new_tokens: int) -> list[list[int]]:
@@ -45,68 +45,6 @@ def validate_prompts(model: SparseMLAModel, prompts, max_new_tokens: int) -> lis
                              f"model's max_position_embeddings ({cfg.max_position_embeddings})")
         out.append(p)
     return out
-
-
-def sample_tokens(logits, key, temperature: float, top_p: float):
-    """logits f32[B, V] -> int32[B]. Greedy when temperature == 0, else temperature + nucleus (top-p)."""
-    if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    if top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        cutoff_idx = jnp.sum(cum < top_p, axis=-1, keepdims=True)
-        cutoff = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
-
-
-@functools.lru_cache(maxsize=32)
-def _prefill_fn(graphdef):
-    @jax.jit
-    def prefill(state, ids):
-        TRACE_COUNTS["prefill"] += 1
-        model = nnx.merge(graphdef, state)
-        return model.forward(ids)
-
-    return prefill
-
-
-def prefill_rows(model: SparseMLAModel, tokens: Sequence[int]):
-    """One causal forward over `tokens` (length bucketed to a power of two, so prompts share compiles).
-
-    Returns (last logits f32[V], latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]) with T the bucket length
-    (the first len(tokens) rows are real; `kv.device.write_prefill(store, cache, slot, ..., len(tokens))` stores
-    those, and keeping T bucketed keeps its compiles bounded too) and the logits the first new token is drawn from."""
-    return prefill_rows_split(*nnx.split(model), tokens)
-
-
-def prefill_rows_split(graphdef, state, tokens: Sequence[int], *, with_hidden: bool = False):
-    """`prefill_rows` for a model already split (`nnx.split`), so a caller that keeps it split splits it once.
-    with_hidden: also return the final hidden states [T, D] (after the final norm: what an MTP layer reads)."""
-    n = len(tokens)
-    ids = np.zeros((1, _bucket_pow2(n, 16)), np.int32)
-    ids[0, :n] = tokens
-    logits, aux = _prefill_fn(graphdef)(state, jnp.asarray(ids))
-    rows = (jnp.stack(aux[k])[:, 0] for k in ("latent", "rope", "index_k"))
-    out = (logits[0, n - 1].astype(jnp.float32), *rows)
-    return out + (aux["hidden"][0],) if with_hidden else out
-
-
-@functools.lru_cache(maxsize=32)
-def _decode_fn(graphdef, backend, temperature: float, top_p: float):
-    """The contiguous decode step: step(state, tokens, positions, cache, key) -> (tokens, logits, cache). The cache is
-    donated and updated in place (`DenseKV` writes one row per layer and sequence)."""
-
-    @functools.partial(jax.jit, donate_argnums=(3,))
-    def step(state, tokens, positions, cache, key):
-        TRACE_COUNTS["decode"] += 1
-        model = nnx.merge(graphdef, state)
-        logits, cache, _ = decode_step(model, tokens, positions, cache, backend)
-        return sample_tokens(logits, key, temperature, top_p), logits, cache
-
-    return step
 
 
 def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
@@ -137,7 +75,7 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     Prompt i is served by rank i % n (round-robin); each rank has its own tiered store slice on its device and
     its own bookkeeping, so the CacheConfig's budgets (pages, max_seqs) are per device. Prompts are prefilled on
     the default device and their rows written into their rank's slice; every decode step is one sharded step
-    (`parallel.sharded_step`) in which each device decodes its own requests. Tokens come back in prompt order and
+    (`runner.jitted_sharded_step`) in which each device decodes its own requests. Tokens come back in prompt order and
     are those of the one-device run (sampling included: rows are sampled in prompt order with the same keys);
     stats are summed over ranks. Multi-process (`jax.distributed.initialize`): the mesh may span every process's
     devices; every process calls `generate` with the same arguments and returns all the tokens.
@@ -153,32 +91,28 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     if mesh is not None:
         if cache is None:
             raise ValueError("mesh needs the tiered store: pass cache=CacheConfig(...) (its budgets are per device)")
-        from hisparse_jax.kv.tiered import check_kernels
-
         return _generate_mesh(model, prompts, max_new_tokens, cache, temperature, top_p, key, eos, return_stats,
                               return_logits, check_kernels(kernels), mesh)
     if cache is not None:
-        from hisparse_jax.kv.tiered import check_kernels
-
         return _generate_tiered(model, prompts, max_new_tokens, cache, temperature, top_p, key, eos, return_stats,
                                 return_logits, check_kernels(kernels))
     if return_stats or kernels != "reference":
         raise ValueError("return_stats and kernels need the tiered store: pass cache=CacheConfig(...)")
     cfg = model.cfg
     n = len(prompts)
-    B = _bucket_pow2(n)
+    B = bucket_pow2(n)
     lens = np.array([len(p) for p in prompts] + [1] * (B - n), np.int32)
-    T = _bucket_pow2(int(lens.max()), 16)
+    T = bucket_pow2(int(lens.max()), 16)
     S = -(-(int(lens.max()) + max_new_tokens) // 64) * 64
     ids = np.zeros((B, T), np.int32)
     for i, p in enumerate(prompts):
         ids[i, :len(p)] = p
     graphdef, state = nnx.split(model)
-    logits_all, aux = _prefill_fn(graphdef)(state, jnp.asarray(ids))
+    logits_all, aux = jitted_prefill(graphdef)(state, jnp.asarray(ids))
     first_logits = logits_all[jnp.arange(B), jnp.asarray(lens - 1)].astype(jnp.float32)
     cache = _cache_from_prefill(cfg, aux, B, S, T, model.dtype)
     backend = DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8)
-    step = _decode_fn(graphdef, backend, float(temperature), float(top_p))
+    step = jitted_dense_decode(graphdef, backend, float(temperature), float(top_p))
 
     key, sub = jax.random.split(key)
     tokens = sample_tokens(first_logits, sub, temperature, top_p)
@@ -211,18 +145,8 @@ def _truncate_at_eos(toks: np.ndarray, eos) -> list[list[int]]:
     return result
 
 
-@functools.lru_cache(maxsize=32)
-def _sample_fn(temperature: float, top_p: float):
-    return jax.jit(lambda logits, key: sample_tokens(logits, key, temperature, top_p))
-
-
 def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top_p, key, eos, return_stats,
                      return_logits, kernels="reference"):
-    from hisparse_jax.engine.runner import Runner
-    from hisparse_jax.kv import device as kv_device
-    from hisparse_jax.kv.manager import TieredCache
-    from hisparse_jax.kv.tiered import check_backend, index_span
-
     cfg = model.cfg
     runner = Runner(model, kernels=kernels)  # the model split once for the whole run
     n = len(prompts)
@@ -231,9 +155,9 @@ def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top
     # the last new token is sampled, never written: the cache holds prompt + max_new_tokens - 1 positions
     tc.check_batch_fits([len(p) + max_new_tokens - 1 for p in prompts])
     store = kv_device.new_store(tc)
-    sample = _sample_fn(float(temperature), float(top_p))
+    sample = jitted_batch_sampler(float(temperature), float(top_p))
     store, slots, first = runner.admit_prompts(store, tc, prompts)
-    B = _bucket_pow2(n)
+    B = bucket_pow2(n)
     req = jnp.asarray(slots + [-1] * (B - n), jnp.int32)
     first_logits = jnp.stack(first + [first[0]] * (B - n))
     key, sub = jax.random.split(key)
@@ -262,11 +186,6 @@ def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top
 def _generate_mesh(model, prompts, max_new_tokens, cache_cfg, temperature, top_p, key, eos, return_stats,
                    return_logits, kernels, mesh):
     """`_generate_tiered` with one store slice and one `TieredCache` per data-parallel rank (`parallel`)."""
-    from hisparse_jax import parallel
-    from hisparse_jax.engine.runner import Runner
-    from hisparse_jax.kv.manager import TieredCache
-    from hisparse_jax.kv.tiered import check_backend, index_span
-
     parallel.check_mesh(mesh)
     cfg = model.cfg
     N, n = parallel.num_ranks(mesh), len(prompts)
@@ -291,15 +210,15 @@ def _generate_mesh(model, prompts, max_new_tokens, cache_cfg, temperature, top_p
         store, got = parallel.admit_prefilled_ranks(store, caches, rows)
         for r, s in got.items():
             slots[r].append(s)
-    Bl, B = _bucket_pow2(max(len(idx) for idx in placed)), _bucket_pow2(n)
+    Bl, B = bucket_pow2(max(len(idx) for idx in placed)), bucket_pow2(n)
     req = np.full((N, Bl), -1, np.int32)
     where = np.zeros(n, np.int64)  # prompt i's row in the flattened [N * Bl] step batch
     for r, idx in enumerate(placed):
         for k, i in enumerate(idx):
             req[r, k], where[i] = slots[r][k], r * Bl + k
-    step = parallel.sharded_step(runner.graphdef, mesh, kernels)
+    step = jitted_sharded_step(runner.graphdef, mesh, kernels)
     state = parallel.replicate(runner.state, mesh)
-    sample = _sample_fn(float(temperature), float(top_p))
+    sample = jitted_batch_sampler(float(temperature), float(top_p))
     first_logits = jnp.stack(first + [first[0]] * (B - n))
     key, sub = jax.random.split(key)
     tokens = sample(first_logits, sub)
@@ -342,9 +261,6 @@ def _results(out_tokens, out_logits, n, eos, return_stats, return_logits, spec, 
     result = _truncate_at_eos(np.asarray(jnp.stack(out_tokens, axis=1))[:n], eos)
     out = [result]
     if return_stats:
-        from hisparse_jax.kv.tiered import empty_stats, stats_bytes
-        from hisparse_jax.results import GenerateStats
-
         totals = totals if totals is not None else empty_stats(spec)
         summary = stats_bytes(spec, totals)
         summary.update(per_layer={k: np.asarray(totals[k]).tolist() for k in ("resident", "hits", "misses")},

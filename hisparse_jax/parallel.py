@@ -5,7 +5,7 @@
     store = new_stacked_store(caches, mesh)               # every leaf [N, ...], rank r's slice on device r
     store, slots = admit_prefilled_ranks(store, caches, {r: (latent, rope, index_k, length), ...})
     store = reserve_next_ranks(store, caches, slots_per_rank)
-    step = sharded_step(graphdef, mesh)                   # runner.step_impl per rank, params replicated
+    step = runner.jitted_sharded_step(graphdef, mesh)     # runner.step_impl per rank, params replicated
     logits, store, stats = step(replicate(state, mesh), store, batch)   # batch leaves [N, B]; logits [N, B, V]
 
 Layout: the N ranks' stores have one `StoreSpec` and are stacked on a new leading axis, placed with
@@ -13,8 +13,8 @@ Layout: the N ranks' stores have one `StoreSpec` and are stacked on a new leadin
 pools with the pinned-host memory kind — so each device holds exactly its rank's slice: 1/N of every leaf. Each
 rank has its own `TieredCache` (its own page ids, request slots and budgets: the `CacheConfig`'s budgets are per
 device). Everything that touches the store runs as one `shard_map` over the data axis: each device runs the
-one-store program (`kv.device`'s jitted updates, `runner.step_impl`) on its own slice with its own arguments,
-so no KV crosses devices. Ranks with nothing to do in a call get no-op arguments (an out-of-range slot, -1
+one-store program (`kv.device`'s jitted updates, `runner.step_impl` in `runner.jitted_sharded_step`) on its own
+slice with its own arguments, so no KV crosses devices. Ranks with nothing to do in a call get no-op arguments (an out-of-range slot, -1
 page lists, a zero-length prompt write), which the one-store functions already skip.
 
 Multi-controller (`jax.distributed.initialize`, one process per host): the mesh spans every process's devices
@@ -28,26 +28,21 @@ joins) so every process sees all ranks' logits and samples the same tokens.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.state import KVStore, StoreSpec, init_store, store_shardings
-from hisparse_jax.kv.updates import ClearStamps, LoadPages, ReleasePages, SetTables
+from hisparse_jax.model import moe
 
-if hasattr(jax, "shard_map"):  # jax >= 0.7 (0.10.2 and 0.12 both have it)
-    def _shard_map(f, mesh, in_specs, out_specs):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-else:  # older jax: the experimental entry point
-    from jax.experimental.shard_map import shard_map as _exp_shard_map
 
-    def _shard_map(f, mesh, in_specs, out_specs):
-        return _exp_shard_map(f, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+def shard_map(f, mesh, in_specs, out_specs):
+    """`jax.shard_map` of `f` over `mesh`, without the replication check (every rank runs its own slice)."""
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 def data_mesh(n: int | None = None, axis: str = "data") -> Mesh:
@@ -87,11 +82,13 @@ def stacked_shardings(spec: StoreSpec, mesh: Mesh) -> KVStore:
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, P(axis), memory_kind=s.memory_kind), one)
 
 
-def _squeeze(tree):
+def squeeze_rank(tree):
+    """A rank's [1, ...] slices of a stacked tree -> its own leaves."""
     return jax.tree_util.tree_map(lambda x: x[0], tree)
 
 
-def _expand(tree):
+def expand_rank(tree):
+    """The inverse of `squeeze_rank`."""
     return jax.tree_util.tree_map(lambda x: x[None], tree)
 
 
@@ -134,11 +131,11 @@ def _per_rank(fn, mesh: Mesh):
     axis = check_mesh(mesh)
 
     def body(store, *args):
-        return _expand(fn(_squeeze(store), *(a[0] for a in args)))
+        return expand_rank(fn(squeeze_rank(store), *(a[0] for a in args)))
 
     def call(store, *args):
         specs = (P(axis),) * (1 + len(args))
-        return _shard_map(body, mesh, specs, P(axis))(store, *args)
+        return shard_map(body, mesh, specs, P(axis))(store, *args)
 
     return jax.jit(call, donate_argnums=(0,))
 
@@ -303,68 +300,9 @@ def replicate(tree, mesh: Mesh):
     return jax.tree_util.tree_map(lambda x: _place(jax.device_get(x), sh), tree)
 
 
-def _moe_context(axis: str | None):
-    import contextlib
-
-    from hisparse_jax.model import moe
-
+def moe_context(axis: str | None):
+    """The MoE layers' expert-parallel context over mesh axis `axis` (nothing when None)."""
     return moe.expert_parallel(axis) if axis is not None else contextlib.nullcontext()
-
-
-@functools.lru_cache(maxsize=32)
-def sharded_step(graphdef, mesh: Mesh, kernels: str = "reference", expert_parallel: bool = False):
-    """`runner.step_impl` per rank as one jitted shard_map over the mesh's axis:
-    step(state, store, batch) -> (logits f32[N, B, V], store, stats with a leading [N]).
-
-    state: the model's parameters (`nnx.split`), replicated (`P()`), or with expert_parallel the routed experts
-    split over the axis (`place_params(..., expert_parallel=True)`; each MoE layer then gathers the ranks' tokens
-    and scatters the sums back: `model.moe.expert_parallel`); store: the stacked store (donated);
-    batch: {"tokens", "req"} int32[N, B] and optionally "index_span" int32[N, P], sharded on the axis — rank r
-    decodes rows batch[.][r] against its own slice."""
-    from hisparse_jax.engine.runner import step_impl
-    from hisparse_jax.kv.tiered import check_kernels
-
-    kernels = check_kernels(kernels)
-    axis = check_mesh(mesh)
-    ep = axis if expert_parallel else None
-
-    def body(state, store, batch):
-        with _moe_context(ep):
-            logits, store, stats = step_impl(nnx.merge(graphdef, state), _squeeze(store), _squeeze(batch), kernels)
-        return logits[None], _expand(store), _expand(stats)
-
-    def step(state, store, batch):
-        return _shard_map(body, mesh, (param_specs(state, ep), P(axis), P(axis)), P(axis))(state, store, batch)
-
-    return jax.jit(step, donate_argnums=(1,))
-
-
-@functools.lru_cache(maxsize=32)
-def sharded_step_and_sample(graphdef, mesh: Mesh, kernels: str = "reference", expert_parallel: bool = False):
-    """`sharded_step` that also samples each rank's emitting rows, as `Runner.step` does on one device:
-    step(state, store, batch, sampling) -> (tokens int32[N, B], store, stats with a leading [N]); sampling's
-    leaves ("rows", "seed", "pos", "temperature", "top_p") are [N, B], rank r's rows index its own batch."""
-    from hisparse_jax.engine.runner import TRACE_COUNTS, sample_rows, step_impl
-    from hisparse_jax.kv.tiered import check_kernels
-
-    kernels = check_kernels(kernels)
-    axis = check_mesh(mesh)
-
-    ep = axis if expert_parallel else None
-
-    def body(state, store, batch, sampling):
-        TRACE_COUNTS["decode_step"] += 1
-        with _moe_context(ep):
-            logits, store, stats = step_impl(nnx.merge(graphdef, state), _squeeze(store), _squeeze(batch), kernels)
-        s = _squeeze(sampling)
-        tokens = sample_rows(logits[s["rows"]], s["seed"], s["pos"], s["temperature"], s["top_p"])
-        return tokens[None], _expand(store), _expand(stats)
-
-    def step(state, store, batch, sampling):
-        return _shard_map(body, mesh, (param_specs(state, ep), P(axis), P(axis), P(axis)), P(axis))(
-            state, store, batch, sampling)
-
-    return jax.jit(step, donate_argnums=(1,))
 
 
 def put_batch(mesh: Mesh, batch: dict) -> dict:
@@ -379,7 +317,7 @@ def place_round_robin(num_prompts: int, n: int) -> list[list[int]]:
 
 
 __all__ = ["data_mesh", "stacked_shardings", "new_stacked_store", "apply_rank_updates", "reserve_next_ranks",
-           "admit_prefilled_ranks", "write_prompt_rows", "rank_store", "replicate", "sharded_step",
-           "sharded_step_and_sample", "param_specs", "place_params", "check_expert_parallel", "put_batch",
+           "admit_prefilled_ranks", "write_prompt_rows", "rank_store", "replicate", "shard_map", "squeeze_rank",
+           "expand_rank", "moe_context", "param_specs", "place_params", "check_expert_parallel", "put_batch",
            "place_round_robin", "store_mesh", "num_ranks", "is_local", "to_host", "check_mesh"]
 

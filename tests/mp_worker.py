@@ -24,7 +24,7 @@ def model_and_prompts():
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import hisparse_jax as hj
-    from test_tiered_decode import model_cfg
+    from tiny import model_cfg
 
     cfg = model_cfg(num_hidden_layers=2, indexer_types=("full", "shared"), mlp_layer_types=("dense", "sparse"))
     model = hj.SparseMLAModel(cfg, rngs=nnx.Rngs(0))

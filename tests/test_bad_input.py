@@ -25,7 +25,7 @@ from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.manager import BudgetError, TieredCache
 from hisparse_jax.kv.persist import load_cache, save_cache
 from hisparse_jax.model.weights import restore_params, save_params
-from test_tiered_decode import model_cfg
+from tiny import model_cfg
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ from flax import nnx
 
 import hisparse_jax as hj
 from hisparse_jax.config import RopeConfig
-from hisparse_jax.generate import TRACE_COUNTS, _cache_from_prefill, generate
+from hisparse_jax.engine.runner import TRACE_COUNTS
+from hisparse_jax.generate import _cache_from_prefill, generate
 from hisparse_jax.kv.dense import DenseKV
 from hisparse_jax.model.decoder import decode_step
 from hisparse_jax.model.mla import sparse_mla_decode_reference
@@ -133,7 +134,7 @@ def test_sampling_needs_key_and_is_reproducible():
 
 
 def test_top_p_keeps_only_the_nucleus():
-    from hisparse_jax.generate import sample_tokens
+    from hisparse_jax.engine.sampling import sample_tokens
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     draws = {int(sample_tokens(logits, jax.random.key(i), 1.0, 0.7)[0]) for i in range(200)}
     assert draws == {0, 1}

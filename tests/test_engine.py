@@ -12,7 +12,7 @@ from hisparse_jax.engine import Engine, EngineConfig, RequestState, SamplingPara
 from hisparse_jax.generate import generate
 from hisparse_jax.kv.manager import BudgetError
 from hisparse_jax.kv.pool import Tier
-from test_tiered_decode import model_cfg
+from tiny import model_cfg
 
 NEW = 24
 

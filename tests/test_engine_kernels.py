@@ -11,7 +11,7 @@ import hisparse_jax as hj
 from hisparse_jax import cli, demo
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine import Engine, EngineConfig, SamplingParams
-from test_tiered_decode import model_cfg
+from tiny import model_cfg
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from flax import nnx
 
 import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig, RopeConfig, get_preset
+from hisparse_jax.engine import runner
 from hisparse_jax.kv.dense import DenseKV, init_dense_cache
 
 G = importlib.import_module("hisparse_jax.generate")  # the module (the package re-exports the function)
@@ -57,7 +58,7 @@ def big(dims) -> tuple:
 def compiled_step(model, B: int, S: int):
     cfg = model.cfg
     graphdef, state = nnx.split(model)
-    step = G._decode_fn(graphdef, DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8), 0.0, 1.0)
+    step = runner.jitted_dense_decode(graphdef, DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8), 0.0, 1.0)
     cache = init_dense_cache(cfg, B, S, model.dtype)
     args = (state, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32), cache, jax.random.key(0))
     return step.lower(*args).compile(), cache
@@ -124,12 +125,12 @@ def test_decode_step_compiles_once_for_40_steps_and_matches_the_paged_store():
     model = hj.SparseMLAModel(small_cfg(vocab_size=83), rngs=nnx.Rngs(1))  # a fresh config: a fresh compile
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 83, n).tolist() for n in (90, 37)]
-    before = G.TRACE_COUNTS["decode"]
+    before = runner.TRACE_COUNTS["decode"]
     tokens = G.generate(model, prompts, 40)
-    assert G.TRACE_COUNTS["decode"] - before == 1
+    assert runner.TRACE_COUNTS["decode"] - before == 1
     assert [len(t) for t in tokens] == [40, 40]
     G.generate(model, [p[:-1] for p in prompts], 40)  # the same shape buckets: no new compile
-    assert G.TRACE_COUNTS["decode"] - before == 1
+    assert runner.TRACE_COUNTS["decode"] - before == 1
     paged = G.generate(model, prompts, 40, cache=CacheConfig(device_pages=16, host_pages=16, max_seqs=2,
                                                               max_seq_len=256))
     assert tokens == paged

@@ -22,7 +22,7 @@ from hisparse_jax.config import CacheConfig
 from hisparse_jax.generate import generate
 from hisparse_jax.kv import ops
 from hisparse_jax.kv.state import StoreSpec, from_host_bits, host_dtype, init_store, to_host_bits
-from test_tiered_decode import BIG, model_cfg
+from tiny import BIG, model_cfg
 
 L, C, R, MP = 2, 16, 8, 2  # two layers (one indexer group), two logical pages of 64 rows
 T = MP * 64

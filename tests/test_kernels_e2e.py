@@ -12,7 +12,7 @@ import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.generate import generate
 from pallas_kernels.backends import mosaic_unavailable_reason
-from test_tiered_decode import model_cfg
+from tiny import model_cfg
 
 # Tolerance: the kernels sum the attention in blocks with an online softmax (another summation order
 # than the reference); in float32 the logits agree to ~1e-6.

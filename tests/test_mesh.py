@@ -30,9 +30,10 @@ def _checks() -> dict:
     import hisparse_jax as hj
     from hisparse_jax import parallel
     from hisparse_jax.config import CacheConfig
-    from hisparse_jax.generate import generate, prefill_rows
+    from hisparse_jax.engine.runner import jitted_sharded_step, prefill_rows
+    from hisparse_jax.generate import generate
     from hisparse_jax.kv.manager import TieredCache
-    from test_tiered_decode import model_cfg
+    from tiny import model_cfg
 
     out: dict = {"devices": len(jax.devices())}
     t0 = time.perf_counter()
@@ -76,12 +77,12 @@ def _checks() -> dict:
     state = parallel.replicate(state, mesh)
     batch = parallel.put_batch(mesh, {"tokens": np.ones((N, B), np.int32), "req": req,
                                       "index_span": np.zeros((N, 4), np.int32)})
-    step = parallel.sharded_step(graphdef, mesh)
+    step = jitted_sharded_step(graphdef, mesh)
     hlo = step.lower(state, store, batch).compile().as_text()
     out["hlo_collectives"] = {c: hlo.count(c) for c in COLLECTIVES}
     out["hlo_chars"] = len(hlo)
     # the detector's positive control: a psum over the axis compiles to an all-reduce
-    psum = jax.jit(parallel._shard_map(lambda x: jax.lax.psum(x, "data"), mesh, P("data"), P()))
+    psum = jax.jit(parallel.shard_map(lambda x: jax.lax.psum(x, "data"), mesh, P("data"), P()))
     out["control_all_reduce"] = psum.lower(np.ones(N, np.float32)).compile().as_text().count("all-reduce")
     logits, store, step_stats = step(state, store, batch)
     out["logits_shape"] = list(logits.shape)
@@ -168,7 +169,7 @@ def test_mesh_needs_the_tiered_store_and_a_one_axis_mesh():
     from hisparse_jax import parallel
     from hisparse_jax.config import CacheConfig
     from hisparse_jax.generate import generate
-    from test_tiered_decode import model_cfg
+    from tiny import model_cfg
 
     model = hj.SparseMLAModel(model_cfg(num_hidden_layers=2, indexer_types=("full", "shared"),
                                         mlp_layer_types=("dense", "sparse")), rngs=nnx.Rngs(0))

@@ -34,8 +34,9 @@ def _checks() -> dict:
     from hisparse_jax import parallel
     from hisparse_jax.config import CacheConfig
     from hisparse_jax.engine import EngineConfig, MeshEngine, SamplingParams
+    from hisparse_jax.engine.runner import jitted_sharded_step_and_sample
     from hisparse_jax.generate import generate
-    from test_tiered_decode import model_cfg
+    from tiny import model_cfg
 
     out: dict = {"devices": len(jax.devices())}
     t0 = time.perf_counter()
@@ -91,7 +92,7 @@ def _checks() -> dict:
     out["round_robin"] = [rr.rank_of(f"r{i}") for i in range(11)]
     # the compiled mesh step (decode + sample) moves nothing between devices
     graphdef, state = nnx.split(model)
-    step = parallel.sharded_step_and_sample(graphdef, mesh)
+    step = jitted_sharded_step_and_sample(graphdef, mesh)
     B = 2
     batch = parallel.put_batch(mesh, {"tokens": np.ones((N, B), np.int32), "req": np.full((N, B), -1, np.int32),
                                       "pos": np.full((N, B), -1, np.int32), "index_span": np.zeros((N, 4), np.int32)})
@@ -116,7 +117,7 @@ def _checks() -> dict:
         params[name] = {"shape": list(leaf.shape), "shards": sorted({tuple(x.data.shape) for x in leaf.addressable_shards}),
                         "devices": len({x.device.id for x in leaf.addressable_shards})}
     out["ep"]["params"] = params
-    ep_step = parallel.sharded_step_and_sample(nnx.split(ep_model)[0], mesh, "reference", True)
+    ep_step = jitted_sharded_step_and_sample(nnx.split(ep_model)[0], mesh, "reference", True)
     hlo = ep_step.lower(eng.params, eng.store, batch, sampling).compile().as_text()
     out["ep"]["collectives"] = [line.split(" = ", 1)[1].split("(")[0] for line in hlo.splitlines()
                                 if any(f" {c}(" in line or f" {c}-start(" in line for c in COLLECTIVES) and " = " in line]
@@ -259,7 +260,7 @@ def small_model():
     from flax import nnx
 
     import hisparse_jax as hj
-    from test_tiered_decode import model_cfg
+    from tiny import model_cfg
 
     return hj.SparseMLAModel(model_cfg(num_hidden_layers=2, indexer_types=("full", "shared"),
                                        mlp_layer_types=("dense", "sparse")), rngs=nnx.Rngs(0))

@@ -13,7 +13,7 @@ from hisparse_jax.engine import Engine, EngineConfig, SamplingParams
 from hisparse_jax.generate import generate
 from pallas_kernels.sparse_mla_decode.reference import (merge_partial_attention, sparse_mla_decode_rows,
                                                          sparse_mla_decode_rows_lse)
-from test_tiered_decode import BIG, model_cfg
+from tiny import BIG, model_cfg
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

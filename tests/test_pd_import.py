@@ -13,7 +13,7 @@ from hisparse_jax.engine import Engine, EngineConfig, SamplingParams
 from hisparse_jax.engine.pd import IMPORT_CHUNK, export_prefill, load_export
 from hisparse_jax.generate import generate
 from hisparse_jax.integrity import CheckpointError
-from test_tiered_decode import BIG, model_cfg
+from tiny import BIG, model_cfg
 
 NEW = 10
 SHORT = [(3 * j + 1) % 97 for j in range(90)]

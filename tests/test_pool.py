@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hisparse_jax.kv.pool import (INVALID, PAGE_SIZE, OutOfPages, PagePool, PoolError, RequestPages, Tier,
+from hisparse_jax.config import PAGE_SIZE
+from hisparse_jax.kv.pool import (INVALID, OutOfPages, PagePool, PoolError, RequestPages, Tier,
                                   owners_of, page_hash)
 
 

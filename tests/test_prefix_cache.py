@@ -346,7 +346,7 @@ def engine_model():
     from flax import nnx
 
     import hisparse_jax as hj
-    from test_tiered_decode import model_cfg
+    from tiny import model_cfg
 
     return hj.SparseMLAModel(model_cfg(), rngs=nnx.Rngs(0))
 

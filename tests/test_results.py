@@ -15,7 +15,7 @@ from hisparse_jax.engine import Engine, EngineConfig, SamplingParams
 from hisparse_jax.engine.scheduler import WAIT_REASONS
 from hisparse_jax.generate import generate
 from hisparse_jax.results import EngineMetrics, GenerateStats, StepMetrics
-from test_tiered_decode import BIG, model_cfg
+from tiny import BIG, model_cfg
 
 
 @pytest.fixture(scope="module")

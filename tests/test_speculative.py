@@ -14,7 +14,7 @@ from hisparse_jax.engine import Engine, EngineConfig, SamplingParams
 from hisparse_jax.engine.runner import TRACE_COUNTS
 from hisparse_jax.engine.speculative import lookahead
 from hisparse_jax.kv.state import StoreSpec
-from test_tiered_decode import model_cfg
+from tiny import model_cfg
 
 NEW = 20
 
@@ -68,7 +68,7 @@ class PerfectDrafts(Engine):
 
     truth: dict = {}
 
-    def _spec_step(self, decode):
+    def _speculative_step(self, decode):
         for r in decode:
             full = self.truth[r.request_id]
             nxt = full[len(r.output):len(r.output) + self.k]
@@ -76,7 +76,7 @@ class PerfectDrafts(Engine):
             if self.step_count % 3 == 2 and len(d) > 1:
                 d[len(d) // 2] = (d[len(d) // 2] + 1) % self.model.cfg.vocab_size  # a rejected draft mid-way
             r.drafts = d
-        return super()._spec_step(decode)
+        return super()._speculative_step(decode)
 
 
 @pytest.mark.slow

@@ -9,24 +9,13 @@ import pytest
 from flax import nnx
 
 import hisparse_jax as hj
-from hisparse_jax.config import CacheConfig, RopeConfig
+from hisparse_jax.config import CacheConfig
 from hisparse_jax.generate import generate
 from hisparse_jax.engine import runner
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.persist import load_cache, save_cache
-
-
-def model_cfg(**over):
-    kw = dict(model_type="glm_moe_dsa", vocab_size=97, hidden_size=48, intermediate_size=64,
-              moe_intermediate_size=24, num_hidden_layers=4, num_attention_heads=3, q_lora_rank=40,
-              kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=12, n_routed_experts=6,
-              n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
-              mlp_layer_types=("dense", "sparse", "dense", "sparse"), max_position_embeddings=4096,
-              rope=RopeConfig(theta=10000.0), index_n_heads=16, index_head_dim=32, index_topk=16,
-              indexer_rope_interleaved=True, indexer_types=("full", "shared", "full", "shared"), dtype="float32")
-    kw.update(over)
-    return hj.ModelConfig(**kw)
+from tiny import BIG, model_cfg
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +27,6 @@ def model():
 def prompts():
     rng = np.random.default_rng(0)
     return [rng.integers(0, 97, n).tolist() for n in (300, 200, 150)]
-
-
-BIG = CacheConfig(kv_dtype="float32", device_pages=64, host_pages=64, max_seqs=4, max_seq_len=512)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +73,7 @@ def test_tiered_equals_all_resident_in_compressed_formats(kv_dtype):
 
 def _start(model, prompts, cc):
     """A TieredCache and its store with `prompts` prefilled; returns (cache, store, slots, first tokens)."""
-    from hisparse_jax.generate import prefill_rows
+    from hisparse_jax.engine.runner import prefill_rows
 
     tc = TieredCache(model.cfg, cc)
     store = kv_device.new_store(tc)

@@ -21,7 +21,7 @@ from hisparse_jax.kv import ops
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.state import StoreSpec
 from hisparse_jax.kv.tiered import TieredKV, empty_stats, stats_bytes
-from test_tiered_decode import model_cfg
+from tiny import model_cfg
 
 PAGE = 64
 
@@ -122,7 +122,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def prefilled(model):
-    from hisparse_jax.generate import prefill_rows
+    from hisparse_jax.engine.runner import prefill_rows
 
     rng = np.random.default_rng(11)
     return [(n, prefill_rows(model, rng.integers(0, CFG.vocab_size, n).tolist())[1:]) for n in LENGTHS]

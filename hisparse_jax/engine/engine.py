@@ -149,7 +149,7 @@ class StepWork:
     sampling: dict | None = None
     n_emit: int = 0
     out: object = None
-    speculative: bool = False  # this step's decode rows go through `_spec_step` (one device only)
+    speculative: bool = False  # this step's decode rows go through `_speculative_step` (one device only)
 
 
 class Engine:
@@ -225,7 +225,7 @@ class Engine:
         """Refuse (BudgetError) a request that could not run even alone: `check_fits` under this policy (all pages
         resident unless HiSparse may release them; indexer pages; host pages when pages are mirrored), and a
         prompt written through the store ("chunked" prefill) must be resident while it is written."""
-        c, spec = self.cache, self.cache.spec
+        c, spec = self.cache, self.cache.budget
         try:
             c.check_fits(kv_len)
         except BudgetError as e:
@@ -341,7 +341,7 @@ class Engine:
         new_tokens, prefill_tokens = w.new_tokens, w.prefill_tokens
         stats, B, index_pages, drafted, accepted, decode_tokens = {}, 0, 0, 0, 0, 0
         if w.speculative:
-            B, index_pages, stats, decode_tokens, drafted, accepted = self._spec_step(plan.decode)
+            B, index_pages, stats, decode_tokens, drafted, accepted = self._speculative_step(plan.decode)
             new_tokens += decode_tokens
         elif w.batch is not None:
             B, index_pages = len(w.batch["tokens"]), len(w.batch["index_span"])
@@ -386,7 +386,7 @@ class Engine:
 
     def _device_call(self, fn, *args):
         """The step's one batched call `fn(spec, store, *args, read_page_stamps=...)` (`Runner.step` or
-        `Runner.spec_step`) on the store with this step's table decisions applied; its output's store becomes
+        `Runner.speculative_step`) on the store with this step's table decisions applied; its output's store becomes
         the engine's. If it raises, nothing is committed (a consumed, donated store is remembered)."""
         store = self.store
         try:
@@ -400,7 +400,7 @@ class Engine:
             self.cache.observe_page_stamps(out.page_stamps)
         return out
 
-    def _spec_step(self, decode: list[Request]) -> tuple[int, int, dict, int, int, int]:
+    def _speculative_step(self, decode: list[Request]) -> tuple[int, int, dict, int, int, int]:
         """One speculative step for the `decode` requests (`engine.speculative`), committed: each request's length
         becomes n + accepted + 1 and it emits its accepted drafts and the token after them. Returns (batch rows,
         indexer pages scored, stats, new tokens, drafts verified, drafts accepted)."""
@@ -414,7 +414,7 @@ class Engine:
                     "top_p": np.ones(G, np.float32)}
         for g, (seed, _, t, p) in enumerate(rows):
             sampling["seed"][g], sampling["temperature"][g], sampling["top_p"][g] = seed, t, p
-        out = self._device_call(self.runner.spec_step, batch, sampling, k, self.config.speculative_acceptance)
+        out = self._device_call(self.runner.speculative_step, batch, sampling, k, self.config.speculative_acceptance)
         new = drafted = accepted = 0
         for g, r in enumerate(decode):
             a = int(out.accepted[g])
@@ -629,7 +629,7 @@ def device_budget(model_cfg, cache: CacheConfig, device_bytes: int, policy: str,
     as many requests
     as that leaves room for (at most `max_running`), the KV pool gets the rest.
     """
-    spec = StoreSpec.create(model_cfg, cache.replace(device_pages=1, index_pages=1))
+    spec = StoreSpec.create(model_cfg, cache.replace(device_pages=1, index_pages=1, capacity=None))
     kv_page = spec.page_bytes * spec.num_layers
     idx_page = 64 * spec.num_index_layers * (spec.index_dim + 4 if spec.fp8 else 2 * spec.index_dim
                                              if spec.kv_dtype == "bf16" else 4 * spec.index_dim)

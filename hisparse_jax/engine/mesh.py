@@ -33,7 +33,7 @@ from hisparse_jax import parallel
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine.engine import Engine, EngineConfig, UnknownRequest, run_prompts, sum_counts, summarize
 from hisparse_jax.engine.request import Request, SamplingParams
-from hisparse_jax.engine.runner import TRACE_COUNTS, StepOutput
+from hisparse_jax.engine.runner import TRACE_COUNTS, StepOutput, jitted_sharded_step_and_sample
 from hisparse_jax.kv import device as kv_device, tiered
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.results import EngineMetrics, StepMetrics
@@ -99,7 +99,7 @@ class MeshEngine:
         if config.expert_parallel:
             parallel.check_expert_parallel(model.cfg, mesh)
         self.params = parallel.place_params(runner.state, mesh, expert_parallel=config.expert_parallel)
-        self._step = parallel.sharded_step_and_sample(runner.graphdef, mesh, runner.kernels, config.expert_parallel)
+        self._step = jitted_sharded_step_and_sample(runner.graphdef, mesh, runner.kernels, config.expert_parallel)
         self._rank: dict[str, int] = {}
         self.history: list[StepMetrics] = []
         self._store_lost = False

@@ -81,9 +81,9 @@ def check_export(export: PrefillExport, cfg: ModelConfig) -> None:
 
 
 def export_prefill(model, tokens, path: str | os.PathLike | None = None) -> PrefillExport:
-    """Run the prompt's causal forward (`generate.prefill_rows`) and return its `PrefillExport`; with `path`,
+    """Run the prompt's causal forward (`runner.prefill_rows`) and return its `PrefillExport`; with `path`,
     also write it there (`save_export`)."""
-    from hisparse_jax.generate import prefill_rows
+    from hisparse_jax.engine.runner import prefill_rows
 
     tokens = check_prompt("prompt", tokens, model.cfg.vocab_size)
     last, latent, rope, index_k = prefill_rows(model, tokens)

@@ -1,20 +1,26 @@
-"""The device side of serving: a model's decode steps through a tiered store, and the `Runner`.
+"""The device side: the one module that builds jitted programs. `generate`, `Engine`, `MeshEngine`, speculation, the
+experiments and the benchmarks are its clients and build none of their own.
 
-`decode_step(model, store, batch)` / `decode_loop(model, store, batch, n)` (and `step_impl`, un-jitted) run the
-model with the store as its `KVBackend` (`kv.tiered.TieredKV`). `Runner` is what the engine and `generate` use:
-the model split once, the kernels choice, and one jitted call per step that decodes a batch through the store
-*and* samples its tokens, read back in one device→host transfer (the tokens and the step's counters together).
+* the tiered decode step: `step_impl` (un-jitted: the model through the store as its `KVBackend`, then the step's
+  last writes to the store: host mirror, lengths, clock), `decode_step` / `decode_loop` (jitted, store donated);
+* `Runner`: a model split once, the kernels choice, and one jitted call per step that decodes a batch through the
+  store *and* samples its tokens, read back in one device->host transfer (the tokens and the step's counters);
+* the causal forward (`jitted_prefill`, `prefill_rows`), the contiguous cache's step (`jitted_dense_decode`) and
+  its sampler (`jitted_batch_sampler`), used by `generate` without a store;
+* speculative decoding's step and MTP prefill (`jitted_speculative_step`, `mtp_prefill_rows`; the math in
+  `engine.speculative`), and the per-rank step over a mesh (`jitted_sharded_step[_and_sample]`; placement in
+  `hisparse_jax.parallel`).
 
     runner = Runner(model, kernels="reference")
     last, latent, rope, index_k = runner.prefill_rows(tokens)       # one causal forward (bucketed length)
-    out = runner.step(store, batch, sampling)                         # StepOutput: tokens, store, stats
+    out = runner.step(spec, store, batch, sampling, n_emit)           # StepOutput: tokens, store, stats
 
 `batch` is the store's step batch ({"tokens", "req", "pos"}: int32[B], B a bucket); `sampling` says which rows
 emit a token and how: {"rows", "seed", "pos", "temperature", "top_p"}, each of length B (pad with row 0 and
 any parameters; only the first `n_emit` tokens are returned). The store is donated.
 
-Sampling depends only on (seed, position) — `sample_rows` — so a request's tokens do not depend on batching or
-scheduling. The whole-prompt prefill path samples its first token with the same function.
+Sampling depends only on (seed, position) — `sampling.sample_rows` — so a request's tokens do not depend on batching
+or scheduling. Every trace of a program increments `TRACE_COUNTS` (the tests' proof of no recompilation).
 """
 
 from __future__ import annotations
@@ -22,20 +28,88 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from hisparse_jax.generate import prefill_rows_split
+from hisparse_jax import parallel
+from hisparse_jax.engine import speculative
+from hisparse_jax.engine.sampling import sample_rows, sample_tokens
+from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv import ops, tiered
 from hisparse_jax.kv.state import KVStore, StoreSpec
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.model.decoder import decode_step as model_decode_step
+from hisparse_jax.model.mtp import mtp_forward
 
 COUNTS: collections.Counter = collections.Counter()  # "split": model splits; "step"/"sampler": traces
-TRACE_COUNTS: dict[str, int] = {"decode_step": 0, "decode_loop": 0}  # traces of the store-level steps
+# traces of each program: "prefill", "decode" (the contiguous step), "decode_step" (a store step: plain, sampled,
+# speculative or sharded), "decode_loop"
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+
+def bucket_pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+# ----- the causal forward, and the contiguous cache's step ------------------------------------------------
+@functools.lru_cache(maxsize=32)
+def jitted_prefill(graphdef):
+    @jax.jit
+    def prefill(state, ids):
+        TRACE_COUNTS["prefill"] += 1
+        model = nnx.merge(graphdef, state)
+        return model.forward(ids)
+
+    return prefill
+
+
+def prefill_rows(model: SparseMLAModel, tokens: Sequence[int]):
+    """One causal forward over `tokens` (length bucketed to a power of two, so prompts share compiles).
+
+    Returns (last logits f32[V], latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]) with T the bucket length
+    (the first len(tokens) rows are real; `kv.device.write_prefill(store, cache, slot, ..., len(tokens))` stores
+    those, and keeping T bucketed keeps its compiles bounded too) and the logits the first new token is drawn from."""
+    return prefill_rows_split(*nnx.split(model), tokens)
+
+
+def prefill_rows_split(graphdef, state, tokens: Sequence[int], *, with_hidden: bool = False):
+    """`prefill_rows` for a model already split (`nnx.split`), so a caller that keeps it split splits it once.
+    with_hidden: also return the final hidden states [T, D] (after the final norm: what an MTP layer reads)."""
+    n = len(tokens)
+    ids = np.zeros((1, bucket_pow2(n, 16)), np.int32)
+    ids[0, :n] = tokens
+    logits, aux = jitted_prefill(graphdef)(state, jnp.asarray(ids))
+    rows = (jnp.stack(aux[k])[:, 0] for k in ("latent", "rope", "index_k"))
+    out = (logits[0, n - 1].astype(jnp.float32), *rows)
+    return out + (aux["hidden"][0],) if with_hidden else out
+
+
+@functools.lru_cache(maxsize=32)
+def jitted_dense_decode(graphdef, backend, temperature: float, top_p: float):
+    """The contiguous decode step: step(state, tokens, positions, cache, key) -> (tokens, logits, cache). The cache is
+    donated and updated in place (`DenseKV` writes one row per layer and sequence)."""
+
+    @functools.partial(jax.jit, donate_argnums=(3,))
+    def step(state, tokens, positions, cache, key):
+        TRACE_COUNTS["decode"] += 1
+        model = nnx.merge(graphdef, state)
+        logits, cache, _ = model_decode_step(model, tokens, positions, cache, backend)
+        return sample_tokens(logits, key, temperature, top_p), logits, cache
+
+    return step
+
+
+@functools.lru_cache(maxsize=32)
+def jitted_batch_sampler(temperature: float, top_p: float):
+    """`sampling.sample_tokens` jitted: (logits [B, V], key) -> int32[B]."""
+    return jax.jit(lambda logits, key: sample_tokens(logits, key, temperature, top_p))
+
 
 
 # ----- a model's decode steps through a tiered store --------------------------------------------------------
@@ -145,33 +219,6 @@ def _commit(store: KVStore, batch: dict) -> dict:
 # ----- the runner: the model split once, decode + sample in one call ---------------------------------------
 
 
-def nucleus_logits(lg, t, p):
-    """The distribution a token is drawn from, as logits: lg [V] / temperature t with everything outside the top-p
-    nucleus at -inf (t > 0; at t == 0 the draw is greedy and this is unused)."""
-    scaled = lg / jnp.maximum(t, 1e-6)
-    sorted_l = jnp.sort(scaled)[::-1]
-    cum = jnp.cumsum(jax.nn.softmax(sorted_l))
-    cutoff = sorted_l[jnp.sum(cum < p)]
-    return jnp.where(scaled < cutoff, -jnp.inf, scaled)
-
-
-def token_key(seed, pos):
-    """The PRNG key of the token at position `pos` of the request with `seed`."""
-    return jax.random.fold_in(jax.random.key(seed), pos)
-
-
-def sample_rows(logits, seeds, positions, temperatures, top_ps):
-    """One token per row of logits [n, V]: greedy where temperature == 0, else temperature + nucleus (top-p)
-    drawn from the key (seed, position)."""
-
-    def one(lg, seed, pos, t, p):
-        greedy = jnp.argmax(lg).astype(jnp.int32)
-        drawn = jax.random.categorical(token_key(seed, pos), nucleus_logits(lg, t, p)).astype(jnp.int32)
-        return jnp.where(t > 0, drawn, greedy)
-
-    return jax.vmap(one)(logits, seeds, positions, temperatures, top_ps)
-
-
 @functools.lru_cache(maxsize=8)
 def sampler():
     """`sample_rows`, jitted on its own (for logits that do not come from a step: whole-prompt prefills)."""
@@ -223,16 +270,12 @@ class Runner:
         return prefill_rows_split(self.graphdef, self.state, tokens, with_hidden=with_hidden)
 
     def mtp_prefill_rows(self, hidden, next_tokens):
-        """The MTP layer's rows over a prompt and its first draft: `speculative.mtp_prefill_rows`."""
-        from hisparse_jax.engine import speculative
-
-        return speculative.mtp_prefill_rows(self.graphdef, self.state, hidden, next_tokens)
+        """The MTP layer's rows over a prompt and its first draft: `mtp_prefill_rows`."""
+        return mtp_prefill_rows(self.graphdef, self.state, hidden, next_tokens)
 
     def admit_prompts(self, store: KVStore, cache, prompts) -> tuple[KVStore, list[int], list]:
         """Prefill each prompt (one causal forward) and admit it with its rows into `cache` (a `TieredCache`) and
         `store`: (store, slots, the logits each prompt's first new token is drawn from)."""
-        from hisparse_jax.kv import device as kv_device
-
         slots, first = [], []
         for p in prompts:
             last, latent, rope, index_k = self.prefill_rows(p)
@@ -258,29 +301,106 @@ class Runner:
         tokens, stats, stamps = jax.device_get((tokens, stats, stamps))  # the step's one device→host transfer
         return StepOutput(np.asarray(tokens)[:n_emit].tolist(), store, tiered.stats_bytes(spec, stats), stamps)
 
-    def spec_step(self, spec: StoreSpec, store: KVStore, batch: dict, sampling: dict, k: int,
-                  acceptance: str = "match", *, read_page_stamps: bool = False) -> "SpecStepOutput":
-        """One speculative step (`speculative.spec_step_impl`: verify k + 1 rows per request, accept, draft k)
+    def speculative_step(self, spec: StoreSpec, store: KVStore, batch: dict, sampling: dict, k: int,
+                  acceptance: str = "match", *, read_page_stamps: bool = False) -> "SpeculativeStepOutput":
+        """One speculative step (`speculative.speculative_step_impl`: verify k + 1 rows per request, accept, draft k)
         through `store` (donated); one device→host read."""
-        from hisparse_jax.engine import speculative
-
         dev = store.seq_lens.sharding
         batch = {key: jax.device_put(np.asarray(v), dev) for key, v in batch.items()}
         sampling = {key: jax.device_put(np.asarray(v), dev) for key, v in sampling.items()}
-        out = speculative.jitted_spec_step(self.graphdef, self.kernels, int(k), acceptance)(self.state, store, batch,
+        out = jitted_speculative_step(self.graphdef, self.kernels, int(k), acceptance)(self.state, store, batch,
                                                                                         sampling)
         target, accepted, drafts, store, stats = out
         stamps = store.page_stamp if read_page_stamps else None
         target, accepted, drafts, stats, stamps = jax.device_get((target, accepted, drafts, stats, stamps))
-        return SpecStepOutput(np.asarray(target), np.asarray(accepted), np.asarray(drafts), store,
+        return SpeculativeStepOutput(np.asarray(target), np.asarray(accepted), np.asarray(drafts), store,
                               tiered.stats_bytes(spec, stats), stamps)
 
 
 @dataclasses.dataclass
-class SpecStepOutput:
+class SpeculativeStepOutput:
     target: np.ndarray  # int32[G, k + 1]: each verified row's sampled next token
     accepted: np.ndarray  # int32[G]: drafts accepted per request (the request emits target[g, :accepted + 1])
     drafts: np.ndarray  # int32[G, k]: the next step's drafts
     store: KVStore
     stats: dict
     page_stamps: np.ndarray | None = None
+
+
+# ----- speculative decoding's programs (`engine.speculative`) --------------------------------------------------
+@functools.lru_cache(maxsize=32)
+def jitted_speculative_step(graphdef, kernels: str, k: int, acceptance: str = "match"):
+    """`speculative.speculative_step_impl` jitted (store donated): step(state, store, batch, sampling)."""
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(state, store, batch, sampling):
+        COUNTS["step"] += 1
+        TRACE_COUNTS["decode_step"] += 1
+        return speculative.speculative_step_impl(nnx.merge(graphdef, state), store, batch, sampling, kernels, k,
+                                                 acceptance)
+
+    return step
+
+
+@functools.lru_cache(maxsize=32)
+def jitted_mtp_prefill(graphdef):
+    @jax.jit
+    def prefill(state, hidden, next_ids, n):
+        TRACE_COUNTS["prefill"] += 1
+        logits, aux = mtp_forward(nnx.merge(graphdef, state), hidden[None], next_ids[None])
+        draft = jnp.argmax(logits[0, n - 1]).astype(jnp.int32)
+        return aux["latent"][0], aux["rope"][0], aux["index_k"][0], draft
+
+    return prefill
+
+
+def mtp_prefill_rows(graphdef, state, hidden, next_tokens):
+    """The MTP layer over a prompt: hidden [T, D] (the main forward's final hidden, T a bucket), next_tokens
+    (the token after each of the n real positions: the prompt shifted by one plus the first sampled token) ->
+    (latent [1, T, C], rope [1, T, R], index_k [1, T, dI], the first draft token)."""
+    n, T = len(next_tokens), hidden.shape[0]
+    ids = np.zeros((T,), np.int32)
+    ids[:n] = next_tokens
+    lat, rope, idx, draft = jitted_mtp_prefill(graphdef)(state, hidden, jnp.asarray(ids), jnp.int32(n))
+    return lat[None], rope[None], idx[None], int(draft)
+
+
+# ----- data parallelism: one step per rank over a mesh (`hisparse_jax.parallel`) ----------------------------------
+def jitted_sharded_step(graphdef, mesh: Mesh, kernels: str = "reference", expert_parallel: bool = False):
+    """`step_impl` per rank as one jitted shard_map over the mesh's axis:
+    step(state, store, batch) -> (logits f32[N, B, V], store, stats with a leading [N]).
+
+    state: the model's parameters (`nnx.split`), replicated (`P()`), or with expert_parallel the routed experts
+    split over the axis (`parallel.place_params(..., expert_parallel=True)`; each MoE layer then gathers the ranks'
+    tokens and scatters the sums back: `model.moe.expert_parallel`); store: the stacked store (donated);
+    batch: {"tokens", "req"} int32[N, B] and optionally "index_span" int32[N, P], sharded on the axis — rank r
+    decodes rows batch[.][r] against its own slice."""
+    return _jitted_sharded(graphdef, mesh, tiered.check_kernels(kernels), expert_parallel, False)
+
+
+def jitted_sharded_step_and_sample(graphdef, mesh: Mesh, kernels: str = "reference", expert_parallel: bool = False):
+    """`jitted_sharded_step` that also samples each rank's emitting rows, as `Runner.step` does on one device:
+    step(state, store, batch, sampling) -> (tokens int32[N, B], store, stats with a leading [N]); sampling's
+    leaves ("rows", "seed", "pos", "temperature", "top_p") are [N, B], rank r's rows index its own batch."""
+    return _jitted_sharded(graphdef, mesh, tiered.check_kernels(kernels), expert_parallel, True)
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted_sharded(graphdef, mesh: Mesh, kernels: str, expert_parallel: bool, sample: bool):
+    axis = parallel.check_mesh(mesh)
+    ep = axis if expert_parallel else None
+    one = parallel.squeeze_rank
+
+    def body(state, store, batch, *sampling):
+        TRACE_COUNTS["decode_step"] += 1
+        with parallel.moe_context(ep):
+            logits, store, stats = step_impl(nnx.merge(graphdef, state), one(store), one(batch), kernels)
+        if sample:
+            s = one(sampling[0])
+            logits = sample_rows(logits[s["rows"]], s["seed"], s["pos"], s["temperature"], s["top_p"])
+        return logits[None], parallel.expand_rank(store), parallel.expand_rank(stats)
+
+    def step(state, store, batch, *sampling):
+        specs = (parallel.param_specs(state, ep), P(axis), P(axis)) + (P(axis),) * len(sampling)
+        return parallel.shard_map(body, mesh, specs, P(axis))(state, store, batch, *sampling)
+
+    return jax.jit(step, donate_argnums=(1,))

@@ -2,7 +2,7 @@
 
 The DeepSeek-V3.2 / GLM-5 checkpoints carry an MTP layer (`model.mtp[0]`, see `hisparse_jax.model.mtp`): from the
 main model's final hidden state at position i and the token at i + 1 it predicts the token at i + 2. With k
-speculative tokens, one engine step is one jitted call (`spec_step_impl`) that
+speculative tokens, one engine step is one jitted call (`speculative_step_impl`) that
 
 1. **verifies**: runs the main model over k + 1 rows per request — the pending token t_n and the drafts
    d_1..d_k at positions n..n+k — each row with its own indexer top-k, the k + 1 rows of a request resolved
@@ -31,16 +31,16 @@ Shapes: G requests (a bucket) x S = k + 1 rows, flattened group-major: rows g*S 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
+from hisparse_jax.engine.sampling import nucleus_logits, sample_rows, token_key
 from hisparse_jax.kv import ops, tiered
 from hisparse_jax.kv.state import KVStore
 from hisparse_jax.model.decoder import decode_step as model_decode_step
+from hisparse_jax.model.mtp import mtp_decode_step
 
 
 ACCEPTANCE = ("match", "rejection")
@@ -51,8 +51,6 @@ def verify_rows(logits, drafts, draft_ok, seeds, positions, temperatures, top_ps
     j < k verifies drafts[:, j]); draft_ok bool[G, k] (False: no draft, never accepted); seeds / temperatures /
     top_ps [G]; positions int32[G, S] (of the token each row emits: its PRNG key). Returns (tokens int32[G, S]
     — row j's emitted token if it is reached —, accepted int32[G]: the request emits tokens[:, :accepted + 1])."""
-    from hisparse_jax.engine.runner import nucleus_logits, sample_rows, token_key
-
     G, S, V = logits.shape
     k = S - 1
     rep = lambda a: jnp.repeat(a, S)  # noqa: E731  per request -> per row
@@ -89,15 +87,13 @@ def lookahead(k: int) -> int:
     return max(2 * k - 1, 0)
 
 
-def spec_step_impl(model, store: KVStore, batch: dict, sampling: dict, kernels: str, k: int,
+def speculative_step_impl(model, store: KVStore, batch: dict, sampling: dict, kernels: str, k: int,
                    acceptance: str = "match"):
     """One verify + accept + draft step (un-jitted). batch: tokens / req / pos int32[G*S] (row j of group g:
     [t_n, d_1..d_k][j], the request's slot or -1, n + j), draft_ok int32[G*S] (0 where a request has no draft
     for that row: its token is a placeholder, never accepted), index_span int32[P] (shape only). sampling: seed /
     temperature / top_p per group [G]. Returns (target int32[G, S] — each row's sampled next token —, accepted
     int32[G], drafts int32[G, k], store, stats)."""
-    from hisparse_jax.model.mtp import mtp_decode_step
-
     spec = store.spec
     S = k + 1
     index_pages = batch["index_span"].shape[0]
@@ -142,45 +138,6 @@ def spec_step_impl(model, store: KVStore, batch: dict, sampling: dict, kernels: 
     seq_lens = store.seq_lens.at[jnp.where(greq >= 0, greq, spec.max_seqs)].set(base + 1, mode="drop")
     store = dataclasses.replace(store, seq_lens=seq_lens, clock=store.clock + 1)
     return target, accepted, jnp.stack(drafts, axis=1), store, stats
-
-
-@functools.lru_cache(maxsize=32)
-def jitted_spec_step(graphdef, kernels: str, k: int, acceptance: str = "match"):
-    from hisparse_jax.engine.runner import COUNTS, TRACE_COUNTS
-
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def step(state, store, batch, sampling):
-        COUNTS["step"] += 1
-        TRACE_COUNTS["decode_step"] += 1
-        return spec_step_impl(nnx.merge(graphdef, state), store, batch, sampling, kernels, k, acceptance)
-
-    return step
-
-
-@functools.lru_cache(maxsize=32)
-def _mtp_prefill_fn(graphdef):
-    from hisparse_jax.generate import TRACE_COUNTS as PREFILL_TRACES
-    from hisparse_jax.model.mtp import mtp_forward
-
-    @jax.jit
-    def prefill(state, hidden, next_ids, n):
-        PREFILL_TRACES["prefill"] += 1
-        logits, aux = mtp_forward(nnx.merge(graphdef, state), hidden[None], next_ids[None])
-        draft = jnp.argmax(logits[0, n - 1]).astype(jnp.int32)
-        return aux["latent"][0], aux["rope"][0], aux["index_k"][0], draft
-
-    return prefill
-
-
-def mtp_prefill_rows(graphdef, state, hidden, next_tokens):
-    """The MTP layer over a prompt: hidden [T, D] (the main forward's final hidden, T a bucket), next_tokens
-    (the token after each of the n real positions: the prompt shifted by one plus the first sampled token) ->
-    (latent [1, T, C], rope [1, T, R], index_k [1, T, dI], the first draft token)."""
-    n, T = len(next_tokens), hidden.shape[0]
-    ids = np.zeros((T,), np.int32)
-    ids[:n] = next_tokens
-    lat, rope, idx, draft = _mtp_prefill_fn(graphdef)(state, hidden, jnp.asarray(ids), jnp.int32(n))
-    return lat[None], rope[None], idx[None], int(draft)
 
 
 def verify_batch(groups: list[tuple[int, int, int, list[int]]], k: int, min_bucket: int):

@@ -36,8 +36,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from hisparse_jax.config import PAGE_SIZE
+
 INVALID = -1      # "no page" in every page table and page list
-PAGE_SIZE = 64    # tokens per page, in every pool
 
 _SNAPSHOT_FORMAT = "hisparse_jax.kv.PagePool"
 _SNAPSHOT_VERSION = 1
