@@ -457,6 +457,12 @@ class CacheConfig:
       and indexer pages) and a step verifies k + 1 rows per request, resolved as one union of their top-k, so
       the hot buffer must hold (k + 1) * index_topk rows; the default hot_rows becomes (k + 2) * index_topk,
       the published HiSparse sizing (one top-k of slack for the LRU).
+    capacity: the store's shapes, when they are to be larger than these budgets (None: the budgets are the
+      shapes). The device and host pools, the request slots, the pages per request and the hot buffers are
+      allocated at the capacity's sizes, and the budgets above are limits the host bookkeeping enforces inside
+      them, so every budget within one capacity runs the same compiled programs: set one capacity for a process
+      (or a sweep) and vary the budgets per experiment. Each budget must be at most the capacity's, and the
+      formats (kv_dtype, fetch, fetch_chunk, mirror_to_host, miss_attention, speculative_tokens) must match.
     """
 
     kv_dtype: str = "auto"
@@ -471,6 +477,7 @@ class CacheConfig:
     mirror_to_host: bool = True
     miss_attention: str = "single"
     speculative_tokens: int = 0
+    capacity: "CacheConfig | None" = None
 
     def __post_init__(self):
         problems = []
@@ -490,8 +497,36 @@ class CacheConfig:
                 put(name, check_int, lo=1)
         if not isinstance(self.mirror_to_host, bool):
             problems.append(f"mirror_to_host must be a bool, got {self.mirror_to_host!r}")
+        if not problems and self.capacity is not None:
+            problems += self._capacity_problems()
         if problems:
             raise ValueError("invalid CacheConfig: " + "; ".join(problems))
+
+    # the fields a capacity fixes for its budgets (formats), and the budgets it bounds
+    CAPACITY_FORMATS = ("kv_dtype", "fetch", "fetch_chunk", "mirror_to_host", "miss_attention", "speculative_tokens")
+    CAPACITY_BUDGETS = ("device_pages", "host_pages", "index_pages", "max_seqs", "max_seq_len")  # and hot_rows:
+    # its default depends on the model (`hot_rows_for`), so `kv.spec.StoreSpec.create` compares it
+
+    def _capacity_problems(self) -> list[str]:
+        cap = self.capacity
+        if not isinstance(cap, CacheConfig):
+            return [f"capacity must be a CacheConfig, got {type(cap).__name__}"]
+        if cap.capacity is not None:
+            return ["a capacity has no capacity of its own"]
+        out = [f"{k} must be the capacity's ({getattr(cap, k)!r}), got {getattr(self, k)!r}"
+               for k in self.CAPACITY_FORMATS if getattr(self, k) != getattr(cap, k)]
+        for k in self.CAPACITY_BUDGETS:
+            mine, theirs = getattr(self, k), getattr(cap, k)
+            if k == "index_pages":
+                mine, theirs = self.num_index_pages, cap.num_index_pages
+            if mine > theirs:
+                out.append(f"{k} ({mine}) exceeds the capacity's ({theirs})")
+        return out
+
+    @property
+    def shape(self) -> "CacheConfig":
+        """The configuration the store's arrays are shaped by: the capacity, or these budgets without one."""
+        return self.capacity if self.capacity is not None else self
 
     @property
     def max_pages_per_seq(self) -> int:

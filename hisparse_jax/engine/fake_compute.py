@@ -102,9 +102,9 @@ class FakeEngine:
         params = SamplingParams(max_new_tokens=max_new_tokens, seed=seed, eos_token_id=eos_token_id)
         total = len(prompt) + max_new_tokens
         c.check_fits(total - 1)  # the last new token is never written
-        if self.prefill == "chunked" and pages(len(prompt)) > c.spec.device_pages:
+        if self.prefill == "chunked" and pages(len(prompt)) > c.budget.device_pages:
             raise BudgetError(f"request {request_id!r}: its prompt ({pages(len(prompt))} pages) is written through "
-                              f"the store and must be resident; device_pages is {c.spec.device_pages}")
+                              f"the store and must be resident; device_pages is {c.budget.device_pages}")
         r = Request(request_id, list(prompt), params, arrival=self.step_count)
         self.requests[request_id] = r
         self.scheduler.waiting.append(r)

@@ -196,7 +196,7 @@ class Scheduler:
                 tail = sum(1 for i, x in enumerate(hits) if i >= pages(n_kv) - TAIL_PAGES
                            and x.device != INVALID and rc[x.device] > 0)
                 need = self._least(pages(n_kv), n_max, shared, tail, pages(n_kv))
-                fits = floor + need - sum(1 for x in hits if x.device in held) <= c.spec.device_pages
+                fits = floor + need - sum(1 for x in hits if x.device in held) <= c.budget.device_pages
             else:  # a hit page in use costs nothing; a cached one is revived out of the free pages
                 new = prompt_pages - sum(1 for x in hits if x.device != INVALID and rc[x.device] > 0)
                 fits = c.pool.num_free(Tier.DEVICE) >= new
@@ -208,7 +208,7 @@ class Scheduler:
                 return None, short
         # whole: under HiSparse it adds its tail pages and a hot buffer (or all its pages when it never needs to
         # release one) to the floor
-        fits = (self._device_floor()[0] + c.min_device_pages(n_max) <= c.spec.device_pages if hisparse
+        fits = (self._device_floor()[0] + c.min_device_pages(n_max) <= c.budget.device_pages if hisparse
                 else c.pool.num_free(Tier.DEVICE) >= prompt_pages)
         return ("whole", "") if fits else (None, "device_budget")
 
@@ -309,7 +309,7 @@ class Scheduler:
                 return True
             victim = self._newest_running(exclude_prefilling=True)
             if victim is None:
-                raise OutOfPages(Tier.DEVICE, 1, c.pool.num_free(Tier.DEVICE), c.spec.device_pages)
+                raise OutOfPages(Tier.DEVICE, 1, c.pool.num_free(Tier.DEVICE), c.budget.device_pages)
             if self.policy == "preempt":
                 self._preempt(victim, plan)
             else:

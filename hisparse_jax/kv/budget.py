@@ -20,7 +20,7 @@ class BudgetError(ValueError):
 def min_device_pages(cache: "TieredCache", num_pages: int) -> int:
     """Device pages a request of `num_pages` logical pages needs at the least: all of them, or (when pages
     can be released to the host) its last `TAIL_PAGES` plus its hot buffer, whichever is fewer."""
-    if not cache.spec.mirror_to_host or not cache.partial_eviction:
+    if not cache.budget.mirror_to_host or not cache.partial_eviction:
         return num_pages
     return min(num_pages, TAIL_PAGES + cache.hot_pages_per_request)
 
@@ -36,7 +36,7 @@ def check_batch_fits(cache: "TieredCache", num_tokens: list[int]) -> None:
     much it falls short) unless requests of these lengths can all be held at once, each at its full length.
     Exact: every smaller budget of that tier fails, and a batch that passes decodes to the end (pages are
     only ever added, and the cheapest way to hold a request never grows by more than the page it adds)."""
-    spec = cache.spec
+    spec = cache.budget
     n = [-(-t // PAGE_SIZE) for t in num_tokens]
     if len(n) > spec.max_seqs:
         raise BudgetError(f"max_seqs is too small: {len(n)} requests need {len(n)} request slots; max_seqs is "

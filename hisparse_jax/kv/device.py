@@ -31,8 +31,8 @@ def new_store(cache: TieredCache, device=None) -> KVStore:
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _set_tables(store, req, block_row, host_row, index_row, seq_len, hot_row):
-    return ops.set_tables(store, req, block_row, host_row, index_row, seq_len, hot_row)
+def _set_tables(store, req, block_row, host_row, index_row, seq_len, hot_row, hot_rows):
+    return ops.set_tables(store, req, block_row, host_row, index_row, seq_len, hot_row, hot_rows)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -65,7 +65,7 @@ def update_call(u) -> tuple[str, list]:
     if isinstance(u, SetTables):
         rows = [np.int32(u.slot), np.asarray(u.block_row), np.asarray(u.host_row), np.asarray(u.index_row),
                 np.int32(u.seq_len)]
-        return ("rows", rows) if u.hot_row is None else ("tables", rows + [np.asarray(u.hot_row)])
+        return ("rows", rows) if u.hot_row is None else ("tables", rows + [np.asarray(u.hot_row), np.int32(u.hot_rows)])
     if isinstance(u, ClearStamps):
         return "stamps", [np.int32(u.slot)]
     if isinstance(u, ReleasePages):

@@ -32,14 +32,20 @@ from hisparse_jax.kv.updates import ClearStamps, ReleasePages, SetTables, Update
 
 
 class TieredCache:
-    """The page bookkeeping of one tiered store (`.spec`): its `PagePool` (`.pool`), each request slot's pages
-    (`.requests`) and length (`.lengths`), and the device-table `updates` not yet applied."""
+    """The page bookkeeping of one tiered store: its `PagePool` (`.pool`), each request slot's pages (`.requests`)
+    and length (`.lengths`), and the device-table `updates` not yet applied.
+
+    `.spec` is the store's geometry (its arrays' shapes: the `CacheConfig`'s capacity when it has one) and `.budget`
+    the limits this bookkeeping enforces inside it (the `CacheConfig`'s own numbers): the pools hand out
+    `budget.device_pages` / `host_pages` / `index_pages` pages, `budget.max_seqs` slots take requests of up to
+    `budget.max_pages` pages, and a hot buffer has `budget.hot_rows` slots. Without a capacity the two are equal."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, *,
                  victim_order: Callable[["TieredCache", int], list[int]] = oldest_first):
         self.model_cfg, self.cache_cfg = model, cache
         self.spec = StoreSpec.create(model, cache)
-        self.pool = PagePool(self.spec.device_pages, self.spec.index_pages, self.spec.host_pages)
+        self.budget = StoreSpec.create(model, cache.replace(capacity=None))
+        self.pool = PagePool(self.budget.device_pages, self.budget.index_pages, self.budget.host_pages)
         self.requests: dict[int, RequestPages] = {}
         self.lengths: dict[int, int] = {}
         self.victim_order = victim_order
@@ -88,7 +94,7 @@ class TieredCache:
     # ----- sizes ---------------------------------------------------------------------------------
     @property
     def hot_pages_per_request(self) -> int:
-        return self.spec.hot_pages
+        return self.budget.hot_pages
 
     @property
     def all_layers_page_bytes(self) -> int:
@@ -100,7 +106,7 @@ class TieredCache:
         return budget.min_device_pages(self, num_pages)
 
     def free_slots(self) -> list[int]:
-        return [s for s in range(self.spec.max_seqs) if s not in self.requests]
+        return [s for s in range(self.budget.max_seqs) if s not in self.requests]
 
     def growing(self, slot: int) -> int:
         """Pages a growth of `slot` in progress is about to add (0 outside `reserve` / `admit`)."""
@@ -127,7 +133,7 @@ class TieredCache:
         self.check_fits(max(num_tokens, len(tokens) if tokens is not None else 0))
         slots = self.free_slots()
         if not slots:
-            raise PoolError(f"all {self.spec.max_seqs} request slots are in use")
+            raise PoolError(f"all {self.budget.max_seqs} request slots are in use")
         slot = slots[0]
         self.requests[slot] = RequestPages()
         self.lengths[slot] = 0
@@ -234,7 +240,7 @@ class TieredCache:
         self.cached_tokens.pop(slot, None)
         mp = self.spec.max_pages
         self.updates.append(SetTables(slot, table_row([], mp), table_row([], mp), table_row([], mp), 0,
-                                      table_row([], self.spec.hot_pages)))
+                                      table_row([], self.spec.hot_pages), 0))
         self.updates.append(ClearStamps(slot))
         self.page_stamps[slot] = -1
 
@@ -264,7 +270,7 @@ class TieredCache:
         else:  # the oldest new pages start on the host; the request needs its hot buffer
             k = min(new, free - (0 if r.hot else self.hot_pages_per_request))
             if k < must or not mirror:
-                raise OutOfPages(Tier.DEVICE, new, free, self.spec.device_pages)
+                raise OutOfPages(Tier.DEVICE, new, free, self.budget.device_pages)
         index = self.pool.allocate(Tier.INDEX, new)
         host = self.pool.allocate(Tier.HOST, new) if mirror else [INVALID] * new
         if k < new:
@@ -290,7 +296,7 @@ class TieredCache:
                     break
                 eviction.evict_until(self, need(goal), exclude=slot if goal == new and goal != must else None)
         if self.pool.num_free(Tier.DEVICE) < min(need(new), need(must)):
-            raise OutOfPages(Tier.DEVICE, need(must), self.pool.num_free(Tier.DEVICE), self.spec.device_pages)
+            raise OutOfPages(Tier.DEVICE, need(must), self.pool.num_free(Tier.DEVICE), self.budget.device_pages)
 
     def evictable_pages(self, slot: int) -> list[int]:
         """See `kv.eviction.evictable_pages`."""
@@ -335,7 +341,7 @@ class TieredCache:
             freed = sum(self.pool.refcount(Tier.DEVICE, r.device[i]) == 1 for i in logical_pages)
             free = self.pool.num_free(Tier.DEVICE)
             if free + freed < self.hot_pages_per_request:  # the hot buffer would not fit: change nothing
-                raise OutOfPages(Tier.DEVICE, self.hot_pages_per_request - freed, free, self.spec.device_pages)
+                raise OutOfPages(Tier.DEVICE, self.hot_pages_per_request - freed, free, self.budget.device_pages)
         # every released page has a current host copy (checked above): the device copy is dropped, nothing copied
         self.updates.append(ReleasePages(pad_pow2([slot] * len(logical_pages)), pad_pow2(list(logical_pages))))
         for i in logical_pages:
@@ -374,10 +380,20 @@ class TieredCache:
         mp = self.spec.max_pages
         hot = None
         if self._synced_hot.get(slot) != tuple(r.hot):  # new hot pages: their slots' tags are cleared too
-            hot = table_row(r.hot, self.spec.hot_pages)
+            hot = self._hot_row(r.hot)
             self._synced_hot[slot] = tuple(r.hot)
         self.updates.append(SetTables(slot, table_row(r.device, mp), table_row(r.host, mp), table_row(r.index, mp),
-                                      self.lengths.get(slot, 0), hot))
+                                      self.lengths.get(slot, 0), hot, self.budget.hot_rows))
+
+    def _hot_row(self, hot: list[int]) -> np.ndarray:
+        """The device's hot-page row (the capacity's width) for lent pages `hot` (the budget's, or none): past them
+        the first lent page again. The slots there are past the hot-row budget: `ops.set_tables` stamps them so
+        that no miss ever claims one and no position is ever found there, so that page is never written or read
+        through them; the resolver sees every page of the capacity's slots lent."""
+        row = table_row(hot, self.spec.hot_pages)
+        if hot:
+            row[len(hot):] = hot[0]
+        return row
 
     # ----- checks --------------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -38,7 +38,7 @@ from hisparse_jax.config import PAGE_SIZE
 from hisparse_jax.kv.state import FP8_BLOCK, KVStore, StoreSpec, from_host_bits, to_host_bits
 from pallas_kernels.common import fp8_quantize
 from pallas_kernels.indexer_topk.reference import index_scores, index_scores_fp8, quantize_index_keys, select_topk
-from pallas_kernels.sparse_gather.reference import resolve_positions
+from pallas_kernels.sparse_gather.reference import UNUSED_STAMP, resolve_positions
 
 # ----- formats ----------------------------------------------------------------------------------
 def encode_latent(spec: StoreSpec, c):
@@ -454,14 +454,21 @@ def load_pages(spec: StoreSpec, store: KVStore, hpages, dpages):
     return _with_device_pools(store, pools), rows
 
 
-def set_tables(store: KVStore, req: int, block_row, host_row, index_row, seq_len: int, hot_row):
-    """Replace one request slot's tables (host-decided: admission, growth, release). Rows are int32[MP] / [NH]."""
+def set_tables(store: KVStore, req: int, block_row, host_row, index_row, seq_len: int, hot_row, hot_rows):
+    """Replace one request slot's tables (host-decided: admission, growth, release). Rows are int32[MP] / [NH].
+
+    The hot buffer's tags are cleared; its first `hot_rows` slots (the budget, a traced number: budgets inside one
+    capacity share this program) become never-used (stamp -1, the least recent), the others `UNUSED_STAMP`, newer
+    than any step's stamp: with hot_rows >= K a step always finds its victims among the first, so the others are
+    never claimed (and, holding no position, never hit)."""
+    HR = store.hot_stamp.shape[-1]
+    stamps = jnp.where(jnp.arange(HR, dtype=jnp.int32) < hot_rows, -1, UNUSED_STAMP).astype(jnp.int32)
     return _replace(
         store,
         block_table=store.block_table.at[req].set(block_row), host_table=store.host_table.at[req].set(host_row),
         index_table=store.index_table.at[req].set(index_row), seq_lens=store.seq_lens.at[req].set(seq_len),
         hot_pages=store.hot_pages.at[req].set(hot_row),
-        hot_token=store.hot_token.at[req].set(-1), hot_stamp=store.hot_stamp.at[req].set(-1))
+        hot_token=store.hot_token.at[req].set(-1), hot_stamp=store.hot_stamp.at[req].set(stamps))
 
 
 def write_prefill(spec: StoreSpec, store: KVStore, req, latent, rope, index_k, length, start=0, offset=0):

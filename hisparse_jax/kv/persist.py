@@ -99,7 +99,7 @@ def load_cache(path: str | os.PathLike, device=None) -> tuple[TieredCache, KVSto
         raise CheckpointError(f"{fn}: checksum mismatch — the cache description (configs, page tables, lengths) was "
                               "edited or damaged")
     try:
-        model_cfg, cache_cfg = _model_from_dict(meta["model"]), CacheConfig(**meta["cache"])
+        model_cfg, cache_cfg = _model_from_dict(meta["model"]), _cache_from_dict(meta["cache"])
         spec = StoreSpec.create(model_cfg, cache_cfg)
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{fn}: the saved configs are invalid ({type(e).__name__}: {e})") from None
@@ -127,3 +127,11 @@ def load_cache(path: str | os.PathLike, device=None) -> tuple[TieredCache, KVSto
     except PoolError as e:
         raise CheckpointError(f"{fn}: the saved bookkeeping is inconsistent ({e})") from None
     return cache, store
+
+
+def _cache_from_dict(d: dict) -> CacheConfig:
+    """A `CacheConfig` from its `dataclasses.asdict` (the capacity, when there is one, nested the same way)."""
+    d = dict(d)
+    if d.get("capacity") is not None:
+        d["capacity"] = CacheConfig(**d["capacity"])
+    return CacheConfig(**d)

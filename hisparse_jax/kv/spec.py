@@ -40,6 +40,13 @@ class StoreSpec:
 
     @classmethod
     def create(cls, model: ModelConfig, cache: CacheConfig) -> "StoreSpec":
+        """The geometry of `cache`'s store for `model`: its capacity's when it has one (`CacheConfig.capacity`),
+        else its own budgets'. `TieredCache.budget` is `create` of the budgets alone."""
+        if cache.capacity is not None:
+            hr, cap = cache.hot_rows_for(model), cache.capacity.hot_rows_for(model)
+            if hr > cap:
+                raise ValueError(f"invalid CacheConfig: hot_rows ({hr}) exceeds the capacity's ({cap})")
+            return cls.create(model, cache.capacity)
         kv_dtype = cache.kv_dtype_for(model)
         if kv_dtype == "fp8" and (model.kv_lora_rank % FP8_BLOCK or model.index_head_dim != FP8_BLOCK):
             raise ValueError(f"the fp8 layout needs kv_lora_rank a multiple of {FP8_BLOCK} and index_head_dim == "

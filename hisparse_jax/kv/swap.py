@@ -46,7 +46,7 @@ def swap_in(cache: "TieredCache", slot: int) -> int:
     rc = cache.pool.refcounts(Tier.DEVICE)
     need = len(missing) + sum(1 for d in shared.values() if rc[d] == 0)
     if not cache.pool.can_allocate(Tier.DEVICE, need):
-        raise OutOfPages(Tier.DEVICE, need, cache.pool.num_free(Tier.DEVICE), cache.spec.device_pages)
+        raise OutOfPages(Tier.DEVICE, need, cache.pool.num_free(Tier.DEVICE), cache.budget.device_pages)
     cache.swapped.discard(slot)
     for i, d in shared.items():
         cache.pool.incref(Tier.DEVICE, d)

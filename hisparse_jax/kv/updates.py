@@ -18,7 +18,8 @@ import numpy as np
 
 class SetTables(NamedTuple):
     """Replace one request slot's page tables and length. `hot_row` is None when the hot buffer did not change
-    (its slots' tags are kept); otherwise the hot pages are replaced and their tags cleared."""
+    (its slots' tags are kept); otherwise the hot pages are replaced and their tags cleared, and only the first
+    `hot_rows` slots (the hot-row budget) may ever be claimed."""
 
     slot: int
     block_row: np.ndarray
@@ -26,6 +27,7 @@ class SetTables(NamedTuple):
     index_row: np.ndarray
     seq_len: int
     hot_row: np.ndarray | None
+    hot_rows: int = 0
 
 
 class ClearStamps(NamedTuple):

@@ -69,6 +69,9 @@ def has_hot_buffer(req, hot_pages, hot_rows: int):
 
 
 STAMP_MARK = 2**31 - 1  # reserved stamp value (the kernel's in-place mark of a hit slot)
+# the stamp of a slot past the hot-row budget (a store whose capacity has more slots than its budget lends): newer
+# than every step's stamp, so never a victim while hot_rows >= K slots are usable; below STAMP_MARK
+UNUSED_STAMP = STAMP_MARK - 1
 
 
 def lru_key(stamps):
