@@ -212,7 +212,7 @@ def _reference_tokens(model, case: GenerateCase):
 def run_generate_case(case: GenerateCase, model=None) -> dict:
     """Run one case and check it against the oracle; raises AssertionError on any disagreement."""
     from hisparse_jax.generate import generate
-    from hisparse_jax.kv.manager import BudgetError
+    from hisparse_jax.kv.budget import BudgetError
 
     model = model or fuzz_model()
     expect = case.expected_refusal()
@@ -344,7 +344,7 @@ def _drive(eng, case: EngineCase, admit, max_steps: int = 2000) -> tuple[list[in
     """Run `eng` through the case's arrivals (requests `admit(i)` says to add) and aborts. Returns (accepted,
     refused) request indices (refusals are checked against the oracle's `expected_refusal`)."""
     from hisparse_jax.engine.request import SamplingParams
-    from hisparse_jax.kv.manager import BudgetError
+    from hisparse_jax.kv.budget import BudgetError
 
     accepted, refused = [], []
     pending = [i for i in sorted(range(len(case.prompts)), key=lambda i: case.arrivals[i]) if admit(i)]

@@ -40,10 +40,6 @@ _EXPORTS = {
     "SamplingParams": "hisparse_jax.engine",
 }
 
-# Submodules of these packages that `import hisparse_jax` made reachable when it imported everything eagerly
-# (`hisparse_jax.model.weights`, `hisparse_jax.kv.dense`); touching the package imports them, as before.
-_EAGER_BEFORE = {"model": ("decoder", "weights"), "kv": ("dense",)}
-
 __all__ = [
     "PRESETS", "ModelConfig", "RopeConfig", "CacheConfig", "get_preset", "SparseMLAModel", "decode_step", "generate",
     "CheckpointError", "load_pretrained", "save_pretrained", "save_params", "restore_params", "Engine",
@@ -65,8 +61,6 @@ def __getattr__(name: str) -> Any:
             if e.name != f"{__name__}.{name}":  # the submodule exists but something it imports does not
                 raise
         else:
-            for sub in _EAGER_BEFORE.get(name, ()):  # what `import hisparse_jax` used to make reachable
-                importlib.import_module(f"{__name__}.{name}.{sub}")
             return module
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -77,8 +71,8 @@ def __dir__() -> list[str]:
 
 class _Package(types.ModuleType):
     """Importing a submodule binds it as an attribute of its package: `import hisparse_jax.generate` would make
-    `hisparse_jax.generate` the module, hiding the exported function of that name (the eager imports this
-    package used to do rebound it). Keep the exported object under an exported name instead."""
+    `hisparse_jax.generate` the module, hiding the exported function of that name. Keep the exported object under
+    an exported name instead."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if (name in _EXPORTS and isinstance(value, types.ModuleType)

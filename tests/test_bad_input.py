@@ -22,7 +22,8 @@ from hisparse_jax.engine.engine import UnknownRequest
 from hisparse_jax.generate import generate, validate_prompts
 from hisparse_jax.integrity import CheckpointError
 from hisparse_jax.kv import device as kv_device
-from hisparse_jax.kv.manager import BudgetError, TieredCache
+from hisparse_jax.kv.budget import BudgetError
+from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.persist import load_cache, save_cache
 from hisparse_jax.model.weights import restore_params, save_params
 from tiny import model_cfg

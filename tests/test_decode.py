@@ -14,7 +14,7 @@ from hisparse_jax.engine.runner import TRACE_COUNTS
 from hisparse_jax.generate import _cache_from_prefill, generate
 from hisparse_jax.kv.dense import DenseKV
 from hisparse_jax.model.decoder import decode_step
-from hisparse_jax.model.mla import sparse_mla_decode_reference
+from pallas_kernels.sparse_mla_decode.reference import sparse_mla_decode_rows as sparse_mla_decode_reference
 
 
 def tiny(**over):

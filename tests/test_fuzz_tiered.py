@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import hisparse_jax as hj
 from experiments import fuzz_tiered as fz
 from hisparse_jax.config import CacheConfig
-from hisparse_jax.kv.manager import BudgetError
+from hisparse_jax.kv.budget import BudgetError
 
 EXAMPLES = int(os.environ.get("HISPARSE_FUZZ_EXAMPLES", "0"))
 

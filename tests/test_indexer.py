@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax.model.indexer import fp8_quantize, hadamard, index_scores, select_topk
+from pallas_kernels.common import fp8_quantize, hadamard
+from pallas_kernels.indexer_topk.reference import index_scores, select_topk
 
 
 def test_scores_match_numpy():

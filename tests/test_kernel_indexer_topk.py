@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hisparse_jax.compat import gpu_lowering_target
-from hisparse_jax.model.indexer import hadamard, index_scores, quantize_index_keys, select_topk
+from pallas_kernels.common import hadamard
+from pallas_kernels.indexer_topk.reference import index_scores, quantize_index_keys, select_topk
 from pallas_kernels.indexer_topk import MAX_TOPK, indexer_topk, indexer_topk_reference, paged_index_scores
 from pallas_kernels.common import float_to_key as _float_to_key
 from pallas_kernels.indexer_topk.kernel import RADIX_BITS, indexer_topk_chunked

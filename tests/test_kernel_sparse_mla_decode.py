@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hisparse_jax.compat import gpu_lowering_target
-from hisparse_jax.model.mla import sparse_mla_decode_reference as rows_reference
+from pallas_kernels.sparse_mla_decode.reference import sparse_mla_decode_rows as rows_reference
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_reference
 
 TAU = 0.13523378

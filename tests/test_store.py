@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import hisparse_jax as hj
 from store_pair import StorePair
 from hisparse_jax.config import CacheConfig, RopeConfig
-from hisparse_jax.kv.manager import BudgetError, TieredCache
+from hisparse_jax.kv.budget import BudgetError
+from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.pool import INVALID, OutOfPages, PoolError, Tier
 
 MODEL = hj.ModelConfig(

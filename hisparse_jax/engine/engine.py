@@ -30,7 +30,9 @@ from hisparse_jax.config import MAX_SPECULATIVE_TOKENS, CacheConfig
 from hisparse_jax.engine.pd import IMPORT_CHUNK, PrefillExport, check_export, load_export
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
 from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, pages
-from hisparse_jax.kv.manager import COLDNESS, BudgetError, TieredCache
+from hisparse_jax.kv.budget import BudgetError
+from hisparse_jax.kv.eviction import COLDNESS
+from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv import device as kv_device, tiered
 from hisparse_jax.kv.state import StoreSpec
 from hisparse_jax.engine.runner import TRACE_COUNTS, Runner, sampler

@@ -30,7 +30,9 @@ import numpy as np
 from hisparse_jax.config import PAGE_SIZE, CacheConfig, ModelConfig, get_preset
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
 from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, StepPlan, pages
-from hisparse_jax.kv.manager import COLDNESS, BudgetError, TieredCache
+from hisparse_jax.kv.budget import BudgetError
+from hisparse_jax.kv.eviction import COLDNESS
+from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.pool import OutOfPages, Tier
 
 

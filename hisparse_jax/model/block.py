@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hisparse_jax.config import ModelConfig
-from hisparse_jax.model.indexer import index_scores, indexer_project, select_topk
+from hisparse_jax.model.indexer import indexer_project
+from pallas_kernels.indexer_topk.reference import index_scores, select_topk
 from hisparse_jax.model.layers import MLP, RMSNorm
 from hisparse_jax.model.mla import MLA, mla_prefill_output, mla_prefill_probs, mla_project, split_kv_b
 from hisparse_jax.model.moe import MoE

@@ -18,8 +18,7 @@ Sylvester Hadamard matrix / sqrt(dI) and quantized to e4m3 with power-of-two sca
 head sum and k's scale after it.
 
 The math (scores, FP8 emulation, top-k) is specified once, in `pallas_kernels.indexer_topk.reference` and
-`pallas_kernels.common`; this module holds the parameters and the projections, and re-exports those
-functions under their old names.
+`pallas_kernels.common`; this module holds the parameters and the projections.
 """
 
 from __future__ import annotations
@@ -30,13 +29,6 @@ from flax import nnx
 from hisparse_jax.config import ModelConfig
 from hisparse_jax.model.layers import LayerNorm, Linear
 from hisparse_jax.model.rope import apply_rope
-from pallas_kernels.common import FP8_MAX as FP8_MAX
-from pallas_kernels.common import fp8_quantize as fp8_quantize
-from pallas_kernels.common import hadamard as hadamard
-from pallas_kernels.indexer_topk.reference import index_scores as index_scores
-from pallas_kernels.indexer_topk.reference import index_scores_fp8 as index_scores_fp8
-from pallas_kernels.indexer_topk.reference import quantize_index_keys as quantize_index_keys
-from pallas_kernels.indexer_topk.reference import select_topk as select_topk
 
 
 class Indexer(nnx.Module):

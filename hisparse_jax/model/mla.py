@@ -5,14 +5,12 @@ Per token x:  cq = RMSNorm(W_qa x) [Q];  q = W_qb cq -> [H, N + R] split [nope |
 Cached per token and layer: c [C] and kR [R].
 
 Prefill (`mla_prefill_attention`) expands keys/values per head like transformers does and masks
-everything outside the indexer's top-k. Decode (`sparse_mla_decode_reference`) is the absorbed
-form: one KV head with a 576-d key [c | kR] and the 512-d latent as value,
+everything outside the indexer's top-k. Decode is the absorbed form: one KV head with a 576-d key [c | kR] and the 512-d latent as value,
 
     q~_h = W_UK_h^T q_nope_h,   score_h(s) = tau (q~_h . c_s + q_rope_h . kR_s),
     o_h  = W_UV_h sum_s softmax(score_h)(s) c_s.
 
-The decode math is specified once, in `pallas_kernels.sparse_mla_decode.reference` (`sparse_mla_decode_rows`,
-re-exported here as `sparse_mla_decode_reference`).
+The decode math is specified once, in `pallas_kernels.sparse_mla_decode.reference` (`sparse_mla_decode_rows`).
 """
 
 from __future__ import annotations
@@ -25,9 +23,6 @@ from hisparse_jax.config import ModelConfig
 from hisparse_jax.model.indexer import Indexer
 from hisparse_jax.model.layers import Linear, RMSNorm
 from hisparse_jax.model.rope import apply_rope
-from pallas_kernels.sparse_mla_decode.reference import (
-    sparse_mla_decode_rows as sparse_mla_decode_reference,  # noqa: F401  (re-exported: the model's name for it)
-)
 
 HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -29,7 +29,7 @@ from flax import nnx
 
 from hisparse_jax.model.block import prefill_layer, topk_to_mask
 from hisparse_jax.model.decoder import SparseMLAModel, scan_layers
-from hisparse_jax.model.indexer import select_topk
+from pallas_kernels.indexer_topk.reference import select_topk
 
 STAGES = ("dense", "warmup", "sparse")
 # which parameter groups a stage trains (the rest are frozen)
