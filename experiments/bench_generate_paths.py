@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hisparse_jax.config import PAGE_SIZE, CacheConfig, get_preset
+from hisparse_jax.config import CacheConfig, get_preset
+from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.engine import runner as programs
 from hisparse_jax.engine.runner import Runner
 from hisparse_jax.kv.dense import DenseKV

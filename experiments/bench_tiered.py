@@ -64,7 +64,8 @@ def parse_args(argv=None):
 def run(args) -> dict:
     from flax import nnx
 
-    from hisparse_jax.config import PAGE_SIZE, CacheConfig, get_preset
+    from hisparse_jax.config import CacheConfig, get_preset
+    from hisparse_jax.units import PAGE_SIZE
     from hisparse_jax.generate import generate
     from hisparse_jax.kv import device as kv_device
     from hisparse_jax.kv.manager import TieredCache

@@ -566,7 +566,8 @@ def _time_pair(ctx, kernel_call, ref_call, v0, const, step, nbytes=None) -> dict
 def _indexer_case(seed: int, B: int, I: int, D: int, S: int, kd: str):
     """Integer-valued q / k (every score exact in f32, many ties: order compared slot by slot), a permuted
     block table, NaN in every pool row no valid position reads, -1 in some unused block-table entries."""
-    from hisparse_jax.model.indexer import hadamard, quantize_index_keys
+    from pallas_kernels.common import hadamard
+    from pallas_kernels.indexer_topk.reference import quantize_index_keys
 
     PAGE = 64
     MP = S // PAGE
@@ -1097,7 +1098,7 @@ def _fetch_model(sz):
 
 def _build_plan(spec, sz, frac: float, seed: int):
     """A Plan for B requests x K top-k positions, `frac` of them misses with distinct hot-slot destinations."""
-    from hisparse_jax.config import PAGE_SIZE
+    from hisparse_jax.units import PAGE_SIZE
 
     rng = np.random.default_rng(seed)
     B, K, ctx_len, HR = sz["fetch_requests"], sz["fetch_topk"], sz["fetch_ctx"], spec.hot_rows
@@ -1351,7 +1352,8 @@ def _decode_setup(ctx: Ctx) -> dict:
     configurations: all resident, and under pressure per fetch mechanism."""
     from flax import nnx
 
-    from hisparse_jax.config import PAGE_SIZE, PRESETS, CacheConfig
+    from hisparse_jax.config import PRESETS, CacheConfig
+    from hisparse_jax.units import PAGE_SIZE
     from hisparse_jax.model.decoder import SparseMLAModel
 
     sz = ctx.sz

@@ -52,7 +52,7 @@ from types import SimpleNamespace
 from typing import Any, Sequence
 
 from hisparse_jax.cli_args import bounded_float, check_output_file, choice, int_at_least
-from hisparse_jax.config import PAGE_SIZE
+from hisparse_jax.units import PAGE_SIZE
 GPU_MEMORY_GB = {"h200": 141, "b200": 180, "b300": 288}  # decimal GB per GPU, as published
 HOST_SLIDER_GIB = (16, 4096)  # the calculator's host-pool slider range (GiB per DP replica)
 # Sweep points: powers of two 8K..1M plus the blog's 74,160-token first turn, the ~86K context

@@ -20,6 +20,7 @@ import math
 import os
 from typing import Any, Mapping
 
+from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.validation import check_float, check_int, check_optional_float, check_token_list
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
@@ -423,7 +424,6 @@ def get_preset(name: str) -> ModelConfig:
         raise ValueError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}") from None
 
 
-PAGE_SIZE = 64  # tokens per KV page (FlashMLA / vLLM use 64)
 KV_DTYPES = ("auto", "bf16", "fp8", "float32")
 FETCH_MECHANISMS = ("row", "page")
 MISS_ATTENTION = ("single", "split")

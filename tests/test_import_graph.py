@@ -121,14 +121,14 @@ def test_kernels_import_nothing_of_the_library():
 def test_one_page_size_and_one_sentinel():
     """The kernels import only jax, so they state the page size and the "none" sentinel themselves; the library
     states each once (`config.PAGE_SIZE`, `kv.pool.INVALID`), and the two agree."""
-    from hisparse_jax.config import PAGE_SIZE
-    from hisparse_jax.kv.pool import INVALID
+    from hisparse_jax.units import PAGE_SIZE
+    from hisparse_jax.units import INVALID
     from pallas_kernels.common import INVALID as KERNEL_INVALID
     from pallas_kernels.common import PAGE
 
     assert (PAGE_SIZE, INVALID) == (PAGE, KERNEL_INVALID) == (64, -1)
     for name, path in project_modules().items():
-        if name.startswith("hisparse_jax") and name not in ("hisparse_jax.config", "hisparse_jax.kv.pool"):
+        if name.startswith("hisparse_jax") and name != "hisparse_jax.units":
             tree = ast.parse(path.read_text())
             for node in ast.walk(tree):
                 if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id in (

@@ -13,8 +13,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hisparse_jax.config import PAGE_SIZE
-from hisparse_jax.kv.pool import (INVALID, OutOfPages, PagePool, PoolError, RequestPages, Tier,
+from hisparse_jax.units import PAGE_SIZE
+from hisparse_jax.units import INVALID
+from hisparse_jax.kv.pool import (OutOfPages, PagePool, PoolError, RequestPages, Tier,
                                   owners_of, page_hash)
 
 

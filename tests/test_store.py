@@ -15,7 +15,8 @@ from store_pair import StorePair
 from hisparse_jax.config import CacheConfig, RopeConfig
 from hisparse_jax.kv.budget import BudgetError
 from hisparse_jax.kv.manager import TieredCache
-from hisparse_jax.kv.pool import INVALID, OutOfPages, PoolError, Tier
+from hisparse_jax.kv.pool import OutOfPages, PoolError, Tier
+from hisparse_jax.units import INVALID
 
 MODEL = hj.ModelConfig(
     model_type="glm_moe_dsa", vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,

@@ -27,7 +27,8 @@ import math
 
 import numpy as np
 
-from hisparse_jax.config import PAGE_SIZE, CacheConfig, ModelConfig, get_preset
+from hisparse_jax.config import CacheConfig, ModelConfig, get_preset
+from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
 from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, StepPlan, pages
 from hisparse_jax.kv.budget import BudgetError

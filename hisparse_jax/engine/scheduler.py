@@ -29,10 +29,11 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
-from hisparse_jax.config import PAGE_SIZE
+from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.engine.request import Request, RequestState
 from hisparse_jax.kv.manager import TAIL_PAGES, TieredCache
-from hisparse_jax.kv.pool import INVALID, OutOfPages, Tier
+from hisparse_jax.kv.pool import OutOfPages, Tier
+from hisparse_jax.units import INVALID
 
 POLICIES = ("preempt", "offload", "hisparse")
 # chunked: prompt rows go through the store with the decode batch (the prompt stays resident while it is

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hisparse_jax.config import PAGE_SIZE
+from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.kv.eviction import TAIL_PAGES
 
 if TYPE_CHECKING:

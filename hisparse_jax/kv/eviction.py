@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hisparse_jax.kv.pool import INVALID, Tier
+from hisparse_jax.kv.pool import Tier
+from hisparse_jax.units import INVALID
 
 if TYPE_CHECKING:
     from hisparse_jax.kv.manager import TieredCache

@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hisparse_jax.config import PAGE_SIZE
+from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.kv.eviction import TAIL_PAGES
-from hisparse_jax.kv.pool import INVALID, PoolError, Tier, owners_of
+from hisparse_jax.kv.pool import PoolError, Tier, owners_of
+from hisparse_jax.units import INVALID
 
 if TYPE_CHECKING:
     from hisparse_jax.kv.manager import TieredCache

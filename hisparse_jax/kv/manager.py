@@ -21,10 +21,12 @@ from typing import Callable
 
 import numpy as np
 
-from hisparse_jax.config import PAGE_SIZE, CacheConfig, ModelConfig
+from hisparse_jax.config import CacheConfig, ModelConfig
+from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.kv import budget, eviction, invariants, prefix, swap
 from hisparse_jax.kv.eviction import TAIL_PAGES, oldest_first
-from hisparse_jax.kv.pool import INVALID, OutOfPages, PagePool, PoolError, RequestPages, Tier
+from hisparse_jax.kv.pool import OutOfPages, PagePool, PoolError, RequestPages, Tier
+from hisparse_jax.units import INVALID
 from hisparse_jax.kv.prefix import PrefixHit
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.updates import ClearStamps, ReleasePages, SetTables, Update, pad_pow2, table_row

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax.compat import DEVICE, HOST, on_host
-from hisparse_jax.config import PAGE_SIZE
+from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.kv.state import FP8_BLOCK, KVStore, StoreSpec, from_host_bits, to_host_bits
 from pallas_kernels.common import fp8_quantize
 from pallas_kernels.indexer_topk.reference import index_scores, index_scores_fp8, quantize_index_keys, select_topk

@@ -36,9 +36,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from hisparse_jax.config import PAGE_SIZE
+from hisparse_jax.units import INVALID, PAGE_SIZE
 
-INVALID = -1      # "no page" in every page table and page list
 
 _SNAPSHOT_FORMAT = "hisparse_jax.kv.PagePool"
 _SNAPSHOT_VERSION = 1

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from hisparse_jax.config import PAGE_SIZE
+from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.kv import eviction
-from hisparse_jax.kv.pool import INVALID, Tier, page_hash
+from hisparse_jax.kv.pool import Tier, page_hash
+from hisparse_jax.units import INVALID
 from hisparse_jax.kv.updates import LoadPages, pad_pow2
 
 if TYPE_CHECKING:

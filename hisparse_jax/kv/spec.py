@@ -9,7 +9,8 @@ import functools
 import ml_dtypes
 import numpy as np
 
-from hisparse_jax.config import PAGE_SIZE, CacheConfig, ModelConfig
+from hisparse_jax.config import CacheConfig, ModelConfig
+from hisparse_jax.units import PAGE_SIZE
 
 FP8_BLOCK = 128  # latent values per fp8 scale
 

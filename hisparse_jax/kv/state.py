@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from hisparse_jax.config import PAGE_SIZE
+from hisparse_jax.units import PAGE_SIZE
 
 from hisparse_jax.kv.spec import FP8_BLOCK, StoreSpec  # noqa: F401  (re-exported)
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hisparse_jax.kv.pool import INVALID, OutOfPages, PoolError, Tier
+from hisparse_jax.kv.pool import OutOfPages, PoolError, Tier
+from hisparse_jax.units import INVALID
 from hisparse_jax.kv.updates import LoadPages, pad_pow2
 
 if TYPE_CHECKING:
