@@ -5,7 +5,8 @@
 #   VENV         where the venv goes (.venv)
 #   TEST_EXTRAS  extras `make test` installs: `test` (with the torch + transformers references) or `test-core`
 #   CONSTRAINTS  a pip constraints file, e.g. .ci/jax-lowest.txt to pin the lowest supported jax
-#   PYTEST_ARGS  extra pytest arguments (CI: --durations=25, to watch its time budget)
+#   PYTEST_ARGS  extra pytest arguments (CI: its leg's -m filter, which only shares the slow tests out between the
+#                legs, and --durations=25; without it `make test` runs every test, all of which must pass)
 #   GPU_BUILD=1  also install the deviceless sm_90 compile tools: jax-cuda13-plugin / -pjrt of exactly the
 #                installed jax version, nvidia-cuda-nvcc (ptxas) and nvidia-nvvm (libdevice); jax >= 0.11 only
 PYTHON      ?= python3
