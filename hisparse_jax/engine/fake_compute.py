@@ -276,6 +276,9 @@ def run_workload(w: Workload, model: ModelConfig | None = None, check_every: int
                             "was stated")
         if s.out_of_pages:
             failures.append(f"(b) step {s.step}: {s.out_of_pages} OutOfPages raised (and caught) inside schedule")
+        wrong = [r.request_id for r in s.plan.preempted if s.stalled.get(r.request_id, "preempted") != "preempted"]
+        if wrong:
+            failures.append(f"(a) step {s.step}: preempted {wrong} but the stated reason is not 'preempted'")
         counts["prefix_tokens"] += s.plan.cached_tokens
         counts["chunk_steps"] += bool(s.plan.prefill)
         counts["preemptions"] += len(s.plan.preempted)

@@ -251,7 +251,7 @@ class Scheduler:
             r = self.waiting[0]
             mode, why = self._decide(r)
             if mode is None:
-                plan.waits[r.request_id] = why
+                plan.waits.setdefault(r.request_id, why)  # (one preempted this step says so)
                 break
             self.waiting.popleft()
             plan.waits.pop(r.request_id, None)  # (preempted earlier in this step, readmitted now)
