@@ -5,7 +5,8 @@ GLM-5 are not uniform (dense MLP layers first, then MoE; GLM-5's full / shared i
 scan is a *block*: a layer with its own indexer and the shared-index layers after it (one indexer group). Runs of
 consecutive identical blocks (`layer_runs`) keep their parameters stacked on a leading axis (`model.stacks[r][p]`:
 position p of run r's block, parameters [repeats, ...]), and each run is one `lax.scan` (`scan_layers`). GLM-5's 78
-layers are 4 runs (three one-block runs, then 18 blocks of 4 layers), DeepSeek-V3.2's 61 are 2 (3 dense, 58 MoE).
+layers are 3 runs (layers 0-1, one block each; layers 2-5, the last dense layer and its 3 MoE shared-index layers;
+then 18 blocks of 4 MoE layers), DeepSeek-V3.2's 61 are 2 (3 dense, 58 MoE).
 `model.layer(i)` is layer i on its own (a copy of its slice); checkpoints keep per-layer names (`weights.py`).
 
 Two entry points:
