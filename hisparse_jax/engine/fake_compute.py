@@ -348,5 +348,6 @@ def random_workload(rng: np.random.Generator, vocab: int = 512) -> Workload:
     device = budget(lo)
     host, index = (budget(longest) if rng.random() < 0.25 else total + longest for _ in range(2))
     return Workload(policy=policy, prefill=prefill, prefix_caching=bool(rng.random() < 0.8),
-                    max_running=int(rng.integers(2, 7)) if rng.random() < 0.9 else 1, prefill_chunk=int(rng.choice([16, 64, 100, 256])),
+                    max_running=int(rng.integers(2, 7)) if rng.random() < 0.9 else 1,
+                    prefill_chunk=int(rng.choice([16, 64, 100, 256])),
                     device_pages=device, host_pages=host, index_pages=index, hot_rows=hot_rows, requests=tuple(reqs))
