@@ -270,9 +270,15 @@ def _is_routed_expert(path) -> bool:
 
 def param_specs(state, axis: str | None):
     """The PartitionSpec of each parameter: routed-expert weights split on their expert axis over `axis` (expert
-    parallelism), everything else replicated (`P()`); axis None: all replicated."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: P(axis) if axis is not None and _is_routed_expert(path) else P(), state)
+    parallelism), everything else replicated (`P()`); axis None: all replicated. The main layers' parameters are
+    stacked (`model.stacks`: [repeats, E, ...]), so their expert axis is the second; the MTP layers' is the first."""
+    def spec(path, _):
+        if axis is None or not _is_routed_expert(path):
+            return P()
+        stacked = getattr(path[0], "key", getattr(path[0], "name", None)) == "stacks"
+        return P(None, axis) if stacked else P(axis)
+
+    return jax.tree_util.tree_map_with_path(spec, state)
 
 
 def check_expert_parallel(cfg, mesh: Mesh) -> None:

@@ -1,12 +1,13 @@
 """The GPU program is BUILT for an H100 / H200 (sm_90) on every CI run, on a CPU-only machine.
 
-XLA's deviceless AOT compilation (`tests/deviceless.py`) runs the whole XLA:GPU pipeline: HLO passes
+XLA's deviceless AOT compilation (`hisparse_jax/deviceless.py`) runs the whole XLA:GPU pipeline: HLO passes
 (host offloading included), Triton for the Pallas kernels, LLVM -> PTX, ptxas. Lowering alone
 (`tests/test_kernel_*.py::test_lowers_for_cuda*`) stops before all of that.
 
 1. every Pallas kernel variant at production shapes (DeepSeek-V3.2 / GLM-5 geometry) compiles;
 2. the whole jitted tiered decode step (`hisparse_jax.engine.runner._jitted_step`, the function
-   `decode_step` runs, store donated) of a 4-layer GLM-5 compiles for both fetch mechanisms, bf16 and
+   `decode_step` runs, store donated) of GLM-5 (all 78 layers for the fp8 row-fetch Pallas cases, a 4-layer
+   slice for the others) compiles for both fetch mechanisms, bf16 and
    fp8 KV, reference and Pallas kernels, and its compiled HLO shows that
    (a) every store buffer is donated (an input_output_alias from each store parameter to its result),
    (b) the pinned-host pools stay in host memory (S(5)) as parameters and as results,
@@ -23,18 +24,19 @@ It proves a program builds, not what it computes (the interpret-mode tests do) n
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
-import re
 import time
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-import deviceless as dl
+from hisparse_jax import deviceless as dl
+from hisparse_jax.gpu_build import (BATCH, HOST_POOLS, VIEW_OPS, abstract_step_args, abstract_store,  # noqa: F401
+                                    check_host_pools_in_host_memory, check_no_pool_sized_temporary,
+                                    check_store_donated, glm5_layers, pool_sized_instructions, store_fields)
 from pallas_kernels.backends import mosaic_unavailable_reason
 
 pytestmark = pytest.mark.skipif(dl.unavailable_reason() is not None, reason=str(dl.unavailable_reason()))
@@ -162,40 +164,18 @@ def test_kernel_builds_for_sm90(case, build_log):
 
 
 # ----- 2. the whole tiered decode step ---------------------------------------------------------
-NUM_LAYERS = 4  # GLM-5 layers 0-3: three dense layers with full indexers, one MoE layer sharing layer 2's index
-BATCH = 32
-HOST_POOLS = ("h_latent", "h_rope", "h_latent_scale")
+# All of GLM-5: 78 layers in 3 scanned runs (layers 0-1, 2-5 and 18 blocks of 4 from 6 on; 21 full indexers), with
+# three dense layers first. The step's program does not grow with depth, so the whole model builds as fast as a
+# slice of it did before the layers were scanned.
+NUM_LAYERS = 78
+# The other step cases, the speculative step and the store programs build a 4-layer slice (GLM-5 layers 0-3: three
+# dense layers with full indexers, one MoE layer sharing layer 2's index): the same code paths in less CI time.
+SLICE_LAYERS = 4
+FULL_MODEL_CASES = {("fp8", "row", "pallas"), ("fp8", "row", "pallas_mosaic")}
 
 
-def glm5_layers(n: int):
-    from hisparse_jax.config import PRESETS
-
-    base = PRESETS["glm-5"]
-    return base.replace(num_hidden_layers=n, indexer_types=base.indexer_types[:n],
-                        mlp_layer_types=base.mlp_layer_types[:n])
-
-
-def abstract_step_args(cfg, cache):
-    """(graphdef, params, store, batch): every array an abstract ShapeDtypeStruct (nothing is allocated);
-    the pinned-host pools with a pinned_host memory kind."""
-    from flax import nnx
-
-    from hisparse_jax.kv.state import StoreSpec
-    from hisparse_jax.model.decoder import SparseMLAModel
-
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: SparseMLAModel(cfg, rngs=nnx.Rngs(0))))
-    store = abstract_store(StoreSpec.create(cfg, cache))
-    batch = {"tokens": sds((BATCH,), jnp.int32), "req": sds((BATCH,), jnp.int32)}
-    return graphdef, dl.abstractify(params), store, batch
-
-
-def abstract_store(spec):
-    """A KVStore of abstract ShapeDtypeStructs (host pools with a pinned_host memory kind)."""
-    from hisparse_jax.kv.state import init_store, store_shardings
-
-    cpu = jax.devices("cpu")[0]
-    shapes = jax.eval_shape(functools.partial(init_store, spec, cpu))
-    return jax.tree.map(lambda s, sh: sds(s.shape, s.dtype, sh.memory_kind), shapes, store_shardings(spec, cpu))
+def step_layers(case) -> int:
+    return NUM_LAYERS if tuple(case) in FULL_MODEL_CASES else SLICE_LAYERS
 
 
 # A pairwise covering set of (kv, fetch, kernels): every pair of values of two axes is built once. Each
@@ -216,14 +196,14 @@ def built_step(request, build_log):
     from hisparse_jax.engine import runner
 
     kv, fetch, kernels = request.param
-    cfg = glm5_layers(NUM_LAYERS)
+    cfg = glm5_layers(step_layers(request.param))
     cache = CacheConfig(kv_dtype=kv, device_pages=4096, host_pages=16384, max_seqs=32, max_seq_len=131072,
                         fetch=fetch)
     graphdef, params, store, batch = abstract_step_args(cfg, cache)
     # The jitted function decode_step / make_decode_step call (donate_argnums=(1,): the store). Taken from the
     # cache directly because kv.tiered.check_kernels refuses kernels="pallas" on a CPU backend, rightly.
     step = runner._jitted_step(graphdef, kernels)
-    case = f"tiered decode_step glm-5[{NUM_LAYERS} layers] kv={kv} fetch={fetch} kernels={kernels} (B={BATCH})"
+    case = f"tiered decode_step glm-5[{cfg.num_hidden_layers} layers] kv={kv} fetch={fetch} kernels={kernels} (B={BATCH})"
     exe = timed_build(build_log, case, lambda: dl.compile_lowered(dl.lower_for_gpu(step, params, store, batch)))
     text = dl.hlo_text(exe)
     return request.param, store, text, exe.get_compiled_memory_stats()
@@ -236,12 +216,12 @@ def test_speculative_step_builds_for_sm90(build_log):
     from flax import nnx
 
     from hisparse_jax.config import CacheConfig
-    from hisparse_jax.engine import speculative
+    from hisparse_jax.engine import runner
     from hisparse_jax.kv.state import StoreSpec
     from hisparse_jax.model.decoder import SparseMLAModel
 
     k, G = 2, BATCH // 4
-    cfg = glm5_layers(NUM_LAYERS).replace(num_nextn_predict_layers=1)
+    cfg = glm5_layers(SLICE_LAYERS).replace(num_nextn_predict_layers=1)
     cache = CacheConfig(kv_dtype="bf16", device_pages=4096, host_pages=16384, max_seqs=32, max_seq_len=131072,
                         speculative_tokens=k)
     spec = StoreSpec.create(cfg, cache)
@@ -251,33 +231,13 @@ def test_speculative_step_builds_for_sm90(build_log):
     batch = {name: sds((rows,), jnp.int32) for name in ("tokens", "req", "pos", "draft_ok")}
     batch["index_span"] = sds((spec.max_pages,), jnp.int32)
     sampling = {"seed": sds((G,), jnp.uint32), "temperature": sds((G,), jnp.float32), "top_p": sds((G,), jnp.float32)}
-    step = speculative.jitted_spec_step(graphdef, "pallas", k)
-    case = f"speculative step glm-5[{NUM_LAYERS} layers + MTP] k={k} kv=bf16 kernels=pallas (G={G})"
+    step = runner.jitted_speculative_step(graphdef, "pallas", k)
+    case = f"speculative step glm-5[{SLICE_LAYERS} layers + MTP] k={k} kv=bf16 kernels=pallas (G={G})"
     exe = timed_build(build_log, case, lambda: dl.compile_lowered(dl.lower_for_gpu(
         step, dl.abstractify(params), store, batch, sampling)))
     text = dl.hlo_text(exe)
     check_store_donated(case, store, text)
     check_host_pools_in_host_memory(case, store, text)
-
-
-def store_fields(store):
-    return [f.name for f in dataclasses.fields(store) if f.name != "spec" and getattr(store, f.name) is not None]
-
-
-def entry_parameters(text: str) -> dict[str, int]:
-    """{store field: entry parameter number}, from the parameters' metadata op_name="store.<field>"."""
-    entry = text[text.index("\nENTRY "):]
-    out = {}
-    for m in re.finditer(r"parameter\((\d+)\)[^\n]*?op_name=\"store\.(\w+)\"", entry):
-        out[m.group(2)] = int(m.group(1))
-    return out
-
-
-def entry_signature(text: str):
-    """(entry parameters, entry results, {parameter: aliased output}, {store field: parameter})."""
-    params, results = dl.entry_layout(text)
-    by_param = {p: out for out, (p, _) in dl.input_output_aliases(text).items()}
-    return params, results, by_param, entry_parameters(text)
 
 
 def test_step_store_is_donated(built_step):
@@ -289,28 +249,16 @@ def test_step_store_is_donated(built_step):
 def test_step_runs_the_chosen_decode_kernel(built_step):
     """kernels="pallas_mosaic" builds the decode and the indexer's scores as Mosaic GPU kernels (the resolver stays
     a Pallas-Triton kernel); the other choices build no Mosaic kernel."""
-    (_, _, kernels), _, text, _ = built_step
+    from hisparse_jax.model.decoder import layer_runs
+
+    case, _, text, _ = built_step
+    kernels = case[2]
     mosaic = text.count('custom_call_target="mosaic_gpu')
-    # 4 layers: 3 full indexers' scores, 4 decodes
-    assert mosaic == (3 + NUM_LAYERS if kernels == "pallas_mosaic" else 0), (kernels, mosaic)
+    # each run's block is compiled once: its leader's indexer scores, and a decode per layer of the block
+    per_block = sum(1 + run.size for run in layer_runs(glm5_layers(step_layers(case))))
+    assert mosaic == (per_block if kernels == "pallas_mosaic" else 0), (kernels, mosaic, per_block)
     if kernels != "reference":
         assert "__gpu$xla.gpu.triton" in text, f"no Pallas-Triton kernel in the {kernels} step"
-
-
-def check_store_donated(label, store, text):
-    params, results, by_param, pnum = entry_signature(text)
-    report, missing = [], []
-    for name in store_fields(store):
-        leaf = getattr(store, name)
-        assert name in pnum, f"store.{name} is not an entry parameter (pruned as unused?)"
-        p = pnum[name]
-        assert params[p]["dims"] == tuple(leaf.shape), (name, params[p], leaf.shape)
-        out = by_param.get(p)
-        if out is None or results[out]["dims"] != tuple(leaf.shape):
-            missing.append(name)
-        report.append(f"store.{name}: param {p} -> output {out}")
-    print(f"\n[{label}] input_output_alias:", "; ".join(report))
-    assert not missing, f"store buffers not donated (no input_output_alias): {missing}"
 
 
 def test_step_host_pools_stay_in_host_memory(built_step):
@@ -319,101 +267,10 @@ def test_step_host_pools_stay_in_host_memory(built_step):
     check_host_pools_in_host_memory("-".join(case), store, text)
 
 
-def check_host_pools_in_host_memory(label, store, text):
-    params, results, by_param, pnum = entry_signature(text)
-    report = []
-    for name in store_fields(store):
-        p = pnum[name]
-        want = 5 if name in HOST_POOLS else 0
-        got_in = params[p]["memory_space"]
-        got_out = results[by_param[p]]["memory_space"] if p in by_param else None
-        report.append(f"store.{name}: in S({got_in}) out S({got_out})")
-        assert (got_in, got_out) == (want, want), f"store.{name}: {params[p]['text']} -> " \
-            f"{results[by_param[p]]['text'] if p in by_param else 'not aliased'}; want S({want})"
-    print(f"\n[{label}] memory spaces:", "; ".join(report))
-
-
-# Opcodes that make no new buffer of their result shape (views, or in-place updates of their operand).
-VIEW_OPS = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
-            "dynamic-update-slice", "scatter", "optimization-barrier"}
-
-
-def pool_sized_instructions(text: str, pool_dims: dict[str, tuple]):
-    """Every instruction outside fused computations whose result has a pool's full dims, classified:
-    (kind, pool, computation, line) with kind "view" (no new buffer), "in-place" (a fusion rooted at a
-    scatter / dynamic-update-slice, a custom call aliasing an operand) or "NEW" (a new pool-sized buffer)."""
-    fused = set(re.findall(r"calls=(%[\w.\-]+)", text))
-    roots = {}  # fused computation -> opcode of its root
-    comp = None
-    for line in text.splitlines():
-        m = re.match(r"^(?:ENTRY\s+)?(%[\w.\-]+)\s.*\{$", line)
-        if m:
-            comp = m.group(1)
-        r = re.match(r"^\s*ROOT\s+%[\w.\-]+\s*=\s*\S+\s+([a-z][\w\-]*)\(", line)
-        if r and comp:
-            roots[comp] = r.group(1)
-    async_calls = {m.group(1): m.group(2) for m in re.finditer(
-        r"^\s*(%[\w.\-]+) = [^\n]*? fusion-start\([^\n]*?calls=(%[\w.\-]+)", text, re.M)}
-    by_dims = {}
-    for name, dims in pool_dims.items():
-        by_dims.setdefault(dims, []).append(name)
-    found = []
-    for comp, name, shape, op, line in dl.instructions(text):
-        if comp in fused:
-            continue
-        try:
-            dims = dl.parse_shape(shape)["dims"]
-        except ValueError:
-            continue
-        if dims not in by_dims:
-            continue
-        if op in VIEW_OPS:
-            kind = "view"
-        elif op == "fusion" and roots.get(re.search(r"calls=(%[\w.\-]+)", line).group(1)) in (
-                "scatter", "dynamic-update-slice"):
-            kind = "in-place"
-        elif op == "custom-call" and "output_to_operand_aliasing" in line:
-            kind = "in-place"
-        elif op == "fusion-done" and roots.get(async_calls.get(re.search(r"fusion-done\((%[\w.\-]+)", line).group(1))) in (
-                "scatter", "dynamic-update-slice"):
-            kind = "in-place"  # an async dynamic-update-slice (host offloading: the D2H row write into a host pool)
-        else:
-            kind = "NEW"
-        found.append((kind, "/".join(by_dims[dims]), comp, line[:300]))
-    # Tuple-valued custom-call-done / async-done (host calls) return fresh buffers: a pool-sized element is one.
-    for m in re.finditer(r"^\s*(%[\w.\-]+) = \(([^\n]*?)\) (custom-call-done|async-done)\(", text, re.M):
-        for el in dl.split_top(m.group(2)):
-            try:
-                dims = dl.parse_shape(el)["dims"]
-            except ValueError:
-                continue
-            if dims in by_dims:
-                found.append(("NEW", "/".join(by_dims[dims]), "host call output", m.group(0)[:300]))
-    return found
-
-
 def test_step_makes_no_pool_sized_temporary(built_step):
     """(c) no copy / convert / fusion / host-call result of a whole pool's shape: the step touches rows."""
     case, store, text, mem = built_step
     check_no_pool_sized_temporary("-".join(case), store, text, mem)
-
-
-def check_no_pool_sized_temporary(label, store, text, mem):
-    pools = {n: tuple(getattr(store, n).shape) for n in store_fields(store)
-             if n in ("latent", "rope", "index_k", "latent_scale", "index_scale") + HOST_POOLS}
-    found = pool_sized_instructions(text, pools)
-    new = [f for f in found if f[0] == "NEW"]
-    print(f"\n[{label}] pool-sized instructions: "
-          f"{sum(f[0] == 'view' for f in found)} views, {sum(f[0] == 'in-place' for f in found)} in-place, "
-          f"{len(new)} new buffers; device temp {mem.temp_size_in_bytes / 2**20:.0f} MiB, "
-          f"host temp {mem.host_temp_size_in_bytes / 2**20:.0f} MiB")
-    for f in new:
-        print("   NEW", f[1], "in", f[2], ":", f[3])
-    smallest_host = min(getattr(store, n).size * getattr(store, n).dtype.itemsize for n in HOST_POOLS
-                        if getattr(store, n, None) is not None)
-    assert not new, f"{len(new)} whole-pool-sized buffers, e.g. {new[0][3]}"
-    assert mem.host_temp_size_in_bytes < smallest_host, \
-        f"host temp {mem.host_temp_size_in_bytes} B >= a host pool ({smallest_host} B)"
 
 
 # ----- 2b. the store programs TieredCache runs between decode steps ----------------------------
@@ -432,7 +289,7 @@ def _store(kv, *, mirror=True, fetch="row"):
 
     cache = CacheConfig(kv_dtype=kv, device_pages=4096, host_pages=16384, max_seqs=32, max_seq_len=131072,
                         fetch=fetch, mirror_to_host=mirror)
-    return abstract_store(StoreSpec.create(glm5_layers(NUM_LAYERS), cache))
+    return abstract_store(StoreSpec.create(glm5_layers(SLICE_LAYERS), cache))
 
 
 def _i32(*shape):
@@ -456,7 +313,7 @@ def _store_program(name, kv, **store_kw):
         "evict_pages": lambda: (m._release, (store, _i32(NPAGES), _i32(NPAGES))),
         "load_pages": lambda: (m._load_pages, (store, _i32(NPAGES), _i32(NPAGES))),
         "set_tables": lambda: (m._set_tables, (store, _i32(), _i32(MP), _i32(MP), _i32(MP), _i32(),
-                                               _i32(spec.hot_pages))),
+                                               _i32(spec.hot_pages), _i32())),
         "set_rows": lambda: (m._set_rows, (store, _i32(), _i32(MP), _i32(MP), _i32(MP), _i32())),
         "clear_page_stamps": lambda: (m._clear_page_stamps, (store, _i32())),
         "append_all": lambda: (m._append_all, (store, _i32(BATCH), *kv_rows(BATCH))),
@@ -493,7 +350,7 @@ def built_store_program(request, build_log):
     """(label, store, compiled HLO text, memory stats) of one of TieredCache's jitted store programs."""
     name, kv, kw = STORE_CASES[request.param]
     fn, args = _store_program(name, kv, **kw)
-    case = f"TieredCache {request.param} glm-5[{NUM_LAYERS} layers]"
+    case = f"TieredCache {request.param} glm-5[{SLICE_LAYERS} layers]"
     exe = timed_build(build_log, case, lambda: dl.compile_lowered(dl.lower_for_gpu(fn, *args)))
     return request.param, args[0], dl.hlo_text(exe), exe.get_compiled_memory_stats()
 

@@ -36,6 +36,7 @@ def _checks() -> dict:
     from hisparse_jax.engine import EngineConfig, MeshEngine, SamplingParams
     from hisparse_jax.engine.runner import jitted_sharded_step_and_sample
     from hisparse_jax.generate import generate
+    from hisparse_jax.model.decoder import layer_runs
     from tiny import model_cfg
 
     out: dict = {"devices": len(jax.devices())}
@@ -122,6 +123,8 @@ def _checks() -> dict:
     out["ep"]["collectives"] = [line.split(" = ", 1)[1].split("(")[0] for line in hlo.splitlines()
                                 if any(f" {c}(" in line or f" {c}-start(" in line for c in COLLECTIVES) and " = " in line]
     out["ep"]["moe_layers"] = sum(t == "sparse" for t in ep_cfg.mlp_layer_types)
+    # the MoE layers as the program holds them: one stacked module per position of a run's block (`layer_runs`)
+    out["ep"]["moe_modules"] = sum(k[1] == "sparse" for run in layer_runs(ep_cfg) for k in run.kinds)
     out["ep"]["hidden"] = ep_cfg.hidden_size
     try:  # 6 experts over 8 devices
         MeshEngine(model, small, EngineConfig(expert_parallel=True), mesh=mesh)
@@ -231,21 +234,24 @@ def test_expert_parallel_needs_experts_divisible_by_devices(result):
 def test_expert_parallel_splits_only_the_routed_experts(result):
     params = result["ep"]["params"]
     experts = {k: v for k, v in params.items() if "/experts/" in k}
-    assert len(experts) == 3 * result["ep"]["moe_layers"]  # gate, up, down per MoE layer
+    assert len(experts) == 3 * result["ep"]["moe_modules"]  # gate, up, down per stacked MoE module
+    assert result["ep"]["moe_modules"] < result["ep"]["moe_layers"]  # some MoE layers are stacked
     for name, p in params.items():
         assert p["devices"] == N, name
-        if name in experts:  # 1/N of the experts per device
-            assert p["shape"][0] == N and p["shards"] == [[1] + p["shape"][1:]], name
+        if name in experts:  # 1/N of the experts per device: the expert axis (after the stacked layer axis)
+            assert name.startswith("stacks/"), name
+            assert p["shape"][1] == N and p["shards"] == [[p["shape"][0], 1] + p["shape"][2:]], name
         else:  # replicated
             assert p["shards"] == [p["shape"]], name
 
 
 def test_expert_parallel_collectives_are_the_moe_token_exchanges(result):
     # per MoE layer: every rank's hidden states gathered [N * B, D] and the expert sums scattered back [B, D];
-    # nothing else crosses devices (no KV pool, no table, no logits)
+    # nothing else crosses devices (no KV pool, no table, no logits). A scanned run's block is compiled once: the
+    # program holds the exchanges of each stacked MoE module once
     ep, B = result["ep"], 2
     ops = ep["collectives"]
-    assert len(ops) == 2 * ep["moe_layers"], ops
+    assert len(ops) == 2 * ep["moe_modules"], ops
     d = ep["hidden"]
     for op in ops:
         shape, kind = op.rsplit(" ", 1)
