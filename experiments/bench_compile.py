@@ -2,8 +2,9 @@
 
 1. XLA:CPU compile seconds of the tiered decode step (`engine.runner`'s jitted step, reference kernels, one
    process) and of the prefill forward, at tiny-glm widths with 2, 4, 8 and 16 layers (GLM's pattern: a full
-   indexer then a shared one; the first layer dense, the rest MoE). The layers are scanned (`decoder.scan_layers`),
-   so the program, and its compile time, should not grow with depth.
+   indexer then a shared one), twice: the first layer dense and the rest MoE (two kinds of block from 4 layers on),
+   and every layer MoE ("uniform": one kind of block, only the depth varies). The layers are scanned
+   (`decoder.scan_layers`), so the program, and its compile time, grows with the kinds of block, not the depth.
 2. The deviceless sm_90 build (`hisparse_jax.gpu_build`, XLA's whole GPU pipeline on this CPU) of GLM-5's tiered
    decode step at all 78 layers (fp8 KV, kernels="pallas", batch 32), with the HLO checks the tests apply: store
    donated, host pools in host memory, no pool-sized temporary. Skipped, saying why, without the CUDA plugin /
@@ -35,10 +36,14 @@ from hisparse_jax.kv.state import StoreSpec
 from hisparse_jax.model.decoder import SparseMLAModel, layer_runs
 
 
-def tiny_glm_layers(n: int):
+def tiny_glm_layers(n: int, uniform: bool = False):
+    """tiny-glm widths at n layers: a full indexer then a shared one; the first layer dense and the rest MoE (as
+    tiny-glm, GLM-5 and DeepSeek-V3.2 start), or with `uniform` every layer MoE (one kind of block: only the depth
+    varies)."""
     base = get_preset("tiny-glm")
+    first = "sparse" if uniform else "dense"
     return base.replace(num_hidden_layers=n, indexer_types=("full", "shared") * (n // 2) + ("full",) * (n % 2),
-                        mlp_layer_types=("dense",) + ("sparse",) * (n - 1))
+                        mlp_layer_types=(first,) + ("sparse",) * (n - 1))
 
 
 def timed(lower):
@@ -50,8 +55,8 @@ def timed(lower):
     return t1 - t0, time.perf_counter() - t1, exe
 
 
-def cpu_step(n: int, batch: int) -> dict:
-    cfg = tiny_glm_layers(n)
+def cpu_step(n: int, batch: int, uniform: bool = False) -> dict:
+    cfg = tiny_glm_layers(n, uniform)
     cache = CacheConfig(kv_dtype="float32", device_pages=64, host_pages=64, max_seqs=batch, max_seq_len=2048)
     graphdef, params, store, rows = gpu_build.abstract_step_args(cfg, cache, batch)
     step = runner._jitted_step(graphdef, "reference")
@@ -59,8 +64,8 @@ def cpu_step(n: int, batch: int) -> dict:
     return {"layers": n, "runs": len(layer_runs(cfg)), "lower_s": round(low, 2), "compile_s": round(comp, 2)}
 
 
-def cpu_prefill(n: int, tokens: int) -> dict:
-    cfg = tiny_glm_layers(n)
+def cpu_prefill(n: int, tokens: int, uniform: bool = False) -> dict:
+    cfg = tiny_glm_layers(n, uniform)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: SparseMLAModel(cfg, rngs=nnx.Rngs(0))))
     fn = runner.jitted_prefill(graphdef)
     ids = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
@@ -99,15 +104,17 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     out = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "python": platform.python_version(),
-           "cpus": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""), "cpu_step": [], "cpu_prefill": []}
-    for n in args.layers:
-        out["cpu_step"].append(cpu_step(n, args.batch))
-        out["cpu_prefill"].append(cpu_prefill(n, args.prefill_tokens))
-        print(f"{n:3d} layers: step compile {out['cpu_step'][-1]['compile_s']:6.2f} s, "
-              f"prefill compile {out['cpu_prefill'][-1]['compile_s']:6.2f} s", flush=True)
-    for key in ("cpu_step", "cpu_prefill"):
-        first, last = out[key][0], out[key][-1]
-        out[f"{key}_growth"] = round(last["compile_s"] / first["compile_s"], 3)  # deepest / shallowest
+           "cpus": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    for uniform in (False, True):
+        tag = "_uniform" if uniform else ""
+        steps, prefills = out[f"cpu_step{tag}"], out[f"cpu_prefill{tag}"] = [], []
+        for n in args.layers:
+            steps.append(cpu_step(n, args.batch, uniform))
+            prefills.append(cpu_prefill(n, args.prefill_tokens, uniform))
+            print(f"{n:3d} layers{' (all MoE)' if uniform else ''}: step compile {steps[-1]['compile_s']:6.2f} s, "
+                  f"prefill compile {prefills[-1]['compile_s']:6.2f} s", flush=True)
+        for key, rows in ((f"cpu_step{tag}", steps), (f"cpu_prefill{tag}", prefills)):
+            out[f"{key}_growth"] = round(rows[-1]["compile_s"] / rows[0]["compile_s"], 3)  # deepest / shallowest
     if args.sm90_layers:
         why = dl.unavailable_reason()
         if why is not None:
