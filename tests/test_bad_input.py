@@ -220,7 +220,7 @@ def test_saved_params_round_trip(saved_params, model, tmp_path):
 def test_flipped_byte_in_saved_params_is_refused_naming_the_parameter(saved_params, model, tmp_path):
     path = copy_of(saved_params, tmp_path)
     flip_byte(path)
-    with pytest.raises(CheckpointError, match=r"(checksum mismatch in 1 array\(s\): |parameter )(layers|embed_tokens|lm_head|norm)[\w.]* .*damaged"):
+    with pytest.raises(CheckpointError, match=r"(checksum mismatch in 1 array\(s\): |parameter )(stacks|embed_tokens|lm_head|norm)[\w.]* .*damaged"):
         restore_params(path, model.cfg)
     # Without the check the damage is silent (why it exists), unless the flipped bit broke a compressed chunk,
     # which TensorStore then cannot decode: that is refused too, naming the parameter. Where the bit lands
@@ -228,12 +228,12 @@ def test_flipped_byte_in_saved_params_is_refused_naming_the_parameter(saved_para
     try:
         restore_params(path, model.cfg, verify=False)
     except CheckpointError as e:
-        assert re.search(r"parameter (layers|embed_tokens|lm_head|norm)[\w.]* could not be read", str(e)), e
+        assert re.search(r"parameter (stacks|embed_tokens|lm_head|norm)[\w.]* could not be read", str(e)), e
 
 
 def test_params_restored_for_another_config_are_refused_before_reading(saved_params, tmp_path):
-    with pytest.raises(CheckpointError, match=r"was saved as float32\[48, 40\], expected float32\[64, 40\] "
-                                              r"from the model config"):
+    with pytest.raises(CheckpointError, match=r"array embed_tokens was saved as float32\[97, 48\], expected "
+                                              r"float32\[97, 64\] from the model config"):
         restore_params(copy_of(saved_params, tmp_path), model_cfg(hidden_size=64))
 
 
