@@ -13,9 +13,10 @@ import pytest
 from flax import nnx
 
 import hisparse_jax as hj
-from hisparse_jax.config import CacheConfig, RopeConfig, get_preset
+from hisparse_jax.config import CacheConfig, get_preset
 from hisparse_jax.engine import runner
 from hisparse_jax.kv.dense import DenseKV, init_dense_cache
+from tiny import model_cfg
 
 G = importlib.import_module("hisparse_jax.generate")  # the module (the package re-exports the function)
 
@@ -109,20 +110,8 @@ def test_decode_step_updates_the_cache_in_place(tiny_glm):
     assert not bad, f"the decode step copies cache-sized buffers: {bad}"
 
 
-def small_cfg(**over):
-    kw = dict(model_type="glm_moe_dsa", vocab_size=89, hidden_size=48, intermediate_size=64,
-              moe_intermediate_size=24, num_hidden_layers=4, num_attention_heads=3, q_lora_rank=40,
-              kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=12, n_routed_experts=6,
-              n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
-              mlp_layer_types=("dense", "sparse", "dense", "sparse"), max_position_embeddings=4096,
-              rope=RopeConfig(theta=10000.0), index_n_heads=4, index_head_dim=32, index_topk=16,
-              indexer_rope_interleaved=True, indexer_types=("full", "shared", "full", "shared"), dtype="float32")
-    kw.update(over)
-    return hj.ModelConfig(**kw)
-
-
 def test_decode_step_compiles_once_for_40_steps_and_matches_the_paged_store():
-    model = hj.SparseMLAModel(small_cfg(vocab_size=83), rngs=nnx.Rngs(1))  # a fresh config: a fresh compile
+    model = hj.SparseMLAModel(model_cfg(vocab_size=83, index_n_heads=4), rngs=nnx.Rngs(1))  # a fresh config: a fresh compile
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 83, n).tolist() for n in (90, 37)]
     before = runner.TRACE_COUNTS["decode"]
