@@ -106,21 +106,21 @@ def run(args) -> dict:
         log(t0, f"generate ({name}) ...")
         t = time.perf_counter()
         toks, st = generate(model, prompts, N + 1, cache=cc, return_stats=True)
-        steps = max(st["steps"], 1)
+        steps = max(st.steps, 1)
         tokens[name] = toks
         gen[name] = {
-            "wall_s": time.perf_counter() - t, "steps": st["steps"], "evicted_pages": st["evicted_pages"],
-            "totals": {k: st[k] for k in ("resident", "hits", "misses", "h2d_bytes", "h2d_transfer_bytes",
-                                          "d2h_bytes", "append_dropped") if k in st},
+            "wall_s": time.perf_counter() - t, "steps": st.steps, "evicted_pages": st.evicted_pages,
+            "totals": {k: getattr(st, k) for k in ("resident", "hits", "misses", "h2d_bytes", "h2d_transfer_bytes",
+                                                  "d2h_bytes", "append_dropped")},
             "per_step": {
-                "resident_rows": st["resident"] / steps, "hit_rows": st["hits"] / steps,
-                "miss_rows": st["misses"] / steps, "h2d_payload_bytes": st["h2d_bytes"] / steps,
-                "h2d_transfer_bytes": st["h2d_transfer_bytes"] / steps,
+                "resident_rows": st.resident / steps, "hit_rows": st.hits / steps,
+                "miss_rows": st.misses / steps, "h2d_payload_bytes": st.h2d_bytes / steps,
+                "h2d_transfer_bytes": st.h2d_transfer_bytes / steps,
             },
-            "d2h_bytes_incl_prefill": st["d2h_bytes"],
+            "d2h_bytes_incl_prefill": st.d2h_bytes,
         }
-        served = st["hits"] + st["misses"]
-        gen[name]["hit_rate"] = st["hits"] / served if served else None
+        served = st.hits + st.misses
+        gen[name]["hit_rate"] = st.hits / served if served else None
     for name in ("row", "page"):
         gen[name]["tokens_match_resident"] = tokens[name] == tokens["resident"]
 

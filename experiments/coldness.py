@@ -53,13 +53,13 @@ def main(argv=None) -> int:
                                              prefill="chunked", prefill_chunk=240))
         outputs[rule] = eng.generate(prompts, SamplingParams(max_new_tokens=a.new_tokens))
         m = eng.metrics()
-        decode_steps = max(sum(1 for h in m["history"] if h["running"]), 1)
-        results[rule] = {"hit_rate": m["hit_rate"], "hits": m["hits"], "misses": m["misses"],
-                         "h2d_bytes_per_decode_step": m["h2d_bytes"] / decode_steps,
-                         "released_pages": m["evicted_pages"], "mean_running": m["mean_running"],
+        decode_steps = max(sum(1 for h in m.history if h.running), 1)
+        results[rule] = {"hit_rate": m.hit_rate, "hits": m.hits, "misses": m.misses,
+                         "h2d_bytes_per_decode_step": m.h2d_bytes / decode_steps,
+                         "released_pages": m.evicted_pages, "mean_running": m.mean_running,
                          "wall_s": time.perf_counter() - t0}
-        print(f"{rule:>8}: hit rate {m['hit_rate']:.3f}  misses {m['misses']}  H2D/step "
-              f"{results[rule]['h2d_bytes_per_decode_step'] / 2**20:.2f} MiB  released {m['evicted_pages']}",
+        print(f"{rule:>8}: hit rate {m.hit_rate:.3f}  misses {m.misses}  H2D/step "
+              f"{results[rule]['h2d_bytes_per_decode_step'] / 2**20:.2f} MiB  released {m.evicted_pages}",
               file=sys.stderr)
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "preset": "demo-glm",
            "requests": a.requests, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,

@@ -230,9 +230,9 @@ def run_generate_case(case: GenerateCase, model=None) -> dict:
     assert toks == ref, f"tokens differ from the reference:\n tiered {toks}\n ref    {ref}"
     if case.fetch == "row":
         row_bytes = caches[0].spec.row_bytes
-        assert stats["h2d_bytes"] == stats["misses"] * row_bytes, (stats["h2d_bytes"], stats["misses"], row_bytes)
-    return {"outcome": "identical", "hits": stats["hits"], "misses": stats["misses"],
-            "evicted_pages": stats["evicted_pages"]}
+        assert stats.h2d_bytes == stats.misses * row_bytes, (stats.h2d_bytes, stats.misses, row_bytes)
+    return {"outcome": "identical", "hits": stats.hits, "misses": stats.misses,
+            "evicted_pages": stats.evicted_pages}
 
 
 # ----- engine -------------------------------------------------------------------------------------
@@ -368,10 +368,10 @@ def _drive(eng, case: EngineCase, admit, max_steps: int = 2000) -> tuple[list[in
                 eng.step_count = case.arrivals[pending[0]]  # idle until the next arrival
             continue
         m = eng.step()
-        assert m["step"] < max_steps, "no end in sight"
-        moved = m["running"] or m["prefill_tokens"] or m["swaps_in"] or m["preemptions"] or m["swaps_out"]
+        assert m.step < max_steps, "no end in sight"
+        moved = m.running or m.prefill_tokens or m.swaps_in or m.preemptions or m.swaps_out
         assert moved or pending or any(at > eng.step_count for at in case.aborts.values()), \
-            f"stalled at step {m['step']}: {m}"
+            f"stalled at step {m.step}: {m}"
     return accepted, refused
 
 
@@ -391,9 +391,9 @@ def run_engine_case(case: EngineCase, model=None, max_steps: int = 2000) -> dict
         for i in done:
             assert outputs[i] == ref[i], f"request {i}: tokens differ\n engine {outputs[i]}\n ref    {ref[i]}"
     met = eng.metrics()
-    return {"outcome": "identical", "finished": len(done), "refused": len(refused), "preemptions": met["preemptions"],
-            "swaps": met["swaps"], "hits": met["hits"], "misses": met["misses"], "evicted_pages": met["evicted_pages"],
-            "cached_tokens": met["cached_tokens"]}
+    return {"outcome": "identical", "finished": len(done), "refused": len(refused), "preemptions": met.preemptions,
+            "swaps": met.swaps, "hits": met.hits, "misses": met.misses, "evicted_pages": met.evicted_pages,
+            "cached_tokens": met.cached_tokens}
 
 
 def _engine_reference(model, case: EngineCase, idx: list[int], accepted: list[int]) -> dict[int, list[int]]:
@@ -464,9 +464,9 @@ def run_mesh_case(case: MeshCase, model=None, max_steps: int = 2000) -> dict:
             out = reqs[f"r{i}"].output
             assert out == ref[i], f"request {i} (rank {eng.rank_of(f'r{i}')}): tokens differ\n mesh {out}\n ref  {ref[i]}"
     met = eng.metrics()
-    return {"outcome": "identical", "finished": len(done), "refused": len(refused), "preemptions": met["preemptions"],
-            "swaps": met["swaps"], "hits": met["hits"], "misses": met["misses"], "evicted_pages": met["evicted_pages"],
-            "cached_tokens": met["cached_tokens"], "ranks_used": len({eng.rank_of(f"r{i}") for i in accepted})}
+    return {"outcome": "identical", "finished": len(done), "refused": len(refused), "preemptions": met.preemptions,
+            "swaps": met.swaps, "hits": met.hits, "misses": met.misses, "evicted_pages": met.evicted_pages,
+            "cached_tokens": met.cached_tokens, "ranks_used": len({eng.rank_of(f"r{i}") for i in accepted})}
 
 
 # ----- hypothesis ---------------------------------------------------------------------------------

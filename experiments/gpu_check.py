@@ -1052,11 +1052,11 @@ def _tiny_decode(ctx, state: dict, fetch: str, kernels: str) -> dict:
     t = time.perf_counter()
     toks, stats = generate(state["model"], state["prompts"], TINY["decode_new"], cache=cc, return_stats=True,
                            kernels=kernels)
-    rec = {"kernels": kernels, "fetch": fetch, "kv_dtype": "bf16", "tokens": toks, "misses": stats["misses"],
-           "hits": stats["hits"], "wall_s": time.perf_counter() - t}
+    rec = {"kernels": kernels, "fetch": fetch, "kv_dtype": "bf16", "tokens": toks, "misses": stats.misses,
+           "hits": stats.hits, "wall_s": time.perf_counter() - t}
     base = state.setdefault("tokens", toks)
     rec["tokens_equal_reference_row"] = toks == base
-    rec["passed"] = bool(toks == base and stats["misses"] > 0)
+    rec["passed"] = bool(toks == base and stats.misses > 0)
     return rec
 
 

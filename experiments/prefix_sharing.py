@@ -107,9 +107,10 @@ def main(argv=None) -> int:
             outs[setting] = run(eng, prompts, params, a.arrival_every)
             m = eng.metrics()
             results[pol][setting] = {
-                k: m[k] for k in ("prefill_tokens", "cached_tokens", "prefix_hit_rate", "mean_running", "max_running",
-                                  "steps", "mean_ttft_steps", "mean_latency_steps", "preemptions", "swaps",
-                                  "hit_rate", "h2d_bytes", "d2h_bytes", "tokens_per_s")}
+                k: getattr(m, k) for k in ("prefill_tokens", "cached_tokens", "prefix_hit_rate", "mean_running",
+                                           "max_running", "steps", "mean_ttft_steps", "mean_latency_steps",
+                                           "preemptions", "swaps", "hit_rate", "h2d_bytes", "d2h_bytes",
+                                           "tokens_per_s")}
             results[pol][setting]["wall_s"] = time.perf_counter() - t0
             r = results[pol][setting]
             print(f"{pol:>8} prefix cache {setting:>3}: computed {r['prefill_tokens']:>6} cached {r['cached_tokens']:>6} "

@@ -116,13 +116,13 @@ def engine_run(a) -> dict:
         eng.run()
         m = eng.metrics()
         outputs[pol] = eng.outputs()
-        results[pol] = {k: m[k] for k in ("mean_running", "max_running", "preemptions", "swaps", "steps",
-                                          "tokens_per_s", "hit_rate", "hits", "misses", "h2d_bytes", "d2h_bytes",
-                                          "evicted_pages", "compile_time_s")}
+        results[pol] = {k: getattr(m, k) for k in ("mean_running", "max_running", "preemptions", "swaps", "steps",
+                                                   "tokens_per_s", "hit_rate", "hits", "misses", "h2d_bytes",
+                                                   "d2h_bytes", "evicted_pages", "compile_time_s")}
         results[pol].update(wall_s=time.perf_counter() - t0, device_pages=cc.device_pages,
-                            index_pages=cc.num_index_pages, running_over_time=[h["running"] for h in m["history"]])
+                            index_pages=cc.num_index_pages, running_over_time=[h.running for h in m.history])
         eng.close()
-        print(f"  {pol:>8}: mean running {m['mean_running']:.2f}  max {m['max_running']}  "
+        print(f"  {pol:>8}: mean running {m.mean_running:.2f}  max {m.max_running}  "
               f"{results[pol]['wall_s']:.1f}s", file=sys.stderr, flush=True)
     pols = list(results)
     out = {"preset": a.preset, "requests": a.requests, "prompt_tokens": [len(p) for p in prompts],

@@ -251,18 +251,18 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
         row_bytes = eng.spec.row_bytes
         outputs[pol] = eng.outputs()
         results[pol] = {
-            "mean_running": m["mean_running"], "max_running": m["max_running"], "preemptions": m["preemptions"],
-            "swaps": m["swaps"], "tokens_per_s": m["tokens_per_s"], "hit_rate": m["hit_rate"],
-            "hits": m["hits"], "misses": m["misses"], "h2d_bytes": m["h2d_bytes"], "d2h_bytes": m["d2h_bytes"],
-            "evicted_pages": m["evicted_pages"], "steps": m["steps"], "wall_s": time.perf_counter() - t0,
-            "compile_s": m["compile_time_s"], "acceptance_rate": m["acceptance_rate"],
-            "tokens_per_step": m["tokens_per_step"], "duplicate_misses": m["duplicate_misses"],
+            "mean_running": m.mean_running, "max_running": m.max_running, "preemptions": m.preemptions,
+            "swaps": m.swaps, "tokens_per_s": m.tokens_per_s, "hit_rate": m.hit_rate,
+            "hits": m.hits, "misses": m.misses, "h2d_bytes": m.h2d_bytes, "d2h_bytes": m.d2h_bytes,
+            "evicted_pages": m.evicted_pages, "steps": m.steps, "wall_s": time.perf_counter() - t0,
+            "compile_s": m.compile_time_s, "acceptance_rate": m.acceptance_rate,
+            "tokens_per_step": m.tokens_per_step, "duplicate_misses": m.duplicate_misses,
             # H2D bytes of the steps over (distinct missing rows x row bytes): 1.00 when each miss moves once
-            "h2d_per_miss_bytes": _ratio(sum(h["h2d_bytes"] for h in m["history"]), m["misses"] * row_bytes),
+            "h2d_per_miss_bytes": _ratio(sum(h.h2d_bytes for h in m.history), m.misses * row_bytes),
             **split[pol],
-            "running_over_time": [h["running"] for h in m["history"]],
+            "running_over_time": [h.running for h in m.history],
             # per device (a MeshEngine): each rank's mean running requests over its decode steps
-            "ranks_mean_running": [r["mean_running"] for r in m["ranks"]] or [m["mean_running"]],
+            "ranks_mean_running": [r.mean_running for r in m.ranks] or [m.mean_running],
         }
         eng.close()
     first = outputs[policies[0]]
@@ -335,14 +335,14 @@ class _Progress:
         m = engine.history[-1]
         with self.lock:
             now = time.perf_counter()
-            self.step, self.running, self.waiting = engine.step_count, m["running"], m["waiting"]
+            self.step, self.running, self.waiting = engine.step_count, m.running, m.waiting
             self.finished = sum(r.finished for r in engine.requests.values())
-            if m["compiled"]:
-                span = f", indexer span {m['index_pages']} pages" if m.get("index_pages") else ""
-                self._line(f"{self.pol}: step {m['step']}: compiling the decode step for batch bucket {m['bucket']}"
-                           f"{span} (the step took {m['step_time_s']:.1f} s)")
+            if m.compiled:
+                span = f", indexer span {m.index_pages} pages" if m.index_pages else ""
+                self._line(f"{self.pol}: step {m.step}: compiling the decode step for batch bucket {m.bucket}"
+                           f"{span} (the step took {m.step_time_s:.1f} s)")
             elif self.compiling:  # a whole-prompt prefill compiled
-                self._line(f"{self.pol}: step {m['step']}: {self.compiling} (the step took "
+                self._line(f"{self.pol}: step {m.step}: {self.compiling} (the step took "
                            f"{now - self.step_t0:.1f} s)")
             if self.bar is not None:
                 self.bar.set_description_str(self.pol, refresh=False)

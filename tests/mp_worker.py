@@ -52,8 +52,8 @@ def main(process_id: int, num_processes: int, port: int) -> dict:
         toks, stats = generate(model, prompts, STEPS, cache=small, mesh=mesh, return_stats=True)
         return {"process_index": jax.process_index(), "process_count": jax.process_count(),
                 "devices": len(jax.devices()), "local_devices": len(jax.local_devices()),
-                "mesh_local": parallel.is_local(mesh), "tokens": toks, "misses": int(stats["misses"]),
-                "evicted_pages": int(stats["evicted_pages"]), "seconds": time.perf_counter() - t0}
+                "mesh_local": parallel.is_local(mesh), "tokens": toks, "misses": int(stats.misses),
+                "evicted_pages": int(stats.evicted_pages), "seconds": time.perf_counter() - t0}
     finally:
         jax.distributed.shutdown()
 

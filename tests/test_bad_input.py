@@ -389,7 +389,7 @@ def test_bad_seed_in_one_request_the_others_complete_like_generate(model, refere
     bad = eng.requests["r1"]
     assert bad.state is RequestState.FAILED and "OverflowError" in bad.error and "-1" in bad.error
     assert eng.requests["r0"].output == reference[0] and eng.requests["r2"].output == reference[2]
-    assert eng.metrics()["failed"] == 1
+    assert eng.metrics().failed == 1
     assert eng.cache.pool.num_used("device") == 0 and not eng.cache.requests
 
 

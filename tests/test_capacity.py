@@ -47,7 +47,7 @@ def test_generate_compiles_one_step_for_every_budget(model, prompts):
         for hr in HOT_BUDGETS:
             out, stats = generate(model, prompts, 20, cache=budget(device_pages=dp, hot_rows=hr), return_stats=True)
             assert out == ref, (dp, hr)
-            misses[dp, hr] = stats["misses"]
+            misses[dp, hr] = stats.misses
     assert runner.TRACE_COUNTS["decode_step"] - before == 1  # one batch bucket, one index span: one compile
     # the budgets are enforced, not only accepted: less device memory, more misses; a smaller hot buffer, more
     assert misses[9, 16] > misses[10, 16] > misses[11, 16] > misses[64, 16] == 0
@@ -63,7 +63,7 @@ def test_engine_compiles_once_per_batch_shape_across_budgets(model, prompts):
             before = runner.TRACE_COUNTS["decode_step"]
             out = eng.generate(prompts, SamplingParams(max_new_tokens=12))
             traces += runner.TRACE_COUNTS["decode_step"] - before
-            seen |= {(m["bucket"], m["index_pages"]) for m in eng.history if m["bucket"]}
+            seen |= {(m.bucket, m.index_pages) for m in eng.history if m.bucket}
             assert [len(o) for o in out] == [12, 12, 12]
     assert traces == len(seen), (traces, sorted(seen))  # one compile per step shape, whatever the budget
 

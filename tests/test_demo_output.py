@@ -13,6 +13,7 @@ import types
 import pytest
 
 from hisparse_jax import demo
+from hisparse_jax.results import StepMetrics
 
 
 @pytest.mark.slow
@@ -62,8 +63,10 @@ def test_demo_prints_header_steps_caveat_and_why_preempt_does_not_preempt(capsys
 
 def _engine(step: int, running: int, waiting: int, finished: int, n: int, compiled=False, bucket=8):
     reqs = {f"r{i}": types.SimpleNamespace(finished=i < finished) for i in range(n)}
-    hist = [{"step": step - 1, "running": running, "waiting": waiting, "compiled": compiled, "bucket": bucket,
-             "step_time_s": 0.1}]
+    fields = {f: 0 for f in StepMetrics.__dataclass_fields__}
+    fields.update(step=step - 1, running=running, waiting=waiting, compiled=compiled, bucket=bucket, step_time_s=0.1,
+                  wait_reasons={})
+    hist = [StepMetrics(**fields)]
     return types.SimpleNamespace(history=hist, step_count=step, requests=reqs)
 
 

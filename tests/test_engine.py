@@ -62,15 +62,15 @@ def test_whole_prompt_prefill_gives_the_same_tokens(model, prompts, runs, policy
                                                                 check_invariants=True))
     res = eng.generate(prompts, SamplingParams(max_new_tokens=NEW))
     assert res == runs[policy][0]
-    assert eng.metrics()["preemptions"] == 0
+    assert eng.metrics().preemptions == 0
 
 
 @pytest.mark.slow
 def test_hisparse_runs_more_requests_without_preemption(runs):
     h, o = runs["hisparse"][1], runs["offload"][1]
-    assert h["preemptions"] == 0 and h["swaps"] == 0
-    assert h["mean_running"] > o["mean_running"]
-    assert h["evicted_pages"] > 0 and h["misses"] > 0
+    assert h.preemptions == 0 and h.swaps == 0
+    assert h.mean_running > o.mean_running
+    assert h.evicted_pages > 0 and h.misses > 0
 
 
 @pytest.mark.slow
@@ -107,15 +107,14 @@ def test_metrics_and_log(model, prompts, tmp_path):
     eng.generate(prompts[:2], SamplingParams(max_new_tokens=4))
     eng.close()
     m = eng.metrics()
-    for k in ("mean_running", "max_running", "preemptions", "swaps", "tokens_per_s", "hit_rate", "h2d_bytes",
-              "d2h_bytes", "history"):
-        assert k in m
-    assert m["tokens"] == 8
+    assert {"mean_running", "max_running", "preemptions", "swaps", "tokens_per_s", "hit_rate", "h2d_bytes",
+            "d2h_bytes", "history"} <= set(m.to_json())
+    assert m.tokens == 8
     reqs = list(eng.requests.values())  # steps from arrival to the first / last token
-    assert m["mean_ttft_steps"] == np.mean([r.first_token_step - r.arrival for r in reqs])
-    assert m["mean_latency_steps"] == np.mean([r.finish_step - r.arrival for r in reqs]) >= m["mean_ttft_steps"] + 3
+    assert m.mean_ttft_steps == np.mean([r.first_token_step - r.arrival for r in reqs])
+    assert m.mean_latency_steps == np.mean([r.finish_step - r.arrival for r in reqs]) >= m.mean_ttft_steps + 3
     lines = log.read_text().splitlines()
-    assert len(lines) == m["steps"]
+    assert len(lines) == m.steps
 
 
 def test_bad_input(model):
@@ -144,7 +143,7 @@ def test_full_host_pool_makes_requests_wait(model, prompts):
     cc = cache_for("hisparse", model).replace(host_pages=11)
     eng = Engine(model, cc, EngineConfig(policy="hisparse", max_running=6, check_invariants=True))
     res = eng.generate(prompts[:3], SamplingParams(max_new_tokens=8))
-    assert max(m["admitted"] for m in eng.history) == 1
+    assert max(m.admitted for m in eng.history) == 1
     assert res == generate(model, prompts[:3], 8)
 
 

@@ -34,7 +34,7 @@ def test_engine_with_interpreted_kernels_gives_the_reference_tokens(model):
     assert out["pallas_interpret"] == out["reference"]
     assert all(len(t) == 4 for t in out["reference"])
     ref, ker = metrics["reference"], metrics["pallas_interpret"]
-    assert ref["misses"] > 0 and (ker["hits"], ker["misses"]) == (ref["hits"], ref["misses"])
+    assert ref.misses > 0 and (ker.hits, ker.misses) == (ref.hits, ref.misses)
 
 
 def test_bad_kernels_are_refused(model):

@@ -70,7 +70,7 @@ def test_smallest_accepted_budget_tiers_and_matches_contiguous(tiny_glm, fetch):
                               cache=CacheConfig(kv_dtype="float32", device_pages=20, host_pages=256, max_seqs=4,
                                                 fetch=fetch))
     assert toks == ref
-    assert stats["evicted_pages"] > 0 and stats["hits"] > 0 and stats["misses"] > 0
+    assert stats.evicted_pages > 0 and stats.hits > 0 and stats.misses > 0
 
 
 @pytest.mark.slow
@@ -79,7 +79,7 @@ def test_reported_mixed_lengths_at_the_smallest_budget(tiny_glm):
     toks, stats = hj.generate(tiny_glm, prompts, 64, return_stats=True,
                               cache=CacheConfig(**{**budget, "device_pages": least, "kv_dtype": "float32"}))
     assert toks == hj.generate(tiny_glm, prompts, 64)
-    assert stats["misses"] > 0
+    assert stats.misses > 0
 
 
 def test_check_counts_written_positions_not_sampled_tokens():

@@ -204,7 +204,7 @@ def test_tiered_bf16_decode_equals_all_resident(fetch):
     cc: CacheConfig = BIG.replace(kv_dtype="bf16", fetch=fetch)
     a, sa, la = generate(m, ps, 24, cache=cc, return_stats=True, return_logits=True)
     b, sb, lb = generate(m, ps, 24, cache=cc.replace(device_pages=7), return_stats=True, return_logits=True)
-    assert sa["misses"] == 0 and sb["misses"] > 0 and sb["evicted_pages"] > 0
+    assert sa.misses == 0 and sb.misses > 0 and sb.evicted_pages > 0
     assert a == b
     for x, y in zip(la, lb):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

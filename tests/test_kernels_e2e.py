@@ -29,7 +29,7 @@ def same_generation(kernels: str, kv_dtype: str, **cfg):
     ref, s_ref, l_ref = generate(m, prompts, 8, cache=cc, return_stats=True, return_logits=True)
     ker, s_ker, l_ker = generate(m, prompts, 8, cache=cc, return_stats=True, return_logits=True, kernels=kernels)
     assert ker == ref
-    assert s_ker["misses"] == s_ref["misses"] > 0 and s_ker["hits"] == s_ref["hits"]
+    assert s_ker.misses == s_ref.misses > 0 and s_ker.hits == s_ref.hits
     return l_ref, l_ker
 
 

@@ -50,8 +50,8 @@ def _checks() -> dict:
     one, one_stats = generate(model, prompts, steps, cache=small.replace(device_pages=40, host_pages=80, max_seqs=10),
                               return_stats=True)
     contiguous = generate(model, prompts, steps)
-    out.update(mesh_tokens=toks, one_tokens=one, contiguous_tokens=contiguous, stats=dict(stats.to_json()
-               if hasattr(stats, "to_json") else stats), one_misses=one_stats["misses"])
+    out.update(mesh_tokens=toks, one_tokens=one, contiguous_tokens=contiguous, stats=stats.to_json(),
+               one_misses=one_stats.misses)
     # sampled: rows are sampled in prompt order with the one-device run's keys
     kw = dict(temperature=0.8, top_p=0.9, key=jax.random.key(1), return_logits=True)
     sampled, lg_mesh = generate(model, prompts, 4, cache=small, mesh=mesh, **kw)

@@ -56,19 +56,18 @@ def _checks() -> dict:
                                                     check_invariants=True), mesh=mesh)
         toks = eng.generate(prompts, SamplingParams(max_new_tokens=new))
         m = eng.metrics()
-        hist = m["history"]
-        shapes = {(h["bucket"], h["index_pages"]) for h in hist if h["bucket"]}
+        hist = m.history
+        shapes = {(h.bucket, h.index_pages) for h in hist if h.bucket}
         out["policies"][policy] = {
             "tokens": toks, "ranks": [eng.rank_of(f"gen-{i}") for i in range(len(prompts))],
-            "totals": {k: m[k] for k in ("tokens", "hits", "misses", "evicted_pages", "preemptions", "swaps",
-                                         "h2d_bytes", "d2h_bytes", "max_running")},
-            "rank_sums": {k: sum(r[k] for r in m["ranks"]) for k in ("tokens", "hits", "misses", "evicted_pages",
-                                                                      "preemptions", "swaps", "h2d_bytes",
-                                                                      "d2h_bytes")},
-            "rank_steps": [r["steps"] for r in m["ranks"]], "steps": m["steps"],
-            "running_sum_ok": all(h["running"] == sum(r["history"][i]["running"] for r in m["ranks"])
-                                  for i, h in enumerate(hist)),
-            "compiled_steps": sum(h["compiled"] for h in hist), "shapes": len(shapes),
+            "totals": {k: getattr(m, k) for k in ("tokens", "hits", "misses", "evicted_pages", "preemptions",
+                                                  "swaps", "h2d_bytes", "d2h_bytes", "max_running")},
+            "rank_sums": {k: sum(getattr(r, k) for r in m.ranks) for k in ("tokens", "hits", "misses",
+                                                                           "evicted_pages", "preemptions", "swaps",
+                                                                           "h2d_bytes", "d2h_bytes")},
+            "rank_steps": [r.steps for r in m.ranks], "steps": m.steps,
+            "running_sum_ok": all(h.running == sum(r.history[i].running for r in m.ranks) for i, h in enumerate(hist)),
+            "compiled_steps": sum(h.compiled for h in hist), "shapes": len(shapes),
         }
     # chunked prefill + prefix caching: a request whose prompt's pages a rank holds goes to that rank
     eng = MeshEngine(model, small.replace(device_pages=12), EngineConfig(policy="hisparse", max_running=2,
@@ -84,7 +83,7 @@ def _checks() -> dict:
     eng.run()
     m = eng.metrics()
     out["prefix"] = {"ranks": {rid: eng.rank_of(rid) for rid in ("fill0", "fill1", "fill2", "a", "b", "c")},
-                     "cached_tokens": m["cached_tokens"], "outputs": eng.outputs()}
+                     "cached_tokens": m.cached_tokens, "outputs": eng.outputs()}
     out["prefix_reference"] = dict(zip(("a", "b", "c"), generate(model, [shared + [5, 6, 7], shared + [9, 9],
                                                                           prompts[5][:150]], 3)))
     rr = MeshEngine(model, small, EngineConfig(policy="hisparse", max_running=2, placement="round_robin"), mesh=mesh)
@@ -111,15 +110,15 @@ def _checks() -> dict:
     eng = MeshEngine(ep_model, small, EngineConfig(policy="hisparse", max_running=2, prefill="whole",
                                                    expert_parallel=True, check_invariants=True), mesh=mesh)
     toks = eng.generate(prompts, SamplingParams(max_new_tokens=new))
-    out["ep"] = {"tokens": toks, "reference": generate(ep_model, prompts, new), "misses": eng.metrics()["misses"]}
+    out["ep"] = {"tokens": toks, "reference": generate(ep_model, prompts, new), "misses": eng.metrics().misses}
     params = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(eng.params)[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(eng.runner.params)[0]:
         name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
         params[name] = {"shape": list(leaf.shape), "shards": sorted({tuple(x.data.shape) for x in leaf.addressable_shards}),
                         "devices": len({x.device.id for x in leaf.addressable_shards})}
     out["ep"]["params"] = params
     ep_step = jitted_sharded_step_and_sample(nnx.split(ep_model)[0], mesh, "reference", True)
-    hlo = ep_step.lower(eng.params, eng.store, batch, sampling).compile().as_text()
+    hlo = ep_step.lower(eng.runner.params, eng.store, batch, sampling).compile().as_text()
     out["ep"]["collectives"] = [line.split(" = ", 1)[1].split("(")[0] for line in hlo.splitlines()
                                 if any(f" {c}(" in line or f" {c}-start(" in line for c in COLLECTIVES) and " = " in line]
     out["ep"]["moe_layers"] = sum(t == "sparse" for t in ep_cfg.mlp_layer_types)
@@ -299,10 +298,10 @@ def test_mesh_engine_refusals_and_log(small_model, tmp_path):
     with pytest.raises(RuntimeError, match="step the MeshEngine"):
         eng.engines[0].store
     eng.run()
-    assert eng.outputs()["x"] and eng.metrics()["tokens"] == 2
+    assert eng.outputs()["x"] and eng.metrics().tokens == 2
     eng.close()
     lines = [json.loads(x) for x in log.read_text().splitlines()]
-    assert len(lines) == eng.metrics()["steps"] and all(len(x["ranks"]) == 1 for x in lines)
+    assert len(lines) == eng.metrics().steps and all(len(x["ranks"]) == 1 for x in lines)
     assert sum(x["tokens"] for x in lines) == 2
 
 

@@ -393,12 +393,12 @@ def test_engine_prefix_hits_keep_tokens_and_skip_prefill(engine_model, shared_pr
     out, eng = run_engine(engine_model, shared_prompts, policy, prefill)
     assert out == shared_refs  # equal to unconstrained generate: sharing never changes tokens
     m = eng.metrics()
-    assert m["cached_tokens"] >= 256 * 2 and m["cached_tokens"] % 64 == 0
+    assert m.cached_tokens >= 256 * 2 and m.cached_tokens % 64 == 0
     assert all(eng.requests[f"r{i}"].cached_tokens >= 256 for i in (1, 2, 3) if eng.requests[f"r{i}"].preemptions
                == 0)
     total_prompt = sum(len(p) for p in shared_prompts)
-    assert m["prefill_tokens"] + m["cached_tokens"] >= total_prompt
-    assert m["prefix_hit_rate"] == m["cached_tokens"] / (m["cached_tokens"] + m["prefill_tokens"])
+    assert m.prefill_tokens + m.cached_tokens >= total_prompt
+    assert m.prefix_hit_rate == m.cached_tokens / (m.cached_tokens + m.prefill_tokens)
     assert_all_free(eng.cache.pool)
 
 
@@ -407,7 +407,7 @@ def test_engine_without_prefix_caching_computes_everything(engine_model, shared_
     out, eng = run_engine(engine_model, shared_prompts, "hisparse", prefix_caching=False)
     assert out == shared_refs
     m = eng.metrics()
-    assert m["cached_tokens"] == 0 and m["prefill_tokens"] == sum(len(p) for p in shared_prompts)
+    assert m.cached_tokens == 0 and m.prefill_tokens == sum(len(p) for p in shared_prompts)
 
 
 @pytest.mark.slow
@@ -463,6 +463,6 @@ def test_engine_hisparse_pressure_with_shared_prefix(engine_model, shared_prompt
     eng.run()
     assert [eng.requests[f"r{i}"].output for i in range(4)] == refs
     m = eng.metrics()
-    assert m["cached_tokens"] > 0 and m["evicted_pages"] > 0 and m["misses"] > 0 and m["preemptions"] == 0
-    assert m["max_running"] >= 2
+    assert m.cached_tokens > 0 and m.evicted_pages > 0 and m.misses > 0 and m.preemptions == 0
+    assert m.max_running >= 2
     assert_all_free(eng.cache.pool)

@@ -11,6 +11,7 @@ from flax import nnx
 import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine import Engine, EngineConfig, SamplingParams, runner as runner_mod
+from hisparse_jax.engine.sampling import prompt_seeds
 from hisparse_jax.generate import generate
 from tiny import model_cfg
 
@@ -23,11 +24,13 @@ def model():
     return hj.SparseMLAModel(model_cfg(), rngs=nnx.Rngs(1))
 
 
+CACHE = CacheConfig(kv_dtype="float32", device_pages=40, host_pages=40, max_seq_len=256)
+
+
 def make_engine(model, **over):
     kw = dict(policy="hisparse", max_running=8, prefill="whole")
     kw.update(over)
-    return Engine(model, CacheConfig(kv_dtype="float32", device_pages=40, host_pages=40, max_seq_len=256),
-                  EngineConfig(**kw))
+    return Engine(model, CACHE, EngineConfig(**kw))
 
 
 def test_model_split_once_per_runner(model, monkeypatch):
@@ -61,7 +64,7 @@ def test_one_device_to_host_read_per_decode_step(model, monkeypatch, coldness):
         while eng.has_unfinished():
             before = len(reads)
             m = eng.step()
-            assert m["running"] > 0 and len(reads) - before == 1, m
+            assert m.running > 0 and len(reads) - before == 1, m
             steps += 1
     assert steps >= NEW - 3
 
@@ -78,14 +81,34 @@ def test_compiles_per_run_equal_the_batch_buckets_used():
     buckets = set()
     while eng.has_unfinished():
         m = eng.step()
-        if m["running"] or m["prefill_tokens"]:
-            buckets.add((m["bucket"], m["index_pages"]))
+        if m.running or m.prefill_tokens:
+            buckets.add((m.bucket, m.index_pages))
     compiled = runner_mod.COUNTS["step"] - before.get("step", 0)
     assert compiled == len(buckets), (compiled, buckets)
     assert runner_mod.COUNTS["sampler"] == before.get("sampler", 0)  # chunked prefill: no separate sampler
 
 
+def test_sampled_generate_equals_the_engine_at_each_prompts_seed(model):
+    """One sampler: generate's prompt i draws its tokens with the seed `prompt_seeds(key, n)[i]` at the engine's
+    positions, so its tokens are the Engine's for that prompt and seed, batched with others or alone."""
+    kw = dict(temperature=0.9, top_p=0.8)
+    key = jax.random.key(3)
+    tokens = generate(model, PROMPTS, NEW, cache=CACHE, key=key, **kw)
+    assert tokens != generate(model, PROMPTS, NEW, cache=CACHE)  # sampled, not greedy
+    seeds = prompt_seeds(key, len(PROMPTS))
+    assert prompt_seeds(key, 2) == seeds[:2] and len(set(seeds)) == len(seeds)
+    eng = make_engine(model)
+    for i, (p, s) in enumerate(zip(PROMPTS, seeds)):
+        eng.add_request(f"r{i}", p, SamplingParams(max_new_tokens=NEW, seed=s, **kw))
+    eng.run()
+    assert [eng.outputs()[f"r{i}"] for i in range(len(PROMPTS))] == tokens
+    # alone: prompt 0 in its own generate call (its seed is the same), prompt 3 alone in an engine
+    assert generate(model, PROMPTS[:1], NEW, cache=CACHE, key=key, **kw) == tokens[:1]
+    alone = make_engine(model)
+    assert alone.generate([PROMPTS[3]], SamplingParams(max_new_tokens=NEW, seed=seeds[3], **kw)) == [tokens[3]]
+
+
 def test_engine_tokens_equal_generate(model):
     eng = make_engine(model)
     assert eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW)) == generate(model, PROMPTS, NEW)
-    assert np.all([m["compiled"] is False for m in eng.history[-3:]])
+    assert np.all([m.compiled is False for m in eng.history[-3:]])

@@ -55,11 +55,11 @@ def baseline(model, prompts):
 def test_greedy_tokens_identical_under_eviction(model, prompts, baseline, k):
     out, m, eng = run(model, prompts, "hisparse", k)
     assert out == baseline[0]
-    assert m["evicted_pages"] > 0 and m["misses"] > 0  # the budget forced releases and host fetches
-    assert m["speculative_tokens"] == k and m["acceptance_rate"] >= 0 and m["tokens_per_step"] >= 1
+    assert m.evicted_pages > 0 and m.misses > 0  # the budget forced releases and host fetches
+    assert m.speculative_tokens == k and m.acceptance_rate >= 0 and m.tokens_per_step >= 1
     row = eng.cache.spec.row_bytes
-    for h in m["history"]:  # every step moved exactly its distinct missing rows
-        assert h["h2d_bytes"] == h["misses"] * row
+    for h in m.history:  # every step moved exactly its distinct missing rows
+        assert h.h2d_bytes == h.misses * row
 
 
 class PerfectDrafts(Engine):
@@ -86,7 +86,7 @@ def test_accepted_drafts_commit_several_tokens_per_step(model, prompts, baseline
     PerfectDrafts.truth = {f"gen-{i}": o for i, o in enumerate(ref)}
     out, m, _ = run(model, prompts, policy, 3, engine_cls=PerfectDrafts)
     assert out == ref
-    assert m["acceptance_rate"] > 0.5 and m["tokens_per_step"] > 2, (m["acceptance_rate"], m["tokens_per_step"])
+    assert m.acceptance_rate > 0.5 and m.tokens_per_step > 2, (m.acceptance_rate, m.tokens_per_step)
 
 
 @pytest.mark.slow
@@ -151,7 +151,7 @@ def test_rejection_rule_in_the_engine(model, prompts, baseline):
     assert greedy == baseline[0][:2]  # greedy rows accept exactly the argmax under either rule
     out, m, _ = run(model, prompts[:2], "hisparse", 2, SamplingParams(max_new_tokens=12, temperature=1.0, seed=3),
                     engine_cls=Rejection)
-    assert [len(o) for o in out] == [12, 12] and 0 <= m["acceptance_rate"] <= 1
+    assert [len(o) for o in out] == [12, 12] and 0 <= m.acceptance_rate <= 1
 
 
 class Rejection(Engine):

@@ -47,10 +47,10 @@ def test_tiny_budget_is_lossless(model, prompts, contiguous_run, fetch):
         np.testing.assert_array_equal(a, b)  # bit-identical logits
     for a, b in zip(ref_logits, l_big):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    assert s_big["evicted_pages"] == s_big["misses"] == s_big["h2d_bytes"] == 0
-    assert s_small["evicted_pages"] > 0 and s_small["misses"] > 0 and s_small["hits"] > 0
-    assert s_small["h2d_bytes"] == s_small["misses"] * (32 + 16) * 4
-    assert s_small["append_dropped"] == 0
+    assert s_big.evicted_pages == s_big.misses == s_big.h2d_bytes == 0
+    assert s_small.evicted_pages > 0 and s_small.misses > 0 and s_small.hits > 0
+    assert s_small.h2d_bytes == s_small.misses * (32 + 16) * 4
+    assert s_small.append_dropped == 0
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
@@ -66,7 +66,7 @@ def test_tiered_equals_all_resident_in_compressed_formats(kv_dtype):
     cc = BIG.replace(kv_dtype=kv_dtype)
     a, la = generate(m, ps, 24, cache=cc, return_logits=True)
     b, sb, lb = generate(m, ps, 24, cache=cc.replace(device_pages=7), return_stats=True, return_logits=True)
-    assert a == b and sb["misses"] > 0
+    assert a == b and sb.misses > 0
     for x, y in zip(la, lb):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
 
@@ -156,4 +156,4 @@ def test_default_kv_dtype_follows_the_model(model):
     tokens, stats = generate(model, prompts, 12, cache=CacheConfig(device_pages=7, host_pages=24, max_seqs=2,
                                                                      max_seq_len=384), return_stats=True)
     assert tokens == generate(model, prompts, 12)
-    assert stats["evicted_pages"] > 0 and stats["misses"] > 0
+    assert stats.evicted_pages > 0 and stats.misses > 0

@@ -523,13 +523,12 @@ class Engine:
         """Step until every request has finished. `progress(engine)` is called after each step."""
         while self.has_unfinished():
             m = self.step()
-            moved = (m["running"] or m["prefill_tokens"] or m["swaps_in"] or m["preemptions"] or m["swaps_out"]
-                     or m["failed"])
+            moved = m.running or m.prefill_tokens or m.swaps_in or m.preemptions or m.swaps_out or m.failed
             if not moved:
                 w = self.scheduler.waiting
-                raise RuntimeError(f"no progress at step {m['step']}: {len(self.scheduler.active)} admitted, "
+                raise RuntimeError(f"no progress at step {m.step}: {len(self.scheduler.active)} admitted, "
                                    f"{len(w)} waiting (first: {w[0].request_id if w else None}); "
-                                   f"waiting for {m['wait_reasons']}; pool {self.cache.pool.stats()}")
+                                   f"waiting for {m.wait_reasons}; pool {self.cache.pool.stats()}")
             if progress:
                 progress(self)
 
@@ -567,39 +566,39 @@ def summarize(h: list, requests: list, *, policy: str, speculative_tokens: int =
               extra_d2h_bytes: int = 0, evicted_pages: int = 0, import_bytes: int = 0, ranks=()) -> EngineMetrics:
     """`EngineMetrics` of a run from its per-step history `h` and its `requests`; extra_h2d/d2h_bytes: bytes moved
     outside the steps (page loads, prompt writes); ranks: per-rank metrics (a `MeshEngine`)."""
-    decode_steps = [m for m in h if m["running"]]
-    total_time = sum(m["step_time_s"] for m in h)
-    warm = [m for m in h if not m["compiled"]]
-    warm_time = sum(m["step_time_s"] for m in warm)
-    hits, misses = sum(m["hits"] for m in h), sum(m["misses"] for m in h)
-    tokens = sum(m["tokens"] for m in h)
-    cached, prefill = sum(m["cached_tokens"] for m in h), sum(m["prefill_tokens"] for m in h)
+    decode_steps = [m for m in h if m.running]
+    total_time = sum(m.step_time_s for m in h)
+    warm = [m for m in h if not m.compiled]
+    warm_time = sum(m.step_time_s for m in warm)
+    hits, misses = sum(m.hits for m in h), sum(m.misses for m in h)
+    tokens = sum(m.tokens for m in h)
+    cached, prefill = sum(m.cached_tokens for m in h), sum(m.prefill_tokens for m in h)
     done = [r for r in requests if r.state is RequestState.FINISHED]
     return EngineMetrics(**{
         "policy": policy, "steps": len(h),
-        "mean_running": float(np.mean([m["running"] for m in decode_steps])) if decode_steps else 0.0,
-        "max_running": max((m["running"] for m in h), default=0),
-        "preemptions": sum(m["preemptions"] for m in h), "swaps": sum(m["swaps_out"] for m in h),
+        "mean_running": float(np.mean([m.running for m in decode_steps])) if decode_steps else 0.0,
+        "max_running": max((m.running for m in h), default=0),
+        "preemptions": sum(m.preemptions for m in h), "swaps": sum(m.swaps_out for m in h),
         "failed": sum(r.state is RequestState.FAILED for r in requests),
-        "tokens": tokens, "prefill_tokens": sum(m["prefill_tokens"] for m in h),
+        "tokens": tokens, "prefill_tokens": sum(m.prefill_tokens for m in h),
         # prompt tokens served by the prefix cache, and their share of all prompt tokens admitted
         "cached_tokens": cached, "prefix_hit_rate": cached / (cached + prefill) if cached + prefill else 0.0,
         "time_s": total_time, "compile_steps": len(h) - len(warm), "compile_time_s": total_time - warm_time,
         # throughput over the steps that did not compile (the step compiles once per batch bucket)
-        "tokens_per_s": sum(m["tokens"] for m in warm) / warm_time if warm_time else 0.0,
+        "tokens_per_s": sum(m.tokens for m in warm) / warm_time if warm_time else 0.0,
         "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
-        "h2d_bytes": sum(m["h2d_bytes"] for m in h) + extra_h2d_bytes,
-        "d2h_bytes": sum(m["d2h_bytes"] for m in h) + extra_d2h_bytes,
+        "h2d_bytes": sum(m.h2d_bytes for m in h) + extra_h2d_bytes,
+        "d2h_bytes": sum(m.d2h_bytes for m in h) + extra_d2h_bytes,
         "evicted_pages": evicted_pages, "import_bytes": import_bytes,
         # speculative decoding: drafts accepted / verified, and tokens a running request gains per decode step
         "speculative_tokens": speculative_tokens,
-        "acceptance_rate": _ratio(sum(m["accepted"] for m in h), sum(m["drafted"] for m in h)),
-        "duplicate_misses": sum(m["duplicate_misses"] for m in h),
-        "tokens_per_step": _ratio(sum(m["decode_tokens"] for m in h), sum(m["running"] for m in h)),
+        "acceptance_rate": _ratio(sum(m.accepted for m in h), sum(m.drafted for m in h)),
+        "duplicate_misses": sum(m.duplicate_misses for m in h),
+        "tokens_per_step": _ratio(sum(m.decode_tokens for m in h), sum(m.running for m in h)),
         # in engine steps, from arrival (add_request) to the first token / to the last, finished requests only
         "mean_ttft_steps": _mean(r.first_token_step - r.arrival for r in done if r.first_token_step is not None),
         "mean_latency_steps": _mean(r.finish_step - r.arrival for r in done),
-        "history": list(h), "ranks": list(ranks), "wait_reasons": sum_counts(m["wait_reasons"] for m in h),
+        "history": list(h), "ranks": list(ranks), "wait_reasons": sum_counts(m.wait_reasons for m in h),
     })
 
 
