@@ -1,7 +1,7 @@
 """Typed results: what `generate(..., return_stats=True)`, `Engine.step()` and `Engine.metrics()` return.
 
-Each is a frozen dataclass (attributes, documented fields, IDE completion) that also reads like the dict it
-used to be (`m["hits"]`, `dict(m)`, `for k in m`), and `to_json()` gives plain JSON-ready data.
+Each is a frozen dataclass (attributes, documented fields, IDE completion): read its fields as attributes
+(`m.hits`); `to_json()` gives plain JSON-ready data (a dict of the fields, nested records converted).
 """
 
 from __future__ import annotations
@@ -23,21 +23,10 @@ def jsonable(x):
     return x
 
 
-class Record(Mapping):
-    """Base of the result dataclasses: read-only mapping of field name -> value."""
+class Record:
+    """Base of the result dataclasses: `to_json()`."""
 
     __slots__ = ()
-
-    def __getitem__(self, key: str):
-        if not isinstance(key, str) or key not in self.__dataclass_fields__:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __iter__(self):
-        return iter(self.__dataclass_fields__)
-
-    def __len__(self) -> int:
-        return len(self.__dataclass_fields__)
 
     def to_json(self) -> dict:
         """The fields as JSON-ready data (nested records and arrays converted)."""
