@@ -2,7 +2,7 @@
 experiments and the benchmarks are its clients and build none of their own.
 
 * the tiered decode step: `step_impl` (un-jitted: the model through the store as its `KVBackend`, then the step's
-  last writes to the store: host mirror, lengths, clock), `decode_step` / `decode_loop` (jitted, store donated);
+  last writes to the store, `kv.ops.finish_step`), `decode_step` / `decode_loop` (jitted, store donated);
 * `Runner`: a model split once, the kernels choice, and one jitted call per step that decodes a batch through the
   store *and* samples its tokens, read back in one device->host transfer (the tokens and the step's counters);
 * the causal forward (`jitted_prefill`, `prefill_rows`), the contiguous cache's step (`jitted_dense_decode`) and
@@ -135,13 +135,7 @@ def step_impl(model: SparseMLAModel, store: KVStore, batch: dict, kernels: str =
     backend = tiered.TieredKV(spec, kernels, index_pages, rows_per_request)
     logits, cache, _ = model_decode_step(model, batch["tokens"].astype(jnp.int32), positions,
                                          backend.init_cache(store, req), backend)
-    store, stats = cache["store"], cache["stats"]
-    if spec.mirror_to_host:
-        store, d2h = ops.mirror_rows(spec, store, req, positions)
-        stats["d2h_rows"] = stats["d2h_rows"] + d2h
-    live = req >= 0
-    seq_lens = store.seq_lens.at[jnp.where(live, req, spec.max_seqs)].max(positions + 1, mode="drop")
-    store = dataclasses.replace(store, seq_lens=seq_lens, clock=store.clock + 1)
+    store, stats = ops.finish_step(spec, cache["store"], cache["stats"], (req, positions), (req, positions + 1))
     return logits, store, stats
 
 

@@ -30,8 +30,6 @@ Shapes: G requests (a bucket) x S = k + 1 rows, flattened group-major: rows g*S 
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,16 +125,10 @@ def speculative_step_impl(model, store: KVStore, batch: dict, sampling: dict, ke
         cache = dict(cache, req=greq, plan=None)
         lg, h, cache = mtp_decode_step(model, drafts[-1], jnp.where(greq >= 0, base + i, -1), h, cache, one)
         drafts.append(jnp.argmax(lg, axis=-1).astype(jnp.int32))
-    store, stats = cache["store"], cache["stats"]
-    if spec.mirror_to_host:  # every row this step wrote, all layers: positions n .. n + 2k - 1
-        span = max(S, 2 * k)
-        n0 = pos.reshape(G, S)[:, 0]
-        mr = jnp.repeat(greq, span)
-        mp = jnp.where(mr >= 0, (n0[:, None] + jnp.arange(span)[None]).reshape(-1), -1)
-        store, d2h = ops.mirror_rows(spec, store, mr, mp)
-        stats["d2h_rows"] = stats["d2h_rows"] + d2h
-    seq_lens = store.seq_lens.at[jnp.where(greq >= 0, greq, spec.max_seqs)].set(base + 1, mode="drop")
-    store = dataclasses.replace(store, seq_lens=seq_lens, clock=store.clock + 1)
+    span = max(S, 2 * k)  # every row this step wrote, all layers: positions n .. n + 2k - 1
+    wreq = jnp.repeat(greq, span)
+    wpos = jnp.where(wreq >= 0, (pos.reshape(G, S)[:, :1] + jnp.arange(span)[None]).reshape(-1), -1)
+    store, stats = ops.finish_step(spec, cache["store"], cache["stats"], (wreq, wpos), (greq, base + 1))
     return target, accepted, jnp.stack(drafts, axis=1), store, stats
 
 

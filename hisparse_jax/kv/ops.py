@@ -5,6 +5,7 @@ K top-k slots (-1 padded), L layers, C latent, R rope, dI indexer dim, 64 tokens
 
 * `append_rows`       write one layer's new rows into the device pools (tail pages must be resident)
 * `mirror_rows`       write the step's new rows of every layer into their host pages (the eager mirror)
+* `finish_step`       a decode step's last writes to the store: the mirror (if any), the new lengths, the clock
 * `index_select`      indexer top-k over a request's paged indexer keys
 * `resolve`           top-k positions -> row addresses: resident page | hot hit (LRU touch) | miss (claims
                       the LRU slot; returns the fetch plan)
@@ -138,6 +139,21 @@ def mirror_rows(spec: StoreSpec, store: KVStore, req, positions):
         upd["h_latent_scale"] = _write_host_rows(store.h_latent_scale, store.latent_scale[:, src, row], hp, row,
                                                  order, n)
     return _replace(store, **upd), n * spec.num_layers
+
+
+def finish_step(spec: StoreSpec, store: KVStore, stats: dict, written: tuple, lengths: tuple):
+    """The store's end of a decode step, once the model has written its rows (every decode step ends here).
+
+    written = (req, pos) int32[R]: the rows the step wrote (every layer; req -1 = none), mirrored to their host
+    pages when `spec.mirror_to_host` (counted in stats["d2h_rows"]); lengths = (req, new_len) int32[G]: each live
+    request's seq_len becomes at least new_len (a request may appear in several rows: the largest wins; req -1 is
+    dropped); the clock advances by one. Returns (store, stats)."""
+    if spec.mirror_to_host:
+        store, d2h = mirror_rows(spec, store, *written)
+        stats = dict(stats, d2h_rows=stats["d2h_rows"] + d2h)
+    req, new_len = lengths
+    seq_lens = store.seq_lens.at[jnp.where(req >= 0, req, spec.max_seqs)].max(new_len, mode="drop")
+    return _replace(store, seq_lens=seq_lens, clock=store.clock + 1), stats
 
 
 def _write_host_rows(host, vals, pages, rows, order, n):
