@@ -1,7 +1,7 @@
 """Is the default `generate` path (the contiguous all-resident cache) as fast as the paged store? Per-token decode
 time of plain `generate(model, prompts, n)` and of `generate(..., cache=CacheConfig(device_pages=big))` (the
 tiered paged store with everything resident) on the same tiny-glm weights at 1K and 4K context, side by side in
-one process. Each path runs its own decode loop as `generate` does (the contiguous `_decode_fn` step over
+one process. Each path runs its own decode loop as `generate` does (the contiguous `jitted_dense_decode` step over
 `_cache_from_prefill`'s cache; the tiered `Runner.decode` + sampling with `index_span`), every step timed to
 completion; the median over the steps after the warm-up is reported (compiles excluded). The tokens of the two
 loops are compared (they must be identical), and one untimed `generate` call per path checks that the loops
@@ -55,6 +55,11 @@ def _sync(x):
     return jax.block_until_ready(x)
 
 
+def greedy(B: int) -> dict:
+    """`generate`'s sampling arrays for B greedy rows."""
+    return {"seed": jnp.zeros(B, jnp.uint32), "temperature": jnp.zeros(B, jnp.float32), "top_p": jnp.ones(B, jnp.float32)}
+
+
 def contiguous_steps(model, prompts, steps: int, tokens_out: list):
     """`generate`'s contiguous path (cache=None), greedy: yields each decode step's seconds; the tokens
     [n, steps + 1] go to `tokens_out` at the end."""
@@ -71,15 +76,14 @@ def contiguous_steps(model, prompts, steps: int, tokens_out: list):
     logits_all, aux = programs.jitted_prefill(graphdef)(state, jnp.asarray(ids))
     first = logits_all[jnp.arange(B), jnp.asarray(lens - 1)].astype(jnp.float32)
     cache = G._cache_from_prefill(cfg, aux, B, S, T, model.dtype)
-    step = programs.jitted_dense_decode(graphdef, DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8), 0.0,
-                                        1.0)
-    key = jax.random.key(0)
+    step = programs.jitted_dense_decode(graphdef, DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8))
+    sampling = greedy(B)
     tokens = _sync(jnp.argmax(first, axis=-1).astype(jnp.int32))
     out = [tokens]
     positions = jnp.asarray(lens)
     for _ in range(steps):
         t0 = time.perf_counter()
-        tokens, logits, cache = step(state, tokens, positions, cache, key)
+        tokens, logits, cache = step(state, tokens, positions, cache, sampling)
         _sync((tokens, logits))
         dt = time.perf_counter() - t0
         positions = positions + 1
@@ -97,9 +101,13 @@ def paged_steps(model, prompts, steps: int, cache_cfg: CacheConfig, tokens_out: 
     n = len(prompts)
     B = programs.bucket_pow2(n)
     req = jnp.asarray(slots + [-1] * (B - n), jnp.int32)
-    sample = programs.jitted_batch_sampler(0.0, 1.0)
-    key = jax.random.key(0)
-    tokens = _sync(sample(jnp.stack(first + [first[0]] * (B - n)), key))
+    sampling = greedy(B)
+    pos = jnp.asarray([len(p) for p in prompts] + [1] * (B - n), jnp.int32)  # of the token drawn
+
+    def sample(logits, pos):
+        return programs.sampler()(logits, sampling["seed"], pos, sampling["temperature"], sampling["top_p"])
+
+    tokens = _sync(sample(jnp.stack(first + [first[0]] * (B - n)), pos))
     out = [tokens]
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -107,7 +115,8 @@ def paged_steps(model, prompts, steps: int, cache_cfg: CacheConfig, tokens_out: 
         span = index_span(tc.spec, max(tc.lengths[s] for s in slots) + 1)
         logits, store, _ = runner.decode(store, {"tokens": tokens, "req": req, "index_span": span})
         tc.advance(slots)
-        tokens = sample(logits, key)
+        pos = pos + 1
+        tokens = sample(logits, pos)
         _sync(tokens)
         dt = time.perf_counter() - t0
         out.append(tokens)

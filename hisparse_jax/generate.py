@@ -1,6 +1,8 @@
 """Batched generation: a prefill forward, then a jitted decode step with fixed shapes, per step.
 
-The host loops live here; every jitted program they run is the runner's (`hisparse_jax.engine.runner`). Shapes are
+The host loop lives here, one for every path (`_Run.loop`: sample, collect, check eos; the contiguous, tiered and mesh
+paths differ in their setup and their step); every jitted program it runs is the runner's
+(`hisparse_jax.engine.runner`). Tokens are sampled by the engine's rule, keyed on (seed, position). Shapes are
 bucketed (batch to a power of two, prompt length to a power of two >= 16, cache length to a multiple of 64) so a
 decode loop compiles once, whatever the step: every trace of a program increments `runner.TRACE_COUNTS`, which the
 tests use to prove there is no recompilation per step. The contiguous step updates its donated cache in place (one
@@ -9,6 +11,7 @@ row per layer and sequence): its cost per token follows the work, not copies of 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -18,9 +21,9 @@ from flax import nnx
 
 from hisparse_jax import parallel
 from hisparse_jax.config import CacheConfig
-from hisparse_jax.engine.runner import (Runner, bucket_pow2, jitted_batch_sampler, jitted_dense_decode, jitted_prefill,
-                                        jitted_sharded_step)
-from hisparse_jax.engine.sampling import sample_tokens
+from hisparse_jax.engine.runner import (Runner, bucket_pow2, jitted_dense_decode, jitted_prefill, jitted_sharded_step,
+                                        sampler)
+from hisparse_jax.engine.sampling import prompt_seeds
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.dense import DenseKV, init_dense_cache
 from hisparse_jax.kv.manager import TieredCache
@@ -57,6 +60,12 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     PRNG `key`. With `eos_token_id`, a sequence's output stops after its first EOS (decoding of the batch
     stops once every sequence has finished).
 
+    Sampling is the engine's rule (`sampling.sample_rows`): a token's draw depends only on its prompt's seed and its
+    position (the first new token is at position len(prompt)) besides its logits. `key` gives prompt i the seed
+    `sampling.prompt_seeds(key, n)[i]`, a uint32 drawn from `fold_in(key, i)`: prompt i's tokens are those an
+    `Engine` gives the same prompt with `SamplingParams(seed=that seed, temperature=, top_p=)`, they do not depend
+    on the other prompts of the call, and every path (contiguous, tiered, mesh) draws them with the same keys.
+
     cache: None decodes from a contiguous all-resident cache; a `CacheConfig` decodes through the tiered
     paged store (device + pinned host pools, hot buffers) under its budgets. With `return_stats=True`
     (tiered only) the result is `(tokens, stats)`, stats a `results.GenerateStats` of totals over the run: hits,
@@ -76,7 +85,7 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     its own bookkeeping, so the CacheConfig's budgets (pages, max_seqs) are per device. Prompts are prefilled on
     the default device and their rows written into their rank's slice; every decode step is one sharded step
     (`runner.jitted_sharded_step`) in which each device decodes its own requests. Tokens come back in prompt order and
-    are those of the one-device run (sampling included: rows are sampled in prompt order with the same keys);
+    are those of the one-device run (sampled ones included: a prompt's seed does not depend on its rank);
     stats are summed over ranks. Multi-process (`jax.distributed.initialize`): the mesh may span every process's
     devices; every process calls `generate` with the same arguments and returns all the tokens.
     """
@@ -86,22 +95,23 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")
     if temperature > 0 and key is None:
         raise ValueError("sampling (temperature > 0) needs an explicit PRNG key: key=jax.random.key(seed)")
-    key = key if key is not None else jax.random.key(0)
     eos = set(check_token_list("eos_token_id", eos_token_id))
+    n = len(prompts)
+    B = bucket_pow2(n)  # every path's batch bucket (its rows past n: padding, their tokens dropped)
+    seeds = prompt_seeds(key, n) if temperature > 0 else [0] * n
+    sampling = {"seed": jnp.asarray(np.array(seeds + [0] * (B - n), np.uint32)),
+                "temperature": jnp.full((B,), temperature, jnp.float32), "top_p": jnp.full((B,), top_p, jnp.float32)}
+    lens = np.array([len(p) for p in prompts] + [1] * (B - n), np.int32)
+    run = _Run(lens, sampling, n, max_new_tokens, eos, return_logits)
     if mesh is not None:
         if cache is None:
             raise ValueError("mesh needs the tiered store: pass cache=CacheConfig(...) (its budgets are per device)")
-        return _generate_mesh(model, prompts, max_new_tokens, cache, temperature, top_p, key, eos, return_stats,
-                              return_logits, check_kernels(kernels), mesh)
+        return _generate_mesh(model, prompts, cache, check_kernels(kernels), mesh, run, return_stats)
     if cache is not None:
-        return _generate_tiered(model, prompts, max_new_tokens, cache, temperature, top_p, key, eos, return_stats,
-                                return_logits, check_kernels(kernels))
+        return _generate_tiered(model, prompts, cache, check_kernels(kernels), run, return_stats)
     if return_stats or kernels != "reference":
         raise ValueError("return_stats and kernels need the tiered store: pass cache=CacheConfig(...)")
     cfg = model.cfg
-    n = len(prompts)
-    B = bucket_pow2(n)
-    lens = np.array([len(p) for p in prompts] + [1] * (B - n), np.int32)
     T = bucket_pow2(int(lens.max()), 16)
     S = -(-(int(lens.max()) + max_new_tokens) // 64) * 64
     ids = np.zeros((B, T), np.int32)
@@ -110,28 +120,53 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     graphdef, state = nnx.split(model)
     logits_all, aux = jitted_prefill(graphdef)(state, jnp.asarray(ids))
     first_logits = logits_all[jnp.arange(B), jnp.asarray(lens - 1)].astype(jnp.float32)
-    cache = _cache_from_prefill(cfg, aux, B, S, T, model.dtype)
-    backend = DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8)
-    step = jitted_dense_decode(graphdef, backend, float(temperature), float(top_p))
+    dense = _cache_from_prefill(cfg, aux, B, S, T, model.dtype)
+    step = jitted_dense_decode(graphdef, DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8))
 
-    key, sub = jax.random.split(key)
-    tokens = sample_tokens(first_logits, sub, temperature, top_p)
-    out_tokens, out_logits = [tokens], [first_logits] if return_logits else []
-    positions = jnp.asarray(lens)
-    for t in range(1, max_new_tokens):
-        key, sub = jax.random.split(key)
-        tokens, logits, cache = step(state, tokens, positions, cache, sub)
-        positions = positions + 1
-        out_tokens.append(tokens)
-        if return_logits:
-            out_logits.append(logits)
-        if eos and t % 16 == 0 and _all_finished(out_tokens, n, eos):
-            break
-    result = _truncate_at_eos(np.asarray(jnp.stack(out_tokens, axis=1))[:n], eos)
-    if not return_logits:
-        return result
-    lg = np.asarray(jnp.stack(out_logits, axis=1))
-    return result, [lg[i, :len(result[i])] for i in range(n)]
+    def decode(tokens, pos):  # decode and sample in one call
+        nonlocal dense
+        tokens, logits, dense = step(state, tokens, pos - 1, dense, sampling)
+        return tokens, logits
+
+    out_tokens, out_logits = run.loop(first_logits, decode)
+    return _results(out_tokens, out_logits, run, False, None, None, [])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What every `generate` path's host loop needs: the prompt lengths (int32[B], B the batch bucket), the rows'
+    sampling arrays ({"seed", "temperature", "top_p"}, [B] each, on the device), n real prompts, the new tokens
+    asked for, the eos ids, whether the logits are returned."""
+
+    lens: np.ndarray
+    sampling: dict
+    n: int
+    max_new_tokens: int
+    eos: set
+    return_logits: bool
+
+    def sample(self, logits, pos):
+        """The rows' tokens drawn from logits [B, V] at positions `pos` (`sample_rows`, jitted: `runner.sampler`)."""
+        return sampler()(logits, self.sampling["seed"], pos, self.sampling["temperature"], self.sampling["top_p"])
+
+    def loop(self, first_logits, step):
+        """The host loop. The first new token is drawn from `first_logits` [B, V] at position `lens`; then
+        `step(tokens, pos) -> (tokens, logits)` (the path's) decodes the previous tokens (at pos - 1) and samples the
+        next ones at `pos`, once per further token. Tokens stay on the device; with eos ids, every 16 steps the host
+        checks whether every sequence has finished. -> (the tokens of each step, int32[B], and the logits they were
+        drawn from, f32[B, V], when return_logits)."""
+        pos = jnp.asarray(self.lens)
+        tokens = self.sample(first_logits, pos)
+        out_tokens, out_logits = [tokens], [first_logits] if self.return_logits else []
+        for t in range(1, self.max_new_tokens):
+            pos = pos + 1
+            tokens, logits = step(tokens, pos)
+            out_tokens.append(tokens)
+            if self.return_logits:
+                out_logits.append(logits)
+            if self.eos and t % 16 == 0 and _all_finished(out_tokens, self.n, self.eos):
+                break
+        return out_tokens, out_logits
 
 
 def _truncate_at_eos(toks: np.ndarray, eos) -> list[list[int]]:
@@ -145,50 +180,41 @@ def _truncate_at_eos(toks: np.ndarray, eos) -> list[list[int]]:
     return result
 
 
-def _generate_tiered(model, prompts, max_new_tokens, cache_cfg, temperature, top_p, key, eos, return_stats,
-                     return_logits, kernels="reference"):
+def _generate_tiered(model, prompts, cache_cfg, kernels, run, return_stats):
     cfg = model.cfg
     runner = Runner(model, kernels=kernels)  # the model split once for the whole run
-    n = len(prompts)
+    n, max_new_tokens = len(prompts), run.max_new_tokens
     tc = TieredCache(cfg, cache_cfg)
     check_backend(tc.spec, kernels)
     # the last new token is sampled, never written: the cache holds prompt + max_new_tokens - 1 positions
     tc.check_batch_fits([len(p) + max_new_tokens - 1 for p in prompts])
     store = kv_device.new_store(tc)
-    sample = jitted_batch_sampler(float(temperature), float(top_p))
     store, slots, first = runner.admit_prompts(store, tc, prompts)
     B = bucket_pow2(n)
     req = jnp.asarray(slots + [-1] * (B - n), jnp.int32)
-    first_logits = jnp.stack(first + [first[0]] * (B - n))
-    key, sub = jax.random.split(key)
-    tokens = sample(first_logits, sub)
-    out_tokens, out_logits = [tokens], [first_logits] if return_logits else []
     totals = None
-    for t in range(1, max_new_tokens):
+
+    def decode(tokens, pos):
+        nonlocal store, totals
         store = kv_device.reserve_next(store, tc, slots)
         span = index_span(tc.spec, max(tc.lengths[s] for s in slots) + 1)  # the indexer's work: this context
         logits, store, stats = runner.decode(store, {"tokens": tokens, "req": req, "index_span": span})
         tc.advance(slots)
         totals = stats if totals is None else jax.tree_util.tree_map(jnp.add, totals, stats)
-        key, sub = jax.random.split(key)
-        tokens = sample(logits, sub)
-        out_tokens.append(tokens)
-        if return_logits:
-            out_logits.append(logits)
-        if eos and t % 16 == 0 and _all_finished(out_tokens, n, eos):
-            break
-    out = _results(out_tokens, out_logits, n, eos, return_stats, return_logits, tc.spec, totals, [tc])
+        return run.sample(logits, pos), logits
+
+    out_tokens, out_logits = run.loop(jnp.stack(first + [first[0]] * (B - n)), decode)
+    out = _results(out_tokens, out_logits, run, return_stats, tc.spec, totals, [tc])
     for s in slots:
         tc.release(s)
     return out
 
 
-def _generate_mesh(model, prompts, max_new_tokens, cache_cfg, temperature, top_p, key, eos, return_stats,
-                   return_logits, kernels, mesh):
+def _generate_mesh(model, prompts, cache_cfg, kernels, mesh, run, return_stats):
     """`_generate_tiered` with one store slice and one `TieredCache` per data-parallel rank (`parallel`)."""
     parallel.check_mesh(mesh)
     cfg = model.cfg
-    N, n = parallel.num_ranks(mesh), len(prompts)
+    N, n, max_new_tokens = parallel.num_ranks(mesh), len(prompts), run.max_new_tokens
     runner = Runner(model, kernels=kernels)
     placed = parallel.place_round_robin(n, N)  # placed[r]: the prompts rank r serves
     caches = [TieredCache(cfg, cache_cfg) for _ in range(N)]
@@ -218,13 +244,10 @@ def _generate_mesh(model, prompts, max_new_tokens, cache_cfg, temperature, top_p
             req[r, k], where[i] = slots[r][k], r * Bl + k
     step = jitted_sharded_step(runner.graphdef, mesh, kernels)
     state = parallel.replicate(runner.state, mesh)
-    sample = jitted_batch_sampler(float(temperature), float(top_p))
-    first_logits = jnp.stack(first + [first[0]] * (B - n))
-    key, sub = jax.random.split(key)
-    tokens = sample(first_logits, sub)
-    out_tokens, out_logits = [tokens], [first_logits] if return_logits else []
     totals = None
-    for t in range(1, max_new_tokens):
+
+    def decode(tokens, pos):
+        nonlocal store, totals
         store = parallel.reserve_next_ranks(store, caches, slots)
         longest = max(c.lengths[s] for c, ss in zip(caches, slots) for s in ss) + 1
         span = index_span(spec, longest)
@@ -239,26 +262,23 @@ def _generate_mesh(model, prompts, max_new_tokens, cache_cfg, temperature, top_p
         # prompt order, on the host (across processes: every rank's logits gathered to every process)
         lg = parallel.to_host(logits).reshape(N * Bl, -1)[where]
         logits = jnp.asarray(np.concatenate([lg, np.repeat(lg[:1], B - n, axis=0)]))
-        key, sub = jax.random.split(key)
-        tokens = sample(logits, sub)
-        out_tokens.append(tokens)
-        if return_logits:
-            out_logits.append(logits)
-        if eos and t % 16 == 0 and _all_finished(out_tokens, n, eos):
-            break
+        return run.sample(logits, pos), logits
+
+    out_tokens, out_logits = run.loop(jnp.stack(first + [first[0]] * (B - n)), decode)
     if totals is not None:
         totals = {k: parallel.to_host(v).sum(axis=0) for k, v in totals.items()}  # summed over ranks
-    out = _results(out_tokens, out_logits, n, eos, return_stats, return_logits, spec, totals, caches)
+    out = _results(out_tokens, out_logits, run, return_stats, spec, totals, caches)
     for c, ss in zip(caches, slots):
         for s in ss:
             c.release(s)
     return out
 
 
-def _results(out_tokens, out_logits, n, eos, return_stats, return_logits, spec, totals, caches):
-    """What tiered `generate` returns: the tokens (cut at eos), then the run's `GenerateStats` (the steps'
+def _results(out_tokens, out_logits, run: _Run, return_stats, spec, totals, caches):
+    """What `generate` returns: the tokens (cut at eos), then (tiered) the run's `GenerateStats` (the steps'
     `totals` plus the caches' page loads and prompt writes) and the logits, when asked for."""
-    result = _truncate_at_eos(np.asarray(jnp.stack(out_tokens, axis=1))[:n], eos)
+    n, return_logits = run.n, run.return_logits
+    result = _truncate_at_eos(np.asarray(jnp.stack(out_tokens, axis=1))[:n], run.eos)
     out = [result]
     if return_stats:
         totals = totals if totals is not None else empty_stats(spec)

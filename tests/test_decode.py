@@ -134,10 +134,12 @@ def test_sampling_needs_key_and_is_reproducible():
 
 
 def test_top_p_keeps_only_the_nucleus():
-    from hisparse_jax.engine.sampling import sample_tokens
-    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
-    draws = {int(sample_tokens(logits, jax.random.key(i), 1.0, 0.7)[0]) for i in range(200)}
-    assert draws == {0, 1}
+    from hisparse_jax.engine.sampling import sample_rows
+    n = 200  # 200 draws: one row per seed (every row the same distribution)
+    logits = jnp.log(jnp.tile(jnp.array([[0.5, 0.3, 0.15, 0.05]]), (n, 1)))
+    draws = sample_rows(logits, jnp.arange(n, dtype=jnp.uint32), jnp.full(n, 3, jnp.int32), jnp.ones(n),
+                        jnp.full(n, 0.7))
+    assert set(np.asarray(draws).tolist()) == {0, 1}
 
 
 def test_eos_truncates_output():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -59,9 +58,10 @@ def big(dims) -> tuple:
 def compiled_step(model, B: int, S: int):
     cfg = model.cfg
     graphdef, state = nnx.split(model)
-    step = runner.jitted_dense_decode(graphdef, DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8), 0.0, 1.0)
+    step = runner.jitted_dense_decode(graphdef, DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8))
     cache = init_dense_cache(cfg, B, S, model.dtype)
-    args = (state, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32), cache, jax.random.key(0))
+    sampling = {"seed": jnp.zeros((B,), jnp.uint32), "temperature": jnp.zeros((B,)), "top_p": jnp.ones((B,))}
+    args = (state, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32), cache, sampling)
     return step.lower(*args).compile(), cache
 
 

@@ -5,8 +5,9 @@ experiments and the benchmarks are its clients and build none of their own.
   last writes to the store, `kv.ops.finish_step`), `decode_step` / `decode_loop` (jitted, store donated);
 * `Runner`: a model split once, the kernels choice, and one jitted call per step that decodes a batch through the
   store *and* samples its tokens, read back in one device->host transfer (the tokens and the step's counters);
-* the causal forward (`jitted_prefill`, `prefill_rows`), the contiguous cache's step (`jitted_dense_decode`) and
-  its sampler (`jitted_batch_sampler`), used by `generate` without a store;
+* the causal forward (`jitted_prefill`, `prefill_rows`) and the contiguous cache's decode-and-sample step
+  (`jitted_dense_decode`), used by `generate` without a store; `sampler`, the sampler jitted on its own (logits
+  that do not come from a sampling step: whole-prompt prefills, `generate`'s tiered and mesh paths);
 * speculative decoding's step and MTP prefill (`jitted_speculative_step`, `mtp_prefill_rows`; the math in
   `engine.speculative`), and the per-rank step over a mesh (`jitted_sharded_step[_and_sample]`; placement in
   `hisparse_jax.parallel`).
@@ -19,8 +20,9 @@ experiments and the benchmarks are its clients and build none of their own.
 emit a token and how: {"rows", "seed", "pos", "temperature", "top_p"}, each of length B (pad with row 0 and
 any parameters; only the first `n_emit` tokens are returned). The store is donated.
 
-Sampling depends only on (seed, position) — `sampling.sample_rows` — so a request's tokens do not depend on batching
-or scheduling. Every trace of a program increments `TRACE_COUNTS` (the tests' proof of no recompilation).
+Every program that samples uses one rule, `sampling.sample_rows`: a token depends only on (seed, position), so a
+request's tokens do not depend on batching, scheduling or the path (`generate`, `Engine`, `MeshEngine`). Every
+trace of a program increments `TRACE_COUNTS` (the tests' proof of no recompilation).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from hisparse_jax import parallel
 from hisparse_jax.engine import speculative
-from hisparse_jax.engine.sampling import sample_rows, sample_tokens
+from hisparse_jax.engine.sampling import sample_rows
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv import ops, tiered
 from hisparse_jax.kv.state import KVStore, StoreSpec
@@ -91,25 +93,21 @@ def prefill_rows_split(graphdef, state, tokens: Sequence[int], *, with_hidden: b
 
 
 @functools.lru_cache(maxsize=32)
-def jitted_dense_decode(graphdef, backend, temperature: float, top_p: float):
-    """The contiguous decode step: step(state, tokens, positions, cache, key) -> (tokens, logits, cache). The cache is
-    donated and updated in place (`DenseKV` writes one row per layer and sequence)."""
+def jitted_dense_decode(graphdef, backend):
+    """The contiguous decode step: step(state, tokens, positions, cache, sampling) -> (tokens, logits, cache).
+    Decodes `tokens` at `positions` (int32[B]) and samples each row's next token (`sample_rows`, at position
+    positions + 1); sampling: {"seed", "temperature", "top_p"}, [B] each (arrays: one compile for every temperature).
+    The cache is donated and updated in place (`DenseKV` writes one row per layer and sequence)."""
 
     @functools.partial(jax.jit, donate_argnums=(3,))
-    def step(state, tokens, positions, cache, key):
+    def step(state, tokens, positions, cache, sampling):
         TRACE_COUNTS["decode"] += 1
         model = nnx.merge(graphdef, state)
         logits, cache, _ = model_decode_step(model, tokens, positions, cache, backend)
-        return sample_tokens(logits, key, temperature, top_p), logits, cache
+        nxt = sample_rows(logits, sampling["seed"], positions + 1, sampling["temperature"], sampling["top_p"])
+        return nxt, logits, cache
 
     return step
-
-
-@functools.lru_cache(maxsize=32)
-def jitted_batch_sampler(temperature: float, top_p: float):
-    """`sampling.sample_tokens` jitted: (logits [B, V], key) -> int32[B]."""
-    return jax.jit(lambda logits, key: sample_tokens(logits, key, temperature, top_p))
-
 
 
 # ----- a model's decode steps through a tiered store --------------------------------------------------------

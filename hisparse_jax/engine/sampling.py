@@ -1,8 +1,8 @@
 """Sampling a token from logits (pure functions: the runner jits them into its steps).
 
-`sample_rows` is the engine's and the tiered `generate`'s rule: each row's token depends only on its request's
-seed and its position (`token_key`), so a request's tokens do not depend on batching or scheduling.
-`sample_tokens` is the contiguous `generate`'s: one PRNG key split per step over the whole batch.
+`sample_rows` is the one rule, the engine's and every `generate` path's: each row's token depends only on its
+request's seed and its position (`token_key`), so a request's tokens do not depend on batching or scheduling.
+`generate` takes one PRNG key for all its prompts; `prompt_seeds` turns it into one seed per prompt.
 """
 
 from __future__ import annotations
@@ -38,16 +38,8 @@ def sample_rows(logits, seeds, positions, temperatures, top_ps):
     return jax.vmap(one)(logits, seeds, positions, temperatures, top_ps)
 
 
-def sample_tokens(logits, key, temperature: float, top_p: float):
-    """logits f32[B, V] -> int32[B]. Greedy when temperature == 0, else temperature + nucleus (top-p)."""
-    if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    if top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        cutoff_idx = jnp.sum(cum < top_p, axis=-1, keepdims=True)
-        cutoff = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+def prompt_seeds(key, n: int) -> list[int]:
+    """`generate`'s per-prompt seeds from its one PRNG key: prompt i's seed is the uint32 drawn from
+    `fold_in(key, i)`, so it depends only on the key and i (not on n)."""
+    draw = jax.vmap(lambda i: jax.random.bits(jax.random.fold_in(key, i), dtype=jnp.uint32))
+    return [int(s) for s in jax.device_get(draw(jnp.arange(n, dtype=jnp.uint32)))]
