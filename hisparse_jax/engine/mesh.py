@@ -10,8 +10,9 @@ One rank = one `Engine` (its own `TieredCache`, `Scheduler` and policy, the `Cac
 whose store is its slice of one stacked store (`hisparse_jax.parallel`: every leaf [N, ...] on
 `NamedSharding(mesh, P("data"))`, host pools pinned_host). A mesh step runs every rank's host half
 (`Engine.begin_step`: schedule, whole-prompt prefills, the batch), applies every rank's table updates, then one
-jitted `shard_map` call decodes and samples all ranks' batches (padded to one bucket), each device against its
-own slice — no KV crosses devices — and every rank commits (`Engine.finish_step`).
+jitted `shard_map` call (`runner.MeshRunner`, the device side) decodes and samples all ranks' batches (padded to
+one bucket), each device against its own slice — no KV crosses devices — and every rank commits
+(`Engine.finish_step`).
 
 Placement ("balanced", the default): a new request goes to the rank whose prefix cache holds the most of its
 prompt's pages, then to the rank with the fewest unfinished requests, then the fewest outstanding KV tokens, then
@@ -27,14 +28,13 @@ import json
 import time
 
 import jax
-import numpy as np
 
 from hisparse_jax import parallel
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine.engine import Engine, EngineConfig, UnknownRequest, run_prompts, sum_counts, summarize
 from hisparse_jax.engine.request import Request, SamplingParams
-from hisparse_jax.engine.runner import TRACE_COUNTS, StepOutput, jitted_sharded_step_and_sample
-from hisparse_jax.kv import device as kv_device, tiered
+from hisparse_jax.engine.runner import TRACE_COUNTS, MeshRunner
+from hisparse_jax.kv import device as kv_device
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.results import EngineMetrics, StepMetrics
 
@@ -95,11 +95,9 @@ class MeshEngine:
         self.caches = [e.cache for e in self.engines]
         self.spec = self.caches[0].spec
         self.store = parallel.new_stacked_store(self.caches, mesh)
-        runner = self.engines[0].runner
         if config.expert_parallel:
             parallel.check_expert_parallel(model.cfg, mesh)
-        self.params = parallel.place_params(runner.state, mesh, expert_parallel=config.expert_parallel)
-        self._step = jitted_sharded_step_and_sample(runner.graphdef, mesh, runner.kernels, config.expert_parallel)
+        self.runner = MeshRunner(self.engines[0].runner, mesh, expert_parallel=config.expert_parallel)
         self._rank: dict[str, int] = {}
         self.history: list[StepMetrics] = []
         self._store_lost = False
@@ -214,52 +212,32 @@ class MeshEngine:
         return m  # (every rank's finish_step advanced its step_count)
 
     def _call(self, works) -> None:
-        """The ranks' batches, padded to one bucket, in one sharded call; each rank's `StepOutput` into its work."""
-        live = [w for w in works if w.batch is not None]
-        B = max(len(w.batch["tokens"]) for w in live)
-        span = max((w.batch["index_span"] for w in live), key=len)
-        batch = {k: np.full((self.n, B), v, np.int32) for k, v in (("tokens", 0), ("req", -1), ("pos", -1))}
-        sampling = {"rows": np.zeros((self.n, B), np.int32), "seed": np.zeros((self.n, B), np.uint32),
-                    "pos": np.zeros((self.n, B), np.int32), "temperature": np.zeros((self.n, B), np.float32),
-                    "top_p": np.ones((self.n, B), np.float32)}
-        for r, w in enumerate(works):
-            if w.batch is None:
-                continue
-            for k in batch:
-                batch[k][r, :len(w.batch[k])] = w.batch[k]
-            for k in sampling:
-                sampling[k][r, :len(w.sampling[k])] = w.sampling[k]
-        batch["index_span"] = np.zeros((self.n, len(span)), np.int32)
-        stamps_wanted = any(c.needs_page_stamps for c in self.caches)
+        """Every rank's batch in one sharded call (`MeshRunner.step`); each rank's `StepOutput` into its work."""
         store = self.store
         try:
             self.flush()  # this step's table decisions, every rank
             store = self.store
-            tokens, store, stats = self._step(self.params, store, parallel.put_batch(self.mesh, batch),
-                                              parallel.put_batch(self.mesh, sampling))
+            store, outs = self.runner.step(self.spec, store, [w.batch for w in works], [w.sampling for w in works],
+                                           [w.n_emit for w in works],
+                                           read_page_stamps=any(c.needs_page_stamps for c in self.caches))
         except Exception:
             self._store_lost = any(x.is_deleted() for x in jax.tree.leaves(store))
             raise
         self.store = store
-        stamps = store.page_stamp if stamps_wanted else None
-        tokens, stats, stamps = jax.device_get((tokens, stats, stamps))  # the step's one device→host transfer
-        for r, w in enumerate(works):
-            if w.batch is None:
+        for cache, w, out in zip(self.caches, works, outs):
+            if out is None:
                 continue
-            st = tiered.stats_bytes(self.spec, jax.tree.map(lambda x: x[r], stats))
-            w.out = StepOutput(np.asarray(tokens[r])[:w.n_emit].tolist(), None, st,
-                               None if stamps is None else np.asarray(stamps[r]))
-            if w.out.page_stamps is not None and self.caches[r].needs_page_stamps:
-                self.caches[r].observe_page_stamps(w.out.page_stamps)
+            w.out = out
+            if out.page_stamps is not None and cache.needs_page_stamps:
+                cache.observe_page_stamps(out.page_stamps)
 
     def run(self, progress=None) -> None:
         """Step until every request has finished. `progress(engine)` is called after each step."""
         while self.has_unfinished():
             m = self.step()
-            if not (m["running"] or m["prefill_tokens"] or m["swaps_in"] or m["preemptions"] or m["swaps_out"]
-                    or m["failed"]):
+            if not (m.running or m.prefill_tokens or m.swaps_in or m.preemptions or m.swaps_out or m.failed):
                 waiting = {r: len(e.scheduler.waiting) for r, e in enumerate(self.engines) if e.scheduler.waiting}
-                raise RuntimeError(f"no progress at step {m['step']}: waiting per rank {waiting}")
+                raise RuntimeError(f"no progress at step {m.step}: waiting per rank {waiting}")
             if progress:
                 progress(self)
 
@@ -290,7 +268,7 @@ def combine_steps(ms: list[StepMetrics], step_time_s: float, compiled: bool) -> 
     the largest, the mesh step's wall time and whether it compiled."""
     out = {}
     for f in dataclasses.fields(StepMetrics):
-        vals = [m[f.name] for m in ms]
+        vals = [getattr(m, f.name) for m in ms]
         if f.name == "step":
             out[f.name] = vals[0]
         elif f.name in _MAX_FIELDS:

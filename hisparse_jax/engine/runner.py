@@ -9,8 +9,10 @@ experiments and the benchmarks are its clients and build none of their own.
   (`jitted_dense_decode`), used by `generate` without a store; `sampler`, the sampler jitted on its own (logits
   that do not come from a sampling step: whole-prompt prefills, `generate`'s tiered and mesh paths);
 * speculative decoding's step and MTP prefill (`jitted_speculative_step`, `mtp_prefill_rows`; the math in
-  `engine.speculative`), and the per-rank step over a mesh (`jitted_sharded_step[_and_sample]`; placement in
-  `hisparse_jax.parallel`).
+  `engine.speculative`);
+* the per-rank step over a mesh (`jitted_sharded_step[_and_sample]`; placement in `hisparse_jax.parallel`) and
+  `MeshRunner`, `MeshEngine`'s device side: every rank's batch padded to one bucket, decoded and sampled in one
+  sharded call, read back in one transfer.
 
     runner = Runner(model, kernels="reference")
     last, latent, rope, index_k = runner.prefill_rows(tokens)       # one causal forward (bucketed length)
@@ -374,6 +376,55 @@ def jitted_sharded_step_and_sample(graphdef, mesh: Mesh, kernels: str = "referen
     step(state, store, batch, sampling) -> (tokens int32[N, B], store, stats with a leading [N]); sampling's
     leaves ("rows", "seed", "pos", "temperature", "top_p") are [N, B], rank r's rows index its own batch."""
     return _jitted_sharded(graphdef, mesh, tiered.check_kernels(kernels), expert_parallel, True)
+
+
+# what a rank's rows past its own batch hold (idle rows), in the step's dtypes
+_PAD_ROWS = {"tokens": (0, np.int32), "req": (-1, np.int32), "pos": (-1, np.int32)}
+_PAD_SAMPLING = {"rows": (0, np.int32), "seed": (0, np.uint32), "pos": (0, np.int32), "temperature": (0, np.float32),
+                 "top_p": (1, np.float32)}
+
+
+class MeshRunner:
+    """A `Runner`'s model over a one-axis mesh, one data-parallel rank per device (`MeshEngine`'s device side): the
+    parameters placed once (replicated, or with expert_parallel the routed experts split over the axis:
+    `parallel.place_params`) and one jitted `shard_map` call per step that decodes and samples every rank's batch
+    against its own slice of the stacked store, read back in one device→host transfer."""
+
+    def __init__(self, runner: Runner, mesh: Mesh, *, expert_parallel: bool = False):
+        self.mesh, self.n = mesh, parallel.num_ranks(mesh)
+        self.params = parallel.place_params(runner.state, mesh, expert_parallel=expert_parallel)
+        self._step = jitted_sharded_step_and_sample(runner.graphdef, mesh, runner.kernels, expert_parallel)
+
+    def step(self, spec: StoreSpec, store: KVStore, batches: list, samplings: list, n_emits: list, *,
+             read_page_stamps: bool = False) -> tuple[KVStore, list]:
+        """`Runner.step` for every rank at once. batches[r] / samplings[r] / n_emits[r]: rank r's arguments as
+        `Runner.step` takes them (batch {"tokens", "req", "pos", "index_span"}), or batches[r] None: rank r has
+        nothing to run. The batches are padded to the largest (idle rows) and every rank's indexer span to the
+        longest, for one call; the stacked store is donated. Returns (store, outputs): outputs[r] rank r's
+        `StepOutput` (its `store` None: the stacked store is returned once) or None for an idle rank."""
+        live = [b for b in batches if b is not None]
+        B = max(len(b["tokens"]) for b in live)
+        span = max(len(b["index_span"]) for b in live)
+        batch = {k: np.full((self.n, B), v, d) for k, (v, d) in _PAD_ROWS.items()}
+        sampling = {k: np.full((self.n, B), v, d) for k, (v, d) in _PAD_SAMPLING.items()}
+        for r, (b, smp) in enumerate(zip(batches, samplings)):
+            if b is None:
+                continue
+            for k in batch:
+                batch[k][r, :len(b[k])] = b[k]
+            for k in sampling:
+                sampling[k][r, :len(smp[k])] = smp[k]
+        batch["index_span"] = np.zeros((self.n, span), np.int32)  # (its shape is what the step reads)
+        tokens, store, stats = self._step(self.params, store, parallel.put_batch(self.mesh, batch),
+                                          parallel.put_batch(self.mesh, sampling))
+        stamps = store.page_stamp if read_page_stamps else None
+        tokens, stats, stamps = jax.device_get((tokens, stats, stamps))  # the step's one device→host transfer
+        outs = [None if b is None else
+                StepOutput(np.asarray(tokens[r])[:n_emits[r]].tolist(), None,
+                           tiered.stats_bytes(spec, jax.tree.map(lambda x: x[r], stats)),
+                           None if stamps is None else np.asarray(stamps[r]))
+                for r, b in enumerate(batches)]
+        return store, outs
 
 
 @functools.lru_cache(maxsize=32)
