@@ -1,8 +1,8 @@
-"""Is the default `generate` path (the contiguous all-resident cache) as fast as the paged store? Per-token decode
+"""Is the default `generate` path (the contiguous all-resident KV arrays) as fast as the paged store? Per-token decode
 time of plain `generate(model, prompts, n)` and of `generate(..., cache=CacheConfig(device_pages=big))` (the
 tiered paged store with everything resident) on the same tiny-glm weights at 1K and 4K context, side by side in
 one process. Each path runs its own decode loop as `generate` does (the contiguous `jitted_dense_decode` step over
-`_cache_from_prefill`'s cache; the tiered `Runner.decode` + sampling with `index_span`), every step timed to
+`_kv_from_prefill`'s arrays; the tiered `Runner.decode` + sampling with `index_span`), every step timed to
 completion; the median over the steps after the warm-up is reported (compiles excluded). The tokens of the two
 loops are compared (they must be identical), and one untimed `generate` call per path checks that the loops
 reproduce `generate`'s tokens. Writes JSON.
@@ -75,7 +75,7 @@ def contiguous_steps(model, prompts, steps: int, tokens_out: list):
     graphdef, state = nnx.split(model)
     logits_all, aux = programs.jitted_prefill(graphdef)(state, jnp.asarray(ids))
     first = logits_all[jnp.arange(B), jnp.asarray(lens - 1)].astype(jnp.float32)
-    cache = G._cache_from_prefill(cfg, aux, B, S, T, model.dtype)
+    kv = G._kv_from_prefill(cfg, aux, B, S, T, model.dtype)
     step = programs.jitted_dense_decode(graphdef, DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8))
     sampling = greedy(B)
     tokens = _sync(jnp.argmax(first, axis=-1).astype(jnp.int32))
@@ -83,7 +83,7 @@ def contiguous_steps(model, prompts, steps: int, tokens_out: list):
     positions = jnp.asarray(lens)
     for _ in range(steps):
         t0 = time.perf_counter()
-        tokens, logits, cache = step(state, tokens, positions, cache, sampling)
+        tokens, logits, kv = step(state, tokens, positions, kv, sampling)
         _sync((tokens, logits))
         dt = time.perf_counter() - t0
         positions = positions + 1
@@ -92,12 +92,12 @@ def contiguous_steps(model, prompts, steps: int, tokens_out: list):
     tokens_out.append(np.asarray(jnp.stack(out, axis=1))[:n])
 
 
-def paged_steps(model, prompts, steps: int, cache_cfg: CacheConfig, tokens_out: list):
+def paged_steps(model, prompts, steps: int, cache: CacheConfig, tokens_out: list):
     """`generate`'s tiered path (`_generate_tiered`), greedy: yields each decode step's seconds (host
     bookkeeping, decode and sampling, as `generate` does them)."""
     runner = Runner(model)
-    tc = TieredCache(model.cfg, cache_cfg)
-    store, slots, first = runner.admit_prompts(kv_device.new_store(tc), tc, prompts)
+    manager = TieredCache(model.cfg, cache)
+    store, slots, first = runner.admit_prompts(kv_device.new_store(manager), manager, prompts)
     n = len(prompts)
     B = programs.bucket_pow2(n)
     req = jnp.asarray(slots + [-1] * (B - n), jnp.int32)
@@ -111,10 +111,10 @@ def paged_steps(model, prompts, steps: int, cache_cfg: CacheConfig, tokens_out: 
     out = [tokens]
     for _ in range(steps):
         t0 = time.perf_counter()
-        store = kv_device.reserve_next(store, tc, slots)
-        span = index_span(tc.spec, max(tc.lengths[s] for s in slots) + 1)
+        store = kv_device.reserve_next(store, manager, slots)
+        span = index_span(manager.spec, max(manager.lengths[s] for s in slots) + 1)
         logits, store, _ = runner.decode(store, {"tokens": tokens, "req": req, "index_span": span})
-        tc.advance(slots)
+        manager.advance(slots)
         pos = pos + 1
         tokens = sample(logits, pos)
         _sync(tokens)
@@ -122,16 +122,16 @@ def paged_steps(model, prompts, steps: int, cache_cfg: CacheConfig, tokens_out: 
         out.append(tokens)
         yield dt
     for s in slots:
-        tc.release(s)
+        manager.release(s)
     tokens_out.append(np.asarray(jnp.stack(out, axis=1))[:n])
 
 
-def measure(model, prompts, steps: int, cache_cfg: CacheConfig, block: int):
+def measure(model, prompts, steps: int, cache: CacheConfig, block: int):
     """Both paths in alternating blocks of `block` steps, so that load on the machine hits both alike (step by step
     alternation would let one path's memory traffic slow the other's next step). -> (times_c, times_p, tokens_c,
     tokens_p)."""
     tok_c, tok_p = [], []
-    gens = (contiguous_steps(model, prompts, steps, tok_c), paged_steps(model, prompts, steps, cache_cfg, tok_p))
+    gens = (contiguous_steps(model, prompts, steps, tok_c), paged_steps(model, prompts, steps, cache, tok_p))
     times = ([], [])
     while len(times[0]) < steps:
         for g, t in zip(gens, times):
@@ -162,10 +162,10 @@ def main(argv=None) -> int:
     for ctx in (int(x) for x in a.contexts.split(",")):
         prompts = [rng.integers(0, cfg.vocab_size, ctx).tolist() for _ in range(a.batch)]
         pages = -(-(ctx + total + 1) // PAGE_SIZE) + 2
-        cache_cfg = CacheConfig(device_pages=a.batch * (pages + 2), host_pages=a.batch * pages,
+        cache = CacheConfig(device_pages=a.batch * (pages + 2), host_pages=a.batch * pages,
                                 max_seqs=max(a.batch, 1), max_seq_len=pages * PAGE_SIZE)
         t0 = time.perf_counter()
-        t_c, t_p, tok_c, tok_p = measure(model, prompts, total, cache_cfg, a.block)
+        t_c, t_p, tok_c, tok_p = measure(model, prompts, total, cache, a.block)
         same = bool(np.array_equal(tok_c, tok_p))
         row = {"context": ctx, "batch": a.batch, "steps_timed": a.steps,
                "contiguous_ms": float(np.median(t_c[a.warmup:])) * 1e3,
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
             row[f"{name}_step_ms"] = [round(x * 1e3, 3) for x in t]
         if a.check_generate:
             g_c = G.generate(model, prompts, 8)
-            g_p = G.generate(model, prompts, 8, cache=cache_cfg)
+            g_p = G.generate(model, prompts, 8, cache=cache)
             row["generate_matches_loops"] = bool(g_c == g_p == [r[:8] for r in tok_c.tolist()])
         rows.append(row)
         print(f"context {ctx:>5}: contiguous {row['contiguous_ms']:.2f} ms/token, paged {row['paged_ms']:.2f} "

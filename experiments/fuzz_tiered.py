@@ -77,7 +77,7 @@ def pages(tokens: int) -> int:
 # ----- the oracle ---------------------------------------------------------------------------------
 def budget_shortfall(kv_lengths: list[int], *, device_pages: int, host_pages: int, index_pages: int,
                      hot_rows: int, max_seqs: int, max_seq_len: int, can_release: bool = True) -> str | None:
-    """Why requests needing `kv_lengths` cache positions can never be held together, or None if they can.
+    """Why requests needing `kv_lengths` KV positions can never be held together, or None if they can.
     Page arithmetic only: the oracle the fuzzer holds the store to."""
     n = [pages(t) for t in kv_lengths]
     hot = pages(hot_rows)
@@ -117,7 +117,7 @@ class GenerateCase:
                            max_seqs=self.max_seqs, max_seq_len=self.max_seq_len)
 
     def kv_lengths(self) -> list[int]:
-        # the last new token is sampled, never written: the cache holds prompt + max_new_tokens - 1 positions
+        # the last new token is sampled, never written: the store holds prompt + max_new_tokens - 1 positions
         return [len(p) + self.max_new_tokens - 1 for p in self.prompts]
 
     def expected_refusal(self) -> str | None:
@@ -167,7 +167,7 @@ def draw_generate_case(rng, topk: int = 64, vocab: int = 512) -> GenerateCase:
 
 
 @contextlib.contextmanager
-def watch_caches():
+def watch_managers():
     """Check the allocator invariants after every `TieredCache.advance` (once per decode step) and record every
     `TieredCache` built meanwhile, so the caller can check that its pools end empty."""
     from hisparse_jax.kv.manager import TieredCache
@@ -190,10 +190,10 @@ def watch_caches():
         TieredCache.__init__, TieredCache.advance = init, advance
 
 
-def assert_pools_empty(caches) -> None:
+def assert_pools_empty(managers) -> None:
     from hisparse_jax.kv.pool import Tier
 
-    for c in caches:
+    for c in managers:
         used = {t.value: c.pool.num_used(t) for t in Tier}
         assert not c.requests and not any(used.values()), f"pages still in use at the end: {used}"
 
@@ -216,7 +216,7 @@ def run_generate_case(case: GenerateCase, model=None) -> dict:
 
     model = model or fuzz_model()
     expect = case.expected_refusal()
-    with watch_caches() as caches:
+    with watch_managers() as managers:
         try:
             toks, stats = generate(model, case.prompts, case.max_new_tokens, cache=case.cache_config(),
                                    return_stats=True)
@@ -225,11 +225,11 @@ def run_generate_case(case: GenerateCase, model=None) -> dict:
             assert str(e).startswith(expect), f"refused for the wrong reason (expected {expect}): {e}"
             return {"outcome": "refused", "reason": expect}
     assert expect is None, f"not refused although {expect} is too small"
-    assert_pools_empty(caches)
+    assert_pools_empty(managers)
     ref = _reference_tokens(model, case)
     assert toks == ref, f"tokens differ from the reference:\n tiered {toks}\n ref    {ref}"
     if case.fetch == "row":
-        row_bytes = caches[0].spec.row_bytes
+        row_bytes = managers[0].spec.row_bytes
         assert stats.h2d_bytes == stats.misses * row_bytes, (stats.h2d_bytes, stats.misses, row_bytes)
     return {"outcome": "identical", "hits": stats.hits, "misses": stats.misses,
             "evicted_pages": stats.evicted_pages}
@@ -382,8 +382,8 @@ def run_engine_case(case: EngineCase, model=None, max_steps: int = 2000) -> dict
     model = model or fuzz_model()
     eng = Engine(model, case.cache_config(), case.engine_config())
     accepted, refused = _drive(eng, case, lambda i: True, max_steps)
-    pools_empty = not any(eng.cache.pool.num_used(t) for t in ("device", "index", "host"))
-    assert pools_empty and not eng.cache.requests, f"pages still in use at the end: {eng.cache.pool.stats()}"
+    pools_empty = not any(eng.manager.pool.num_used(t) for t in ("device", "index", "host"))
+    assert pools_empty and not eng.manager.requests, f"pages still in use at the end: {eng.manager.pool.stats()}"
     done = [i for i in accepted if eng.requests[f"r{i}"].state.value == "finished"]
     outputs = {i: eng.requests[f"r{i}"].output for i in done}
     if done:
@@ -453,7 +453,7 @@ def run_mesh_case(case: MeshCase, model=None, max_steps: int = 2000) -> dict:
                              expert_parallel=case.expert_parallel)
     eng = MeshEngine(model, case.engine.cache_config(), ec, mesh=parallel.data_mesh(case.devices))
     accepted, refused = _drive(eng, case.engine, lambda i: True, max_steps)
-    for r, c in enumerate(eng.caches):
+    for r, c in enumerate(eng.managers):
         used = {t: c.pool.num_used(t) for t in ("device", "index", "host")}
         assert not any(used.values()) and not c.requests, f"rank {r}: pages still in use at the end: {used}"
     reqs = eng.requests

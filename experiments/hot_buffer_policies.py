@@ -268,7 +268,7 @@ def record_traces(model, sequences, start: int):
     import jax.numpy as jnp
     from flax import nnx
 
-    from hisparse_jax.kv.dense import DenseKV, init_dense_cache
+    from hisparse_jax.kv.dense import DenseKV, init_dense_kv
     from hisparse_jax.model.decoder import decode_step
 
     cfg = model.cfg
@@ -282,16 +282,16 @@ def record_traces(model, sequences, start: int):
     graphdef, state = nnx.split(model)
 
     @jax.jit
-    def step(state, tokens, positions, cache):
+    def step(state, tokens, positions, kv):
         m = nnx.merge(graphdef, state)
-        _, cache, all_topk = decode_step(m, tokens, positions, cache, backend)
-        return cache, jnp.stack(all_topk)
+        _, kv, all_topk = decode_step(m, tokens, positions, kv, backend)
+        return kv, jnp.stack(all_topk)
 
-    cache = init_dense_cache(cfg, n, L)
+    kv = init_dense_kv(cfg, n, L)
     traces = None
     for t in range(L):
         positions = np.where(t < lens, t, -1).astype(np.int32)
-        cache, topk = step(state, jnp.asarray(toks[:, t]), jnp.asarray(positions), cache)
+        kv, topk = step(state, jnp.asarray(toks[:, t]), jnp.asarray(positions), kv)
         if traces is None:
             traces = [[[] for _ in range(n)] for _ in range(topk.shape[0])]
         if t >= start:

@@ -104,7 +104,7 @@ def demo_schedule(devices: int, repeat: bool, policy: str = "hisparse") -> dict:
     def place(prompt):  # `MeshEngine.place`, "balanced"
         def key(r):
             unfinished = [q for q in ranks[r].requests.values() if not q.finished]
-            return (-len(ranks[r].cache.match_prefix(prompt)), len(unfinished),
+            return (-len(ranks[r].manager.match_prefix(prompt)), len(unfinished),
                     sum(len(q.prompt) + q.params.max_new_tokens for q in unfinished), r)
         return min(range(devices), key=key)
 

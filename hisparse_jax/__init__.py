@@ -1,4 +1,4 @@
-"""hisparse-jax: sparse-MLA (DSA) decoding with a KV cache tiered across device and pinned host memory.
+"""hisparse-jax: sparse-MLA (DSA) decoding with a KV store tiered across device and pinned host memory.
 
 The top-level names are imported on first use (PEP 562), so `import hisparse_jax.calc` and `hisparse calc`
 (pure Python) work where jax is not installed; `hisparse_jax.SparseMLAModel` etc. import jax when touched.

@@ -81,7 +81,7 @@ def glm_indexer_types(num_layers: int, freq: int = 4, offset: int = 3) -> tuple[
 class BlockLayout:
     """How one 64-token block is made up for a model config (all sizes in bytes)."""
     layers: int            # L, sparse-MLA layers (host rows per token)
-    full_layers: int       # F, layers with their own indexer key cache
+    full_layers: int       # F, layers with their own indexer keys
     mla_row: int           # bytes per token per layer of c + kR
     indexer_row: int       # bytes per token per full layer of the indexer key
     hot_group_layers: tuple[int, ...]  # layers in each HiSparse hot/resident group
@@ -151,7 +151,7 @@ def block_bytes(cfg: Any, kv_dtype: str = "fp8", **kw: str) -> BlockBytes:
     return block_layout(cfg, kv_dtype, **kw).block_bytes
 
 
-# KV-cache shape of GLM-5.3 as the published constants imply it (78 layers, 21 full indexers).
+# KV shape of GLM-5.3 as the published constants imply it (78 layers, 21 full indexers).
 GLM53_KV_SHAPE = SimpleNamespace(num_hidden_layers=78, kv_lora_rank=512, qk_rope_head_dim=64,
                                  index_head_dim=128, indexer_types=glm_indexer_types(78))
 

@@ -389,7 +389,7 @@ PRESETS: dict[str, ModelConfig] = {
         index_head_dim=128, index_topk=2048, indexer_rope_interleaved=True,
         indexer_types=_glm_indexer_types(78, 4, 3),
     ),
-    # Tiny models with the real cache geometry (latent 512, rope 64, indexer 128) for demos and tests.
+    # Tiny models with the real KV geometry (latent 512, rope 64, indexer 128) for demos and tests.
     "tiny-glm": ModelConfig(
         model_type="glm_moe_dsa", vocab_size=512, hidden_size=128, intermediate_size=256,
         moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, q_lora_rank=96, kv_lora_rank=512,
@@ -435,8 +435,8 @@ class CacheConfig:
     """The tiered paged KV store: formats and budgets (in pages of 64 tokens).
 
     kv_dtype: "auto" (the default: the model's dtype — "float32" for float32 and float16 models (float32 holds
-      float16 values exactly; there is no float16 pool format), "bf16" for bfloat16 models — so a tiered cache
-      gives the contiguous cache's tokens), "bf16" (latent, rope and indexer keys in bf16), "fp8" (latent e4m3
+      float16 values exactly; there is no float16 pool format), "bf16" for bfloat16 models — so the tiered store
+      gives the contiguous path's tokens), "bf16" (latent, rope and indexer keys in bf16), "fp8" (latent e4m3
       with one fp32 scale per 128 values, rope bf16, indexer keys e4m3 of the Hadamard-rotated key with one
       fp32 scale; the indexer then scores in DeepSeek's FP8 emulation), or "float32" (exact).
     device_pages: device KV pool (latent + rope of every layer); hot buffers are lent from it.

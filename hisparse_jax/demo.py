@@ -1,6 +1,6 @@
 """`hisparse demo`: preemption vs traditional KV offloading vs HiSparse on the same workload and budgets.
 
-A small DSA model with the real cache geometry (latent 512, rope 64, indexer keys 128, shared-index layers)
+A small DSA model with the real KV geometry (latent 512, rope 64, indexer keys 128, shared-index layers)
 serves >= 16 concurrent long-context requests (thousands of tokens each) three times, once per memory policy,
 under one device byte budget (split into KV and indexer pages as each policy needs) and one host budget. It
 prints the workload and each policy's budgets first, each policy's progress on stderr while it runs (a tqdm bar on a terminal,

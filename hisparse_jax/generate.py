@@ -3,10 +3,10 @@
 The host loop lives here, one for every path (`_Run.loop`: sample, collect, check eos; the contiguous, tiered and mesh
 paths differ in their setup and their step); every jitted program it runs is the runner's
 (`hisparse_jax.engine.runner`). Tokens are sampled by the engine's rule, keyed on (seed, position). Shapes are
-bucketed (batch to a power of two, prompt length to a power of two >= 16, cache length to a multiple of 64) so a
+bucketed (batch to a power of two, prompt length to a power of two >= 16, KV length to a multiple of 64) so a
 decode loop compiles once, whatever the step: every trace of a program increments `runner.TRACE_COUNTS`, which the
-tests use to prove there is no recompilation per step. The contiguous step updates its donated cache in place (one
-row per layer and sequence): its cost per token follows the work, not copies of the cache.
+tests use to prove there is no recompilation per step. The contiguous step updates its donated KV arrays in place
+(one row per layer and sequence): its cost per token follows the work, not copies of the arrays.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from hisparse_jax.engine.runner import (Runner, bucket_pow2, jitted_dense_decode
                                         sampler)
 from hisparse_jax.engine.sampling import prompt_seeds
 from hisparse_jax.kv import device as kv_device
-from hisparse_jax.kv.dense import DenseKV, init_dense_cache
+from hisparse_jax.kv.dense import DenseKV, init_dense_kv
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.tiered import check_backend, check_kernels, empty_stats, index_span, stats_bytes
 from hisparse_jax.model.decoder import SparseMLAModel
@@ -66,11 +66,11 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     `Engine` gives the same prompt with `SamplingParams(seed=that seed, temperature=, top_p=)`, they do not depend
     on the other prompts of the call, and every path (contiguous, tiered, mesh) draws them with the same keys.
 
-    cache: None decodes from a contiguous all-resident cache; a `CacheConfig` decodes through the tiered
+    cache: None decodes from contiguous all-resident KV arrays; a `CacheConfig` decodes through the tiered
     paged store (device + pinned host pools, hot buffers) under its budgets. With `return_stats=True`
     (tiered only) the result is `(tokens, stats)`, stats a `results.GenerateStats` of totals over the run: hits,
     misses, resident (rows read per path), h2d_bytes, h2d_transfer_bytes, d2h_bytes, evicted_pages, steps
-    (attributes, or `stats["hits"]`; `stats.to_json()` for JSON).
+    (attributes: `stats.hits`; `stats.to_json()` for JSON).
     With `return_logits=True` the logits come last: `(tokens, [stats,] logits)`, logits[i] float32
     [len(tokens[i]), V] — the distribution each new token was drawn from.
 
@@ -120,12 +120,12 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     graphdef, state = nnx.split(model)
     logits_all, aux = jitted_prefill(graphdef)(state, jnp.asarray(ids))
     first_logits = logits_all[jnp.arange(B), jnp.asarray(lens - 1)].astype(jnp.float32)
-    dense = _cache_from_prefill(cfg, aux, B, S, T, model.dtype)
+    kv = _kv_from_prefill(cfg, aux, B, S, T, model.dtype)
     step = jitted_dense_decode(graphdef, DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8))
 
     def decode(tokens, pos):  # decode and sample in one call
-        nonlocal dense
-        tokens, logits, dense = step(state, tokens, pos - 1, dense, sampling)
+        nonlocal kv
+        tokens, logits, kv = step(state, tokens, pos - 1, kv, sampling)
         return tokens, logits
 
     out_tokens, out_logits = run.loop(first_logits, decode)
@@ -180,50 +180,50 @@ def _truncate_at_eos(toks: np.ndarray, eos) -> list[list[int]]:
     return result
 
 
-def _generate_tiered(model, prompts, cache_cfg, kernels, run, return_stats):
+def _generate_tiered(model, prompts, cache, kernels, run, return_stats):
     cfg = model.cfg
     runner = Runner(model, kernels=kernels)  # the model split once for the whole run
     n, max_new_tokens = len(prompts), run.max_new_tokens
-    tc = TieredCache(cfg, cache_cfg)
-    check_backend(tc.spec, kernels)
-    # the last new token is sampled, never written: the cache holds prompt + max_new_tokens - 1 positions
-    tc.check_batch_fits([len(p) + max_new_tokens - 1 for p in prompts])
-    store = kv_device.new_store(tc)
-    store, slots, first = runner.admit_prompts(store, tc, prompts)
+    manager = TieredCache(cfg, cache)
+    check_backend(manager.spec, kernels)
+    # the last new token is sampled, never written: the store holds prompt + max_new_tokens - 1 positions
+    manager.check_batch_fits([len(p) + max_new_tokens - 1 for p in prompts])
+    store = kv_device.new_store(manager)
+    store, slots, first = runner.admit_prompts(store, manager, prompts)
     B = bucket_pow2(n)
     req = jnp.asarray(slots + [-1] * (B - n), jnp.int32)
     totals = None
 
     def decode(tokens, pos):
         nonlocal store, totals
-        store = kv_device.reserve_next(store, tc, slots)
-        span = index_span(tc.spec, max(tc.lengths[s] for s in slots) + 1)  # the indexer's work: this context
+        store = kv_device.reserve_next(store, manager, slots)
+        span = index_span(manager.spec, max(manager.lengths[s] for s in slots) + 1)  # the indexer's work: this context
         logits, store, stats = runner.decode(store, {"tokens": tokens, "req": req, "index_span": span})
-        tc.advance(slots)
+        manager.advance(slots)
         totals = stats if totals is None else jax.tree_util.tree_map(jnp.add, totals, stats)
         return run.sample(logits, pos), logits
 
     out_tokens, out_logits = run.loop(jnp.stack(first + [first[0]] * (B - n)), decode)
-    out = _results(out_tokens, out_logits, run, return_stats, tc.spec, totals, [tc])
+    out = _results(out_tokens, out_logits, run, return_stats, manager.spec, totals, [manager])
     for s in slots:
-        tc.release(s)
+        manager.release(s)
     return out
 
 
-def _generate_mesh(model, prompts, cache_cfg, kernels, mesh, run, return_stats):
+def _generate_mesh(model, prompts, cache, kernels, mesh, run, return_stats):
     """`_generate_tiered` with one store slice and one `TieredCache` per data-parallel rank (`parallel`)."""
     parallel.check_mesh(mesh)
     cfg = model.cfg
     N, n, max_new_tokens = parallel.num_ranks(mesh), len(prompts), run.max_new_tokens
     runner = Runner(model, kernels=kernels)
     placed = parallel.place_round_robin(n, N)  # placed[r]: the prompts rank r serves
-    caches = [TieredCache(cfg, cache_cfg) for _ in range(N)]
-    spec = caches[0].spec
+    managers = [TieredCache(cfg, cache) for _ in range(N)]
+    spec = managers[0].spec
     check_backend(spec, kernels)
-    for c, idx in zip(caches, placed):  # the last new token is sampled, never written
+    for c, idx in zip(managers, placed):  # the last new token is sampled, never written
         if idx:
             c.check_batch_fits([len(prompts[i]) + max_new_tokens - 1 for i in idx])
-    store = parallel.new_stacked_store(caches, mesh)
+    store = parallel.new_stacked_store(managers, mesh)
     slots = [[] for _ in range(N)]
     first = [None] * n
     for k in range(max(len(idx) for idx in placed)):  # round k: every rank's k-th prompt, written in one call
@@ -233,7 +233,7 @@ def _generate_mesh(model, prompts, cache_cfg, kernels, mesh, run, return_stats):
                 last, latent, rope, index_k = runner.prefill_rows(prompts[idx[k]])
                 first[idx[k]] = last
                 rows[r] = (latent, rope, index_k, len(prompts[idx[k]]))
-        store, got = parallel.admit_prefilled_ranks(store, caches, rows)
+        store, got = parallel.admit_prefilled_ranks(store, managers, rows)
         for r, s in got.items():
             slots[r].append(s)
     Bl, B = bucket_pow2(max(len(idx) for idx in placed)), bucket_pow2(n)
@@ -248,15 +248,15 @@ def _generate_mesh(model, prompts, cache_cfg, kernels, mesh, run, return_stats):
 
     def decode(tokens, pos):
         nonlocal store, totals
-        store = parallel.reserve_next_ranks(store, caches, slots)
-        longest = max(c.lengths[s] for c, ss in zip(caches, slots) for s in ss) + 1
+        store = parallel.reserve_next_ranks(store, managers, slots)
+        longest = max(c.lengths[s] for c, ss in zip(managers, slots) for s in ss) + 1
         span = index_span(spec, longest)
         tok = np.zeros(N * Bl, np.int32)
         tok[where] = np.asarray(tokens)[:n]
         batch = parallel.put_batch(mesh, {"tokens": tok.reshape(N, Bl), "req": req,
                                           "index_span": np.broadcast_to(span, (N,) + span.shape)})
         logits, store, stats = step(state, store, batch)
-        for c, ss in zip(caches, slots):
+        for c, ss in zip(managers, slots):
             c.advance(ss)
         totals = stats if totals is None else jax.tree_util.tree_map(jnp.add, totals, stats)
         # prompt order, on the host (across processes: every rank's logits gathered to every process)
@@ -267,16 +267,16 @@ def _generate_mesh(model, prompts, cache_cfg, kernels, mesh, run, return_stats):
     out_tokens, out_logits = run.loop(jnp.stack(first + [first[0]] * (B - n)), decode)
     if totals is not None:
         totals = {k: parallel.to_host(v).sum(axis=0) for k, v in totals.items()}  # summed over ranks
-    out = _results(out_tokens, out_logits, run, return_stats, spec, totals, caches)
-    for c, ss in zip(caches, slots):
+    out = _results(out_tokens, out_logits, run, return_stats, spec, totals, managers)
+    for c, ss in zip(managers, slots):
         for s in ss:
             c.release(s)
     return out
 
 
-def _results(out_tokens, out_logits, run: _Run, return_stats, spec, totals, caches):
+def _results(out_tokens, out_logits, run: _Run, return_stats, spec, totals, managers):
     """What `generate` returns: the tokens (cut at eos), then (tiered) the run's `GenerateStats` (the steps'
-    `totals` plus the caches' page loads and prompt writes) and the logits, when asked for."""
+    `totals` plus the managers' page loads and prompt writes) and the logits, when asked for."""
     n, return_logits = run.n, run.return_logits
     result = _truncate_at_eos(np.asarray(jnp.stack(out_tokens, axis=1))[:n], run.eos)
     out = [result]
@@ -284,9 +284,9 @@ def _results(out_tokens, out_logits, run: _Run, return_stats, spec, totals, cach
         totals = totals if totals is not None else empty_stats(spec)
         summary = stats_bytes(spec, totals)
         summary.update(per_layer={k: np.asarray(totals[k]).tolist() for k in ("resident", "hits", "misses")},
-                       evicted_pages=sum(c.evicted_pages for c in caches), steps=len(out_tokens) - 1,
-                       d2h_bytes=summary["d2h_bytes"] + sum(c.d2h_bytes for c in caches),
-                       h2d_bytes=summary["h2d_bytes"] + sum(c.h2d_bytes for c in caches))
+                       evicted_pages=sum(c.evicted_pages for c in managers), steps=len(out_tokens) - 1,
+                       d2h_bytes=summary["d2h_bytes"] + sum(c.d2h_bytes for c in managers),
+                       h2d_bytes=summary["h2d_bytes"] + sum(c.h2d_bytes for c in managers))
         out.append(GenerateStats(**summary))
     if return_logits:
         lg = np.asarray(jnp.stack(out_logits, axis=1))
@@ -299,11 +299,11 @@ def _all_finished(out_tokens, n, eos) -> bool:
     return all(any(t in eos for t in row) for row in toks.tolist())
 
 
-def _cache_from_prefill(cfg, aux, B, S, T, dtype):
-    cache = init_dense_cache(cfg, B, S, dtype)
+def _kv_from_prefill(cfg, aux, B, S, T, dtype):
+    kv = init_dense_kv(cfg, B, S, dtype)
     t = min(T, S)
     return {
-        "latent": cache["latent"].at[:, :, :t].set(jnp.stack(aux["latent"])[:, :, :t].astype(dtype)),
-        "rope": cache["rope"].at[:, :, :t].set(jnp.stack(aux["rope"])[:, :, :t].astype(dtype)),
-        "index_k": cache["index_k"].at[:, :, :t].set(jnp.stack(aux["index_k"])[:, :, :t].astype(dtype)),
+        "latent": kv["latent"].at[:, :, :t].set(jnp.stack(aux["latent"])[:, :, :t].astype(dtype)),
+        "rope": kv["rope"].at[:, :, :t].set(jnp.stack(aux["rope"])[:, :, :t].astype(dtype)),
+        "index_k": kv["index_k"].at[:, :, :t].set(jnp.stack(aux["index_k"])[:, :, :t].astype(dtype)),
     }

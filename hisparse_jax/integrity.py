@@ -2,8 +2,8 @@
 save time and checked at restore time.
 
 Orbax stores no checksums: a flipped byte in a saved array restores without error and decodes garbage. So
-`save_params`, `save_cache` and `save_pretrained` write a manifest next to the data, and their loaders
-(1) compare the manifest's dtypes and shapes with what the description (config, cache config) expects, before
+`save_params`, `save_tiered` and `save_pretrained` write a manifest next to the data, and their loaders
+(1) compare the manifest's dtypes and shapes with what the description (model config, `CacheConfig`) expects, before
 reading anything, and (2) hash every restored array and compare. Any difference is a `CheckpointError` naming
 the file and the array.
 """
@@ -21,7 +21,7 @@ ALGORITHM = "sha256"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint, saved cache or exported file that is damaged or does not match its description; the message
+    """A checkpoint, saved tiered store or exported file that is damaged or does not match its description; the message
     names the file and the tensor or array."""
 
 

@@ -1,10 +1,10 @@
 """Attention data parallelism over a device mesh: one tiered store per data-parallel rank, stacked.
 
     mesh = data_mesh(8)                                   # the first 8 devices, axis "data"
-    caches = [TieredCache(model_cfg, cache_cfg) for _ in range(8)]   # host bookkeeping, one per rank
-    store = new_stacked_store(caches, mesh)               # every leaf [N, ...], rank r's slice on device r
-    store, slots = admit_prefilled_ranks(store, caches, {r: (latent, rope, index_k, length), ...})
-    store = reserve_next_ranks(store, caches, slots_per_rank)
+    managers = [TieredCache(model_cfg, cache) for _ in range(8)]   # host bookkeeping, one per rank
+    store = new_stacked_store(managers, mesh)             # every leaf [N, ...], rank r's slice on device r
+    store, slots = admit_prefilled_ranks(store, managers, {r: (latent, rope, index_k, length), ...})
+    store = reserve_next_ranks(store, managers, slots_per_rank)
     step = runner.jitted_sharded_step(graphdef, mesh)     # runner.step_impl per rank, params replicated
     logits, store, stats = step(replicate(state, mesh), store, batch)   # batch leaves [N, B]; logits [N, B, V]
 
@@ -19,7 +19,7 @@ page lists, a zero-length prompt write), which the one-store functions already s
 
 Multi-controller (`jax.distributed.initialize`, one process per host): the mesh spans every process's devices
 (`data_mesh` takes `jax.devices()`), every process runs the same program with the same host bookkeeping for all
-ranks (the per-rank caches are deterministic), and each process creates only the shards of its own
+ranks (the per-rank managers are deterministic), and each process creates only the shards of its own
 (addressable) devices: `new_stacked_store` builds the local ranks' empty stores, stacked arguments are placed
 with `jax.make_array_from_callback` (each process fills its devices' rows from the same full host array), and
 `to_host` reads a sharded result back with `multihost_utils.process_allgather` (a collective every process
@@ -98,15 +98,15 @@ def _as_slice(sharding):
     return jax.jit(lambda x: x[None], out_shardings=sharding)
 
 
-def new_stacked_store(caches, mesh: Mesh) -> KVStore:
-    """The stacked store of `caches` (one `TieredCache` per rank, all with one `StoreSpec`): rank r's empty store
+def new_stacked_store(managers, mesh: Mesh) -> KVStore:
+    """The stacked store of `managers` (one `TieredCache` per rank, all with one `StoreSpec`): rank r's empty store
     (`state.init_store`) built on device r and placed as slice r; then each rank's pending updates applied."""
     n = num_ranks(mesh)
     check_mesh(mesh)
-    if len(caches) != n:
-        raise ValueError(f"need one TieredCache per rank: {n} ranks, {len(caches)} caches")
-    spec = caches[0].spec
-    if any(c.spec != spec for c in caches):
+    if len(managers) != n:
+        raise ValueError(f"need one TieredCache per rank: {n} ranks, {len(managers)} managers")
+    spec = managers[0].spec
+    if any(c.spec != spec for c in managers):
         raise ValueError("every rank's TieredCache must have the same StoreSpec")
     shardings = stacked_shardings(spec, mesh)
     per_rank = []
@@ -120,7 +120,7 @@ def new_stacked_store(caches, mesh: Mesh) -> KVStore:
     treedef = jax.tree_util.tree_structure(per_rank[0])
     out = [jax.make_array_from_single_device_arrays((n,) + parts[0].shape[1:], sh, list(parts))
            for parts, sh in zip(zip(*leaves), jax.tree_util.tree_leaves(shardings))]
-    return apply_rank_updates(jax.tree_util.tree_unflatten(treedef, out), caches)
+    return apply_rank_updates(jax.tree_util.tree_unflatten(treedef, out), managers)
 
 
 # ----- the one-store functions, run per rank -------------------------------------------------------------
@@ -176,13 +176,13 @@ def _pad(a: np.ndarray, n: int) -> np.ndarray:
     return a if a.shape[0] == n else np.concatenate([a, np.full(n - a.shape[0], -1, a.dtype)])
 
 
-def apply_rank_updates(store: KVStore, caches) -> KVStore:
-    """Apply (and clear) each rank's pending `cache.updates` to its slice, each rank in its own order: round k
+def apply_rank_updates(store: KVStore, managers) -> KVStore:
+    """Apply (and clear) each rank's pending `manager.updates` to its slice, each rank in its own order: round k
     applies every rank's k-th update, one shard_map call per kind of update in the round (ranks without one
     of that kind get no-op arguments)."""
     mesh = store_mesh(store)
     spec = store.spec
-    pending = [[kv_device.update_call(u) for u in c.take_updates()] for c in caches]
+    pending = [[kv_device.update_call(u) for u in c.take_updates()] for c in managers]
     for k in range(max((len(p) for p in pending), default=0)):
         kinds = {p[k][0] for p in pending if len(p) > k}
         for kind in sorted(kinds):
@@ -192,31 +192,31 @@ def apply_rank_updates(store: KVStore, caches) -> KVStore:
                 width = max(a[0].shape[0] for a in mine.values())
                 mine = {r: [_pad(a, width) for a in args] for r, args in mine.items()}
                 like = next(iter(mine.values()))
-            args = [mine.get(r) or _noop(kind, spec, like) for r in range(len(caches))]
+            args = [mine.get(r) or _noop(kind, spec, like) for r in range(len(managers))]
             stacked = [_put(mesh, [a[i] for a in args]) for i in range(len(like))]
             store = _per_rank(kv_device.STORE_PROGRAMS[kind], mesh)(store, *stacked)
     return store
 
 
-def reserve_next_ranks(store: KVStore, caches, slots, n: int = 1) -> KVStore:
+def reserve_next_ranks(store: KVStore, managers, slots, n: int = 1) -> KVStore:
     """`kv.device.reserve_next` per rank: slots[r] are rank r's request slots (-1: padding) about to append `n`
-    tokens each; their pages are reserved in rank r's cache and every rank's updates applied."""
-    for cache, rank_slots in zip(caches, slots):
+    tokens each; their pages are reserved in rank r's manager and every rank's updates applied."""
+    for manager, rank_slots in zip(managers, slots):
         for s in rank_slots:
             if s >= 0:
-                cache.reserve(s, cache.lengths[s] + n)
-    return apply_rank_updates(store, caches)
+                manager.reserve(s, manager.lengths[s] + n)
+    return apply_rank_updates(store, managers)
 
 
-def admit_prefilled_ranks(store: KVStore, caches, prompts: dict) -> tuple[KVStore, dict]:
+def admit_prefilled_ranks(store: KVStore, managers, prompts: dict) -> tuple[KVStore, dict]:
     """Admit at most one prompt per rank and write its rows into that rank's slice, all ranks in one call:
     prompts {rank: (latent [L, T, C], rope [L, T, R], index_k [LI, T, dI], length)} (rows as from
     `generate.prefill_rows`; T may differ between ranks). Returns (store, {rank: slot})."""
     slots = {}
     for r, (latent, _, _, length) in prompts.items():
-        slots[r] = caches[r].admit(length)
-        caches[r].record_prefill(slots[r], length, 0, rows=latent.shape[1])
-    store = apply_rank_updates(store, caches)
+        slots[r] = managers[r].admit(length)
+        managers[r].record_prefill(slots[r], length, 0, rows=latent.shape[1])
+    store = apply_rank_updates(store, managers)
     return write_prompt_rows(store, {r: (slots[r], *v) for r, v in prompts.items()}), slots
 
 
@@ -224,7 +224,7 @@ def write_prompt_rows(store: KVStore, writes: dict) -> KVStore:
     """Write prompt rows into several ranks' slices in one call (`kv.device`'s "prefill" program per rank):
     writes {rank: (slot, latent [L, T, C], rope [L, T, R], index_k [LI, T, dI], length[, start[, offset]])}, row t
     being position offset + t, positions start..length-1 written (the slots admitted and their prefill recorded
-    in the ranks' caches, their updates applied: `kv.device.write_prefill`'s contract, per rank)."""
+    in the ranks' managers, their updates applied: `kv.device.write_prefill`'s contract, per rank)."""
     mesh = store_mesh(store)
     spec = store.spec
     T = max(v[1].shape[1] for v in writes.values())

@@ -62,8 +62,8 @@ class GenerateStats(Record):
 class StepMetrics(Record):
     """One `Engine.step()`. running: requests that decoded a token; admitted / prefilling / swapped / waiting:
     requests in those states after scheduling; preemptions / swaps_out / swaps_in: policy actions this step;
-    tokens: new tokens; prefill_tokens: prompt tokens computed; cached_tokens: prompt tokens served by the
-    prefix cache; failed: requests whose own work raised; bucket: padded batch rows (0: no batched call);
+    tokens: new tokens; prefill_tokens: prompt tokens computed; cached_tokens: prompt tokens served by
+    prefix caching; failed: requests whose own work raised; bucket: padded batch rows (0: no batched call);
     index_pages: indexer pages scored; decode_tokens: tokens the running requests emitted (= running without
     speculation); drafted / accepted: speculative drafts verified / accepted; duplicate_misses: misses the rows of
     one request would have fetched twice had each resolved alone (speculative verification resolves their union

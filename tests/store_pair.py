@@ -1,5 +1,5 @@
 """Tests' shorthand: a `TieredCache` (host bookkeeping) and its `KVStore` threaded together, so a test reads like
-the sequence of operations it checks. Bookkeeping calls and attributes go to the cache; row writes and reads go
+the sequence of operations it checks. Bookkeeping calls and attributes go to the manager; row writes and reads go
 through `kv.device` with the pair's store."""
 
 from __future__ import annotations
@@ -9,47 +9,47 @@ from hisparse_jax.kv.manager import TieredCache
 
 
 class StorePair:
-    _own = ("cache", "store")
+    _own = ("manager", "store")
 
-    def __init__(self, model_cfg, cache_cfg, **kw):
-        object.__setattr__(self, "cache", TieredCache(model_cfg, cache_cfg, **kw))
-        object.__setattr__(self, "store", kv_device.new_store(self.cache))
+    def __init__(self, model_cfg, cache, **kw):
+        object.__setattr__(self, "manager", TieredCache(model_cfg, cache, **kw))
+        object.__setattr__(self, "store", kv_device.new_store(self.manager))
 
     def __getattr__(self, name):
-        return getattr(self.cache, name)
+        return getattr(self.manager, name)
 
     def __setattr__(self, name, value):
         if name in self._own:
             object.__setattr__(self, name, value)
         else:
-            setattr(self.cache, name, value)
+            setattr(self.manager, name, value)
 
     @classmethod
-    def of(cls, cache, store):
-        """A pair around an existing cache and store (e.g. `load_cache`'s)."""
+    def of(cls, manager, store):
+        """A pair around an existing manager and store (e.g. `load_tiered`'s)."""
         pair = cls.__new__(cls)
-        object.__setattr__(pair, "cache", cache)
+        object.__setattr__(pair, "manager", manager)
         object.__setattr__(pair, "store", store)
         return pair
 
     def sync(self):
-        """Apply the cache's pending table updates; returns the store."""
-        self.store = kv_device.apply_updates(self.store, self.cache)
+        """Apply the manager's pending table updates; returns the store."""
+        self.store = kv_device.apply_updates(self.store, self.manager)
         return self.store
 
     def write_prefill(self, slot, latent, rope, index_k, length, start=0):
-        self.store = kv_device.write_prefill(self.store, self.cache, slot, latent, rope, index_k, length, start)
+        self.store = kv_device.write_prefill(self.store, self.manager, slot, latent, rope, index_k, length, start)
 
     def admit_prefilled(self, latent, rope, index_k, length, **kw):
-        self.store, slot = kv_device.admit_prefilled(self.store, self.cache, latent, rope, index_k, length, **kw)
+        self.store, slot = kv_device.admit_prefilled(self.store, self.manager, latent, rope, index_k, length, **kw)
         return slot
 
     def append(self, slots, latent, rope, index_k):
-        self.store = kv_device.append(self.store, self.cache, slots, latent, rope, index_k)
+        self.store = kv_device.append(self.store, self.manager, slots, latent, rope, index_k)
 
     def gather(self, slots, topk):
-        self.store, *out = kv_device.gather(self.store, self.cache, slots, topk)
+        self.store, *out = kv_device.gather(self.store, self.manager, slots, topk)
         return tuple(out)
 
     def check_invariants(self):
-        kv_device.check_tables(self.sync(), self.cache)
+        kv_device.check_tables(self.sync(), self.manager)

@@ -24,7 +24,7 @@ from hisparse_jax.integrity import CheckpointError
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.budget import BudgetError
 from hisparse_jax.kv.manager import TieredCache
-from hisparse_jax.kv.persist import load_cache, save_cache
+from hisparse_jax.kv.persist import load_tiered, save_tiered
 from hisparse_jax.model.weights import restore_params, save_params
 from tiny import model_cfg
 
@@ -133,7 +133,7 @@ def saved_cache(tmp_path_factory, model):
                                     jnp.asarray(rng.normal(size=(tc.spec.num_index_layers, n, cfg.index_head_dim)),
                                                 jnp.float32), n)
     path = str(tmp_path_factory.mktemp("cache") / "c")
-    save_cache(tc, store, path)
+    save_tiered(tc, store, path)
     return tc, store, path
 
 
@@ -147,7 +147,7 @@ def copy_of(path, tmp_path):
 
 def test_saved_cache_round_trip_is_verified(saved_cache, tmp_path):
     tc, store, path = saved_cache
-    back, back_store = load_cache(copy_of(path, tmp_path))
+    back, back_store = load_tiered(copy_of(path, tmp_path))
     assert back.lengths == tc.lengths
     for a, b in zip(jax.tree.leaves(back_store), jax.tree.leaves(store)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -157,33 +157,33 @@ def test_flipped_byte_in_a_saved_cache_is_refused_naming_the_array(saved_cache, 
     path = copy_of(saved_cache[2], tmp_path)
     flip_byte(os.path.join(path, "store"))
     with pytest.raises(CheckpointError, match=r"checksum mismatch in 1 array\(s\): \w+ .*damaged") as e:
-        load_cache(path)
+        load_tiered(path)
     assert os.path.join(path, "store") in str(e.value)
 
 
 def test_edited_cache_description_is_refused(saved_cache, tmp_path):
     path = copy_of(saved_cache[2], tmp_path)
-    fn = os.path.join(path, "cache.json")
+    fn = os.path.join(path, "manager.json")
     meta = json.load(open(fn))
     slot = next(iter(meta["lengths"]))
     meta["lengths"][slot] += 1  # a length that no longer matches the store
     json.dump(meta, open(fn, "w"))
-    with pytest.raises(CheckpointError, match="cache.json: checksum mismatch .* edited or damaged"):
-        load_cache(path)
+    with pytest.raises(CheckpointError, match="manager.json: checksum mismatch .* edited or damaged"):
+        load_tiered(path)
 
 
 def test_cache_saved_as_float32_described_as_bf16_is_refused(saved_cache, tmp_path):
     """Even with a consistent checksum over the edited description, the arrays' saved dtypes give it away."""
     path = copy_of(saved_cache[2], tmp_path)
-    fn = os.path.join(path, "cache.json")
+    fn = os.path.join(path, "manager.json")
     meta = json.load(open(fn))
     meta["cache"]["kv_dtype"] = "bf16"
     meta.pop("meta_sha256")
     meta["meta_sha256"] = integrity.json_digest(meta)
     json.dump(meta, open(fn, "w"))
     with pytest.raises(CheckpointError, match=r"array \w+ was saved as float32\[.*\], expected bfloat16\[.*\] "
-                                              r"from cache.json's configs"):
-        load_cache(path)
+                                              r"from manager.json's configs"):
+        load_tiered(path)
 
 
 @pytest.mark.parametrize("damage, words", [
@@ -194,14 +194,14 @@ def test_cache_saved_as_float32_described_as_bf16_is_refused(saved_cache, tmp_pa
 ])
 def test_unreadable_cache_description(saved_cache, tmp_path, damage, words):
     path = copy_of(saved_cache[2], tmp_path)
-    damage(os.path.join(path, "cache.json"))
+    damage(os.path.join(path, "manager.json"))
     with pytest.raises(CheckpointError, match=words):
-        load_cache(path)
+        load_tiered(path)
 
 
 def test_missing_saved_cache(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no cache.json"):
-        load_cache(tmp_path / "nothing")
+    with pytest.raises(FileNotFoundError, match="no manager.json"):
+        load_tiered(tmp_path / "nothing")
 
 
 @pytest.fixture(scope="module")
@@ -390,7 +390,7 @@ def test_bad_seed_in_one_request_the_others_complete_like_generate(model, refere
     assert bad.state is RequestState.FAILED and "OverflowError" in bad.error and "-1" in bad.error
     assert eng.requests["r0"].output == reference[0] and eng.requests["r2"].output == reference[2]
     assert eng.metrics().failed == 1
-    assert eng.cache.pool.num_used("device") == 0 and not eng.cache.requests
+    assert eng.manager.pool.num_used("device") == 0 and not eng.manager.requests
 
 
 @pytest.mark.parametrize("prefill", ["whole", "chunked"])
@@ -434,13 +434,13 @@ def test_a_failed_batch_commits_nothing_and_the_engine_goes_on(model, reference,
     monkeypatch.setattr(eng.runner, "step", flaky)
     for _ in range(2):
         eng.step()
-    before = ({k: list(r.output) for k, r in eng.requests.items()}, dict(eng.cache.lengths),
+    before = ({k: list(r.output) for k, r in eng.requests.items()}, dict(eng.manager.lengths),
               {k: r.computed for k, r in eng.requests.items()})
     with pytest.raises(RuntimeError, match="injected device fault"):
         eng.step()
-    assert before == ({k: list(r.output) for k, r in eng.requests.items()}, dict(eng.cache.lengths),
+    assert before == ({k: list(r.output) for k, r in eng.requests.items()}, dict(eng.manager.lengths),
                       {k: r.computed for k, r in eng.requests.items()})
-    kv_device.check_tables(eng.store, eng.cache)
+    kv_device.check_tables(eng.store, eng.manager)
     eng.run()
     assert [eng.requests[f"r{i}"].output for i in range(3)] == reference
 

@@ -11,7 +11,7 @@ from flax import nnx
 import hisparse_jax as hj
 from hisparse_jax.config import RopeConfig
 from hisparse_jax.engine.runner import TRACE_COUNTS
-from hisparse_jax.generate import _cache_from_prefill, generate
+from hisparse_jax.generate import _kv_from_prefill, generate
 from hisparse_jax.kv.dense import DenseKV
 from hisparse_jax.model.decoder import decode_step
 from pallas_kernels.sparse_mla_decode.reference import sparse_mla_decode_rows as sparse_mla_decode_reference
@@ -46,21 +46,21 @@ def forward(model, ids):
 
 
 @nnx.jit(static_argnums=(4,))
-def decode(model, tokens, positions, cache, backend):
-    return decode_step(model, tokens, positions, cache, backend)
+def decode(model, tokens, positions, kv, backend):
+    return decode_step(model, tokens, positions, kv, backend)
 
 
 def prefill_then_decode(model, ids, positions):
     """Prefill ids[:, :p] for each row's p = positions[b], then decode token ids[b, p] at position p."""
     B, T = ids.shape
     _, aux = forward(model, ids)
-    cache = _cache_from_prefill(model.cfg, aux, B, 64, T, jnp.float32)
+    kv = _kv_from_prefill(model.cfg, aux, B, 64, T, jnp.float32)
     # rows at and beyond each row's position are stale prefill content: poison them
-    S = cache["latent"].shape[2]
+    S = kv["latent"].shape[2]
     stale = jnp.arange(S)[None, :] >= positions[:, None]  # [B, S]
-    cache = {k: jnp.where(stale[None, :, :, None], jnp.nan, v) for k, v in cache.items()}
+    kv = {k: jnp.where(stale[None, :, :, None], jnp.nan, v) for k, v in kv.items()}
     tokens = ids[jnp.arange(B), positions]
-    return decode(model, tokens, positions, cache, DenseKV(topk=model.cfg.index_topk))
+    return decode(model, tokens, positions, kv, DenseKV(topk=model.cfg.index_topk))
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -76,8 +76,8 @@ def test_hisparse_runs_more_requests_without_preemption(runs):
 @pytest.mark.slow
 def test_pools_empty_after_the_run(runs):
     for pol, (_, _, eng) in runs.items():
-        assert all(eng.cache.pool.num_used(t) == 0 for t in Tier), pol
-        eng.cache.check_invariants()
+        assert all(eng.manager.pool.num_used(t) == 0 for t in Tier), pol
+        eng.manager.check_invariants()
 
 
 @pytest.mark.slow
@@ -97,7 +97,7 @@ def test_aborts_mid_prefill_and_mid_decode_leave_no_leak(model, prompts):
     eng.run()
     assert eng.requests["r0"].state is RequestState.ABORTED and eng.requests["r1"].state is RequestState.ABORTED
     assert all(len(eng.requests[f"r{i}"].output) == NEW for i in (2, 3, 4))
-    assert all(eng.cache.pool.num_used(t) == 0 for t in Tier)
+    assert all(eng.manager.pool.num_used(t) == 0 for t in Tier)
 
 
 def test_metrics_and_log(model, prompts, tmp_path):

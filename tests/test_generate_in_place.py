@@ -1,5 +1,5 @@
-"""The contiguous decode step of plain `generate` (cache=None) updates its donated cache in place and reads its
-no per-step copy of a layer's cache or of the whole cache; one compile for a 40-step loop."""
+"""The contiguous decode step of plain `generate` (cache=None) updates its donated KV arrays in place and reads its
+no per-step copy of a layer's arrays or of the whole of `kv`; one compile for a 40-step loop."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from flax import nnx
 import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig, get_preset
 from hisparse_jax.engine import runner
-from hisparse_jax.kv.dense import DenseKV, init_dense_cache
+from hisparse_jax.kv.dense import DenseKV, init_dense_kv
 from tiny import model_cfg
 
 G = importlib.import_module("hisparse_jax.generate")  # the module (the package re-exports the function)
@@ -59,10 +59,10 @@ def compiled_step(model, B: int, S: int):
     cfg = model.cfg
     graphdef, state = nnx.split(model)
     step = runner.jitted_dense_decode(graphdef, DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8))
-    cache = init_dense_cache(cfg, B, S, model.dtype)
+    kv = init_dense_kv(cfg, B, S, model.dtype)
     sampling = {"seed": jnp.zeros((B,), jnp.uint32), "temperature": jnp.zeros((B,)), "top_p": jnp.ones((B,))}
-    args = (state, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32), cache, sampling)
-    return step.lower(*args).compile(), cache
+    args = (state, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32), kv, sampling)
+    return step.lower(*args).compile(), kv
 
 
 @pytest.fixture(scope="module")
@@ -70,15 +70,15 @@ def tiny_glm():
     return hj.SparseMLAModel(get_preset("tiny-glm"), rngs=nnx.Rngs(0))
 
 
-def test_decode_step_updates_the_cache_in_place(tiny_glm):
+def test_decode_step_updates_the_kv_in_place(tiny_glm):
     cfg = tiny_glm.cfg
     B, S = 2, 1024
-    compiled, cache = compiled_step(tiny_glm, B, S)
-    cache_bytes = sum(v.nbytes for v in cache.values())
-    layer_latent_bytes = cache["latent"].nbytes // cfg.num_hidden_layers
+    compiled, kv = compiled_step(tiny_glm, B, S)
+    kv_bytes = sum(v.nbytes for v in kv.values())
+    layer_latent_bytes = kv["latent"].nbytes // cfg.num_hidden_layers
 
-    # memory: the donated cache is aliased to the output, and the step's scratch is well below one layer's latent
-    # cache (the slice-modify-writeback of every layer this replaced needed 1.7x a layer here, 2.6x the whole cache
+    # memory: the donated `kv` is aliased to the output, and the step's scratch is well below one layer's latent
+    # rows (the slice-modify-writeback of every layer this replaced needed 1.7x a layer here, 2.6x the whole of `kv`
     # at B=1) beside the weights XLA:CPU re-lays out for its matmuls (kv_b_proj's W_UK / W_UV and the experts, read
     # transposed; 4.2 MB here, measured: 5.4 MB of scratch, 1.2 MB before the layers were stacked and when these
     # weights were prepared once per call, which stopped paying off under the scan)
@@ -86,28 +86,28 @@ def test_decode_step_updates_the_cache_in_place(tiny_glm):
                  if "kv_b_proj" in path or "experts" in path)
     mem = compiled.memory_analysis()
     if mem is not None:
-        assert mem.alias_size_in_bytes >= cache_bytes, (mem.alias_size_in_bytes, cache_bytes)
+        assert mem.alias_size_in_bytes >= kv_bytes, (mem.alias_size_in_bytes, kv_bytes)
         assert mem.temp_size_in_bytes < layer_latent_bytes / 2 + relaid, (mem.temp_size_in_bytes, layer_latent_bytes,
                                                                           relaid)
 
-    # HLO: no copy / transpose / slice shaped like a layer's latent or rope cache or like a whole cache, none as large
-    # as a layer's latent cache, none reading more than a row per sequence of a cache parameter. (The indexer's score matmul may read one slot's keys
+    # HLO: no copy / transpose / slice shaped like a layer's latent or rope rows or like a whole `kv` array, none as large
+    # as a layer's latent rows, none reading more than a row per sequence of a `kv` parameter. (The indexer's score matmul may read one slot's keys
     # through a transposed copy — XLA:CPU in jax 0.10 does, 0.12 does not: that is the indexer reading its keys,
     # B*S*index_head_dim values, not a write-back; the temp bound above covers it.)
     L = cfg.num_hidden_layers
-    cache_shapes = {big(s) for x in (cfg.kv_lora_rank, cfg.qk_rope_head_dim) for s in ((B, S, x), (L, B, S, x))}
-    cache_shapes.add(big(cache["index_k"].shape))
+    kv_shapes = {big(s) for x in (cfg.kv_lora_rank, cfg.qk_rope_head_dim) for s in ((B, S, x), (L, B, S, x))}
+    kv_shapes.add(big(kv["index_k"].shape))
     instrs = entry_instructions(compiled.as_text())
-    cache_params = {n for n, dims, op, _ in instrs if op == "parameter" and big(dims) in cache_shapes}
-    assert len(cache_params) == 3, cache_params  # the parser found the three cache arguments
+    kv_params = {n for n, dims, op, _ in instrs if op == "parameter" and big(dims) in kv_shapes}
+    assert len(kv_params) == 3, kv_params  # the parser found the three `kv` arguments
     bad = []
     for name, dims, op, operands in instrs:
         if not is_data_movement(name, op):
             continue
-        if (big(dims) in cache_shapes or int(np.prod(dims)) >= B * S * cfg.kv_lora_rank
-                or (int(np.prod(dims)) > B * cfg.kv_lora_rank and any(o in cache_params for o in operands))):
+        if (big(dims) in kv_shapes or int(np.prod(dims)) >= B * S * cfg.kv_lora_rank
+                or (int(np.prod(dims)) > B * cfg.kv_lora_rank and any(o in kv_params for o in operands))):
             bad.append((name, dims, op))
-    assert not bad, f"the decode step copies cache-sized buffers: {bad}"
+    assert not bad, f"the decode step copies kv-sized buffers: {bad}"
 
 
 def test_decode_step_compiles_once_for_40_steps_and_matches_the_paged_store():

@@ -1,5 +1,5 @@
 """`TieredCache` is host-only bookkeeping: it runs in an interpreter where jax cannot be imported, its decisions
-reach the device only as ordered `updates`, and those updates, applied, give the tables the cache describes."""
+reach the device only as ordered `updates`, and those updates, applied, give the tables the manager describes."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_bookkeeping_runs_without_jax():
     assert loaded == "]"  # no jax / flax module was imported
 
 
-def test_updates_applied_give_the_tables_the_cache_describes():
+def test_updates_applied_give_the_tables_the_manager_describes():
     ns: dict = {}
     exec(WORKLOAD.replace("tc.check_invariants()", ""), ns)
     tc: TieredCache = ns["tc"]
@@ -76,18 +76,18 @@ def test_updates_applied_give_the_tables_the_cache_describes():
 
 
 def test_unapplied_updates_are_refused_where_they_would_be_lost(tmp_path):
-    from hisparse_jax.kv.persist import save_cache
+    from hisparse_jax.kv.persist import save_tiered
 
     tc = TieredCache(hj.get_preset("tiny-glm"), hj.CacheConfig(kv_dtype="float32", device_pages=16, max_seqs=2,
                                                                 max_seq_len=512))
     store = kv_device.new_store(tc)
     tc.admit(100)
     try:
-        save_cache(tc, store, tmp_path / "c")
+        save_tiered(tc, store, tmp_path / "c")
     except ValueError as e:
         assert "apply_updates" in str(e)
     else:
-        raise AssertionError("save_cache accepted a store missing the cache's last decisions")
+        raise AssertionError("save_tiered accepted a store missing the manager's last decisions")
     try:
         kv_device.check_tables(store, tc)
     except RuntimeError as e:

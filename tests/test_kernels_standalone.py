@@ -101,10 +101,10 @@ def test_released_request_without_hot_buffer_is_never_an_address(kernels, fetch)
     @jax.jit
     def attend(store):
         backend = TieredKV(spec, kernels)
-        cache = backend.init_cache(store, jnp.asarray(REQ))
-        o, cache = backend.attend(cache, LayerIds(layer=0, index=0, owns_index=True, group_size=1),
+        kv = backend.init_kv(store, jnp.asarray(REQ))
+        o, kv = backend.attend(kv, LayerIds(layer=0, index=0, owns_index=True, group_size=1),
                                   jnp.asarray(TOPK), q_lat, q_rope, 0.25)
-        return o, cache["store"], cache["plan"], cache["stats"]
+        return o, kv["store"], kv["plan"], kv["stats"]
 
     o, out, plan, stats = attend(store)
     np.testing.assert_array_equal(np.asarray(plan.valid), VALID)

@@ -57,7 +57,7 @@ def test_a_prompt_written_through_the_store_is_never_starved():
             # admitted to write its prompt: it gets rows every step until written (it is the only such prompt)
             assert s.progressed.get("shares") == "prefill", (s.step, s.stalled.get("shares"))
             chunks += 1
-        eng.cache.check_invariants()
+        eng.manager.check_invariants()
     assert shares.cached_tokens == 4 * P and chunks == -(-(700 - 4 * P) // 64)  # 7 steps of 64 rows
     assert eng.scheduler.admission_out_of_pages == 0 and eng.out_of_pages == 0
     assert eng.pool_empty()

@@ -61,18 +61,18 @@ def _checks() -> dict:
                logits_max_diff=max(float(np.max(np.abs(a - b))) for a, b in zip(lg_mesh, lg_one)))
 
     # a stacked store with one prompt on some ranks, and the sharded decode step over it
-    caches = [TieredCache(cfg, small) for _ in range(N)]
-    store = parallel.new_stacked_store(caches, mesh)
+    managers = [TieredCache(cfg, small) for _ in range(N)]
+    store = parallel.new_stacked_store(managers, mesh)
     rows = {}
     for r in (0, 3, 7):
         _, latent, rope, index_k = prefill_rows(model, prompts[r])
         rows[r] = (latent, rope, index_k, len(prompts[r]))
-    store, slots = parallel.admit_prefilled_ranks(store, caches, rows)
+    store, slots = parallel.admit_prefilled_ranks(store, managers, rows)
     B = 2
     req = np.full((N, B), -1, np.int32)
     for r, s in slots.items():
         req[r, 0] = s
-    store = parallel.reserve_next_ranks(store, caches, req.tolist())
+    store = parallel.reserve_next_ranks(store, managers, req.tolist())
     graphdef, state = nnx.split(model)
     state = parallel.replicate(state, mesh)
     batch = parallel.put_batch(mesh, {"tokens": np.ones((N, B), np.int32), "req": req,

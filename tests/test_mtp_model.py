@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 import hisparse_jax as hj
 from hisparse_jax.config import ModelConfig, get_preset
-from hisparse_jax.kv.dense import DenseKV, init_dense_cache
+from hisparse_jax.kv.dense import DenseKV, init_dense_kv
 from hisparse_jax.model.decoder import SparseMLAModel, decode_step
 from hisparse_jax.model.mtp import MTPLayer, mtp_decode_step, mtp_forward, mtp_input
 from hisparse_jax.model.weights import CheckpointError, read_checkpoint_tensors
@@ -134,11 +134,11 @@ def _prefill(model, ids, next_ids):
 
 
 @nnx.jit(static_argnums=(5,))
-def _step(model, tokens, positions, next_tokens, cache, backend):
+def _step(model, tokens, positions, next_tokens, kv, backend):
     """A main decode step, then the MTP layer on its hidden state (the MTP layer's KV at the same position)."""
-    logits, cache, _, hidden = decode_step(model, tokens, positions, cache, backend, return_hidden=True)
-    mlogits, mhidden, cache = mtp_decode_step(model, next_tokens, positions, hidden, cache, backend)
-    return logits, hidden, mlogits, mhidden, cache
+    logits, kv, _, hidden = decode_step(model, tokens, positions, kv, backend, return_hidden=True)
+    mlogits, mhidden, kv = mtp_decode_step(model, next_tokens, positions, hidden, kv, backend)
+    return logits, hidden, mlogits, mhidden, kv
 
 
 @nnx.jit
@@ -147,13 +147,13 @@ def _mtp_forward(model, hidden, next_ids):
 
 
 @nnx.jit(static_argnums=(5,))
-def _draft(model, tokens, positions, hidden, cache, backend):
-    return mtp_decode_step(model, tokens, positions, hidden, cache, backend)
+def _draft(model, tokens, positions, hidden, kv, backend):
+    return mtp_decode_step(model, tokens, positions, hidden, kv, backend)
 
 
 @pytest.mark.parametrize("preset", ["tiny-glm", "tiny-deepseek"])
 def test_decode_mtp_equals_causal_mtp(preset):
-    """Token by token from an empty cache (main layers + the MTP layer after them): the main step's logits and
+    """Token by token from empty KV arrays (main layers + the MTP layer after them): the main step's logits and
     final hidden state, and the MTP step's logits and hidden state, equal the causal forwards at every position
     (T = 20 > index_topk = 8: the late positions select sparsely). Then a recursive draft — the MTP layer again,
     on its own hidden state and greedy token, one position further — equals the causal MTP forward over that
@@ -169,23 +169,23 @@ def test_decode_mtp_equals_causal_mtp(preset):
     assert bool(jnp.all(maux["topk"][:, -1] >= 0))  # a full top-k of 8 out of 20 keys
 
     backend = DenseKV(topk=cfg.index_topk)
-    cache = init_dense_cache(cfg, B, 64, jnp.float32, extra_layers=1)
-    assert cache["latent"].shape[0] == cfg.num_hidden_layers + 1
-    assert cache["index_k"].shape[0] == cfg.num_indexer_layers + 1
+    kv = init_dense_kv(cfg, B, 64, jnp.float32, extra_layers=1)
+    assert kv["latent"].shape[0] == cfg.num_hidden_layers + 1
+    assert kv["index_k"].shape[0] == cfg.num_indexer_layers + 1
     for t in range(T):
         pos = jnp.full((B,), t, jnp.int32)
-        lg, h, ml, mh, cache = _step(model, ids[:, t], pos, ids[:, t + 1], cache, backend)
+        lg, h, ml, mh, kv = _step(model, ids[:, t], pos, ids[:, t + 1], kv, backend)
         np.testing.assert_allclose(np.asarray(lg), np.asarray(logits[:, t]), **TOL)
         np.testing.assert_allclose(np.asarray(h), np.asarray(hidden[:, t]), **TOL)
         np.testing.assert_allclose(np.asarray(ml), np.asarray(mlogits[:, t]), **TOL)
         np.testing.assert_allclose(np.asarray(mh), np.asarray(maux["hidden"][:, t]), **TOL)
-    # the MTP block's rows went to layer L / indexer layer L_I of the cache, as the causal forward computed them
-    np.testing.assert_allclose(np.asarray(cache["latent"][-1, :, :T]), np.asarray(maux["latent"]), **TOL)
-    np.testing.assert_allclose(np.asarray(cache["index_k"][-1, :, :T]), np.asarray(maux["index_k"]), **TOL)
+    # the MTP block's rows went to layer L / indexer layer L_I of `kv`, as the causal forward computed them
+    np.testing.assert_allclose(np.asarray(kv["latent"][-1, :, :T]), np.asarray(maux["latent"]), **TOL)
+    np.testing.assert_allclose(np.asarray(kv["index_k"][-1, :, :T]), np.asarray(maux["index_k"]), **TOL)
 
     # recursive draft: the second MTP application at position T on the first's hidden_out and argmax token
     draft = jnp.argmax(ml, axis=-1).astype(jnp.int32)
-    ml2, mh2, cache = _draft(model, draft, jnp.full((B,), T, jnp.int32), mh, cache, backend)
+    ml2, mh2, kv = _draft(model, draft, jnp.full((B,), T, jnp.int32), mh, kv, backend)
     assert np.isfinite(np.asarray(ml2)).all() and ml2.shape == (B, cfg.vocab_size)
     assert not np.allclose(np.asarray(ml2), np.asarray(ml))
     ext_hidden = jnp.concatenate([hidden, mh[:, None]], axis=1)

@@ -48,12 +48,12 @@ def test_import_lands_in_the_host_tier_and_decodes_the_local_tokens(model, expor
     eng.import_request("long", exports["long"][1], SamplingParams(max_new_tokens=NEW))
     eng.step()  # admission + import: 22 pages of KV into 16 device pages
     slot = eng.requests["long"].slot
-    assert eng.cache.requests[slot].host_only_pages()  # older pages went straight to the host tier
+    assert eng.manager.requests[slot].host_only_pages()  # older pages went straight to the host tier
     eng.run()
     assert eng.outputs()["long"] == want[1]
     m = eng.metrics()
     assert m.misses > 0 and m.import_bytes == exports["long"][0].nbytes
-    assert m.d2h_bytes >= len(LONG) * eng.cache.spec.num_layers * eng.cache.spec.row_bytes  # every row mirrored
+    assert m.d2h_bytes >= len(LONG) * eng.manager.spec.num_layers * eng.manager.spec.row_bytes  # every row mirrored
 
 
 @pytest.mark.parametrize("policy", ["preempt", "offload", "hisparse"])

@@ -12,7 +12,7 @@ from store_pair import StorePair
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.pool import OutOfPages, PoolError, Tier, page_hash
 from hisparse_jax.units import INVALID
-from test_store import DI, LI, MODEL, C, L, R, cache_cfg
+from test_store import DI, LI, MODEL, C, L, R, cache_config
 
 P = 64
 
@@ -77,7 +77,7 @@ DOC = np.random.default_rng(7).integers(0, 64, 512).tolist()
 
 
 def test_shared_pages_refcounts_release_and_registration_lifetime():
-    tc = StorePair(MODEL, cache_cfg(max_seqs=3))
+    tc = StorePair(MODEL, cache_config(max_seqs=3))
     tc.prefix_caching = True
     a_toks = DOC[:200]
     a = prefill(tc, a_toks)
@@ -122,7 +122,7 @@ def test_shared_pages_refcounts_release_and_registration_lifetime():
 
 
 def test_prefix_caching_off_shares_nothing_and_different_prefix_misses():
-    tc = StorePair(MODEL, cache_cfg(max_seqs=4))
+    tc = StorePair(MODEL, cache_config(max_seqs=4))
     prefill(tc, DOC[:200])
     assert tc.pool.stats()["device"]["prefix"] == 0  # off: nothing registered
     tc.prefix_caching = True
@@ -137,7 +137,7 @@ def test_prefix_caching_off_shares_nothing_and_different_prefix_misses():
 
 
 def test_admit_prefilled_registers_pages_for_later_requests():
-    tc = StorePair(MODEL, cache_cfg(max_seqs=2))
+    tc = StorePair(MODEL, cache_config(max_seqs=2))
     tc.prefix_caching = True
     a = tc.admit_prefilled(*(jnp.asarray(x) for x in rows_for(DOC, 0, 200)), 200, tokens=DOC[:200])
     b = prefill(tc, DOC[:200])
@@ -147,7 +147,7 @@ def test_admit_prefilled_registers_pages_for_later_requests():
 
 
 def test_host_only_prefix_page_is_loaded_and_shared_pages_are_not_release_candidates():
-    tc = StorePair(MODEL, cache_cfg(max_seqs=3, device_pages=40))
+    tc = StorePair(MODEL, cache_config(max_seqs=3, device_pages=40))
     tc.prefix_caching = True
     a_toks = DOC[:300]
     a = prefill(tc, a_toks)
@@ -194,7 +194,7 @@ def test_host_only_prefix_page_is_loaded_and_shared_pages_are_not_release_candid
 def test_pressure_releases_shared_pages_from_every_holder():
     """Once no request has a cold page of its own left, a shared page is released from all its holders at once
     (each gets a hot buffer first): the page is freed, stays cached, and both read it back through the host."""
-    tc = StorePair(MODEL, cache_cfg(max_seqs=3, device_pages=24))
+    tc = StorePair(MODEL, cache_config(max_seqs=3, device_pages=24))
     tc.prefix_caching = True
     a_toks, b_toks = DOC[:300], DOC[:290] + [4]
     a, b = prefill(tc, a_toks), prefill(tc, b_toks)
@@ -216,7 +216,7 @@ def test_pressure_releases_shared_pages_from_every_holder():
 
 
 def test_swap_in_reshares_resident_prefix_pages():
-    tc = StorePair(MODEL, cache_cfg(max_seqs=2))
+    tc = StorePair(MODEL, cache_config(max_seqs=2))
     tc.prefix_caching = True
     a = prefill(tc, DOC[:300])
     b_toks = DOC[:280] + [3]
@@ -236,7 +236,7 @@ def test_swap_in_reshares_resident_prefix_pages():
 
 
 def test_write_prefill_never_touches_shared_pages():
-    tc = StorePair(MODEL, cache_cfg(max_seqs=2))
+    tc = StorePair(MODEL, cache_config(max_seqs=2))
     tc.prefix_caching = True
     prefill(tc, DOC[:200])
     b = tc.admit(150, tokens=DOC[:150])
@@ -246,15 +246,15 @@ def test_write_prefill_never_touches_shared_pages():
 
 
 def test_save_restore_keeps_the_prefix_cache(tmp_path):
-    from hisparse_jax.kv.persist import load_cache, save_cache
+    from hisparse_jax.kv.persist import load_tiered, save_tiered
 
-    tc = StorePair(MODEL, cache_cfg(max_seqs=3))
+    tc = StorePair(MODEL, cache_config(max_seqs=3))
     tc.prefix_caching = True
     a = prefill(tc, DOC[:300])
     b = prefill(tc, DOC[:200] + [1])
     tc.release(a)  # a's page 3 is cached now; pages 0-2 are b's (shared)
-    save_cache(tc.cache, tc.sync(), tmp_path / "cache")
-    tc2 = StorePair.of(*load_cache(tmp_path / "cache"))
+    save_tiered(tc.manager, tc.sync(), tmp_path / "saved")
+    tc2 = StorePair.of(*load_tiered(tmp_path / "saved"))
     assert tc2.prefix_caching and tc2.pool.snapshot() == tc.pool.snapshot()
     assert tc2.prefix_hashes == tc.prefix_hashes and tc2.cached_tokens == tc.cached_tokens
     c = prefill(tc2, DOC[:300])
@@ -271,7 +271,7 @@ def test_allocator_invariants_under_random_operations_with_shared_prefixes(seed)
     rows read back are exact, and everything is freed (registrations included) at the end."""
     rng = np.random.default_rng(seed)
     docs = [rng.integers(0, 64, 400).tolist() for _ in range(3)]
-    tc = StorePair(MODEL, cache_cfg(max_seqs=4, device_pages=30, host_pages=48, max_seq_len=448))
+    tc = StorePair(MODEL, cache_config(max_seqs=4, device_pages=30, host_pages=48, max_seq_len=448))
     tc.prefix_caching = True
     live: dict[int, list[int]] = {}
     swapped: set[int] = set()
@@ -399,7 +399,7 @@ def test_engine_prefix_hits_keep_tokens_and_skip_prefill(engine_model, shared_pr
     total_prompt = sum(len(p) for p in shared_prompts)
     assert m.prefill_tokens + m.cached_tokens >= total_prompt
     assert m.prefix_hit_rate == m.cached_tokens / (m.cached_tokens + m.prefill_tokens)
-    assert_all_free(eng.cache.pool)
+    assert_all_free(eng.manager.pool)
 
 
 @pytest.mark.slow
@@ -428,17 +428,17 @@ def test_engine_aborts_with_prefix_shared_pages(engine_model, shared_prompts, sh
     eng.step()
     r1 = eng.requests["r1"]
     assert r1.state is RequestState.PREFILLING and r1.cached_tokens == 256
-    shared = eng.cache.requests[r1.slot].device[:4]
-    assert all(eng.cache.pool.refcount(Tier.DEVICE, d) == 2 for d in shared)
+    shared = eng.manager.requests[r1.slot].device[:4]
+    assert all(eng.manager.pool.refcount(Tier.DEVICE, d) == 2 for d in shared)
     eng.abort("r0")  # the prefix's first owner, mid-decode: r1 keeps the pages
-    eng.cache.check_invariants()
-    assert all(eng.cache.pool.refcount(Tier.DEVICE, d) == 1 for d in shared)
+    eng.manager.check_invariants()
+    assert all(eng.manager.pool.refcount(Tier.DEVICE, d) == 1 for d in shared)
     eng.step()
     assert r1.state is RequestState.PREFILLING
     eng.abort("r1")  # mid-prefill, on pages it shares with nobody now
     eng.run()
     assert eng.requests["r3"].output == shared_refs[3]
-    assert_all_free(eng.cache.pool)
+    assert_all_free(eng.manager.pool)
 
 
 @pytest.mark.slow
@@ -465,4 +465,4 @@ def test_engine_hisparse_pressure_with_shared_prefix(engine_model, shared_prompt
     m = eng.metrics()
     assert m.cached_tokens > 0 and m.evicted_pages > 0 and m.misses > 0 and m.preemptions == 0
     assert m.max_running >= 2
-    assert_all_free(eng.cache.pool)
+    assert_all_free(eng.manager.pool)

@@ -57,7 +57,7 @@ def test_greedy_tokens_identical_under_eviction(model, prompts, baseline, k):
     assert out == baseline[0]
     assert m.evicted_pages > 0 and m.misses > 0  # the budget forced releases and host fetches
     assert m.speculative_tokens == k and m.acceptance_rate >= 0 and m.tokens_per_step >= 1
-    row = eng.cache.spec.row_bytes
+    row = eng.manager.spec.row_bytes
     for h in m.history:  # every step moved exactly its distinct missing rows
         assert h.h2d_bytes == h.misses * row
 

@@ -29,14 +29,14 @@ L, LI, C, R, DI = 4, 2, 16, 8, 16
 ROW_BYTES = (C + R) * 4
 
 
-def cache_cfg(**over):
+def cache_config(**over):
     kw = dict(kv_dtype="float32", device_pages=24, host_pages=24, max_seqs=2, max_seq_len=512, hot_rows=8)
     kw.update(over)
     return CacheConfig(**kw)
 
 
 class Reference:
-    """What a cache that never evicts anything would return."""
+    """What a store that never evicts anything would return."""
 
     def __init__(self):
         self.lat = np.zeros((L, 2, 512, C), np.float32)
@@ -82,9 +82,9 @@ def fetch(request):
 @given(data=st.data())
 def test_lossless_under_random_operations(fetch, data):
     """Random appends / evictions / resolves (with -1 padding, page-boundary positions) return exactly the rows
-    of a cache that never evicted anything, and the invariants hold after every operation."""
+    of a store that never evicted anything, and the invariants hold after every operation."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 16)))
-    tc = StorePair(MODEL, cache_cfg(fetch=fetch))
+    tc = StorePair(MODEL, cache_config(fetch=fetch))
     ref = Reference()
     slots = [admit(tc, ref, rng, data.draw(st.integers(1, 200))) for _ in range(2)]
     tc.check_invariants()
@@ -153,7 +153,7 @@ def test_appended_rows_survive_eviction():
     """Rows written by decode (the eager host mirror), not by prefill, are read back exactly after release."""
     rng = np.random.default_rng(5)
     for fetch, kv_dtype in (("row", "float32"), ("page", "float32"), ("row", "bf16")):
-        tc = StorePair(MODEL, cache_cfg(fetch=fetch, max_seqs=1, kv_dtype=kv_dtype))
+        tc = StorePair(MODEL, cache_config(fetch=fetch, max_seqs=1, kv_dtype=kv_dtype))
         ref = Reference()
         s = admit(tc, ref, rng, 10)
         append_tokens(tc, ref, rng, [s], 250)  # pages 0..3; 0 and 1 become sealed
@@ -174,7 +174,7 @@ def test_appended_rows_survive_eviction():
 def test_exact_accounting_and_lru_by_hand():
     rng = np.random.default_rng(0)
     for fetch, transfer in (("row", 2 * 8 * 2 * ROW_BYTES), ("page", 2 * 1 * 2 * 64 * ROW_BYTES)):
-        tc = StorePair(MODEL, cache_cfg(fetch=fetch, max_seqs=1))
+        tc = StorePair(MODEL, cache_config(fetch=fetch, max_seqs=1))
         ref = Reference()
         s = admit(tc, ref, rng, 192)  # logical pages 0, 1, 2
         tc._ensure_hot(s)
@@ -201,7 +201,7 @@ def test_transfer_bytes_per_mechanism():
     from hisparse_jax.kv import ops
     rng = np.random.default_rng(1)
     for fetch in ("row", "page"):
-        tc = StorePair(MODEL, cache_cfg(fetch=fetch, max_seqs=1, fetch_chunk=4))
+        tc = StorePair(MODEL, cache_config(fetch=fetch, max_seqs=1, fetch_chunk=4))
         s = admit(tc, Reference(), rng, 192)
         tc._ensure_hot(s)
         tc.evict(s, [0])
@@ -213,7 +213,7 @@ def test_transfer_bytes_per_mechanism():
 
 
 def test_host_pools_are_pinned_and_device_pools_are_not():
-    tc = StorePair(MODEL, cache_cfg())
+    tc = StorePair(MODEL, cache_config())
     assert tc.store.h_latent.sharding.memory_kind == "pinned_host"
     assert tc.store.h_rope.sharding.memory_kind == "pinned_host"
     for name in ("latent", "rope", "index_k", "block_table", "hot_token"):
@@ -230,11 +230,11 @@ def test_errors_are_clear_and_change_nothing():
     rng = np.random.default_rng(3)
     # budget too small for one request: needs 2 tail pages + 1 hot page
     with pytest.raises(BudgetError, match="device pages"):
-        StorePair(MODEL, cache_cfg(device_pages=2)).check_fits(64 * 5)
+        StorePair(MODEL, cache_config(device_pages=2)).check_fits(64 * 5)
     with pytest.raises(ValueError, match="hot_rows"):
-        StorePair(MODEL, cache_cfg(hot_rows=4))
+        StorePair(MODEL, cache_config(hot_rows=4))
     # a full host pool: OutOfPages naming the host tier, the pool unchanged
-    tc = StorePair(MODEL, cache_cfg(host_pages=5, max_seqs=2))
+    tc = StorePair(MODEL, cache_config(host_pages=5, max_seqs=2))
     ref = Reference()
     admit(tc, ref, rng, 64 * 3)
     before = tc.pool.snapshot()
@@ -267,7 +267,7 @@ def test_errors_are_clear_and_change_nothing():
 def test_lone_request_grows_under_pressure():
     """A single request longer than the device pool keeps growing: its own sealed pages make room."""
     rng = np.random.default_rng(6)
-    tc = StorePair(MODEL, cache_cfg(device_pages=4, max_seqs=1))  # 2 tail pages + 1 hot page + 1
+    tc = StorePair(MODEL, cache_config(device_pages=4, max_seqs=1))  # 2 tail pages + 1 hot page + 1
     ref = Reference()
     s = admit(tc, ref, rng, 64 * 3)
     append_tokens(tc, ref, rng, [s], 64 * 4)  # crosses four page boundaries
@@ -284,7 +284,7 @@ def test_recency_coldness_orders_by_last_selection():
     from hisparse_jax.kv.eviction import least_recently_selected, oldest_first
 
     rng = np.random.default_rng(8)
-    tc = StorePair(MODEL, cache_cfg(max_seqs=1))
+    tc = StorePair(MODEL, cache_config(max_seqs=1))
     s = admit(tc, Reference(), rng, 64 * 6)  # pages 0..3 evictable
     assert oldest_first(tc, s) == [0, 1, 2, 3]
     tc.gather([s], np.array([[0, 200, -1, -1, -1, -1, -1, -1]], np.int32))  # touches pages 0 and 3

@@ -14,7 +14,7 @@ import pytest
 from store_pair import StorePair
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.pool import OutOfPages, Tier
-from test_store import DI, LI, MODEL, C, L, R, cache_cfg
+from test_store import DI, LI, MODEL, C, L, R, cache_config
 
 HOT = 64  # hot rows per group: one hot page, and the read-back gathers 64 positions at a time
 PROMPTS = (1, 64, 65, 200, 330)  # few distinct prefill lengths: few compiles
@@ -56,7 +56,7 @@ def read_back(tc: TieredCache, oracle: Oracle, slot: int) -> None:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_public_calls_keep_every_request_reading_its_own_rows(seed):
     rng = np.random.default_rng(seed)
-    tc = StorePair(MODEL, cache_cfg(device_pages=14, host_pages=40, max_seqs=3, max_seq_len=640, hot_rows=HOT))
+    tc = StorePair(MODEL, cache_config(device_pages=14, host_pages=40, max_seqs=3, max_seq_len=640, hot_rows=HOT))
     tc.partial_eviction = True
     oracle = Oracle()
     counts: dict[str, int] = {}
@@ -139,7 +139,7 @@ def test_random_public_calls_keep_every_request_reading_its_own_rows(seed):
 
 def test_invariants_reject_released_pages_without_a_hot_buffer():
     rng = np.random.default_rng(5)
-    tc = StorePair(MODEL, cache_cfg(device_pages=14, host_pages=40, max_seqs=3, max_seq_len=640, hot_rows=HOT))
+    tc = StorePair(MODEL, cache_config(device_pages=14, host_pages=40, max_seqs=3, max_seq_len=640, hot_rows=HOT))
     slot = tc.admit(330)
     lat, rope, idx = rows(rng, 330)
     tc.write_prefill(slot, jnp.asarray(lat), jnp.asarray(rope), jnp.asarray(idx), 330)

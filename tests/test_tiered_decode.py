@@ -14,7 +14,7 @@ from hisparse_jax.generate import generate
 from hisparse_jax.engine import runner
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.manager import TieredCache
-from hisparse_jax.kv.persist import load_cache, save_cache
+from hisparse_jax.kv.persist import load_tiered, save_tiered
 from tiny import BIG, model_cfg
 
 
@@ -72,7 +72,7 @@ def test_tiered_equals_all_resident_in_compressed_formats(kv_dtype):
 
 
 def _start(model, prompts, cc):
-    """A TieredCache and its store with `prompts` prefilled; returns (cache, store, slots, first tokens)."""
+    """A TieredCache and its store with `prompts` prefilled; returns (manager, store, slots, first tokens)."""
     from hisparse_jax.engine.runner import prefill_rows
 
     tc = TieredCache(model.cfg, cc)
@@ -136,9 +136,9 @@ def test_save_restore_resumes_exactly(model, tmp_path):
     tc, store, slots, tok = _start(model, prompts, cc)
     store, tok, _ = run(tc, store, slots, tok, 10)
     store = kv_device.apply_updates(store, tc)
-    save_cache(tc, store, tmp_path / "ckpt")
+    save_tiered(tc, store, tmp_path / "ckpt")
     _, _, want = run(tc, store, slots, tok, 15)
-    restored, restored_store = load_cache(tmp_path / "ckpt")
+    restored, restored_store = load_tiered(tmp_path / "ckpt")
     assert restored_store.h_latent.sharding.memory_kind == "pinned_host"
     _, _, got = run(restored, restored_store, slots, tok, 15)
     for a, b in zip(want, got):
@@ -146,8 +146,8 @@ def test_save_restore_resumes_exactly(model, tmp_path):
 
 
 def test_default_kv_dtype_follows_the_model(model):
-    """CacheConfig's default kv_dtype ("auto") is the model's: a float32 model through a small tiered cache gives
-    exactly the contiguous cache's tokens."""
+    """CacheConfig's default kv_dtype ("auto") is the model's: a float32 model through a small tiered store gives
+    exactly the contiguous path's tokens."""
     assert CacheConfig().kv_dtype == "auto"
     assert CacheConfig().kv_dtype_for(model.cfg) == "float32"
     assert CacheConfig().kv_dtype_for(model.cfg.replace(dtype="bfloat16")) == "bf16"

@@ -2,6 +2,11 @@
 
 Glossary:
 
+- cache: a `CacheConfig` (the KV store's configuration: pages per tier, hot rows, fetch); only that.
+- manager: a `TieredCache`, the host bookkeeping of a tiered store (pages, tables, lengths, prefix hashes);
+  `Engine.manager`, `MeshEngine.managers` (one per rank).
+- store: a `KVStore`, the device (and pinned-host) arrays a manager describes.
+- kv: the carry threaded through the model's layers in a decode step (`TieredKV.init_kv`, `kv.dense.init_dense_kv`).
 - request: a prompt and its `SamplingParams`; states WAITING (queued, or preempted), PREFILLING, RUNNING,
   SWAPPED (offload: all its KV on the host), FINISHED, ABORTED, FAILED (its own work raised in a step).
 - policy: what happens when the device KV pool is full — "preempt" (drop the newest request's KV, recompute it
@@ -13,7 +18,7 @@ Glossary:
   device→host read per step.
 - bucket: the padded sizes a step compiles for — batch rows and indexer pages, both powers of two.
 - step: one `Engine.step()`: schedule, each request's own work, one batched device call, commit.
-- rank (`mesh.py`, `MeshEngine`): one device of a data-parallel mesh; each rank is an `Engine` with its own cache,
+- rank (`mesh.py`, `MeshEngine`): one device of a data-parallel mesh; each rank is an `Engine` with its own manager,
   scheduler and budgets over its slice of one stacked store; placement picks a new request's rank.
 - import (`pd.py`, `Engine.import_request`): a request whose prompt KV was computed by another (prefill) run and
   arrives as a file; written into the store at admission instead of computed.

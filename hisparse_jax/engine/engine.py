@@ -66,8 +66,8 @@ class EngineConfig:
     same distribution, more accepted when sampling, tokens depend on the drafts). Needs prefill="whole" and
     prefix_caching=False (prompts whose rows go through the store in
     chunks are not carried by the speculative step yet);
-    placement (a `MeshEngine` only): which rank a new request goes to — "balanced" (the rank holding most of its
-    prompt in its prefix cache, then the least loaded) or "round_robin"; expert_parallel (a `MeshEngine` only):
+    placement (a `MeshEngine` only): which rank a new request goes to — "balanced" (the rank already holding most of its
+    prompt's pages (prefix caching), then the least loaded) or "round_robin"; expert_parallel (a `MeshEngine` only):
     split the routed experts over the mesh's devices (each holds 1/N of every MoE layer's experts; each MoE layer
     gathers the ranks' tokens and scatters the sums back) instead of replicating every parameter."""
 
@@ -120,17 +120,17 @@ class OneStore:
     """The engine's store seam on one device: owns the `KVStore` and applies the engine's host decisions to it
     (`kv.device`). `engine.mesh` puts a rank of a stacked store behind the same four methods."""
 
-    def __init__(self, cache: TieredCache):
-        self.store = kv_device.new_store(cache)  # the cache's KVStore: device pools + pinned-host pools
+    def __init__(self, manager: TieredCache):
+        self.store = kv_device.new_store(manager)  # the manager's KVStore: device pools + pinned-host pools
 
-    def apply_updates(self, cache: TieredCache) -> None:
-        self.store = kv_device.apply_updates(self.store, cache)
+    def apply_updates(self, manager: TieredCache) -> None:
+        self.store = kv_device.apply_updates(self.store, manager)
 
-    def write_prefill(self, cache: TieredCache, slot: int, latent, rope, index_k, length: int, offset: int = 0):
-        self.store = kv_device.write_prefill(self.store, cache, slot, latent, rope, index_k, length, offset=offset)
+    def write_prefill(self, manager: TieredCache, slot: int, latent, rope, index_k, length: int, offset: int = 0):
+        self.store = kv_device.write_prefill(self.store, manager, slot, latent, rope, index_k, length, offset=offset)
 
-    def check_tables(self, cache: TieredCache) -> None:
-        kv_device.check_tables(self.store, cache)
+    def check_tables(self, manager: TieredCache) -> None:
+        kv_device.check_tables(self.store, manager)
 
 
 @dataclasses.dataclass
@@ -157,7 +157,7 @@ class StepWork:
 class Engine:
     def __init__(self, model: SparseMLAModel, cache: CacheConfig, config: EngineConfig = EngineConfig(), *,
                  store_owner=OneStore):
-        """store_owner(cache) -> the object that holds this engine's KVStore (`OneStore`, or a rank of a
+        """store_owner(manager) -> the object that holds this engine's KVStore (`OneStore`, or a rank of a
         `MeshEngine`'s stacked store)."""
         self.model, self.config = model, config
         # the device side: the model split once, the kernels ("pallas" needs a GPU backend: refused here, never a
@@ -170,12 +170,12 @@ class Engine:
         if config.policy == "preempt":
             cache = cache.replace(mirror_to_host=False)
         cache = cache.replace(max_seqs=config.max_running, speculative_tokens=self.k)
-        self.cache = TieredCache(model.cfg, cache, victim_order=COLDNESS[config.coldness])
-        tiered.check_backend(self.cache.spec, config.kernels)
-        self.cache.partial_eviction = config.policy == "hisparse"
-        self.cache.prefix_caching = config.prefix_caching
-        self.stores = store_owner(self.cache)
-        self.scheduler = Scheduler(self.cache, config.policy, max_running=config.max_running,
+        self.manager = TieredCache(model.cfg, cache, victim_order=COLDNESS[config.coldness])
+        tiered.check_backend(self.manager.spec, config.kernels)
+        self.manager.partial_eviction = config.policy == "hisparse"
+        self.manager.prefix_caching = config.prefix_caching
+        self.stores = store_owner(self.manager)
+        self.scheduler = Scheduler(self.manager, config.policy, max_running=config.max_running,
                                    prefill_chunk=config.prefill_chunk, prefill=config.prefill)
         self.requests: dict[str, Request] = {}
         self.step_count = 0
@@ -187,7 +187,7 @@ class Engine:
     @property
     def spec(self) -> StoreSpec:
         """The store's frozen layout (`StoreSpec`)."""
-        return self.cache.spec
+        return self.manager.spec
 
     @property
     def store(self):
@@ -227,7 +227,7 @@ class Engine:
         """Refuse (BudgetError) a request that could not run even alone: `check_fits` under this policy (all pages
         resident unless HiSparse may release them; indexer pages; host pages when pages are mirrored), and a
         prompt written through the store ("chunked" prefill) must be resident while it is written."""
-        c, spec = self.cache, self.cache.budget
+        c, spec = self.manager, self.manager.budget
         try:
             c.check_fits(kv_len)
         except BudgetError as e:
@@ -332,7 +332,7 @@ class Engine:
                        "req": np.asarray(rows_req + [-1] * pad, np.int32),
                        "pos": np.asarray(rows_pos + [-1] * pad, np.int32),
                        # the indexer scores pages up to the batch's longest sequence (a power-of-two bucket)
-                       "index_span": tiered.index_span(self.cache.spec, max(rows_pos) + 1)}
+                       "index_span": tiered.index_span(self.manager.spec, max(rows_pos) + 1)}
             w.sampling, w.n_emit = self._sampling(emit, B), len(emit)
         return w
 
@@ -351,18 +351,18 @@ class Engine:
             toks, stats = w.out.tokens, w.out.stats
             for r, start, n in plan.prefill:
                 r.computed = start + n
-                self.cache.set_length(r.slot, r.computed)
+                self.manager.set_length(r.slot, r.computed)
             for r in w.completed:
-                self.cache.allow_release(r.slot)
-                self.cache.register_prefix(r.slot, r.kv_tokens)
+                self.manager.allow_release(r.slot)
+                self.manager.register_prefix(r.slot, r.kv_tokens)
                 r.state = RequestState.RUNNING
-            self.cache.advance([r.slot for r in plan.decode])
+            self.manager.advance([r.slot for r in plan.decode])
             decode_tokens = len(plan.decode)
             new_tokens += self._commit_tokens([r for _, r in w.emit], toks)
-        if self.cache.updates:  # releases decided at commit: the store matches the cache between steps
-            self.stores.apply_updates(self.cache)
+        if self.manager.updates:  # releases decided at commit: the store matches the manager between steps
+            self.stores.apply_updates(self.manager)
         if self.config.check_invariants:
-            self.stores.check_tables(self.cache)
+            self.stores.check_tables(self.manager)
         dt = time.perf_counter() - w.t0
         st = stats
         m = StepMetrics(**{
@@ -376,7 +376,7 @@ class Engine:
             "duplicate_misses": st.get("row_misses", 0) - st.get("misses", 0),
             "hits": st.get("hits", 0), "misses": st.get("misses", 0), "resident": st.get("resident", 0),
             "h2d_bytes": st.get("h2d_bytes", 0), "d2h_bytes": st.get("d2h_bytes", 0),
-            "device_pages_used": self.cache.pool.num_used("device"), "step_time_s": dt,
+            "device_pages_used": self.manager.pool.num_used("device"), "step_time_s": dt,
             "compiled": TRACE_COUNTS["decode_step"] > w.traces, "wait_reasons": plan.wait_reasons(),
         })
         self.history.append(m)
@@ -392,21 +392,21 @@ class Engine:
         the engine's. If it raises, nothing is committed (a consumed, donated store is remembered)."""
         store = self.store
         try:
-            store = self.store = kv_device.apply_updates(store, self.cache)  # this step's table decisions
-            out = fn(self.cache.spec, store, *args, read_page_stamps=self.cache.needs_page_stamps)
+            store = self.store = kv_device.apply_updates(store, self.manager)  # this step's table decisions
+            out = fn(self.manager.spec, store, *args, read_page_stamps=self.manager.needs_page_stamps)
         except Exception:
             self._store_lost = any(x.is_deleted() for x in jax.tree.leaves(store))
             raise
         self.store = out.store
         if out.page_stamps is not None:
-            self.cache.observe_page_stamps(out.page_stamps)
+            self.manager.observe_page_stamps(out.page_stamps)
         return out
 
     def _speculative_step(self, decode: list[Request]) -> tuple[int, int, dict, int, int, int]:
         """One speculative step for the `decode` requests (`engine.speculative`), committed: each request's length
         becomes n + accepted + 1 and it emits its accepted drafts and the token after them. Returns (batch rows,
         indexer pages scored, stats, new tokens, drafts verified, drafts accepted)."""
-        k, spec = self.k, self.cache.spec
+        k, spec = self.k, self.manager.spec
         groups = [(r.slot, len(r.prompt) + len(r.output) - 1, r.output[-1], r.drafts or [-1] * k) for r in decode]
         batch, G = speculative.verify_batch(groups, k, self.config.min_bucket)
         # the indexer scores pages up to the longest position the step writes (n + 2k - 1)
@@ -423,7 +423,7 @@ class Engine:
             offered = sum(d >= 0 for d in groups[g][3])
             r.drafted, r.accepted = r.drafted + offered, r.accepted + a
             drafted, accepted = drafted + offered, accepted + a
-            self.cache.set_length(r.slot, groups[g][1] + a + 1)
+            self.manager.set_length(r.slot, groups[g][1] + a + 1)
             r.drafts = out.drafts[g].tolist()
             for tok in out.target[g, :a + 1].tolist():  # stops early at eos / max_new_tokens
                 if r.finished:
@@ -490,19 +490,19 @@ class Engine:
             latent, rope, index_k = (jnp.concatenate([a, b.astype(a.dtype)]) for a, b in
                                      zip((latent, rope, index_k), mtp[:3]))
             r.drafts = [mtp[3]] + [-1] * (self.k - 1)
-        self.stores.write_prefill(self.cache, r.slot, latent, rope, index_k, len(toks))
-        self.cache.register_prefix(r.slot, toks)
+        self.stores.write_prefill(self.manager, r.slot, latent, rope, index_k, len(toks))
+        self.manager.register_prefix(r.slot, toks)
         return last
 
     def _write_import(self, r: Request):
         ex, T, ch = r.imported, len(r.kv_tokens), IMPORT_CHUNK
-        m = self.cache.spec.mtp_layers  # an export carries no MTP rows: zeros (they only shape the drafts)
+        m = self.manager.spec.mtp_layers  # an export carries no MTP rows: zeros (they only shape the drafts)
         r.drafts = [-1] * self.k
         for off in range(0, T, ch):
             rows = [np.asarray(a[:, off:off + ch]) for a in (ex.latent, ex.rope, ex.index_k)]
             rows = [np.pad(a, ((0, m), (0, ch - a.shape[1]), (0, 0))) for a in rows]  # one staging shape
-            self.stores.write_prefill(self.cache, r.slot, *map(jnp.asarray, rows), T, offset=off)
-        self.cache.register_prefix(r.slot, r.kv_tokens)
+            self.stores.write_prefill(self.manager, r.slot, *map(jnp.asarray, rows), T, offset=off)
+        self.manager.register_prefix(r.slot, r.kv_tokens)
         self.import_bytes += ex.nbytes
         r.imported = None  # written: a later readmission (after a preemption) computes its tokens as usual
         return jnp.asarray(ex.last_logits)
@@ -528,7 +528,7 @@ class Engine:
                 w = self.scheduler.waiting
                 raise RuntimeError(f"no progress at step {m.step}: {len(self.scheduler.active)} admitted, "
                                    f"{len(w)} waiting (first: {w[0].request_id if w else None}); "
-                                   f"waiting for {m.wait_reasons}; pool {self.cache.pool.stats()}")
+                                   f"waiting for {m.wait_reasons}; pool {self.manager.pool.stats()}")
             if progress:
                 progress(self)
 
@@ -539,7 +539,7 @@ class Engine:
     # ----- metrics -------------------------------------------------------------------------------
     def metrics(self) -> EngineMetrics:
         """Totals and per-step series (`history`: `StepMetrics`) for the run so far; `.to_json()` for JSON."""
-        c = self.cache
+        c = self.manager
         return summarize(self.history, list(self.requests.values()), policy=self.config.policy,
                          speculative_tokens=self.k, extra_h2d_bytes=c.h2d_bytes, extra_d2h_bytes=c.d2h_bytes,
                          evicted_pages=c.evicted_pages, import_bytes=self.import_bytes)
@@ -581,7 +581,7 @@ def summarize(h: list, requests: list, *, policy: str, speculative_tokens: int =
         "preemptions": sum(m.preemptions for m in h), "swaps": sum(m.swaps_out for m in h),
         "failed": sum(r.state is RequestState.FAILED for r in requests),
         "tokens": tokens, "prefill_tokens": sum(m.prefill_tokens for m in h),
-        # prompt tokens served by the prefix cache, and their share of all prompt tokens admitted
+        # prompt tokens served by prefix caching, and their share of all prompt tokens admitted
         "cached_tokens": cached, "prefix_hit_rate": cached / (cached + prefill) if cached + prefill else 0.0,
         "time_s": total_time, "compile_steps": len(h) - len(warm), "compile_time_s": total_time - warm_time,
         # throughput over the steps that did not compile (the step compiles once per batch bucket)

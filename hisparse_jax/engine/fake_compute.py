@@ -6,7 +6,7 @@ appended, one token per emitting request — with each token a function of (seed
 What it is for: checking the scheduler's liveness (`tests/test_liveness.py`, `experiments/liveness.py`). Each
 `FakeEngine.step` returns which admitted requests progressed (a decode row, prompt rows, a whole prompt) and, for
 those that did not, the reason the step's plan states (`StepPlan.waits`; None: none stated), and counts every
-`OutOfPages` the cache raised inside `schedule` (caught there or not).
+`OutOfPages` the manager raised inside `schedule` (caught there or not).
 
     eng = FakeEngine(model_cfg, CacheConfig(device_pages=24, ...), policy="hisparse", max_running=4)
     eng.add_request("a", prompt, max_new_tokens=16)
@@ -48,7 +48,7 @@ class FakeStep:
     """One `FakeEngine.step`: its plan; progressed: request id -> "decode" | "prefill" | "whole" (prompt rows
     computed or a token decoded this step); stalled: id of an admitted request (or one preempted this step) that did
     not progress -> the reason the plan states (None: no reason stated); out_of_pages: `OutOfPages` raised inside
-    the cache during `schedule` (the plan lists the policy's actions: preempted, swapped out, swapped in)."""
+    the manager during `schedule` (the plan lists the policy's actions: preempted, swapped out, swapped in)."""
 
     step: int
     plan: StepPlan
@@ -73,18 +73,18 @@ class FakeEngine:
             cache = cache.replace(mirror_to_host=False)
         cache = cache.replace(max_seqs=max_running)
         self.model_cfg = model
-        self.cache = TieredCache(model, cache, victim_order=COLDNESS[coldness])
-        self.cache.partial_eviction = policy == "hisparse"
-        self.cache.prefix_caching = prefix_caching
+        self.manager = TieredCache(model, cache, victim_order=COLDNESS[coldness])
+        self.manager.partial_eviction = policy == "hisparse"
+        self.manager.prefix_caching = prefix_caching
         self.policy, self.prefill = policy, prefill
-        self.scheduler = Scheduler(self.cache, policy, max_running=max_running, prefill_chunk=prefill_chunk,
+        self.scheduler = Scheduler(self.manager, policy, max_running=max_running, prefill_chunk=prefill_chunk,
                                    prefill=prefill)
         self.requests: dict[str, Request] = {}
         self.step_count = 0
-        self.out_of_pages = 0  # OutOfPages raised inside the cache during schedule (all steps)
+        self.out_of_pages = 0  # OutOfPages raised inside the manager during schedule (all steps)
         self._raised = 0
-        for name in ("admit", "reserve", "swap_in", "evict"):  # count what the cache raises, caught or not
-            setattr(self.cache, name, self._counting(getattr(self.cache, name)))
+        for name in ("admit", "reserve", "swap_in", "evict"):  # count what the manager raises, caught or not
+            setattr(self.manager, name, self._counting(getattr(self.manager, name)))
 
     def _counting(self, fn):
         def wrapped(*args, **kwargs):
@@ -99,7 +99,7 @@ class FakeEngine:
     def add_request(self, request_id: str, prompt: list[int], max_new_tokens: int, *, seed: int = 0,
                     eos_token_id=()) -> Request:
         """Queue a request; BudgetError when it could never run alone (as `Engine.add_request` refuses it)."""
-        c = self.cache
+        c = self.manager
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = SamplingParams(max_new_tokens=max_new_tokens, seed=seed, eos_token_id=eos_token_id)
@@ -119,7 +119,7 @@ class FakeEngine:
     # ----- one step ------------------------------------------------------------------------------
     def step(self) -> FakeStep:
         """Schedule, commit as the engine would after a step with the fake model's tokens, and report."""
-        c, sched = self.cache, self.scheduler
+        c, sched = self.manager, self.scheduler
         self._raised = 0
         plan = sched.schedule(self.step_count)
         raised = self._raised
@@ -177,7 +177,7 @@ class FakeEngine:
     # ----- checks --------------------------------------------------------------------------------
     def pool_empty(self) -> bool:
         """No page of any tier in use (cached prefix pages are free) and no request slot held."""
-        c = self.cache
+        c = self.manager
         return not c.requests and all(c.pool.num_used(t) == 0 and not c.pool.refcounts(t).any() for t in Tier)
 
 
@@ -288,7 +288,7 @@ def run_workload(w: Workload, model: ModelConfig | None = None, check_every: int
             waits[why] = waits.get(why, 0) + 1
         if check_every and s.step % check_every == 0:
             try:
-                eng.cache.check_invariants()
+                eng.manager.check_invariants()
             except Exception as e:  # noqa: BLE001
                 failures.append(f"(d) step {s.step}: allocator invariants broken: {e}")
                 break
@@ -296,17 +296,17 @@ def run_workload(w: Workload, model: ModelConfig | None = None, check_every: int
             break
     counts["steps"] = eng.step_count
     counts["prefix_shared"] = sum(1 for r in eng.requests.values() if r.cached_tokens)
-    counts["hisparse_releases"] = eng.cache.evicted_pages if w.policy == "hisparse" else 0
+    counts["hisparse_releases"] = eng.manager.evicted_pages if w.policy == "hisparse" else 0
     rolled_back = getattr(eng.scheduler, "admission_out_of_pages", 0)
     if rolled_back:
         failures.append(f"(b) {rolled_back} chunked admissions rolled back on OutOfPages")
     if not failures:
         try:
-            eng.cache.check_invariants()
+            eng.manager.check_invariants()
         except Exception as e:  # noqa: BLE001
             failures.append(f"(d) allocator invariants broken at the end: {e}")
         if not eng.pool_empty():
-            failures.append(f"(d) pages still in use at the end: {eng.cache.pool.stats()}")
+            failures.append(f"(d) pages still in use at the end: {eng.manager.pool.stats()}")
     return LivenessReport(eng.step_count, bound, len(w.requests), refused, failures, counts, waits)
 
 

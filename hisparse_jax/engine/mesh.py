@@ -14,8 +14,8 @@ jitted `shard_map` call (`runner.MeshRunner`, the device side) decodes and sampl
 one bucket), each device against its own slice — no KV crosses devices — and every rank commits
 (`Engine.finish_step`).
 
-Placement ("balanced", the default): a new request goes to the rank whose prefix cache holds the most of its
-prompt's pages, then to the rank with the fewest unfinished requests, then the fewest outstanding KV tokens, then
+Placement ("balanced", the default): a new request goes to the rank already holding (prefix caching) the most
+of its prompt's pages, then to the rank with the fewest unfinished requests, then the fewest outstanding KV tokens, then
 the lowest rank; "round_robin": request i on rank i % N. Sampling depends only on (seed, position), so outputs do
 not depend on the placement or the number of ranks. Not carried yet: speculative decoding (`speculative_tokens`
 > 0 is refused) and multi-process meshes (`generate(..., mesh=)` runs across processes).
@@ -59,13 +59,13 @@ class RankStore:
     def store(self, value):
         raise RuntimeError(f"rank {self.rank}'s store is a slice of the MeshEngine's stacked store")
 
-    def apply_updates(self, cache) -> None:
-        pass  # pending in `cache`: the MeshEngine applies every rank's updates in one pass (`flush`)
+    def apply_updates(self, manager) -> None:
+        pass  # pending in `manager`: the MeshEngine applies every rank's updates in one pass (`flush`)
 
-    def write_prefill(self, cache, slot: int, latent, rope, index_k, length: int, offset: int = 0) -> None:
+    def write_prefill(self, manager, slot: int, latent, rope, index_k, length: int, offset: int = 0) -> None:
         self._mesh.write_prefill(self.rank, slot, latent, rope, index_k, length, offset)
 
-    def check_tables(self, cache) -> None:
+    def check_tables(self, manager) -> None:
         self._mesh.check_tables(self.rank)
 
 
@@ -73,7 +73,7 @@ class MeshEngine:
     """`Engine`'s interface (add_request, import_request, abort, step, run, generate, outputs, metrics, close)
     over a one-axis mesh (`parallel.data_mesh(n)`), one rank per device; see the module docstring.
 
-    config.max_running and the cache's budgets are per rank; `config.placement` chooses the rank of each new
+    config.max_running and `cache`'s budgets are per rank; `config.placement` chooses the rank of each new
     request. metrics(): totals over ranks (running requests, tokens, hits, ... summed step by step) and `ranks`,
     each rank's own `EngineMetrics`; config.log_path gets one JSON line per mesh step (the totals, and each
     rank's step under "ranks")."""
@@ -92,9 +92,9 @@ class MeshEngine:
         rank_config = dataclasses.replace(config, log_path=None)  # the mesh logs one line per step, ranks inside
         self.engines = [Engine(model, cache, rank_config, store_owner=lambda c, r=r: RankStore(self, r))
                         for r in range(self.n)]
-        self.caches = [e.cache for e in self.engines]
-        self.spec = self.caches[0].spec
-        self.store = parallel.new_stacked_store(self.caches, mesh)
+        self.managers = [e.manager for e in self.engines]
+        self.spec = self.managers[0].spec
+        self.store = parallel.new_stacked_store(self.managers, mesh)
         if config.expert_parallel:
             parallel.check_expert_parallel(model.cfg, mesh)
         self.runner = MeshRunner(self.engines[0].runner, mesh, expert_parallel=config.expert_parallel)
@@ -123,7 +123,7 @@ class MeshEngine:
         def key(r):
             e = self.engines[r]
             unfinished = [q for q in e.requests.values() if not q.finished]
-            cached = len(e.cache.match_prefix(prompt)) if e.config.prefix_caching else 0
+            cached = len(e.manager.match_prefix(prompt)) if e.config.prefix_caching else 0
             outstanding = sum(len(q.prompt) + q.params.max_new_tokens for q in unfinished)
             return (-cached, len(unfinished), outstanding, r)
 
@@ -174,21 +174,21 @@ class MeshEngine:
     # ----- the store, through the ranks' seams ------------------------------------------------------
     def flush(self) -> None:
         """Apply every rank's pending table updates to its slice."""
-        if any(c.updates for c in self.caches):
-            self.store = parallel.apply_rank_updates(self.store, self.caches)
+        if any(c.updates for c in self.managers):
+            self.store = parallel.apply_rank_updates(self.store, self.managers)
 
     def write_prefill(self, rank: int, slot: int, latent, rope, index_k, length: int, offset: int = 0) -> None:
         """`kv.device.write_prefill` into rank `rank`'s slice."""
         if offset % 64 or offset < 0:
             raise ValueError(f"offset must be a non-negative multiple of 64 (a page boundary), got {offset}")
-        self.caches[rank].record_prefill(slot, length, 0, rows=latent.shape[1], offset=offset)
+        self.managers[rank].record_prefill(slot, length, 0, rows=latent.shape[1], offset=offset)
         self.flush()
         self.store = parallel.write_prompt_rows(self.store, {rank: (slot, latent, rope, index_k, length, 0, offset)})
 
     def check_tables(self, rank: int) -> None:
-        """`kv.device.check_tables` of rank `rank`'s slice against its cache."""
+        """`kv.device.check_tables` of rank `rank`'s slice against its manager."""
         self.flush()
-        kv_device.check_tables(parallel.rank_store(self.store, rank), self.caches[rank])
+        kv_device.check_tables(parallel.rank_store(self.store, rank), self.managers[rank])
 
     # ----- one step ------------------------------------------------------------------------------
     def step(self) -> StepMetrics:
@@ -219,17 +219,17 @@ class MeshEngine:
             store = self.store
             store, outs = self.runner.step(self.spec, store, [w.batch for w in works], [w.sampling for w in works],
                                            [w.n_emit for w in works],
-                                           read_page_stamps=any(c.needs_page_stamps for c in self.caches))
+                                           read_page_stamps=any(c.needs_page_stamps for c in self.managers))
         except Exception:
             self._store_lost = any(x.is_deleted() for x in jax.tree.leaves(store))
             raise
         self.store = store
-        for cache, w, out in zip(self.caches, works, outs):
+        for manager, w, out in zip(self.managers, works, outs):
             if out is None:
                 continue
             w.out = out
-            if out.page_stamps is not None and cache.needs_page_stamps:
-                cache.observe_page_stamps(out.page_stamps)
+            if out.page_stamps is not None and manager.needs_page_stamps:
+                manager.observe_page_stamps(out.page_stamps)
 
     def run(self, progress=None) -> None:
         """Step until every request has finished. `progress(engine)` is called after each step."""
@@ -250,9 +250,9 @@ class MeshEngine:
         """Totals over ranks (per-step sums in `history`) and `ranks`: each rank's `Engine.metrics()`."""
         ranks = [e.metrics() for e in self.engines]
         return summarize(self.history, list(self.requests.values()), policy=self.config.policy,
-                         extra_h2d_bytes=sum(c.h2d_bytes for c in self.caches),
-                         extra_d2h_bytes=sum(c.d2h_bytes for c in self.caches),
-                         evicted_pages=sum(c.evicted_pages for c in self.caches),
+                         extra_h2d_bytes=sum(c.h2d_bytes for c in self.managers),
+                         extra_d2h_bytes=sum(c.d2h_bytes for c in self.managers),
+                         evicted_pages=sum(c.evicted_pages for c in self.managers),
                          import_bytes=sum(e.import_bytes for e in self.engines), ranks=ranks)
 
     def close(self) -> None:

@@ -55,7 +55,7 @@ class Request:
     slot: int = -1
     output: list[int] = dataclasses.field(default_factory=list)
     computed: int = 0  # tokens of `kv_tokens` whose KV is in the store
-    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed (all admissions)
+    cached_tokens: int = 0  # prompt tokens taken from shared (prefix-cached) pages instead of computed (all admissions)
     preemptions: int = 0
     swaps: int = 0
     first_token_step: int | None = None
@@ -79,7 +79,7 @@ class Request:
 
     @property
     def max_kv_len(self) -> int:
-        """Cache positions the request holds at its longest: the last sampled token is never written (plus the
+        """KV positions the request holds at its longest: the last sampled token is never written (plus the
         positions a speculative step writes past its pending token)."""
         return self.max_len - 1 + self.lookahead
 

@@ -5,7 +5,7 @@ experiments and the benchmarks are its clients and build none of their own.
   last writes to the store, `kv.ops.finish_step`), `decode_step` / `decode_loop` (jitted, store donated);
 * `Runner`: a model split once, the kernels choice, and one jitted call per step that decodes a batch through the
   store *and* samples its tokens, read back in one device->host transfer (the tokens and the step's counters);
-* the causal forward (`jitted_prefill`, `prefill_rows`) and the contiguous cache's decode-and-sample step
+* the causal forward (`jitted_prefill`, `prefill_rows`) and the contiguous KV arrays' decode-and-sample step
   (`jitted_dense_decode`), used by `generate` without a store; `sampler`, the sampler jitted on its own (logits
   that do not come from a sampling step: whole-prompt prefills, `generate`'s tiered and mesh paths);
 * speculative decoding's step and MTP prefill (`jitted_speculative_step`, `mtp_prefill_rows`; the math in
@@ -61,7 +61,7 @@ def bucket_pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
-# ----- the causal forward, and the contiguous cache's step ------------------------------------------------
+# ----- the causal forward, and the contiguous arrays' step -----------------------------------------------
 @functools.lru_cache(maxsize=32)
 def jitted_prefill(graphdef):
     @jax.jit
@@ -77,7 +77,7 @@ def prefill_rows(model: SparseMLAModel, tokens: Sequence[int]):
     """One causal forward over `tokens` (length bucketed to a power of two, so prompts share compiles).
 
     Returns (last logits f32[V], latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]) with T the bucket length
-    (the first len(tokens) rows are real; `kv.device.write_prefill(store, cache, slot, ..., len(tokens))` stores
+    (the first len(tokens) rows are real; `kv.device.write_prefill(store, manager, slot, ..., len(tokens))` stores
     those, and keeping T bucketed keeps its compiles bounded too) and the logits the first new token is drawn from."""
     return prefill_rows_split(*nnx.split(model), tokens)
 
@@ -96,18 +96,18 @@ def prefill_rows_split(graphdef, state, tokens: Sequence[int], *, with_hidden: b
 
 @functools.lru_cache(maxsize=32)
 def jitted_dense_decode(graphdef, backend):
-    """The contiguous decode step: step(state, tokens, positions, cache, sampling) -> (tokens, logits, cache).
+    """The contiguous decode step: step(state, tokens, positions, kv, sampling) -> (tokens, logits, kv).
     Decodes `tokens` at `positions` (int32[B]) and samples each row's next token (`sample_rows`, at position
     positions + 1); sampling: {"seed", "temperature", "top_p"}, [B] each (arrays: one compile for every temperature).
-    The cache is donated and updated in place (`DenseKV` writes one row per layer and sequence)."""
+    `kv` (`init_dense_kv`'s arrays) is donated and updated in place (`DenseKV` writes one row per layer and sequence)."""
 
     @functools.partial(jax.jit, donate_argnums=(3,))
-    def step(state, tokens, positions, cache, sampling):
+    def step(state, tokens, positions, kv, sampling):
         TRACE_COUNTS["decode"] += 1
         model = nnx.merge(graphdef, state)
-        logits, cache, _ = model_decode_step(model, tokens, positions, cache, backend)
+        logits, kv, _ = model_decode_step(model, tokens, positions, kv, backend)
         nxt = sample_rows(logits, sampling["seed"], positions + 1, sampling["temperature"], sampling["top_p"])
-        return nxt, logits, cache
+        return nxt, logits, kv
 
     return step
 
@@ -133,9 +133,9 @@ def step_impl(model: SparseMLAModel, store: KVStore, batch: dict, kernels: str =
     req = batch["req"].astype(jnp.int32)
     positions = _positions(store, req) if "pos" not in batch else jnp.where(req >= 0, batch["pos"], -1)
     backend = tiered.TieredKV(spec, kernels, index_pages, rows_per_request)
-    logits, cache, _ = model_decode_step(model, batch["tokens"].astype(jnp.int32), positions,
-                                         backend.init_cache(store, req), backend)
-    store, stats = ops.finish_step(spec, cache["store"], cache["stats"], (req, positions), (req, positions + 1))
+    logits, kv, _ = model_decode_step(model, batch["tokens"].astype(jnp.int32), positions,
+                                      backend.init_kv(store, req), backend)
+    store, stats = ops.finish_step(spec, kv["store"], kv["stats"], (req, positions), (req, positions + 1))
     return logits, store, stats
 
 
@@ -267,13 +267,13 @@ class Runner:
         """The MTP layer's rows over a prompt and its first draft: `mtp_prefill_rows`."""
         return mtp_prefill_rows(self.graphdef, self.state, hidden, next_tokens)
 
-    def admit_prompts(self, store: KVStore, cache, prompts) -> tuple[KVStore, list[int], list]:
-        """Prefill each prompt (one causal forward) and admit it with its rows into `cache` (a `TieredCache`) and
+    def admit_prompts(self, store: KVStore, manager, prompts) -> tuple[KVStore, list[int], list]:
+        """Prefill each prompt (one causal forward) and admit it with its rows into `manager` (a `TieredCache`) and
         `store`: (store, slots, the logits each prompt's first new token is drawn from)."""
         slots, first = [], []
         for p in prompts:
             last, latent, rope, index_k = self.prefill_rows(p)
-            store, slot = kv_device.admit_prefilled(store, cache, latent, rope, index_k, len(p))
+            store, slot = kv_device.admit_prefilled(store, manager, latent, rope, index_k, len(p))
             slots.append(slot)
             first.append(last)
         return store, slots, first

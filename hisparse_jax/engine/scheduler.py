@@ -69,7 +69,7 @@ class StepPlan:
     swapped_out: list[Request]
     swapped_in: list[Request]
     whole: list[Request] = dataclasses.field(default_factory=list)  # one full causal forward each
-    cached_tokens: int = 0  # prompt tokens shared from the prefix cache by this step's admissions
+    cached_tokens: int = 0  # prompt tokens shared by prefix caching in this step's admissions
     # request id -> why it makes no progress this step (a key of WAIT_REASONS): every waiting request, every
     # admitted one with no decode row, prompt rows or whole prefill, every one preempted
     waits: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -83,13 +83,13 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cache: TieredCache, policy: str, *, max_running: int, prefill_chunk: int,
+    def __init__(self, manager: TieredCache, policy: str, *, max_running: int, prefill_chunk: int,
                  prefill: str = "chunked"):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if prefill not in PREFILL_MODES:
             raise ValueError(f"unknown prefill mode {prefill!r}; choose one of {', '.join(PREFILL_MODES)}")
-        self.cache, self.policy, self.prefill = cache, policy, prefill
+        self.manager, self.policy, self.prefill = manager, policy, prefill
         self.max_running, self.prefill_chunk = max_running, prefill_chunk
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # admitted: PREFILLING, RUNNING or SWAPPED, in admission order
@@ -101,7 +101,7 @@ class Scheduler:
     def _committed(self, tier: Tier) -> int:
         """Pages of `tier` (index / host) the admitted requests hold or may still need: the pages in use (a shared
         page counts once) plus every request's growth up to its max length."""
-        c = self.cache
+        c = self.manager
         return c.pool.num_used(tier) + sum(max(pages(r.max_kv_len) - c.requests[r.slot].num_pages, 0)
                                            for r in self.active)
 
@@ -113,7 +113,7 @@ class Scheduler:
         hot buffer) its shared pages; one that never needs to release a page keeps all of them. Admission keeps
         this floor within the device pool, and every request can reach its share of it by releasing pages (or
         the eviction of others') without waiting for a page that is not there: no `reserve` fails."""
-        c = self.cache
+        c = self.manager
         held: set[int] = set()
         extra = 0
         rc = c.pool.refcounts(Tier.DEVICE)
@@ -152,8 +152,8 @@ class Scheduler:
         buffer). A longer one releases its own sealed pages once it has more than a hot buffer's worth of them
         (they pay for the buffer; before that it grows into free pages), and a shared one only after the pool has
         lent it the buffer: it needs at most its shared pages, its tail pages and a hot buffer's worth."""
-        nh = self.cache.hot_pages_per_request
-        if self.cache.min_device_pages(n_max) >= n_max:
+        nh = self.manager.hot_pages_per_request
+        if self.manager.min_device_pages(n_max) >= n_max:
             need = max(n_max, n_resident)
             if n_shared > n_shared_tail:
                 need = max(need, n_shared_tail + TAIL_PAGES + nh)
@@ -170,7 +170,7 @@ class Scheduler:
 
     def _decide(self, r: Request) -> tuple[str | None, str]:
         """(`_admission`'s answer, and when it is None the reason `r` waits: a key of WAIT_REASONS)."""
-        c = self.cache
+        c = self.manager
         if len(self.active) >= self.max_running or not c.free_slots():
             return None, "max_running"
         hits = c.match_prefix(r.kv_tokens) if c.prefix_caching else []
@@ -216,7 +216,7 @@ class Scheduler:
     def _short_tier(self, r: Request, hits: list) -> str:
         """The wait reason when the indexer or host pool cannot hold `r` at its longest next to what the admitted
         requests may grow to, sharing the pages of `hits` (a hit page in use costs nothing); "" when both can."""
-        c = self.cache
+        c = self.manager
         for tier, field in ((Tier.INDEX, "index"), (Tier.HOST, "host")):
             if tier is Tier.HOST and not c.spec.mirror_to_host:
                 continue
@@ -230,7 +230,7 @@ class Scheduler:
     # ----- one step ------------------------------------------------------------------------------
     def schedule(self, step: int) -> StepPlan:
         plan = StepPlan([], [], [], [], [])
-        c = self.cache
+        c = self.manager
         # 1. swapped requests come back first (offload), when their whole KV fits again
         for r in [x for x in self.active if x.state is RequestState.SWAPPED]:
             growth = 1 if pages(r.max_kv_len) > c.requests[r.slot].num_pages else 0
@@ -300,7 +300,7 @@ class Scheduler:
     def _make_writable(self, r: Request, need: int, plan: StepPlan) -> bool:
         """Reserve the tail page of position need-1 for `r`, applying the policy when the device is full.
         Returns False when `r` itself was preempted or swapped out."""
-        c = self.cache
+        c = self.manager
         while True:
             if self.policy == "hisparse":
                 c.reserve(r.slot, need)  # evicts cold pages (others' first) as needed
@@ -325,7 +325,7 @@ class Scheduler:
         return None
 
     def _preempt(self, r: Request, plan: StepPlan) -> None:
-        self.cache.release(r.slot)
+        self.manager.release(r.slot)
         self.active.remove(r)
         if r in plan.decode:
             plan.decode.remove(r)
@@ -336,7 +336,7 @@ class Scheduler:
         plan.waits[r.request_id] = "preempted"
 
     def _swap_out(self, r: Request, plan: StepPlan) -> None:
-        self.cache.swap_out(r.slot)
+        self.manager.swap_out(r.slot)
         r.state = RequestState.SWAPPED
         r.swaps += 1
         if r in plan.decode:
@@ -346,7 +346,7 @@ class Scheduler:
     def finish(self, r: Request, state: RequestState) -> None:
         if r in self.active:
             self.active.remove(r)
-            self.cache.release(r.slot)
+            self.manager.release(r.slot)
         elif r in self.waiting:
             self.waiting.remove(r)
         r.slot, r.state = -1, state

@@ -99,8 +99,8 @@ def speculative_step_impl(model, store: KVStore, batch: dict, sampling: dict, ke
     G = req.shape[0] // S
     pos = jnp.where(req >= 0, batch["pos"], -1)
     verify = tiered.TieredKV(spec, kernels, index_pages, rows_per_request=S)
-    logits, cache, _, hidden = model_decode_step(model, batch["tokens"].astype(jnp.int32), pos,
-                                                 verify.init_cache(store, req), verify, return_hidden=True)
+    logits, kv, _, hidden = model_decode_step(model, batch["tokens"].astype(jnp.int32), pos,
+                                              verify.init_kv(store, req), verify, return_hidden=True)
     target, accepted = verify_rows(logits.reshape(G, S, -1), batch["tokens"].reshape(G, S)[:, 1:],
                                    batch["draft_ok"].reshape(G, S)[:, 1:] > 0, sampling["seed"],
                                    (jnp.maximum(pos, 0) + 1).reshape(G, S), sampling["temperature"],
@@ -111,9 +111,9 @@ def speculative_step_impl(model, store: KVStore, batch: dict, sampling: dict, ke
     greq = req.reshape(G, S)[:, 0]
     live = (req.reshape(G, S) >= 0) & (j <= accepted[:, None])
     mreq = jnp.where(live, req.reshape(G, S), -1).reshape(-1)
-    cache = dict(cache, req=mreq, plan=None)
-    mlogits, mhidden, cache = mtp_decode_step(model, target.reshape(-1), jnp.where(mreq >= 0, pos, -1),
-                                              hidden, cache, verify)
+    kv = dict(kv, req=mreq, plan=None)
+    mlogits, mhidden, kv = mtp_decode_step(model, target.reshape(-1), jnp.where(mreq >= 0, pos, -1),
+                                           hidden, kv, verify)
     g = jnp.arange(G)
     last = lambda a: a.reshape(G, S, *a.shape[1:])[g, accepted]  # noqa: E731  row a of each group
     draft = jnp.argmax(last(mlogits), axis=-1).astype(jnp.int32)
@@ -122,13 +122,13 @@ def speculative_step_impl(model, store: KVStore, batch: dict, sampling: dict, ke
     drafts = [draft]
     one = tiered.TieredKV(spec, kernels, index_pages)
     for i in range(1, k):  # recursive drafts, one row per request at n + a + i
-        cache = dict(cache, req=greq, plan=None)
-        lg, h, cache = mtp_decode_step(model, drafts[-1], jnp.where(greq >= 0, base + i, -1), h, cache, one)
+        kv = dict(kv, req=greq, plan=None)
+        lg, h, kv = mtp_decode_step(model, drafts[-1], jnp.where(greq >= 0, base + i, -1), h, kv, one)
         drafts.append(jnp.argmax(lg, axis=-1).astype(jnp.int32))
     span = max(S, 2 * k)  # every row this step wrote, all layers: positions n .. n + 2k - 1
     wreq = jnp.repeat(greq, span)
     wpos = jnp.where(wreq >= 0, (pos.reshape(G, S)[:, :1] + jnp.arange(span)[None]).reshape(-1), -1)
-    store, stats = ops.finish_step(spec, cache["store"], cache["stats"], (wreq, wpos), (greq, base + 1))
+    store, stats = ops.finish_step(spec, kv["store"], kv["stats"], (wreq, wpos), (greq, base + 1))
     return target, accepted, jnp.stack(drafts, axis=1), store, stats
 
 

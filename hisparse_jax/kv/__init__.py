@@ -6,7 +6,7 @@ and the decode-step entry points), `pool.py` (`PagePool`: page ids, refcounts, p
 the host bookkeeping `manager.py` (`TieredCache`) with `eviction.py` (coldness, what to release), `prefix.py`
 (prefix sharing) and `invariants.py` (checks) — NumPy only; `updates.py` (what the bookkeeping asks of the device
 tables) and `device.py` (applying those updates to a `KVStore`; checked row writes and reads); `persist.py`
-(save / restore); `dense.py` (the contiguous all-resident cache behind plain `generate`).
+(save / restore); `dense.py` (the contiguous all-resident KV arrays behind plain `generate`).
 
 Glossary (one word, one thing; where the code still uses a word for two things, the second meaning is named):
 

@@ -1,11 +1,11 @@
 """The device half of the tiered store: apply a `TieredCache`'s table updates to a `KVStore`, and the checked
 row-level writes and reads that need both (prompt writes, appends, gathers: trace replays, tests, benchmarks).
 
-    cache = TieredCache(model_cfg, cache_cfg)          # host bookkeeping (NumPy)
-    store = new_store(cache)                          # its KVStore (device pools + pinned-host pools)
-    store, slot = admit_prefilled(store, cache, latent, rope, index_k, length)
-    cache.reserve(slot, length + 1)                   # host decisions ...
-    store = apply_updates(store, cache)               # ... applied before the next device call
+    manager = TieredCache(model_cfg, cache)             # host bookkeeping (NumPy)
+    store = new_store(manager)                          # its KVStore (device pools + pinned-host pools)
+    store, slot = admit_prefilled(store, manager, latent, rope, index_k, length)
+    manager.reserve(slot, length + 1)                   # host decisions ...
+    store = apply_updates(store, manager)               # ... applied before the next device call
 
 Every function takes the store (donated: use the returned one) and returns the new one. The updates are small
 jitted calls, each compiled once per size bucket.
@@ -25,9 +25,9 @@ from hisparse_jax.kv.state import KVStore, init_store
 from hisparse_jax.kv.updates import ClearStamps, LoadPages, ReleasePages, SetTables
 
 
-def new_store(cache: TieredCache, device=None) -> KVStore:
-    """An empty `KVStore` for `cache` (host pools in pinned_host memory), with its pending updates applied."""
-    return apply_updates(init_store(cache.spec, device), cache)
+def new_store(manager: TieredCache, device=None) -> KVStore:
+    """An empty `KVStore` for `manager` (host pools in pinned_host memory), with its pending updates applied."""
+    return apply_updates(init_store(manager.spec, device), manager)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -75,21 +75,21 @@ def update_call(u) -> tuple[str, list]:
     raise TypeError(f"unknown store update {u!r}")
 
 
-def apply_updates(store: KVStore, cache: TieredCache) -> KVStore:
-    """Apply (and clear) `cache`'s pending device-table updates to `store`, in the order they were decided."""
-    for u in cache.take_updates():
+def apply_updates(store: KVStore, manager: TieredCache) -> KVStore:
+    """Apply (and clear) `manager`'s pending device-table updates to `store`, in the order they were decided."""
+    for u in manager.take_updates():
         kind, args = update_call(u)
         store = STORE_PROGRAMS[kind](store, *map(jnp.asarray, args))
     return store
 
 
-def reserve_next(store: KVStore, cache: TieredCache, slots, n: int = 1) -> KVStore:
+def reserve_next(store: KVStore, manager: TieredCache, slots, n: int = 1) -> KVStore:
     """Before a decode call that appends `n` tokens to each of `slots` (-1: padding): reserve their pages (releasing
     cold pages if needed) and apply the resulting table updates."""
     for s in slots:
         if s >= 0:
-            cache.reserve(s, cache.lengths[s] + n)
-    return apply_updates(store, cache)
+            manager.reserve(s, manager.lengths[s] + n)
+    return apply_updates(store, manager)
 
 
 # ----- prompt rows ------------------------------------------------------------------------------
@@ -104,29 +104,29 @@ STORE_PROGRAMS = {"rows": _set_rows, "tables": _set_tables, "stamps": _clear_pag
                   "load": _load_pages, "prefill": _write_prefill}
 
 
-def write_prefill(store: KVStore, cache: TieredCache, slot: int, latent, rope, index_k, length: int,
+def write_prefill(store: KVStore, manager: TieredCache, slot: int, latent, rope, index_k, length: int,
                   start: int = 0, offset: int = 0) -> KVStore:
     """Write a prompt's rows (latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]; row t is position
     offset + t, `offset` a multiple of 64) for positions start..length-1 into `slot` (admitted for `length`
-    tokens). `start` must not be below the slot's shared prefix (`cache.cached_tokens[slot]`): shared pages are
+    tokens). `start` must not be below the slot's shared prefix (`manager.cached_tokens[slot]`): shared pages are
     never written."""
     if offset % 64 or offset < 0:
         raise ValueError(f"offset must be a non-negative multiple of 64 (a page boundary), got {offset}")
-    cache.record_prefill(slot, length, start, rows=latent.shape[1], offset=offset)
-    store = apply_updates(store, cache)
+    manager.record_prefill(slot, length, start, rows=latent.shape[1], offset=offset)
+    store = apply_updates(store, manager)
     return _write_prefill(store, jnp.int32(slot), latent, rope, index_k, jnp.int32(length), jnp.int32(start),
                           jnp.int32(offset))
 
 
-def admit_prefilled(store: KVStore, cache: TieredCache, latent, rope, index_k, length: int, *,
+def admit_prefilled(store: KVStore, manager: TieredCache, latent, rope, index_k, length: int, *,
                     tokens=None) -> tuple[KVStore, int]:
-    """`cache.admit` a prompt of `length` tokens and write its rows computed outside the store (e.g. by
+    """`manager.admit` a prompt of `length` tokens and write its rows computed outside the store (e.g. by
     `generate.prefill_rows`); with `tokens` (and `prefix_caching` on) its full pages are registered for later
     requests. Returns (store, slot)."""
-    slot = cache.admit(length)
-    store = write_prefill(store, cache, slot, latent, rope, index_k, length)
+    slot = manager.admit(length)
+    store = write_prefill(store, manager, slot, latent, rope, index_k, length)
     if tokens is not None:
-        cache.register_prefix(slot, tokens)
+        manager.register_prefix(slot, tokens)
     return store, slot
 
 
@@ -153,14 +153,14 @@ def _append_all(store, req, latent, rope, index_k):
     return ops._replace(store, seq_lens=seq_lens)
 
 
-def append(store: KVStore, cache: TieredCache, slots, latent, rope, index_k) -> KVStore:
+def append(store: KVStore, manager: TieredCache, slots, latent, rope, index_k) -> KVStore:
     """Append one token to each of `slots` (-1: padding) in every layer: latent [L, B, C], rope [L, B, R],
     index_k [LI, B, dI]. Reserves tail pages (releasing cold pages if needed), writes the device pages and the
     host mirror."""
-    slots = cache.check_live_slots(slots)
-    store = reserve_next(store, cache, slots)
+    slots = manager.check_live_slots(slots)
+    store = reserve_next(store, manager, slots)
     store = _append_all(store, jnp.asarray(slots, jnp.int32), latent, rope, index_k)
-    cache.advance([s for s in slots if s >= 0])
+    manager.advance([s for s in slots if s >= 0])
     return store
 
 
@@ -181,41 +181,41 @@ def _gather_all(store, req, topk):
     return store, jnp.stack(lats), jnp.stack(ropes), valid, total
 
 
-def gather(store: KVStore, cache: TieredCache, slots, topk):
+def gather(store: KVStore, manager: TieredCache, slots, topk):
     """Resolve `topk` (int32[B, K]: positions, -1 padding) for each slot in every indexer group — resident
     reads, hot hits, misses fetched from host — and return the rows of every layer:
     (store, latent f32[L, B, K, C], rope f32[L, B, K, R], valid bool[B, K], payload_h2d_bytes).
-    Advances the LRU clock like a decode step and refreshes `cache.page_stamps`. Raises ValueError on positions
+    Advances the LRU clock like a decode step and refreshes `manager.page_stamps`. Raises ValueError on positions
     outside [0, seq_len)."""
-    slots = cache.check_live_slots(slots)
-    swapped = [x for x in slots if x in cache.swapped]
+    slots = manager.check_live_slots(slots)
+    swapped = [x for x in slots if x in manager.swapped]
     if swapped:
         raise ValueError(f"slots {swapped} are swapped out (no device pages, no hot buffer): swap_in first")
     topk = np.asarray(topk, np.int32)
     if topk.ndim != 2 or topk.shape[0] != len(slots):
         raise ValueError(f"topk must be int32[{len(slots)}, K], got shape {topk.shape}")
-    if topk.shape[1] > cache.spec.hot_rows:
-        raise ValueError(f"K={topk.shape[1]} exceeds hot_rows={cache.spec.hot_rows}")
+    if topk.shape[1] > manager.spec.hot_rows:
+        raise ValueError(f"K={topk.shape[1]} exceeds hot_rows={manager.spec.hot_rows}")
     for b, s in enumerate(slots):
         row = topk[b][topk[b] != -1]
-        bad = row[(row < 0) | (row >= (cache.lengths[s] if s >= 0 else 0))]
+        bad = row[(row < 0) | (row >= (manager.lengths[s] if s >= 0 else 0))]
         if bad.size:
             raise ValueError(f"slot {s}: top-k positions {bad[:8].tolist()} are outside [0, "
-                             f"{cache.lengths.get(s, 0)})")
+                             f"{manager.lengths.get(s, 0)})")
         if len(set(row.tolist())) != row.size:
             raise ValueError(f"slot {s}: repeated top-k positions")
-    store = apply_updates(store, cache)
+    store = apply_updates(store, manager)
     store, lat, rope, valid, rows = _gather_all(store, jnp.asarray(slots, jnp.int32), jnp.asarray(topk))
     rows, stamps = jax.device_get((rows, store.page_stamp))
-    cache.observe_page_stamps(stamps)
-    return store, lat, rope, valid, int(rows) * cache.spec.row_bytes
+    manager.observe_page_stamps(stamps)
+    return store, lat, rope, valid, int(rows) * manager.spec.row_bytes
 
 
-def check_tables(store: KVStore, cache: TieredCache) -> None:
-    """`cache.check_invariants()`, and the store's tables equal the cache's view (pending updates must have been
+def check_tables(store: KVStore, manager: TieredCache) -> None:
+    """`manager.check_invariants()`, and the store's tables equal the manager's view (pending updates must have been
     applied). Reads the tables back: tests and debugging."""
-    if cache.updates:
-        raise RuntimeError(f"{len(cache.updates)} table updates are not applied yet: apply_updates first")
-    cache.check_invariants()
-    invariants.check_tables(cache, *jax.device_get((store.block_table, store.host_table, store.index_table,
+    if manager.updates:
+        raise RuntimeError(f"{len(manager.updates)} table updates are not applied yet: apply_updates first")
+    manager.check_invariants()
+    invariants.check_tables(manager, *jax.device_get((store.block_table, store.host_table, store.index_table,
                                                     store.hot_pages, store.seq_lens)))

@@ -1,5 +1,5 @@
 """Consistency checks of a `TieredCache` (tests, debugging, `EngineConfig(check_invariants=True)`, restore):
-the host bookkeeping alone (`check_cache`), and the device tables against it (`check_tables`, given the
+the host bookkeeping alone (`check_manager`), and the device tables against it (`check_tables`, given the
 tables read back from a `KVStore`)."""
 
 from __future__ import annotations
@@ -17,41 +17,41 @@ if TYPE_CHECKING:
     from hisparse_jax.kv.manager import TieredCache
 
 
-def check_cache(cache: "TieredCache") -> None:
+def check_manager(manager: "TieredCache") -> None:
     """Pool consistent with the requests (no leak, no double ownership); every page has a copy somewhere; a
     request with released pages has a hot buffer (unless swapped out whole); tail pages resident; prefix
     registrations name the pages' own hashes; lengths covered by pages."""
-    cache.pool.check_invariants(owners_of(cache.requests.values()))
-    for s, r in cache.requests.items():
+    manager.pool.check_invariants(owners_of(manager.requests.values()))
+    for s, r in manager.requests.items():
         n = r.num_pages
         released = [i for i in range(n) if r.device[i] == INVALID]
-        if released and not r.hot and s not in cache.swapped:
+        if released and not r.hot and s not in manager.swapped:
             raise PoolError(f"slot {s}: pages {released[:8]} are released but the request has no hot buffer "
                             "to read them through")
         for i in range(n):
             if r.device[i] == INVALID and r.host[i] == INVALID:
                 raise PoolError(f"slot {s}: page {i} has no copy anywhere")
-        chain = cache.prefix_hashes.get(s, [])
+        chain = manager.prefix_hashes.get(s, [])
         if len(chain) > n:
             raise PoolError(f"slot {s}: {len(chain)} prefix hashes for {n} pages")
         for i, h in enumerate(chain):  # a registered page holds the tokens its hash names
             for tier, page in ((Tier.INDEX, r.index[i]), (Tier.DEVICE, r.device[i]), (Tier.HOST, r.host[i])):
-                got = cache.pool.prefix_hash(tier, page) if page != INVALID else None
+                got = manager.pool.prefix_hash(tier, page) if page != INVALID else None
                 if got is not None and got != h:
                     raise PoolError(f"slot {s}: {tier.value} page {page} (logical {i}) is registered under "
                                     f"hash {got}, but the slot's page {i} has hash {h}")
-        length = cache.lengths[s]
+        length = manager.lengths[s]
         if n < -(-length // PAGE_SIZE):
             raise PoolError(f"slot {s}: {length} tokens but only {n} pages")
         for i in range(max(n - TAIL_PAGES, 0), n):
-            if length > i * PAGE_SIZE and r.device[i] == INVALID and s not in cache.swapped:
+            if length > i * PAGE_SIZE and r.device[i] == INVALID and s not in manager.swapped:
                 raise PoolError(f"slot {s}: tail page {i} is not resident")
 
 
-def check_tables(cache: "TieredCache", block_table, host_table, index_table, hot_pages, seq_lens) -> None:
+def check_tables(manager: "TieredCache", block_table, host_table, index_table, hot_pages, seq_lens) -> None:
     """The device tables (NumPy copies) equal the host's view: page rows, hot pages, lengths."""
-    for s in range(cache.spec.max_seqs):
-        r = cache.requests.get(s)
+    for s in range(manager.spec.max_seqs):
+        r = manager.requests.get(s)
         n = r.num_pages if r else 0
         for name, table, want in (("block", block_table, r.device if r else []),
                                   ("host", host_table, r.host if r else []),
@@ -61,5 +61,5 @@ def check_tables(cache: "TieredCache", block_table, host_table, index_table, hot
         if r:
             if sorted(hot_pages[s][hot_pages[s] >= 0].tolist()) != sorted(r.hot):
                 raise PoolError(f"slot {s}: hot pages {hot_pages[s].tolist()} != {r.hot}")
-            if seq_lens[s] != cache.lengths[s]:
-                raise PoolError(f"slot {s}: store seq_len {seq_lens[s]} != {cache.lengths[s]}")
+            if seq_lens[s] != manager.lengths[s]:
+                raise PoolError(f"slot {s}: store seq_len {seq_lens[s]} != {manager.lengths[s]}")

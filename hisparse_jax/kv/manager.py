@@ -43,7 +43,7 @@ class TieredCache:
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, *,
                  victim_order: Callable[["TieredCache", int], list[int]] = oldest_first):
-        self.model_cfg, self.cache_cfg = model, cache
+        self.model_cfg, self.cache = model, cache
         self.spec = StoreSpec.create(model, cache)
         self.budget = StoreSpec.create(model, cache.replace(capacity=None))
         self.pool = PagePool(self.budget.device_pages, self.budget.index_pages, self.budget.host_pages)
@@ -69,7 +69,7 @@ class TieredCache:
     def restore(cls, model: ModelConfig, cache: CacheConfig, *, pool: PagePool, requests: dict[int, RequestPages],
                 lengths: dict[int, int], evicted_pages: int = 0, d2h_bytes: int = 0, prefix_caching: bool = False,
                 swapped=(), prefix_hashes: dict | None = None, cached_tokens: dict | None = None) -> "TieredCache":
-        """A cache in a saved state (`kv.persist`) whose tables are already on the device: no updates pending.
+        """A manager in a saved state (`kv.persist`) whose tables are already on the device: no updates pending.
         Raises PoolError when the state is inconsistent."""
         c = cls(model, cache)
         c.pool, c.requests, c.lengths = pool, dict(requests), dict(lengths)
@@ -398,6 +398,6 @@ class TieredCache:
 
     # ----- checks --------------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """The host bookkeeping is consistent (`kv.invariants.check_cache`); the device tables are checked
+        """The host bookkeeping is consistent (`kv.invariants.check_manager`); the device tables are checked
         against it by `kv.device.check_tables`."""
-        invariants.check_cache(self)
+        invariants.check_manager(self)

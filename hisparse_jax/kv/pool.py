@@ -14,7 +14,7 @@ steps; nothing in this module touches an array on the device (pure NumPy / stdli
 and full pages can be registered under a hash chain of their tokens (`page_hash`) so that a later
 request with the same prefix can reuse them (`lookup_prefix`, then `incref`). Without `retain_prefix` a
 registration lives exactly as long as its page: it is dropped when the refcount reaches 0. With it (vLLM's
-prefix cache), a registered page whose last owner lets go stays registered as a *cached free* page: it
+prefix caching), a registered page whose last owner lets go stays registered as a *cached free* page: it
 counts as free, `lookup_prefix` still finds it and `incref` revives it with its contents; `allocate` hands
 out never-registered free pages first and only then reclaims cached ones, least recently freed first
 (dropping their registration).

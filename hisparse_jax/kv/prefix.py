@@ -34,29 +34,29 @@ class PrefixHit(NamedTuple):
     host: int
 
 
-def match_prefix(cache: "TieredCache", tokens) -> list[PrefixHit]:
+def match_prefix(manager: "TieredCache", tokens) -> list[PrefixHit]:
     """The registered pages `tokens` could share: the longest run of full pages from the start whose hash
     chain is registered with an indexer page and a KV copy (with the host mirror on: a host copy), never
     the page holding the last token. One `PrefixHit` per page, in order. Read-only."""
     tokens = np.asarray(tokens, np.int64).reshape(-1)
-    mirror = cache.spec.mirror_to_host
+    mirror = manager.spec.mirror_to_host
     out, h = [], None
     for i in range(max(len(tokens) - 1, 0) // PAGE_SIZE):
         h = page_hash(h, tokens[i * PAGE_SIZE:(i + 1) * PAGE_SIZE])
-        x = cache.pool.lookup_prefix(Tier.INDEX, h)
-        d = cache.pool.lookup_prefix(Tier.DEVICE, h)
-        hp = cache.pool.lookup_prefix(Tier.HOST, h) if mirror else None
+        x = manager.pool.lookup_prefix(Tier.INDEX, h)
+        d = manager.pool.lookup_prefix(Tier.DEVICE, h)
+        hp = manager.pool.lookup_prefix(Tier.HOST, h) if mirror else None
         if x is None or (hp is None if mirror else d is None):
             break
         out.append(PrefixHit(h, x, INVALID if d is None else d, INVALID if hp is None else hp))
     return out
 
 
-def share_prefix(cache: "TieredCache", slot: int, hits: list[PrefixHit]) -> None:
+def share_prefix(manager: "TieredCache", slot: int, hits: list[PrefixHit]) -> None:
     """Take one reference on each hit page (reviving cached free ones) for the empty request `slot`; load
     host-only ones into fresh device pages (registered there)."""
-    pool = cache.pool
-    r = cache.requests[slot]
+    pool = manager.pool
+    r = manager.requests[slot]
     assert r.num_pages == 0, "prefix pages are shared into an empty request"
     rc = pool.refcounts(Tier.DEVICE)
 
@@ -64,8 +64,8 @@ def share_prefix(cache: "TieredCache", slot: int, hits: list[PrefixHit]) -> None
         return pool.num_free(Tier.DEVICE) - sum(1 for x in hits if x.device != INVALID and rc[x.device] == 0)
 
     loads = [i for i, x in enumerate(hits) if x.device == INVALID]
-    if loads and free_after_revival() < len(loads) and cache.partial_eviction:
-        eviction.evict_until(cache, pool.num_free(Tier.DEVICE) - free_after_revival() + len(loads), exclude=slot)
+    if loads and free_after_revival() < len(loads) and manager.partial_eviction:
+        eviction.evict_until(manager, pool.num_free(Tier.DEVICE) - free_after_revival() + len(loads), exclude=slot)
         # an eviction may have freed a hit page (it stays cached, and registered, unless reclaimed)
         hits = [x if x.device == INVALID or pool.lookup_prefix(Tier.DEVICE, x.hash) == x.device
                 else x._replace(device=INVALID) for x in hits]
@@ -87,28 +87,28 @@ def share_prefix(cache: "TieredCache", slot: int, hits: list[PrefixHit]) -> None
     for x in hits:
         r.append(index=x.index, device=x.device, host=x.host)
     if loads:
-        cache.updates.append(LoadPages(pad_pow2([hits[i].host for i in loads]), pad_pow2(fresh)))
-        cache.h2d_bytes += len(loads) * cache.all_layers_page_bytes
-    cache.prefix_hashes[slot] = [x.hash for x in hits]
-    cache.cached_tokens[slot] = len(hits) * PAGE_SIZE
+        manager.updates.append(LoadPages(pad_pow2([hits[i].host for i in loads]), pad_pow2(fresh)))
+        manager.h2d_bytes += len(loads) * manager.all_layers_page_bytes
+    manager.prefix_hashes[slot] = [x.hash for x in hits]
+    manager.cached_tokens[slot] = len(hits) * PAGE_SIZE
 
 
-def register_prefix(cache: "TieredCache", slot: int, tokens) -> int:
+def register_prefix(manager: "TieredCache", slot: int, tokens) -> int:
     """Register `slot`'s full pages of `tokens` (whose rows must be written: positions < len(tokens)) as
     prefix pages in every tier that holds them. Returns the number of pages registered. No-op unless
     `prefix_caching` is on."""
-    if not cache.prefix_caching:
+    if not manager.prefix_caching:
         return 0
     tokens = np.asarray(tokens, np.int64).reshape(-1)
-    r = cache.requests[slot]
+    r = manager.requests[slot]
     n = min(len(tokens) // PAGE_SIZE, r.num_pages)
-    chain = cache.prefix_hashes.setdefault(slot, [])
+    chain = manager.prefix_hashes.setdefault(slot, [])
     for i in range(n):
         if i == len(chain):
             chain.append(page_hash(chain[-1] if chain else None, tokens[i * PAGE_SIZE:(i + 1) * PAGE_SIZE]))
         h = chain[i]
         for tier, page in ((Tier.INDEX, r.index[i]), (Tier.DEVICE, r.device[i]), (Tier.HOST, r.host[i])):
             # a hash already naming a page (another request's, or cached) keeps it: no churn
-            if page != INVALID and cache.pool.lookup_prefix(tier, h) is None:
-                cache.pool.register_prefix(tier, h, page)
+            if page != INVALID and manager.pool.lookup_prefix(tier, h) is None:
+                manager.pool.register_prefix(tier, h, page)
     return n

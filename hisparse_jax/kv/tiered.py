@@ -121,7 +121,7 @@ def check_backend(spec: StoreSpec, kernels: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TieredKV:
-    """`KVBackend` over a `KVStore`. The cache threaded through the model is `init_cache(store, req)`:
+    """`KVBackend` over a `KVStore`. The carry threaded through the model (`kv`) is `init_kv(store, req)`:
     {"store": KVStore, "req": int32[B], "plan": ops.Plan, "plan_counts": 4 x int32[], "stats": dict}; a group's
     leader writes its plan and its resident / hit / miss / row-miss counts there, which the group's shared-index
     layers read (and count again).
@@ -163,8 +163,8 @@ class TieredKV:
     def _interpret(self) -> bool:
         return self.kernels.endswith("_interpret")
 
-    def init_cache(self, store, req) -> dict:
-        """The cache this backend threads through a decode step for the batch's rows `req` int32[B]."""
+    def init_kv(self, store, req) -> dict:
+        """The carry (`kv`) this backend threads through a decode step for the batch's rows `req` int32[B]."""
         B, K = req.shape[0], min(self.spec.topk, self.spec.max_pages * 64)
         zeros = jnp.zeros((B, K), jnp.int32)
         no = jnp.zeros((B, K), bool)
@@ -173,20 +173,20 @@ class TieredKV:
         return {"store": store, "req": req, "plan": plan, "plan_counts": (count,) * 4,
                 "stats": empty_stats(self.spec)}
 
-    def append(self, cache, ids, positions, c, k_rope, k_index):
-        store, dropped = ops.append_rows(self.spec, cache["store"], ids.layer, ids.index if ids.owns_index else None,
-                                         cache["req"], positions, c, k_rope, k_index)
-        stats = dict(cache["stats"], append_dropped=cache["stats"]["append_dropped"] + dropped)
-        return dict(cache, store=store, stats=stats)
+    def append(self, kv, ids, positions, c, k_rope, k_index):
+        store, dropped = ops.append_rows(self.spec, kv["store"], ids.layer, ids.index if ids.owns_index else None,
+                                         kv["req"], positions, c, k_rope, k_index)
+        stats = dict(kv["stats"], append_dropped=kv["stats"]["append_dropped"] + dropped)
+        return dict(kv, store=store, stats=stats)
 
-    def select(self, cache, ids, positions, q_index, w):
+    def select(self, kv, ids, positions, q_index, w):
         index_layer = ids.index
         if not self._pallas:
-            return ops.index_select(self.spec, cache["store"], index_layer, cache["req"], positions, q_index, w,
-                                    self.index_pages), cache
+            return ops.index_select(self.spec, kv["store"], index_layer, kv["req"], positions, q_index, w,
+                                    self.index_pages), kv
         from pallas_kernels import indexer_topk
 
-        spec, store, req = self.spec, cache["store"], cache["req"]
+        spec, store, req = self.spec, kv["store"], kv["req"]
         seq = jnp.where(req >= 0, positions + 1, 0)
         table = store.index_table[jnp.maximum(req, 0)][:, :self.index_pages]
         if kernel_backend(self.kernels) == "mosaic":  # the stacked pools read in place at the layer
@@ -202,15 +202,15 @@ class TieredKV:
             topk = indexer_topk(q_index, w, store.index_k[index_layer], table, seq, topk=spec.topk,
                                 k_scale=store.index_scale[index_layer] if spec.fp8 else None,
                                 interpret=self._interpret)
-        return ops.pad_topk(spec, topk[:, :min(spec.topk, table.shape[1] * 64)]), cache
+        return ops.pad_topk(spec, topk[:, :min(spec.topk, table.shape[1] * 64)]), kv
 
-    def attend(self, cache, ids, topk, q_lat, q_rope, tau):
+    def attend(self, kv, ids, topk, q_lat, q_rope, tau):
         spec = self.spec
-        store, stats = cache["store"], dict(cache["stats"])
+        store, stats = kv["store"], dict(kv["stats"])
         layer, g = ids.layer, ids.index  # indexer group g is led by full-indexer layer g
         split = spec.miss_attention == "split"
         if ids.owns_index:  # the group's leader resolves and fetches for every layer of the group
-            plan, fetch_plan, store = self._resolve(store, g, cache["req"], topk)
+            plan, fetch_plan, store = self._resolve(store, g, kv["req"], topk)
             if split:  # the rows already on the device, read before the fetch: nothing waits for the copy
                 on_device = self._attend_part(store, layer, plan, plan.valid & ~plan.miss, q_lat, q_rope, tau)
             store, payload, transfer = ops.fetch_misses(spec, store, layer, ids.group_size, fetch_plan)
@@ -220,7 +220,7 @@ class TieredKV:
             counts = (count(fetch_plan.resident), count(fetch_plan.valid & ~fetch_plan.resident & ~fetch_plan.miss),
                       count(fetch_plan.miss), count(plan.miss))
         else:  # shared-index layers replay the leader's plan (the rows were fetched for every layer of the group)
-            plan, counts = cache["plan"], cache["plan_counts"]
+            plan, counts = kv["plan"], kv["plan_counts"]
         # The barrier pins the attention's inputs: XLA then compiles the math identically whatever the pool
         # sizes, so tiered and all-resident runs agree bit for bit (fusing the gather into the attention
         # would let the reduction order depend on the store's shape).
@@ -253,7 +253,7 @@ class TieredKV:
             o_lat = sparse_mla_decode_rows(q_lat, q_rope, rows_c, rows_r, plan.valid, tau)
         for name, n in zip(("resident", "hits", "misses", "row_misses"), counts):
             stats[name] = stats[name].at[layer].add(n)
-        return o_lat, dict(cache, store=store, plan=plan, plan_counts=counts, stats=stats)
+        return o_lat, dict(kv, store=store, plan=plan, plan_counts=counts, stats=stats)
 
     def _resolve(self, store, g, req, topk):
         """Resolve indexer group g's top-k [B, K]: (each row's plan [B, K], the plan to fetch, store). One row per

@@ -51,7 +51,7 @@ def layer_mlp(model, layer: DecoderLayer, h):
 
 
 class LayerIds(NamedTuple):
-    """Where a layer's rows live in a cache. `layer` and `index` are ints, or int32 scalars traced inside the scan
+    """Where a layer's rows live in the KV arrays. `layer` and `index` are ints, or int32 scalars traced inside the scan
     over a run of layers; `owns_index` and `group_size` are static.
 
     layer:      the layer's number (its slot in the stacked KV pools)
@@ -131,32 +131,33 @@ def topk_to_mask(topk, S: int):
 
 
 class KVBackend(Protocol):
-    """Where decode reads and writes KV rows. Methods are pure: they take and return the cache pytree, whose
-    structure they keep (it is the carry of the scan over layers: `init_cache` builds it whole).
+    """Where decode reads and writes KV rows. Methods are pure: they take and return the pytree `kv`, whose
+    structure they keep (it is the carry of the scan over layers: `kv.dense.init_dense_kv` or `TieredKV.init_kv`
+    builds it whole).
 
     positions int32[B]: the position of the token being decoded (-1 for an idle batch slot, whose
     writes must be dropped and whose top-k is all -1). `ids` says which layer (`LayerIds`; its numbers may be
     traced).
     """
 
-    def append(self, cache: Any, ids: LayerIds, positions, c, k_rope, k_index) -> Any:
+    def append(self, kv: Any, ids: LayerIds, positions, c, k_rope, k_index) -> Any:
         """Store this token's rows of layer `ids.layer`: c [B, C], k_rope [B, R]; k_index [B, dI] (indexer keys of
         indexer `ids.index`) when `ids.owns_index`, else None."""
 
-    def select(self, cache: Any, ids: LayerIds, positions, q_index, w) -> tuple[jnp.ndarray, Any]:
+    def select(self, kv: Any, ids: LayerIds, positions, q_index, w) -> tuple[jnp.ndarray, Any]:
         """Indexer `ids.index`'s top-k over keys 0..positions[b]: q_index f32[B, I, dI], w f32[B, I] ->
-        (int32[B, K], cache)."""
+        (int32[B, K], kv)."""
 
-    def attend(self, cache: Any, ids: LayerIds, topk, q_lat, q_rope, tau: float) -> tuple[jnp.ndarray, Any]:
+    def attend(self, kv: Any, ids: LayerIds, topk, q_lat, q_rope, tau: float) -> tuple[jnp.ndarray, Any]:
         """Absorbed sparse MLA of layer `ids.layer` over the rows at `topk` (int32[B, K], -1 padded): q_lat [B, H, C],
-        q_rope [B, H, R] -> (o_lat f32[B, H, C], cache)."""
+        q_rope [B, H, R] -> (o_lat f32[B, H, C], kv)."""
 
 
-def decode_layer(model, layer: DecoderLayer, ids: LayerIds, x, cos, sin, positions, cache, backend: KVBackend, topk):
+def decode_layer(model, layer: DecoderLayer, ids: LayerIds, x, cos, sin, positions, kv, backend: KVBackend, topk):
     """One decoder layer of a decode step (the main layers' and the MTP block's), rows through `backend`.
 
-    x [B, 1, D]; `ids` the layer's numbers in the cache; `topk` int32[B, K]: the leader's top-k, which a shared-index
-    layer attends over (ignored by a layer that owns its indexer). Returns (x, cache, topk: the layer's own top-k,
+    x [B, 1, D]; `ids` the layer's numbers in `kv`; `topk` int32[B, K]: the leader's top-k, which a shared-index
+    layer attends over (ignored by a layer that owns its indexer). Returns (x, kv, topk: the layer's own top-k,
     or `topk` unchanged for a shared-index layer).
     """
     cfg = model.cfg
@@ -168,14 +169,14 @@ def decode_layer(model, layer: DecoderLayer, ids: LayerIds, x, cos, sin, positio
     q_nope, q_rope, cq, c, k_rope = mla_project(attn, cfg, h, cos, sin)
     if ids.owns_index:
         qI, kI, w = indexer_project(attn.indexer, cfg, h, cq, cos, sin)
-        cache = backend.append(cache, ids, positions, c[:, 0], k_rope[:, 0], kI[:, 0])
-        topk, cache = backend.select(cache, ids, positions, qI[:, 0], w[:, 0])
+        kv = backend.append(kv, ids, positions, c[:, 0], k_rope[:, 0], kI[:, 0])
+        topk, kv = backend.select(kv, ids, positions, qI[:, 0], w[:, 0])
     else:
-        cache = backend.append(cache, ids, positions, c[:, 0], k_rope[:, 0], None)
+        kv = backend.append(kv, ids, positions, c[:, 0], k_rope[:, 0], None)
     w_uk, w_uv = split_kv_b(attn, cfg)
     q_lat = jnp.einsum("bhn,chn->bhc", q_nope[:, 0], w_uk)
-    o_lat, cache = backend.attend(cache, ids, topk, q_lat, q_rope[:, 0], cfg.softmax_scale)
+    o_lat, kv = backend.attend(kv, ids, topk, q_lat, q_rope[:, 0], cfg.softmax_scale)
     o = jnp.einsum("bhc,chv->bhv", o_lat.astype(w_uv.dtype), w_uv)
     x = x + attn.o_proj(o.reshape(B, 1, -1).astype(x.dtype))
     x = x + layer_mlp(model, layer, layer.post_attention_layernorm(x))
-    return x, cache, topk
+    return x, kv, topk

@@ -13,11 +13,11 @@ Two entry points:
 
 * `SparseMLAModel.__call__(input_ids [B, T]) -> logits [B, T, V]` — the full causal forward in which
   every layer attends only to its indexer's top-k (shared-index layers reuse their leader's), as
-  transformers does. `forward(...)` also returns what a cache needs (per-layer latent rows, indexer
+  transformers does. `forward(...)` also returns what the KV arrays need (per-layer latent rows, indexer
   keys) and the per-layer top-k.
-* `decode_step(model, tokens [B], positions [B], cache, backend)` — one new token per sequence in
+* `decode_step(model, tokens [B], positions [B], kv, backend)` — one new token per sequence in
   the absorbed MLA form. Where the rows come from is the *backend's* business (`block.KVBackend`):
-  a contiguous cache here, the tiered paged store and the Pallas kernels elsewhere, without touching
+  contiguous arrays here, the tiered paged store and the Pallas kernels elsewhere, without touching
   the model.
 
 The per-layer bodies (`block.prefill_layer`, `block.decode_layer`) are shared with the multi-token-prediction
@@ -235,21 +235,21 @@ def scan_layers(model: SparseMLAModel, body, carry, *, index_xs=None):
     return carry, jax.tree.map(cat, *layer_outs), jax.tree.map(cat, *index_outs)
 
 
-def decode_step(model: SparseMLAModel, tokens, positions, cache, backend: KVBackend, *, return_hidden: bool = False):
-    """One decode step: tokens int32[B] at positions int32[B] -> (logits f32[B, V], cache, topk int32[L_I, B, K]: each
-    full indexer's selection), or with `return_hidden` (logits, cache, topk, hidden [B, D]): the final hidden state
-    after the final norm, what `model.mtp` reads. The backend must keep the cache's structure (`KVBackend`)."""
+def decode_step(model: SparseMLAModel, tokens, positions, kv, backend: KVBackend, *, return_hidden: bool = False):
+    """One decode step: tokens int32[B] at positions int32[B] -> (logits f32[B, V], kv, topk int32[L_I, B, K]: each
+    full indexer's selection), or with `return_hidden` (logits, kv, topk, hidden [B, D]): the final hidden state
+    after the final norm, what `model.mtp` reads. The backend must keep the structure of `kv` (`KVBackend`)."""
     pos = jnp.maximum(positions, 0)[:, None]  # [B, 1]
     cos, sin = model.rope(pos)
 
     def body(carry, layer, ids, topk, _):
-        x, cache = carry
-        x, cache, topk = decode_layer(model, layer, ids, x, cos, sin, positions, cache, backend, topk)
-        return (x, cache), topk, None, topk if ids.owns_index else None
+        x, kv = carry
+        x, kv, topk = decode_layer(model, layer, ids, x, cos, sin, positions, kv, backend, topk)
+        return (x, kv), topk, None, topk if ids.owns_index else None
 
-    (x, cache), _, all_topk = scan_layers(model, body, (model.embed(tokens[:, None]), cache))
+    (x, kv), _, all_topk = scan_layers(model, body, (model.embed(tokens[:, None]), kv))
     h = model.norm(x)
     logits = model.head(h)[:, 0].astype(jnp.float32)
     if return_hidden:
-        return logits, cache, all_topk, h[:, 0]
-    return logits, cache, all_topk
+        return logits, kv, all_topk, h[:, 0]
+    return logits, kv, all_topk

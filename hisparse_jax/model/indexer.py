@@ -10,7 +10,7 @@ w = W_Iw x * I^-0.5 * dI^-0.5 (the positive scale constants are folded into w). 
 are masked to -inf *before* the top-k; the selection keeps min(index_topk, #keys) positions.
 
 Tie-break: `lax.top_k` keeps the lower position among equal scores. Padding: positions that are
-not valid (causally masked, or beyond the cache) come back as -1.
+not valid (causally masked, or beyond the last key) come back as -1.
 
 Optional FP8 emulation (DeepSeek's inference path, `fp8=True`): q and k are rotated by the
 Sylvester Hadamard matrix / sqrt(dI) and quantized to e4m3 with power-of-two scales

@@ -116,14 +116,14 @@ def mtp_forward(model, hidden, next_ids, *, depth: int = 0):
     return mtp_logits(layer, y), {**rows, "hidden": y}
 
 
-def mtp_decode_step(model, tokens, positions, hidden, cache, backend: KVBackend, *, depth: int = 0):
+def mtp_decode_step(model, tokens, positions, hidden, kv, backend: KVBackend, *, depth: int = 0):
     """One row per sequence through the MTP layer `model.mtp[depth]`, its KV through `backend`.
 
     tokens int32[B]: the next tokens (the token at positions[b] + 1); positions int32[B] (-1: an idle slot);
     hidden [B, D]: the previous hidden state (the main model's final hidden state after its final norm at
     positions[b], or for a recursive draft the previous MTP step's `hidden_out`). The block's rows are layer
     `num_hidden_layers + depth`, indexer layer `num_indexer_layers + depth` of the backend's store.
-    Returns (logits f32[B, V], hidden_out [B, D] (before shared_head.norm), cache).
+    Returns (logits f32[B, V], hidden_out [B, D] (before shared_head.norm), kv).
     """
     cfg = model.cfg
     layer = _layer(model, depth)
@@ -131,5 +131,5 @@ def mtp_decode_step(model, tokens, positions, hidden, cache, backend: KVBackend,
     x = mtp_input(layer, model.embed(tokens[:, None]), hidden[:, None], positions[:, None])
     ids = LayerIds(layer=cfg.num_hidden_layers + depth, index=cfg.num_indexer_layers + depth, owns_index=True,
                    group_size=1)
-    y, cache, _ = decode_layer(model, layer.block, ids, x, cos, sin, positions, cache, backend, None)
-    return mtp_logits(layer, y)[:, 0], y[:, 0], cache
+    y, kv, _ = decode_layer(model, layer.block, ids, x, cos, sin, positions, kv, backend, None)
+    return mtp_logits(layer, y)[:, 0], y[:, 0], kv

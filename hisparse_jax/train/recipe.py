@@ -1,6 +1,6 @@
 """The model the project trains on the standard library's sources, and its three-stage recipes.
 
-`STDLIB_DSA` is a GLM-5-style DSA decoder with the real cache geometry of the tiny presets (latent 512, rope 64,
+`STDLIB_DSA` is a GLM-5-style DSA decoder with the real KV geometry of the tiny presets (latent 512, rope 64,
 indexer keys 128, so the store's bytes per token are the production ones) and a byte vocabulary: 4 layers,
 full / shared / full / shared indexers (IndexShare), dense MLPs, top-k 128 (1/16 of a 2048-token context).
 
