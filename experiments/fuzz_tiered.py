@@ -1,4 +1,4 @@
-"""Differential fuzzer: tiered generation under memory pressure against the contiguous cache.
+"""Differential fuzzer: tiered generation under memory pressure against the contiguous path.
 
     PYTHONPATH=. python experiments/fuzz_tiered.py [--long] [--examples N] [--seed S] [--only generate|engine]
                                                    [--only mesh] [--out experiments/results/fuzz_tiered.json]
@@ -17,7 +17,7 @@ oracle that knows nothing of the store's internals:
   pages + its hot buffer, whichever is fewer). A run the oracle calls infeasible must be refused up front with
   a `BudgetError` (a `ValueError`); a feasible one must complete — never an exception or `OutOfPages` midway,
   never a stall.
-* **Tokens.** float32: exactly the greedy tokens of the contiguous cache (`generate(model, prompts, n)`);
+* **Tokens.** float32: exactly the greedy tokens of the contiguous path (`generate(model, prompts, n)`);
   bf16 / fp8: exactly those of the same format with every page resident.
 * **Bookkeeping.** Allocator invariants after every step; every pool empty at the end; with the row mechanism
   the H2D bytes equal misses x row bytes.
@@ -397,7 +397,7 @@ def run_engine_case(case: EngineCase, model=None, max_steps: int = 2000) -> dict
 
 
 def _engine_reference(model, case: EngineCase, idx: list[int], accepted: list[int]) -> dict[int, list[int]]:
-    """float32: the contiguous cache's greedy tokens. bf16 / fp8 (whose cases prefill through the store, where
+    """float32: the contiguous path's greedy tokens. bf16 / fp8 (whose cases prefill through the store, where
     rows are read back in the store's format): the same case — arrivals, aborts, concurrency, prompt chunks —
     run with every page resident (the `accepted` requests). The schedule matters there: XLA:CPU's matmul rounds
     a row differently with the batch's row count (M = 8 vs 64 differ), a float32 difference the store's bf16
@@ -435,7 +435,7 @@ def draw_mesh_case(rng, topk: int = 64, vocab: int = 512, max_devices: int | Non
 
         max_devices = len(jax.devices())
     case = draw_engine_case(rng, topk, vocab)
-    # float32: the contiguous cache is the oracle whatever each rank's batches are (bf16 / fp8 tokens may follow a
+    # float32: the contiguous path is the oracle whatever each rank's batches are (bf16 / fp8 tokens may follow a
     # batch's row count: see `_engine_reference`)
     case = dataclasses.replace(case, kv_dtype="float32", speculative_tokens=0)
     devices = min(int(rng.choice([2, 4, 1])), max_devices)
@@ -444,7 +444,7 @@ def draw_mesh_case(rng, topk: int = 64, vocab: int = 512, max_devices: int | Non
 
 def run_mesh_case(case: MeshCase, model=None, max_steps: int = 2000) -> dict:
     """An engine case on a `MeshEngine`: refusals as one rank's budget says (every rank has the same), the
-    contiguous cache's tokens, every rank's allocator invariants after every step and its pools empty at the end."""
+    contiguous path's tokens, every rank's allocator invariants after every step and its pools empty at the end."""
     from hisparse_jax import parallel
     from hisparse_jax.engine.mesh import MeshEngine
 

@@ -1,4 +1,4 @@
-"""Bad input never gives a wrong answer: configs, saved caches and params, sampling parameters, requests, and a
+"""Bad input never gives a wrong answer: configs, saved tiered stores and params, sampling parameters, requests, and a
 failure inside an engine step (checkpoint files: test_checkpoint_files.py; the CLI: test_cli_errors.py)."""
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def flip_byte(directory: str, rel_from: float = 0.5) -> str:
 
 
 @pytest.fixture(scope="module")
-def saved_cache(tmp_path_factory, model):
+def saved_tiered(tmp_path_factory, model):
     cfg = model.cfg
     tc = TieredCache(cfg, CacheConfig(kv_dtype="float32", device_pages=8, host_pages=16, max_seqs=2, max_seq_len=512))
     rng = np.random.default_rng(0)
@@ -132,7 +132,7 @@ def saved_cache(tmp_path_factory, model):
                      jnp.asarray(rng.normal(size=(cfg.num_hidden_layers, n, cfg.qk_rope_head_dim)), jnp.float32),
                                     jnp.asarray(rng.normal(size=(tc.spec.num_index_layers, n, cfg.index_head_dim)),
                                                 jnp.float32), n)
-    path = str(tmp_path_factory.mktemp("cache") / "c")
+    path = str(tmp_path_factory.mktemp("saved") / "c")
     save_tiered(tc, store, path)
     return tc, store, path
 
@@ -145,24 +145,24 @@ def copy_of(path, tmp_path):
     return dst
 
 
-def test_saved_cache_round_trip_is_verified(saved_cache, tmp_path):
-    tc, store, path = saved_cache
+def test_saved_tiered_round_trip_is_verified(saved_tiered, tmp_path):
+    tc, store, path = saved_tiered
     back, back_store = load_tiered(copy_of(path, tmp_path))
     assert back.lengths == tc.lengths
     for a, b in zip(jax.tree.leaves(back_store), jax.tree.leaves(store)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_flipped_byte_in_a_saved_cache_is_refused_naming_the_array(saved_cache, tmp_path):
-    path = copy_of(saved_cache[2], tmp_path)
+def test_flipped_byte_in_a_saved_tiered_store_is_refused_naming_the_array(saved_tiered, tmp_path):
+    path = copy_of(saved_tiered[2], tmp_path)
     flip_byte(os.path.join(path, "store"))
     with pytest.raises(CheckpointError, match=r"checksum mismatch in 1 array\(s\): \w+ .*damaged") as e:
         load_tiered(path)
     assert os.path.join(path, "store") in str(e.value)
 
 
-def test_edited_cache_description_is_refused(saved_cache, tmp_path):
-    path = copy_of(saved_cache[2], tmp_path)
+def test_edited_manager_description_is_refused(saved_tiered, tmp_path):
+    path = copy_of(saved_tiered[2], tmp_path)
     fn = os.path.join(path, "manager.json")
     meta = json.load(open(fn))
     slot = next(iter(meta["lengths"]))
@@ -172,9 +172,9 @@ def test_edited_cache_description_is_refused(saved_cache, tmp_path):
         load_tiered(path)
 
 
-def test_cache_saved_as_float32_described_as_bf16_is_refused(saved_cache, tmp_path):
+def test_store_saved_as_float32_described_as_bf16_is_refused(saved_tiered, tmp_path):
     """Even with a consistent checksum over the edited description, the arrays' saved dtypes give it away."""
-    path = copy_of(saved_cache[2], tmp_path)
+    path = copy_of(saved_tiered[2], tmp_path)
     fn = os.path.join(path, "manager.json")
     meta = json.load(open(fn))
     meta["cache"]["kv_dtype"] = "bf16"
@@ -192,14 +192,14 @@ def test_cache_saved_as_float32_described_as_bf16_is_refused(saved_cache, tmp_pa
     (lambda fn: json.dump({**json.load(open(fn)), "version": 1}, open(fn + ".tmp", "w")) or os.replace(fn + ".tmp", fn),
      "format version 1"),
 ])
-def test_unreadable_cache_description(saved_cache, tmp_path, damage, words):
-    path = copy_of(saved_cache[2], tmp_path)
+def test_unreadable_manager_description(saved_tiered, tmp_path, damage, words):
+    path = copy_of(saved_tiered[2], tmp_path)
     damage(os.path.join(path, "manager.json"))
     with pytest.raises(CheckpointError, match=words):
         load_tiered(path)
 
 
-def test_missing_saved_cache(tmp_path):
+def test_missing_saved_tiered_store(tmp_path):
     with pytest.raises(FileNotFoundError, match="no manager.json"):
         load_tiered(tmp_path / "nothing")
 

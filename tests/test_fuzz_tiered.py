@@ -61,7 +61,7 @@ def test_reported_crashes_are_refused_up_front(tiny_glm, prompts, budget, least)
 @pytest.mark.parametrize("fetch", ["row", "page"])
 def test_smallest_accepted_budget_tiers_and_matches_contiguous(tiny_glm, fetch):
     """The first report at the smallest device budget the check accepts (20 pages): it completes, really tiers
-    (evictions, hits and misses), and gives exactly the contiguous cache's tokens; one page less is refused."""
+    (evictions, hits and misses), and gives exactly the contiguous path's tokens; one page less is refused."""
     prompts = REPORTED[0][0]
     ref = hj.generate(tiny_glm, prompts, 64)
     with pytest.raises(BudgetError, match="1 short"):

@@ -90,10 +90,11 @@ def test_decode_step_updates_the_kv_in_place(tiny_glm):
         assert mem.temp_size_in_bytes < layer_latent_bytes / 2 + relaid, (mem.temp_size_in_bytes, layer_latent_bytes,
                                                                           relaid)
 
-    # HLO: no copy / transpose / slice shaped like a layer's latent or rope rows or like a whole `kv` array, none as large
-    # as a layer's latent rows, none reading more than a row per sequence of a `kv` parameter. (The indexer's score matmul may read one slot's keys
-    # through a transposed copy — XLA:CPU in jax 0.10 does, 0.12 does not: that is the indexer reading its keys,
-    # B*S*index_head_dim values, not a write-back; the temp bound above covers it.)
+    # HLO: no copy / transpose / slice shaped like a layer's latent or rope rows or like a whole `kv` array, none as
+    # large as a layer's latent rows, none reading more than a row per sequence of a `kv` parameter. (The indexer's
+    # score matmul may read one slot's keys through a transposed copy — XLA:CPU in jax 0.10 does, 0.12 does not:
+    # that is the indexer reading its keys, B*S*index_head_dim values, not a write-back; the temp bound above
+    # covers it.)
     L = cfg.num_hidden_layers
     kv_shapes = {big(s) for x in (cfg.kv_lora_rank, cfg.qk_rope_head_dim) for s in ((B, S, x), (L, B, S, x))}
     kv_shapes.add(big(kv["index_k"].shape))

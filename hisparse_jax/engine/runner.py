@@ -99,7 +99,8 @@ def jitted_dense_decode(graphdef, backend):
     """The contiguous decode step: step(state, tokens, positions, kv, sampling) -> (tokens, logits, kv).
     Decodes `tokens` at `positions` (int32[B]) and samples each row's next token (`sample_rows`, at position
     positions + 1); sampling: {"seed", "temperature", "top_p"}, [B] each (arrays: one compile for every temperature).
-    `kv` (`init_dense_kv`'s arrays) is donated and updated in place (`DenseKV` writes one row per layer and sequence)."""
+    `kv` (`init_dense_kv`'s arrays) is donated and updated in place (`DenseKV` writes one row per layer and
+    sequence)."""
 
     @functools.partial(jax.jit, donate_argnums=(3,))
     def step(state, tokens, positions, kv, sampling):
