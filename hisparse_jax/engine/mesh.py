@@ -4,7 +4,7 @@
     engine = MeshEngine(model, CacheConfig(...), EngineConfig(policy="hisparse"), mesh=mesh)
     engine.add_request("a", prompt_ids, SamplingParams(max_new_tokens=64))   # placed on a rank
     engine.run()
-    engine.outputs()["a"], engine.rank_of("a"), engine.metrics()["ranks"][r]
+    engine.outputs()["a"], engine.rank_of("a"), engine.metrics().ranks[r]
 
 One rank = one `Engine` (its own `TieredCache`, `Scheduler` and policy, the `CacheConfig`'s budgets per device)
 whose store is its slice of one stacked store (`hisparse_jax.parallel`: every leaf [N, ...] on
