@@ -558,3 +558,12 @@ class CacheConfig:
 
     def replace(self, **kw) -> "CacheConfig":
         return dataclasses.replace(self, **kw)
+
+    def with_formats(self, **formats) -> "CacheConfig":
+        """These budgets with the formats (`CAPACITY_FORMATS` fields) changed, their capacity's too: how an engine
+        imposes a format on a user's cache (e.g. preempt keeps no host mirror) whether or not it has a capacity."""
+        unknown = sorted(set(formats) - set(self.CAPACITY_FORMATS))
+        if unknown:
+            raise ValueError(f"with_formats changes formats only ({', '.join(self.CAPACITY_FORMATS)}), got {unknown}")
+        capacity = None if self.capacity is None else self.capacity.replace(**formats)
+        return dataclasses.replace(self, **formats, capacity=capacity)

@@ -13,6 +13,7 @@ from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine import runner
 from hisparse_jax.engine.engine import Engine, EngineConfig
 from hisparse_jax.engine.request import SamplingParams
+from hisparse_jax.engine.scheduler import POLICIES, policy_cache
 from hisparse_jax.generate import generate
 from hisparse_jax.kv.manager import TieredCache
 from tiny import model_cfg
@@ -79,3 +80,19 @@ def test_budget_inside_capacity_is_enforced_and_checked():
         CacheConfig(kv_dtype="bf16", capacity=CAP)
     with pytest.raises(ValueError, match=r"hot_rows \(128\) exceeds the capacity's \(64\)"):
         TieredCache(model_cfg(), budget(hot_rows=128))
+
+
+def test_every_policy_runs_inside_one_capacity(model, prompts):
+    """One capacity for the three policies: the engine imposes its formats (preempt keeps no host mirror,
+    speculation its verified rows) on the budgets and the capacity together; it refused the capacity before."""
+    for policy in POLICIES:
+        eng = Engine(model, budget(device_pages=40, host_pages=48, max_seqs=3),
+                     EngineConfig(policy=policy, max_running=3, prefill="whole", min_bucket=4))
+        assert (eng.manager.spec.device_pages, eng.manager.budget.device_pages) == (64, 40)
+        assert eng.manager.cache.mirror_to_host == eng.manager.cache.capacity.mirror_to_host == (policy != "preempt")
+    assert [len(o) for o in eng.generate(prompts, SamplingParams(max_new_tokens=3))] == [3, 3, 3]
+    spec_cache = policy_cache(budget(), "hisparse", 2, speculative_tokens=2)
+    assert spec_cache.speculative_tokens == spec_cache.capacity.speculative_tokens == 2
+    assert spec_cache.max_seqs == 2 and spec_cache.capacity.max_seqs == 4
+    with pytest.raises(ValueError, match="formats only"):
+        CAP.with_formats(device_pages=3)

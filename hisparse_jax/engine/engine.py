@@ -29,7 +29,7 @@ import numpy as np
 from hisparse_jax.config import MAX_SPECULATIVE_TOKENS, CacheConfig
 from hisparse_jax.engine.pd import IMPORT_CHUNK, PrefillExport, check_export, load_export
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
-from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, pages
+from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, pages, policy_cache
 from hisparse_jax.kv.budget import BudgetError
 from hisparse_jax.kv.eviction import COLDNESS
 from hisparse_jax.kv.manager import TieredCache
@@ -167,9 +167,7 @@ class Engine:
         if self.k and not len(getattr(model, "mtp", None) or ()):
             raise ValueError(f"speculative_tokens={self.k} needs the model's MTP layer: build it with "
                              "SparseMLAModel(cfg, mtp=True) or load_pretrained(path, mtp=True)")
-        if config.policy == "preempt":
-            cache = cache.replace(mirror_to_host=False)
-        cache = cache.replace(max_seqs=config.max_running, speculative_tokens=self.k)
+        cache = policy_cache(cache, config.policy, config.max_running, self.k)
         self.manager = TieredCache(model.cfg, cache, victim_order=COLDNESS[config.coldness])
         tiered.check_backend(self.manager.spec, config.kernels)
         self.manager.partial_eviction = config.policy == "hisparse"

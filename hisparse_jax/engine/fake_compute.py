@@ -30,7 +30,7 @@ import numpy as np
 from hisparse_jax.config import CacheConfig, ModelConfig, get_preset
 from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
-from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, StepPlan, pages
+from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, StepPlan, pages, policy_cache
 from hisparse_jax.kv.budget import BudgetError
 from hisparse_jax.kv.eviction import COLDNESS
 from hisparse_jax.kv.manager import TieredCache
@@ -69,9 +69,7 @@ class FakeEngine:
     def __init__(self, model: ModelConfig, cache: CacheConfig, *, policy: str = "hisparse", prefill: str = "chunked",
                  max_running: int = 8, prefill_chunk: int = 256, prefix_caching: bool = True,
                  coldness: str = "oldest"):
-        if policy == "preempt":
-            cache = cache.replace(mirror_to_host=False)
-        cache = cache.replace(max_seqs=max_running)
+        cache = policy_cache(cache, policy, max_running)
         self.model_cfg = model
         self.manager = TieredCache(model, cache, victim_order=COLDNESS[coldness])
         self.manager.partial_eviction = policy == "hisparse"

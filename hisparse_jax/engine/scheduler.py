@@ -57,6 +57,15 @@ WAIT_REASONS = {
 }
 
 
+def policy_cache(cache, policy: str, max_running: int, speculative_tokens: int = 0):
+    """The `CacheConfig` a policy's store is built from: `max_running` request slots, the speculative rows, and
+    no host mirror under preempt (it never uses the host tier). Formats change with the cache's capacity
+    (`CacheConfig.with_formats`), so a capacity shared by several policies stays valid."""
+    if policy == "preempt":
+        cache = cache.with_formats(mirror_to_host=False)
+    return cache.with_formats(speculative_tokens=speculative_tokens).replace(max_seqs=max_running)
+
+
 def pages(n_tokens: int) -> int:
     return -(-n_tokens // PAGE_SIZE)
 

@@ -59,7 +59,11 @@ def check_tables(manager: "TieredCache", block_table, host_table, index_table, h
             if list(table[s, :n]) != list(want) or np.any(table[s, n:] != -1):
                 raise PoolError(f"slot {s}: device {name} table {table[s, :n + 1].tolist()} != host view {want}")
         if r:
-            if sorted(hot_pages[s][hot_pages[s] >= 0].tolist()) != sorted(r.hot):
-                raise PoolError(f"slot {s}: hot pages {hot_pages[s].tolist()} != {r.hot}")
+            # the row is the capacity's width: the budget's lent pages, then (slots past the hot-row budget) the
+            # first lent page again, or -1 throughout while none is lent
+            row, k = hot_pages[s].tolist(), len(r.hot)
+            past = r.hot[0] if r.hot else INVALID
+            if sorted(row[:k]) != sorted(r.hot) or any(x != past for x in row[k:]):
+                raise PoolError(f"slot {s}: hot pages {row} != {r.hot} (then {past} past the budget's)")
             if seq_lens[s] != manager.lengths[s]:
                 raise PoolError(f"slot {s}: store seq_len {seq_lens[s]} != {manager.lengths[s]}")
