@@ -74,6 +74,22 @@ def pages(tokens: int) -> int:
     return -(-tokens // PAGE)
 
 
+# Every case's budgets lie inside one store capacity per format (`CacheConfig.capacity`), so cases of one format
+# and batch bucket run the same compiled programs instead of compiling their own (a case then costs its run, not
+# its compiles). It bounds every draw below: generate's <= 4 prompts of <= 11 pages (44 in all, device <= 90,
+# host <= 59, max_seq_len <= 1024), the engine's <= 5 of <= 15 pages (75 in all, its roomy reference 77 device
+# pages); a draw past it is refused by CacheConfig, loudly. One case in ten keeps shapes = budgets (capacity None),
+# the path most users take.
+CAPACITY = dict(device_pages=96, host_pages=96, index_pages=None, hot_rows=256, max_seqs=8, max_seq_len=17 * PAGE)
+
+
+def within_capacity(cache, shared: bool):
+    """`cache` with the fuzzer's capacity for its formats (shared=True), or as it is (its budgets are its shapes)."""
+    if not shared:
+        return cache
+    return cache.replace(capacity=cache.replace(**CAPACITY, capacity=None))
+
+
 # ----- the oracle ---------------------------------------------------------------------------------
 def budget_shortfall(kv_lengths: list[int], *, device_pages: int, host_pages: int, index_pages: int,
                      hot_rows: int, max_seqs: int, max_seq_len: int, can_release: bool = True) -> str | None:
@@ -108,13 +124,15 @@ class GenerateCase:
     hot_rows: int
     max_seqs: int
     max_seq_len: int
+    shared_capacity: bool = True  # budgets inside the fuzzer's CAPACITY, or shapes = budgets
 
     def cache_config(self):
         from hisparse_jax.config import CacheConfig
 
-        return CacheConfig(kv_dtype=self.kv_dtype, fetch=self.fetch, device_pages=self.device_pages,
-                           host_pages=self.host_pages, index_pages=self.index_pages, hot_rows=self.hot_rows,
-                           max_seqs=self.max_seqs, max_seq_len=self.max_seq_len)
+        return within_capacity(CacheConfig(kv_dtype=self.kv_dtype, fetch=self.fetch, device_pages=self.device_pages,
+                                           host_pages=self.host_pages, index_pages=self.index_pages,
+                                           hot_rows=self.hot_rows, max_seqs=self.max_seqs,
+                                           max_seq_len=self.max_seq_len), self.shared_capacity)
 
     def kv_lengths(self) -> list[int]:
         # the last new token is sampled, never written: the store holds prompt + max_new_tokens - 1 positions
@@ -163,7 +181,7 @@ def draw_generate_case(rng, topk: int = 64, vocab: int = 512) -> GenerateCase:
     device, max_seqs, max_seq_len = max(device, 1), max(max_seqs, 1), max(max_seq_len, PAGE)
     index = None if index is None else max(index, 1)
     return GenerateCase(prompts, max_new, str(rng.choice(FORMATS, p=[0.5, 0.3, 0.2])), str(rng.choice(["row", "page"])),
-                        device, max(host, 0), index, hot_rows, max_seqs, max_seq_len)
+                        device, max(host, 0), index, hot_rows, max_seqs, max_seq_len, bool(rng.random() < 0.9))
 
 
 @contextlib.contextmanager
@@ -254,6 +272,7 @@ class EngineCase:
     max_running: int
     prefill_chunk: int
     speculative_tokens: int = 0  # MTP speculative decoding (float32, whole prefill, no prefix caching)
+    shared_capacity: bool = True  # budgets inside the fuzzer's CAPACITY, or shapes = budgets
 
     @property
     def lookahead(self) -> int:
@@ -265,9 +284,10 @@ class EngineCase:
         from hisparse_jax.config import CacheConfig
 
         longest = max(len(p) + m for p, m in zip(self.prompts, self.max_new)) + self.lookahead
-        return CacheConfig(kv_dtype=self.kv_dtype, fetch=self.fetch, device_pages=self.device_pages,
-                           host_pages=self.host_pages, hot_rows=self.hot_rows, max_seq_len=pages(longest) * PAGE,
-                           speculative_tokens=self.speculative_tokens)
+        return within_capacity(CacheConfig(kv_dtype=self.kv_dtype, fetch=self.fetch, device_pages=self.device_pages,
+                                           host_pages=self.host_pages, hot_rows=self.hot_rows,
+                                           max_seq_len=pages(longest) * PAGE,
+                                           speculative_tokens=self.speculative_tokens), self.shared_capacity)
 
     def engine_config(self):
         from hisparse_jax.engine.engine import EngineConfig
@@ -337,7 +357,7 @@ def draw_engine_case(rng, topk: int = 64, vocab: int = 512) -> EngineCase:
         k, prefix_caching = int(rng.choice([1, 2, 3])), False
         hot_rows = max(hot_rows, (k + 1) * topk)  # the union of one step's rows must fit
     return EngineCase(prompts, max_new, arrivals, aborts, policy, coldness, prefill, prefix_caching, kv_dtype, fetch,
-                      device, host, hot_rows, max_running, chunk, k)
+                      device, host, hot_rows, max_running, chunk, k, bool(rng.random() < 0.9))
 
 
 def _drive(eng, case: EngineCase, admit, max_steps: int = 2000) -> tuple[list[int], list[int]]:
@@ -542,9 +562,10 @@ def main(argv=None) -> int:
                 fails.append({"case": dataclasses.asdict(case), "error": f"{type(e).__name__}: {e}"[:2000],
                               "traceback": traceback.format_exc()[-3000:]})
                 print(f"[{kind} {k}] FAIL {type(e).__name__}: {str(e)[:300]}", flush=True)
-            if (k + 1) % 8 == 0:
-                # every case compiles programs of its own shapes; dropping them keeps the process under the
-                # kernel's memory-map limit (vm.max_map_count), which a long run would otherwise reach
+            if (k + 1) % 64 == 0:
+                # the cases without the shared capacity, and each batch bucket and prompt length, still compile
+                # programs of their own; dropping them now and then keeps the process under the kernel's
+                # memory-map limit (vm.max_map_count), which a long run would otherwise reach
                 jax.clear_caches()
             if (k + 1) % 10 == 0 or k + 1 == counts[kind]:
                 print(f"{kind}: {k + 1}/{counts[kind]} cases, {tally}, {len(fails)} failures, "

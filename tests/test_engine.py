@@ -32,8 +32,11 @@ PAGE_BYTES = 64 * 4 * 48 * 4 + 64 * 2 * 32 * 4  # one KV page (4 layers) + one i
 
 
 def cache_for(policy, model):
-    """The same device bytes for every policy: three whole longest requests (11 pages each)."""
-    base = CacheConfig(kv_dtype="float32", host_pages=96, max_seq_len=704)
+    """The same device bytes for every policy: three whole longest requests (11 pages each); the policies' budgets
+    lie inside one capacity, so they share compiled programs where their formats agree (offload and hisparse)."""
+    capacity = CacheConfig(kv_dtype="float32", device_pages=48, index_pages=48, host_pages=96, max_seqs=6,
+                           max_seq_len=704)
+    base = capacity.replace(capacity=capacity)
     return device_budget(model.cfg, base, 3 * 11 * PAGE_BYTES, policy, max_running=6, max_len=644)
 
 
