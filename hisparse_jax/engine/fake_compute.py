@@ -69,7 +69,7 @@ class FakeEngine:
     def __init__(self, model: ModelConfig, cache: CacheConfig, *, policy: str = "hisparse", prefill: str = "chunked",
                  max_running: int = 8, prefill_chunk: int = 256, prefix_caching: bool = True,
                  coldness: str = "oldest"):
-        cache = policy_cache(cache, policy, max_running)
+        cache = policy_cache(cache, policy, max_running, cache.speculative_tokens)  # kept (sizes the hot buffer)
         self.model_cfg = model
         self.manager = TieredCache(model, cache, victim_order=COLDNESS[coldness])
         self.manager.partial_eviction = policy == "hisparse"
