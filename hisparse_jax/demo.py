@@ -204,19 +204,34 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
     results, outputs = {}, {}
     policies = list(args.policies)
 
+    def too_small(pol: str, e: ValueError) -> DemoSetupError:  # BudgetError, or a budget of no pages at all
+        return DemoSetupError(f"--device-requests {args.device_requests:g} ({device_bytes:,} bytes) is too small "
+                              f"for this workload under {pol!r}: {e}")
+
+    budget = {}
+    for pol in policies:
+        try:
+            budget[pol] = device_budget(cfg, base, device_bytes, pol, max_running=args.requests, max_len=max_len,
+                                        prefill=args.prefill)
+        except ValueError as e:
+            raise too_small(pol, e) from None
+    # Every policy's budget inside one capacity (the store's shapes: the largest pools any of them is given), so
+    # the policies run the same compiled programs where their formats agree (offload and hisparse); each policy
+    # still uses only its own budget, which the host bookkeeping enforces.
+    capacity = base.replace(device_pages=max(b.device_pages for b in budget.values()),
+                            index_pages=max(b.num_index_pages for b in budget.values()))
+
     def engine(pol: str, log_path: str | None = None) -> tuple[Engine, CacheConfig]:
         try:
-            cc = device_budget(cfg, base, device_bytes, pol, max_running=args.requests, max_len=max_len,
-                               prefill=args.prefill)
+            cc = budget[pol].replace(capacity=capacity)
             ec = EngineConfig(policy=pol, max_running=args.requests, prefill=args.prefill,
                               prefill_chunk=args.prefill_chunk, log_path=log_path, kernels=args.kernels,
                               speculative_tokens=k, prefix_caching=not k)
             eng = Engine(model, cc, ec) if mesh is None else MeshEngine(model, cc, ec, mesh=mesh)
             for i, p in enumerate(prompts):
                 eng.add_request(f"r{i}", p, params)
-        except ValueError as e:  # BudgetError, or a budget of no pages at all
-            raise DemoSetupError(f"--device-requests {args.device_requests:g} ({device_bytes:,} bytes) is too small "
-                                 f"for this workload under {pol!r}: {e}") from None
+        except ValueError as e:
+            raise too_small(pol, e) from None
         return eng, cc
 
     split = {}
@@ -232,6 +247,8 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
         "device_requests": args.device_requests, "host_pages": base.host_pages, "kernels": args.kernels,
         "miss_attention": args.miss_attention, "speculative_tokens": k,
         "prefill": args.prefill, "backend": jax.default_backend(), "policies": split,
+        "capacity": {"device_pages": capacity.device_pages, "index_pages": capacity.num_index_pages,
+                     "host_pages": capacity.host_pages},
     }
     if on_setup:
         on_setup(setup)
@@ -447,6 +464,11 @@ def _header(setup: dict) -> str:
     for name, key in (("device KV pages", "device_pages"), ("indexer pages", "index_pages"),
                       ("host pages", "host_pages")):
         lines.append(f"{name:<{w}}  " + "  ".join(f"{setup['policies'][p][key]:>10}" for p in pols))
+    cap = setup.get("capacity")
+    if cap:
+        lines.append(f"(the store is shaped by one capacity holding every budget, {cap['device_pages']} device KV / "
+                     f"{cap['index_pages']} indexer pages, so the policies share compiled programs; each policy "
+                     "uses only its budget)")
     return "\n".join(lines)
 
 
