@@ -527,6 +527,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", choices=["generate", "engine", "mesh"], default=None)
     ap.add_argument("--out", default="experiments/results/fuzz_tiered.json")
+    ap.add_argument("--xla-defaults", action="store_true",
+                    help="compile with XLA's default optimisation (by default the fuzzer compiles as the tests do, "
+                         "hisparse_jax.cpu_compile: the same values, compiles several times faster)")
     a = ap.parse_args(argv)
     if a.examples is not None and a.examples < 1:
         ap.error("--examples must be >= 1")
@@ -539,6 +542,10 @@ def main(argv=None) -> int:
     if "mesh" in kinds and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # read when jax starts its backends (not yet): 4 host devices for the mesh cases where there is no GPU
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4")
+    if not a.xla_defaults:
+        from hisparse_jax.cpu_compile import request_fast_compile
+
+        request_fast_compile()
     import jax
 
     model = fuzz_model()

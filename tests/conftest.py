@@ -55,40 +55,13 @@ def _share_compiled_programs() -> None:
                           int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
 
 
-# XLA:CPU spends most of this suite's time compiling programs that then run for milliseconds on tiny models.
-# Unoptimised code computes the same values (no fast-math either way), so the suite compiles at -O0 (measured: one
-# engine test 81 s -> 55 s). HISPARSE_TEST_XLA_OPT=1 keeps XLA's defaults.
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-# Where the running XLA has them: its elemental (pre-MLIR) fusion emitters and one LLVM module per program. Each
-# compile of the MLIR fusion emitters builds and destroys a pool of MLIR contexts, which dominates this suite's
-# hundreds of small programs (measured on jax 0.10.2, one tiered `generate` of the tests' tiny model: XLA compile
-# 27.6 s -> 7.3 s, same tokens). jax 0.12's XLA no longer has the elemental emitters; an XLA that does not know a
-# flag aborts at start-up, so each is probed first (in a subprocess, once per run; subprocesses inherit the result).
-PROBED_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
-
-
-def _known_xla_flags(candidates, base: str) -> list[str]:
-    """The flags of `candidates` this process's XLA accepts (each tried with `base` in a subprocess)."""
-    import subprocess
-
-    probe = "import jax; jax.devices('cpu')"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-
-    def accepted(flags) -> bool:
-        env["XLA_FLAGS"] = " ".join([base, *flags]).strip()
-        return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, timeout=300).returncode == 0
-
-    if accepted(candidates):  # one probe when all are known
-        return list(candidates)
-    return [flag for flag in candidates if accepted([flag])]
-
-
 def _compile_fast() -> None:
-    flags = os.environ.get("XLA_FLAGS", "")
-    if os.environ.get("HISPARSE_TEST_XLA_OPT") != "1" and "xla_backend_optimization_level" not in flags:
-        flags = (flags + " " + FAST_COMPILE_FLAGS).strip()
-        flags = " ".join([flags, *_known_xla_flags(PROBED_COMPILE_FLAGS, flags)])
-        os.environ["XLA_FLAGS"] = flags
+    """XLA:CPU compiles this suite's hundreds of small programs fast (`hisparse_jax.cpu_compile`: -O0, and the
+    elemental fusion emitters where XLA has them; the same values). HISPARSE_TEST_XLA_OPT=1 keeps XLA's defaults."""
+    if os.environ.get("HISPARSE_TEST_XLA_OPT") != "1":
+        from hisparse_jax.cpu_compile import request_fast_compile
+
+        request_fast_compile()
 
 
 _share_compiled_programs()
