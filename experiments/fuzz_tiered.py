@@ -1,7 +1,12 @@
 """Differential fuzzer: tiered generation under memory pressure against the contiguous path.
 
-    PYTHONPATH=. python experiments/fuzz_tiered.py [--long] [--examples N] [--seed S] [--only generate|engine]
-                                                   [--only mesh] [--out experiments/results/fuzz_tiered.json]
+    PYTHONPATH=. python experiments/fuzz_tiered.py [--long] [--examples N] [--seed S] [--first K]
+                                                   [--only generate|engine|mesh] [--group-size G]
+                                                   [--out experiments/results/fuzz_tiered.json]
+
+Cases run in groups of G (64) per process, so that a crash inside XLA is recorded (the group's cases, the
+command that reruns them) and the run goes on; case k of a kind is drawn from (seed, kind, k) alone, so
+`--first k --examples 1` reruns it.
 
 Draws random workloads and budgets — prompt counts and lengths (1 to several pages, page-boundary lengths),
 `max_new_tokens`, `device_pages` from one below the smallest workable budget upwards, `host_pages`,
@@ -519,13 +524,107 @@ class HypothesisChoices:
 
 
 # ----- the long run -------------------------------------------------------------------------------
+KINDS = ("generate", "engine", "mesh")
+
+
+def case_rng(seed: int, kind: str, k: int):
+    """The random stream of case `k` of a kind: any case is redrawn alone from (seed, kind, k)."""
+    return np.random.default_rng([seed, KINDS.index(kind), k])
+
+
+def run_cases(kind: str, first: int, count: int, seed: int, model, log=print) -> dict:
+    """Cases first .. first + count - 1 of a kind, in this process: their outcomes, the sums of their counters
+    (how much pressure they exercised), how many had each counter > 0, and every failure with its case."""
+    import jax
+
+    draw = {"generate": draw_generate_case, "engine": draw_engine_case, "mesh": draw_mesh_case}[kind]
+    run = {"generate": run_generate_case, "engine": run_engine_case, "mesh": run_mesh_case}[kind]
+    out = {"cases": 0, "outcomes": {}, "totals": {}, "cases_with_nonzero": {}, "failures": [], "crashes": []}
+    t0 = time.time()
+    for k in range(first, first + count):
+        case = draw(case_rng(seed, kind, k))
+        try:
+            res = run(case, model)
+            out["outcomes"][res["outcome"]] = out["outcomes"].get(res["outcome"], 0) + 1
+            for key, v in res.items():
+                if isinstance(v, int) and key != "outcome":
+                    out["totals"][key] = out["totals"].get(key, 0) + v
+                    out["cases_with_nonzero"][key] = out["cases_with_nonzero"].get(key, 0) + (v > 0)
+        except Exception as e:  # noqa: BLE001 - every failure is recorded with its case
+            out["failures"].append({"case_index": k, "case": dataclasses.asdict(case),
+                                    "error": f"{type(e).__name__}: {e}"[:2000],
+                                    "traceback": traceback.format_exc()[-3000:]})
+            log(f"[{kind} {k}] FAIL {type(e).__name__}: {str(e)[:300]}")
+        out["cases"] += 1
+        if out["cases"] % 64 == 0:
+            # the cases without the shared capacity, and each batch bucket and prompt length, still compile
+            # programs of their own; dropping them now and then keeps the process under the kernel's
+            # memory-map limit (vm.max_map_count), which a long run would otherwise reach
+            jax.clear_caches()
+        if out["cases"] % 10 == 0 or out["cases"] == count:
+            log(f"{kind}: cases {first}..{k}: {out['outcomes']}, {len(out['failures'])} failures, "
+                f"{time.time() - t0:.0f} s; cases with > 0: {out['cases_with_nonzero']}")
+    out["seconds"] = round(time.time() - t0, 1)
+    return out
+
+
+def merge(into: dict, part: dict) -> dict:
+    """Add one group's results to a kind's."""
+    into["cases"] = into.get("cases", 0) + part["cases"]
+    for key in ("outcomes", "totals", "cases_with_nonzero"):
+        for name, v in part[key].items():
+            into.setdefault(key, {})[name] = into.get(key, {}).get(name, 0) + v
+    for key in ("failures", "crashes"):
+        into.setdefault(key, []).extend(part[key])
+    into["seconds"] = round(into.get("seconds", 0) + part["seconds"], 1)
+    return into
+
+
+def run_group(kind: str, first: int, count: int, seed: int) -> dict:
+    """Cases first .. first + count - 1 of a kind in a process of their own: a crash of the process (a segfault
+    inside XLA, the kernel's OOM killer) is recorded with the cases it ran, how to rerun them and the end of its
+    output, and does not end the run."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        part_path = os.path.join(tmp, "part.json")
+        argv = [sys.executable, os.path.abspath(__file__), "--only", kind, "--first", str(first), "--examples",
+                str(count), "--seed", str(seed), "--group-size", "0", "--out", part_path]
+        t0 = time.time()
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                    [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                     os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)})
+        tail = []
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            tail = (tail + [line])[-40:]
+        rc = proc.wait()
+        if os.path.exists(part_path):
+            with open(part_path) as f:
+                return json.load(f)["kinds"][kind]
+    rerun = f"PYTHONPATH=. python {' '.join(argv[1:-2])}"
+    crash = {"kind": kind, "first": first, "cases": count, "seed": seed, "returncode": rc, "rerun": rerun,
+             "output_tail": "".join(tail)[-3000:]}
+    print(f"[{kind} {first}..{first + count - 1}] CRASH: the group's process ended with {rc}; rerun: {rerun}",
+          flush=True)
+    return {"cases": 0, "outcomes": {}, "totals": {}, "cases_with_nonzero": {}, "failures": [], "crashes": [crash],
+            "seconds": round(time.time() - t0, 1)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--long", action="store_true",
-                    help="the deep profile (200 generate + 80 engine cases; 1-2 hours on 2 cores)")
+                    help="the deep profile (200 generate + 80 engine + 40 mesh cases)")
     ap.add_argument("--examples", type=int, default=None, help="cases of each kind (default 40, or --long's)")
+    ap.add_argument("--first", type=int, default=0,
+                    help="index of the first case (a case is drawn from --seed, its kind and its index alone)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", choices=["generate", "engine", "mesh"], default=None)
+    ap.add_argument("--only", choices=list(KINDS), default=None)
+    ap.add_argument("--group-size", type=int, default=64,
+                    help="cases per process (each group runs in a process of its own, so a crash is recorded and "
+                         "the run goes on); 0: all in this process")
     ap.add_argument("--out", default="experiments/results/fuzz_tiered.json")
     ap.add_argument("--xla-defaults", action="store_true",
                     help="compile with XLA's default optimisation (by default the fuzzer compiles as the tests do, "
@@ -533,57 +632,47 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.examples is not None and a.examples < 1:
         ap.error("--examples must be >= 1")
+    if a.first < 0 or a.group_size < 0:
+        ap.error("--first and --group-size must be >= 0")
     counts = {"generate": 200 if a.long else 40, "engine": 80 if a.long else 20, "mesh": 40 if a.long else 10}
     if a.examples:
         counts = {k: a.examples for k in counts}
-    kinds = [a.only] if a.only else ["generate", "engine", "mesh"]
-    draw = {"generate": draw_generate_case, "engine": draw_engine_case, "mesh": draw_mesh_case}
-    run = {"generate": run_generate_case, "engine": run_engine_case, "mesh": run_mesh_case}
+    kinds = [a.only] if a.only else list(KINDS)
     if "mesh" in kinds and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # read when jax starts its backends (not yet): 4 host devices for the mesh cases where there is no GPU
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4")
     if not a.xla_defaults:
         from hisparse_jax.cpu_compile import request_fast_compile
 
-        request_fast_compile()
-    import jax
-
-    model = fuzz_model()
+        request_fast_compile()  # before any group starts: they inherit the flags and skip the probe
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "seed": a.seed,
-           "profile": "long" if a.long else "default", "kinds": {}}
-    failures = 0
+           "profile": "long" if a.long else "default", "first": a.first, "group_size": a.group_size,
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), "kinds": {}}
+    model = fuzz_model() if a.group_size == 0 else None
+
+    def write(complete: bool) -> None:  # after every group too: a long run stopped midway keeps what it ran
+        with open(a.out + ".tmp", "w") as f:
+            json.dump({**out, "complete": complete}, f, indent=1)
+        os.replace(a.out + ".tmp", a.out)
+
     for kind in kinds:
-        rng = np.random.default_rng([a.seed, kinds.index(kind)])
-        tally, fails, t0 = {}, [], time.time()
-        totals, under_pressure = {}, {}  # sums of the runs' counters, and how many runs had each > 0
-        for k in range(counts[kind]):
-            case = draw[kind](rng)
-            try:
-                res = run[kind](case, model)
-                tally[res["outcome"]] = tally.get(res["outcome"], 0) + 1
-                for key, v in res.items():  # how much pressure the cases exercised
-                    if isinstance(v, int) and key != "outcome":
-                        totals[key] = totals.get(key, 0) + v
-                        under_pressure[key] = under_pressure.get(key, 0) + (v > 0)
-            except Exception as e:  # noqa: BLE001 - every failure is recorded with its case
-                fails.append({"case": dataclasses.asdict(case), "error": f"{type(e).__name__}: {e}"[:2000],
-                              "traceback": traceback.format_exc()[-3000:]})
-                print(f"[{kind} {k}] FAIL {type(e).__name__}: {str(e)[:300]}", flush=True)
-            if (k + 1) % 64 == 0:
-                # the cases without the shared capacity, and each batch bucket and prompt length, still compile
-                # programs of their own; dropping them now and then keeps the process under the kernel's
-                # memory-map limit (vm.max_map_count), which a long run would otherwise reach
-                jax.clear_caches()
-            if (k + 1) % 10 == 0 or k + 1 == counts[kind]:
-                print(f"{kind}: {k + 1}/{counts[kind]} cases, {tally}, {len(fails)} failures, "
-                      f"{time.time() - t0:.0f} s; cases with > 0: {under_pressure}", flush=True)
-        out["kinds"][kind] = {"cases": counts[kind], "outcomes": tally, "totals": totals,
-                              "cases_with_nonzero": under_pressure, "failures": fails,
-                              "seconds": round(time.time() - t0, 1)}
-        failures += len(fails)
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {a.out}: {failures} failures")
+        if a.group_size == 0:
+            out["kinds"][kind] = run_cases(kind, a.first, counts[kind], a.seed, model,
+                                           log=lambda m: print(m, flush=True))
+            continue
+        total: dict = {}
+        for start in range(a.first, a.first + counts[kind], a.group_size):
+            n = min(a.group_size, a.first + counts[kind] - start)
+            merge(total, run_group(kind, start, n, a.seed))
+            out["kinds"][kind] = total
+            write(complete=False)
+            print(f"{kind}: {total['cases']} cases run, {total['outcomes']}, {len(total['failures'])} failures, "
+                  f"{len(total['crashes'])} crashed groups; cases with > 0: {total['cases_with_nonzero']}",
+                  flush=True)
+        out["kinds"][kind] = total
+    failures = sum(len(k["failures"]) + len(k["crashes"]) for k in out["kinds"].values())
+    write(complete=True)
+    print(f"wrote {a.out}: {failures} failures or crashed groups")
     return 1 if failures else 0
 
 

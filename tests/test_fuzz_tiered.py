@@ -122,6 +122,22 @@ def test_engine_prompt_that_fills_the_device_is_admitted():
     assert res["finished"] == 1 and res["evicted_pages"] > 0 and res["misses"] > 0
 
 
+def test_a_crashed_group_is_recorded_and_the_run_goes_on(monkeypatch, capsys):
+    """A group whose process dies (here XLA aborts at start-up on an unknown flag, as it would on a segfault) is
+    recorded with its cases and the command that reruns them, instead of ending the run."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_hisparse_no_such_flag=1")
+    part = fz.run_group("generate", 5, 2, seed=3)
+    assert part["cases"] == 0 and not part["failures"]
+    (crash,) = part["crashes"]
+    assert crash["returncode"] != 0 and crash["first"] == 5 and crash["cases"] == 2
+    assert "--only generate --first 5 --examples 2 --seed 3" in crash["rerun"]
+    assert "no_such_flag" in crash["output_tail"] and "CRASH" in capsys.readouterr().out
+    total = fz.merge(fz.merge({}, part), {"cases": 3, "outcomes": {"identical": 3}, "totals": {"hits": 4},
+                                          "cases_with_nonzero": {"hits": 1}, "failures": [], "crashes": [],
+                                          "seconds": 1.0})
+    assert total["cases"] == 3 and total["outcomes"] == {"identical": 3} and len(total["crashes"]) == 1
+
+
 # ----- the fuzzer's CI profile -------------------------------------------------------------------------
 _SETTINGS = dict(derandomize=True, deadline=None, database=None, print_blob=True,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
