@@ -377,6 +377,7 @@ def test_int_eos_token_id_runs(model, reference):
         assert out == ref[:ref.index(eos) + 1] if eos in ref else out == ref
 
 
+@pytest.mark.slow
 def test_bad_seed_in_one_request_the_others_complete_like_generate(model, reference):
     """seed=-1 is refused at the door; one that slips past it (here: forced into the frozen params) fails only its
     own request, inside the step, and the other requests finish with generate's tokens."""
@@ -393,6 +394,7 @@ def test_bad_seed_in_one_request_the_others_complete_like_generate(model, refere
     assert eng.manager.pool.num_used("device") == 0 and not eng.manager.requests
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefill", ["whole", "chunked"])
 def test_a_failing_prefill_fails_only_its_request(model, reference, monkeypatch, prefill):
     eng = engine(model, prefill=prefill)

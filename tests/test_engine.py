@@ -103,6 +103,7 @@ def test_aborts_mid_prefill_and_mid_decode_leave_no_leak(model, prompts):
     assert all(eng.manager.pool.num_used(t) == 0 for t in Tier)
 
 
+@pytest.mark.slow
 def test_metrics_and_log(model, prompts, tmp_path):
     log = tmp_path / "m.jsonl"
     eng = Engine(model, cache_for("hisparse", model), EngineConfig(policy="hisparse", max_running=6,

@@ -19,6 +19,7 @@ def model():
     return hj.SparseMLAModel(model_cfg(), rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 def test_engine_with_interpreted_kernels_gives_the_reference_tokens(model):
     """Two requests under HiSparse with a device pool too small for them (hot buffers, misses from host):
     the Pallas kernels (interpret mode) and the jnp references produce the same greedy tokens and hit counts."""

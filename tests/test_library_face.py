@@ -186,6 +186,7 @@ def test_save_params_overwrite_never_deletes_what_is_not_a_checkpoint(models, tm
 # -- demo.run(**keywords) ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_demo_run_with_keywords():
     out = demo.run(requests=2, prompt_len=64, new_tokens=2, policies=("hisparse",), plot="", json=True)
     assert (out["requests"], out["new_tokens"], list(out["policies"])) == (2, 2, ["hisparse"])

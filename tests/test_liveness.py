@@ -145,6 +145,7 @@ def workloads(draw) -> Workload:
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@pytest.mark.slow
 @given(workloads())
 def test_every_schedule_is_live(w):
     rep = run_workload(w, check_every=4)

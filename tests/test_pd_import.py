@@ -43,6 +43,7 @@ def engine(model, policy, device_pages, **kw):
                                           **kw))
 
 
+@pytest.mark.slow
 def test_import_lands_in_the_host_tier_and_decodes_the_local_tokens(model, exports, want):
     eng = engine(model, "hisparse", 16)
     eng.import_request("long", exports["long"][1], SamplingParams(max_new_tokens=NEW))
@@ -56,6 +57,7 @@ def test_import_lands_in_the_host_tier_and_decodes_the_local_tokens(model, expor
     assert m.d2h_bytes >= len(LONG) * eng.manager.spec.num_layers * eng.manager.spec.row_bytes  # every row mirrored
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["preempt", "offload", "hisparse"])
 def test_imported_and_local_requests_agree_under_every_policy(model, exports, want, policy):
     eng = engine(model, policy, 40)
@@ -70,6 +72,7 @@ def test_imported_and_local_requests_agree_under_every_policy(model, exports, wa
     assert local.outputs() == eng.outputs() and local.metrics().import_bytes == 0
 
 
+@pytest.mark.slow
 def test_an_import_feeds_the_prefix_cache(model, exports, want):
     eng = engine(model, "hisparse", 40)
     eng.import_request("long", exports["long"][1], SamplingParams(max_new_tokens=NEW))

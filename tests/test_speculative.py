@@ -51,7 +51,7 @@ def baseline(model, prompts):
     return run(model, prompts, "hisparse", 0)
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_greedy_tokens_identical_under_eviction(model, prompts, baseline, k):
     out, m, eng = run(model, prompts, "hisparse", k)
     assert out == baseline[0]
@@ -146,6 +146,7 @@ def test_rejection_rule_keeps_the_target_distribution():
     np.testing.assert_array_equal(np.asarray(acc_m), (np.asarray(base)[:, 0] == 1).astype(int))
 
 
+@pytest.mark.slow
 def test_rejection_rule_in_the_engine(model, prompts, baseline):
     greedy = run(model, prompts[:2], "hisparse", 2, SamplingParams(max_new_tokens=NEW), engine_cls=Rejection)[0]
     assert greedy == baseline[0][:2]  # greedy rows accept exactly the argmax under either rule
