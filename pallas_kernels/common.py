@@ -5,6 +5,7 @@
 * `fp8_quantize`   per-block e4m3 with power-of-two scales (the FP8 latent pool, the indexer's FP8 emulation)
 * `hadamard`       the Sylvester Hadamard rotation DeepSeek applies before quantizing indexer q and k
 * `float_to_key`   f32 -> int32 whose signed order is the float order (the indexer kernels select on it)
+* `check_triton_offsets`  refuses an operand Pallas-Triton would address past 2^31 with 32-bit offsets
 """
 
 from __future__ import annotations
@@ -52,3 +53,25 @@ def fp8_quantize(x, block: int = FP8_BLOCK):
     q = (xb / scale).astype(jnp.float8_e4m3fn).reshape(x.shape)
     scale = scale[..., 0]
     return q, (scale[..., 0] if d == b else scale)
+
+
+TRITON_64BIT_BYTES = 2**32  # jax's Pallas-Triton lowering uses 64-bit offsets only for operands larger than this
+
+
+def check_triton_offsets(name: str, x) -> None:
+    """Refuse an operand a Pallas-Triton kernel would address with 32-bit offsets past 2^31 elements.
+
+    jax's Pallas-Triton lowering (`_compute_offsets_from_indices`, jax 0.10 to 0.12) computes element offsets in
+    int32 unless the operand is over 2^32 BYTES, and Triton's `addptr` sign-extends them: the elements past 2^31
+    of a 1-byte operand (an fp8 pool) of 2-4 GiB would be read at negative offsets, silently (vLLM's HiSparse
+    shipped this class of bug, #57602). Seen in the Triton IR of a 3 GiB fp8 operand (`tensor<...xi32>` offsets;
+    5 GiB gets i64). Wider dtypes cannot get there: 2^31 of them are over 4 GiB."""
+    size = math.prod(x.shape)
+    nbytes = size * jnp.dtype(x.dtype).itemsize
+    if size > 2**31 - 1 and nbytes <= TRITON_64BIT_BYTES:
+        raise ValueError(
+            f"{name} ({x.dtype}{list(x.shape)}, {nbytes / 2**30:.2f} GiB) has more than 2^31 elements but not more "
+            f"than 4 GiB, so the Pallas-Triton kernel would address it with 32-bit offsets that overflow (jax uses "
+            f"64-bit ones only above 4 GiB): size the store's pools outside 2-4 GiB for this dtype, or use "
+            f"kernels='reference'")
+

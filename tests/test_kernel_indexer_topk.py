@@ -283,3 +283,21 @@ def test_gpu_compiled_kernel_equals_reference(dtype):
     got = np.asarray(indexer_topk(*args, **kw))
     np.testing.assert_array_equal(got, np.asarray(indexer_topk_reference(*args, **kw)))
     check_well_formed(got, seq_lens, 2048)
+
+
+@pytest.mark.parametrize("pages,refused", [(300_000, True), (200_000, False), (600_000, False)])
+def test_keys_pallas_triton_would_address_with_32bit_offsets_are_refused(pages, refused):
+    """An fp8 key pool of 2-4 GiB (300K pages x 64 x 128: 2.3 GiB, over 2^31 elements) would be addressed with
+    32-bit offsets that overflow (jax's Pallas-Triton lowering goes 64-bit only above 4 GiB), so it is refused at
+    trace time; 200K pages (< 2^31 elements) and 600K (> 4 GiB) trace."""
+    B, I, D, MP = 2, 16, 128, 8
+    sds = jax.ShapeDtypeStruct
+    args = (sds((B, I, D), jnp.bfloat16), sds((B, I), jnp.float32), sds((pages, 64, D), jnp.float8_e4m3fn),
+            sds((B, MP), jnp.int32), sds((B,), jnp.int32))
+    fn = lambda *a: indexer_topk(*a[:5], k_scale=a[5], topk=64, interpret=True)  # noqa: E731
+    args = args + (sds((pages, 64), jnp.float32),)
+    if refused:
+        with pytest.raises(ValueError, match=r"k_pages .* 32-bit offsets"):
+            jax.eval_shape(fn, *args)
+    else:
+        assert jax.eval_shape(fn, *args).shape == (B, 64)

@@ -184,3 +184,22 @@ def test_lowers_for_cuda_on_stacked_pools():
     with gpu_lowering_target():  # jax >= 0.11 needs the target GPU named
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("layers,refused", [(20, True), (7, False), (78, False)])
+def test_pools_pallas_triton_would_address_with_32bit_offsets_are_refused(layers, refused):
+    """jax's Pallas-Triton lowering uses 32-bit element offsets for operands up to 4 GiB, and Triton sign-extends
+    them: an fp8 pool of 2-4 GiB (20 layers x 4096 pages: 2.5 GiB, over 2^31 elements) would be read at negative
+    offsets past 2^31, so it is refused at trace time, naming the pool; 7 layers (< 2^31 elements) and 78 (> 4 GiB,
+    64-bit offsets) trace."""
+    B, H, C, R, K, P = 2, 16, 512, 64, 64, 4096
+    sds = jax.ShapeDtypeStruct
+    args = [sds((B, H, C), jnp.bfloat16), sds((B, H, R), jnp.bfloat16), sds((layers, P, 64, C), jnp.float8_e4m3fn),
+            sds((layers, P, 64, R), jnp.bfloat16), sds((B, K), jnp.int32), sds((B, K), jnp.int32),
+            sds((B, K), jnp.bool_), sds((layers, P, 64, C // 128), jnp.float32), sds((), jnp.int32)]
+    fn = lambda *a: sparse_mla_decode(*a[:7], tau=TAU, latent_scale=a[7], layer=a[8], interpret=True)  # noqa: E731
+    if refused:
+        with pytest.raises(ValueError, match=r"latent_pages .* 32-bit offsets"):
+            jax.eval_shape(fn, *args)
+    else:
+        assert jax.eval_shape(fn, *args).shape == (B, H, C)

@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.backends import check_pallas_backend
-from pallas_kernels.common import float_to_key, fp8_quantize, hadamard
+from pallas_kernels.common import check_triton_offsets, float_to_key, fp8_quantize, hadamard
 
 INT_MIN = -(2**31)
 RADIX_BITS = 4  # bits of the key decided per counting round (divides 32): 32 / RADIX_BITS rounds
@@ -351,6 +351,7 @@ def indexer_topk(q, w, k_pages, block_table, seq_lens, *, topk: int, k_scale=Non
     if layer is not None:
         _check_stacked(k_pages, k_scale)
         k_pages, k_scale = k_pages[layer], None if k_scale is None else k_scale[layer]
+    check_triton_offsets("k_pages", k_pages)
     return indexer_topk_chunked(q, w, k_pages, block_table, seq_lens, topk=topk, k_scale=k_scale,
                                 interpret=interpret, max_chunk=MAX_CHUNK)
 

@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.backends import check_pallas_backend
+from pallas_kernels.common import check_triton_offsets
 from pallas_kernels.sparse_mla_decode.reference import FP8_BLOCK, check_out_dtype, checked_stacked_pools, merge_splits
 
 TARGET_PROGRAMS = 264  # ~2 waves of programs on a 132-SM H100 / H200
@@ -169,6 +170,8 @@ def _sparse_mla_decode_triton(q_lat, q_rope, latent_pages, rope_pages, page, row
 
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     pools = [latent_pages, rope_pages] + ([latent_scale] if fp8 else [])
+    for name, pool in zip(("latent_pages", "rope_pages", "latent_scale"), pools):
+        check_triton_offsets(name, pool)
     in_specs = [whole(layer),
                 pl.BlockSpec((None, bh, C), lambda b, h, s: (b, h, 0)),
                 pl.BlockSpec((None, bh, R), lambda b, h, s: (b, h, 0)),
