@@ -340,6 +340,21 @@ def test_tiered_generate_without_host_pages_is_refused_up_front(model):
                                                                  max_seq_len=256))
 
 
+@pytest.mark.slow
+def test_preempt_without_host_pages_runs_like_generate(model):
+    """preempt never offloads, so a cache with no host pages is a configuration every check accepts; its store
+    still has the host pools the step's miss path reads (one physical page, never lent). It used to fail every
+    step (a gather from an empty host axis), and with it every later request."""
+    prompts = [[(3 * i + j) % 97 for j in range(n)] for i, n in enumerate((300, 100))]
+    eng = Engine(model, CacheConfig(kv_dtype="float32", device_pages=16, host_pages=0, max_seq_len=512),
+                 EngineConfig(policy="preempt", check_invariants=True))
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(max_new_tokens=4))
+    eng.run()
+    assert [eng.requests[f"r{i}"].output for i in range(2)] == generate(model, prompts, 4)
+    assert eng.manager.pool.num_used("device") == 0 and eng.metrics().failed == 0
+
+
 # ----------------------------------------------------------------------------------------------------------
 # a failure inside a step: the failing request fails, the others go on; the batch is all-or-nothing
 # ----------------------------------------------------------------------------------------------------------

@@ -119,7 +119,10 @@ def store_shardings(spec: StoreSpec, device=None) -> KVStore:
 
 def init_store(spec: StoreSpec, device=None) -> KVStore:
     """An empty store: zeroed pools (host pools in pinned_host memory), tables of -1."""
-    L, LI, P, PI, PH = spec.num_layers, spec.num_index_layers, spec.device_pages, spec.index_pages, spec.host_pages
+    L, LI, P, PI = spec.num_layers, spec.num_index_layers, spec.device_pages, spec.index_pages
+    # a host tier of no pages (preempt never offloads) still has one physical page, never lent: the step's miss
+    # path gathers from the host pools whatever the policy, and a gather from an empty axis cannot be traced
+    PH = max(1, spec.host_pages)
     C, R, dI, Rq, MP = spec.latent_dim, spec.rope_dim, spec.index_dim, spec.max_seqs, spec.max_pages
     G, HR = len(spec.groups), spec.hot_rows
     vdt = spec.value_dtype
