@@ -273,6 +273,20 @@ def test_step_makes_no_pool_sized_temporary(built_step):
     check_no_pool_sized_temporary("-".join(case), store, text, mem)
 
 
+def test_step_copies_no_layer_of_the_index_pool(built_step):
+    """(d) the indexer reads the stacked index pool in place at its layer: no buffer of one layer's keys or key
+    scales (GLM-5: 20480 pages, 168 MB of fp8 keys per indexer layer and step), with either kernel backend."""
+    case, store, text, _ = built_step
+    if case[2] == "reference":
+        pytest.skip("the reference indexer gathers the rows it scores; the Pallas kernels read the pool")
+    pools = {"index_k": store.index_k} | ({} if store.index_scale is None else {"index_scale": store.index_scale})
+    # a layer slice comes out of XLA as [1, P, ...] (then a bitcast view to [P, ...])
+    one_layer = {f"{name}[layer]{'' if n else ' (leading 1)'}": (1,) * (1 - n) + tuple(x.shape[1:])
+                 for name, x in pools.items() for n in (0, 1)}
+    new = [f for f in pool_sized_instructions(text, one_layer) if f[0] == "NEW"]
+    assert not new, f"{len(new)} buffers of one layer of the index pool, e.g. {new[0][3]}"
+
+
 # ----- 2b. the store programs TieredCache runs between decode steps ----------------------------
 # The jitted functions of hisparse_jax/kv/device.py, which apply TieredCache's decisions to the store (all donate
 # it): prompt admission (write_prefill),

@@ -285,19 +285,69 @@ def test_gpu_compiled_kernel_equals_reference(dtype):
     check_well_formed(got, seq_lens, 2048)
 
 
-@pytest.mark.parametrize("pages,refused", [(300_000, True), (200_000, False), (600_000, False)])
-def test_keys_pallas_triton_would_address_with_32bit_offsets_are_refused(pages, refused):
-    """An fp8 key pool of 2-4 GiB (300K pages x 64 x 128: 2.3 GiB, over 2^31 elements) would be addressed with
-    32-bit offsets that overflow (jax's Pallas-Triton lowering goes 64-bit only above 4 GiB), so it is refused at
-    trace time; 200K pages (< 2^31 elements) and 600K (> 4 GiB) trace."""
-    B, I, D, MP = 2, 16, 128, 8
+def _eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it (pallas_call bodies excluded: those are the kernel)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_stacked_keys_are_read_in_place_at_a_traced_layer(dtype):
+    """With `layer=`, the kernel reads the stacked [L, P, page, dI] pool itself (e4m3 keys as uint32 words): no
+    layer's pages (or scales) are sliced out into a buffer of their own, and it picks the right layer (the
+    others are NaN) with the layer traced."""
+    seq_lens = [S, 130, 0, 64]
+    args, kw, _ = make_case(3, seq_lens, dtype)
+    L, layer = 3, 1
+    k, ks = args[2], kw["k_scale"]
+    poison = lambda x: jnp.full_like(x, jnp.nan)  # noqa: E731
+    stacked = jnp.stack([poison(k), k, poison(k)])
+    sk = None if ks is None else jnp.stack([poison(ks), ks, poison(ks)])
+
+    def run(q, w, pool, bt, sl, scale, i):
+        return indexer_topk_chunked(q, w, pool, bt, sl, topk=TOPK, k_scale=scale, layer=i, interpret=True,
+                                    max_chunk=CHUNK)
+
+    got = np.asarray(jax.jit(run)(*args[:2], stacked, *args[3:], sk, jnp.int32(layer)))
+    np.testing.assert_array_equal(got, np.asarray(indexer_topk_reference(*args, **kw)))
+    jaxpr = jax.make_jaxpr(run)(*args[:2], stacked, *args[3:], sk, jnp.int32(layer)).jaxpr
+    one_layer = {tuple(k.shape), (*k.shape[:2], k.shape[2] // 4)} | ({tuple(ks.shape)} if ks is not None else set())
+    sliced = [e for e in _eqns(jaxpr) for v in e.outvars if tuple(v.aval.shape) in one_layer]
+    assert not sliced, f"a layer of the pool is materialized: {sliced[0]}"
+    scores = [e for e in _eqns(jaxpr) if e.primitive.name == "pallas_call" and "indexer_scores" in str(e.params)]
+    assert len(scores) == 1
+    pools = [(tuple(v.aval.shape), v.aval.dtype) for v in scores[0].invars if tuple(v.aval.shape[:2]) == (L, P)]
+    want = ([((L, P, PAGE, D), k.dtype)] if dtype != "fp8"
+            else [((L, P, PAGE, D // 4), jnp.uint32), ((L, P, PAGE), ks.dtype)])
+    assert pools == want, pools
+
+
+@pytest.mark.parametrize("L,pages", [(1, 300_000), (21, 20_480)])
+def test_fp8_keys_of_2_to_4_gib_are_addressed_as_words(L, pages):
+    """An e4m3 key pool of 2-4 GiB has over 2^31 elements, and jax's Pallas-Triton lowering addresses operands of
+    at most 4 GiB with int32 element offsets (seen in the Triton IR: `tensor<...xi32>` offsets at 3 GiB, i64 at
+    5 GiB). The kernel reads such a pool as uint32 words, under 2^31 of them: the lowered call (for CUDA) takes
+    the words. Cases: 300K pages x 64 x 128 (2.3 GiB), and GLM-5's stacked index pool read in place at a traced
+    layer (21 indexer layers x 20480 pages: 3.3 GiB)."""
+    B, I, Dg, MPg = 2, 16, 128, 8
     sds = jax.ShapeDtypeStruct
-    args = (sds((B, I, D), jnp.bfloat16), sds((B, I), jnp.float32), sds((pages, 64, D), jnp.float8_e4m3fn),
-            sds((B, MP), jnp.int32), sds((B,), jnp.int32))
-    fn = lambda *a: indexer_topk(*a[:5], k_scale=a[5], topk=64, interpret=True)  # noqa: E731
-    args = args + (sds((pages, 64), jnp.float32),)
-    if refused:
-        with pytest.raises(ValueError, match=r"k_pages .* 32-bit offsets"):
-            jax.eval_shape(fn, *args)
-    else:
-        assert jax.eval_shape(fn, *args).shape == (B, 64)
+    stack = (L,) if L > 1 else ()
+    args = (sds((B, I, Dg), jnp.bfloat16), sds((B, I), jnp.float32), sds((*stack, pages, 64, Dg), jnp.float8_e4m3fn),
+            sds((B, MPg), jnp.int32), sds((B,), jnp.int32), sds((*stack, pages, 64), jnp.float32), sds((), jnp.int32))
+    assert L * pages * 64 * Dg > 2**31 and L * pages * 64 * Dg <= 2**32
+
+    def fn(*a):
+        return indexer_topk(*a[:5], k_scale=a[5], layer=a[6] if L > 1 else None, topk=64)
+
+    with gpu_lowering_target():
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    words = f"tensor<{L}x{pages}x64x{Dg // 4}xui32>"
+    assert words in text and L * pages * 64 * Dg // 4 < 2**31
+    assert f"{L}x{pages}x64x{Dg}xf8E4M3FN" not in text.split("__gpu$xla.gpu.triton")[1].split("\n")[0]

@@ -189,19 +189,18 @@ class TieredKV:
         spec, store, req = self.spec, kv["store"], kv["req"]
         seq = jnp.where(req >= 0, positions + 1, 0)
         table = store.index_table[jnp.maximum(req, 0)][:, :self.index_pages]
-        if kernel_backend(self.kernels) == "mosaic":  # the stacked pools read in place at the layer
+        backend = kernel_backend(self.kernels)
 
-            def select(*a):  # the layer is an argument: it may be traced, and the interpreted call is a callback
-                return indexer_topk(*a[:5], topk=spec.topk, k_scale=a[5], layer=a[6], backend="mosaic",
-                                    interpret=self._interpret)
-            args = (q_index, w, store.index_k, table, seq, store.index_scale if spec.fp8 else None,
-                    jnp.asarray(index_layer, jnp.int32))
-            out = jax.ShapeDtypeStruct((req.shape[0], spec.topk), jnp.int32)
-            topk = _outside_this_program(select, out, *args) if self._interpret else select(*args)
-        else:
-            topk = indexer_topk(q_index, w, store.index_k[index_layer], table, seq, topk=spec.topk,
-                                k_scale=store.index_scale[index_layer] if spec.fp8 else None,
+        def select(*a):  # the stacked pools read in place at the layer, an argument: it may be traced
+            return indexer_topk(*a[:5], topk=spec.topk, k_scale=a[5], layer=a[6], backend=backend,
                                 interpret=self._interpret)
+        args = (q_index, w, store.index_k, table, seq, store.index_scale if spec.fp8 else None,
+                jnp.asarray(index_layer, jnp.int32))
+        if backend == "mosaic" and self._interpret:  # the interpreted Mosaic call is a host callback
+            out = jax.ShapeDtypeStruct((req.shape[0], spec.topk), jnp.int32)
+            topk = _outside_this_program(select, out, *args)
+        else:
+            topk = select(*args)
         return ops.pad_topk(spec, topk[:, :min(spec.topk, table.shape[1] * 64)]), kv
 
     def attend(self, kv, ids, topk, q_lat, q_rope, tau):

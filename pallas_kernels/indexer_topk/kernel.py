@@ -13,7 +13,9 @@ Algorithm (`lax.top_k` / `sort` do not lower on the Pallas GPU backends, so sele
 
 1. `_score_kernel`, grid (B, Sp / (PPB * page)): a program loads q [Ip, dI] once and walks PPB pages of
    its block-table slice; per page one [Ip, dI] x [dI, page] dot, relu, the w-weighted head sum and, for
-   FP8 keys, the per-key scale. Each score becomes an int32 key whose signed order is the float order
+   FP8 keys, the per-key scale. It reads the store's stacked pool [L, P, page, dI] in place at the layer
+   (an operand); FP8 keys as uint32 words of four, decoded in registers and dotted as four partial dots, so
+   the 32-bit offsets jax's Triton lowering uses for operands up to 4 GiB never pass 2^31 (`_key_words`). Each score becomes an int32 key whose signed order is the float order
    (negative floats get their magnitude bits flipped; -0.0 counts as +0.0). Positions >= seq_len get
    INT32_MIN, the lowest key; pages wholly past seq_len are not read, so unused pages may hold anything.
 2. Radix select of the threshold T = the k_eff-th largest key, k_eff = min(K, Sp): 32 / RADIX_BITS rounds.
@@ -82,17 +84,48 @@ def _u32_to_key(u):
 
 
 # ----- 1. scores -> keys --------------------------------------------------------------------------
-def _score_kernel(seq_ref, q_ref, w_ref, bt_ref, k_ref, *rest, page, ppb, fp8, compute_dtype):
-    # seq_ref: [B] int32 (whole array)      q_ref: [Ip, dI]           w_ref: [Ip] f32
-    # bt_ref: [ppb] int32 block-table slice k_ref: [P, page, dI] pool  ks_ref: [P, page] f32 (fp8 only)
-    # out_ref: [ppb * page] int32 keys
+KEYS_PER_WORD = 4  # e4m3 keys are read as uint32 words of 4 (see `_key_words`)
+
+
+def _key_words(k_pages):
+    """The stacked e4m3 pool [L, P, page, dI] viewed as uint32 words [L, P, page, dI / 4] (a bitcast: XLA makes
+    no copy). jax's Pallas-Triton lowering addresses an operand of at most 4 GiB with int32 element offsets, so
+    a 1-byte pool of 2-4 GiB (GLM-5's stacked index pool: 21 layers x 20480 pages, 3.3 GiB) would overflow them;
+    as words it has at most 2^30 elements, and above 4 GiB the lowering uses int64 offsets."""
+    L, P, page, D = k_pages.shape
+    return lax.bitcast_convert_type(k_pages.reshape(L, P, page, D // KEYS_PER_WORD, KEYS_PER_WORD), jnp.uint32)
+
+
+def _e4m3_to_f32(b):
+    """uint32 holding one float8_e4m3fn bit pattern (0..255) -> its f32 value (finite patterns; the NaN
+    patterns come out as +-480, which only unread or masked rows hold)."""
+    sign = (b & 0x80) << 24
+    exp, man = (b >> 3) & 0xF, b & 0x7
+    normal = lax.bitcast_convert_type(sign | ((exp + (127 - 7)) << 23) | (man << 20), jnp.float32)
+    sub = man.astype(jnp.float32) * (2.0 ** -9)  # exponent field 0: man / 8 * 2^(1 - 7)
+    return jnp.where(exp == 0, jnp.where(sign != 0, -sub, sub), normal)
+
+
+def _qk(q, k):
+    """[Ip, d] x [page, d] -> f32 [Ip, page] (Triton dots need d >= 16; narrower ones are summed products)."""
+    if q.shape[-1] >= MIN_DOT:
+        return lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+    return jnp.sum(q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1)
+
+
+def _score_kernel(seq_ref, layer_ref, q_ref, w_ref, bt_ref, k_ref, *rest, page, ppb, fp8, compute_dtype):
+    # seq_ref: [B] int32 (whole array)      layer_ref: [1] int32 the layer read
+    # q_ref: [Ip, dI], or for e4m3 keys [4, Ip, dI / 4] (q_ref[m][:, j] = q[:, 4 j + m])      w_ref: [Ip] f32
+    # bt_ref: [ppb] int32 block-table slice
+    # k_ref: the stacked pool [L, P, page, dI], or for e4m3 keys its uint32 words [L, P, page, dI / 4]
+    # ks_ref: [L, P, page] f32 (e4m3 only)   out_ref: [ppb * page] int32 keys
     if fp8:
         ks_ref, out_ref = rest
     else:
         (out_ref,) = rest
     b, j = pl.program_id(0), pl.program_id(1)
-    seq_len = seq_ref[b]
-    q = q_ref[...].astype(compute_dtype)  # [Ip, dI]
+    seq_len, layer = seq_ref[b], layer_ref[0]
     w = w_ref[...]  # [Ip]
 
     def page_keys(i):
@@ -101,12 +134,16 @@ def _score_kernel(seq_ref, q_ref, w_ref, bt_ref, k_ref, *rest, page, ppb, fp8, c
 
         def compute():
             pg = jnp.maximum(bt_ref[i], 0)
-            k = k_ref[pg].astype(compute_dtype)  # [page, dI]
-            dots = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                                   preferred_element_type=jnp.float32)  # [Ip, page]
+            if fp8:  # byte m of word j is key element 4 j + m (little-endian): four partial dots
+                words = k_ref[layer, pg]  # [page, dI / 4] uint32
+                dots = sum(_qk(q_ref[m].astype(compute_dtype),
+                               _e4m3_to_f32((words >> (8 * m)) & 0xFF).astype(compute_dtype))
+                           for m in range(KEYS_PER_WORD))  # [Ip, page]
+            else:
+                dots = _qk(q_ref[...].astype(compute_dtype), k_ref[layer, pg].astype(compute_dtype))
             s = jnp.sum(jnp.maximum(dots, 0.0) * w[:, None], axis=0)  # [page]
             if fp8:
-                s = s * ks_ref[pg]
+                s = s * ks_ref[layer, pg]
             return jnp.where(pos < seq_len, float_to_key(s), INT_MIN)
 
         return lax.cond(start < seq_len, compute, lambda: jnp.full((page,), INT_MIN, jnp.int32))
@@ -118,22 +155,28 @@ def _score_kernel(seq_ref, q_ref, w_ref, bt_ref, k_ref, *rest, page, ppb, fp8, c
     lax.fori_loop(0, ppb, body, 0)
 
 
-def _scores_to_keys(seq, q, w, bt, k_pages, k_scale, *, ppb, compute_dtype, interpret):
+def _scores_to_keys(seq, layer, q, w, bt, k_pages, k_scale, *, ppb, compute_dtype, interpret):
+    """k_pages / k_scale: the stacked pools, read in place at `layer` (int32 [1])."""
     B, Ip, D = q.shape
-    page = k_pages.shape[1]
+    page = k_pages.shape[2]
     Sp = bt.shape[1] * page
     blk = ppb * page
     fp8 = k_scale is not None
+    if fp8:
+        k_pages = _key_words(k_pages)
+        q = q.reshape(B, Ip, D // KEYS_PER_WORD, KEYS_PER_WORD).transpose(0, 3, 1, 2)  # [B, 4, Ip, dI / 4]
+    check_triton_offsets("k_pages", k_pages)  # safe by construction (see `_key_words`); kept as the proof
     in_specs = [
         pl.BlockSpec(seq.shape, lambda b, j: (0,)),
-        pl.BlockSpec((None, Ip, D), lambda b, j: (b, 0, 0)),
+        pl.BlockSpec(layer.shape, lambda b, j: (0,)),
+        pl.BlockSpec((None, *q.shape[1:]), lambda b, j: (b,) + (0,) * (q.ndim - 1)),
         pl.BlockSpec((None, Ip), lambda b, j: (b, 0)),
         pl.BlockSpec((None, ppb), lambda b, j: (b, j)),
-        pl.BlockSpec(k_pages.shape, lambda b, j: (0, 0, 0)),
+        pl.BlockSpec(k_pages.shape, lambda b, j: (0, 0, 0, 0)),
     ]
-    args = [seq, q, w, bt, k_pages]
+    args = [seq, layer, q, w, bt, k_pages]
     if fp8:
-        in_specs.append(pl.BlockSpec(k_scale.shape, lambda b, j: (0, 0)))
+        in_specs.append(pl.BlockSpec(k_scale.shape, lambda b, j: (0, 0, 0)))
         args.append(k_scale)
     kernel = functools.partial(_score_kernel, page=page, ppb=ppb, fp8=fp8, compute_dtype=compute_dtype)
     return pl.pallas_call(
@@ -337,7 +380,7 @@ def indexer_topk(q, w, k_pages, block_table, seq_lens, *, topk: int, k_scale=Non
     (e4m3 keys are the rotated + quantized keys of `quantize_index_keys`, with k_scale f32[P, page]),
     block_table int32[B, MP] (-1 unused), seq_lens int32[B] (0 = idle row). With `layer` (an int32 scalar,
     traced or not) k_pages / k_scale are the store's stacked pools [L, P, page, dI] / [L, P, page] and layer
-    `layer` is read: in place by the Mosaic kernel, as a copied slice by the Triton one.
+    `layer` is read in place (no copy of the layer's pages) by either backend.
 
     backend "triton" (default): scores and an exact radix selection, all Pallas Triton; raises ValueError for
     shapes the kernels cannot handle (non-power-of-two dI, page or topk, topk > MAX_TOPK). With q in bf16 and
@@ -348,11 +391,7 @@ def indexer_topk(q, w, k_pages, block_table, seq_lens, *, topk: int, k_scale=Non
     if check_pallas_backend(backend) == "mosaic":
         return _indexer_topk_mosaic(q, w, k_pages, block_table, seq_lens, topk=topk, k_scale=k_scale, layer=layer,
                                     interpret=interpret)
-    if layer is not None:
-        _check_stacked(k_pages, k_scale)
-        k_pages, k_scale = k_pages[layer], None if k_scale is None else k_scale[layer]
-    check_triton_offsets("k_pages", k_pages)
-    return indexer_topk_chunked(q, w, k_pages, block_table, seq_lens, topk=topk, k_scale=k_scale,
+    return indexer_topk_chunked(q, w, k_pages, block_table, seq_lens, topk=topk, k_scale=k_scale, layer=layer,
                                 interpret=interpret, max_chunk=MAX_CHUNK)
 
 
@@ -404,14 +443,20 @@ def _indexer_topk_mosaic(q, w, k_pages, block_table, seq_lens, *, topk, k_scale,
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "interpret", "max_chunk"))
-def indexer_topk_chunked(q, w, k_pages, block_table, seq_lens, *, topk: int, k_scale=None, interpret=False,
-                         max_chunk: int = MAX_CHUNK):
-    """`indexer_topk` with the selection chunk (keys per selection program, a power of two >= page) as a
-    knob; tests use small chunks to exercise the cross-chunk offsets on small pools."""
-    _check(q, w, k_pages, block_table, seq_lens, topk, k_scale)
-    _check_triton(q, k_pages, topk, max_chunk)
+def indexer_topk_chunked(q, w, k_pages, block_table, seq_lens, *, topk: int, k_scale=None, layer=None,
+                         interpret=False, max_chunk: int = MAX_CHUNK):
+    """`indexer_topk` (Triton backend) with the selection chunk (keys per selection program, a power of two
+    >= page) as a knob; tests use small chunks to exercise the cross-chunk offsets on small pools."""
+    if layer is None:
+        k_pages, k_scale, layer = k_pages[None], None if k_scale is None else k_scale[None], 0
+    _check_stacked(k_pages, k_scale)
+    one_layer = jax.ShapeDtypeStruct(k_pages.shape[1:], k_pages.dtype)  # the checks need shapes only
+    one_scale = None if k_scale is None else jax.ShapeDtypeStruct(k_scale.shape[1:], k_scale.dtype)
+    _check(q, w, one_layer, block_table, seq_lens, topk, one_scale)
+    _check_triton(q, one_layer, topk, max_chunk)
+    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     B, I, D = q.shape
-    page = k_pages.shape[1]
+    page = k_pages.shape[2]
     MP = block_table.shape[1]
     fp8 = k_scale is not None
 
@@ -432,7 +477,7 @@ def indexer_topk_chunked(q, w, k_pages, block_table, seq_lens, *, topk: int, k_s
     bt = jnp.pad(block_table.astype(jnp.int32), ((0, 0), (0, Sp // page - MP)), constant_values=-1)
     seq = jnp.clip(seq_lens.astype(jnp.int32), 0, S)
 
-    keys = _scores_to_keys(seq, q, w, bt, k_pages, k_scale, ppb=ppb, compute_dtype=compute_dtype,
+    keys = _scores_to_keys(seq, layer, q, w, bt, k_pages, k_scale, ppb=ppb, compute_dtype=compute_dtype,
                            interpret=interpret)  # [B, Sp]
     k_eff = min(topk, Sp)
     thr = _threshold(keys, k_eff, chunk=chunk, interpret=interpret)  # [B]
