@@ -510,9 +510,10 @@ class Engine:
         one (`pd.export_prefill` writes it). Its prompt's rows are written from the export at admission instead
         of computed; everything else (budgets, sampling, policies) is as `add_request`. Refused like
         `add_request`, and with `CheckpointError` for a damaged or mismatched export."""
-        if not isinstance(export, PrefillExport):
+        if isinstance(export, PrefillExport):
+            check_export(export, self.model.cfg)
+        else:  # load_export applies the same check
             export = load_export(export, self.model.cfg)
-        check_export(export, self.model.cfg)
         r = self.add_request(request_id, list(export.tokens), params)
         r.imported = export
         return r

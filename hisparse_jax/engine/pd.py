@@ -14,9 +14,15 @@ The file is one safetensors file (read back by the project's strict reader; ever
                                the request's own `SamplingParams`, so tokens do not depend on where it ran)
 
 and `__metadata__["hisparse_jax.prefill"]`, a JSON object {"format", "version", "model": the exporting model's
-config}. Importing refuses (`CheckpointError`, naming the file and what is wrong) a damaged file, another format
-or version, tensors of the wrong shape, dtype or count, and an export made by a model whose config differs from
-the engine's (naming the differing fields).
+config}. The in-memory `PrefillExport` carries the same config (`PrefillExport.config`, filled by `export_prefill`
+and `load_export`).
+
+Importing refuses (`CheckpointError`, naming the file — or "prefill export" for an object — and what is wrong) a
+damaged file, another format or version, tensors of the wrong count; and, from a file or an object alike (one
+check, `check_export`): an export made by a model whose config differs from the engine's (naming the differing
+fields) or that carries no config, tensors of the wrong shape or dtype (tokens not int32, KV rows not one
+floating dtype — integer latents would be truncated silently —, last_logits not float32), token ids outside the
+vocabulary, and NaN / Inf in the KV rows or in `last_logits` (naming the tensor, the count and the first place).
 
 The decode engine admits an imported request like a whole-prompt prefill: under "hisparse" its pages land all
 resident when the device pool has room, otherwise its older pages go straight to the host tier (only the tail
@@ -53,6 +59,7 @@ class PrefillExport:
     rope: np.ndarray
     index_k: np.ndarray
     last_logits: np.ndarray
+    config: dict | None = None  # the exporting model's config (`export_config`), compared with the importer's
 
     @property
     def nbytes(self) -> int:
@@ -66,18 +73,89 @@ def _shapes(cfg: ModelConfig, T: int) -> dict[str, tuple[int, ...]]:
             "index_k": (cfg.num_indexer_layers, T, cfg.index_head_dim), "last_logits": (cfg.vocab_size,)}
 
 
-def _config_dict(cfg: ModelConfig) -> dict:
+def export_config(cfg: ModelConfig) -> dict:
+    """What `PrefillExport.config` holds: a model config as JSON reads it back."""
     return json.loads(json.dumps(dataclasses.asdict(cfg)))  # tuples as lists, as read back from JSON
 
 
-def check_export(export: PrefillExport, cfg: ModelConfig) -> None:
-    """Refuse (ValueError) an export whose tensors do not fit a model of config `cfg`."""
-    T = len(export.tokens)
-    got = {"tokens": (T,), "latent": export.latent.shape, "rope": export.rope.shape,
-           "index_k": export.index_k.shape, "last_logits": export.last_logits.shape}
-    bad = [f"{k} {tuple(got[k])} (expected {v})" for k, v in _shapes(cfg, T).items() if tuple(got[k]) != v]
+
+
+KV_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _nonfinite(a) -> tuple[int, tuple[int, ...]] | None:
+    """(count, index of the first) of the NaN / Inf values of a floating array, or None; a layer at a time."""
+    count, first = 0, None
+    for i in range(a.shape[0]) if a.ndim > 1 else [None]:
+        part = np.asarray(a if i is None else a[i])
+        bad = ~np.isfinite(part)
+        n = int(np.count_nonzero(bad))
+        if n and first is None:
+            at = tuple(int(x) for x in np.unravel_index(int(np.argmax(bad.reshape(-1))), part.shape))
+            first = at if i is None else (i, *at)
+        count += n
+    return (count, first) if count else None
+
+
+def _check_export(where: str, tokens, arrays: dict, config, cfg: ModelConfig) -> tuple[int, ...]:
+    """The one check of an export (from a file or an object) against a model of config `cfg`: its token ids, or
+    `CheckpointError('{where}: ...')`. `tokens` is a sequence of ids or an int32 array; `arrays` holds latent, rope,
+    index_k and last_logits; `config` the exporting model's config (a `export_config` or a `ModelConfig`)."""
+    ours = export_config(cfg)
+    theirs = export_config(config) if isinstance(config, ModelConfig) else config
+    if theirs is None:
+        raise CheckpointError(f"{where}: carries no model config, so it cannot be told to fit this model; make it "
+                              "with export_prefill or load_export (or set config=pd.export_config(cfg) of the "
+                              "model that computed it)")
+    if theirs != ours:
+        diff = sorted(k for k in set(ours) | set(theirs if isinstance(theirs, dict) else {})
+                      if not isinstance(theirs, dict) or theirs.get(k) != ours.get(k))
+        raise CheckpointError(f"{where}: exported by a model with a different config (differing: "
+                              f"{', '.join(diff[:8])}{' ...' if len(diff) > 8 else ''}); import it into an engine "
+                              "running the model that exported it")
+    array_tokens = hasattr(tokens, "dtype") and hasattr(tokens, "shape")
+    if array_tokens:
+        T = tokens.shape[0] if len(tokens.shape) == 1 else -1
+        got = {"tokens": tuple(tokens.shape)}
+    else:
+        T = len(tokens) if isinstance(tokens, (list, tuple)) else -1
+        got = {"tokens": (T,)}
+    for name in ("latent", "rope", "index_k", "last_logits"):
+        a = arrays[name]
+        if not (hasattr(a, "dtype") and hasattr(a, "shape")):
+            raise CheckpointError(f"{where}: {name} is a {type(a).__name__}, not an array")
+        got[name] = tuple(a.shape)
+    bad = [f"tensor {k!r} has shape {got[k]}, expected {v}" for k, v in _shapes(cfg, T).items() if got[k] != v]
     if T < 1 or bad:
-        raise ValueError(f"prefill export does not fit this model: {'; '.join(bad) or 'no tokens'}")
+        raise CheckpointError(f"{where}: does not fit this model: {'; '.join(bad) or 'no tokens'}")
+    logits_dtype = np.dtype(arrays["last_logits"].dtype)
+    if (array_tokens and np.dtype(tokens.dtype) != np.int32) or logits_dtype != np.float32:
+        raise CheckpointError(f"{where}: tokens must be int32 and last_logits float32 (got "
+                              f"{np.dtype(tokens.dtype) if array_tokens else 'a sequence'}, {logits_dtype})")
+    kinds = {np.dtype(arrays[n].dtype) for n in ("latent", "rope", "index_k")}
+    if len(kinds) != 1 or not all(k.name in KV_DTYPES for k in kinds):
+        raise CheckpointError(f"{where}: KV tensors must share one floating dtype ({', '.join(KV_DTYPES)}), got "
+                              f"{sorted(map(str, kinds))}")
+    try:
+        ids = check_prompt(f"{where}: tokens", tokens.tolist() if array_tokens else tokens, cfg.vocab_size)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    for name in ("latent", "rope", "index_k", "last_logits"):
+        found = _nonfinite(arrays[name])
+        if found:
+            n, at = found
+            raise CheckpointError(f"{where}: tensor {name!r} holds {n} non-finite value(s) (NaN/Inf), the first at "
+                                  f"index {list(at)}; the export is corrupt (or its prefill overflowed)")
+    return tuple(ids)
+
+
+def check_export(export: PrefillExport, cfg: ModelConfig) -> None:
+    """Refuse (`CheckpointError`, a ValueError) an export object that does not fit a model of config `cfg`: the
+    check `load_export` applies to a file (see the module docstring)."""
+    if not isinstance(export, PrefillExport):
+        raise CheckpointError(f"prefill export: expected a PrefillExport, got {type(export).__name__}")
+    _check_export("prefill export", export.tokens, {n: getattr(export, n) for n in _shapes(cfg, 0) if n != "tokens"},
+                  export.config, cfg)
 
 
 def export_prefill(model, tokens, path: str | os.PathLike | None = None) -> PrefillExport:
@@ -89,20 +167,26 @@ def export_prefill(model, tokens, path: str | os.PathLike | None = None) -> Pref
     last, latent, rope, index_k = prefill_rows(model, tokens)
     T = len(tokens)
     export = PrefillExport(tuple(int(t) for t in tokens), np.asarray(latent)[:, :T], np.asarray(rope)[:, :T],
-                           np.asarray(index_k)[:, :T], np.asarray(last, np.float32))
+                           np.asarray(index_k)[:, :T], np.asarray(last, np.float32), export_config(model.cfg))
     if path is not None:
         save_export(export, model.cfg, path)
     return export
 
 
 def save_export(export: PrefillExport, cfg: ModelConfig, path: str | os.PathLike) -> None:
-    """Write `export` (made by a model of config `cfg`) as one safetensors file at `path`."""
+    """Write `export` (made by a model of config `cfg`) as one safetensors file at `path`. An export carrying
+    another model's config is refused (ValueError): the file would claim the wrong model."""
     from safetensors.numpy import save_file
+
+    theirs = export_config(export.config) if isinstance(export.config, ModelConfig) else export.config
+    if theirs is not None and theirs != export_config(cfg):
+        raise ValueError("save_export: the export carries the config of another model than `cfg`; save it with the "
+                         "config of the model that computed it")
 
     tensors = {"tokens": np.asarray(export.tokens, np.int32), "latent": np.ascontiguousarray(export.latent),
                "rope": np.ascontiguousarray(export.rope), "index_k": np.ascontiguousarray(export.index_k),
                "last_logits": np.ascontiguousarray(export.last_logits, np.float32)}
-    meta = {META_KEY: json.dumps({"format": FORMAT, "version": VERSION, "model": _config_dict(cfg)}),
+    meta = {META_KEY: json.dumps({"format": FORMAT, "version": VERSION, "model": export_config(cfg)}),
             CHECKSUM_KEY: json.dumps({n: digest(t) for n, t in tensors.items()})}
     save_file(tensors, os.fspath(path), metadata=meta)
 
@@ -124,29 +208,9 @@ def load_export(path: str | os.PathLike, cfg: ModelConfig) -> PrefillExport:
                               f"expected {FORMAT!r}")
     if info.get("version") != VERSION:
         raise CheckpointError(f"{path}: export format version {info.get('version')!r}; this version reads {VERSION}")
-    theirs, ours = info.get("model"), _config_dict(cfg)
-    if theirs != ours:
-        diff = sorted(k for k in set(ours) | set(theirs if isinstance(theirs, dict) else {})
-                      if not isinstance(theirs, dict) or theirs.get(k) != ours.get(k))
-        raise CheckpointError(f"{path}: exported by a model with a different config (differing: "
-                              f"{', '.join(diff[:8])}{' ...' if len(diff) > 8 else ''}); import it into an engine "
-                              "running the model that exported it")
     if set(tensors) != set(_shapes(cfg, 0)):
         raise CheckpointError(f"{path}: tensors {sorted(tensors)}, expected {sorted(_shapes(cfg, 0))}")
-    T = tensors["tokens"].shape[0] if tensors["tokens"].ndim == 1 else -1
-    want = _shapes(cfg, T)
-    for name, shape in want.items():
-        if T < 1 or tensors[name].shape != shape:
-            raise CheckpointError(f"{path}: tensor {name!r} has shape {tensors[name].shape}, expected {shape}")
-    if tensors["tokens"].dtype != np.int32 or tensors["last_logits"].dtype != np.float32:
-        raise CheckpointError(f"{path}: tokens must be int32 and last_logits float32 (got "
-                              f"{tensors['tokens'].dtype}, {tensors['last_logits'].dtype})")
-    kinds = {tensors[n].dtype for n in ("latent", "rope", "index_k")}
-    if len(kinds) != 1 or not all(k.name in ("float32", "bfloat16", "float16") for k in kinds):
-        raise CheckpointError(f"{path}: KV tensors must share one floating dtype, got {sorted(map(str, kinds))}")
-    try:
-        tokens = check_prompt(f"{path}: tokens", tensors["tokens"].tolist(), cfg.vocab_size)
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
-    return PrefillExport(tuple(tokens), np.asarray(tensors["latent"]), np.asarray(tensors["rope"]),
-                         np.asarray(tensors["index_k"]), np.asarray(tensors["last_logits"]))
+    config = info.get("model")
+    tokens = _check_export(path, tensors["tokens"], tensors, config, cfg)  # the check objects get too
+    return PrefillExport(tokens, np.asarray(tensors["latent"]), np.asarray(tensors["rope"]),
+                         np.asarray(tensors["index_k"]), np.asarray(tensors["last_logits"]), config)

@@ -18,6 +18,11 @@ for a model that has MTP layers.
 FP8: a `*.weight` stored as float8_e4m3fn with a sibling `*.weight_scale_inv` float32
 [ceil(out/128), ceil(in/128)] is dequantized as weight * scale, block by block.
 
+Values, not only bytes: every tensor read into a parameter must have a floating dtype (an `I32` or `BOOL` tensor
+where the model expects a float weight would otherwise load its bytes reinterpreted), and an FP8 weight's
+`*_scale_inv` must be floating and finite (a NaN or Inf block scale would load NaN / Inf weights). Scales are
+small, so checking them is cheap; weights are not scanned for finiteness.
+
 safetensors 0.8's numpy/flax loaders cannot materialize float8 tensors (NumPy has no float8 type),
 so files are read by memory-mapping them after their JSON header and viewing the bytes with the
 `ml_dtypes` types jax ships; writing uses `safetensors.numpy.save_file`.
@@ -131,8 +136,10 @@ def load_pretrained(path: str | os.PathLike, dtype=None, *, mtp: bool = False, *
     dtype: parameter dtype (default: the checkpoint's `dtype`/`torch_dtype`, else bfloat16). The router
     and the indexer's `weights_proj` stay float32 as in transformers. mtp: also build and read the checkpoint's
     `num_nextn_predict_layers` MTP layers (`model.layers.{L + i}.*`; ignored otherwise). Raises `CheckpointError`
-    listing every missing or mis-shaped tensor (and an MTP layer's `embed_tokens` copy that differs from the main
-    embedding).
+    listing every missing or mis-shaped tensor, every tensor stored with a non-floating dtype where the model
+    expects a floating weight (and FP8 block scales that are not floating), every FP8 block scale holding NaN or
+    Inf (with the number of such blocks), and an MTP layer's `embed_tokens` copy that differs from the main
+    embedding.
     """
     path = os.fspath(path)
     cfg = ModelConfig.from_hf_config(path)
@@ -145,13 +152,20 @@ def load_pretrained(path: str | os.PathLike, dtype=None, *, mtp: bool = False, *
     model = nnx.eval_shape(lambda: SparseMLAModel(cfg, rngs=nnx.Rngs(0), mtp=mtp, **model_kwargs))
     L = cfg.num_hidden_layers
     used, missing, misshaped, differing = set(), [], [], []
+    mistyped, nonfinite = [], []  # bytes that read fine but mean nothing as a weight / as a block scale
 
-    def fetch(name: str) -> np.ndarray | None:
+    def fetch(name: str, expect=None) -> np.ndarray | None:
+        """The tensor `name` as a floating array for a parameter of dtype `expect` (FP8 dequantized), or None
+        after recording why it cannot be used."""
         if name not in tensors:
             missing.append(name)
             return None
         used.add(name)
         w = tensors[name]
+        if not jnp.issubdtype(w.dtype, jnp.floating):  # e.g. an F32 weight's bytes declared as I32
+            mistyped.append(f"{name}: stored as {np.dtype(w.dtype).name}, but the model expects a floating "
+                            f"weight ({np.dtype(expect).name if expect is not None else 'float'})")
+            return None
         if w.dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2):
             sname = name + "_scale_inv"
             if sname not in tensors:
@@ -164,6 +178,15 @@ def load_pretrained(path: str | os.PathLike, dtype=None, *, mtp: bool = False, *
                 misshaped.append(f"{sname}: expected {want} block scales for weight {tuple(w.shape)}, "
                                  f"got {tuple(scale.shape)}")
                 return None
+            if not jnp.issubdtype(scale.dtype, jnp.floating):
+                mistyped.append(f"{sname}: FP8 block scale stored as {np.dtype(scale.dtype).name}, expected a "
+                                "floating dtype (float32)")
+                return None
+            bad = int(np.count_nonzero(~np.isfinite(np.asarray(scale, np.float32))))  # scales are small
+            if bad:
+                nonfinite.append(f"{sname}: {bad} of {scale.size} FP8 block scale(s) are not finite (NaN/Inf), "
+                                 f"which would make weight {name} NaN/Inf")
+                return None
             return dequantize_fp8(w, scale)
         return np.asarray(w)
 
@@ -171,11 +194,12 @@ def load_pretrained(path: str | os.PathLike, dtype=None, *, mtp: bool = False, *
     for path_, model_path, j, var in layer_param_paths(model):
         keys = checkpoint_keys(path_, L)
         want = var.get_value().shape if j is None else var.get_value().shape[1:]
+        pdtype = var.get_value().dtype
         if keys[-2:-1] == ["experts"] and keys[-1] in ("gate", "up", "down"):
-            value = _load_experts(keys, tensors, fetch, used, want)
+            value = _load_experts(keys, tensors, lambda n, d=pdtype: fetch(n, d), used, want)
         else:
             [(name, transpose, _, _)] = hf_names(path_, L)
-            value = fetch(name)
+            value = fetch(name, pdtype)
             if value is not None and transpose:
                 value = value.T
         if value is None:
@@ -188,20 +212,31 @@ def load_pretrained(path: str | os.PathLike, dtype=None, *, mtp: bool = False, *
     for i in range(_num_mtp(model)):  # the MTP layers' embedding copies, when stored, must be the main embedding
         name = f"model.layers.{L + i}.embed_tokens.weight"
         if name in tensors and main_embed in tensors:
-            copy = fetch(name)
-            if copy is not None and not _same_values(copy, fetch(main_embed)):
+            edtype = model.embed_tokens.get_value().dtype
+            copy = fetch(name, edtype)
+            main = fetch(main_embed, edtype) if copy is not None else None  # None: unusable, already reported
+            if copy is not None and main is not None and not _same_values(copy, main):
                 differing.append(f"{name} differs from {main_embed} (an MTP layer's embedding must be a copy of "
                                  "the main one, which the model uses)")
-    if missing or misshaped or differing:
+    if missing or misshaped or differing or mistyped or nonfinite:
+        mistyped = list(dict.fromkeys(mistyped))  # the main embedding is fetched twice when MTP copies it
         lines = []
         if missing:
             lines.append(f"{len(missing)} missing tensor(s): " + ", ".join(missing[:20])
                          + (" ..." if len(missing) > 20 else ""))
         if misshaped:
             lines.append(f"{len(misshaped)} mis-shaped tensor(s): " + "; ".join(misshaped[:20]))
+        if mistyped:
+            lines.append(f"{len(mistyped)} tensor(s) with a non-floating dtype: " + "; ".join(mistyped[:20])
+                         + (" ..." if len(mistyped) > 20 else ""))
+        if nonfinite:
+            lines.append(f"{len(nonfinite)} non-finite FP8 scale tensor(s): " + "; ".join(nonfinite[:20])
+                         + (" ..." if len(nonfinite) > 20 else ""))
         if differing:
             lines.append("; ".join(differing))
-        raise CheckpointError(f"checkpoint {path} does not match its config: " + " | ".join(lines))
+        what = ("does not match its config" if missing or misshaped or differing or mistyped
+                else "holds unusable values")
+        raise CheckpointError(f"checkpoint {path} {what}: " + " | ".join(lines))
     state = nnx.state(model)
     flat = dict(nnx.to_flat_state(state))
     for p, parts in values.items():
