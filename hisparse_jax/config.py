@@ -25,6 +25,39 @@ from hisparse_jax.validation import check_float, check_int, check_optional_float
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
+# This package's upper bounds on the counts a model multiplies into per-layer and per-expert structures (the
+# layer-type tuples, one parameter set per layer, stacked expert weights), checked before anything of that size is
+# built: a config.json with num_hidden_layers=10**9 is refused naming the field, not turned into 10**9-entry
+# tuples. Far above the architectures reproduced here (DeepSeek-V3.2: 61 layers, 128 heads, 256 routed experts,
+# 1 MTP layer; GLM-5: 78 layers, 64 heads, 256 experts). Sizes (hidden_size, vocab_size, ...) have no such bound:
+# `SparseMLAModel` compares the parameter bytes they give (`ModelConfig.parameter_bytes`) with the memory of the
+# device before it allocates them.
+MAX_EXPERTS = 8192
+SIZE_LIMITS: dict[str, int] = {
+    "num_hidden_layers": 1024, "num_nextn_predict_layers": 16, "num_attention_heads": 1024, "index_n_heads": 1024,
+    "n_routed_experts": MAX_EXPERTS, "n_shared_experts": MAX_EXPERTS, "num_experts_per_tok": MAX_EXPERTS,
+    "n_group": MAX_EXPERTS, "topk_group": MAX_EXPERTS,
+}
+
+
+def check_count(name: str, value: Any, *, lo: int) -> int:
+    """`check_int` with this package's upper bound `SIZE_LIMITS[name]` (the message names the field, value and
+    bound)."""
+    v = check_int(name, value, lo=lo)
+    hi = SIZE_LIMITS[name]
+    if v > hi:
+        raise ValueError(f"{name} must be <= {hi} (this package's limit, hisparse_jax.config.SIZE_LIMITS), got {v}")
+    return v
+
+
+def _short(items: tuple) -> str:
+    """A layer-type tuple for a message: in full when short, else its length and first entries."""
+    return repr(items) if len(items) <= 16 else f"{len(items)} entries {items[:4]!r}..."
+
+
+# bytes per value of the model dtypes (`ModelConfig.dtype`)
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
@@ -130,10 +163,10 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                      "index_n_heads", "index_head_dim", "index_topk", "max_position_embeddings"):
-            put(name, check_int, lo=1)
+            put(name, check_count if name in SIZE_LIMITS else check_int, lo=1)
         for name in ("moe_intermediate_size", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
                      "n_group", "topk_group", "num_nextn_predict_layers"):
-            put(name, check_int, lo=0)
+            put(name, check_count if name in SIZE_LIMITS else check_int, lo=0)
         put("rms_norm_eps", check_float, lo=0, lo_open=True)  # eps <= 0 divides by zero on a zero row
         put("routed_scaling_factor", check_float, lo=0, lo_open=True)
         put("eos_token_id", check_token_list)
@@ -154,9 +187,10 @@ class ModelConfig:
         object.__setattr__(self, "mlp_layer_types", tuple(self.mlp_layer_types))
         object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
         if len(self.mlp_layer_types) != L or set(self.mlp_layer_types) - {"dense", "sparse"}:
-            problems.append(f"mlp_layer_types must be {L} entries of 'dense'/'sparse', got {self.mlp_layer_types}")
+            problems.append(f"mlp_layer_types must be {L} entries of 'dense'/'sparse', got "
+                            f"{_short(self.mlp_layer_types)}")
         if len(self.indexer_types) != L or set(self.indexer_types) - {"full", "shared"}:
-            problems.append(f"indexer_types must be {L} entries of 'full'/'shared', got {self.indexer_types}")
+            problems.append(f"indexer_types must be {L} entries of 'full'/'shared', got {_short(self.indexer_types)}")
         elif self.indexer_types[0] != "full":
             problems.append("the first layer must have a 'full' indexer (shared layers reuse a previous full layer)")
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.index_head_dim:
@@ -222,6 +256,47 @@ class ModelConfig:
             slots.append(cur)
         return tuple(slots)
 
+    # the config fields behind each part of `parameter_bytes` (what a refusal names)
+    PARAMETER_FIELDS = {
+        "embeddings": ("vocab_size", "hidden_size"), "LM head": ("vocab_size", "hidden_size"),
+        "attention": ("num_attention_heads", "hidden_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                      "v_head_dim"),
+        "indexers": ("index_n_heads", "index_head_dim", "q_lora_rank", "hidden_size"),
+        "dense MLPs": ("intermediate_size", "hidden_size"),
+        "routed experts": ("n_routed_experts", "moe_intermediate_size", "hidden_size"),
+        "shared experts": ("n_shared_experts", "moe_intermediate_size", "hidden_size"),
+        "norms": ("hidden_size",), "MTP heads": ("num_nextn_predict_layers", "vocab_size", "hidden_size"),
+    }
+
+    def parameter_bytes(self, *, mtp: bool = False, itemsize: int | None = None) -> dict[str, int]:
+        """Bytes of the parameters `SparseMLAModel(self, mtp=mtp)` holds, by part (keys of `PARAMETER_FIELDS`;
+        the layer parts count the MTP layers' blocks too). `itemsize`: bytes per value of the model's dtype
+        (default: this config's `dtype`); the MoE routers and the indexers' head weights are float32 whatever it
+        is. Pure arithmetic: nothing is built, so it sizes any config (GLM-5: about 1.5 TB in bf16)."""
+        w = _ITEMSIZE[self.dtype] if itemsize is None else itemsize
+        D, V, Q, H = self.hidden_size, self.vocab_size, self.q_lora_rank, self.num_attention_heads
+        C, R, N, Vd = self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim
+        I, dI, E, Fm = self.index_n_heads, self.index_head_dim, self.n_routed_experts, self.moe_intermediate_size
+        n_mtp = self.num_nextn_predict_layers if mtp else 0
+        # an MTP layer's block has its own indexer and the MoE when the model has MoE layers (`model.mtp`)
+        kinds = (list(zip(self.indexer_types, self.mlp_layer_types))
+                 + [("full", "sparse" if "sparse" in self.mlp_layer_types else "dense")] * n_mtp)
+        layers = len(kinds)
+        full = sum(t == "full" for t, _ in kinds)
+        sparse = sum(m == "sparse" for _, m in kinds)
+        attention = D * Q + Q + Q * H * (N + R) + D * (C + R) + C + C * H * (N + Vd) + H * Vd * D
+        return {
+            "embeddings": V * D * w,
+            "LM head": 0 if self.tie_word_embeddings else D * V * w,
+            "attention": layers * attention * w,
+            "indexers": full * ((Q * I * dI + D * dI + 2 * dI) * w + D * I * 4),
+            "dense MLPs": (layers - sparse) * 3 * D * self.intermediate_size * w,
+            "routed experts": sparse * (3 * E * D * Fm * w + (D * E + E) * 4),
+            "shared experts": sparse * 3 * D * Fm * self.n_shared_experts * w,
+            "norms": (2 * layers + 1) * D * w,
+            "MTP heads": n_mtp * (3 * D + 2 * D * D + D * V) * w,  # 3 norms, eh_proj, shared_head
+        }
+
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
 
@@ -253,7 +328,7 @@ class ModelConfig:
         absent = [k for k in required if k not in d]
         if absent:
             raise ValueError(f"config.json lacks required field(s): {', '.join(absent)}")
-        L = check_int("num_hidden_layers", d["num_hidden_layers"], lo=1)
+        L = check_count("num_hidden_layers", d["num_hidden_layers"], lo=1)  # bounded before the per-layer lists
         mlp_types = d.get("mlp_layer_types")
         if not mlp_types:
             n_dense = min(check_int("first_k_dense_replace", d.get("first_k_dense_replace", 3), lo=0), L)
@@ -442,7 +517,8 @@ class CacheConfig:
     device_pages: device KV pool (latent + rope of every layer); hot buffers are lent from it.
     host_pages: pinned-host KV pool (the offloaded tier; every token is mirrored here when `mirror_to_host`).
     index_pages: device indexer-key pool (keys never leave the device); default: device + host pages.
-    hot_rows: hot-buffer rows per request and indexer group; default 2 * index_topk (must be >= index_topk).
+    hot_rows: hot-buffer rows per request and indexer group; default 2 * index_topk (must be >= index_topk, and
+      at most the device pool's rows, device_pages x 64: the buffer is lent from it).
     max_seqs: request slots in the store; max_seq_len: longest sequence a slot can hold.
     fetch: host -> device mechanism for misses: "row" (host-side gather of the missing rows into a staging
       buffer, one H2D copy per chunk of `fetch_chunk` rows) or "page" (whole-page H2D slices, each needed
@@ -497,6 +573,11 @@ class CacheConfig:
                 put(name, check_int, lo=1)
         if not isinstance(self.mirror_to_host, bool):
             problems.append(f"mirror_to_host must be a bool, got {self.mirror_to_host!r}")
+        if not problems and self.hot_rows is not None and self.hot_rows > self.device_pages * PAGE_SIZE:
+            # a hot buffer is lent from the device pool: it cannot hold more rows than the pool's pages
+            problems.append(f"hot_rows must be <= {self.device_pages * PAGE_SIZE} (the rows of device_pages="
+                            f"{self.device_pages} pages of {PAGE_SIZE}, which the hot buffer is lent from), got "
+                            f"{self.hot_rows}")
         if not problems and self.capacity is not None:
             problems += self._capacity_problems()
         if problems:

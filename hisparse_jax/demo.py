@@ -37,9 +37,10 @@ from hisparse_jax.engine.speculative import lookahead
 from hisparse_jax import parallel
 from hisparse_jax.engine import Engine, EngineConfig, MeshEngine, SamplingParams, device_budget
 from hisparse_jax.engine.scheduler import POLICIES, pages
+from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.tiered import KERNELS, check_kernels
 from hisparse_jax.engine.runner import TRACE_COUNTS as _STEP_TRACES
-from hisparse_jax.model.decoder import SparseMLAModel
+from hisparse_jax.model.decoder import SparseMLAModel, device_memory_bytes, host_memory_bytes
 from hisparse_jax import checkpoints
 from hisparse_jax.train import data as text_data
 
@@ -84,8 +85,9 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
                    help="MTP speculative decoding: verify K draft tokens per request and step, drafted by the "
                         "model's MTP layer (default 0: none); outputs stay identical; acceptance rate and tokens per "
                         "step are reported per policy (needs --prefill whole)")
-    p.add_argument("--devices", type=positive_int, default=1, metavar="N",
-                   help="attention data parallelism over N devices (default 1): each device serves its own "
+    p.add_argument("--devices", type=int_at_least(1, high=MAX_DEVICES), default=1, metavar="N",
+                   help="attention data parallelism over N devices (default 1, at most "
+                        f"{MAX_DEVICES}): each device serves its own "
                         "requests under the same per-device budgets (a MeshEngine); on a CPU the command asks jax for "
                         "N host devices (XLA_FLAGS=--xla_force_host_platform_device_count=N) when jax has not started")
     p.add_argument("--seed", type=nonnegative_int, default=0)
@@ -96,6 +98,9 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
 
 
 WORKLOADS = ("text", "random")
+# The most devices the demo serves on: XLA makes that many host devices on request (thousands take seconds and
+# memory to create, and 100000 crash XLA), far more than the engines a demo needs.
+MAX_DEVICES = 256
 # The default longest prompt, in top-k's: the hot buffer (2 x top-k) and the tail pages are then about a tenth of
 # a request, as 4096 hot rows are of the published ~80K-token requests (the real ratio is smaller still).
 PROMPT_TOPKS = 32
@@ -162,6 +167,68 @@ def run(args: argparse.Namespace | None = None, /, **options) -> dict:
     return _run(args)
 
 
+def _check_sizes(args: argparse.Namespace, cfg: ModelConfig, kind: str, longest: int) -> None:
+    """DemoSetupError, before anything is allocated, for a workload past the model's positions, the workload's
+    text, or the memory its stores would take: the prompt (`longest` tokens) and the new tokens (plus the
+    speculative lookahead) within the model's max_position_embeddings; text prompts within the held-out text, one
+    distinct start each; the host pools (every request's pages, on each device) and the device budgets within the
+    machine's memory."""
+    n_dev, new, extra = args.devices, args.new_tokens, lookahead(args.speculative_tokens)
+    positions = cfg.max_position_embeddings
+    prompt_opt = f"--prompt-len {longest}" if args.prompt_len else f"the default prompt length ({longest} tokens)"
+    if longest + 1 + extra > positions:
+        raise DemoSetupError(f"{prompt_opt} must be <= {positions - 1 - extra}: a prompt and one new token"
+                             f"{' (and the speculative lookahead)' if extra else ''} must fit the model's "
+                             f"max_position_embeddings ({positions})")
+    if longest + new + extra > positions:
+        raise DemoSetupError(f"--new-tokens {new} must be <= {positions - longest - extra}: the longest prompt "
+                             f"({longest} tokens) and its new tokens must fit the model's max_position_embeddings "
+                             f"({positions})")
+    text = text_data.load_corpus()[1].size if kind == "text" else None
+    if text is not None and longest > text:
+        raise DemoSetupError(f"{prompt_opt} must be <= {text}: the held-out text has {text} tokens")
+    _check_memory(args, cfg, longest)
+    room = None if text is None else text - longest + 1  # distinct prompt starts (`text_data.document_prompts`)
+    if room is not None and args.requests * n_dev > room:
+        raise DemoSetupError(f"--requests {args.requests} must be <= {room // n_dev}: the held-out text ({text} "
+                             f"tokens) holds {room} distinct prompts of {longest} tokens"
+                             + (f" ({n_dev} devices x --requests are asked for)" if n_dev > 1 else ""))
+
+
+def _check_memory(args: argparse.Namespace, cfg: ModelConfig, longest: int) -> None:
+    """DemoSetupError when the stores' host pools (every request's pages, on each device) and device budgets do not
+    fit the machine's memory (`_check_sizes`)."""
+    n_dev, extra = args.devices, lookahead(args.speculative_tokens)
+    max_len = longest + args.new_tokens + extra
+    base, device_bytes = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype,
+                                 args.miss_attention, args.speculative_tokens)
+    spec = StoreSpec.create(cfg, base.replace(device_pages=1, index_pages=1))
+    request_bytes = pages(max_len) * spec.page_bytes * spec.num_layers  # one request's host pages
+    host, device = n_dev * args.requests * request_bytes, n_dev * device_bytes  # all devices together
+    dev = jax.devices()[0]
+    per = f" on each of {n_dev} devices" if n_dev > 1 else ""
+    if dev.platform != "cpu":  # the device budget in the device's memory, the host pools in RAM
+        dev_mem = device_memory_bytes(dev)
+        if dev_mem is not None and device_bytes > dev_mem:
+            raise DemoSetupError(f"--device-requests {args.device_requests:g} must be <= "
+                                 f"{args.device_requests * dev_mem / device_bytes:.4g}: its budget ({device_bytes:,} "
+                                 f"bytes{per}) exceeds the {dev_mem:,} bytes of {dev.device_kind}")
+        device = 0
+    ram = host_memory_bytes()  # on a CPU the device pools are RAM too
+    if ram is None or host + device <= ram:
+        return
+    what = f"{args.requests} requests{per} of up to {max_len} tokens"
+    if device > host:
+        bound = args.device_requests * max(ram - host, 0) / device
+        raise DemoSetupError(f"--device-requests {args.device_requests:g} must be <= {bound:.4g} on this machine: "
+                             f"with the host pools of {what} the device budget{per} ({device_bytes:,} bytes) "
+                             f"needs {host + device:,} bytes in all, more than its {ram:,} bytes of RAM")
+    bound = max(ram - device, 0) // (n_dev * request_bytes)
+    raise DemoSetupError(f"--requests {args.requests} must be <= {bound} on this machine: the host pools of {what} "
+                         f"({request_bytes:,} bytes per request) need {host + device:,} bytes with the device "
+                         f"budget{'s' if n_dev > 1 else ''}, more than its {ram:,} bytes of RAM")
+
+
 def _run(args: argparse.Namespace, on_setup=None) -> dict:
     """`run` on checked arguments; `on_setup(setup)` is called once every policy's budgets are known, before any
     policy runs, with the workload and budgets (`setup`: the keys of the result that describe them)."""
@@ -186,8 +253,9 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
                              f"({jax.default_backend()}); on a CPU start the process with "
                              f"XLA_FLAGS=--xla_force_host_platform_device_count={n_dev} (the hisparse command sets it "
                              "when jax has not started yet)")
-    mesh = parallel.data_mesh(n_dev) if n_dev > 1 else None
     longest = args.prompt_len or PROMPT_TOPKS * cfg.index_topk
+    _check_sizes(args, cfg, kind, longest)  # before the model, the prompts or the stores are made
+    mesh = parallel.data_mesh(n_dev) if n_dev > 1 else None
     if args.preset:
         model = SparseMLAModel(cfg, rngs=nnx.Rngs(args.seed), mtp=bool(k))
     else:

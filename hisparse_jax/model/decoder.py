@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,60 @@ def layer_runs(cfg: ModelConfig) -> tuple[LayerRun, ...]:
     return tuple(runs)
 
 
+def host_memory_bytes() -> int | None:
+    """This machine's physical RAM in bytes (None where the OS does not say)."""
+    try:
+        n = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return n if n > 0 else None
+
+
+def device_memory_bytes(device) -> int | None:
+    """The memory arrays made on `device` can use: the machine's physical RAM for a CPU device, else the device's
+    `memory_stats()['bytes_limit']` (None when the backend does not report it: no check is possible)."""
+    if device.platform == "cpu":
+        return host_memory_bytes()
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # a backend without memory statistics
+        return None
+    limit = stats.get("bytes_limit")
+    return int(limit) if limit else None
+
+
+def _memory_name(device) -> str:
+    if device.platform == "cpu":
+        return "this machine's physical RAM (the CPU device's memory)"
+    return f"the memory of {device.device_kind} {device.id} (memory_stats bytes_limit)"
+
+
+def check_parameter_memory(cfg: ModelConfig, dtype=None, *, mtp: bool = False) -> None:
+    """Refuse (ValueError), before anything is allocated, a model whose parameters (`cfg.parameter_bytes`) exceed
+    the memory of the device they would be made on (`device_memory_bytes`). A no-op while jax traces (a fresh
+    array is then a `jax.core.Tracer`, the public test flax uses too): under `nnx.eval_shape` nothing is allocated,
+    so sizing GLM-5 for a deviceless build or `load_pretrained`'s shape pass stays possible on any machine, and
+    under `jit` the outputs' placement (possibly sharded over devices) is not the constructor's to see."""
+    probe = jnp.zeros((), jnp.int8)  # made where the parameters would be (default device, `jax.default_device`)
+    if isinstance(probe, jax.core.Tracer):  # abstract: the public test flax itself uses
+        return
+    device = next(iter(probe.devices()))
+    limit = device_memory_bytes(device)
+    if limit is None:
+        return
+    dtype = jnp.dtype(dtype or DTYPES[cfg.dtype])
+    parts = cfg.parameter_bytes(mtp=mtp, itemsize=dtype.itemsize)
+    total = sum(parts.values())
+    if total <= limit:
+        return
+    part = max(parts, key=parts.get)
+    fields = ", ".join(f"{f}={getattr(cfg, f)}" for f in cfg.PARAMETER_FIELDS[part])
+    raise ValueError(f"the model's parameters need {total:,} bytes ({total / 2 ** 30:,.1f} GiB, {dtype.name}), more "
+                     f"than the {limit:,} bytes ({limit / 2 ** 30:,.1f} GiB) of {_memory_name(device)}; the largest "
+                     f"part is the {part} ({parts[part]:,} bytes: {fields}, num_hidden_layers="
+                     f"{cfg.num_hidden_layers})")
+
+
 def _stack(modules: list[nnx.Module]) -> nnx.Module:
     """Modules of one structure -> one module of that structure whose arrays are stacked on a new leading axis."""
     graphdef, _ = nnx.split(modules[0])
@@ -94,6 +149,9 @@ class SparseMLAModel(nnx.Module):
     FP8 + Hadamard indexer instead of the exact float32 scores transformers computes). `mtp=True` also builds the
     config's `num_nextn_predict_layers` multi-token-prediction layers as `self.mtp` (`hisparse_jax.model.mtp`;
     an empty `nnx.List` otherwise).
+
+    A config whose parameters (`ModelConfig.parameter_bytes`) exceed the memory of the device they would be made on
+    is refused with a ValueError before any is allocated (`check_parameter_memory`; skipped under `nnx.eval_shape`).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None, dtype=None, moe_impl: str = "ragged",
@@ -101,6 +159,8 @@ class SparseMLAModel(nnx.Module):
         if mtp and cfg.num_nextn_predict_layers < 1:
             raise ValueError("mtp=True needs a config with num_nextn_predict_layers >= 1 (the checkpoint's "
                              "multi-token-prediction layers); this one has 0")
+        # parameters that cannot fit the device are refused before any is made (not under nnx.eval_shape)
+        check_parameter_memory(cfg, dtype, mtp=mtp)
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         dtype = jnp.dtype(dtype or DTYPES[cfg.dtype])
         self.cfg = cfg

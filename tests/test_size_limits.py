@@ -1,0 +1,227 @@
+"""Sizes with no natural upper bound are refused before anything of that size is allocated, with one line naming
+the field (or option), its value and the bound: the layer and expert counts of a config (`config.SIZE_LIMITS`), a
+model whose parameters cannot fit the device's memory, a hot buffer larger than the device pool, and the demo's
+--requests / --prompt-len / --new-tokens / --device-requests / --devices.
+
+The refusals run in child processes under an address-space limit (`LIMIT`: jax imports and builds a small model
+well within it), each timed and with its peak-RSS growth measured: a refusal must come at once, not after an
+allocation (which the limit would turn into a MemoryError or an XLA error instead of the message)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import hisparse_jax as hj
+from hisparse_jax import config, demo
+from hisparse_jax.config import CacheConfig, ModelConfig
+from hisparse_jax.model.decoder import SparseMLAModel
+
+LIMIT = 4 << 30  # RLIMIT_AS of the children: jax needs ~2 GiB of address space to start; a refusal needs no more
+FAST_S = 5.0  # a refusal takes well under this after the imports (an allocation of the refused size would not)
+GREW_MB = 256  # peak RSS growth allowed per refusal (an allocation of a refused size: gigabytes)
+# the counts `config.SIZE_LIMITS` bounds (per-layer and per-expert structures)
+COUNTS = ("num_hidden_layers", "num_nextn_predict_layers", "num_attention_heads", "index_n_heads", "n_routed_experts",
+          "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group")
+
+_PRELUDE = f"""
+import contextlib, io, json, resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, ({LIMIT}, {LIMIT}))
+results = {{}}
+
+def peak_kb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+def attempt(name, fn):
+    kb, t0 = peak_kb(), time.perf_counter()
+    out = {{"error": None, "message": ""}}
+    try:
+        value = fn()
+        if isinstance(value, dict):
+            out.update(value)
+    except BaseException as e:
+        out = {{"error": type(e).__name__, "message": str(e)}}
+    out.update(seconds=time.perf_counter() - t0, grew_mb=(peak_kb() - kb) / 1024)
+    results[name] = out
+"""
+
+_LIBRARY = _PRELUDE + """
+import hisparse_jax as hj
+import jax
+from flax import nnx
+from hisparse_jax.config import CacheConfig, ModelConfig
+
+folder = sys.argv[1]
+MICRO = ModelConfig(model_type="glm_moe_dsa", vocab_size=32, hidden_size=16, intermediate_size=16,
+                    num_hidden_layers=1, num_attention_heads=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                    qk_rope_head_dim=8, v_head_dim=8, index_n_heads=1, index_head_dim=8, index_topk=8,
+                    mlp_layer_types=("dense",), dtype="float32")
+# the control: a real (small) model is built under the same limit
+attempt("micro_model", lambda: jax.block_until_ready(nnx.state(hj.SparseMLAModel(MICRO, rngs=nnx.Rngs(0)))) and None)
+attempt("hf_layers", lambda: ModelConfig.from_hf_config(folder))
+tiny = hj.get_preset("tiny-glm")
+attempt("preset_experts", lambda: hj.SparseMLAModel(tiny.replace(n_routed_experts=10**8), rngs=nnx.Rngs(0)))
+huge = tiny.replace(n_routed_experts=8192, moe_intermediate_size=2**20)  # ~36 TiB of expert weights
+attempt("model_memory", lambda: hj.SparseMLAModel(huge, rngs=nnx.Rngs(0)))
+attempt("model_abstract", lambda: {"leaves": len(jax.tree.leaves(nnx.eval_shape(
+    lambda: hj.SparseMLAModel(huge, rngs=nnx.Rngs(0)))))})
+attempt("hot_rows", lambda: CacheConfig(device_pages=8, hot_rows=10**8))
+print(json.dumps(results))
+"""
+
+_CLI = _PRELUDE + """
+import jax
+from hisparse_jax import checkpoints
+from hisparse_jax.cli import main
+from hisparse_jax.config import ModelConfig
+from hisparse_jax.train import data
+
+# what every run starts with, outside the measured cases: jax's backend, the text, the default checkpoint's config
+jax.devices(), data.load_corpus(), ModelConfig.from_hf_config(checkpoints.resolve(checkpoints.DEFAULT))
+
+def cli(argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(argv)
+    return {"rc": rc, "stderr": err.getvalue()}
+
+for name, argv in json.loads(sys.argv[1]).items():
+    attempt(name, lambda: cli(argv))
+print(json.dumps(results))
+"""
+
+# (argv after `demo`, option, value): the default model (stdlib-dsa: 8192 positions, text prompts) and demo-glm
+DEMO_CASES = {
+    "requests_text": (["--requests", "1000000000"], "--requests", "1000000000"),
+    "requests_memory": (["--preset", "demo-glm", "--requests", "1000000000"], "--requests", "1000000000"),
+    "prompt_len": (["--prompt-len", "1000000000"], "--prompt-len", "1000000000"),
+    "prompt_len_preset": (["--preset", "demo-glm", "--prompt-len", "1000000000"], "--prompt-len", "1000000000"),
+    "new_tokens": (["--new-tokens", "100000000"], "--new-tokens", "100000000"),
+    "new_tokens_preset": (["--preset", "demo-glm", "--new-tokens", "100000000"], "--new-tokens", "100000000"),
+    "device_requests": (["--device-requests", "1e12"], "--device-requests", "1e+12"),
+}
+
+
+def _child(script: str, *args: str, timeout: float = 240) -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout,
+                       env=env)
+    assert p.returncode == 0 and p.stdout.strip(), f"child failed ({p.returncode}): {p.stderr[-3000:]}"
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("layers")
+    d = hj.get_preset("deepseek-v3.2").to_hf_config()
+    del d["mlp_layer_types"]  # as the released config.json: first_k_dense_replace, no per-layer list
+    d["num_hidden_layers"] = 10 ** 9
+    (folder / "config.json").write_text(json.dumps(d))
+    return _child(_LIBRARY, str(folder))
+
+
+@pytest.fixture(scope="module")
+def cli():
+    return _child(_CLI, json.dumps({k: ["demo", "--plot", "", "--json", *argv] for k, (argv, _, _) in
+                                    DEMO_CASES.items()}))
+
+
+def _quick(r: dict) -> None:
+    assert r["seconds"] < FAST_S and r["grew_mb"] < GREW_MB, r
+
+
+def _refused(r: dict, *words: str) -> str:
+    assert r["error"] == "ValueError", r
+    msg = r["message"]
+    assert "\n" not in msg and all(w in msg for w in words), msg
+    _quick(r)
+    return msg
+
+
+def test_the_limit_leaves_room_for_a_small_model(library):
+    assert library["micro_model"]["error"] is None, library["micro_model"]
+
+
+def test_config_json_layer_count_is_bounded_before_the_per_layer_lists(library):
+    _refused(library["hf_layers"], "num_hidden_layers must be <= 1024", "got 1000000000")
+
+
+def test_expert_count_is_bounded_before_the_model_is_built(library):
+    _refused(library["preset_experts"], "n_routed_experts must be <= 8192", "got 100000000")
+
+
+def test_a_model_larger_than_the_device_memory_is_refused_before_allocating(library):
+    msg = _refused(library["model_memory"], "parameters need", "bytes", "more than the", "routed experts",
+                   "n_routed_experts=8192", "moe_intermediate_size=1048576")
+    need, have = (int(x.replace(",", "")) for x in re.findall(r"([\d,]+) bytes \(", msg)[:2])
+    assert need > have
+
+
+def test_the_same_model_stays_buildable_abstractly(library):
+    r = library["model_abstract"]
+    assert r["error"] is None and r["leaves"] > 0, r
+    _quick(r)
+
+
+def test_hot_rows_beyond_the_device_pool(library):
+    _refused(library["hot_rows"], "hot_rows must be <= 512", "device_pages=8", "got 100000000")
+
+
+@pytest.mark.parametrize("case", sorted(DEMO_CASES))
+def test_demo_size_is_refused_up_front(cli, case):
+    _, option, value = DEMO_CASES[case]
+    r = cli[case]
+    assert r["error"] is None and r["rc"] == 2, r
+    err = r["stderr"]
+    assert "Traceback" not in err and err.count("\n") == 1, err  # one line
+    assert err.startswith(f"hisparse demo: error: {option} {value} must be <= "), err
+    assert re.search(r"must be <= \d", err), err
+    _quick(r)
+
+
+def test_demo_devices_beyond_what_xla_makes():
+    """The real command: --devices 100000 used to make XLA create 100000 host devices (a segfault)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run([sys.executable, "-c", _PRELUDE + "from hisparse_jax.cli import main; sys.exit(main())",
+                        "demo", "--devices", "100000", "--plot", ""], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert p.stderr.splitlines()[-1] == (f"hisparse demo: error: argument --devices: must be <= {demo.MAX_DEVICES}, "
+                                         "got '100000'"), p.stderr
+    with pytest.raises(ValueError, match=f"devices: must be <= {demo.MAX_DEVICES}, got '100000'"):
+        demo.run(devices=100000, plot="")
+
+
+@pytest.mark.parametrize("name", COUNTS)
+def test_every_count_has_its_bound(name):
+    limit = config.SIZE_LIMITS[name]
+    with pytest.raises(ValueError, match=rf"{name} must be <= {limit} \(this package's limit"):
+        hj.get_preset("tiny-glm").replace(**{name: limit + 1})
+    assert set(config.SIZE_LIMITS) == set(COUNTS)
+
+
+@pytest.mark.parametrize("preset, change, mtp", [
+    ("tiny-glm", {}, False), ("tiny-deepseek", {"num_nextn_predict_layers": 2}, True),
+    ("tiny-glm", {"tie_word_embeddings": True, "n_shared_experts": 0, "num_nextn_predict_layers": 1}, True),
+])
+def test_parameter_bytes_match_the_model(preset, change, mtp):
+    cfg = hj.get_preset(preset).replace(**change)
+    model = nnx.eval_shape(lambda: SparseMLAModel(cfg, rngs=nnx.Rngs(0), mtp=mtp))
+    have = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+               for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert sum(cfg.parameter_bytes(mtp=mtp).values()) == have
+    assert set(cfg.parameter_bytes()) == set(ModelConfig.PARAMETER_FIELDS)
+
+
+def test_hot_rows_within_the_pool_are_accepted():
+    assert CacheConfig(device_pages=8, hot_rows=512).hot_rows == 512
