@@ -110,6 +110,18 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
+def _unique_keys(where: str):
+    """A `json.load` object_pairs_hook refusing a key given twice (JSON readers disagree on which one wins)."""
+    def hook(pairs):
+        out = {}
+        for k, v in pairs:
+            if k in out:
+                raise ValueError(f"{where} gives {k!r} twice ({out[k]!r} and {v!r}); keep one")
+            out[k] = v
+        return out
+    return hook
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a DSA decoder. Axis letters used across the code base:
@@ -313,7 +325,12 @@ class ModelConfig:
             if not os.path.exists(p):
                 raise FileNotFoundError(f"no config.json at {p}")
             with open(p) as f:
-                d = json.load(f)
+                try:
+                    d = json.load(f, object_pairs_hook=_unique_keys(p))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{p} is not valid JSON: {e}") from None
+            if not isinstance(d, dict):
+                raise ValueError(f"{p} must hold a JSON object (the model's config), got {type(d).__name__}")
         mt = d.get("model_type")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unknown model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")

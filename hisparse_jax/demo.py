@@ -31,11 +31,12 @@ from flax import nnx
 from tqdm import tqdm
 
 from hisparse_jax.cli_args import (bounded_float, check_output_dir, check_output_file, choice, int_at_least,
-                                   name_list, nonnegative_int, positive_int)
+                                   name_list, positive_int)
 from hisparse_jax.config import MAX_SPECULATIVE_TOKENS, MISS_ATTENTION, PRESETS, CacheConfig, ModelConfig, get_preset
 from hisparse_jax.engine.speculative import lookahead
 from hisparse_jax import parallel
 from hisparse_jax.engine import Engine, EngineConfig, MeshEngine, SamplingParams, device_budget
+from hisparse_jax.engine.request import SEED_RANGE
 from hisparse_jax.engine.scheduler import POLICIES, pages
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.tiered import KERNELS, check_kernels
@@ -90,7 +91,7 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
                         f"{MAX_DEVICES}): each device serves its own "
                         "requests under the same per-device budgets (a MeshEngine); on a CPU the command asks jax for "
                         "N host devices (XLA_FLAGS=--xla_force_host_platform_device_count=N) when jax has not started")
-    p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--seed", type=int_at_least(0, high=SEED_RANGE - 1), default=0)
     p.add_argument("--plot", default="hisparse_demo.png", help="PNG of running requests over time ('' = none)")
     p.add_argument("--log-dir", default="", help="write one JSON-lines metrics log per policy here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

@@ -30,7 +30,7 @@ from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.tiered import check_backend, check_kernels, empty_stats, index_span, stats_bytes
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.results import GenerateStats
-from hisparse_jax.validation import check_float, check_int, check_prompt, check_token_list
+from hisparse_jax.validation import check_eos, check_float, check_int, check_prompt, check_token_list
 
 
 def validate_prompts(model: SparseMLAModel, prompts, max_new_tokens: int) -> list[list[int]]:
@@ -96,6 +96,7 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     if temperature > 0 and key is None:
         raise ValueError("sampling (temperature > 0) needs an explicit PRNG key: key=jax.random.key(seed)")
     eos = set(check_token_list("eos_token_id", eos_token_id))
+    check_eos("eos_token_id", eos, model.cfg.vocab_size)
     n = len(prompts)
     B = bucket_pow2(n)  # every path's batch bucket (its rows past n: padding, their tokens dropped)
     seeds = prompt_seeds(key, n) if temperature > 0 else [0] * n

@@ -87,3 +87,12 @@ def check_prompt(name: str, tokens: Any, vocab_size: int) -> list[int]:
     if bad:
         raise ValueError(f"{name} has token ids out of range [0, {vocab_size}): {bad[:8]}")
     return ids
+
+
+def check_eos(name: str, eos_ids, vocab_size: int) -> None:
+    """EOS ids the model can emit: an id outside [0, vocab_size) is never sampled, so it would never stop a
+    request (refused rather than silently ignored)."""
+    bad = [t for t in eos_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{name} has ids outside the vocabulary [0, {vocab_size}): {sorted(bad)[:8]} (the model "
+                         "never samples them, so they would never stop a request)")

@@ -75,6 +75,37 @@ def test_bad_config_json_values_are_refused_naming_the_field(change, words):
     assert re.search(words, str(e.value)), str(e.value)
 
 
+@pytest.mark.parametrize("text, words", [
+    ("null", "must hold a JSON object .*, got NoneType"),
+    ("[1, 2]", "must hold a JSON object .*, got list"),
+    ('{"model_type": "glm_moe_dsa", "vocab_size": 97, "vocab_size": 98}', "gives 'vocab_size' twice"),
+    ('{"model_type": ', "is not valid JSON"),
+])
+def test_config_json_that_is_no_object_or_repeats_a_key_is_refused(tmp_path, text, words):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=words):
+        ModelConfig.from_hf_config(tmp_path)
+
+
+def test_eos_ids_the_model_never_samples_are_refused(model):
+    vocab = model.cfg.vocab_size
+    with pytest.raises(ValueError, match=rf"eos_token_id has ids outside the vocabulary \[0, {vocab}\): \[{vocab}\]"):
+        generate(model, [[1, 2, 3]], 2, eos_token_id=[5, vocab])
+    eng = Engine(model, CacheConfig(kv_dtype="float32", device_pages=8, host_pages=8, max_seq_len=256))
+    with pytest.raises(ValueError, match=r"request 'a': eos_token_id has ids outside the vocabulary"):
+        eng.add_request("a", [1, 2, 3], SamplingParams(max_new_tokens=2, eos_token_id=10**9))
+    assert not eng.requests
+
+
+def test_an_export_that_is_neither_an_export_nor_a_path_is_refused(model):
+    eng = Engine(model, CacheConfig(kv_dtype="float32", device_pages=8, host_pages=8, max_seq_len=256))
+    with pytest.raises(ValueError, match="export must be a pd.PrefillExport or the path of one, got NoneType"):
+        eng.import_request("x", None)
+    from hisparse_jax import checkpoints
+    with pytest.raises(ValueError, match="shipped checkpoint's name .* or a checkpoint folder, got NoneType"):
+        checkpoints.resolve(None)
+
+
 def test_unknown_letter_in_index_topk_pattern():
     d = hf_config(index_topk_pattern="FSXS")
     del d["indexer_types"]

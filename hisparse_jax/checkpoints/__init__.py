@@ -32,6 +32,9 @@ def path(name: str = DEFAULT) -> str:
 def resolve(name_or_dir: str) -> str:
     """A shipped checkpoint's name or a checkpoint folder (one with a config.json) -> the folder; ValueError
     saying which was expected otherwise."""
+    if not isinstance(name_or_dir, (str, os.PathLike)):
+        raise ValueError(f"expected a shipped checkpoint's name ({', '.join(SHIPPED)}) or a checkpoint folder, got "
+                         f"{type(name_or_dir).__name__}")
     if name_or_dir in SHIPPED:
         return path(name_or_dir)
     if os.path.isfile(os.path.join(name_or_dir, "config.json")):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 
 import jax
@@ -39,7 +40,7 @@ from hisparse_jax.engine.runner import TRACE_COUNTS, Runner, sampler
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.results import EngineMetrics, StepMetrics
 from hisparse_jax.engine import speculative
-from hisparse_jax.validation import check_int, check_prompt
+from hisparse_jax.validation import check_eos, check_int, check_prompt
 
 
 PLACEMENTS = ("balanced", "round_robin")  # a MeshEngine's choice of rank for a new request
@@ -210,6 +211,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
         prompt = check_prompt(f"request {request_id!r}: prompt", prompt, cfg.vocab_size)
+        check_eos(f"request {request_id!r}: eos_token_id", params.eos_token_id, cfg.vocab_size)
         total = len(prompt) + params.max_new_tokens
         if total > cfg.max_position_embeddings:
             raise ValueError(f"request {request_id!r}: {len(prompt)} prompt + {params.max_new_tokens} new tokens "
@@ -512,6 +514,9 @@ class Engine:
         `add_request`, and with `CheckpointError` for a damaged or mismatched export."""
         if isinstance(export, PrefillExport):
             check_export(export, self.model.cfg)
+        elif not isinstance(export, (str, os.PathLike)):
+            raise ValueError(f"request {request_id!r}: export must be a pd.PrefillExport or the path of one, got "
+                             f"{type(export).__name__}")
         else:  # load_export applies the same check
             export = load_export(export, self.model.cfg)
         r = self.add_request(request_id, list(export.tokens), params)

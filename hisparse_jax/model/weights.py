@@ -45,7 +45,7 @@ from flax import nnx
 from hisparse_jax import integrity
 from hisparse_jax.config import ModelConfig
 from hisparse_jax.model.decoder import SparseMLAModel
-from hisparse_jax.model.safetensors_io import (_ST_DTYPES, CHECKSUM_KEY, CheckpointError,  # noqa: F401
+from hisparse_jax.model.safetensors_io import (CHECKSUM_KEY, CheckpointError,  # noqa: F401
                                               read_checkpoint_tensors)
 
 FP8_BLOCK = 128
