@@ -534,8 +534,10 @@ class CacheConfig:
     device_pages: device KV pool (latent + rope of every layer); hot buffers are lent from it.
     host_pages: pinned-host KV pool (the offloaded tier; every token is mirrored here when `mirror_to_host`).
     index_pages: device indexer-key pool (keys never leave the device); default: device + host pages.
-    hot_rows: hot-buffer rows per request and indexer group; default 2 * index_topk (must be >= index_topk, and
-      at most the device pool's rows, device_pages x 64: the buffer is lent from it).
+    hot_rows: hot-buffer rows per request and indexer group; default 2 * index_topk (must be >= index_topk). A
+      request that tiers holds its tail pages and its hot buffer on the device; one larger than the device pool
+      just never tiers (preempt and offload use none). The store's arrays, hot-buffer state included, are checked
+      against the machine's memory when the store is made (`kv.state.init_store`).
     max_seqs: request slots in the store; max_seq_len: longest sequence a slot can hold.
     fetch: host -> device mechanism for misses: "row" (host-side gather of the missing rows into a staging
       buffer, one H2D copy per chunk of `fetch_chunk` rows) or "page" (whole-page H2D slices, each needed
@@ -590,11 +592,6 @@ class CacheConfig:
                 put(name, check_int, lo=1)
         if not isinstance(self.mirror_to_host, bool):
             problems.append(f"mirror_to_host must be a bool, got {self.mirror_to_host!r}")
-        if not problems and self.hot_rows is not None and self.hot_rows > self.device_pages * PAGE_SIZE:
-            # a hot buffer is lent from the device pool: it cannot hold more rows than the pool's pages
-            problems.append(f"hot_rows must be <= {self.device_pages * PAGE_SIZE} (the rows of device_pages="
-                            f"{self.device_pages} pages of {PAGE_SIZE}, which the hot buffer is lent from), got "
-                            f"{self.hot_rows}")
         if not problems and self.capacity is not None:
             problems += self._capacity_problems()
         if problems:

@@ -41,7 +41,8 @@ from hisparse_jax.engine.scheduler import POLICIES, pages
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.tiered import KERNELS, check_kernels
 from hisparse_jax.engine.runner import TRACE_COUNTS as _STEP_TRACES
-from hisparse_jax.model.decoder import SparseMLAModel, device_memory_bytes, host_memory_bytes
+from hisparse_jax.memory import device_memory_bytes, host_memory_bytes
+from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax import checkpoints
 from hisparse_jax.train import data as text_data
 

@@ -1,6 +1,7 @@
 """Sizes with no natural upper bound are refused before anything of that size is allocated, with one line naming
 the field (or option), its value and the bound: the layer and expert counts of a config (`config.SIZE_LIMITS`), a
-model whose parameters cannot fit the device's memory, a hot buffer larger than the device pool, and the demo's
+model whose parameters cannot fit the device's memory, a store (here: its hot buffer) larger than the machine's
+memory, and the demo's
 --requests / --prompt-len / --new-tokens / --device-requests / --devices.
 
 The refusals run in child processes under an address-space limit (`LIMIT`: jax imports and builds a small model
@@ -73,7 +74,9 @@ huge = tiny.replace(n_routed_experts=8192, moe_intermediate_size=2**20)  # ~36 T
 attempt("model_memory", lambda: hj.SparseMLAModel(huge, rngs=nnx.Rngs(0)))
 attempt("model_abstract", lambda: {"leaves": len(jax.tree.leaves(nnx.eval_shape(
     lambda: hj.SparseMLAModel(huge, rngs=nnx.Rngs(0)))))})
-attempt("hot_rows", lambda: CacheConfig(device_pages=8, hot_rows=10**8))
+from hisparse_jax.kv.state import StoreSpec, init_store
+# 10^10 hot rows x 8 slots x 2 groups: the hot-buffer state alone is 1.3 TB (against 8 device pages)
+attempt("hot_rows", lambda: init_store(StoreSpec.create(tiny, CacheConfig(device_pages=8, hot_rows=10**10))))
 print(json.dumps(results))
 """
 
@@ -172,8 +175,12 @@ def test_the_same_model_stays_buildable_abstractly(library):
     _quick(r)
 
 
-def test_hot_rows_beyond_the_device_pool(library):
-    _refused(library["hot_rows"], "hot_rows must be <= 512", "device_pages=8", "got 100000000")
+def test_a_store_past_the_machine_memory(library):
+    """A hot buffer of 10^10 rows is refused when the store is made, before any array of it is allocated, naming
+    the array and the field it follows (a hot buffer larger than the device pool is allowed: such a request
+    never tiers, and preempt / offload use none; what cannot be is a store larger than the memory)."""
+    _refused(library["hot_rows"], "the KV store needs", "largest array is hot_token", "sized by hot_rows x max_seqs",
+             "hot_rows=10000000000")
 
 
 @pytest.mark.parametrize("case", sorted(DEMO_CASES))

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+from hisparse_jax.memory import abstract, device_memory_bytes, host_memory_bytes, memory_name
 from hisparse_jax.units import PAGE_SIZE
 
 from hisparse_jax.kv.spec import FP8_BLOCK, StoreSpec  # noqa: F401  (re-exported)
@@ -138,8 +139,10 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
         index_scale=((LI, PI, PAGE_SIZE), jnp.float32) if spec.fp8 else None,
         h_latent_scale=((L, PH, PAGE_SIZE, C // FP8_BLOCK), host_dtype(jnp.float32)) if spec.fp8 else None,
     )
-    minus_one = {"block_table", "host_table", "index_table", "hot_pages", "hot_token", "hot_stamp", "page_stamp"}
     shardings = store_shardings(spec, device)
+    if not abstract():
+        check_store_memory(spec, shapes, shardings, device)
+    minus_one = {"block_table", "host_table", "index_table", "hot_pages", "hot_token", "hot_stamp", "page_stamp"}
     out = {}
     for f in dataclasses.fields(KVStore):
         if f.name == "spec":
@@ -152,6 +155,39 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
         fill = -1 if f.name in minus_one else 0
         out[f.name] = jax.device_put(jnp.full(shape, fill, dt), getattr(shardings, f.name))
     return KVStore(spec=spec, **out)
+
+
+# the CacheConfig fields each array's size follows (named when a store cannot fit)
+_SIZED_BY = {"latent": "device_pages", "rope": "device_pages", "latent_scale": "device_pages",
+             "index_k": "index_pages", "index_scale": "index_pages", "h_latent": "host_pages", "h_rope": "host_pages",
+             "h_latent_scale": "host_pages", "hot_token": "hot_rows x max_seqs", "hot_stamp": "hot_rows x max_seqs",
+             "hot_pages": "hot_rows x max_seqs"}
+
+
+def check_store_memory(spec: StoreSpec, shapes: KVStore, shardings: KVStore, device=None) -> None:
+    """Refuse (ValueError), before any is allocated, a store whose device arrays exceed the device's memory or whose
+    pinned-host pools exceed this machine's RAM (`hisparse_jax.memory`), naming the largest array and the
+    CacheConfig field its size follows. (On a CPU both are RAM, so they are counted together.)"""
+    dev = device if device is not None else jax.devices()[0]
+    sizes = {"device": {}, "host": {}}
+    for f in dataclasses.fields(KVStore):
+        sd = None if f.name == "spec" else getattr(shapes, f.name)
+        if sd is not None:
+            where = "host" if getattr(shardings, f.name).memory_kind == "pinned_host" else "device"
+            sizes[where][f.name] = int(np.prod(sd[0], dtype=object)) * np.dtype(sd[1]).itemsize
+    if dev.platform == "cpu":
+        sizes = {"device": {**sizes["device"], **sizes["host"]}, "host": {}}
+    for where, limit, name in (("device", device_memory_bytes(dev), memory_name(dev)),
+                               ("host", host_memory_bytes(), "this machine's physical RAM (the pinned-host pools)")):
+        total = sum(sizes[where].values())
+        if limit is None or total <= limit:
+            continue
+        big = max(sizes[where], key=sizes[where].get)
+        raise ValueError(f"the KV store needs {total:,} bytes ({total / 2**30:,.1f} GiB), more than the {limit:,} of "
+                         f"{name}; its largest array is {big} ({sizes[where][big]:,} bytes, sized by "
+                         f"{_SIZED_BY.get(big, 'max_seqs x max_seq_len')}: device_pages={spec.device_pages}, "
+                         f"host_pages={spec.host_pages}, index_pages={spec.index_pages}, hot_rows={spec.hot_rows}, "
+                         f"max_seqs={spec.max_seqs}, max_pages={spec.max_pages})")
 
 
 def store_nbytes(store: KVStore) -> dict[str, int]:

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from hisparse_jax.config import ModelConfig
+from hisparse_jax.memory import abstract, device_memory_bytes, memory_name
 from hisparse_jax.model.block import DecoderLayer, KVBackend, LayerIds, decode_layer, prefill_layer
 from hisparse_jax.model.layers import Linear, RMSNorm, _normal
 from hisparse_jax.model.mtp import MTPLayer
@@ -79,44 +79,16 @@ def layer_runs(cfg: ModelConfig) -> tuple[LayerRun, ...]:
     return tuple(runs)
 
 
-def host_memory_bytes() -> int | None:
-    """This machine's physical RAM in bytes (None where the OS does not say)."""
-    try:
-        n = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-    return n if n > 0 else None
-
-
-def device_memory_bytes(device) -> int | None:
-    """The memory arrays made on `device` can use: the machine's physical RAM for a CPU device, else the device's
-    `memory_stats()['bytes_limit']` (None when the backend does not report it: no check is possible)."""
-    if device.platform == "cpu":
-        return host_memory_bytes()
-    try:
-        stats = device.memory_stats() or {}
-    except Exception:  # a backend without memory statistics
-        return None
-    limit = stats.get("bytes_limit")
-    return int(limit) if limit else None
-
-
-def _memory_name(device) -> str:
-    if device.platform == "cpu":
-        return "this machine's physical RAM (the CPU device's memory)"
-    return f"the memory of {device.device_kind} {device.id} (memory_stats bytes_limit)"
-
-
 def check_parameter_memory(cfg: ModelConfig, dtype=None, *, mtp: bool = False) -> None:
     """Refuse (ValueError), before anything is allocated, a model whose parameters (`cfg.parameter_bytes`) exceed
     the memory of the device they would be made on (`device_memory_bytes`). A no-op while jax traces (a fresh
     array is then a `jax.core.Tracer`, the public test flax uses too): under `nnx.eval_shape` nothing is allocated,
     so sizing GLM-5 for a deviceless build or `load_pretrained`'s shape pass stays possible on any machine, and
     under `jit` the outputs' placement (possibly sharded over devices) is not the constructor's to see."""
-    probe = jnp.zeros((), jnp.int8)  # made where the parameters would be (default device, `jax.default_device`)
-    if isinstance(probe, jax.core.Tracer):  # abstract: the public test flax itself uses
+    if abstract():
         return
-    device = next(iter(probe.devices()))
+    # made where the parameters would be (the default device, or `jax.default_device`'s)
+    device = next(iter(jnp.zeros((), jnp.int8).devices()))
     limit = device_memory_bytes(device)
     if limit is None:
         return
@@ -128,7 +100,7 @@ def check_parameter_memory(cfg: ModelConfig, dtype=None, *, mtp: bool = False) -
     part = max(parts, key=parts.get)
     fields = ", ".join(f"{f}={getattr(cfg, f)}" for f in cfg.PARAMETER_FIELDS[part])
     raise ValueError(f"the model's parameters need {total:,} bytes ({total / 2 ** 30:,.1f} GiB, {dtype.name}), more "
-                     f"than the {limit:,} bytes ({limit / 2 ** 30:,.1f} GiB) of {_memory_name(device)}; the largest "
+                     f"than the {limit:,} bytes ({limit / 2 ** 30:,.1f} GiB) of {memory_name(device)}; the largest "
                      f"part is the {part} ({parts[part]:,} bytes: {fields}, num_hidden_layers="
                      f"{cfg.num_hidden_layers})")
 
