@@ -39,6 +39,29 @@ stride alignment in vLLM's allocator, not located in the source read), exact for
 Two departures from FACTS.md: the published FP8 row is 576 B, not FlashMLA's 656-B "ds_mla" row
 (78*656*64 = 3,274,752 != 2,875,392; pass `mla_fp8_layout="ds_mla"` for it), and the BF16
 constants keep the 132-B FP8 indexer key (pass `indexer_dtype="bf16"` for 256 B).
+
+Indexer key dtype (`index_dtype`, CLI `--index-dtype {fp8,int4}`; fp8 is the default and gives the numbers above).
+"int4" stores the indexer key in 4 bits with the accounting of the peers' MXFP4 indexer caches: vLLM PR #48558
+("MXFP4 indexer cache for GLM-5.2 / DSA": E2M1 values + UE8M0 block-32 scales, 132 -> 68 B per token and head,
+~1.94x) and SGLang PR #30546 (`--enable-dsa-fp4-indexer`, a port of DeepSeek-V4's: E2M1 elements + packed UE8M0
+group-32 scales = 68 B per token and layer, "~48%" smaller). Per token and full layer that is d/2 bytes of packed
+4-bit values plus one 1-byte scale per 32 elements: 64 + 4 = 68 B for d = index_head_dim = 128 (FP8: 128 + 4).
+The block bytes are then derived from the preset's KV shape as above (the FP8 derivation reproduces the published
+constants exactly): GLM-5.3 int4 has an indexer page of 64*21*68 = 91,392 B, below the largest hot group's
+4*36,864 = 147,456 B, so the shared pool's block becomes that hot-group page (147,456, a 1.25x smaller block than
+184,320) and the baseline block loses 64*21*64 = 86,016 B (3,052,800 -> 2,966,784). The hot groups stay 20: an
+index-share unit is never split, and the ones of 4 layers already overflow the smaller indexer page.
+
+The cost of the capacity: HiSparse copies each hot-buffer miss from the host pool every decode step. Per running
+request and step the expected H2D bytes are (1 - hit_rate) * min(top_k, seq) rows * L layers * MLA row bytes
+(= (1 - hit_rate) * min(top_k, seq) * host/64, since one host block holds 64 tokens of all L layers' rows); per
+replica, times the HiSparse running requests (0 when HiSparse runs everything resident, limiting = "baseline").
+Every TP rank holds the whole latent KV (the calculator's per-GPU pool is the replica's), so each rank copies all of
+it over its own host link: copy time per step = bytes / link_gb_per_s (1 GB = 1e9 B), ranks in parallel. The
+default hit rate is the project's measured one (`experiments/results/demo.json`, policy "hisparse": 0.734 on the
+tiny stdlib-dsa model, a CPU run; `DEFAULT_HIT_RATE` when that file is absent); the default link is 50 GB/s, about
+what a pinned-host copy reaches on PCIe Gen5 x16 (64 GB/s per direction on paper). Not modelled: contention for
+host DRAM bandwidth when all ranks of a node copy at once, and overlap of the copy with compute.
 """
 from __future__ import annotations
 
@@ -48,6 +71,8 @@ import math
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from decimal import ROUND_HALF_UP, Decimal
+from functools import cache
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Sequence
 
@@ -58,6 +83,13 @@ HOST_SLIDER_GIB = (16, 4096)  # the calculator's host-pool slider range (GiB per
 # Sweep points: powers of two 8K..1M plus the blog's 74,160-token first turn, the ~86K context
 # after 12 more turns of 753 + 220 tokens (74,160 + 12*973 = 85,836), and the 142,000 admission limit.
 SWEEP_SEQS = tuple(sorted({2 ** k for k in range(13, 21)} | {74_160, 85_836, 142_000}))
+INDEX_DTYPES = ("fp8", "int4")  # indexer key storage (see the module docstring; fp8 = the published constants)
+DEFAULT_TOP_K = 2048            # DSA / GLM-5.x index_topk
+DEFAULT_LINK_GB_PER_S = 50.0    # host -> GPU link per GPU (GB/s, 1e9 B): ~ a pinned copy on PCIe Gen5 x16
+# The hot-buffer hit rate `hisparse demo` measured (experiments/results/demo.json, policies.hisparse.hit_rate,
+# 0.7341 on the stdlib-dsa model); used when that file is not there to read (an installed package).
+DEFAULT_HIT_RATE = 0.734
+DEMO_RESULTS = Path(__file__).resolve().parent.parent / "experiments" / "results" / "demo.json"
 
 
 class CalcError(ValueError):
@@ -70,6 +102,20 @@ class BlockBytes:
     baseline: int
     hisparse_gpu: int
     host: int
+
+
+def indexer_row_bytes(index_head_dim: int, index_dtype: str = "fp8") -> int:
+    """Bytes of one token's indexer key in one full layer: fp8 = d e4m3 + one fp32 scale per 128 (132 for d=128);
+    int4 = d/2 packed 4-bit values + one UE8M0 byte per 32 (68 for d=128, the MXFP4 layout of vLLM #48558 and
+    SGLang #30546); bf16 = 2d."""
+    d = index_head_dim
+    if index_dtype == "fp8":
+        return d + 4 * (-(-d // 128))
+    if index_dtype == "int4":
+        return -(-d // 2) + -(-d // 32)
+    if index_dtype == "bf16":
+        return 2 * d
+    raise CalcError(f"index dtype must be one of fp8, int4, bf16, got {index_dtype!r}")
 
 
 def glm_indexer_types(num_layers: int, freq: int = 4, offset: int = 3) -> tuple[str, ...]:
@@ -122,11 +168,11 @@ def block_layout(cfg: Any, kv_dtype: str = "fp8", *, mla_fp8_layout: str = "fp8"
     qk_rope_head_dim, index_head_dim and indexer_types ("full"/"shared" per layer)."""
     c, r, d = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
     rows = {"bf16": 2 * (c + r), "fp8": c + r, "ds_mla": c + 4 * (-(-c // 128)) + 2 * r}  # ds_mla: 656 B
-    if (kv_dtype not in ("fp8", "bf16") or indexer_dtype not in ("fp8", "bf16")
+    if (kv_dtype not in ("fp8", "bf16") or indexer_dtype not in ("fp8", "int4", "bf16")
             or mla_fp8_layout not in ("fp8", "ds_mla")):
         raise CalcError(f"bad dtype/layout: {kv_dtype!r}, {mla_fp8_layout!r}, indexer {indexer_dtype!r}")
     mla_row = rows["bf16"] if kv_dtype == "bf16" else rows[mla_fp8_layout]
-    idx_row = d + 4 * (-(-d // 128)) if indexer_dtype == "fp8" else 2 * d  # FP8: 128 e4m3 + fp32 scale
+    idx_row = indexer_row_bytes(d, indexer_dtype)  # FP8: 128 e4m3 + fp32 scale; int4: 64 + 4 UE8M0
     types = tuple(cfg.indexer_types) or ("full",) * cfg.num_hidden_layers
     if len(types) != cfg.num_hidden_layers:
         raise CalcError(f"indexer_types has {len(types)} entries for {cfg.num_hidden_layers} layers")
@@ -181,11 +227,26 @@ class ModelPreset:
     bf16: BlockBytes
     hot_groups: int
     num_attention_heads: int
+    # The KV shape (as `block_layout` takes it) the block bytes come from; needed for index_dtype="int4".
+    kv_shape: Any = field(default=None, compare=False, repr=False)
 
-    def blocks(self, kv_dtype: str) -> BlockBytes:
+    def blocks(self, kv_dtype: str, index_dtype: str = "fp8") -> BlockBytes:
+        """The block bytes; fp8 indexer keys: the preset's constants, int4: derived from `kv_shape`."""
+        return self.layout(kv_dtype, index_dtype)[0]
+
+    def layout(self, kv_dtype: str, index_dtype: str = "fp8") -> tuple[BlockBytes, int, BlockLayout | None]:
+        """(block bytes, hot groups, the derived layout or None for the fp8 constants of a shapeless preset)."""
         if kv_dtype not in ("fp8", "bf16"):
             raise CalcError(f"kv_dtype must be 'fp8' or 'bf16', got {kv_dtype!r}")
-        return self.fp8 if kv_dtype == "fp8" else self.bf16
+        if index_dtype not in INDEX_DTYPES:
+            raise CalcError(f"index_dtype must be one of {', '.join(INDEX_DTYPES)}, got {index_dtype!r}")
+        if index_dtype == "fp8":
+            lay = None if self.kv_shape is None else block_layout(self.kv_shape, kv_dtype)
+            return (self.fp8 if kv_dtype == "fp8" else self.bf16), self.hot_groups, lay
+        if self.kv_shape is None:
+            raise CalcError(f"preset {self.name!r} has no KV shape to derive int4 indexer block bytes from")
+        lay = block_layout(self.kv_shape, kv_dtype, indexer_dtype=index_dtype)
+        return lay.block_bytes, lay.hot_groups, lay
 
 
 def preset_from_config(cfg: Any, name: str, shared_weights_gib: float,
@@ -193,13 +254,33 @@ def preset_from_config(cfg: Any, name: str, shared_weights_gib: float,
     """A preset whose block bytes and hot-group count are derived from `cfg` (FP8 row = 576-style)."""
     fp8, bf16 = block_layout(cfg, "fp8"), block_layout(cfg, "bf16")
     return ModelPreset(name, shared_weights_gib, routed_expert_weights_gib, fp8.block_bytes,
-                       bf16.block_bytes, fp8.hot_groups, int(getattr(cfg, "num_attention_heads", 1)))
+                       bf16.block_bytes, fp8.hot_groups, int(getattr(cfg, "num_attention_heads", 1)), kv_shape=cfg)
 
 
 PRESETS: dict[str, ModelPreset] = {
     "glm-5.3-blog": ModelPreset("glm-5.3-blog", 19.556, 684.167, BlockBytes(3_052_800, 184_320, 2_875_392),
-                                BlockBytes(5_928_192, 294_912, 5_750_784), hot_groups=20, num_attention_heads=64),
+                                BlockBytes(5_928_192, 294_912, 5_750_784), hot_groups=20, num_attention_heads=64,
+                                kv_shape=GLM53_KV_SHAPE),
 }
+
+
+@cache
+def _demo_hit_rate(path: str) -> float | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            rate = json.load(f)["policies"]["hisparse"]["hit_rate"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return float(rate) if isinstance(rate, (int, float)) and 0 <= rate <= 1 else None
+
+
+def default_hit_rate() -> tuple[float, str]:
+    """(hit rate, where it came from): the HiSparse hot-buffer hit rate measured in `experiments/results/demo.json`
+    when that file is there, else DEFAULT_HIT_RATE."""
+    rate = _demo_hit_rate(str(DEMO_RESULTS))
+    if rate is None:
+        return DEFAULT_HIT_RATE, "default"
+    return rate, "experiments/results/demo.json"
 
 
 @dataclass(frozen=True)
@@ -210,6 +291,8 @@ class CalcInput:
     rounded up to whole GiB, clamped to [16, 4096]); math.inf = unlimited (the calculator's chart).
     A finite pool is capped at system_ram_gib / (DP, times TP unless TP ranks share one pool).
     groups: hot/resident groups; None = the preset's. kv_hbm_gib: override of the HBM estimate.
+    index_dtype: indexer key storage, "fp8" (132 B/token/layer, the published constants) or "int4" (68 B).
+    hit_rate (None = `default_hit_rate()`), top_k and link_gb_per_s: the H2D copy cost per decode step.
     """
     preset: str | ModelPreset = "glm-5.3-blog"
     gpu: str = "h200"
@@ -230,6 +313,10 @@ class CalcInput:
     round_kv_hbm: bool = True
     system_ram_gib: float = 4096.0
     share_host_across_tp: bool = True
+    index_dtype: str = "fp8"
+    hit_rate: float | None = None
+    top_k: int = DEFAULT_TOP_K
+    link_gb_per_s: float = DEFAULT_LINK_GB_PER_S
 
 
 @dataclass(frozen=True)
@@ -254,6 +341,16 @@ class CalcResult:
     host_blocks_per_request: int
     baseline_total: int              # x DP
     hisparse_total: int
+    index_dtype: str                 # "fp8" | "int4"
+    indexer_bytes_per_token_layer: int | None  # one token's key in one full layer (None: preset without a shape)
+    indexer_bytes_per_token: int     # all full layers: (baseline - host block) / 64
+    hit_rate: float                  # hot-buffer hit rate the H2D figures assume
+    hit_rate_source: str             # "input" | "experiments/results/demo.json" | "default"
+    top_k: int
+    link_gb_per_s: float
+    h2d_bytes_per_request_step: float  # (1 - hit) * min(top_k, seq) * host/64 (expected; fractional)
+    h2d_bytes_per_step: float        # x HiSparse running requests (0 when limiting == "baseline"); per GPU
+    h2d_ms_per_step: float           # h2d_bytes_per_step / link
     inputs: CalcInput = field(repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -295,6 +392,14 @@ def _check(inp: CalcInput, model: ModelPreset) -> None:
         raise CalcError(f"gpu_memory_utilization must be in (0, 1], got {inp.gpu_memory_utilization}")
     if model.num_attention_heads % inp.tp:
         raise CalcError(f"tp={inp.tp} does not divide the {model.num_attention_heads} attention heads")
+    if inp.index_dtype not in INDEX_DTYPES:
+        raise CalcError(f"index_dtype must be one of {', '.join(INDEX_DTYPES)}, got {inp.index_dtype!r}")
+    if inp.hit_rate is not None and not 0 <= inp.hit_rate <= 1:
+        raise CalcError(f"hit_rate must be in [0, 1], got {inp.hit_rate}")
+    if inp.top_k < 1:
+        raise CalcError(f"top_k must be positive, got {inp.top_k}")
+    if not 0 < inp.link_gb_per_s < math.inf:
+        raise CalcError(f"link_gb_per_s must be finite and > 0, got {inp.link_gb_per_s}")
 
 
 def weights_per_gpu_gib(model: ModelPreset, dp: int, tp: int, ep: bool) -> float:
@@ -306,8 +411,8 @@ def capacity(inp: CalcInput) -> CalcResult:
     """Baseline and HiSparse running requests per DP replica; raises CalcError on bad input."""
     model = get_preset(inp.preset)
     _check(inp, model)
-    bb = model.blocks(inp.kv_dtype)
-    groups = model.hot_groups if inp.groups is None else inp.groups
+    bb, preset_groups, lay = model.layout(inp.kv_dtype, inp.index_dtype)
+    groups = preset_groups if inp.groups is None else inp.groups
     weights = weights_per_gpu_gib(model, inp.dp, inp.tp, inp.ep)
     budget = GPU_MEMORY_GB[inp.gpu] * 1e9 / 2 ** 30 * inp.gpu_memory_utilization
     kv = budget - weights - inp.reserve_gib if inp.kv_hbm_gib is None else inp.kv_hbm_gib
@@ -339,16 +444,34 @@ def capacity(inp: CalcInput) -> CalcResult:
         limiting = "host"
     else:
         limiting = "gpu" if gpu_limit < inp.max_seqs else "max_seqs"
+    if inp.hit_rate is None:
+        hit, hit_source = default_hit_rate()
+    else:
+        hit, hit_source = inp.hit_rate, "input"
+    per_req_h2d = h2d_bytes_per_request_step(hit, min(inp.top_k, inp.seq), bb.host // PAGE_SIZE)
+    h2d = 0.0 if limiting == "baseline" else per_req_h2d * hisparse
     return CalcResult(baseline, hisparse, gpu_limit, host_limit, min_host, math.ceil(min_host), host, kv, weights,
                       limiting, bb, groups, base_pool, gpu_pool, n, per_req, n, baseline * inp.dp,
-                      hisparse * inp.dp, inp)
+                      hisparse * inp.dp, index_dtype=inp.index_dtype,
+                      indexer_bytes_per_token_layer=None if lay is None else lay.indexer_row,
+                      indexer_bytes_per_token=(bb.baseline - bb.host) // PAGE_SIZE, hit_rate=hit,
+                      hit_rate_source=hit_source, top_k=inp.top_k, link_gb_per_s=inp.link_gb_per_s,
+                      h2d_bytes_per_request_step=per_req_h2d, h2d_bytes_per_step=h2d,
+                      h2d_ms_per_step=h2d / (inp.link_gb_per_s * 1e9) * 1e3, inputs=inp)
+
+
+def h2d_bytes_per_request_step(hit_rate: float, rows: int, bytes_per_token: int) -> float:
+    """Expected host->GPU bytes one request copies per decode step: the misses of `rows` selected tokens
+    ((1 - hit_rate) of them) times one token's MLA rows over all layers (L * row = host block / 64)."""
+    return (1.0 - hit_rate) * rows * bytes_per_token
 
 
 def sweep(inp: CalcInput, seqs: Sequence[int] = SWEEP_SEQS) -> list[dict[str, Any]]:
     """Capacity at each sequence length (tokens), other inputs unchanged. With host_gib=None each
     point gets its own minimum non-limiting host pool, as the calculator's chart assumes."""
     keys = ("baseline_running", "hisparse_running", "hisparse_gpu_limit", "hisparse_host_limit",
-            "min_host_gib", "limiting", "baseline_total", "hisparse_total")
+            "min_host_gib", "limiting", "baseline_total", "hisparse_total", "index_dtype",
+            "h2d_bytes_per_step", "h2d_ms_per_step")
     rows = []
     for s in seqs:
         d = capacity(replace(inp, seq=int(s))).to_dict()
@@ -356,15 +479,21 @@ def sweep(inp: CalcInput, seqs: Sequence[int] = SWEEP_SEQS) -> list[dict[str, An
     return rows
 
 
-def plot_sweep(rows: Sequence[dict[str, Any]], path: str) -> None:
-    """Write a PNG of running requests per replica vs sequence length (log x) for both systems."""
+def plot_sweep(rows: Sequence[dict[str, Any]], path: str,
+               other_rows: Sequence[dict[str, Any]] | None = None) -> None:
+    """Write a PNG of running requests per replica vs sequence length (log x) for both systems; `other_rows`
+    (the same sweep with the other indexer dtype) adds both systems again, dashed."""
     from matplotlib.figure import Figure  # lazy: matplotlib is optional
 
     fig = Figure(figsize=(7, 4), tight_layout=True)
     ax = fig.add_subplot()
-    seqs = [r["seq"] for r in rows]
-    ax.plot(seqs, [r["baseline_running"] for r in rows], "o-", color="0.5", label="all-GPU KV (baseline)")
-    ax.plot(seqs, [r["hisparse_running"] for r in rows], "o-", color="#008768", label="Hybrid HiSparse")
+    for rs, style in ((rows, "o-"), (other_rows or (), "s--")):
+        if not rs:
+            continue
+        seqs = [r["seq"] for r in rs]
+        tag = f", {rs[0]['index_dtype']} indexer" if other_rows and "index_dtype" in rs[0] else ""
+        ax.plot(seqs, [r["baseline_running"] for r in rs], style, color="0.5", label=f"all-GPU KV (baseline){tag}")
+        ax.plot(seqs, [r["hisparse_running"] for r in rs], style, color="#008768", label=f"Hybrid HiSparse{tag}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("running requests per DP replica")
@@ -398,6 +527,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int_at_least(1, "tp"), default=8)
     p.add_argument("--ep", action=argparse.BooleanOptionalAction, default=True, help="expert parallel over DP*TP")
     p.add_argument("--kv-dtype", choices=("fp8", "bf16"), default="fp8")
+    p.add_argument("--index-dtype", type=choice(INDEX_DTYPES, "index dtype"), default="fp8", metavar="{fp8,int4}",
+                   help="indexer key storage: fp8 (128 B + fp32 scale = 132 B/token/layer) or int4 (4-bit values "
+                        "+ UE8M0 block-32 scales = 68 B, the MXFP4 layout of vLLM #48558 / SGLang #30546)")
     p.add_argument("--hot-rows", type=int_at_least(1, "hot_rows"), default=4096,
                    help="hot-buffer rows per group (10240 with MTP3)")
     p.add_argument("--groups", type=int_at_least(1, "groups"), default=None,
@@ -412,6 +544,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve-gib", type=bounded_float(0, name="reserve_gib"), default=15.0)
     p.add_argument("--kv-hbm-gib", type=bounded_float(0, low_inclusive=False, name="kv_hbm_gib"), default=None,
                    help="override the KV HBM estimate per GPU")
+    p.add_argument("--hit-rate", type=bounded_float(0, 1, name="hit_rate"), default=None,
+                   help="hot-buffer hit rate for the H2D cost (default: the measured one in "
+                        f"experiments/results/demo.json, else {DEFAULT_HIT_RATE})")
+    p.add_argument("--top-k", type=int_at_least(1, "top_k"), default=DEFAULT_TOP_K,
+                   help="rows the indexer selects per layer and step")
+    p.add_argument("--link-gb-per-s", type=bounded_float(0, low_inclusive=False, name="link_gb_per_s"),
+                   default=DEFAULT_LINK_GB_PER_S, help="host->GPU link bandwidth per GPU, GB/s (1e9 B/s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--sweep", action="store_true", help="tabulate capacity vs sequence length (8K..1M)")
     p.add_argument("--plot", metavar="PATH", help="with the sweep, write a PNG plot")
@@ -421,6 +560,10 @@ def _parser() -> argparse.ArgumentParser:
 def _table(r: CalcResult) -> str:
     i, bb = r.inputs, r.block_bytes
     host = "unlimited" if r.hisparse_host_limit is None else f"{r.hisparse_host_limit:,}"
+    per_layer = r.indexer_bytes_per_token_layer
+    idx = f"{r.index_dtype}" + ("" if per_layer is None else f": {per_layer} B / token / full layer")
+    h2d = (f"{r.h2d_bytes_per_step / 1e6:,.1f} MB ({r.h2d_bytes_per_request_step / 1e6:,.2f} MB / request), "
+           f"{r.h2d_ms_per_step:,.2f} ms at {r.link_gb_per_s:g} GB/s")
     rows = [("", "baseline", "HiSparse"),
             ("block bytes (64 tokens)", f"{bb.baseline:,}", f"{bb.hisparse_gpu:,} (host {bb.host:,})"),
             ("GPU pool (blocks)", f"{r.baseline_pool_blocks:,}", f"{r.hisparse_pool_blocks:,}"),
@@ -429,10 +572,13 @@ def _table(r: CalcResult) -> str:
             ("host limit", "-", f"{host} ({r.host_gib:g} GiB pool)"),
             ("running / replica", f"{r.baseline_running:,}", f"{r.hisparse_running:,} (limit: {r.limiting})"),
             (f"running total (x DP{i.dp})", f"{r.baseline_total:,}", f"{r.hisparse_total:,}"),
-            ("min host pool / replica", "-", f"{r.min_host_gib:.2f} GiB (shown as {r.min_host_gib_published})")]
+            ("min host pool / replica", "-", f"{r.min_host_gib:.2f} GiB (shown as {r.min_host_gib_published})"),
+            ("indexer B / token", f"{r.indexer_bytes_per_token:,}", idx),
+            ("H2D / decode step", "0", h2d),
+            ("  assuming", "", f"hit rate {r.hit_rate:.3f} ({r.hit_rate_source}), top-k {r.top_k:,}")]
     head = (f"preset {get_preset(i.preset).name}  {i.gpu} DP{i.dp} TP{i.tp} {'EP' if i.ep else 'no-EP'}  "
-            f"{i.kv_dtype}  seq {i.seq:,}  hot rows {i.hot_rows:,}  KV HBM {r.kv_hbm_gib:g} GiB/GPU "
-            f"(weights {r.weights_per_gpu_gib:.2f} GiB/GPU)")
+            f"{i.kv_dtype} (indexer {r.index_dtype})  seq {i.seq:,}  hot rows {i.hot_rows:,}  "
+            f"KV HBM {r.kv_hbm_gib:g} GiB/GPU (weights {r.weights_per_gpu_gib:.2f} GiB/GPU)")
     return "\n".join([head] + [f"  {a:26}{b:>12}   {c}" for a, b, c in rows])
 
 
@@ -448,12 +594,14 @@ def main(argv: list[str] | None = None) -> int:
     inp = CalcInput(preset=a.preset, gpu=a.gpu, dp=a.dp, tp=a.tp, ep=a.ep, kv_dtype=a.kv_dtype, seq=a.seq,
                     hot_rows=a.hot_rows, groups=a.groups, retained=a.retained, other=a.other, host_gib=a.host_gib,
                     max_seqs=a.max_seqs, gpu_memory_utilization=a.gpu_memory_utilization,
-                    reserve_gib=a.reserve_gib, kv_hbm_gib=a.kv_hbm_gib)
+                    reserve_gib=a.reserve_gib, kv_hbm_gib=a.kv_hbm_gib, index_dtype=a.index_dtype,
+                    hit_rate=a.hit_rate, top_k=a.top_k, link_gb_per_s=a.link_gb_per_s)
     try:
         result = capacity(inp)
         rows = sweep(inp) if a.sweep or a.plot else None
-        if a.plot:
-            plot_sweep(rows, a.plot)
+        if a.plot:  # a comparison plot: both indexer dtypes
+            other = next(d for d in INDEX_DTYPES if d != inp.index_dtype)
+            plot_sweep(rows, a.plot, sweep(replace(inp, index_dtype=other)))
     except (CalcError, ImportError, OSError) as e:
         print(f"hisparse calc: error: {e}", file=sys.stderr)
         return 2
@@ -465,10 +613,12 @@ def main(argv: list[str] | None = None) -> int:
     elif rows is not None:
         cols = {"seq": "seq", "baseline_running": "baseline", "hisparse_running": "hisparse",
                 "hisparse_gpu_limit": "gpu limit", "hisparse_host_limit": "host limit",
-                "min_host_gib": "min host GiB", "limiting": "limiting"}
+                "min_host_gib": "min host GiB", "limiting": "limiting", "h2d_ms_per_step": "H2D ms/step"}
+        print(f"indexer {inp.index_dtype}; H2D at hit rate {result.hit_rate:.3f} ({result.hit_rate_source}), "
+              f"top-k {inp.top_k:,}, {inp.link_gb_per_s:g} GB/s")
         print("".join(f"{h:>13}" for h in cols.values()))
         for row in rows:
-            cells = [f"{row[c]:.1f}" if c == "min_host_gib" else "-" if row[c] is None else
+            cells = [f"{row[c]:.1f}" if c in ("min_host_gib", "h2d_ms_per_step") else "-" if row[c] is None else
                      f"{row[c]:,}" if isinstance(row[c], int) else str(row[c]) for c in cols]
             print("".join(f"{x:>13}" for x in cells))
     else:

@@ -191,3 +191,155 @@ def test_data_parallel_totals_scale_like_the_mesh_engine(dp):
     # with expert parallelism the routed experts' weights divide over DP x TP: more HBM left per GPU for KV
     free = [calc.capacity(calc.CalcInput(dp=d, ep=True)).kv_hbm_gib for d in (1, dp)]
     assert free[1] >= free[0]
+
+
+# --- indexer key dtype (--index-dtype) and the H2D cost per decode step ---
+
+def test_indexer_row_bytes_fp8_and_int4():
+    # fp8: 128 e4m3 + one fp32 scale; int4 (MXFP4 accounting of vLLM #48558 / SGLang #30546): 64 B of packed
+    # 4-bit values + 4 UE8M0 block-32 scales
+    assert (calc.indexer_row_bytes(128, "fp8"), calc.indexer_row_bytes(128, "int4")) == (132, 68)
+    assert calc.indexer_row_bytes(64, "int4") == 32 + 2 and calc.indexer_row_bytes(128, "bf16") == 256
+    with pytest.raises(calc.CalcError):
+        calc.indexer_row_bytes(128, "int8")
+    lay = calc.block_layout(GLM_CFG, "fp8", indexer_dtype="int4")
+    assert lay.indexer_row == 68 and lay.indexer_page == 64 * 21 * 68 == 91_392
+    assert lay.hot_group_layers == (2,) + (4,) * 19  # a 4-layer unit is never split, so still 20 groups
+    # the shared pool's block is now the largest hot group's page, not the (smaller) indexer page
+    assert lay.hisparse_gpu == lay.hisparse_gpu_unpadded == 4 * 64 * 576 == 147_456
+    assert lay.block_bytes == calc.BlockBytes(2_875_392 + 91_392, 147_456, 2_875_392)
+    assert GLM.blocks("fp8", "int4") == lay.block_bytes and GLM.blocks("fp8", "fp8") == GLM.fp8
+
+
+@pytest.mark.parametrize("seq, hot_rows, baseline, hisparse", [
+    (81_920, 4096, 4, 39), (81_920, 10_240, 4, 22), (142_000, 4096, 2, 29), (1_048_576, 4096, 0, 5)])
+def test_fp8_index_dtype_leaves_the_published_numbers(seq, hot_rows, baseline, hisparse):
+    default = calc.capacity(calc.CalcInput(seq=seq, hot_rows=hot_rows))
+    fp8 = calc.capacity(calc.CalcInput(seq=seq, hot_rows=hot_rows, index_dtype="fp8"))
+    assert (fp8.baseline_running, fp8.hisparse_running) == (baseline, hisparse)  # the pins of test_published_capacity
+    assert fp8.block_bytes == GLM.fp8 and fp8.groups == 20 and fp8.index_dtype == "fp8"
+    assert fp8.to_dict() == default.to_dict()
+    assert (fp8.indexer_bytes_per_token_layer, fp8.indexer_bytes_per_token) == (132, 21 * 132)
+
+
+def test_int4_capacity_at_1m():
+    fp8 = calc.capacity(calc.CalcInput(seq=2 ** 20))
+    int4 = calc.capacity(calc.CalcInput(seq=2 ** 20, index_dtype="int4"))
+    # n = 16,384 + 20 groups * (64 + 2) = 17,704 blocks per request either way; only the block shrinks:
+    # floor(17.8 GiB / 184,320) = 103,692 -> 5, floor(17.8 GiB / 147,456) = 129,615 -> 7
+    assert (int4.hisparse_pool_blocks, int4.hisparse_gpu_blocks_per_request) == (129_615, 17_704)
+    assert (fp8.hisparse_running, int4.hisparse_running) == (5, 7) and int4.limiting == "gpu"
+    assert int4.hisparse_running >= 1.4 * fp8.hisparse_running
+    # not 1.8x: the block only shrinks 1.25x (the hot groups' 4-layer page bounds it), so the pool grows 1.25x
+    assert fp8.block_bytes.hisparse_gpu / int4.block_bytes.hisparse_gpu == 1.25
+    assert int4.hisparse_pool_blocks <= 1.25 * fp8.hisparse_pool_blocks + 1
+    assert (int4.baseline_running, int4.block_bytes.baseline) == (0, 2_966_784)
+    for seq in calc.SWEEP_SEQS:  # never fewer requests with the smaller key
+        a, b = (calc.capacity(calc.CalcInput(seq=seq, index_dtype=d)) for d in ("fp8", "int4"))
+        assert b.hisparse_running >= a.hisparse_running and b.baseline_running >= a.baseline_running
+
+
+def test_int4_needs_a_kv_shape():
+    bare = replace(GLM, name="bare", kv_shape=None)
+    assert calc.capacity(calc.CalcInput(preset=bare)).hisparse_running == 39
+    assert calc.capacity(calc.CalcInput(preset=bare)).indexer_bytes_per_token_layer is None
+    with pytest.raises(calc.CalcError, match="no KV shape"):
+        calc.capacity(calc.CalcInput(preset=bare, index_dtype="int4"))
+    derived = calc.preset_from_config(GLM_CFG, "glm-5.3-derived", 19.556, 684.167)
+    a = calc.capacity(calc.CalcInput(index_dtype="int4")).to_dict()
+    b = calc.capacity(calc.CalcInput(preset=derived, index_dtype="int4")).to_dict()
+    a.pop("inputs"), b.pop("inputs")
+    assert a == b
+
+
+def test_h2d_bytes_by_hand():
+    r = calc.capacity(calc.CalcInput(hit_rate=0.75))  # 80K, 39 HiSparse requests
+    per_req = 0.25 * 2048 * 78 * 576                 # misses x layers x FP8 MLA row
+    assert per_req == 23_003_136 and r.h2d_bytes_per_request_step == per_req
+    assert r.h2d_bytes_per_step == 39 * per_req == 897_122_304
+    assert r.h2d_ms_per_step == pytest.approx(897_122_304 / 50e9 * 1e3)  # 17.94 ms at 50 GB/s
+    assert (r.hit_rate, r.hit_rate_source, r.top_k, r.link_gb_per_s) == (0.75, "input", 2048, 50.0)
+    r = calc.capacity(calc.CalcInput(hit_rate=0.5, top_k=1024, link_gb_per_s=25, kv_dtype="bf16"))
+    assert r.h2d_bytes_per_request_step == 0.5 * 1024 * 78 * 1152 and r.hisparse_running == 24
+    assert r.h2d_ms_per_step == pytest.approx(24 * 0.5 * 1024 * 78 * 1152 / 25e9 * 1e3)
+    assert calc.capacity(calc.CalcInput(hit_rate=1.0)).h2d_bytes_per_step == 0
+    # the index dtype changes how many requests copy, not what one copies
+    a, b = (calc.capacity(calc.CalcInput(seq=2 ** 20, hit_rate=0.75, index_dtype=d)) for d in ("fp8", "int4"))
+    assert a.h2d_bytes_per_request_step == b.h2d_bytes_per_request_step
+    assert (a.h2d_bytes_per_step, b.h2d_bytes_per_step) == (5 * per_req, 7 * per_req)
+    short = calc.capacity(calc.CalcInput(seq=1024, hot_rows=8192, hit_rate=0.5))  # all resident: nothing to copy
+    assert short.limiting == "baseline" and short.h2d_bytes_per_step == 0
+    assert short.h2d_bytes_per_request_step == 0.5 * 1024 * 78 * 576  # min(top_k, seq) rows
+
+
+def test_default_hit_rate_is_the_measured_one():
+    rate, source = calc.default_hit_rate()
+    r = calc.capacity(calc.CalcInput())
+    assert (r.hit_rate, r.hit_rate_source) == (rate, source)
+    if calc.DEMO_RESULTS.exists():
+        measured = json.loads(calc.DEMO_RESULTS.read_text())["policies"]["hisparse"]["hit_rate"]
+        assert (rate, source) == (measured, "experiments/results/demo.json")
+    else:
+        assert (rate, source) == (calc.DEFAULT_HIT_RATE, "default")
+    assert calc._demo_hit_rate("/nonexistent/demo.json") is None
+
+
+def test_cli_index_dtype_json(capsys):
+    assert calc.main(["--seq", "1m", "--json"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    assert calc.main(["--seq", "1m", "--index-dtype", "int4", "--json", "--hit-rate", "0.75",
+                      "--link-gb-per-s", "25", "--top-k", "2048"]) == 0
+    int4 = json.loads(capsys.readouterr().out)
+    assert (fp8["index_dtype"], fp8["indexer_bytes_per_token_layer"], fp8["hisparse_running"]) == ("fp8", 132, 5)
+    assert (int4["index_dtype"], int4["indexer_bytes_per_token_layer"], int4["indexer_bytes_per_token"]) == (
+        "int4", 68, 21 * 68)
+    assert int4["inputs"]["index_dtype"] == "int4" and int4["hisparse_running"] == 7
+    assert int4["block_bytes"] == {"baseline": 2_966_784, "hisparse_gpu": 147_456, "host": 2_875_392}
+    assert (int4["hit_rate"], int4["hit_rate_source"], int4["link_gb_per_s"]) == (0.75, "input", 25.0)
+    assert int4["h2d_bytes_per_step"] == 7 * 23_003_136
+    assert int4["h2d_ms_per_step"] == pytest.approx(7 * 23_003_136 / 25e9 * 1e3)
+    assert calc.main(["--index-dtype", "int4", "--sweep", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["sweep"]
+    assert all(r["index_dtype"] == "int4" and "h2d_ms_per_step" in r for r in rows)
+    assert rows[-1]["hisparse_running"] == 7
+
+
+def test_cli_index_dtype_text_sweep_and_plot(capsys, tmp_path):
+    assert calc.main(["--index-dtype", "int4", "--hit-rate", "0.75"]) == 0
+    out = capsys.readouterr().out
+    # 49 requests x 23,003,136 B = 1,127,153,664 B; / 50 GB/s = 22.54 ms
+    assert calc.capacity(calc.CalcInput(index_dtype="int4")).hisparse_running == 49
+    assert "indexer int4" in out and "68 B / token" in out and "1,127.2 MB" in out and "22.54 ms" in out
+    assert calc.main(["--sweep", "--index-dtype", "int4"]) == 0
+    out = capsys.readouterr().out
+    assert "indexer int4" in out and "H2D ms/step" in out
+    pytest.importorskip("matplotlib")
+    rows, other = (calc.sweep(calc.CalcInput(index_dtype=d)) for d in ("fp8", "int4"))
+    calc.plot_sweep(rows, str(tmp_path / "both.png"), other)
+    assert (tmp_path / "both.png").read_bytes()[:4] == b"\x89PNG"
+    assert calc.main(["--sweep", "--plot", str(tmp_path / "cli.png")]) == 0
+    assert (tmp_path / "cli.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--index-dtype", "int8"), ("--index-dtype", "FP8"), ("--index-dtype", ""),
+    *[("--hit-rate", v) for v in ("1.5", "-0.1", "nan", "inf", "x")],
+    ("--top-k", "0"), ("--top-k", "1.5"), *[("--link-gb-per-s", v) for v in ("0", "-1", "inf", "nan")],
+])
+def test_cli_bad_index_dtype_and_h2d_options(capsys, monkeypatch, option, value):
+    from hisparse_jax import cli
+
+    def refuse(*a, **k):
+        raise AssertionError("work started despite a bad argument")
+
+    monkeypatch.setattr(calc, "capacity", refuse)
+    assert cli.main(["calc", f"{option}={value}"]) == 2
+    err = capsys.readouterr().err
+    assert "usage: hisparse calc" in err and f"error: argument {option}: " in err and "Traceback" not in err, err
+
+
+def test_capacity_rejects_bad_h2d_inputs():
+    for kw in ({"index_dtype": "int8"}, {"hit_rate": 1.5}, {"hit_rate": -0.1}, {"hit_rate": math.nan},
+               {"top_k": 0}, {"link_gb_per_s": 0}, {"link_gb_per_s": math.inf}):
+        with pytest.raises(calc.CalcError):
+            calc.capacity(calc.CalcInput(**kw))
