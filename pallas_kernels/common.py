@@ -6,6 +6,7 @@
 * `hadamard`       the Sylvester Hadamard rotation DeepSeek applies before quantizing indexer q and k
 * `float_to_key`   f32 -> int32 whose signed order is the float order (the indexer kernels select on it)
 * `check_triton_offsets`  refuses an operand Pallas-Triton would address past 2^31 with 32-bit offsets
+* `fp8_words`, `e4m3_to_f32`  an e4m3 pool as uint32 words of four (so those offsets stay under 2^31), decoded
 """
 
 from __future__ import annotations
@@ -75,3 +76,31 @@ def check_triton_offsets(name: str, x) -> None:
             f"64-bit ones only above 4 GiB): size the store's pools outside 2-4 GiB for this dtype, or use "
             f"kernels='reference'")
 
+
+
+FP8_PER_WORD = 4  # e4m3 values per uint32 word (`fp8_words`)
+
+
+def fp8_words(x):
+    """An e4m3 array [..., d] viewed as uint32 words [..., d / 4] (a bitcast: XLA makes no copy; byte m of word j,
+    the (8 m)-th bits up, is element 4 j + m). jax's Pallas-Triton lowering addresses an operand of at most 4 GiB
+    with int32 element offsets, so a 1-byte pool of 2-4 GiB would overflow them; as words it has at most 2^30
+    elements, and above 4 GiB the lowering uses int64 offsets. Kernels read the words and `e4m3_to_f32` them."""
+    *lead, d = x.shape
+    return lax.bitcast_convert_type(x.reshape(*lead, d // FP8_PER_WORD, FP8_PER_WORD), jnp.uint32)
+
+
+def e4m3_to_f32(b):
+    """uint32 holding one float8_e4m3fn bit pattern (0..255) -> its f32 value, exactly (finite patterns; the NaN
+    patterns come out as +-480, which only unread or masked rows hold)."""
+    sign = (b & 0x80) << 24
+    exp, man = (b >> 3) & 0xF, b & 0x7
+    normal = lax.bitcast_convert_type(sign | ((exp + (127 - 7)) << 23) | (man << 20), jnp.float32)
+    sub = man.astype(jnp.float32) * (2.0 ** -9)  # exponent field 0: man / 8 * 2^(1 - 7)
+    return jnp.where(exp == 0, jnp.where(sign != 0, -sub, sub), normal)
+
+
+def word_planes(words):
+    """uint32 words [..., n] -> the FP8_PER_WORD e4m3 values of each word as f32 planes [..., n] (plane m holds
+    elements 4 j + m)."""
+    return [e4m3_to_f32((words >> (8 * m)) & 0xFF) for m in range(FP8_PER_WORD)]

@@ -168,7 +168,8 @@ def indexer_topk_traffic(batch: int, index_heads: int, index_dim: int, seq_len: 
     The kernel-side q is bf16 for fp8 keys (the e4m3 values of the quantized q) and for bf16 q with bf16 keys,
     float32 otherwise.
 
-    1. `_score_kernel`, grid (B, Sp / (ppb * page)): per program `seq_ref[b]` (4 B), `q_ref[...]` (Ip * dI),
+    1. `_score_kernel`, grid (B, Sp / (ppb * page)): per program `seq_ref[b]` and `layer_ref[0]` (4 B each),
+       `q_ref[...]` (Ip * dI; for fp8 keys as 4 parts of dI / 4, the keys being read as uint32 words),
        `w_ref[...]` (Ip * 4); per page whose start < seq_len (the `lax.cond`): `bt_ref[i]` (4 B), `k_ref[pg]`
        (page * dI key bytes) and for fp8 `ks_ref[pg]` (page * 4); writes ppb * page int32 keys (every page).
     2. `_count_kernel`, 32 / RADIX_BITS launches, grid (B, NC): `cand_ref[...]` (2**RADIX_BITS * 4), the
@@ -217,7 +218,8 @@ def indexer_topk_traffic(batch: int, index_heads: int, index_dim: int, seq_len: 
         Pass("xla: q / w prep", B * I * (D * qb_in + F32), B * Ip * (D * qb + F32), 0, "xla")
         if (fp8 or Ip != I or qb != qb_in) else None,
         Pass("xla: block-table pad", B * MP * I32, B * (Sp // page) * I32, 0, "xla") if Sp // page != MP else None,
-        Pass("scores", score_programs * (I32 + Ip * D * qb + Ip * F32) + live_pages * (I32 + key_row), B * Sp * I32),
+        Pass("scores", score_programs * (2 * I32 + Ip * D * qb + Ip * F32) + live_pages * (I32 + key_row),
+             B * Sp * I32),
         Pass("radix count", rounds * B * NC * (NK * I32 + chunk * I32), rounds * B * NC * NK * I32, rounds),
         Pass("xla: radix digit sums", rounds * (B * NC * NK * I32 + B * I32), rounds * (B * NK * I32 + B * I32),
              0, "xla"),

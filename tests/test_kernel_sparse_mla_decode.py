@@ -186,20 +186,36 @@ def test_lowers_for_cuda_on_stacked_pools():
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1
 
 
-@pytest.mark.parametrize("layers,refused", [(20, True), (7, False), (78, False)])
-def test_pools_pallas_triton_would_address_with_32bit_offsets_are_refused(layers, refused):
+@pytest.mark.parametrize("layers", [20, 7, 78])
+def test_fp8_pools_are_addressed_as_words(layers):
     """jax's Pallas-Triton lowering uses 32-bit element offsets for operands up to 4 GiB, and Triton sign-extends
-    them: an fp8 pool of 2-4 GiB (20 layers x 4096 pages: 2.5 GiB, over 2^31 elements) would be read at negative
-    offsets past 2^31, so it is refused at trace time, naming the pool; 7 layers (< 2^31 elements) and 78 (> 4 GiB,
-    64-bit offsets) trace."""
+    them: an fp8 pool of 2-4 GiB (20 layers x 4096 pages: 2.5 GiB, over 2^31 elements) read as bytes would be read
+    at negative offsets past 2^31. The kernel reads the fp8 latent as uint32 words (under 2^31 of them below 4 GiB;
+    above it the lowering's offsets are 64-bit): the lowered CUDA call takes the words, at every size."""
+    from hisparse_jax.compat import gpu_lowering_target
+
     B, H, C, R, K, P = 2, 16, 512, 64, 64, 4096
     sds = jax.ShapeDtypeStruct
     args = [sds((B, H, C), jnp.bfloat16), sds((B, H, R), jnp.bfloat16), sds((layers, P, 64, C), jnp.float8_e4m3fn),
             sds((layers, P, 64, R), jnp.bfloat16), sds((B, K), jnp.int32), sds((B, K), jnp.int32),
             sds((B, K), jnp.bool_), sds((layers, P, 64, C // 128), jnp.float32), sds((), jnp.int32)]
-    fn = lambda *a: sparse_mla_decode(*a[:7], tau=TAU, latent_scale=a[7], layer=a[8], interpret=True)  # noqa: E731
-    if refused:
-        with pytest.raises(ValueError, match=r"latent_pages .* 32-bit offsets"):
-            jax.eval_shape(fn, *args)
-    else:
-        assert jax.eval_shape(fn, *args).shape == (B, H, C)
+    fn = lambda *a: sparse_mla_decode(*a[:7], tau=TAU, latent_scale=a[7], layer=a[8])  # noqa: E731
+    with gpu_lowering_target():
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    call = text.split("__gpu$xla.gpu.triton")[1].split("\n")[0]  # the rest of the custom call's line: its operands
+    assert f"tensor<{layers}x{P}x64x{C // 4}xui32>" in text, call[:400]
+    assert f"{layers}x{P}x64x{C}xf8E4M3FN" not in call
+
+
+def test_the_offset_guard_refuses_a_byte_operand_of_2_to_4_gib():
+    """`check_triton_offsets`, which every Triton kernel applies to what it passes: a 1-byte operand of 2-4 GiB is
+    refused naming it; the same bytes as uint32 words, or a byte operand under 2^31 elements or over 4 GiB, pass."""
+    from pallas_kernels.common import check_triton_offsets, fp8_words
+
+    sds = jax.ShapeDtypeStruct
+    pool = sds((20, 4096, 64, 512), jnp.float8_e4m3fn)  # 2.5 GiB
+    with pytest.raises(ValueError, match=r"latent_pages \(float8_e4m3fn.*2\.50 GiB\) .* 32-bit offsets"):
+        check_triton_offsets("latent_pages", pool)
+    check_triton_offsets("words", jax.eval_shape(fp8_words, pool))
+    for layers in (7, 78):
+        check_triton_offsets("latent_pages", sds((layers, 4096, 64, 512), jnp.float8_e4m3fn))

@@ -15,7 +15,7 @@ Algorithm (`lax.top_k` / `sort` do not lower on the Pallas GPU backends, so sele
    its block-table slice; per page one [Ip, dI] x [dI, page] dot, relu, the w-weighted head sum and, for
    FP8 keys, the per-key scale. It reads the store's stacked pool [L, P, page, dI] in place at the layer
    (an operand); FP8 keys as uint32 words of four, decoded in registers and dotted as four partial dots, so
-   the 32-bit offsets jax's Triton lowering uses for operands up to 4 GiB never pass 2^31 (`_key_words`). Each score becomes an int32 key whose signed order is the float order
+   the 32-bit offsets jax's Triton lowering uses for operands up to 4 GiB never pass 2^31 (`common.fp8_words`). Each score becomes an int32 key whose signed order is the float order
    (negative floats get their magnitude bits flipped; -0.0 counts as +0.0). Positions >= seq_len get
    INT32_MIN, the lowest key; pages wholly past seq_len are not read, so unused pages may hold anything.
 2. Radix select of the threshold T = the k_eff-th largest key, k_eff = min(K, Sp): 32 / RADIX_BITS rounds.
@@ -57,7 +57,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.backends import check_pallas_backend
-from pallas_kernels.common import check_triton_offsets, float_to_key, fp8_quantize, hadamard
+from pallas_kernels.common import (FP8_PER_WORD, check_triton_offsets, float_to_key, fp8_quantize, fp8_words,
+                                   hadamard, word_planes)
 
 INT_MIN = -(2**31)
 RADIX_BITS = 4  # bits of the key decided per counting round (divides 32): 32 / RADIX_BITS rounds
@@ -84,28 +85,6 @@ def _u32_to_key(u):
 
 
 # ----- 1. scores -> keys --------------------------------------------------------------------------
-KEYS_PER_WORD = 4  # e4m3 keys are read as uint32 words of 4 (see `_key_words`)
-
-
-def _key_words(k_pages):
-    """The stacked e4m3 pool [L, P, page, dI] viewed as uint32 words [L, P, page, dI / 4] (a bitcast: XLA makes
-    no copy). jax's Pallas-Triton lowering addresses an operand of at most 4 GiB with int32 element offsets, so
-    a 1-byte pool of 2-4 GiB (GLM-5's stacked index pool: 21 layers x 20480 pages, 3.3 GiB) would overflow them;
-    as words it has at most 2^30 elements, and above 4 GiB the lowering uses int64 offsets."""
-    L, P, page, D = k_pages.shape
-    return lax.bitcast_convert_type(k_pages.reshape(L, P, page, D // KEYS_PER_WORD, KEYS_PER_WORD), jnp.uint32)
-
-
-def _e4m3_to_f32(b):
-    """uint32 holding one float8_e4m3fn bit pattern (0..255) -> its f32 value (finite patterns; the NaN
-    patterns come out as +-480, which only unread or masked rows hold)."""
-    sign = (b & 0x80) << 24
-    exp, man = (b >> 3) & 0xF, b & 0x7
-    normal = lax.bitcast_convert_type(sign | ((exp + (127 - 7)) << 23) | (man << 20), jnp.float32)
-    sub = man.astype(jnp.float32) * (2.0 ** -9)  # exponent field 0: man / 8 * 2^(1 - 7)
-    return jnp.where(exp == 0, jnp.where(sign != 0, -sub, sub), normal)
-
-
 def _qk(q, k):
     """[Ip, d] x [page, d] -> f32 [Ip, page] (Triton dots need d >= 16; narrower ones are summed products)."""
     if q.shape[-1] >= MIN_DOT:
@@ -126,6 +105,8 @@ def _score_kernel(seq_ref, layer_ref, q_ref, w_ref, bt_ref, k_ref, *rest, page, 
         (out_ref,) = rest
     b, j = pl.program_id(0), pl.program_id(1)
     seq_len, layer = seq_ref[b], layer_ref[0]
+    # q once per program: [Ip, dI], or for e4m3 keys its 4 parts [Ip, dI / 4]
+    qs = [q_ref[m].astype(compute_dtype) for m in range(FP8_PER_WORD)] if fp8 else q_ref[...].astype(compute_dtype)
     w = w_ref[...]  # [Ip]
 
     def page_keys(i):
@@ -135,12 +116,10 @@ def _score_kernel(seq_ref, layer_ref, q_ref, w_ref, bt_ref, k_ref, *rest, page, 
         def compute():
             pg = jnp.maximum(bt_ref[i], 0)
             if fp8:  # byte m of word j is key element 4 j + m (little-endian): four partial dots
-                words = k_ref[layer, pg]  # [page, dI / 4] uint32
-                dots = sum(_qk(q_ref[m].astype(compute_dtype),
-                               _e4m3_to_f32((words >> (8 * m)) & 0xFF).astype(compute_dtype))
-                           for m in range(KEYS_PER_WORD))  # [Ip, page]
+                planes = word_planes(k_ref[layer, pg])  # 4 x [page, dI / 4] f32
+                dots = sum(_qk(q, k.astype(compute_dtype)) for q, k in zip(qs, planes))  # [Ip, page]
             else:
-                dots = _qk(q_ref[...].astype(compute_dtype), k_ref[layer, pg].astype(compute_dtype))
+                dots = _qk(qs, k_ref[layer, pg].astype(compute_dtype))
             s = jnp.sum(jnp.maximum(dots, 0.0) * w[:, None], axis=0)  # [page]
             if fp8:
                 s = s * ks_ref[layer, pg]
@@ -163,9 +142,9 @@ def _scores_to_keys(seq, layer, q, w, bt, k_pages, k_scale, *, ppb, compute_dtyp
     blk = ppb * page
     fp8 = k_scale is not None
     if fp8:
-        k_pages = _key_words(k_pages)
-        q = q.reshape(B, Ip, D // KEYS_PER_WORD, KEYS_PER_WORD).transpose(0, 3, 1, 2)  # [B, 4, Ip, dI / 4]
-    check_triton_offsets("k_pages", k_pages)  # safe by construction (see `_key_words`); kept as the proof
+        k_pages = fp8_words(k_pages)
+        q = q.reshape(B, Ip, D // FP8_PER_WORD, FP8_PER_WORD).transpose(0, 3, 1, 2)  # [B, 4, Ip, dI / 4]
+    check_triton_offsets("k_pages", k_pages)  # safe by construction (see `fp8_words`); kept as the proof
     in_specs = [
         pl.BlockSpec(seq.shape, lambda b, j: (0,)),
         pl.BlockSpec(layer.shape, lambda b, j: (0,)),

@@ -8,7 +8,9 @@ Grid (B, H / BH, S): one program per sequence, block of BH heads and split s of 
 so that small batches still fill the GPU). A program walks its K / S rows in blocks of BK:
 
     addresses  page / row [BK] (page -1 marks an invalid slot: its loads are masked, never read)
-    rows       latent [BK, C] in chunks of CC = min(C, 128) columns (fp8: times the chunk's scale),
+    rows       latent [BK, C] in chunks of CC = min(C, 128) columns (fp8: read as uint32 words of four,
+               decoded into four planes of CC / 4 columns, times the chunk's scale; q_lat and the output are
+               permuted to that plane-major column order outside the kernel, `_plane_major`),
                rope [BK, R], gathered with one (page, row, column) index per element
     scores     s [BH, BK] = tau (q_lat . c + q_rope . kR), fp32 accumulation; invalid -> -inf
     softmax    online (running max m, sum l, rescaled fp32 accumulator [BH, C])
@@ -37,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.backends import check_pallas_backend
-from pallas_kernels.common import check_triton_offsets
+from pallas_kernels.common import FP8_PER_WORD, check_triton_offsets, fp8_words, word_planes
 from pallas_kernels.sparse_mla_decode.reference import FP8_BLOCK, check_out_dtype, checked_stacked_pools, merge_splits
 
 TARGET_PROGRAMS = 264  # ~2 waves of programs on a 132-SM H100 / H200
@@ -46,7 +48,8 @@ TARGET_PROGRAMS = 264  # ~2 waves of programs on a 132-SM H100 / H200
 def _kernel(layer_ref, q_lat_ref, q_rope_ref, page_ref, row_ref, lat_ref, rope_ref, *rest,
             tau: float, bk: int, cc: int, steps: int, fp8: bool):
     # layer_ref [1], q_lat_ref [BH, C], q_rope_ref [BH, R], page_ref / row_ref [Kp] (page -1 = invalid)
-    # lat_ref [L, P, 64, C], rope_ref [L, P, 64, R], (scale_ref [L, P, 64, C / 128] when fp8)
+    # lat_ref [L, P, 64, C] (fp8: uint32 words [L, P, 64, C / 4]), rope_ref [L, P, 64, R],
+    # (scale_ref [L, P, 64, C / 128] when fp8)
     # o_ref [BH, C] (unnormalized), m_ref / l_ref [BH]
     if fp8:
         scale_ref, o_ref, m_ref, l_ref = rest
@@ -59,7 +62,10 @@ def _kernel(layer_ref, q_lat_ref, q_rope_ref, page_ref, row_ref, lat_ref, rope_r
     mma = q_lat_ref.dtype
     prec = lax.Precision.HIGHEST if mma == jnp.float32 else None
     chunks = range(0, C, cc)
-    q_c = [q_lat_ref[:, pl.ds(c0, cc)] for c0 in chunks]  # [BH, CC] each
+    # fp8: each chunk's latent comes as FP8_PER_WORD planes of CC / 4 columns (`common.word_planes`), and q_lat's
+    # chunk is permuted to match (plane-major, see `_plane_major`): one [BH, CC / 4] query part per plane
+    part = cc // FP8_PER_WORD if fp8 else cc
+    q_c = [q_lat_ref[:, pl.ds(c0 + k * part, part)] for c0 in chunks for k in range(cc // part)]
     q_r = q_rope_ref[...].astype(mma)  # [BH, R]
 
     def dot_t(a, b):  # a [M, D] . b [N, D]^T -> f32 [M, N]
@@ -82,18 +88,24 @@ def _kernel(layer_ref, q_lat_ref, q_rope_ref, page_ref, row_ref, lat_ref, rope_r
         k_r = plgpu.load(rope_ref.at[layer, jnp.broadcast_to(pg, (bk, R)), jnp.broadcast_to(rw, (bk, R)), cols(R)],
                          mask=jnp.broadcast_to(ok2, (bk, R)), other=jnp.zeros((), rope_ref.dtype))  # [BK, R]
         s = dot_t(q_r, k_r.astype(mma))  # [BH, BK]
-        rows = []
-        for j, c0 in enumerate(chunks):
-            shape = (bk, cc)
-            c = plgpu.load(lat_ref.at[layer, jnp.broadcast_to(pg, shape), jnp.broadcast_to(rw, shape), cols(cc, c0)],
-                           mask=jnp.broadcast_to(ok2, shape), other=jnp.zeros((), lat_ref.dtype))  # [BK, CC]
-            if fp8:
+        rows = []  # [BK, part] each, in q_c's order
+        for c0 in chunks:
+            if fp8:  # the chunk's uint32 words [BK, CC / 4], times the chunk's scale, as 4 planes
+                shape = (bk, part)
+                w = plgpu.load(lat_ref.at[layer, jnp.broadcast_to(pg, shape), jnp.broadcast_to(rw, shape),
+                                          cols(part, c0 // FP8_PER_WORD)],
+                               mask=jnp.broadcast_to(ok2, shape), other=jnp.zeros((), lat_ref.dtype))
                 blk = jnp.full((bk,), c0 // FP8_BLOCK, jnp.int32)
                 sc = plgpu.load(scale_ref.at[layer, pg[:, 0], rw[:, 0], blk], mask=ok, other=0.0)  # [BK]
-                c = c.astype(jnp.float32) * sc[:, None]
-            c = c.astype(mma)
-            s = s + dot_t(q_c[j], c)
-            rows.append(c)
+                rows += [(c * sc[:, None]).astype(mma) for c in word_planes(w)]
+            else:
+                shape = (bk, cc)
+                c = plgpu.load(lat_ref.at[layer, jnp.broadcast_to(pg, shape), jnp.broadcast_to(rw, shape),
+                                          cols(cc, c0)],
+                               mask=jnp.broadcast_to(ok2, shape), other=jnp.zeros((), lat_ref.dtype))  # [BK, CC]
+                rows.append(c.astype(mma))
+        for q, c in zip(q_c, rows):
+            s = s + dot_t(q, c)
         s = jnp.where(ok[None, :], s * tau, -jnp.inf)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))  # [BH]
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # all -inf so far: keep exp() finite
@@ -103,11 +115,11 @@ def _kernel(layer_ref, q_lat_ref, q_rope_ref, page_ref, row_ref, lat_ref, rope_r
         acc = tuple(alpha[:, None] * a + dot(p.astype(mma), c) for a, c in zip(acc, rows))
         return acc, m_next, l_next
 
-    acc0 = tuple(jnp.zeros((bh, cc), jnp.float32) for _ in chunks)
+    acc0 = tuple(jnp.zeros((bh, part), jnp.float32) for _ in q_c)
     init = (acc0, jnp.full((bh,), -jnp.inf, jnp.float32), jnp.zeros((bh,), jnp.float32))
     acc, m, l = lax.fori_loop(0, steps, body, init)
-    for a, c0 in zip(acc, chunks):
-        o_ref[:, pl.ds(c0, cc)] = a
+    for k, a in enumerate(acc):
+        o_ref[:, pl.ds(k * part, part)] = a
     m_ref[...] = m
     l_ref[...] = l
 
@@ -169,6 +181,8 @@ def _sparse_mla_decode_triton(q_lat, q_rope, latent_pages, rope_pages, page, row
         return pl.BlockSpec(x.shape, lambda b, h, s: (0,) * x.ndim)
 
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    if fp8:  # read as uint32 words, so Pallas-Triton's 32-bit offsets never pass 2^31 (`common.fp8_words`)
+        latent_pages, q_lat = fp8_words(latent_pages), _plane_major(q_lat, cc)
     pools = [latent_pages, rope_pages] + ([latent_scale] if fp8 else [])
     for name, pool in zip(("latent_pages", "rope_pages", "latent_scale"), pools):
         check_triton_offsets(name, pool)
@@ -190,4 +204,14 @@ def _sparse_mla_decode_triton(q_lat, q_rope, latent_pages, rope_pages, page, row
         interpret=interpret, name="sparse_mla_decode",
     )(layer, q_lat, q_rope, addr, row, *pools)
 
-    return merge_splits(o, m, l)[:, :H].astype(out_dtype)
+    out = merge_splits(o, m, l)[:, :H]
+    return (_plane_major(out, cc, inverse=True) if fp8 else out).astype(out_dtype)
+
+
+def _plane_major(x, cc: int, inverse: bool = False):
+    """Columns [..., C] -> in each chunk of `cc`, the FP8_PER_WORD planes one after the other (column c0 + 4 j + m
+    moves to c0 + m * cc / 4 + j), the order in which the fp8 kernel reads a chunk's words; `inverse` undoes it."""
+    *lead, C = x.shape
+    n = cc // FP8_PER_WORD
+    shape = (C // cc, FP8_PER_WORD, n) if inverse else (C // cc, n, FP8_PER_WORD)
+    return jnp.swapaxes(x.reshape(*lead, *shape), -1, -2).reshape(*lead, C)
