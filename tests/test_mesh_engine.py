@@ -297,12 +297,17 @@ def test_mesh_engine_refusals_and_log(small_model, tmp_path):
         eng.rank_of("nope")
     with pytest.raises(RuntimeError, match="step the MeshEngine"):
         eng.engines[0].store
+    # a request added to a rank's engine directly is a placement of one's own: the mesh knows it
+    eng.engines[0].add_request("z", [4, 5], SamplingParams(max_new_tokens=1))
+    assert eng.rank_of("z") == 0 and set(eng.requests) == {"x", "z"}
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("z", [1, 2, 3])
     eng.run()
-    assert eng.outputs()["x"] and eng.metrics().tokens == 2
+    assert eng.outputs()["x"] and eng.outputs()["z"] and eng.metrics().tokens == 3
     eng.close()
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert len(lines) == eng.metrics().steps and all(len(x["ranks"]) == 1 for x in lines)
-    assert sum(x["tokens"] for x in lines) == 2
+    assert sum(x["tokens"] for x in lines) == 3
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ class MeshEngine:
         if config.expert_parallel:
             parallel.check_expert_parallel(model.cfg, mesh)
         self.runner = MeshRunner(self.engines[0].runner, mesh, expert_parallel=config.expert_parallel)
-        self._rank: dict[str, int] = {}
+        self._placed = 0  # requests the mesh has placed (round-robin's counter)
         self.history: list[StepMetrics] = []
         self._store_lost = False
         self._log = open(config.log_path, "a") if config.log_path else None
@@ -118,7 +118,7 @@ class MeshEngine:
     def place(self, prompt) -> int:
         """The rank a request with `prompt` would be placed on now (`config.placement`)."""
         if self.config.placement == "round_robin":
-            return len(self._rank) % self.n
+            return self._placed % self.n
 
         def key(r):
             e = self.engines[r]
@@ -142,25 +142,28 @@ class MeshEngine:
         return self._add(request_id, list(export.tokens), lambda e: e.import_request(request_id, export, params))
 
     def _add(self, request_id, prompt, add) -> Request:
-        if isinstance(request_id, str) and request_id in self._rank:
+        if isinstance(request_id, str) and any(request_id in e.requests for e in self.engines):
             raise ValueError(f"request id {request_id!r} is already in use")
         try:
             r = self.place(prompt)
         except Exception:  # a prompt the rank engine will refuse with its own message
             r = 0
         req = add(self.engines[r])
-        self._rank[request_id] = r
+        self._placed += 1
         return req
 
     def rank_of(self, request_id: str) -> int:
-        try:
-            return self._rank[request_id]
-        except (KeyError, TypeError):
-            raise UnknownRequest(f"no request {request_id!r} in this engine") from None
+        """The rank holding `request_id`: placed by the mesh, or added to `engines[r]` directly (a placement of
+        one's own; the mesh steps, reports and aborts it like the others)."""
+        for r, e in enumerate(self.engines):
+            if isinstance(request_id, str) and request_id in e.requests:
+                return r
+        raise UnknownRequest(f"no request {request_id!r} in this engine")
 
     @property
     def requests(self) -> dict[str, Request]:
-        return {rid: self.engines[r].requests[rid] for rid, r in self._rank.items()}
+        """Every rank's requests (ids are unique across ranks: `add_request` refuses one in use on any rank)."""
+        return {rid: q for e in self.engines for rid, q in e.requests.items()}
 
     def abort(self, request_id: str) -> None:
         self.engines[self.rank_of(request_id)].abort(request_id)
