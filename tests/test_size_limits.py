@@ -232,3 +232,9 @@ def test_parameter_bytes_match_the_model(preset, change, mtp):
 
 def test_hot_rows_within_the_pool_are_accepted():
     assert CacheConfig(device_pages=8, hot_rows=512).hot_rows == 512
+
+
+def test_a_hot_buffer_larger_than_the_device_pool_is_not_refused_by_itself():
+    """The fuzzer's generate case 414 (seed 2026): 1 device page, 192 hot rows and a one-page request, which never
+    tiers, ran; preempt and offload use no hot buffer. Only a store past the machine's memory is refused."""
+    assert CacheConfig(device_pages=1, host_pages=2, hot_rows=192, max_seq_len=128).hot_rows == 192
