@@ -20,7 +20,8 @@ DEMO_BAD = [
     ("--preset", "nope"), ("--model", "nope"), ("--model", "{dir}"), ("--workload", "nope"),
     ("--prefill-chunk", "0"), ("--prefill-chunk", "-5"),
     ("--requests", "0"), ("--requests", "-1"), ("--requests", "2.5"), ("--prompt-len", "10"), ("--prompt-len", "63"),
-    ("--new-tokens", "0"), ("--seed", "-1"), ("--seed", str(10**30)), ("--kernels", "nope"), ("--kv-dtype", "nope"), ("--prefill", "nope"),
+    ("--new-tokens", "0"), ("--seed", "-1"), ("--seed", str(10**30)),
+    ("--kernels", "nope"), ("--kv-dtype", "nope"), ("--prefill", "nope"),
     *[("--log-dir", v) for v in UNWRITABLE_DIRS], *[("--plot", v) for v in UNWRITABLE_FILES],
 ]
 

@@ -15,7 +15,8 @@ Algorithm (`lax.top_k` / `sort` do not lower on the Pallas GPU backends, so sele
    its block-table slice; per page one [Ip, dI] x [dI, page] dot, relu, the w-weighted head sum and, for
    FP8 keys, the per-key scale. It reads the store's stacked pool [L, P, page, dI] in place at the layer
    (an operand); FP8 keys as uint32 words of four, decoded in registers and dotted as four partial dots, so
-   the 32-bit offsets jax's Triton lowering uses for operands up to 4 GiB never pass 2^31 (`common.fp8_words`). Each score becomes an int32 key whose signed order is the float order
+   the 32-bit offsets jax's Triton lowering uses for operands up to 4 GiB never pass 2^31 (`common.fp8_words`).
+   Each score becomes an int32 key whose signed order is the float order
    (negative floats get their magnitude bits flipped; -0.0 counts as +0.0). Positions >= seq_len get
    INT32_MIN, the lowest key; pages wholly past seq_len are not read, so unused pages may hold anything.
 2. Radix select of the threshold T = the k_eff-th largest key, k_eff = min(K, Sp): 32 / RADIX_BITS rounds.
