@@ -1,7 +1,7 @@
 """Differential fuzzer: tiered generation under memory pressure against the contiguous path.
 
     PYTHONPATH=. python experiments/fuzz_tiered.py [--long] [--examples N] [--seed S] [--first K]
-                                                   [--only generate|engine|mesh] [--group-size G]
+                                                   [--only generate|engine|mesh|pd] [--group-size G]
                                                    [--out experiments/results/fuzz_tiered.json]
 
 Cases run in groups of G (64) per process, so that a crash inside XLA is recorded (the group's cases, the
@@ -14,8 +14,10 @@ Draws random workloads and budgets — prompt counts and lengths (1 to several p
 and for the engine also the policy, coldness rule, prefill mode, prefix caching with shared prefixes, random
 arrivals and aborts, and MTP speculative decoding (k = 1..3 draft tokens); "mesh" cases run an engine case
 (float32, no speculation) on a `MeshEngine` over 1-4 devices (as many as jax sees; the command asks for 4 host
-devices), with either placement and with or without expert parallelism, the budgets per device. Each run is checked against an
-oracle that knows nothing of the store's internals:
+devices), with either placement and with or without expert parallelism, the budgets per device; "pd" cases run an
+engine case (float32) whose requests arrive in part as prefill exports (`pd.export_prefill`, passed as objects or
+read back from files) on an `Engine` or a `MeshEngine`. Each run is checked against an oracle that knows nothing of
+the store's internals:
 
 * **Refusal is exact.** `budget_shortfall` says, from page arithmetic alone, whether the requests can be held
   (each request needs its pages on the indexer and host tiers, and on the device all its pages or its two tail
@@ -365,20 +367,25 @@ def draw_engine_case(rng, topk: int = 64, vocab: int = 512) -> EngineCase:
                       device, host, hot_rows, max_running, chunk, k, bool(rng.random() < 0.9))
 
 
-def _drive(eng, case: EngineCase, admit, max_steps: int = 2000) -> tuple[list[int], list[int]]:
+def _drive(eng, case: EngineCase, admit, max_steps: int = 2000, add=None,
+           expected_refusal=None) -> tuple[list[int], list[int]]:
     """Run `eng` through the case's arrivals (requests `admit(i)` says to add) and aborts. Returns (accepted,
-    refused) request indices (refusals are checked against the oracle's `expected_refusal`)."""
+    refused) request indices (refusals are checked against the oracle, `case.expected_refusal` unless
+    `expected_refusal` is given). `add(eng, i, params)` adds request i (default: `add_request` of its prompt)."""
     from hisparse_jax.engine.request import SamplingParams
     from hisparse_jax.kv.budget import BudgetError
+
+    add = add or (lambda e, i, params: e.add_request(f"r{i}", case.prompts[i], params))
+    expected_refusal = expected_refusal or case.expected_refusal
 
     accepted, refused = [], []
     pending = [i for i in sorted(range(len(case.prompts)), key=lambda i: case.arrivals[i]) if admit(i)]
     while pending or eng.has_unfinished():
         while pending and case.arrivals[pending[0]] <= eng.step_count:
             i = pending.pop(0)
-            expect = case.expected_refusal(i)
+            expect = expected_refusal(i)
             try:
-                eng.add_request(f"r{i}", case.prompts[i], SamplingParams(max_new_tokens=case.max_new[i]))
+                add(eng, i, SamplingParams(max_new_tokens=case.max_new[i]))
             except BudgetError as e:
                 assert expect is not None, f"request {i} refused although it fits alone: {e}"
                 refused.append(i)
@@ -418,7 +425,8 @@ def run_engine_case(case: EngineCase, model=None, max_steps: int = 2000) -> dict
     met = eng.metrics()
     return {"outcome": "identical", "finished": len(done), "refused": len(refused), "preemptions": met.preemptions,
             "swaps": met.swaps, "hits": met.hits, "misses": met.misses, "evicted_pages": met.evicted_pages,
-            "cached_tokens": met.cached_tokens}
+            "cached_tokens": met.cached_tokens, "speculative_tokens": case.speculative_tokens,
+            "drafts_accepted": sum(m.accepted for m in met.history)}
 
 
 def _engine_reference(model, case: EngineCase, idx: list[int], accepted: list[int]) -> dict[int, list[int]]:
@@ -494,6 +502,100 @@ def run_mesh_case(case: MeshCase, model=None, max_steps: int = 2000) -> dict:
             "cached_tokens": met.cached_tokens, "ranks_used": len({eng.rank_of(f"r{i}") for i in accepted})}
 
 
+# ----- prefill / decode disaggregation --------------------------------------------------------------
+@dataclasses.dataclass
+class PDCase:
+    """An engine case (float32) whose `imported` requests arrive as prefill exports (`pd.export_prefill` of the
+    fuzzer's model) passed as objects or as files (`via`), on an `Engine` (devices = 1, speculation as drawn) or a
+    `MeshEngine` over `devices` ranks (no speculation)."""
+
+    engine: EngineCase
+    imported: tuple[int, ...]
+    via: str
+    devices: int
+
+    def expected_refusal(self, i: int) -> str | None:
+        """As the engine case's, except that an import's rows arrive whole: a chunked engine does not hold its
+        prompt resident while writing it (under HiSparse its older pages land straight in the host tier)."""
+        if i not in self.imported or self.engine.prefill != "chunked":
+            return self.engine.expected_refusal(i)
+        return dataclasses.replace(self.engine, prefill="whole").expected_refusal(i)
+
+
+def draw_pd_case(rng, topk: int = 64, vocab: int = 512, max_devices: int | None = None) -> PDCase:
+    if max_devices is None:
+        import jax
+
+        max_devices = len(jax.devices())
+    case = draw_engine_case(rng, topk, vocab)
+    # float32: the contiguous path is the oracle (in bf16 / fp8 a request preempted after its import recomputes
+    # its prompt through the store, rows that legitimately differ from the export's)
+    case = dataclasses.replace(case, kv_dtype="float32")
+    n = len(case.prompts)
+    imported = tuple(i for i in range(n) if rng.random() < 0.7) or (int(rng.integers(0, n)),)
+    via = str(rng.choice(["file", "object"]))
+    devices = min(int(rng.choice([1, 1, 2, 4])), max_devices)
+    if devices > 1:
+        case = dataclasses.replace(case, speculative_tokens=0)
+    return PDCase(case, imported, via, devices)
+
+
+def run_pd_case(case: PDCase, model=None, max_steps: int = 2000) -> dict:
+    """A P/D case: the imported requests' exports are made by a prefill run of the same model (written to and read
+    back from safetensors files when `via` is "file"); then as an engine (or mesh) case: refusals, the contiguous
+    path's tokens for every request, invariants, pools empty, and the import bytes accounted."""
+    import tempfile
+
+    from hisparse_jax import parallel
+    from hisparse_jax.engine.engine import Engine
+    from hisparse_jax.engine.mesh import MeshEngine
+    from hisparse_jax.engine.pd import export_prefill
+
+    model = model or fuzz_model()
+    ec = case.engine
+    with tempfile.TemporaryDirectory() as tmp:
+        exports, nbytes = {}, {}
+        for i in case.imported:
+            path = os.path.join(tmp, f"r{i}.safetensors") if case.via == "file" else None
+            ex = export_prefill(model, ec.prompts[i], path)
+            exports[i], nbytes[i] = (path if path else ex), ex.nbytes
+
+        def add(eng, i, params):
+            if i in exports:
+                return eng.import_request(f"r{i}", exports[i], params)
+            return eng.add_request(f"r{i}", ec.prompts[i], params)
+
+        if case.devices == 1:
+            eng = Engine(model, ec.cache_config(), ec.engine_config())
+            managers = [eng.manager]
+        else:
+            eng = MeshEngine(model, ec.cache_config(), ec.engine_config(), mesh=parallel.data_mesh(case.devices))
+            managers = eng.managers
+        accepted, refused = _drive(eng, ec, lambda i: True, max_steps, add=add,
+                                   expected_refusal=case.expected_refusal)
+    for r, c in enumerate(managers):
+        used = {t: c.pool.num_used(t) for t in ("device", "index", "host")}
+        assert not any(used.values()) and not c.requests, f"rank {r}: pages still in use at the end: {used}"
+    reqs = eng.requests
+    done = [i for i in accepted if reqs[f"r{i}"].state.value == "finished"]
+    if done:
+        ref = _engine_reference(model, ec, done, accepted)
+        for i in done:
+            out = reqs[f"r{i}"].output
+            how = "imported" if i in case.imported else "local"
+            assert out == ref[i], f"request {i} ({how}): tokens differ\n engine {out}\n ref    {ref[i]}"
+    met = eng.metrics()
+    imported = [i for i in accepted if i in case.imported]
+    # an import is written once, at its first admission (an abort may come first; a readmission recomputes)
+    assert met.import_bytes <= sum(nbytes[i] for i in imported), f"import bytes {met.import_bytes} > the exports'"
+    assert met.import_bytes > 0 or not any(i in case.imported for i in done), "finished imports moved no bytes"
+    return {"outcome": "identical", "finished": len(done), "refused": len(refused), "imported": len(imported),
+            "imported_from_file": len(imported) if case.via == "file" else 0, "import_bytes": met.import_bytes,
+            "preemptions": met.preemptions, "swaps": met.swaps, "hits": met.hits, "misses": met.misses,
+            "evicted_pages": met.evicted_pages, "cached_tokens": met.cached_tokens,
+            "speculative_tokens": ec.speculative_tokens, "ranks": case.devices}
+
+
 # ----- hypothesis ---------------------------------------------------------------------------------
 class HypothesisChoices:
     """The subset of `numpy.random.Generator` the draw functions use, answered by hypothesis's `data.draw`, so
@@ -524,7 +626,7 @@ class HypothesisChoices:
 
 
 # ----- the long run -------------------------------------------------------------------------------
-KINDS = ("generate", "engine", "mesh")
+KINDS = ("generate", "engine", "mesh", "pd")  # append only: a case is drawn from its kind's index
 
 
 def case_rng(seed: int, kind: str, k: int):
@@ -535,10 +637,11 @@ def case_rng(seed: int, kind: str, k: int):
 def run_cases(kind: str, first: int, count: int, seed: int, model, log=print) -> dict:
     """Cases first .. first + count - 1 of a kind, in this process: their outcomes, the sums of their counters
     (how much pressure they exercised), how many had each counter > 0, and every failure with its case."""
-    import jax
+    from hisparse_jax.cpu_compile import drop_programs_near_map_limit, memory_maps
 
-    draw = {"generate": draw_generate_case, "engine": draw_engine_case, "mesh": draw_mesh_case}[kind]
-    run = {"generate": run_generate_case, "engine": run_engine_case, "mesh": run_mesh_case}[kind]
+    draw = {"generate": draw_generate_case, "engine": draw_engine_case, "mesh": draw_mesh_case,
+            "pd": draw_pd_case}[kind]
+    run = {"generate": run_generate_case, "engine": run_engine_case, "mesh": run_mesh_case, "pd": run_pd_case}[kind]
     out = {"cases": 0, "outcomes": {}, "totals": {}, "cases_with_nonzero": {}, "failures": [], "crashes": []}
     t0 = time.time()
     for k in range(first, first + count):
@@ -556,14 +659,15 @@ def run_cases(kind: str, first: int, count: int, seed: int, model, log=print) ->
                                     "traceback": traceback.format_exc()[-3000:]})
             log(f"[{kind} {k}] FAIL {type(e).__name__}: {str(e)[:300]}")
         out["cases"] += 1
-        if out["cases"] % 64 == 0:
-            # the cases without the shared capacity, and each batch bucket and prompt length, still compile
-            # programs of their own; dropping them now and then keeps the process under the kernel's
-            # memory-map limit (vm.max_map_count), which a long run would otherwise reach
-            jax.clear_caches()
+        # the cases without the shared capacity, and each batch bucket and prompt length, still compile programs
+        # of their own; each live one holds memory maps, and at the kernel's limit XLA:CPU segfaults
+        maps = memory_maps()
+        out["most_maps"] = max(out.get("most_maps", 0), maps[0] if maps else 0)
+        out["programs_dropped"] = out.get("programs_dropped", 0) + drop_programs_near_map_limit()
         if out["cases"] % 10 == 0 or out["cases"] == count:
             log(f"{kind}: cases {first}..{k}: {out['outcomes']}, {len(out['failures'])} failures, "
-                f"{time.time() - t0:.0f} s; cases with > 0: {out['cases_with_nonzero']}")
+                f"{time.time() - t0:.0f} s, memory maps {maps[0] if maps else '?'} of {maps[1] if maps else '?'}; "
+                f"cases with > 0: {out['cases_with_nonzero']}")
     out["seconds"] = round(time.time() - t0, 1)
     return out
 
@@ -577,6 +681,8 @@ def merge(into: dict, part: dict) -> dict:
     for key in ("failures", "crashes"):
         into.setdefault(key, []).extend(part[key])
     into["seconds"] = round(into.get("seconds", 0) + part["seconds"], 1)
+    into["most_maps"] = max(into.get("most_maps", 0), part.get("most_maps", 0))
+    into["programs_dropped"] = into.get("programs_dropped", 0) + part.get("programs_dropped", 0)
     return into
 
 
@@ -616,7 +722,7 @@ def run_group(kind: str, first: int, count: int, seed: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--long", action="store_true",
-                    help="the deep profile (200 generate + 80 engine + 40 mesh cases)")
+                    help="the deep profile (200 generate + 80 engine + 40 mesh + 40 pd cases)")
     ap.add_argument("--examples", type=int, default=None, help="cases of each kind (default 40, or --long's)")
     ap.add_argument("--first", type=int, default=0,
                     help="index of the first case (a case is drawn from --seed, its kind and its index alone)")
@@ -634,11 +740,13 @@ def main(argv=None) -> int:
         ap.error("--examples must be >= 1")
     if a.first < 0 or a.group_size < 0:
         ap.error("--first and --group-size must be >= 0")
-    counts = {"generate": 200 if a.long else 40, "engine": 80 if a.long else 20, "mesh": 40 if a.long else 10}
+    counts = {"generate": 200 if a.long else 40, "engine": 80 if a.long else 20, "mesh": 40 if a.long else 10,
+              "pd": 40 if a.long else 10}
     if a.examples:
         counts = {k: a.examples for k in counts}
     kinds = [a.only] if a.only else list(KINDS)
-    if "mesh" in kinds and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+    if {"mesh", "pd"} & set(kinds) and not forced:
         # read when jax starts its backends (not yet): 4 host devices for the mesh cases where there is no GPU
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4")
     if not a.xla_defaults:

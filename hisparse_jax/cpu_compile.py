@@ -12,6 +12,12 @@ a tiny model) that then run for milliseconds, so they ask XLA:CPU to compile fas
 
 XLA reads XLA_FLAGS when jax starts its CPU backend: call `request_fast_compile` before that (subprocesses
 inherit the environment, and skip the probe). Not for timing anything a user runs: optimised code runs faster.
+
+Such runs also meet a limit of the kernel: every live XLA:CPU executable holds a few memory maps (about 3 for a tiny
+program, more for a large one), and a process may hold `vm.max_map_count` (65530 by default). At the limit XLA:CPU
+does not fail the compile: it logs "LLVM compilation error: Cannot allocate memory" and segfaults (jax 0.10.2 and
+0.12; `docs/xla_cpu_map_limit.md` has the reproducer). `drop_programs_near_map_limit` drops jax's compiled programs
+before that happens.
 """
 
 from __future__ import annotations
@@ -50,3 +56,34 @@ def request_fast_compile() -> str:
         flags = " ".join([flags, *known_xla_flags(PROBED_FLAGS, flags)])
         os.environ["XLA_FLAGS"] = flags
     return flags
+
+
+MAP_LIMIT_FILE = "/proc/sys/vm/max_map_count"
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """(memory maps this process holds, the kernel's limit `vm.max_map_count`), or None where the kernel does not
+    say (not Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            held = sum(1 for _ in f)
+        with open(MAP_LIMIT_FILE) as f:
+            return held, int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def drop_programs_near_map_limit(fraction: float = 0.5) -> bool:
+    """When this process holds more than `fraction` of its memory-map limit, drop every program jax compiled
+    (`jax.clear_caches()`: later calls compile again) and return True, so that a long run of many compiles does not
+    reach the limit, where XLA:CPU segfaults (see the module docstring). Cheap: call it after every unit of work."""
+    maps = memory_maps()
+    if maps is None or maps[0] <= fraction * maps[1]:
+        return False
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()  # executables still referenced only from cycles
+    return True

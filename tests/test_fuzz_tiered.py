@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import hisparse_jax as hj
 from experiments import fuzz_tiered as fz
 from hisparse_jax.config import CacheConfig
+from hisparse_jax.cpu_compile import drop_programs_near_map_limit
 from hisparse_jax.kv.budget import BudgetError
 
 EXAMPLES = int(os.environ.get("HISPARSE_FUZZ_EXAMPLES", "0"))
@@ -147,6 +148,7 @@ _SETTINGS = dict(derandomize=True, deadline=None, database=None, print_blob=True
 @settings(max_examples=EXAMPLES or 6, **_SETTINGS)
 @given(st.data())
 def test_fuzz_generate(data):
+    drop_programs_near_map_limit()  # many examples in one test: stay clear of the map limit
     case = fz.draw_generate_case(fz.HypothesisChoices(data))
     fz.run_generate_case(case)
 
@@ -155,6 +157,7 @@ def test_fuzz_generate(data):
 @settings(max_examples=EXAMPLES or 3, **_SETTINGS)
 @given(st.data())
 def test_fuzz_engine(data):
+    drop_programs_near_map_limit()  # many examples in one test: stay clear of the map limit
     case = fz.draw_engine_case(fz.HypothesisChoices(data))
     fz.run_engine_case(case)
 
@@ -163,7 +166,18 @@ def test_fuzz_engine(data):
 @settings(max_examples=EXAMPLES or 1, **_SETTINGS)
 @given(st.data())
 def test_fuzz_mesh_engine(data):
+    drop_programs_near_map_limit()  # many examples in one test: stay clear of the map limit
     # this process sees one device: the mesh cases run one rank (the 8-device mesh is tests/test_mesh_engine.py;
     # `fuzz_tiered.py --only mesh` runs 1-4 ranks)
     case = fz.draw_mesh_case(fz.HypothesisChoices(data))
     fz.run_mesh_case(case)
+
+
+@pytest.mark.slow
+@settings(max_examples=EXAMPLES or 1, **_SETTINGS)
+@given(st.data())
+def test_fuzz_pd_import(data):
+    drop_programs_near_map_limit()  # many examples in one test: stay clear of the map limit
+    # one device here (the mesh's P/D cases run under `fuzz_tiered.py --only pd`, on 4 host devices)
+    case = fz.draw_pd_case(fz.HypothesisChoices(data))
+    fz.run_pd_case(case)
