@@ -10,9 +10,12 @@ the file and the array.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
-from typing import Any, Mapping
+import os
+from typing import Any, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -85,3 +88,25 @@ def verify(man: Mapping[str, Mapping], arrays: Mapping[str, Any], where: str) ->
     if bad:
         raise CheckpointError(f"{where}: checksum mismatch in {len(bad)} array(s): {', '.join(bad[:12])}"
                               + (" ..." if len(bad) > 12 else "") + " — the saved data is damaged")
+
+
+@contextlib.contextmanager
+def writing(what: str, path: str | os.PathLike) -> Iterator[str]:
+    """Write `what` at `path` inside this block: its parent folder is made first, and an `OSError` while writing
+    (a full disk, a parent that is a file, no permission) is raised again, of the same class, naming `path` — not
+    the temporary file or folder a library writes next to it (Orbax writes `<path>.orbax-checkpoint-tmp` and
+    renames it). Yields `path` as a string."""
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        if os.path.lexists(parent) and not os.path.isdir(parent):
+            raise NotADirectoryError(errno.ENOTDIR, f"{parent} is not a folder")
+        os.makedirs(parent, exist_ok=True)
+        yield path
+    except OSError as e:
+        msg = f"cannot write {what} at {path}: {e.strerror or e}"
+        try:
+            err = type(e)(e.errno, msg) if e.errno is not None else type(e)(msg)
+        except Exception:  # a subclass with a constructor of its own
+            err = OSError(e.errno, msg)
+        raise err from e

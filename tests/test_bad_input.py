@@ -289,6 +289,24 @@ def test_flipped_byte_in_an_exported_checkpoint_is_refused_naming_the_tensor(mod
         hj.load_pretrained(tmp_path / "export")
 
 
+@pytest.mark.parametrize("what", ["save_params", "save_tiered", "save_pretrained", "save_export"])
+def test_a_write_error_names_the_destination_not_a_temporary_file(model, saved_tiered, tmp_path, what):
+    """Saving where a file stands in for a folder: the error is the OS's, of its class, and names the path the
+    caller gave (Orbax's said '<path>.orbax-checkpoint-tmp', a folder the caller never named)."""
+    from hisparse_jax.engine.pd import export_prefill
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    dest = str(blocker / "out")
+    save = {"save_params": lambda: save_params(model, dest),
+            "save_tiered": lambda: save_tiered(saved_tiered[0], saved_tiered[1], dest),
+            "save_pretrained": lambda: hj.save_pretrained(model, dest),
+            "save_export": lambda: export_prefill(model, [1, 2, 3], dest)}[what]
+    with pytest.raises(NotADirectoryError) as e:
+        save()
+    assert str(e.value).endswith(f"at {dest}: {blocker} is not a folder"), str(e.value)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # sampling parameters and requests: checked at the door, nothing coerced
 # ----------------------------------------------------------------------------------------------------------

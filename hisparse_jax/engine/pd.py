@@ -40,7 +40,7 @@ import os
 import numpy as np
 
 from hisparse_jax.config import ModelConfig
-from hisparse_jax.integrity import CheckpointError, digest
+from hisparse_jax.integrity import CheckpointError, digest, writing
 from hisparse_jax.model.safetensors_io import CHECKSUM_KEY, read_safetensors
 from hisparse_jax.validation import check_prompt
 
@@ -188,7 +188,8 @@ def save_export(export: PrefillExport, cfg: ModelConfig, path: str | os.PathLike
                "last_logits": np.ascontiguousarray(export.last_logits, np.float32)}
     meta = {META_KEY: json.dumps({"format": FORMAT, "version": VERSION, "model": export_config(cfg)}),
             CHECKSUM_KEY: json.dumps({n: digest(t) for n, t in tensors.items()})}
-    save_file(tensors, os.fspath(path), metadata=meta)
+    with writing("a prefill export", path) as path:
+        save_file(tensors, path, metadata=meta)
 
 
 def load_export(path: str | os.PathLike, cfg: ModelConfig) -> PrefillExport:

@@ -39,17 +39,23 @@ def _arrays(store: KVStore) -> dict:
 
 def save_tiered(manager: TieredCache, store: KVStore, path: str | os.PathLike) -> None:
     """Write `manager` and its `store` to the directory `path` (created; must not hold a previous checkpoint). The
-    manager's pending table updates must have been applied to the store (`kv.device.apply_updates`)."""
+    manager's pending table updates must have been applied to the store (`kv.device.apply_updates`). A write
+    error names `path`."""
     import orbax.checkpoint as ocp
 
     if manager.updates:
         raise ValueError(f"{len(manager.updates)} table updates of this manager are not applied to the store yet: "
                          "store = kv.device.apply_updates(store, manager) first")
     path = os.path.abspath(os.fspath(path))
-    os.makedirs(path, exist_ok=True)
-    arrays = _arrays(store)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.join(path, "store"), arrays)
+    with integrity.writing("a tiered store", path):
+        os.makedirs(path, exist_ok=True)
+        arrays = _arrays(store)
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(os.path.join(path, "store"), arrays)
+        _write_manager(manager, arrays, path)
+
+
+def _write_manager(manager: TieredCache, arrays: dict, path: str) -> None:
     meta = {
         "format": FORMAT, "version": VERSION, "arrays": integrity.manifest(arrays),
         "model": dataclasses.asdict(manager.model_cfg), "cache": dataclasses.asdict(manager.cache),

@@ -303,11 +303,16 @@ def save_pretrained(model: SparseMLAModel, path: str | os.PathLike, max_shard_by
     """Write `config.json` and safetensors shards (+ index when sharded) with Hugging Face names. Each shard's
     `__metadata__` carries every tensor's SHA-256 (`hisparse_jax.sha256`), which reading it back verifies.
     The MTP layers the model has are written too; config.json's `num_nextn_predict_layers` is their number (0 for
-    a model built without them, whatever its config said: the file describes the tensors written)."""
+    a model built without them, whatever its config said: the file describes the tensors written). A write error
+    names `path`."""
+    with integrity.writing("a Hugging Face checkpoint", path) as path:
+        os.makedirs(path, exist_ok=True)
+        _write_hf(model, path, max_shard_bytes)
+
+
+def _write_hf(model: SparseMLAModel, path: str, max_shard_bytes: int) -> None:
     from safetensors.numpy import save_file
 
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
     cfg = model.cfg.replace(dtype=jnp.dtype(model.dtype).name, num_nextn_predict_layers=_num_mtp(model))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg.to_hf_config(), f, indent=2)
@@ -350,7 +355,8 @@ def save_params(model: SparseMLAModel, path: str | os.PathLike, *, overwrite: bo
 
     `path` must not exist (FileExistsError naming it), unless `overwrite=True`: then an existing save_params
     checkpoint there (a folder holding `hisparse_manifest.json` or Orbax's `_CHECKPOINT_METADATA`), or an empty
-    folder, is removed first; anything else (another folder, a file, a symbolic link) is refused, never deleted."""
+    folder, is removed first; anything else (another folder, a file, a symbolic link) is refused, never deleted. A
+    write error names `path` (not Orbax's temporary folder next to it)."""
     import shutil
 
     import orbax.checkpoint as ocp
@@ -369,11 +375,12 @@ def save_params(model: SparseMLAModel, path: str | os.PathLike, *, overwrite: bo
                                   "or _CHECKPOINT_METADATA); not removing it, even with overwrite=True")
         shutil.rmtree(path)
     state = nnx.state(model, nnx.Param)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path, state)
-    with open(os.path.join(path, PARAMS_MANIFEST), "w") as f:
-        json.dump({"format": PARAMS_FORMAT, "version": 1, "arrays": integrity.manifest(integrity.named_leaves(state))},
-                  f)
+    with integrity.writing("a parameter checkpoint", path):
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(path, state)
+        with open(os.path.join(path, PARAMS_MANIFEST), "w") as f:
+            json.dump({"format": PARAMS_FORMAT, "version": 1,
+                       "arrays": integrity.manifest(integrity.named_leaves(state))}, f)
 
 
 def restore_params(path: str | os.PathLike, cfg: ModelConfig, verify: bool = True, **model_kwargs) -> SparseMLAModel:
