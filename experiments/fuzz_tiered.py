@@ -534,6 +534,11 @@ def draw_pd_case(rng, topk: int = 64, vocab: int = 512, max_devices: int | None 
     n = len(case.prompts)
     imported = tuple(i for i in range(n) if rng.random() < 0.7) or (int(rng.integers(0, n)),)
     via = str(rng.choice(["file", "object"]))
+    if rng.random() < 0.6:  # pressure: a device that holds about what the largest request alone needs, so that
+        # imports land in the host tier (HiSparse), and requests preempt or swap each other (preempt, offload)
+        need = [pages(len(p) + m - 1) for p, m in zip(case.prompts, case.max_new)]
+        alone = max(min(k, TAIL + pages(case.hot_rows)) if case.policy == "hisparse" else k for k in need)
+        case = dataclasses.replace(case, device_pages=alone + int(rng.choice([0, 1, 2])))
     devices = min(int(rng.choice([1, 1, 2, 4])), max_devices)
     if devices > 1:
         case = dataclasses.replace(case, speculative_tokens=0)

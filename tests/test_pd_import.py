@@ -39,8 +39,8 @@ def want(model):
 
 def engine(model, policy, device_pages, **kw):
     cc = BIG.replace(device_pages=device_pages, host_pages=64, max_seq_len=2048)
-    return Engine(model, cc, EngineConfig(policy=policy, max_running=4, prefill="whole", check_invariants=True,
-                                          **kw))
+    return Engine(model, cc, EngineConfig(**{"policy": policy, "max_running": 4, "prefill": "whole",
+                                             "check_invariants": True, **kw}))
 
 
 @pytest.mark.slow
@@ -55,6 +55,22 @@ def test_import_lands_in_the_host_tier_and_decodes_the_local_tokens(model, expor
     m = eng.metrics()
     assert m.misses > 0 and m.import_bytes == exports["long"][0].nbytes
     assert m.d2h_bytes >= len(LONG) * eng.manager.spec.num_layers * eng.manager.spec.row_bytes  # every row mirrored
+
+
+@pytest.mark.slow
+def test_a_chunked_engine_imports_a_prompt_larger_than_its_device(model, exports, want):
+    """Found by the fuzzer (pd case 144 of seed 2026): a chunked HiSparse engine refused an import whose prompt
+    has more pages than the device, by the rule for prompts written through the store (resident meanwhile). An
+    import arrives whole (its older pages land in the host tier) and HiSparse never preempts: it runs. The same
+    prompt prefilled locally is still refused."""
+    from hisparse_jax.kv.budget import BudgetError
+
+    eng = engine(model, "hisparse", 16, prefill="chunked")
+    eng.import_request("long", exports["long"][1], SamplingParams(max_new_tokens=NEW))
+    with pytest.raises(BudgetError, match="written through the store and must be resident"):
+        eng.add_request("local", LONG, SamplingParams(max_new_tokens=NEW))
+    eng.run()
+    assert eng.outputs()["long"] == want[1] and eng.metrics().misses > 0
 
 
 @pytest.mark.slow

@@ -203,6 +203,9 @@ class Engine:
         prompt that is not a non-empty 1-D sequence of integer token ids in range, params that are not
         `SamplingParams`, a length past max_position_embeddings, or budgets it could never run under
         (`BudgetError`)."""
+        return self._add(request_id, prompt, params)
+
+    def _add(self, request_id: str, prompt, params: SamplingParams, imported=None) -> Request:
         cfg = self.model.cfg
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -217,22 +220,26 @@ class Engine:
             raise ValueError(f"request {request_id!r}: {len(prompt)} prompt + {params.max_new_tokens} new tokens "
                              f"exceed max_position_embeddings ({cfg.max_position_embeddings})")
         la = speculative.lookahead(self.k)
-        self._check_ever_fits(request_id, total - 1 + la, len(prompt))  # the last new token is never written
-        r = Request(request_id, prompt, params, arrival=self.step_count, lookahead=la)
+        # the last new token is never written; an import's prompt arrives whole, never written through the store
+        self._check_ever_fits(request_id, total - 1 + la, len(prompt), chunked=imported is None)
+        r = Request(request_id, prompt, params, arrival=self.step_count, lookahead=la, imported=imported)
         self.requests[request_id] = r
         self.scheduler.waiting.append(r)
         return r
 
-    def _check_ever_fits(self, rid: str, kv_len: int, prompt_len: int) -> None:
+    def _check_ever_fits(self, rid: str, kv_len: int, prompt_len: int, chunked: bool = True) -> None:
         """Refuse (BudgetError) a request that could not run even alone: `check_fits` under this policy (all pages
         resident unless HiSparse may release them; indexer pages; host pages when pages are mirrored), and a
-        prompt written through the store ("chunked" prefill) must be resident while it is written."""
+        prompt written through the store ("chunked" prefill) must be resident while it is written. An imported
+        prompt (`chunked=False`) arrives whole: under HiSparse its older pages land in the host tier, and HiSparse
+        never preempts, so it is never written through the store (preempt, which recomputes a readmitted prompt,
+        holds every page resident anyway)."""
         c, spec = self.manager, self.manager.budget
         try:
             c.check_fits(kv_len)
         except BudgetError as e:
             raise BudgetError(f"request {rid!r} can never be admitted under {self.config.policy!r}: {e}") from None
-        if self.config.prefill == "chunked" and pages(prompt_len) > spec.device_pages:
+        if chunked and self.config.prefill == "chunked" and pages(prompt_len) > spec.device_pages:
             raise BudgetError(f"request {rid!r} can never be admitted: device_pages is too small: its prompt is "
                               f"written through the store and must be resident meanwhile, {pages(prompt_len)} "
                               f"pages; device_pages is {spec.device_pages}, {pages(prompt_len) - spec.device_pages} "
@@ -519,9 +526,7 @@ class Engine:
                              f"{type(export).__name__}")
         else:  # load_export applies the same check
             export = load_export(export, self.model.cfg)
-        r = self.add_request(request_id, list(export.tokens), params)
-        r.imported = export
-        return r
+        return self._add(request_id, list(export.tokens), params, imported=export)
 
     def run(self, progress=None) -> None:
         """Step until every request has finished. `progress(engine)` is called after each step."""
