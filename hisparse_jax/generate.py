@@ -21,8 +21,8 @@ from flax import nnx
 
 from hisparse_jax import parallel
 from hisparse_jax.config import CacheConfig
-from hisparse_jax.engine.runner import (Runner, bucket_pow2, jitted_dense_decode, jitted_prefill, jitted_sharded_step,
-                                        sampler)
+from hisparse_jax.engine.runner import (Runner, bucket_pow2, check_prefill_memory, jitted_dense_decode,
+                                        jitted_prefill, jitted_sharded_step, sampler)
 from hisparse_jax.engine.sampling import prompt_seeds
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.dense import DenseKV, init_dense_kv
@@ -119,7 +119,9 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     for i, p in enumerate(prompts):
         ids[i, :len(p)] = p
     graphdef, state = nnx.split(model)
-    logits_all, aux = jitted_prefill(graphdef)(state, jnp.asarray(ids))
+    ids = jnp.asarray(ids)
+    check_prefill_memory(cfg, graphdef, state, ids)
+    logits_all, aux = jitted_prefill(graphdef)(state, ids)
     first_logits = logits_all[jnp.arange(B), jnp.asarray(lens - 1)].astype(jnp.float32)
     kv = _kv_from_prefill(cfg, aux, B, S, T, model.dtype)
     step = jitted_dense_decode(graphdef, DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8))

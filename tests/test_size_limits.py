@@ -1,7 +1,7 @@
 """Sizes with no natural upper bound are refused before anything of that size is allocated, with one line naming
 the field (or option), its value and the bound: the layer and expert counts of a config (`config.SIZE_LIMITS`), a
 model whose parameters cannot fit the device's memory, a store (here: its hot buffer) larger than the machine's
-memory, and the demo's
+memory, a whole-prompt forward whose activations cannot fit, and the demo's
 --requests / --prompt-len / --new-tokens / --device-requests / --devices.
 
 The refusals run in child processes under an address-space limit (`LIMIT`: jax imports and builds a small model
@@ -77,6 +77,13 @@ attempt("model_abstract", lambda: {"leaves": len(jax.tree.leaves(nnx.eval_shape(
 from hisparse_jax.kv.state import StoreSpec, init_store
 # 10^10 hot rows x 8 slots x 2 groups: the hot-buffer state alone is 1.3 TB (against 8 device pages)
 attempt("hot_rows", lambda: init_store(StoreSpec.create(tiny, CacheConfig(device_pages=8, hot_rows=10**10))))
+# a whole-prompt forward of 40000 tokens (bucket 65536): ~650 GiB of attention and indexer scores (XLA said
+# "Out of memory allocating 696096129680 bytes" at run time); a short prompt in the same process runs
+from hisparse_jax.engine.pd import export_prefill
+model = hj.SparseMLAModel(tiny, rngs=nnx.Rngs(0))
+attempt("prefill_short", lambda: {"tokens": hj.generate(model, [[5] * 100], 2)[0]})
+attempt("prefill_long", lambda: hj.generate(model, [[5] * 40000], 1))
+attempt("export_long", lambda: export_prefill(model, [5] * 40000))
 print(json.dumps(results))
 """
 
@@ -181,6 +188,20 @@ def test_a_store_past_the_machine_memory(library):
     never tiers, and preempt / offload use none; what cannot be is a store larger than the memory)."""
     _refused(library["hot_rows"], "the KV store needs", "largest array is hot_token", "sized by hot_rows x max_seqs",
              "hot_rows=10000000000")
+
+
+@pytest.mark.parametrize("case", ["prefill_long", "export_long"])
+def test_a_prompt_whose_forward_cannot_fit_is_refused_before_running(library, case):
+    """generate's and export_prefill's whole-prompt forward: refused from XLA's memory analysis of the compiled
+    program (compiling takes seconds, hence the longer bound), before any of its ~650 GiB is allocated."""
+    assert library["prefill_short"]["error"] is None and len(library["prefill_short"]["tokens"]) == 2
+    r = library[case]
+    assert r["error"] == "ValueError", r
+    msg = r["message"]
+    assert "\n" not in msg and "a whole-prompt forward over 65536 positions" in msg and "prefill='chunked'" in msg
+    need, have = re.search(r"needs ([\d,]+) bytes .* more than the ([\d.]+) GiB", msg).groups()
+    assert int(need.replace(",", "")) > float(have) * 2 ** 30, msg
+    assert r["seconds"] < 60 and r["grew_mb"] < GREW_MB, r
 
 
 @pytest.mark.parametrize("case", sorted(DEMO_CASES))

@@ -73,22 +73,53 @@ def jitted_prefill(graphdef):
     return prefill
 
 
+def check_prefill_memory(cfg, graphdef, state, ids) -> None:
+    """Refuse (ValueError), before running it, a causal forward over `ids` [B, T] whose activations cannot fit the
+    memory of the device the parameters are on: its attention and indexer scores grow as B x T^2 per head (at
+    T = 65536 the 4-head tiny-glm needs ~700 GB, which XLA reported as an out-of-memory error at run time). When the
+    scores of one head and one index head per attention head (`B T^2 (H + H_I)` float32, below what the forward
+    materialises) fit a quarter of that memory there is nothing to check; otherwise the program is compiled ahead
+    of time and XLA's own memory analysis (arguments + temporaries + outputs) decides."""
+    from hisparse_jax.memory import device_memory_bytes, memory_name
+
+    B, T = ids.shape
+    leaves = jax.tree.leaves(state)
+    device = next(iter(leaves[0].devices())) if leaves and hasattr(leaves[0], "devices") else None
+    limit = device_memory_bytes(device) if device is not None else None
+    if limit is None or 4 * B * T * T * (cfg.num_attention_heads + cfg.index_n_heads) <= limit // 4:
+        return
+    stats = jitted_prefill(graphdef).lower(state, ids).compile().memory_analysis()
+    if stats is None:  # a backend without memory analysis
+        return
+    need = stats.argument_size_in_bytes + stats.temp_size_in_bytes + stats.output_size_in_bytes
+    if need > limit:
+        raise ValueError(f"a whole-prompt forward over {T} positions (the prompt's length bucket) needs {need:,} bytes "
+                         f"({need / 2 ** 30:,.1f} GiB; XLA's memory analysis: {stats.temp_size_in_bytes / 2 ** 30:,.1f} "
+                         f"GiB of temporaries, mostly attention and indexer scores, which grow with the square of the "
+                         f"length), more than the {limit / 2 ** 30:,.1f} GiB of {memory_name(device)}; use a shorter "
+                         f"prompt, or the engine's prefill='chunked' (prompt rows written through the store, "
+                         f"{cfg.index_topk} rows attended per position)")
+
+
 def prefill_rows(model: SparseMLAModel, tokens: Sequence[int]):
     """One causal forward over `tokens` (length bucketed to a power of two, so prompts share compiles).
 
     Returns (last logits f32[V], latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]) with T the bucket length
     (the first len(tokens) rows are real; `kv.device.write_prefill(store, manager, slot, ..., len(tokens))` stores
     those, and keeping T bucketed keeps its compiles bounded too) and the logits the first new token is drawn from."""
-    return prefill_rows_split(*nnx.split(model), tokens)
+    return prefill_rows_split(model.cfg, *nnx.split(model), tokens)
 
 
-def prefill_rows_split(graphdef, state, tokens: Sequence[int], *, with_hidden: bool = False):
-    """`prefill_rows` for a model already split (`nnx.split`), so a caller that keeps it split splits it once.
-    with_hidden: also return the final hidden states [T, D] (after the final norm: what an MTP layer reads)."""
+def prefill_rows_split(cfg, graphdef, state, tokens: Sequence[int], *, with_hidden: bool = False):
+    """`prefill_rows` for a model (of config `cfg`) already split (`nnx.split`), so a caller that keeps it split
+    splits it once. with_hidden: also return the final hidden states [T, D] (after the final norm: what an MTP layer
+    reads). A forward whose activations cannot fit the device is refused first (`check_prefill_memory`)."""
     n = len(tokens)
     ids = np.zeros((1, bucket_pow2(n, 16)), np.int32)
     ids[0, :n] = tokens
-    logits, aux = jitted_prefill(graphdef)(state, jnp.asarray(ids))
+    ids = jnp.asarray(ids)
+    check_prefill_memory(cfg, graphdef, state, ids)
+    logits, aux = jitted_prefill(graphdef)(state, ids)
     rows = (jnp.stack(aux[k])[:, 0] for k in ("latent", "rope", "index_k"))
     out = (logits[0, n - 1].astype(jnp.float32), *rows)
     return out + (aux["hidden"][0],) if with_hidden else out
@@ -254,6 +285,7 @@ class Runner:
 
     def __init__(self, model: SparseMLAModel, *, kernels: str = "reference"):
         self.kernels = tiered.check_kernels(kernels)
+        self.cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
         COUNTS["split"] += 1
         self._step = _jitted_step_and_sample(self.graphdef, self.kernels)
@@ -262,7 +294,7 @@ class Runner:
         """One causal forward over `tokens` (length bucketed to a power of two >= 16): (last logits f32[V],
         latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]), as `generate.prefill_rows`; with_hidden: and the
         final hidden states [T, D] (what the MTP layer reads)."""
-        return prefill_rows_split(self.graphdef, self.state, tokens, with_hidden=with_hidden)
+        return prefill_rows_split(self.cfg, self.graphdef, self.state, tokens, with_hidden=with_hidden)
 
     def mtp_prefill_rows(self, hidden, next_tokens):
         """The MTP layer's rows over a prompt and its first draft: `mtp_prefill_rows`."""
