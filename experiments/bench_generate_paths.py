@@ -76,7 +76,7 @@ def contiguous_steps(model, prompts, steps: int, tokens_out: list):
     logits_all, aux = programs.jitted_prefill(graphdef)(state, jnp.asarray(ids))
     first = logits_all[jnp.arange(B), jnp.asarray(lens - 1)].astype(jnp.float32)
     kv = G._kv_from_prefill(cfg, aux, B, S, T, model.dtype)
-    step = programs.jitted_dense_decode(graphdef, DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8))
+    step = programs.jitted_dense_decode(graphdef, DenseKV(topk=cfg.index_topk, index_dtype=model.index_dtype))
     sampling = greedy(B)
     tokens = _sync(jnp.argmax(first, axis=-1).astype(jnp.int32))
     out = [tokens]

@@ -278,7 +278,7 @@ def record_traces(model, sequences, start: int):
     for i, p in enumerate(sequences):
         toks[i, :len(p)] = p
     lens = np.array([len(p) for p in sequences])
-    backend = DenseKV(topk=cfg.index_topk, indexer_fp8=getattr(model, "indexer_fp8", False))
+    backend = DenseKV(topk=cfg.index_topk, index_dtype=model.index_dtype)
     graphdef, state = nnx.split(model)
 
     @jax.jit

@@ -124,7 +124,7 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     logits_all, aux = jitted_prefill(graphdef)(state, ids)
     first_logits = logits_all[jnp.arange(B), jnp.asarray(lens - 1)].astype(jnp.float32)
     kv = _kv_from_prefill(cfg, aux, B, S, T, model.dtype)
-    step = jitted_dense_decode(graphdef, DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8))
+    step = jitted_dense_decode(graphdef, DenseKV(topk=cfg.index_topk, index_dtype=model.index_dtype))
 
     def decode(tokens, pos):  # decode and sample in one call
         nonlocal kv

@@ -3,6 +3,8 @@
 * `PAGE`           tokens per page (rows of every paged pool)
 * `INVALID`        the one "no page / no position / no slot" sentinel of every table and top-k list
 * `fp8_quantize`   per-block e4m3 with power-of-two scales (the FP8 latent pool, the indexer's FP8 emulation)
+* `mxfp4_quantize`, `mxfp4_dequantize`  MXFP4: E2M1 codes two per byte, one UE8M0 scale per 32 values (4-bit
+                   indexer keys, as vLLM #48558 / SGLang #30546 store them: 68 bytes per 128-value key)
 * `hadamard`       the Sylvester Hadamard rotation DeepSeek applies before quantizing indexer q and k
 * `float_to_key`   f32 -> int32 whose signed order is the float order (the indexer kernels select on it)
 * `check_triton_offsets`  refuses an operand Pallas-Triton would address past 2^31 with 32-bit offsets
@@ -54,6 +56,59 @@ def fp8_quantize(x, block: int = FP8_BLOCK):
     q = (xb / scale).astype(jnp.float8_e4m3fn).reshape(x.shape)
     scale = scale[..., 0]
     return q, (scale[..., 0] if d == b else scale)
+
+
+MXFP4_BLOCK = 32  # values per UE8M0 scale (the OCP MX block)
+E2M1_MAX = 6.0  # the largest E2M1 magnitude
+# the E2M1 magnitudes of codes 0..7 (bit 3 of a code is the sign)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# the midpoints between neighbouring magnitudes; a tie goes to the even code (round to nearest even), i.e. up
+# where the lower code is odd
+_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+UE8M0_BIAS = 127
+
+
+def _pow2(e):
+    """2.0 ** e as float32, exactly, for integer e in [-126, 127] (built from its bits: XLA's exp2 is approximate);
+    0.0 for e = -127 (byte 0 of UE8M0: an all-zero block)."""
+    bits = jnp.where(e > -UE8M0_BIAS, (e + UE8M0_BIAS) << 23, 0).astype(jnp.int32)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def mxfp4_quantize(x):
+    """MXFP4: x f32[..., d] (d a multiple of 32) -> (codes uint8[..., d / 2], scales uint8[..., d / 32]).
+
+    Each block of 32 values shares the power-of-two scale 2^ceil(log2(amax / 6)) (no value is clipped: the same
+    rule as `fp8_quantize`'s, against E2M1's largest magnitude 6; at least 2^-126), stored as its UE8M0 byte
+    (exponent + 127; an all-zero block gets byte 0). Each value becomes the nearest E2M1 code of value / scale (ties to the even
+    code): bit 3 the sign, bits 0-2 the index in `E2M1_VALUES`. Value 2 i is the low nibble of byte i, value 2 i + 1
+    the high one."""
+    d = x.shape[-1]
+    if d % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 needs a last dimension that is a multiple of {MXFP4_BLOCK}, got {d}")
+    x = x.astype(jnp.float32)
+    xb = x.reshape(*x.shape[:-1], d // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    mant, exp = jnp.frexp(amax / E2M1_MAX)  # amax / 6 = mant 2^exp, mant in [0.5, 1): ceil(log2) = exp or exp - 1
+    e = jnp.where(mant == 0.5, exp - 1, exp)
+    # no subnormal scale (a CPU may flush it): blocks under 6 x 2^-126 share 2^-126; an all-zero block gets byte 0
+    e = jnp.where(amax > 0, jnp.clip(e, 1 - UE8M0_BIAS, UE8M0_BIAS), -UE8M0_BIAS)
+    v = jnp.abs(xb) * _pow2(-e)  # <= 6, exactly scaled
+    mag = sum(((v >= t) if up else (v > t)).astype(jnp.uint8) for t, up in _E2M1_MIDPOINTS)
+    code = (mag | jnp.where(xb < 0, 8, 0).astype(jnp.uint8)).reshape(x.shape)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    return packed.astype(jnp.uint8), (e[..., 0] + UE8M0_BIAS).astype(jnp.uint8)
+
+
+def mxfp4_dequantize(codes, scales):
+    """codes uint8[..., d / 2], scales uint8[..., d / 32] (`mxfp4_quantize`'s) -> f32[..., d], exactly."""
+    codes = codes.astype(jnp.int32)
+    nib = jnp.stack([codes & 15, codes >> 4], axis=-1).reshape(*codes.shape[:-1], 2 * codes.shape[-1])
+    mag = jnp.asarray(E2M1_VALUES, jnp.float32)[nib & 7]
+    val = jnp.where(nib & 8, -mag, mag)
+    d = val.shape[-1]
+    scale = _pow2(scales.astype(jnp.int32) - UE8M0_BIAS)
+    return (val.reshape(*val.shape[:-1], d // MXFP4_BLOCK, MXFP4_BLOCK) * scale[..., None]).reshape(val.shape)
 
 
 TRITON_64BIT_BYTES = 2**32  # jax's Pallas-Triton lowering uses 64-bit offsets only for operands larger than this

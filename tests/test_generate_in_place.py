@@ -58,7 +58,7 @@ def big(dims) -> tuple:
 def compiled_step(model, B: int, S: int):
     cfg = model.cfg
     graphdef, state = nnx.split(model)
-    step = runner.jitted_dense_decode(graphdef, DenseKV(topk=cfg.index_topk, indexer_fp8=model.indexer_fp8))
+    step = runner.jitted_dense_decode(graphdef, DenseKV(topk=cfg.index_topk, index_dtype=model.index_dtype))
     kv = init_dense_kv(cfg, B, S, model.dtype)
     sampling = {"seed": jnp.zeros((B,), jnp.uint32), "temperature": jnp.zeros((B,)), "top_p": jnp.ones((B,))}
     args = (state, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32), kv, sampling)

@@ -42,7 +42,7 @@ def make_case(seed, seq_lens, dtype, *, integer=True, topk=TOPK, mp=MP, pool=P, 
     """A paged case and its contiguous twin.
 
     Returns (args, kwargs) for the kernel / reference, and (q, w, keys, fp8) for the contiguous
-    `index_scores` path: keys [B, S, dI] as stored (bf16 / f32) or raw (FP8: `index_scores(fp8=True)`
+    `index_scores` path: keys [B, S, dI] as stored (bf16 / f32) or raw (FP8: `index_scores(index_dtype="fp8")`
     quantizes them per key exactly as the pool does).
     """
     rng = np.random.default_rng(seed)
@@ -89,7 +89,7 @@ def make_case(seed, seq_lens, dtype, *, integer=True, topk=TOPK, mp=MP, pool=P, 
 
 def contiguous_topk(q, w, keys, fp8, seq_lens, topk):
     """select_topk(index_scores(...)) over unpaged keys, -1 padded to topk columns."""
-    scores = index_scores(q.astype(jnp.float32)[:, None], w[:, None], keys, fp8=fp8)[:, 0]
+    scores = index_scores(q.astype(jnp.float32)[:, None], w[:, None], keys, index_dtype="fp8" if fp8 else None)[:, 0]
     valid = jnp.arange(keys.shape[1])[None] < jnp.asarray(seq_lens)[:, None]
     idx = np.asarray(select_topk(scores, valid, topk))
     return np.pad(idx, ((0, 0), (0, topk - idx.shape[1])), constant_values=-1)

@@ -18,13 +18,13 @@ from pallas_kernels.indexer_topk.reference import index_scores, select_topk
 from pallas_kernels.sparse_mla_decode.reference import sparse_mla_decode_rows
 
 
-def index_select_reference(index_k, positions, q_index, w, topk: int, *, fp8: bool = False):
+def index_select_reference(index_k, positions, q_index, w, topk: int, *, index_dtype=None):
     """Top-k over contiguous keys: index_k [B, S, dI], positions int32[B] -> int32[B, min(topk, S)].
 
     Keys 0..positions[b] are valid; -1 pads the tail; an idle slot (position -1) gets all -1.
     """
     S = index_k.shape[1]
-    scores = index_scores(q_index[:, None], w[:, None], index_k, fp8=fp8)[:, 0]  # [B, S]
+    scores = index_scores(q_index[:, None], w[:, None], index_k, index_dtype=index_dtype)[:, 0]  # [B, S]
     valid = jnp.arange(S, dtype=jnp.int32)[None] <= positions[:, None]
     return select_topk(scores, valid, topk)
 
@@ -67,7 +67,7 @@ class DenseKV:
     updates it in place."""
 
     topk: int
-    indexer_fp8: bool = False
+    index_dtype: str | None = None  # how the indexer scores its keys (`indexer_topk.reference.INDEX_DTYPES`)
 
     def append(self, kv, ids, positions, c, k_rope, k_index):
         kv = dict(kv)
@@ -79,7 +79,7 @@ class DenseKV:
 
     def select(self, kv, ids, positions, q_index, w):
         keys = kv["index_k"][ids.index]
-        return index_select_reference(keys, positions, q_index, w, self.topk, fp8=self.indexer_fp8), kv
+        return index_select_reference(keys, positions, q_index, w, self.topk, index_dtype=self.index_dtype), kv
 
     def attend(self, kv, ids, topk, q_lat, q_rope, tau):
         valid = topk >= 0

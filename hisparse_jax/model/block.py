@@ -103,7 +103,7 @@ def prefill_layer(model, layer: DecoderLayer, x, cos, sin, causal, attend, *, to
                                         cos, sin)
             rows["index_k"] = kI
             if topk_override is None or with_probs:
-                scores = index_scores(qI, w, kI, fp8=model.indexer_fp8)
+                scores = index_scores(qI, w, kI, index_dtype=model.index_dtype)
         if indexer == "select":
             if topk_override is not None:
                 topk = topk_override

@@ -39,6 +39,7 @@ from hisparse_jax.model.block import DecoderLayer, KVBackend, LayerIds, decode_l
 from hisparse_jax.model.layers import Linear, RMSNorm, _normal
 from hisparse_jax.model.mtp import MTPLayer
 from hisparse_jax.model.rope import rope_cos_sin, rope_frequencies
+from pallas_kernels.indexer_topk.reference import check_index_dtype
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -117,8 +118,9 @@ class SparseMLAModel(nnx.Module):
     by runs of identical blocks (`model.layers.{i}.self_attn.q_a_proj.weight` -> the slice of layer i in
     `stacks[r][p].self_attn.q_a_proj.kernel`, transposed; `weights.layer_param_paths` maps the two).
 
-    Options (static, not parameters): `moe_impl` ("ragged" | "dense"), `indexer_fp8` (emulate DeepSeek's
-    FP8 + Hadamard indexer instead of the exact float32 scores transformers computes). `mtp=True` also builds the
+    Options (static, not parameters): `moe_impl` ("ragged" | "dense"), `index_dtype` (None: the exact scores
+    transformers computes; "fp8": emulate DeepSeek's FP8 + Hadamard indexer; "int4": MXFP4 keys and queries, as
+    vLLM's and SGLang's 4-bit indexer caches; `pallas_kernels.indexer_topk.reference`). `mtp=True` also builds the
     config's `num_nextn_predict_layers` multi-token-prediction layers as `self.mtp` (`hisparse_jax.model.mtp`;
     an empty `nnx.List` otherwise).
 
@@ -127,7 +129,7 @@ class SparseMLAModel(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None, dtype=None, moe_impl: str = "ragged",
-                 indexer_fp8: bool = False, mtp: bool = False):
+                 index_dtype: str | None = None, mtp: bool = False):
         if mtp and cfg.num_nextn_predict_layers < 1:
             raise ValueError("mtp=True needs a config with num_nextn_predict_layers >= 1 (the checkpoint's "
                              "multi-token-prediction layers); this one has 0")
@@ -138,7 +140,7 @@ class SparseMLAModel(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.moe_impl = moe_impl
-        self.indexer_fp8 = indexer_fp8
+        self.index_dtype = check_index_dtype(index_dtype)
         self.embed_tokens = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
         # built one by one (each layer draws its initial values in layer order), then stacked run by run
         layers = [DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)]

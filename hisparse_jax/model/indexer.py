@@ -12,7 +12,7 @@ are masked to -inf *before* the top-k; the selection keeps min(index_topk, #keys
 Tie-break: `lax.top_k` keeps the lower position among equal scores. Padding: positions that are
 not valid (causally masked, or beyond the last key) come back as -1.
 
-Optional FP8 emulation (DeepSeek's inference path, `fp8=True`): q and k are rotated by the
+Optional FP8 emulation (DeepSeek's inference path, `index_dtype="fp8"`; or MXFP4, `"int4"`): q and k are rotated by the
 Sylvester Hadamard matrix / sqrt(dI) and quantized to e4m3 with power-of-two scales
 2^ceil(log2(max(amax, 1e-4) / 448)) per 128 values; the score multiplies q's scale inside the
 head sum and k's scale after it.

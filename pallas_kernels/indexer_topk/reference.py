@@ -8,9 +8,12 @@ For a query token t and a cached key position s (one index set per layer and tok
 with `w` carrying the positive scale constants. Selection keeps min(topk, #keys) positions in descending
 score order; the lower position wins a tie (`lax.top_k`'s rule); positions that are not valid come back -1.
 
-FP8 emulation (DeepSeek's inference path): q and k are rotated by the Sylvester Hadamard matrix / sqrt(dI)
-and quantized to e4m3 with power-of-two scales per 128 values (`pallas_kernels.common.fp8_quantize`); the
-score multiplies q's scale inside the head sum and k's scale after it.
+Quantized keys (`index_dtype`): None scores the keys as they are. "fp8" emulates DeepSeek's inference path: q and
+k are rotated by the Sylvester Hadamard matrix / sqrt(dI) and quantized to e4m3 with power-of-two scales per 128
+values (`pallas_kernels.common.fp8_quantize`); the score multiplies q's scale inside the head sum and k's scale
+after it. "int4" is MXFP4 as vLLM (#48558) and SGLang (#30546) store the keys: q and k Hadamard-rotated as for
+FP8, then E2M1 values with one UE8M0 scale per 32 (`pallas_kernels.common.mxfp4_quantize`; 68 bytes per 128-value
+key against FP8's 132); the dots are those of the dequantized values (exact products, float32 sums).
 
 Shapes: B decode rows, T query tokens, I indexer heads, dI head dim, P pool pages of `page` (64) token rows,
 MP pages per row in the block table, S key positions (MP * page when paged), K top-k slots.
@@ -21,15 +24,25 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import fp8_quantize, hadamard
+from pallas_kernels.common import fp8_quantize, hadamard, mxfp4_dequantize, mxfp4_quantize
 
 HIGHEST = jax.lax.Precision.HIGHEST
+INDEX_DTYPES = (None, "fp8", "int4")  # how the keys are scored: as they are, or quantized (see the docstring)
 
 
-def index_scores(q, w, k, *, fp8: bool = False):
-    """q f32[..., T, I, dI], w f32[..., T, I], k [..., S, dI] -> f32[..., T, S] (unmasked)."""
-    if fp8:
+def check_index_dtype(index_dtype):
+    if index_dtype not in INDEX_DTYPES:
+        raise ValueError(f"index_dtype must be one of {INDEX_DTYPES}, got {index_dtype!r}")
+    return index_dtype
+
+
+def index_scores(q, w, k, *, index_dtype=None):
+    """q f32[..., T, I, dI], w f32[..., T, I], k [..., S, dI] -> f32[..., T, S] (unmasked), the keys scored as
+    `index_dtype` stores them (None: as they are)."""
+    if check_index_dtype(index_dtype) == "fp8":
         return index_scores_fp8(q, w, *quantize_index_keys(k))
+    if index_dtype == "int4":
+        return index_scores_int4(q, w, *quantize_index_keys_int4(k))
     dots = jnp.einsum("...tid,...sd->...tis", q, k.astype(jnp.float32), precision=HIGHEST)
     return jnp.einsum("...tis,...ti->...ts", jax.nn.relu(dots), w, precision=HIGHEST)
 
@@ -39,6 +52,23 @@ def quantize_index_keys(k):
 
     k [..., S, dI] -> (e4m3 [..., S, dI], f32 [..., S])."""
     return fp8_quantize(hadamard(k.astype(jnp.float32)), block=k.shape[-1])
+
+
+def quantize_index_keys_int4(k):
+    """Indexer keys as MXFP4 (vLLM / SGLang's 4-bit indexer cache): E2M1 codes of the Hadamard-rotated key, two per
+    byte, and one UE8M0 scale per 32 values. k [..., S, dI] -> (uint8 [..., S, dI / 2], uint8 [..., S, dI / 32])."""
+    return mxfp4_quantize(hadamard(k.astype(jnp.float32)))
+
+
+def index_scores_int4(q, w, k_codes, k_scales):
+    """MXFP4 emulation with pre-quantized keys: the query Hadamard-rotated and MXFP4-quantized per head as the keys
+    are (vLLM #48558 quantizes the indexer query too), the dots those of the dequantized values (float32).
+    q f32[..., T, I, dI], w f32[..., T, I], k_codes uint8[..., S, dI / 2], k_scales uint8[..., S, dI / 32]
+    -> f32[..., T, S]."""
+    qd = mxfp4_dequantize(*mxfp4_quantize(hadamard(q.astype(jnp.float32))))
+    kd = mxfp4_dequantize(k_codes, k_scales)
+    dots = jnp.einsum("...tid,...sd->...tis", qd, kd, precision=HIGHEST)
+    return jnp.einsum("...tis,...ti->...ts", jax.nn.relu(dots), w, precision=HIGHEST)
 
 
 def index_scores_fp8(q, w, k_fp8, k_scale):
