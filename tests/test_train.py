@@ -181,3 +181,23 @@ def test_locality_script_quick(tmp_path):
             for size, r in la["results"]["lru"].items():
                 assert 0 <= r["hit_rate"] <= la["results"]["opt"][size]["hit_rate"] + 1e-9
     assert 0 < out["quality"]["ppl_dense"] < 256
+
+
+@pytest.mark.slow
+def test_index_dtype_quality_script_quick(tmp_path):
+    """experiments/index_dtype_quality.py (quick): per key format the trained model's sparse perplexity, top-k
+    recall against FP8 (FP8 against itself: exactly 1) and the exact selection, and hit rates within OPT's bound;
+    MXFP4 changes the selection (recall below 1) but not beyond recognition, at 68 bytes per key against 132."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join("experiments", "index_dtype_quality.py"), "--quick", "--out",
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "index_dtype_quality_quick.json").read_text())
+    assert out["key_bytes_per_token_per_index_layer"] == {"exact": 256, "fp8": 132, "int4": 68}
+    f = out["formats"]
+    assert f["fp8"]["recall_vs_fp8_per_index_layer"] == [1.0, 1.0] and f["fp8"]["ppl_over_fp8"] == 1.0
+    assert all(0.8 < r < 1 for r in f["int4"]["recall_vs_fp8_per_index_layer"])
+    for r in f.values():
+        assert 0 < r["ppl_sparse"] < 256
+        for lru, opt in zip(r["hit_rate_per_index_layer"]["lru_2x"], r["hit_rate_per_index_layer"]["opt_2x"]):
+            assert 0 <= lru <= opt + 1e-9
