@@ -24,7 +24,9 @@ the store's internals:
   pages + its hot buffer, whichever is fewer). A run the oracle calls infeasible must be refused up front with
   a `BudgetError` (a `ValueError`); a feasible one must complete — never an exception or `OutOfPages` midway,
   never a stall.
-* **Tokens.** float32: exactly the greedy tokens of the contiguous path (`generate(model, prompts, n)`);
+* **Tokens.** float32: exactly the greedy tokens of the contiguous path (`generate(model, prompts, n)`), or a
+  divergence where the reference's logits of the two tokens are within `NEAR_TIE` (outcome "near_tie": XLA:CPU
+  rounds a row with the batch's shape, `same_tokens`);
   bf16 / fp8: exactly those of the same format with every page resident.
 * **Bookkeeping.** Allocator invariants after every step; every pool empty at the end; with the row mechanism
   the H2D bytes equal misses x row bytes.
@@ -223,15 +225,37 @@ def assert_pools_empty(managers) -> None:
         assert not c.requests and not any(used.values()), f"pages still in use at the end: {used}"
 
 
+NEAR_TIE = 1e-5  # two logits this close are a tie XLA:CPU's rounding may break either way (see `same_tokens`)
+
+
+def same_tokens(what: str, out: list[int], ref: list[int], ref_logits=None) -> bool:
+    """True when `out` equals the reference's tokens `ref`. False when they first differ at a step where the
+    reference's logits of the two tokens are within NEAR_TIE: XLA:CPU rounds a matmul row differently with the
+    batch's row count (docs/limitations.md), so a float32 near tie (seen: 1.2e-7, one ulp) can go either way with
+    the batch's composition and the rest of the sequence follows it; such a case is counted as "near_tie", not
+    passed and not failed. Anything else raises AssertionError."""
+    if out == ref:
+        return True
+    t = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+    if ref_logits is not None and t < min(len(out), len(ref)):
+        margin = abs(float(ref_logits[t][ref[t]]) - float(ref_logits[t][out[t]]))
+        if margin <= NEAR_TIE:
+            return False
+        what += f" (first at step {t}: the reference's logits differ by {margin:.3g} there)"
+    raise AssertionError(f"{what}: tokens differ\n got {out}\n ref {ref}")
+
+
 def _reference_tokens(model, case: GenerateCase):
+    """(tokens, logits or None): float32, the contiguous path's; bf16 / fp8, the same format all resident."""
     from hisparse_jax.generate import generate
 
     if case.kv_dtype == "float32":
-        return generate(model, case.prompts, case.max_new_tokens)
+        toks, logits = generate(model, case.prompts, case.max_new_tokens, return_logits=True)
+        return toks, [np.asarray(x) for x in logits]
     need = sum(pages(t) for t in case.kv_lengths())
     roomy = case.cache_config().replace(device_pages=need + 2, host_pages=need, index_pages=None,
                                         max_seqs=max(case.max_seqs, len(case.prompts)))
-    return generate(model, case.prompts, case.max_new_tokens, cache=roomy)
+    return generate(model, case.prompts, case.max_new_tokens, cache=roomy), None
 
 
 def run_generate_case(case: GenerateCase, model=None) -> dict:
@@ -251,12 +275,13 @@ def run_generate_case(case: GenerateCase, model=None) -> dict:
             return {"outcome": "refused", "reason": expect}
     assert expect is None, f"not refused although {expect} is too small"
     assert_pools_empty(managers)
-    ref = _reference_tokens(model, case)
-    assert toks == ref, f"tokens differ from the reference:\n tiered {toks}\n ref    {ref}"
+    ref, ref_logits = _reference_tokens(model, case)
+    exact = all([same_tokens(f"prompt {i}", t, r, None if ref_logits is None else ref_logits[i])
+                 for i, (t, r) in enumerate(zip(toks, ref))])
     if case.fetch == "row":
         row_bytes = managers[0].spec.row_bytes
         assert stats.h2d_bytes == stats.misses * row_bytes, (stats.h2d_bytes, stats.misses, row_bytes)
-    return {"outcome": "identical", "hits": stats.hits, "misses": stats.misses,
+    return {"outcome": "identical" if exact else "near_tie", "hits": stats.hits, "misses": stats.misses,
             "evicted_pages": stats.evicted_pages}
 
 
@@ -418,19 +443,19 @@ def run_engine_case(case: EngineCase, model=None, max_steps: int = 2000) -> dict
     assert pools_empty and not eng.manager.requests, f"pages still in use at the end: {eng.manager.pool.stats()}"
     done = [i for i in accepted if eng.requests[f"r{i}"].state.value == "finished"]
     outputs = {i: eng.requests[f"r{i}"].output for i in done}
+    exact = True
     if done:
         ref = _engine_reference(model, case, done, accepted)
-        for i in done:
-            assert outputs[i] == ref[i], f"request {i}: tokens differ\n engine {outputs[i]}\n ref    {ref[i]}"
+        exact = all([same_tokens(f"request {i}", outputs[i], *ref[i]) for i in done])
     met = eng.metrics()
-    return {"outcome": "identical", "finished": len(done), "refused": len(refused), "preemptions": met.preemptions,
+    return {"outcome": "identical" if exact else "near_tie", "finished": len(done), "refused": len(refused), "preemptions": met.preemptions,
             "swaps": met.swaps, "hits": met.hits, "misses": met.misses, "evicted_pages": met.evicted_pages,
             "cached_tokens": met.cached_tokens, "speculative_tokens": case.speculative_tokens,
             "drafts_accepted": sum(m.accepted for m in met.history)}
 
 
-def _engine_reference(model, case: EngineCase, idx: list[int], accepted: list[int]) -> dict[int, list[int]]:
-    """float32: the contiguous path's greedy tokens. bf16 / fp8 (whose cases prefill through the store, where
+def _engine_reference(model, case: EngineCase, idx: list[int], accepted: list[int]) -> dict[int, tuple]:
+    """Request i -> (tokens, logits or None). float32: the contiguous path's greedy tokens and their logits. bf16 / fp8 (whose cases prefill through the store, where
     rows are read back in the store's format): the same case — arrivals, aborts, concurrency, prompt chunks —
     run with every page resident (the `accepted` requests). The schedule matters there: XLA:CPU's matmul rounds
     a row differently with the batch's row count (M = 8 vs 64 differ), a float32 difference the store's bf16
@@ -441,14 +466,14 @@ def _engine_reference(model, case: EngineCase, idx: list[int], accepted: list[in
 
     if case.kv_dtype == "float32":
         prompts = [case.prompts[i] for i in idx]
-        toks = generate(model, prompts, max(case.max_new[i] for i in idx))
-        return {i: t[:case.max_new[i]] for i, t in zip(idx, toks)}
+        toks, logits = generate(model, prompts, max(case.max_new[i] for i in idx), return_logits=True)
+        return {i: (t[:case.max_new[i]], np.asarray(lg)) for i, t, lg in zip(idx, toks, logits)}
     need = sum(pages(len(case.prompts[i]) + case.max_new[i]) for i in accepted)
     roomy = dataclasses.replace(case, policy="hisparse", device_pages=need + 2, host_pages=need)
     cc = roomy.cache_config().replace(index_pages=need + 2)
     eng = Engine(model, cc, roomy.engine_config())
     _drive(eng, roomy, lambda i: i in accepted)
-    return {i: eng.requests[f"r{i}"].output for i in idx}
+    return {i: (eng.requests[f"r{i}"].output, None) for i in idx}
 
 
 # ----- the engine across a device mesh ---------------------------------------------------------------
@@ -491,13 +516,13 @@ def run_mesh_case(case: MeshCase, model=None, max_steps: int = 2000) -> dict:
         assert not any(used.values()) and not c.requests, f"rank {r}: pages still in use at the end: {used}"
     reqs = eng.requests
     done = [i for i in accepted if reqs[f"r{i}"].state.value == "finished"]
+    exact = True
     if done:
         ref = _engine_reference(model, case.engine, done, accepted)
-        for i in done:
-            out = reqs[f"r{i}"].output
-            assert out == ref[i], f"request {i} (rank {eng.rank_of(f'r{i}')}): tokens differ\n mesh {out}\n ref  {ref[i]}"
+        exact = all([same_tokens(f"request {i} (rank {eng.rank_of(f'r{i}')})", reqs[f"r{i}"].output, *ref[i])
+                     for i in done])
     met = eng.metrics()
-    return {"outcome": "identical", "finished": len(done), "refused": len(refused), "preemptions": met.preemptions,
+    return {"outcome": "identical" if exact else "near_tie", "finished": len(done), "refused": len(refused), "preemptions": met.preemptions,
             "swaps": met.swaps, "hits": met.hits, "misses": met.misses, "evicted_pages": met.evicted_pages,
             "cached_tokens": met.cached_tokens, "ranks_used": len({eng.rank_of(f"r{i}") for i in accepted})}
 
@@ -583,18 +608,18 @@ def run_pd_case(case: PDCase, model=None, max_steps: int = 2000) -> dict:
         assert not any(used.values()) and not c.requests, f"rank {r}: pages still in use at the end: {used}"
     reqs = eng.requests
     done = [i for i in accepted if reqs[f"r{i}"].state.value == "finished"]
+    exact = True
     if done:
         ref = _engine_reference(model, ec, done, accepted)
-        for i in done:
-            out = reqs[f"r{i}"].output
-            how = "imported" if i in case.imported else "local"
-            assert out == ref[i], f"request {i} ({how}): tokens differ\n engine {out}\n ref    {ref[i]}"
+        exact = all([same_tokens(f"request {i} ({'imported' if i in case.imported else 'local'})",
+                                 reqs[f"r{i}"].output, *ref[i]) for i in done])
     met = eng.metrics()
     imported = [i for i in accepted if i in case.imported]
     # an import is written once, at its first admission (an abort may come first; a readmission recomputes)
     assert met.import_bytes <= sum(nbytes[i] for i in imported), f"import bytes {met.import_bytes} > the exports'"
     assert met.import_bytes > 0 or not any(i in case.imported for i in done), "finished imports moved no bytes"
-    return {"outcome": "identical", "finished": len(done), "refused": len(refused), "imported": len(imported),
+    return {"outcome": "identical" if exact else "near_tie", "finished": len(done), "refused": len(refused),
+            "imported": len(imported),
             "imported_from_file": len(imported) if case.via == "file" else 0, "import_bytes": met.import_bytes,
             "preemptions": met.preemptions, "swaps": met.swaps, "hits": met.hits, "misses": met.misses,
             "evicted_pages": met.evicted_pages, "cached_tokens": met.cached_tokens,

@@ -517,6 +517,7 @@ def get_preset(name: str) -> ModelConfig:
 
 
 KV_DTYPES = ("auto", "bf16", "fp8", "float32")
+INDEX_DTYPES = ("auto", "fp8", "int4")
 FETCH_MECHANISMS = ("row", "page")
 MISS_ATTENTION = ("single", "split")
 MAX_SPECULATIVE_TOKENS = 8
@@ -531,6 +532,12 @@ class CacheConfig:
       gives the contiguous path's tokens), "bf16" (latent, rope and indexer keys in bf16), "fp8" (latent e4m3
       with one fp32 scale per 128 values, rope bf16, indexer keys e4m3 of the Hadamard-rotated key with one
       fp32 scale; the indexer then scores in DeepSeek's FP8 emulation), or "float32" (exact).
+    index_dtype: how the indexer keys are stored and scored: "auto" (the default: as kv_dtype says), "fp8"
+      (e4m3 of the Hadamard-rotated key with one fp32 scale: 132 bytes per key of 128) or "int4" (MXFP4: E2M1
+      codes two per byte and one UE8M0 scale per 32 values, 68 bytes per key of 128, as vLLM's and SGLang's
+      4-bit indexer caches; the query is quantized alike). The indexer pool shrinks with it; the scores (and so
+      the selected rows) follow the format (`experiments/index_dtype_quality.py` measures what int4 costs).
+      int4 runs with kernels="reference" only so far.
     device_pages: device KV pool (latent + rope of every layer); hot buffers are lent from it.
     host_pages: pinned-host KV pool (the offloaded tier; every token is mirrored here when `mirror_to_host`).
     index_pages: device indexer-key pool (keys never leave the device); default: device + host pages.
@@ -557,10 +564,12 @@ class CacheConfig:
       allocated at the capacity's sizes, and the budgets above are limits the host bookkeeping enforces inside
       them, so every budget within one capacity runs the same compiled programs: set one capacity for a process
       (or a sweep) and vary the budgets per experiment. Each budget must be at most the capacity's, and the
-      formats (kv_dtype, fetch, fetch_chunk, mirror_to_host, miss_attention, speculative_tokens) must match.
+      formats (kv_dtype, index_dtype, fetch, fetch_chunk, mirror_to_host, miss_attention, speculative_tokens)
+      must match.
     """
 
     kv_dtype: str = "auto"
+    index_dtype: str = "auto"
     device_pages: int = 256
     host_pages: int = 1024
     index_pages: int | None = None
@@ -578,6 +587,8 @@ class CacheConfig:
         problems = []
         if self.kv_dtype not in KV_DTYPES:
             problems.append(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.index_dtype not in INDEX_DTYPES:
+            problems.append(f"index_dtype must be one of {INDEX_DTYPES}, got {self.index_dtype!r}")
         if self.fetch not in FETCH_MECHANISMS:
             problems.append(f"fetch must be one of {FETCH_MECHANISMS}, got {self.fetch!r}")
         if self.miss_attention not in MISS_ATTENTION:
@@ -598,7 +609,8 @@ class CacheConfig:
             raise ValueError("invalid CacheConfig: " + "; ".join(problems))
 
     # the fields a capacity fixes for its budgets (formats), and the budgets it bounds
-    CAPACITY_FORMATS = ("kv_dtype", "fetch", "fetch_chunk", "mirror_to_host", "miss_attention", "speculative_tokens")
+    CAPACITY_FORMATS = ("kv_dtype", "index_dtype", "fetch", "fetch_chunk", "mirror_to_host", "miss_attention",
+                        "speculative_tokens")
     CAPACITY_BUDGETS = ("device_pages", "host_pages", "index_pages", "max_seqs", "max_seq_len")  # and hot_rows:
     # its default depends on the model (`hot_rows_for`), so `kv.spec.StoreSpec.create` compares it
 
@@ -636,6 +648,11 @@ class CacheConfig:
         if self.kv_dtype != "auto":
             return self.kv_dtype
         return "bf16" if model.dtype == "bfloat16" else "float32"
+
+    def index_dtype_for(self, model: ModelConfig) -> str:
+        """The indexer keys' stored format for `model`: "fp8", "int4", or (unquantized) "bf16" / "float32";
+        `index_dtype`, with "auto" following `kv_dtype_for`."""
+        return self.kv_dtype_for(model) if self.index_dtype == "auto" else self.index_dtype
 
     def hot_rows_for(self, model: ModelConfig) -> int:
         """Hot-buffer rows per request and indexer group: `hot_rows`, or 2 * index_topk by default ((k + 2) *

@@ -32,7 +32,8 @@ from tqdm import tqdm
 
 from hisparse_jax.cli_args import (bounded_float, check_output_dir, check_output_file, choice, int_at_least,
                                    name_list, positive_int)
-from hisparse_jax.config import MAX_SPECULATIVE_TOKENS, MISS_ATTENTION, PRESETS, CacheConfig, ModelConfig, get_preset
+from hisparse_jax.config import (INDEX_DTYPES, MAX_SPECULATIVE_TOKENS, MISS_ATTENTION, PRESETS, CacheConfig,
+                                 ModelConfig, get_preset)
 from hisparse_jax.engine.speculative import lookahead
 from hisparse_jax import parallel
 from hisparse_jax.engine import Engine, EngineConfig, MeshEngine, SamplingParams, device_budget
@@ -69,6 +70,10 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
     p.add_argument("--kv-dtype", default="float32", choices=("bf16", "fp8", "float32"),
                    help="KV format (default float32: XLA:CPU converts bf16/fp8 pools around every scatter, "
                         "which is slow on a CPU; use bf16 or fp8 on a GPU)")
+    p.add_argument("--index-dtype", default="auto", choices=INDEX_DTYPES,
+                   help="indexer keys: as --kv-dtype stores them (auto, the default), fp8 (132 bytes per key of 128) "
+                        "or int4 (MXFP4, 68 bytes; needs --kernels reference). --device-requests counts the default "
+                        "format's bytes, so a smaller key format leaves more of the same device budget to HiSparse")
     p.add_argument("--policies", type=name_list(POLICIES, "policy"), default=",".join(POLICIES),
                    help="comma-separated subset of " + ",".join(POLICIES))
     p.add_argument("--prefill", default="whole", choices=("whole", "chunked"),
@@ -133,9 +138,10 @@ def workload(vocab: int, n: int, longest: int, seed: int, low: float = 0.55) -> 
 
 
 def budgets(cfg, requests: int, max_len: int, device_requests: float, kv_dtype: str = "float32",
-            miss_attention: str = "single", speculative_tokens: int = 0):
+            miss_attention: str = "single", speculative_tokens: int = 0, index_dtype: str = "auto"):
     """The demo's budgets for `requests` requests of up to `max_len` tokens: (a base CacheConfig whose host pool
-    holds all of them, the device bytes of `device_requests` whole longest requests' KV + indexer keys). Pass both
+    holds all of them, the device bytes of `device_requests` whole longest requests' KV + indexer keys, the keys
+    counted in kv_dtype's own format whatever `index_dtype`: one device budget for every key format). Pass both
     to `device_budget` to get each policy's split. With speculative tokens, `max_len` must include the positions
     a speculative step writes past a request's last token (`speculative.lookahead`)."""
     base = CacheConfig(kv_dtype=kv_dtype, max_seq_len=pages(max_len) * 64, max_seqs=requests,
@@ -143,7 +149,7 @@ def budgets(cfg, requests: int, max_len: int, device_requests: float, kv_dtype: 
                        speculative_tokens=speculative_tokens)
     probe = device_budget(cfg, base, 1 << 40, "preempt", max_running=requests, max_len=max_len)
     per_page = (1 << 40) / probe.device_pages  # bytes of one KV page + one indexer page
-    return base, int(device_requests * pages(max_len) * per_page)
+    return base.replace(index_dtype=index_dtype), int(device_requests * pages(max_len) * per_page)
 
 
 class DemoSetupError(ValueError):
@@ -203,7 +209,7 @@ def _check_memory(args: argparse.Namespace, cfg: ModelConfig, longest: int) -> N
     n_dev, extra = args.devices, lookahead(args.speculative_tokens)
     max_len = longest + args.new_tokens + extra
     base, device_bytes = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype,
-                                 args.miss_attention, args.speculative_tokens)
+                                 args.miss_attention, args.speculative_tokens, args.index_dtype)
     spec = StoreSpec.create(cfg, base.replace(device_pages=1, index_pages=1))
     request_bytes = pages(max_len) * spec.page_bytes * spec.num_layers  # one request's host pages
     host, device = n_dev * args.requests * request_bytes, n_dev * device_bytes  # all devices together
@@ -268,7 +274,7 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
         prompts = workload(cfg.vocab_size, args.requests * n_dev, longest, args.seed)
     max_len = max(len(p) for p in prompts) + args.new_tokens + lookahead(k)
     base, device_bytes = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype,
-                                 args.miss_attention, k)
+                                 args.miss_attention, k, args.index_dtype)
     params = SamplingParams(max_new_tokens=args.new_tokens)
     quiet = args.json
     results, outputs = {}, {}
@@ -308,12 +314,16 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
     for pol in policies:  # every policy's budgets are checked before any runs
         eng, cc = engine(pol)
         eng.close()
+        spec = StoreSpec.create(cfg, cc.replace(capacity=None))  # the budgets' geometry (per device)
         split[pol] = {"device_pages": cc.device_pages, "index_pages": cc.num_index_pages,
-                      "host_pages": cc.host_pages if pol != "preempt" else 0}
+                      "host_pages": cc.host_pages if pol != "preempt" else 0,
+                      "kv_pool_bytes": cc.device_pages * spec.page_bytes * spec.num_layers,
+                      "index_pool_bytes": cc.num_index_pages * 64 * spec.num_index_layers * spec.index_row_bytes}
     setup = {
         "preset": args.preset, "model": None if args.preset else args.model, "workload": kind,
         "requests": len(prompts), "devices": n_dev, "prompt_tokens": [len(p) for p in prompts],
-        "new_tokens": args.new_tokens, "kv_dtype": args.kv_dtype, "device_budget_bytes": device_bytes,
+        "new_tokens": args.new_tokens, "kv_dtype": args.kv_dtype, "index_dtype": args.index_dtype,
+        "device_budget_bytes": device_bytes,
         "device_requests": args.device_requests, "host_pages": base.host_pages, "kernels": args.kernels,
         "miss_attention": args.miss_attention, "speculative_tokens": k,
         "prefill": args.prefill, "backend": jax.default_backend(), "policies": split,
@@ -615,6 +625,8 @@ def _checked(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpars
         parser.error(f"argument --kernels: {e}")
     if args.miss_attention == "split" and args.kernels != "reference":
         parser.error(f"argument --miss-attention: split needs --kernels reference (got {args.kernels})")
+    if args.index_dtype == "int4" and args.kernels != "reference":
+        parser.error(f"argument --index-dtype: int4 needs --kernels reference (got {args.kernels})")
     if args.plot:
         check_output_file(parser, "--plot", args.plot)
     if args.log_dir:

@@ -641,8 +641,7 @@ def device_budget(model_cfg, cache: CacheConfig, device_bytes: int, policy: str,
     """
     spec = StoreSpec.create(model_cfg, cache.replace(device_pages=1, index_pages=1, capacity=None))
     kv_page = spec.page_bytes * spec.num_layers
-    idx_page = 64 * spec.num_index_layers * (spec.index_dim + 4 if spec.fp8 else 2 * spec.index_dim
-                                             if spec.kv_dtype == "bf16" else 4 * spec.index_dim)
+    idx_page = 64 * spec.num_index_layers * spec.index_row_bytes
     n = pages(max_len)
     if policy != "hisparse":
         p = device_bytes // (kv_page + idx_page)

@@ -38,7 +38,8 @@ from hisparse_jax.compat import DEVICE, HOST, on_host
 from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.kv.state import FP8_BLOCK, KVStore, StoreSpec, from_host_bits, to_host_bits
 from pallas_kernels.common import fp8_quantize
-from pallas_kernels.indexer_topk.reference import index_scores, index_scores_fp8, quantize_index_keys, select_topk
+from pallas_kernels.indexer_topk.reference import (index_scores, index_scores_fp8, index_scores_int4,
+                                                   quantize_index_keys, quantize_index_keys_int4, select_topk)
 from pallas_kernels.sparse_gather.reference import UNUSED_STAMP, resolve_positions
 
 # ----- formats ----------------------------------------------------------------------------------
@@ -59,10 +60,12 @@ def decode_latent(spec: StoreSpec, values, scales):
 
 
 def encode_index(spec: StoreSpec, k):
-    """k [..., dI] -> (stored keys, scale [...] or None)."""
-    if spec.fp8:
+    """k [..., dI] -> (stored keys, scales or None) in the store's index format (`StoreSpec.index_dtype`)."""
+    if spec.index_dtype == "fp8":
         return quantize_index_keys(k)
-    return k.astype(spec.value_dtype), None
+    if spec.index_dtype == "int4":
+        return quantize_index_keys_int4(k)
+    return k.astype(jnp.float32 if spec.index_dtype == "float32" else jnp.bfloat16), None
 
 
 def _to_host(x):
@@ -177,11 +180,16 @@ def index_select(spec: StoreSpec, store: KVStore, index_layer: int, req, positio
     """
     r = jnp.maximum(req, 0)
     pages = jnp.maximum(store.index_table[r][:, :num_pages], 0)  # [B, P]
-    keys = store.index_k[index_layer][pages].reshape(req.shape[0], -1, spec.index_dim)  # [B, S, dI]
+    keys = store.index_k[index_layer][pages]
+    keys = keys.reshape(req.shape[0], -1, keys.shape[-1])  # [B, S, dI] (int4: dI / 2 bytes of codes)
     keys = jax.lax.optimization_barrier(keys)  # same scores bit for bit whatever the pool size (see tiered.py)
-    if spec.fp8:
+    if spec.index_dtype == "fp8":
         ks = jax.lax.optimization_barrier(store.index_scale[index_layer][pages].reshape(req.shape[0], -1))
         scores = index_scores_fp8(q_index[:, None], w[:, None], keys, ks)[:, 0]
+    elif spec.index_dtype == "int4":
+        ks = store.index_scale[index_layer][pages]  # [B, P, 64, dI / 32]
+        ks = jax.lax.optimization_barrier(ks.reshape(req.shape[0], -1, ks.shape[-1]))
+        scores = index_scores_int4(q_index[:, None], w[:, None], keys, ks)[:, 0]
     else:
         scores = index_scores(q_index[:, None], w[:, None], keys)[:, 0]
     S = keys.shape[1]
@@ -509,6 +517,7 @@ def write_prefill(spec: StoreSpec, store: KVStore, req, latent, rope, index_k, l
                index_k=store.index_k.at[:, ip, row].set(kv, mode="drop"))
     if spec.fp8:
         upd["latent_scale"] = store.latent_scale.at[:, dp, row].set(scales, mode="drop")
+    if ks is not None:
         upd["index_scale"] = store.index_scale.at[:, ip, row].set(ks, mode="drop")
     hosts = _write_host_pages(spec, store, store.host_table[req], (vals, rope, scales), start,
                               jnp.minimum(length, offset + T), offset)

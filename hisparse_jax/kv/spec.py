@@ -13,6 +13,7 @@ from hisparse_jax.config import CacheConfig, ModelConfig
 from hisparse_jax.units import PAGE_SIZE
 
 FP8_BLOCK = 128  # latent values per fp8 scale
+MXFP4_BLOCK = 32  # indexer-key values per UE8M0 scale of the int4 (MXFP4) layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,7 @@ class StoreSpec:
     topk: int
     miss_attention: str = "single"
     mtp_layers: int = 0  # MTP layers kept after the main layers (speculative decoding), each its own group
+    index_dtype: str = "float32"  # the indexer keys' stored format: "fp8", "int4", "bf16" or "float32"
 
     @classmethod
     def create(cls, model: ModelConfig, cache: CacheConfig) -> "StoreSpec":
@@ -52,6 +54,12 @@ class StoreSpec:
         if kv_dtype == "fp8" and (model.kv_lora_rank % FP8_BLOCK or model.index_head_dim != FP8_BLOCK):
             raise ValueError(f"the fp8 layout needs kv_lora_rank a multiple of {FP8_BLOCK} and index_head_dim == "
                              f"{FP8_BLOCK} (got {model.kv_lora_rank}, {model.index_head_dim})")
+        index_dtype = cache.index_dtype_for(model)
+        dI = model.index_head_dim
+        if index_dtype in ("fp8", "int4") and (dI & (dI - 1) or (index_dtype == "int4" and dI % MXFP4_BLOCK)):
+            raise ValueError(f"index_dtype={index_dtype!r} needs index_head_dim a power of two (the Hadamard "
+                             f"rotation){f' and a multiple of {MXFP4_BLOCK}' if index_dtype == 'int4' else ''} "
+                             f"(got {dI})")
         groups, cur = [], []
         for i, t in enumerate(model.indexer_types):
             if t == "full" and cur:
@@ -73,7 +81,8 @@ class StoreSpec:
                    index_pages=cache.num_index_pages, host_pages=cache.host_pages, max_seqs=cache.max_seqs,
                    max_pages=cache.max_pages_per_seq, hot_rows=cache.hot_rows_for(model), kv_dtype=kv_dtype,
                    fetch=cache.fetch, fetch_chunk=cache.fetch_chunk, mirror_to_host=cache.mirror_to_host,
-                   topk=model.index_topk, miss_attention=cache.miss_attention, mtp_layers=mtp)
+                   topk=model.index_topk, miss_attention=cache.miss_attention, mtp_layers=mtp,
+                   index_dtype=index_dtype)
 
     @property
     def hot_pages(self) -> int:
@@ -82,6 +91,22 @@ class StoreSpec:
     @property
     def fp8(self) -> bool:
         return self.kv_dtype == "fp8"
+
+    @property
+    def index_scaled(self) -> bool:
+        """Whether the indexer keys carry scales (`index_scale`): the fp8 and int4 layouts."""
+        return self.index_dtype in ("fp8", "int4")
+
+    @property
+    def index_row_bytes(self) -> int:
+        """Bytes of one token's indexer key in one index layer: fp8 dI + a 4-byte scale, int4 dI / 2 + dI / 32
+        (68 for dI = 128), else dI values of the value dtype."""
+        dI = self.index_dim
+        if self.index_dtype == "fp8":
+            return dI + 4
+        if self.index_dtype == "int4":
+            return dI // 2 + dI // MXFP4_BLOCK
+        return dI * (4 if self.index_dtype == "float32" else 2)
 
     @property
     def value_dtype(self):

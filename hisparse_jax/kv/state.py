@@ -5,7 +5,9 @@ MP pages per request, G indexer groups, HR hot rows):
 
     latent   [L, P, 64, C]     device KV pool: MLA latent c (bf16 / f32, or e4m3 + latent_scale [L, P, 64, C/128])
     rope     [L, P, 64, R]     device KV pool: rope key kR (bf16 / f32)
-    index_k  [LI, PI, 64, dI]  device indexer keys (e4m3 + index_scale [LI, PI, 64] for fp8); never evicted
+    index_k  [LI, PI, 64, dI]  device indexer keys (`StoreSpec.index_dtype`: bf16 / f32; e4m3 + index_scale
+                               f32[LI, PI, 64] for fp8; int4: uint8 [LI, PI, 64, dI/2] MXFP4 codes + index_scale
+                               uint8 [LI, PI, 64, dI/32] UE8M0); never evicted
     h_latent [L, PH, 64, C]    pinned-host KV pool (+ h_latent_scale), same page shape, stored as the bits of
     h_rope   [L, PH, 64, R]    the device pool's values: uint16 for bf16, uint8 for e4m3, float32 as is
                                (`host_dtype`; convert with `to_host_bits` / `from_host_bits`)
@@ -39,7 +41,7 @@ from jax.sharding import SingleDeviceSharding
 from hisparse_jax.memory import abstract, device_memory_bytes, host_memory_bytes, memory_name
 from hisparse_jax.units import PAGE_SIZE
 
-from hisparse_jax.kv.spec import FP8_BLOCK, StoreSpec  # noqa: F401  (re-exported)
+from hisparse_jax.kv.spec import FP8_BLOCK, MXFP4_BLOCK, StoreSpec  # noqa: F401  (re-exported)
 
 
 # ----- host pool storage: floats narrower than 32 bits are kept as their bit patterns ------------------------
@@ -114,7 +116,7 @@ def store_shardings(spec: StoreSpec, device=None) -> KVStore:
     d, h = device_sharding(device), host_sharding(device)
     return KVStore(spec=spec, latent=d, rope=d, index_k=d, h_latent=h, h_rope=h, block_table=d, host_table=d, index_table=d,
                    seq_lens=d, hot_pages=d, hot_token=d, hot_stamp=d, clock=d, page_stamp=d,
-                   latent_scale=d if spec.fp8 else None, index_scale=d if spec.fp8 else None,
+                   latent_scale=d if spec.fp8 else None, index_scale=d if spec.index_scaled else None,
                    h_latent_scale=h if spec.fp8 else None)
 
 
@@ -128,15 +130,20 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
     G, HR = len(spec.groups), spec.hot_rows
     vdt = spec.value_dtype
     kdt = jnp.float8_e4m3fn if spec.fp8 else vdt
+    index_k, index_scale = {  # the indexer keys' layout (`StoreSpec.index_dtype`)
+        "fp8": (((LI, PI, PAGE_SIZE, dI), jnp.float8_e4m3fn), ((LI, PI, PAGE_SIZE), jnp.float32)),
+        "int4": (((LI, PI, PAGE_SIZE, dI // 2), jnp.uint8), ((LI, PI, PAGE_SIZE, dI // MXFP4_BLOCK), jnp.uint8)),
+    }.get(spec.index_dtype, (((LI, PI, PAGE_SIZE, dI), jnp.dtype(jnp.float32 if spec.index_dtype == "float32"
+                                                                  else jnp.bfloat16)), None))
     shapes = KVStore(
         spec=spec, latent=((L, P, PAGE_SIZE, C), kdt), rope=((L, P, PAGE_SIZE, R), vdt),
-        index_k=((LI, PI, PAGE_SIZE, dI), kdt), h_latent=((L, PH, PAGE_SIZE, C), host_dtype(kdt)),
+        index_k=index_k, h_latent=((L, PH, PAGE_SIZE, C), host_dtype(kdt)),
         h_rope=((L, PH, PAGE_SIZE, R), host_dtype(vdt)), block_table=((Rq, spec.max_pages), jnp.int32),
         host_table=((Rq, MP), jnp.int32), index_table=((Rq, MP), jnp.int32), seq_lens=((Rq,), jnp.int32),
         hot_pages=((Rq, spec.hot_pages), jnp.int32), hot_token=((Rq, G, HR), jnp.int32),
         hot_stamp=((Rq, G, HR), jnp.int32), clock=((), jnp.int32), page_stamp=((Rq, MP), jnp.int32),
         latent_scale=((L, P, PAGE_SIZE, C // FP8_BLOCK), jnp.float32) if spec.fp8 else None,
-        index_scale=((LI, PI, PAGE_SIZE), jnp.float32) if spec.fp8 else None,
+        index_scale=index_scale,
         h_latent_scale=((L, PH, PAGE_SIZE, C // FP8_BLOCK), host_dtype(jnp.float32)) if spec.fp8 else None,
     )
     shardings = store_shardings(spec, device)
