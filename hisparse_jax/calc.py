@@ -84,6 +84,10 @@ HOST_SLIDER_GIB = (16, 4096)  # the calculator's host-pool slider range (GiB per
 # after 12 more turns of 753 + 220 tokens (74,160 + 12*973 = 85,836), and the 142,000 admission limit.
 SWEEP_SEQS = tuple(sorted({2 ** k for k in range(13, 21)} | {74_160, 85_836, 142_000}))
 INDEX_DTYPES = ("fp8", "int4")  # indexer key storage (see the module docstring; fp8 = the published constants)
+# "unified": one GPU block size for indexer pages and hot pages (vLLM's shared pool, the published calculator);
+# "split": the indexer keys in a pool of their own and the hot / tail KV pages (all layers) in another, as this
+# project's store keeps them (`index_pages` apart from `device_pages`)
+LAYOUTS = ("unified", "split")
 DEFAULT_TOP_K = 2048            # DSA / GLM-5.x index_topk
 DEFAULT_LINK_GB_PER_S = 50.0    # host -> GPU link per GPU (GB/s, 1e9 B): ~ a pinned copy on PCIe Gen5 x16
 # The hot-buffer hit rate `hisparse demo` measured (experiments/results/demo.json, policies.hisparse.hit_rate,
@@ -317,6 +321,7 @@ class CalcInput:
     hit_rate: float | None = None
     top_k: int = DEFAULT_TOP_K
     link_gb_per_s: float = DEFAULT_LINK_GB_PER_S
+    layout: str = "unified"
 
 
 @dataclass(frozen=True)
@@ -352,6 +357,8 @@ class CalcResult:
     h2d_bytes_per_step: float        # x HiSparse running requests (0 when limiting == "baseline"); per GPU
     h2d_ms_per_step: float           # h2d_bytes_per_step / link
     inputs: CalcInput = field(repr=False)
+    layout: str = "unified"          # "split": HiSparse's GPU blocks are indexer pages (block_bytes.hisparse_gpu),
+    # a request's hot and tail KV pages (all layers, host-block sized) counted in them, rounded up
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -400,6 +407,10 @@ def _check(inp: CalcInput, model: ModelPreset) -> None:
         raise CalcError(f"top_k must be positive, got {inp.top_k}")
     if not 0 < inp.link_gb_per_s < math.inf:
         raise CalcError(f"link_gb_per_s must be finite and > 0, got {inp.link_gb_per_s}")
+    if inp.layout not in LAYOUTS:
+        raise CalcError(f"layout must be one of {', '.join(LAYOUTS)}, got {inp.layout!r}")
+    if inp.layout == "split" and model.kv_shape is None:
+        raise CalcError(f"layout='split' needs a preset with a KV shape; {model.name!r} has none")
 
 
 def weights_per_gpu_gib(model: ModelPreset, dp: int, tp: int, ep: bool) -> float:
@@ -425,8 +436,15 @@ def capacity(inp: CalcInput) -> CalcResult:
     n = -(-inp.seq // PAGE_SIZE)
     base_pool = math.floor(kv * 2 ** 30 / bb.baseline)
     baseline = min(inp.max_seqs, base_pool // n)
+    if inp.layout == "split":  # blocks = indexer pages; a KV page of all layers is bb.host bytes of them
+        if lay is None:
+            lay = block_layout(model.kv_shape, inp.kv_dtype, indexer_dtype=inp.index_dtype)
+        bb = BlockBytes(bb.baseline, lay.indexer_page, bb.host)
+        kv_pages = -(-inp.hot_rows // PAGE_SIZE) + inp.retained + inp.other
+        per_req = n + -(-kv_pages * bb.host // lay.indexer_page)
+    else:
+        per_req = n + groups * -(-inp.hot_rows // PAGE_SIZE) + groups * inp.retained + inp.other
     gpu_pool = math.floor(kv * 2 ** 30 / bb.hisparse_gpu)
-    per_req = n + groups * -(-inp.hot_rows // PAGE_SIZE) + groups * inp.retained + inp.other
     gpu_limit = gpu_pool // per_req
     target = min(inp.max_seqs, gpu_limit)
     min_host = target * n * bb.host / 2 ** 30 if target > baseline else 0.0
@@ -457,7 +475,7 @@ def capacity(inp: CalcInput) -> CalcResult:
                       indexer_bytes_per_token=(bb.baseline - bb.host) // PAGE_SIZE, hit_rate=hit,
                       hit_rate_source=hit_source, top_k=inp.top_k, link_gb_per_s=inp.link_gb_per_s,
                       h2d_bytes_per_request_step=per_req_h2d, h2d_bytes_per_step=h2d,
-                      h2d_ms_per_step=h2d / (inp.link_gb_per_s * 1e9) * 1e3, inputs=inp)
+                      h2d_ms_per_step=h2d / (inp.link_gb_per_s * 1e9) * 1e3, inputs=inp, layout=inp.layout)
 
 
 def h2d_bytes_per_request_step(hit_rate: float, rows: int, bytes_per_token: int) -> float:
@@ -530,6 +548,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--index-dtype", type=choice(INDEX_DTYPES, "index dtype"), default="fp8", metavar="{fp8,int4}",
                    help="indexer key storage: fp8 (128 B + fp32 scale = 132 B/token/layer) or int4 (4-bit values "
                         "+ UE8M0 block-32 scales = 68 B, the MXFP4 layout of vLLM #48558 / SGLang #30546)")
+    p.add_argument("--layout", type=choice(LAYOUTS, "layout"), default="unified", metavar="{unified,split}",
+                   help="HiSparse's GPU memory: unified (one block size for indexer and hot pages, vLLM's shared "
+                        "pool: the published calculator) or split (indexer keys in a pool of their own, hot and tail "
+                        "KV pages of all layers in another, as hisparse-jax's store keeps them)")
     p.add_argument("--hot-rows", type=int_at_least(1, "hot_rows"), default=4096,
                    help="hot-buffer rows per group (10240 with MTP3)")
     p.add_argument("--groups", type=int_at_least(1, "groups"), default=None,
@@ -577,7 +599,7 @@ def _table(r: CalcResult) -> str:
             ("H2D / decode step", "0", h2d),
             ("  assuming", "", f"hit rate {r.hit_rate:.3f} ({r.hit_rate_source}), top-k {r.top_k:,}")]
     head = (f"preset {get_preset(i.preset).name}  {i.gpu} DP{i.dp} TP{i.tp} {'EP' if i.ep else 'no-EP'}  "
-            f"{i.kv_dtype} (indexer {r.index_dtype})  seq {i.seq:,}  hot rows {i.hot_rows:,}  "
+            f"{i.kv_dtype} (indexer {r.index_dtype}, {r.layout} layout)  seq {i.seq:,}  hot rows {i.hot_rows:,}  "
             f"KV HBM {r.kv_hbm_gib:g} GiB/GPU (weights {r.weights_per_gpu_gib:.2f} GiB/GPU)")
     return "\n".join([head] + [f"  {a:26}{b:>12}   {c}" for a, b, c in rows])
 
@@ -595,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
                     hot_rows=a.hot_rows, groups=a.groups, retained=a.retained, other=a.other, host_gib=a.host_gib,
                     max_seqs=a.max_seqs, gpu_memory_utilization=a.gpu_memory_utilization,
                     reserve_gib=a.reserve_gib, kv_hbm_gib=a.kv_hbm_gib, index_dtype=a.index_dtype,
-                    hit_rate=a.hit_rate, top_k=a.top_k, link_gb_per_s=a.link_gb_per_s)
+                    hit_rate=a.hit_rate, top_k=a.top_k, link_gb_per_s=a.link_gb_per_s, layout=a.layout)
     try:
         result = capacity(inp)
         rows = sweep(inp) if a.sweep or a.plot else None
