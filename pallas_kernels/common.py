@@ -9,6 +9,7 @@
 * `float_to_key`   f32 -> int32 whose signed order is the float order (the indexer kernels select on it)
 * `check_triton_offsets`  refuses an operand Pallas-Triton would address past 2^31 with 32-bit offsets
 * `fp8_words`, `e4m3_to_f32`  an e4m3 pool as uint32 words of four (so those offsets stay under 2^31), decoded
+* `int4_words`, `e2m1_to_f32`, `ue8m0_to_f32`  an MXFP4 pool as uint32 words of eight codes, decoded exactly
 """
 
 from __future__ import annotations
@@ -100,14 +101,37 @@ def mxfp4_quantize(x):
     return packed.astype(jnp.uint8), (e[..., 0] + UE8M0_BIAS).astype(jnp.uint8)
 
 
+MXFP4_PER_WORD = 8  # E2M1 codes per uint32 word (`int4_words`)
+
+
+def int4_words(codes):
+    """MXFP4 codes uint8[..., d / 2] viewed as uint32 words [..., d / 8] (a bitcast, no copy): bits 4 n .. 4 n + 3
+    of word j are value 8 j + n (`mxfp4_quantize` puts value 2 i in the low nibble of byte i)."""
+    *lead, nb = codes.shape
+    return lax.bitcast_convert_type(codes.reshape(*lead, nb // 4, 4), jnp.uint32)
+
+
+def e2m1_to_f32(code):
+    """An E2M1 code (0..15 in an integer array: bit 3 the sign, bits 1-2 the exponent, bit 0 the mantissa) -> its
+    f32 value, exactly, built from the bits (no table: the kernels cannot gather)."""
+    code = code.astype(jnp.int32)
+    e, m = (code >> 1) & 3, code & 1
+    bits = jnp.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))  # m / 2, or (1 + m / 2) 2^(e - 1)
+    return lax.bitcast_convert_type(bits | ((code & 8) << 28), jnp.float32)
+
+
+def ue8m0_to_f32(s):
+    """A UE8M0 scale byte (in an integer array) -> 2^(s - 127) as f32, exactly (0.0 for byte 0: an all-zero block;
+    255, which MX reserves for NaN, gives inf)."""
+    return lax.bitcast_convert_type(s.astype(jnp.int32) << 23, jnp.float32)
+
+
 def mxfp4_dequantize(codes, scales):
     """codes uint8[..., d / 2], scales uint8[..., d / 32] (`mxfp4_quantize`'s) -> f32[..., d], exactly."""
     codes = codes.astype(jnp.int32)
-    nib = jnp.stack([codes & 15, codes >> 4], axis=-1).reshape(*codes.shape[:-1], 2 * codes.shape[-1])
-    mag = jnp.asarray(E2M1_VALUES, jnp.float32)[nib & 7]
-    val = jnp.where(nib & 8, -mag, mag)
+    val = e2m1_to_f32(jnp.stack([codes & 15, codes >> 4], axis=-1).reshape(*codes.shape[:-1], 2 * codes.shape[-1]))
     d = val.shape[-1]
-    scale = _pow2(scales.astype(jnp.int32) - UE8M0_BIAS)
+    scale = ue8m0_to_f32(scales)
     return (val.reshape(*val.shape[:-1], d // MXFP4_BLOCK, MXFP4_BLOCK) * scale[..., None]).reshape(val.shape)
 
 

@@ -108,9 +108,12 @@ def _indexer_case(q_dtype, k_dtype, backend="triton", B=32, I=64, D=128, MP=2048
     from pallas_kernels.indexer_topk import indexer_topk
 
     stack = () if L is None else (L,)
-    args = [sds((B, I, D), q_dtype), sds((B, I), jnp.float32), sds((*stack, P, 64, D), k_dtype),
+    int4 = k_dtype == jnp.uint8  # MXFP4 codes (two per byte) + UE8M0 scales
+    args = [sds((B, I, D), q_dtype), sds((B, I), jnp.float32), sds((*stack, P, 64, D // 2 if int4 else D), k_dtype),
             sds((B, MP), jnp.int32), sds((B,), jnp.int32)]
     kw = dict(k_scale=sds((*stack, P, 64), jnp.float32)) if k_dtype == jnp.float8_e4m3fn else {}
+    if int4:
+        kw = dict(k_scale=sds((*stack, P, 64, D // 32), jnp.uint8))
     if L is not None:
         kw["layer"] = sds((), jnp.int32)
     return functools.partial(indexer_topk, topk=2048, backend=backend), args, kw
@@ -136,7 +139,10 @@ KERNEL_CASES = {
         functools.partial(_mla_stacked_case, "mosaic", H=128),
     **{f"sparse_gather hot_rows={HR} (B=32 K=2048 MP=2048)": functools.partial(_gather_case, HR) for HR in (4096, 10240)},
     **{f"indexer_topk q={jnp.dtype(q).name} k={jnp.dtype(k).name} (B=32 I=64 128K ctx top-2048)":
-       functools.partial(_indexer_case, q, k) for q, k in ((_F32, _BF), (_BF, _BF), (_F32, _FP8), (_BF, _FP8))},
+       functools.partial(_indexer_case, q, k) for q, k in ((_F32, _BF), (_BF, _BF), (_F32, _FP8), (_BF, _FP8),
+                                                           (_F32, jnp.uint8))},
+    "indexer_topk int4 (MXFP4) stacked index pool L=21 x 20480 pages, layer= traced": functools.partial(
+        _indexer_case, _F32, jnp.uint8, L=21),
     # the Mosaic GPU scores (the selection is XLA's top-k): DeepSeek-V3.2's 64 heads and GLM-5's 32 (padded to 64)
     **{f"indexer_topk mosaic I={I} k={jnp.dtype(k).name} (B=32 128K ctx top-2048)":
        functools.partial(_indexer_case, _BF, k, "mosaic", I=I) for I in (64, 32) for k in (_BF, _FP8)},

@@ -87,6 +87,17 @@ def test_engine_import_and_saved_store_carry_int4(model, tmp_path):
     assert outs["offload"] == outs["hisparse"]
 
 
+@pytest.mark.slow
+def test_the_triton_indexer_reads_int4_keys_in_the_decode_step(model):
+    """kernels='pallas_interpret': the Triton indexer top-k (interpreted) scores the store's MXFP4 keys in place at
+    each layer, with the resolver and the decode kernels around it: the reference kernels' tokens, through misses."""
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    cc = BIG.replace(index_dtype="int4", device_pages=8, capacity=BIG.replace(index_dtype="int4"))
+    want, ref_stats = hj.generate(model, prompts, 8, cache=cc, return_stats=True)
+    got, stats = hj.generate(model, prompts, 8, cache=cc, return_stats=True, kernels="pallas_interpret")
+    assert got == want and stats.misses == ref_stats.misses > 0
+
+
 def test_int4_refusals():
     with pytest.raises(ValueError, match="index_dtype must be one of"):
         CacheConfig(index_dtype="int8")
@@ -95,15 +106,16 @@ def test_int4_refusals():
     with pytest.raises(ValueError, match="multiple of 32"):
         StoreSpec.create(model_cfg(index_head_dim=16), CacheConfig(index_dtype="int4"))
     spec = StoreSpec.create(model_cfg(), BIG.replace(index_dtype="int4"))
-    with pytest.raises(ValueError, match="index_dtype='int4' needs kernels='reference'"):
-        check_backend(spec, "pallas_interpret")
+    with pytest.raises(ValueError, match="the Mosaic indexer kernel reads bf16 / fp8 keys"):
+        check_backend(spec, "pallas_mosaic_interpret")
     check_backend(spec, "reference")
+    check_backend(spec, "pallas_interpret")
 
 
-def test_demo_int4_needs_the_reference_kernels():
+def test_demo_int4_is_refused_with_the_mosaic_kernels():
     from hisparse_jax import demo
 
     with pytest.raises(SystemExit) as e:
-        demo.parse_args(["--index-dtype", "int4", "--kernels", "pallas"])
+        demo.parse_args(["--index-dtype", "int4", "--kernels", "pallas_mosaic"])
     assert e.value.code == 2
     assert demo.parse_args(["--index-dtype", "int4"]).index_dtype == "int4"

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from hisparse_jax.compat import gpu_lowering_target
 from pallas_kernels.common import hadamard
-from pallas_kernels.indexer_topk.reference import index_scores, quantize_index_keys, select_topk
+from pallas_kernels.indexer_topk.reference import (index_scores, quantize_index_keys, quantize_index_keys_int4,
+                                                   select_topk)
 from pallas_kernels.indexer_topk import MAX_TOPK, indexer_topk, indexer_topk_reference, paged_index_scores
 from pallas_kernels.common import float_to_key as _float_to_key
 from pallas_kernels.indexer_topk.kernel import RADIX_BITS, indexer_topk_chunked
@@ -35,61 +36,68 @@ DTYPES = {  # name -> (q dtype, key dtype)
     "bf16q": (jnp.bfloat16, jnp.bfloat16),
     "f32": (jnp.float32, jnp.float32),
     "fp8": (jnp.float32, jnp.float8_e4m3fn),
+    "int4": (jnp.float32, jnp.uint8),  # MXFP4 codes + UE8M0 scales (`CacheConfig(index_dtype="int4")`)
 }
 
 
 def make_case(seed, seq_lens, dtype, *, integer=True, topk=TOPK, mp=MP, pool=P, heads=I, dim=D):
     """A paged case and its contiguous twin.
 
-    Returns (args, kwargs) for the kernel / reference, and (q, w, keys, fp8) for the contiguous
-    `index_scores` path: keys [B, S, dI] as stored (bf16 / f32) or raw (FP8: `index_scores(index_dtype="fp8")`
-    quantizes them per key exactly as the pool does).
+    Returns (args, kwargs) for the kernel / reference, and (q, w, keys, index_dtype) for the contiguous
+    `index_scores` path: keys [B, S, dI] as stored (bf16 / f32) or raw (FP8 / MXFP4: `index_scores(index_dtype=...)`
+    quantizes them per key exactly as the pool does). Unread pool rows are NaN; for MXFP4, codes 0xFF with scale
+    bytes 255 (inf: every product NaN or inf).
     """
     rng = np.random.default_rng(seed)
     qd, kd = DTYPES[dtype]
-    fp8 = kd == jnp.float8_e4m3fn
+    fp8, int4 = kd == jnp.float8_e4m3fn, kd == jnp.uint8
     s = mp * PAGE
     nb = len(seq_lens)
     if integer:
         q = rng.integers(-3, 4, (nb, heads, dim)).astype(np.float32)
         k = rng.integers(-3, 4, (nb, s, dim)).astype(np.float32)
         w = rng.integers(-4, 9, (nb, heads)).astype(np.float32) / 8  # some negative: negative scores too
-        if fp8:  # rotation is an involution: the quantized operands come back as exact small integers
+        if fp8 or int4:  # rotation is an involution: the quantized operands come back as exact small integers
             q, k = np.asarray(hadamard(jnp.asarray(q))), np.asarray(hadamard(jnp.asarray(k)))
     else:
         q = rng.standard_normal((nb, heads, dim)).astype(np.float32)
         k = rng.standard_normal((nb, s, dim)).astype(np.float32)
         w = rng.standard_normal((nb, heads)).astype(np.float32) / np.sqrt(heads * dim)
     q = jnp.asarray(q, qd)
-    if fp8:
-        stored, scale = (np.asarray(x) for x in quantize_index_keys(jnp.asarray(k)))
+    if fp8 or int4:
+        quantize = quantize_index_keys if fp8 else quantize_index_keys_int4
+        stored, scale = (np.asarray(x) for x in quantize(jnp.asarray(k)))
         keys = jnp.asarray(k)
     else:
         stored, scale = np.asarray(jnp.asarray(k, kd)), None
         keys = jnp.asarray(stored)
     # permuted block tables; every pool row that no valid position reads is NaN
     pages = rng.permutation(pool)[: nb * mp].reshape(nb, mp)
-    k_pages = np.full((pool, PAGE, dim), np.nan, np.float32).astype(stored.dtype)
-    k_scale = np.full((pool, PAGE), np.nan, np.float32)
+    if int4:
+        k_pages = np.full((pool, PAGE, dim // 2), 0xFF, np.uint8)
+        k_scale = np.full((pool, PAGE, dim // 32), 255, np.uint8)
+    else:
+        k_pages = np.full((pool, PAGE, dim), np.nan, np.float32).astype(stored.dtype)
+        k_scale = np.full((pool, PAGE), np.nan, np.float32)
     block_table = pages.copy()
     for b, n in enumerate(seq_lens):
         for j in range(mp):
             rows = min(max(n - j * PAGE, 0), PAGE)
             if rows:
                 k_pages[pages[b, j], :rows] = stored[b, j * PAGE: j * PAGE + rows]
-                if fp8:
+                if fp8 or int4:
                     k_scale[pages[b, j], :rows] = scale[b, j * PAGE: j * PAGE + rows]
             elif j % 2:
                 block_table[b, j] = -1  # unused entries: -1, or a NaN page
-    kwargs = dict(topk=topk, k_scale=jnp.asarray(k_scale) if fp8 else None)
+    kwargs = dict(topk=topk, k_scale=jnp.asarray(k_scale) if fp8 or int4 else None)
     args = (q, jnp.asarray(w), jnp.asarray(k_pages), jnp.asarray(block_table, jnp.int32),
             jnp.asarray(seq_lens, jnp.int32))
-    return args, kwargs, (q, jnp.asarray(w), keys, fp8)
+    return args, kwargs, (q, jnp.asarray(w), keys, "fp8" if fp8 else "int4" if int4 else None)
 
 
-def contiguous_topk(q, w, keys, fp8, seq_lens, topk):
+def contiguous_topk(q, w, keys, index_dtype, seq_lens, topk):
     """select_topk(index_scores(...)) over unpaged keys, -1 padded to topk columns."""
-    scores = index_scores(q.astype(jnp.float32)[:, None], w[:, None], keys, index_dtype="fp8" if fp8 else None)[:, 0]
+    scores = index_scores(q.astype(jnp.float32)[:, None], w[:, None], keys, index_dtype=index_dtype)[:, 0]
     valid = jnp.arange(keys.shape[1])[None] < jnp.asarray(seq_lens)[:, None]
     idx = np.asarray(select_topk(scores, valid, topk))
     return np.pad(idx, ((0, 0), (0, topk - idx.shape[1])), constant_values=-1)
@@ -148,7 +156,7 @@ def test_kernel_equals_reference_equals_select_topk(dtype):
         check_well_formed(got, seq_lens, TOPK)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "int4"])
 def test_random_scores_match_up_to_near_ties(dtype):
     seq_lens = [S, 130, 0, 64]
     args, kw, _ = make_case(7, seq_lens, dtype, integer=False)
@@ -258,14 +266,17 @@ def test_unsupported_shapes_raise(bad, match):
 
 
 @pytest.mark.parametrize("q_dtype, k_dtype", [(jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.bfloat16),
-                                              (jnp.float32, jnp.float8_e4m3fn)])
+                                              (jnp.float32, jnp.float8_e4m3fn), (jnp.float32, jnp.uint8)])
 def test_lowers_for_cuda_at_realistic_shapes(q_dtype, k_dtype):
-    """B=4, 64 heads x 128, 128K context (2048 pages of 64), top-2048: Pallas -> Triton lowering."""
+    """B=4, 64 heads x 128, 128K context (2048 pages of 64), top-2048: Pallas -> Triton lowering (uint8: MXFP4)."""
     Bg, Hg, Dg, MPg, Pg = 4, 64, 128, 2048, 9001  # any pool size
     sds = jax.ShapeDtypeStruct
-    args = (sds((Bg, Hg, Dg), q_dtype), sds((Bg, Hg), jnp.float32), sds((Pg, PAGE, Dg), k_dtype),
+    int4 = k_dtype == jnp.uint8
+    args = (sds((Bg, Hg, Dg), q_dtype), sds((Bg, Hg), jnp.float32), sds((Pg, PAGE, Dg // 2 if int4 else Dg), k_dtype),
             sds((Bg, MPg), jnp.int32), sds((Bg,), jnp.int32))
     kw = dict(k_scale=sds((Pg, PAGE), jnp.float32)) if k_dtype == jnp.float8_e4m3fn else {}
+    if int4:
+        kw = dict(k_scale=sds((Pg, PAGE, Dg // 32), jnp.uint8))
     with gpu_lowering_target():  # jax >= 0.11 needs the target GPU named
         lowered = jax.jit(partial(indexer_topk, topk=2048)).trace(*args, **kw).lower(
             lowering_platforms=("cuda",))
@@ -298,7 +309,7 @@ def _eqns(jaxpr):
                     yield from _eqns(inner)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "int4"])
 def test_stacked_keys_are_read_in_place_at_a_traced_layer(dtype):
     """With `layer=`, the kernel reads the stacked [L, P, page, dI] pool itself (e4m3 keys as uint32 words): no
     layer's pages (or scales) are sliced out into a buffer of their own, and it picks the right layer (the
@@ -307,7 +318,7 @@ def test_stacked_keys_are_read_in_place_at_a_traced_layer(dtype):
     args, kw, _ = make_case(3, seq_lens, dtype)
     L, layer = 3, 1
     k, ks = args[2], kw["k_scale"]
-    poison = lambda x: jnp.full_like(x, jnp.nan)  # noqa: E731
+    poison = lambda x: jnp.full_like(x, 255 if x.dtype == jnp.uint8 else jnp.nan)  # noqa: E731  (MXFP4: inf scales)
     stacked = jnp.stack([poison(k), k, poison(k)])
     sk = None if ks is None else jnp.stack([poison(ks), ks, poison(ks)])
 
@@ -324,8 +335,9 @@ def test_stacked_keys_are_read_in_place_at_a_traced_layer(dtype):
     scores = [e for e in _eqns(jaxpr) if e.primitive.name == "pallas_call" and "indexer_scores" in str(e.params)]
     assert len(scores) == 1
     pools = [(tuple(v.aval.shape), v.aval.dtype) for v in scores[0].invars if tuple(v.aval.shape[:2]) == (L, P)]
-    want = ([((L, P, PAGE, D), k.dtype)] if dtype != "fp8"
-            else [((L, P, PAGE, D // 4), jnp.uint32), ((L, P, PAGE), ks.dtype)])
+    want = {"fp8": [((L, P, PAGE, D // 4), jnp.uint32), ((L, P, PAGE), jnp.float32)],
+            "int4": [((L, P, PAGE, D // 8), jnp.uint32), ((L, P, PAGE, D // 32), jnp.uint8)]}.get(
+        dtype, [((L, P, PAGE, D), k.dtype)])
     assert pools == want, pools
 
 

@@ -104,9 +104,9 @@ def check_backend(spec: StoreSpec, kernels: str) -> None:
     if spec.miss_attention == "split" and kernels != "reference":
         raise ValueError(f"miss_attention='split' needs kernels='reference' (got {kernels!r}): the Pallas sparse "
                          "MLA kernel returns no log-sum-exp to merge the two parts with")
-    if spec.index_dtype == "int4" and kernels != "reference":
-        raise ValueError(f"index_dtype='int4' needs kernels='reference' (got {kernels!r}): the Pallas indexer top-k "
-                         "kernels read bf16 / f32 / fp8 keys only so far")
+    if spec.index_dtype == "int4" and kernel_backend(kernels) == "mosaic":
+        raise ValueError(f"index_dtype='int4' needs kernels='reference', 'pallas' or 'pallas_interpret' (got "
+                         f"{kernels!r}): the Mosaic indexer kernel reads bf16 / fp8 keys only so far")
     if kernel_backend(kernels) == "mosaic":
         from pallas_kernels.indexer_topk.kernel_mosaic import MAX_DIM
         from pallas_kernels.sparse_mla_decode.kernel_mosaic import CHUNK
@@ -197,7 +197,7 @@ class TieredKV:
         def select(*a):  # the stacked pools read in place at the layer, an argument: it may be traced
             return indexer_topk(*a[:5], topk=spec.topk, k_scale=a[5], layer=a[6], backend=backend,
                                 interpret=self._interpret)
-        args = (q_index, w, store.index_k, table, seq, store.index_scale if spec.index_dtype == "fp8" else None,
+        args = (q_index, w, store.index_k, table, seq, store.index_scale if spec.index_scaled else None,
                 jnp.asarray(index_layer, jnp.int32))
         if backend == "mosaic" and self._interpret:  # the interpreted Mosaic call is a host callback
             out = jax.ShapeDtypeStruct((req.shape[0], spec.topk), jnp.int32)

@@ -58,8 +58,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.backends import check_pallas_backend
-from pallas_kernels.common import (FP8_PER_WORD, check_triton_offsets, float_to_key, fp8_quantize, fp8_words,
-                                   hadamard, word_planes)
+from pallas_kernels.common import (FP8_PER_WORD, MXFP4_BLOCK, MXFP4_PER_WORD, check_triton_offsets, e2m1_to_f32,
+                                   float_to_key, fp8_quantize, fp8_words, hadamard, int4_words, mxfp4_dequantize,
+                                   mxfp4_quantize, ue8m0_to_f32, word_planes)
 
 INT_MIN = -(2**31)
 RADIX_BITS = 4  # bits of the key decided per counting round (divides 32): 32 / RADIX_BITS rounds
@@ -94,20 +95,34 @@ def _qk(q, k):
     return jnp.sum(q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1)
 
 
-def _score_kernel(seq_ref, layer_ref, q_ref, w_ref, bt_ref, k_ref, *rest, page, ppb, fp8, compute_dtype):
+def _int4_keys(words, scale_ref, layer, pg, compute_dtype):
+    """One page of MXFP4 keys, decoded: words uint32[page, dI / 8] -> 8 planes [page, dI / 8] (plane n holds
+    values 8 j + n), each value times its block's scale (block j // 4 of the key: words 4 b .. 4 b + 3)."""
+    nw = words.shape[-1]
+    block = lax.broadcasted_iota(jnp.int32, (1, nw), 1) // (MXFP4_BLOCK // MXFP4_PER_WORD)  # [1, dI / 8]
+    scales = 0.0
+    for bi in range(nw * MXFP4_PER_WORD // MXFP4_BLOCK):  # the key's scale bytes, one column each
+        scales = scales + jnp.where(block == bi, ue8m0_to_f32(scale_ref[layer, pg, :, bi])[:, None], 0.0)
+    return [(e2m1_to_f32((words >> (4 * n)) & 15) * scales).astype(compute_dtype) for n in range(MXFP4_PER_WORD)]
+
+
+def _score_kernel(seq_ref, layer_ref, q_ref, w_ref, bt_ref, k_ref, *rest, page, ppb, fmt, compute_dtype):
     # seq_ref: [B] int32 (whole array)      layer_ref: [1] int32 the layer read
-    # q_ref: [Ip, dI], or for e4m3 keys [4, Ip, dI / 4] (q_ref[m][:, j] = q[:, 4 j + m])      w_ref: [Ip] f32
+    # q_ref: [Ip, dI]; for e4m3 keys [4, Ip, dI / 4] (q_ref[m][:, j] = q[:, 4 j + m]); for MXFP4 keys
+    #   [8, Ip, dI / 8] (q_ref[n][:, j] = q[:, 8 j + n])      w_ref: [Ip] f32
     # bt_ref: [ppb] int32 block-table slice
-    # k_ref: the stacked pool [L, P, page, dI], or for e4m3 keys its uint32 words [L, P, page, dI / 4]
-    # ks_ref: [L, P, page] f32 (e4m3 only)   out_ref: [ppb * page] int32 keys
-    if fp8:
-        ks_ref, out_ref = rest
-    else:
+    # k_ref: the stacked pool [L, P, page, dI], or its uint32 words: e4m3 [L, P, page, dI / 4], MXFP4 codes
+    #   [L, P, page, dI / 8]
+    # ks_ref: e4m3 [L, P, page] f32, MXFP4 [L, P, page, dI / 32] uint8 (UE8M0)   out_ref: [ppb * page] int32 keys
+    if fmt is None:
         (out_ref,) = rest
+    else:
+        ks_ref, out_ref = rest
     b, j = pl.program_id(0), pl.program_id(1)
     seq_len, layer = seq_ref[b], layer_ref[0]
-    # q once per program: [Ip, dI], or for e4m3 keys its 4 parts [Ip, dI / 4]
-    qs = [q_ref[m].astype(compute_dtype) for m in range(FP8_PER_WORD)] if fp8 else q_ref[...].astype(compute_dtype)
+    # q once per program: [Ip, dI], or its parts matching the key words' planes
+    parts = {None: 0, "fp8": FP8_PER_WORD, "int4": MXFP4_PER_WORD}[fmt]
+    qs = [q_ref[m].astype(compute_dtype) for m in range(parts)] if parts else q_ref[...].astype(compute_dtype)
     w = w_ref[...]  # [Ip]
 
     def page_keys(i):
@@ -116,13 +131,16 @@ def _score_kernel(seq_ref, layer_ref, q_ref, w_ref, bt_ref, k_ref, *rest, page, 
 
         def compute():
             pg = jnp.maximum(bt_ref[i], 0)
-            if fp8:  # byte m of word j is key element 4 j + m (little-endian): four partial dots
+            if fmt == "fp8":  # byte m of word j is key element 4 j + m (little-endian): four partial dots
                 planes = word_planes(k_ref[layer, pg])  # 4 x [page, dI / 4] f32
                 dots = sum(_qk(q, k.astype(compute_dtype)) for q, k in zip(qs, planes))  # [Ip, page]
+            elif fmt == "int4":  # nibble n of word j is key element 8 j + n: eight partial dots, values scaled
+                planes = _int4_keys(k_ref[layer, pg], ks_ref, layer, pg, compute_dtype)
+                dots = sum(_qk(q, k) for q, k in zip(qs, planes))  # [Ip, page]
             else:
                 dots = _qk(qs, k_ref[layer, pg].astype(compute_dtype))
             s = jnp.sum(jnp.maximum(dots, 0.0) * w[:, None], axis=0)  # [page]
-            if fp8:
+            if fmt == "fp8":
                 s = s * ks_ref[layer, pg]
             return jnp.where(pos < seq_len, float_to_key(s), INT_MIN)
 
@@ -141,10 +159,11 @@ def _scores_to_keys(seq, layer, q, w, bt, k_pages, k_scale, *, ppb, compute_dtyp
     page = k_pages.shape[2]
     Sp = bt.shape[1] * page
     blk = ppb * page
-    fp8 = k_scale is not None
-    if fp8:
-        k_pages = fp8_words(k_pages)
-        q = q.reshape(B, Ip, D // FP8_PER_WORD, FP8_PER_WORD).transpose(0, 3, 1, 2)  # [B, 4, Ip, dI / 4]
+    fmt = _key_format(k_pages, k_scale)
+    if fmt is not None:  # keys as uint32 words; q split into the matching planes
+        k_pages, per = (fp8_words(k_pages), FP8_PER_WORD) if fmt == "fp8" else (int4_words(k_pages), MXFP4_PER_WORD)
+        q = q.reshape(B, Ip, D // per, per).transpose(0, 3, 1, 2)  # [B, per, Ip, dI / per]
+        check_triton_offsets("k_scale", k_scale)
     check_triton_offsets("k_pages", k_pages)  # safe by construction (see `fp8_words`); kept as the proof
     in_specs = [
         pl.BlockSpec(seq.shape, lambda b, j: (0,)),
@@ -155,10 +174,10 @@ def _scores_to_keys(seq, layer, q, w, bt, k_pages, k_scale, *, ppb, compute_dtyp
         pl.BlockSpec(k_pages.shape, lambda b, j: (0, 0, 0, 0)),
     ]
     args = [seq, layer, q, w, bt, k_pages]
-    if fp8:
-        in_specs.append(pl.BlockSpec(k_scale.shape, lambda b, j: (0, 0, 0)))
+    if fmt is not None:
+        in_specs.append(pl.BlockSpec(k_scale.shape, lambda b, j: (0,) * k_scale.ndim))
         args.append(k_scale)
-    kernel = functools.partial(_score_kernel, page=page, ppb=ppb, fp8=fp8, compute_dtype=compute_dtype)
+    kernel = functools.partial(_score_kernel, page=page, ppb=ppb, fmt=fmt, compute_dtype=compute_dtype)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((B, Sp), jnp.int32),
@@ -322,16 +341,22 @@ def _check(q, w, k_pages, block_table, seq_lens, topk, k_scale):
     if q.ndim != 3 or w.shape != q.shape[:2]:
         raise ValueError(f"q must be [B, I, dI] and w [B, I]; got q {q.shape}, w {w.shape}")
     B, _, D = q.shape
-    if k_pages.ndim != 3 or k_pages.shape[2] != D:
-        raise ValueError(f"k_pages must be [P, page, dI={D}]; got {k_pages.shape}")
+    int4 = k_pages.dtype == jnp.uint8  # MXFP4 codes, two per byte
+    if k_pages.ndim != 3 or k_pages.shape[2] != (D // 2 if int4 else D) or (int4 and D % MXFP4_BLOCK):
+        raise ValueError(f"k_pages must be [P, page, dI={D}]" + (f" (uint8 MXFP4 codes: [P, page, dI / 2] with dI a "
+                         f"multiple of {MXFP4_BLOCK})" if int4 else "") + f"; got {k_pages.shape}")
     if block_table.ndim != 2 or block_table.shape[0] != B or seq_lens.shape != (B,):
         raise ValueError(f"block_table must be [B={B}, MP] and seq_lens [B]; got {block_table.shape}, "
                          f"{seq_lens.shape}")
     fp8 = k_pages.dtype == jnp.float8_e4m3fn
-    if fp8 != (k_scale is not None):
-        raise ValueError("float8_e4m3fn keys need k_scale f32[P, page], and only they take one")
-    if fp8 and k_scale.shape != k_pages.shape[:2]:
-        raise ValueError(f"k_scale must be [P, page] = {k_pages.shape[:2]}; got {k_scale.shape}")
+    if (fp8 or int4) != (k_scale is not None):
+        raise ValueError("float8_e4m3fn keys need k_scale f32[P, page] and uint8 (MXFP4) keys k_scale uint8[P, "
+                         "page, dI / 32]; only they take one")
+    if fp8 and (k_scale.shape != k_pages.shape[:2] or k_scale.dtype != jnp.float32):
+        raise ValueError(f"k_scale must be f32[P, page] = {k_pages.shape[:2]}; got {k_scale.dtype}{k_scale.shape}")
+    if int4 and (k_scale.shape != (*k_pages.shape[:2], D // MXFP4_BLOCK) or k_scale.dtype != jnp.uint8):
+        raise ValueError(f"k_scale must be uint8[P, page, dI / 32] = {(*k_pages.shape[:2], D // MXFP4_BLOCK)}; got "
+                         f"{k_scale.dtype}{k_scale.shape}")
     if topk < 1:
         raise ValueError(f"topk must be >= 1; got {topk}")
 
@@ -347,8 +372,8 @@ def _check_triton(q, k_pages, topk, max_chunk):
         raise ValueError(f"max_chunk must be a power of two >= the page size {page}; got {max_chunk}")
     if not (_pow2(topk) and topk <= MAX_TOPK):
         raise ValueError(f"indexer_topk needs topk a power of two <= MAX_TOPK={MAX_TOPK}; got {topk}")
-    if k_pages.dtype not in (jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn):
-        raise ValueError(f"k_pages must be bfloat16, float32 or float8_e4m3fn; got {k_pages.dtype}")
+    if k_pages.dtype not in (jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.uint8):
+        raise ValueError(f"k_pages must be bfloat16, float32, float8_e4m3fn or uint8 (MXFP4); got {k_pages.dtype}")
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "interpret", "backend"))
@@ -375,10 +400,22 @@ def indexer_topk(q, w, k_pages, block_table, seq_lens, *, topk: int, k_scale=Non
                                 interpret=interpret, max_chunk=MAX_CHUNK)
 
 
-def _prepare_query(q, w, k_scale):
+def _key_format(k_pages, k_scale):
+    """None (bf16 / f32 keys), "fp8" (e4m3 keys + f32 scales) or "int4" (MXFP4 uint8 codes + UE8M0 scales)."""
+    if k_scale is None:
+        return None
+    return "int4" if k_pages.dtype == jnp.uint8 else "fp8"
+
+
+def _prepare_query(q, w, k_pages, k_scale):
     """(q, w, compute dtype) as the score kernels take them: for e4m3 keys the query side of
-    `index_scores_fp8` (rotated, quantized; its scales folded into w), same shapes so the same bits."""
+    `index_scores_fp8` (rotated, quantized; its scales folded into w), for MXFP4 keys that of `index_scores_int4`
+    (rotated, quantized and dequantized: E2M1 values times powers of two, exact in bf16), same shapes so the same
+    bits."""
     w = w.astype(jnp.float32)
+    if _key_format(k_pages, k_scale) == "int4":
+        return mxfp4_dequantize(*mxfp4_quantize(hadamard(q.astype(jnp.float32)))).astype(jnp.bfloat16), w, \
+            jnp.bfloat16
     if k_scale is not None:
         qq, qs = fp8_quantize(hadamard(q.astype(jnp.float32)[:, None]), block=q.shape[-1])  # [B, 1, I, dI], [B, 1, I]
         return qq[:, 0].astype(jnp.bfloat16), w * qs[:, 0], jnp.bfloat16  # e4m3 values are exact in bf16
@@ -386,9 +423,10 @@ def _prepare_query(q, w, k_scale):
 
 
 def _check_stacked(k_pages, k_scale):
-    if k_pages.ndim != 4 or (k_scale is not None and k_scale.shape != k_pages.shape[:3]):
-        raise ValueError(f"with layer=, k_pages must be the stacked [L, P, page, dI] pool (and k_scale [L, P, page]); "
-                         f"got {k_pages.shape}" + ("" if k_scale is None else f" and {k_scale.shape}"))
+    if k_pages.ndim != 4 or (k_scale is not None and k_scale.shape[:3] != k_pages.shape[:3]):
+        raise ValueError(f"with layer=, k_pages must be the stacked [L, P, page, dI] pool (and k_scale [L, P, page], "
+                         f"or [L, P, page, dI / 32] for MXFP4); got {k_pages.shape}"
+                         + ("" if k_scale is None else f" and {k_scale.shape}"))
 
 
 def _indexer_topk_mosaic(q, w, k_pages, block_table, seq_lens, *, topk, k_scale, layer, interpret):
@@ -401,6 +439,9 @@ def _indexer_topk_mosaic(q, w, k_pages, block_table, seq_lens, *, topk, k_scale,
     one_layer = jax.ShapeDtypeStruct(k_pages.shape[1:], k_pages.dtype)  # the checks need shapes only
     one_scale = None if k_scale is None else jax.ShapeDtypeStruct(k_scale.shape[1:], k_scale.dtype)
     _check(q, w, one_layer, block_table, seq_lens, topk, one_scale)
+    if k_pages.dtype == jnp.uint8:
+        raise ValueError("the Mosaic indexer kernel reads bf16 or e4m3 keys; MXFP4 (uint8) keys need the Triton "
+                         "backend or the reference")
     km.check_mosaic_shapes(q, one_layer, k_scale)
     if L * P * k_pages.shape[2] >= 2**31:
         raise ValueError(f"the Mosaic indexer kernel addresses the {L} x {P} pages' rows with int32 TMA coordinates "
@@ -411,7 +452,7 @@ def _indexer_topk_mosaic(q, w, k_pages, block_table, seq_lens, *, topk, k_scale,
     block_table = jnp.where(block_table >= 0, jnp.asarray(layer, jnp.int32) * P + block_table, -1)
     k_pages = k_pages.reshape(L * P, *k_pages.shape[2:])
     k_scale = None if k_scale is None else k_scale.reshape(L * P, -1)
-    q, w, _ = _prepare_query(q, w, k_scale)
+    q, w, _ = _prepare_query(q, w, k_pages, k_scale)
     ip = -(-I // km.HEADS) * km.HEADS  # zero heads with zero weight add nothing
     q = jnp.pad(km.query_terms(q, k_pages.dtype), ((0, 0), (0, ip - I), (0, 0)))
     w = jnp.pad(w, ((0, 0), (0, ip - I)))
@@ -438,10 +479,8 @@ def indexer_topk_chunked(q, w, k_pages, block_table, seq_lens, *, topk: int, k_s
     B, I, D = q.shape
     page = k_pages.shape[2]
     MP = block_table.shape[1]
-    fp8 = k_scale is not None
-
-    q, w, compute_dtype = _prepare_query(q, w, k_scale)
-    if not fp8:
+    q, w, compute_dtype = _prepare_query(q, w, k_pages, k_scale)
+    if k_scale is None:
         if q.dtype == jnp.bfloat16 and k_pages.dtype == jnp.bfloat16:
             compute_dtype = jnp.bfloat16
         else:

@@ -97,15 +97,20 @@ def paged_index_scores(q, w, k_pages, block_table, *, k_scale=None):
 
     q f32/bf16[B, I, dI], w f32[B, I], k_pages [P, page, dI], block_table int32[B, MP] (-1 unused: read as
     page 0, the caller masks those positions), k_scale f32[P, page] for float8_e4m3fn keys (FP8 emulation:
-    the query is Hadamard-rotated and quantized exactly as `index_scores_fp8` does).
+    the query is Hadamard-rotated and quantized exactly as `index_scores_fp8` does), or for MXFP4 keys (k_pages
+    uint8[P, page, dI / 2] codes of `quantize_index_keys_int4`) its uint8[P, page, dI / 32] scales (the query
+    quantized as `index_scores_int4` does).
     """
     B, MP = block_table.shape
     pages = jnp.maximum(block_table, 0)  # [B, MP]
-    keys = k_pages[pages].reshape(B, MP * k_pages.shape[1], k_pages.shape[2])  # [B, S, dI]
+    keys = k_pages[pages].reshape(B, MP * k_pages.shape[1], k_pages.shape[2])  # [B, S, dI] (int4: dI / 2)
     q = q.astype(jnp.float32)[:, None]  # [B, T=1, I, dI]
     w = w.astype(jnp.float32)[:, None]  # [B, T=1, I]
     if k_scale is None:
         return index_scores(q, w, keys)[:, 0]
+    if k_pages.dtype == jnp.uint8:
+        ks = k_scale[pages].reshape(B, MP * k_pages.shape[1], k_scale.shape[-1])  # [B, S, dI / 32]
+        return index_scores_int4(q, w, keys, ks)[:, 0]
     ks = k_scale[pages].reshape(B, -1)  # [B, S]
     return index_scores_fp8(q, w, keys, ks)[:, 0]
 
