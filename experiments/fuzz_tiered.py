@@ -439,28 +439,38 @@ def run_engine_case(case: EngineCase, model=None, max_steps: int = 2000) -> dict
     model = model or fuzz_model()
     eng = Engine(model, case.cache_config(), case.engine_config())
     accepted, refused = _drive(eng, case, lambda i: True, max_steps)
-    pools_empty = not any(eng.manager.pool.num_used(t) for t in ("device", "index", "host"))
-    assert pools_empty and not eng.manager.requests, f"pages still in use at the end: {eng.manager.pool.stats()}"
-    done = [i for i in accepted if eng.requests[f"r{i}"].state.value == "finished"]
-    outputs = {i: eng.requests[f"r{i}"].output for i in done}
-    exact = True
-    if done:
-        ref = _engine_reference(model, case, done, accepted)
-        exact = all([same_tokens(f"request {i}", outputs[i], *ref[i]) for i in done])
+    done, exact = _check_end(model, case, eng, [eng.manager], accepted, lambda i: f"request {i}")
     met = eng.metrics()
-    return {"outcome": "identical" if exact else "near_tie", "finished": len(done), "refused": len(refused), "preemptions": met.preemptions,
+    return {"outcome": "identical" if exact else "near_tie", "finished": len(done), "refused": len(refused),
+            "preemptions": met.preemptions,
             "swaps": met.swaps, "hits": met.hits, "misses": met.misses, "evicted_pages": met.evicted_pages,
             "cached_tokens": met.cached_tokens, "speculative_tokens": case.speculative_tokens,
             "drafts_accepted": sum(m.accepted for m in met.history)}
 
 
+def _check_end(model, case: EngineCase, eng, managers, accepted: list[int], label) -> tuple[list[int], bool]:
+    """The end of an engine run (an `Engine` or a `MeshEngine`, `managers` its ranks' bookkeeping): every rank's
+    pools empty and no request left in it, and the finished requests' tokens against the oracle (`same_tokens`;
+    `label(i)` names request i in a failure). Returns (finished request indices, whether every one is identical
+    rather than a near tie)."""
+    for r, c in enumerate(managers):
+        used = {t: c.pool.num_used(t) for t in ("device", "index", "host")}
+        assert not any(used.values()) and not c.requests, f"rank {r}: pages still in use at the end: {used}"
+    reqs = eng.requests
+    done = [i for i in accepted if reqs[f"r{i}"].state.value == "finished"]
+    if not done:
+        return done, True
+    ref = _engine_reference(model, case, done, accepted)
+    return done, all([same_tokens(label(i), reqs[f"r{i}"].output, *ref[i]) for i in done])
+
+
 def _engine_reference(model, case: EngineCase, idx: list[int], accepted: list[int]) -> dict[int, tuple]:
-    """Request i -> (tokens, logits or None). float32: the contiguous path's greedy tokens and their logits. bf16 / fp8 (whose cases prefill through the store, where
-    rows are read back in the store's format): the same case — arrivals, aborts, concurrency, prompt chunks —
-    run with every page resident (the `accepted` requests). The schedule matters there: XLA:CPU's matmul rounds
-    a row differently with the batch's row count (M = 8 vs 64 differ), a float32 difference the store's bf16
-    rounding can turn into a different token; holding the schedule fixed keeps the batch shapes equal where the
-    budget did not change them."""
+    """Request i -> (tokens, logits or None). float32: the contiguous path's greedy tokens and their logits.
+    bf16 / fp8 (whose cases prefill through the store, where rows are read back in the store's format): the same
+    case — arrivals, aborts, concurrency, prompt chunks — run with every page resident (the `accepted` requests).
+    The schedule matters there: XLA:CPU's matmul rounds a row differently with the batch's row count (M = 8 vs 64
+    differ), a float32 difference the store's bf16 rounding can turn into a different token; holding the schedule
+    fixed keeps the batch shapes equal where the budget did not change them."""
     from hisparse_jax.engine.engine import Engine
     from hisparse_jax.generate import generate
 
@@ -511,18 +521,11 @@ def run_mesh_case(case: MeshCase, model=None, max_steps: int = 2000) -> dict:
                              expert_parallel=case.expert_parallel)
     eng = MeshEngine(model, case.engine.cache_config(), ec, mesh=parallel.data_mesh(case.devices))
     accepted, refused = _drive(eng, case.engine, lambda i: True, max_steps)
-    for r, c in enumerate(eng.managers):
-        used = {t: c.pool.num_used(t) for t in ("device", "index", "host")}
-        assert not any(used.values()) and not c.requests, f"rank {r}: pages still in use at the end: {used}"
-    reqs = eng.requests
-    done = [i for i in accepted if reqs[f"r{i}"].state.value == "finished"]
-    exact = True
-    if done:
-        ref = _engine_reference(model, case.engine, done, accepted)
-        exact = all([same_tokens(f"request {i} (rank {eng.rank_of(f'r{i}')})", reqs[f"r{i}"].output, *ref[i])
-                     for i in done])
+    done, exact = _check_end(model, case.engine, eng, eng.managers, accepted,
+                             lambda i: f"request {i} (rank {eng.rank_of(f'r{i}')})")
     met = eng.metrics()
-    return {"outcome": "identical" if exact else "near_tie", "finished": len(done), "refused": len(refused), "preemptions": met.preemptions,
+    return {"outcome": "identical" if exact else "near_tie", "finished": len(done), "refused": len(refused),
+            "preemptions": met.preemptions,
             "swaps": met.swaps, "hits": met.hits, "misses": met.misses, "evicted_pages": met.evicted_pages,
             "cached_tokens": met.cached_tokens, "ranks_used": len({eng.rank_of(f"r{i}") for i in accepted})}
 
@@ -603,16 +606,8 @@ def run_pd_case(case: PDCase, model=None, max_steps: int = 2000) -> dict:
             managers = eng.managers
         accepted, refused = _drive(eng, ec, lambda i: True, max_steps, add=add,
                                    expected_refusal=case.expected_refusal)
-    for r, c in enumerate(managers):
-        used = {t: c.pool.num_used(t) for t in ("device", "index", "host")}
-        assert not any(used.values()) and not c.requests, f"rank {r}: pages still in use at the end: {used}"
-    reqs = eng.requests
-    done = [i for i in accepted if reqs[f"r{i}"].state.value == "finished"]
-    exact = True
-    if done:
-        ref = _engine_reference(model, ec, done, accepted)
-        exact = all([same_tokens(f"request {i} ({'imported' if i in case.imported else 'local'})",
-                                 reqs[f"r{i}"].output, *ref[i]) for i in done])
+    done, exact = _check_end(model, ec, eng, managers, accepted,
+                             lambda i: f"request {i} ({'imported' if i in case.imported else 'local'})")
     met = eng.metrics()
     imported = [i for i in accepted if i in case.imported]
     # an import is written once, at its first admission (an abort may come first; a readmission recomputes)

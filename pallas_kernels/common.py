@@ -81,9 +81,9 @@ def mxfp4_quantize(x):
 
     Each block of 32 values shares the power-of-two scale 2^ceil(log2(amax / 6)) (no value is clipped: the same
     rule as `fp8_quantize`'s, against E2M1's largest magnitude 6; at least 2^-126), stored as its UE8M0 byte
-    (exponent + 127; an all-zero block gets byte 0). Each value becomes the nearest E2M1 code of value / scale (ties to the even
-    code): bit 3 the sign, bits 0-2 the index in `E2M1_VALUES`. Value 2 i is the low nibble of byte i, value 2 i + 1
-    the high one."""
+    (exponent + 127; an all-zero block gets byte 0). Each value becomes the nearest E2M1 code of value / scale (ties
+    to the even code): bit 3 the sign, bits 0-2 the index in `E2M1_VALUES`. Value 2 i is the low nibble of byte i,
+    value 2 i + 1 the high one."""
     d = x.shape[-1]
     if d % MXFP4_BLOCK:
         raise ValueError(f"MXFP4 needs a last dimension that is a multiple of {MXFP4_BLOCK}, got {d}")

@@ -73,6 +73,11 @@ def jitted_prefill(graphdef):
     return prefill
 
 
+# (graphdef, ids shape, device) -> (bytes a causal forward needs, of which temporaries) from XLA's memory analysis,
+# or None where the backend gives none: `check_prefill_memory` compiles each such program ahead of time once
+_PREFILL_BYTES: dict = {}
+
+
 def check_prefill_memory(cfg, graphdef, state, ids) -> None:
     """Refuse (ValueError), before running it, a causal forward over `ids` [B, T] whose activations cannot fit the
     memory of the device the parameters are on: its attention and indexer scores grow as B x T^2 per head (at
@@ -88,17 +93,21 @@ def check_prefill_memory(cfg, graphdef, state, ids) -> None:
     limit = device_memory_bytes(device) if device is not None else None
     if limit is None or 4 * B * T * T * (cfg.num_attention_heads + cfg.index_n_heads) <= limit // 4:
         return
-    stats = jitted_prefill(graphdef).lower(state, ids).compile().memory_analysis()
-    if stats is None:  # a backend without memory analysis
+    key = (graphdef, ids.shape, device)
+    if key not in _PREFILL_BYTES:  # one ahead-of-time compile per program, shape and device
+        stats = jitted_prefill(graphdef).lower(state, ids).compile().memory_analysis()
+        _PREFILL_BYTES[key] = None if stats is None else (  # None: a backend without memory analysis
+            stats.argument_size_in_bytes + stats.temp_size_in_bytes + stats.output_size_in_bytes,
+            stats.temp_size_in_bytes)
+    if _PREFILL_BYTES[key] is None or _PREFILL_BYTES[key][0] <= limit:
         return
-    need = stats.argument_size_in_bytes + stats.temp_size_in_bytes + stats.output_size_in_bytes
-    if need > limit:
-        raise ValueError(f"a whole-prompt forward over {T} positions (the prompt's length bucket) needs {need:,} bytes "
-                         f"({need / 2 ** 30:,.1f} GiB; XLA's memory analysis: {stats.temp_size_in_bytes / 2 ** 30:,.1f} "
-                         f"GiB of temporaries, mostly attention and indexer scores, which grow with the square of the "
-                         f"length), more than the {limit / 2 ** 30:,.1f} GiB of {memory_name(device)}; use a shorter "
-                         f"prompt, or the engine's prefill='chunked' (prompt rows written through the store, "
-                         f"{cfg.index_topk} rows attended per position)")
+    need, temps = _PREFILL_BYTES[key]
+    raise ValueError(f"a whole-prompt forward over {T} positions (the prompt's length bucket) needs {need:,} bytes "
+                     f"({need / 2 ** 30:,.1f} GiB; XLA's memory analysis: {temps / 2 ** 30:,.1f} GiB of temporaries, "
+                     f"mostly attention and indexer scores, which grow with the square of the length), more than the "
+                     f"{limit / 2 ** 30:,.1f} GiB of {memory_name(device)}; use a shorter prompt, or the engine's "
+                     f"prefill='chunked' (prompt rows written through the store, {cfg.index_topk} rows attended per "
+                     f"position)")
 
 
 def prefill_rows(model: SparseMLAModel, tokens: Sequence[int]):
