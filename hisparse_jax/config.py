@@ -537,7 +537,7 @@ class CacheConfig:
       codes two per byte and one UE8M0 scale per 32 values, 68 bytes per key of 128, as vLLM's and SGLang's
       4-bit indexer caches; the query is quantized alike). The indexer pool shrinks with it; the scores (and so
       the selected rows) follow the format (`experiments/index_dtype_quality.py` measures what int4 costs).
-      int4 runs with kernels="reference" and the Triton kernels ("pallas"), not the Mosaic ones yet.
+      int4 runs with every kernels choice (the Mosaic indexer reads it for an indexer head dim of 32, 64 or 128).
     device_pages: device KV pool (latent + rope of every layer); hot buffers are lent from it.
     host_pages: pinned-host KV pool (the offloaded tier; every token is mirrored here when `mirror_to_host`).
     index_pages: device indexer-key pool (keys never leave the device); default: device + host pages.

@@ -72,9 +72,8 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
                         "which is slow on a CPU; use bf16 or fp8 on a GPU)")
     p.add_argument("--index-dtype", default="auto", choices=INDEX_DTYPES,
                    help="indexer keys: as --kv-dtype stores them (auto, the default), fp8 (132 bytes per key of 128) "
-                        "or int4 (MXFP4, 68 bytes; not with the pallas_mosaic kernels). --device-requests counts the "
-                        "default format's bytes, so a smaller key format leaves more of the same device budget to "
-                        "HiSparse")
+                        "or int4 (MXFP4, 68 bytes). --device-requests counts the default format's bytes, so a "
+                        "smaller key format leaves more of the same device budget to HiSparse")
     p.add_argument("--policies", type=name_list(POLICIES, "policy"), default=",".join(POLICIES),
                    help="comma-separated subset of " + ",".join(POLICIES))
     p.add_argument("--prefill", default="whole", choices=("whole", "chunked"),
@@ -626,9 +625,6 @@ def _checked(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpars
         parser.error(f"argument --kernels: {e}")
     if args.miss_attention == "split" and args.kernels != "reference":
         parser.error(f"argument --miss-attention: split needs --kernels reference (got {args.kernels})")
-    if args.index_dtype == "int4" and args.kernels.startswith("pallas_mosaic"):
-        parser.error(f"argument --index-dtype: int4 needs --kernels reference or pallas (got {args.kernels}): the "
-                     "Mosaic indexer reads bf16 / fp8 keys")
     if args.plot:
         check_output_file(parser, "--plot", args.plot)
     if args.log_dir:

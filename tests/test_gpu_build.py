@@ -150,6 +150,11 @@ KERNEL_CASES = {
         _indexer_case, _F32, _BF, "mosaic"),
     "indexer_topk mosaic stacked fp8 index pool L=21 x 100000 pages (17 GB), layer= traced": functools.partial(
         _indexer_case, _BF, _FP8, "mosaic", P=100_000, L=21),
+    # MXFP4 keys on Mosaic: codes decoded in shared memory into bf16 tiles (one per nibble plane and scale block)
+    "indexer_topk mosaic int4 (MXFP4) q=float32 (B=32 I=64 128K ctx top-2048)": functools.partial(
+        _indexer_case, _F32, jnp.uint8, "mosaic"),
+    "indexer_topk mosaic int4 (MXFP4) stacked index pool L=21 x 20480 pages, I=32, layer= traced": functools.partial(
+        _indexer_case, _F32, jnp.uint8, "mosaic", I=32, L=21),
 }
 
 

@@ -15,10 +15,12 @@ from hisparse_jax.config import CacheConfig
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.state import init_store
 from hisparse_jax.kv.tiered import check_backend
+from pallas_kernels.backends import mosaic_unavailable_reason
 from tiny import BIG, model_cfg
 
 PROMPTS = [[(7 * j + i) % 97 for j in range(n)] for i, n in enumerate([300, 460, 190])]
 NEW = 24
+MOSAIC_CFG = dict(kv_lora_rank=256, qk_rope_head_dim=64, index_head_dim=64)  # what the Mosaic decode takes
 
 
 @pytest.fixture(scope="module")
@@ -106,16 +108,33 @@ def test_int4_refusals():
     with pytest.raises(ValueError, match="multiple of 32"):
         StoreSpec.create(model_cfg(index_head_dim=16), CacheConfig(index_dtype="int4"))
     spec = StoreSpec.create(model_cfg(), BIG.replace(index_dtype="int4"))
-    with pytest.raises(ValueError, match="the Mosaic indexer kernel reads bf16 / fp8 keys"):
-        check_backend(spec, "pallas_mosaic_interpret")
     check_backend(spec, "reference")
     check_backend(spec, "pallas_interpret")
+    mosaic = CacheConfig(kv_dtype="bf16", index_dtype="int4", device_pages=2, host_pages=2)
+    check_backend(StoreSpec.create(model_cfg(**MOSAIC_CFG), mosaic), "pallas_mosaic_interpret")
+    with pytest.raises(ValueError, match="int4 \\(MXFP4\\) keys of an indexer head dim of at most 128"):
+        check_backend(StoreSpec.create(model_cfg(**dict(MOSAIC_CFG, index_head_dim=256)), mosaic), "pallas_mosaic")
 
 
-def test_demo_int4_is_refused_with_the_mosaic_kernels():
+def test_demo_takes_int4_with_every_kernels_choice():
     from hisparse_jax import demo
 
-    with pytest.raises(SystemExit) as e:
-        demo.parse_args(["--index-dtype", "int4", "--kernels", "pallas_mosaic"])
-    assert e.value.code == 2
     assert demo.parse_args(["--index-dtype", "int4"]).index_dtype == "int4"
+    if mosaic_unavailable_reason() is None:  # (jax 0.10 refuses the Mosaic kernels themselves)
+        args = demo.parse_args(["--index-dtype", "int4", "--kernels", "pallas_mosaic_interpret"])
+        assert (args.index_dtype, args.kernels) == ("int4", "pallas_mosaic_interpret")
+
+
+@pytest.mark.slow
+@pytest.mark.newest_leg  # (CI's slow tests of the lowest-jax leg would skip it: the Mosaic kernels need jax >= 0.11)
+@pytest.mark.skipif(mosaic_unavailable_reason() is not None, reason=str(mosaic_unavailable_reason()))
+def test_the_mosaic_indexer_reads_int4_keys_in_the_decode_step():
+    """kernels='pallas_mosaic_interpret': the Mosaic indexer scores (interpreted) read the store's MXFP4 keys in place
+    at each layer (dI 64: a key's two scale bytes as one 16-bit word), with the Mosaic decode and the resolver around
+    them: the reference kernels' tokens, hits and misses."""
+    m = hj.SparseMLAModel(model_cfg(**MOSAIC_CFG), rngs=nnx.Rngs(0), index_dtype="int4")
+    cc = CacheConfig(kv_dtype="bf16", index_dtype="int4", device_pages=6, host_pages=16, max_seqs=2, max_seq_len=320)
+    prompts = [PROMPTS[0][:250], PROMPTS[2]]
+    want, ref_stats = hj.generate(m, prompts, 8, cache=cc, return_stats=True)
+    got, stats = hj.generate(m, prompts, 8, cache=cc, return_stats=True, kernels="pallas_mosaic_interpret")
+    assert got == want and stats.misses == ref_stats.misses > 0 and stats.hits == ref_stats.hits

@@ -104,11 +104,8 @@ def check_backend(spec: StoreSpec, kernels: str) -> None:
     if spec.miss_attention == "split" and kernels != "reference":
         raise ValueError(f"miss_attention='split' needs kernels='reference' (got {kernels!r}): the Pallas sparse "
                          "MLA kernel returns no log-sum-exp to merge the two parts with")
-    if spec.index_dtype == "int4" and kernel_backend(kernels) == "mosaic":
-        raise ValueError(f"index_dtype='int4' needs kernels='reference', 'pallas' or 'pallas_interpret' (got "
-                         f"{kernels!r}): the Mosaic indexer kernel reads bf16 / fp8 keys only so far")
     if kernel_backend(kernels) == "mosaic":
-        from pallas_kernels.indexer_topk.kernel_mosaic import MAX_DIM
+        from pallas_kernels.indexer_topk.kernel_mosaic import MAX_DIM, MAX_DIM_INT4
         from pallas_kernels.sparse_mla_decode.kernel_mosaic import CHUNK
 
         if spec.kv_dtype not in ("bf16", "fp8") or spec.latent_dim % (2 * CHUNK) or spec.rope_dim % 64:
@@ -120,6 +117,10 @@ def check_backend(spec: StoreSpec, kernels: str) -> None:
             raise ValueError(f"kernels={kernels!r}: the Mosaic indexer top-k needs an indexer head dim that is a "
                              f"multiple of 32 and at most {MAX_DIM} (this store: {spec.index_dim}); use kernels="
                              "'pallas' / 'pallas_interpret' (Triton) for it")
+        if spec.index_dtype == "int4" and spec.index_dim > MAX_DIM_INT4:
+            raise ValueError(f"kernels={kernels!r}: the Mosaic indexer top-k reads int4 (MXFP4) keys of an indexer "
+                             f"head dim of at most {MAX_DIM_INT4} (this store: {spec.index_dim}); use kernels="
+                             "'pallas' / 'pallas_interpret' (Triton) or kernels='reference' for it")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -382,16 +382,18 @@ def indexer_topk(q, w, k_pages, block_table, seq_lens, *, topk: int, k_scale=Non
     """Exact paged indexer top-k (Pallas kernels) -> int32[B, topk]; same contract as `indexer_topk_reference`.
 
     q f32/bf16[B, I, dI], w f32[B, I] (scale constants folded in), k_pages bf16/f32/e4m3[P, page, dI]
-    (e4m3 keys are the rotated + quantized keys of `quantize_index_keys`, with k_scale f32[P, page]),
+    (e4m3 keys are the rotated + quantized keys of `quantize_index_keys`, with k_scale f32[P, page]), or uint8
+    MXFP4 codes [P, page, dI / 2] of `quantize_index_keys_int4` with k_scale uint8[P, page, dI / 32],
     block_table int32[B, MP] (-1 unused), seq_lens int32[B] (0 = idle row). With `layer` (an int32 scalar,
-    traced or not) k_pages / k_scale are the store's stacked pools [L, P, page, dI] / [L, P, page] and layer
-    `layer` is read in place (no copy of the layer's pages) by either backend.
+    traced or not) k_pages / k_scale are the store's stacked pools [L, P, page, ...] / [L, P, page(, dI / 32)] and
+    layer `layer` is read in place (no copy of the layer's pages) by either backend.
 
     backend "triton" (default): scores and an exact radix selection, all Pallas Triton; raises ValueError for
     shapes the kernels cannot handle (non-power-of-two dI, page or topk, topk > MAX_TOPK). With q in bf16 and
     bf16 / FP8 keys the dots run on tensor cores (bf16 in, f32 accumulate); f32 operands use IEEE f32 dots.
     backend "mosaic": the scores on Mosaic GPU (`kernel_mosaic`: warpgroup MMA on bf16 operands, pages of 64,
-    bf16 or e4m3 keys, dI a multiple of 32) and XLA's top-k over them; jax >= 0.11.
+    bf16 or e4m3 keys with dI a multiple of 32, or MXFP4 keys with dI 32, 64 or 128) and XLA's top-k over them;
+    jax >= 0.11.
     """
     if check_pallas_backend(backend) == "mosaic":
         return _indexer_topk_mosaic(q, w, k_pages, block_table, seq_lens, topk=topk, k_scale=k_scale, layer=layer,
@@ -439,9 +441,6 @@ def _indexer_topk_mosaic(q, w, k_pages, block_table, seq_lens, *, topk, k_scale,
     one_layer = jax.ShapeDtypeStruct(k_pages.shape[1:], k_pages.dtype)  # the checks need shapes only
     one_scale = None if k_scale is None else jax.ShapeDtypeStruct(k_scale.shape[1:], k_scale.dtype)
     _check(q, w, one_layer, block_table, seq_lens, topk, one_scale)
-    if k_pages.dtype == jnp.uint8:
-        raise ValueError("the Mosaic indexer kernel reads bf16 or e4m3 keys; MXFP4 (uint8) keys need the Triton "
-                         "backend or the reference")
     km.check_mosaic_shapes(q, one_layer, k_scale)
     if L * P * k_pages.shape[2] >= 2**31:
         raise ValueError(f"the Mosaic indexer kernel addresses the {L} x {P} pages' rows with int32 TMA coordinates "
@@ -451,7 +450,7 @@ def _indexer_topk_mosaic(q, w, k_pages, block_table, seq_lens, *, topk, k_scale,
     # the layer's pages as pages of the flattened [L * P] pool (read in place, nothing copied)
     block_table = jnp.where(block_table >= 0, jnp.asarray(layer, jnp.int32) * P + block_table, -1)
     k_pages = k_pages.reshape(L * P, *k_pages.shape[2:])
-    k_scale = None if k_scale is None else k_scale.reshape(L * P, -1)
+    k_scale = None if k_scale is None else k_scale.reshape(L * P, *k_scale.shape[2:])
     q, w, _ = _prepare_query(q, w, k_pages, k_scale)
     ip = -(-I // km.HEADS) * km.HEADS  # zero heads with zero weight add nothing
     q = jnp.pad(km.query_terms(q, k_pages.dtype), ((0, 0), (0, ip - I), (0, 0)))
