@@ -134,6 +134,7 @@ class GenerateCase:
     max_seqs: int
     max_seq_len: int
     shared_capacity: bool = True  # budgets inside the fuzzer's CAPACITY, or shapes = budgets
+    index_dtype: str = "auto"  # "int4": MXFP4 indexer keys (the oracle is then the same formats all resident)
 
     def cache_config(self):
         from hisparse_jax.config import CacheConfig
@@ -141,7 +142,8 @@ class GenerateCase:
         return within_capacity(CacheConfig(kv_dtype=self.kv_dtype, fetch=self.fetch, device_pages=self.device_pages,
                                            host_pages=self.host_pages, index_pages=self.index_pages,
                                            hot_rows=self.hot_rows, max_seqs=self.max_seqs,
-                                           max_seq_len=self.max_seq_len), self.shared_capacity)
+                                           max_seq_len=self.max_seq_len, index_dtype=self.index_dtype),
+                               self.shared_capacity)
 
     def kv_lengths(self) -> list[int]:
         # the last new token is sampled, never written: the store holds prompt + max_new_tokens - 1 positions
@@ -189,8 +191,14 @@ def draw_generate_case(rng, topk: int = 64, vocab: int = 512) -> GenerateCase:
         max_seq_len = pages(max(kv)) * PAGE - PAGE
     device, max_seqs, max_seq_len = max(device, 1), max(max_seqs, 1), max(max_seq_len, PAGE)
     index = None if index is None else max(index, 1)
-    return GenerateCase(prompts, max_new, str(rng.choice(FORMATS, p=[0.5, 0.3, 0.2])), str(rng.choice(["row", "page"])),
+    case = GenerateCase(prompts, max_new, str(rng.choice(FORMATS, p=[0.5, 0.3, 0.2])), str(rng.choice(["row", "page"])),
                         device, max(host, 0), index, hot_rows, max_seqs, max_seq_len, bool(rng.random() < 0.9))
+    return dataclasses.replace(case, index_dtype=draw_index_dtype(rng))  # (last: earlier draws keep their cases)
+
+
+def draw_index_dtype(rng) -> str:
+    """The indexer key format: the kv format's ("auto") or, one case in five, MXFP4 ("int4")."""
+    return "int4" if rng.random() < 0.2 else "auto"
 
 
 @contextlib.contextmanager
@@ -246,10 +254,11 @@ def same_tokens(what: str, out: list[int], ref: list[int], ref_logits=None) -> b
 
 
 def _reference_tokens(model, case: GenerateCase):
-    """(tokens, logits or None): float32, the contiguous path's; bf16 / fp8, the same format all resident."""
+    """(tokens, logits or None): float32, the contiguous path's; bf16 / fp8 or int4 indexer keys, the same formats
+    all resident."""
     from hisparse_jax.generate import generate
 
-    if case.kv_dtype == "float32":
+    if case.kv_dtype == "float32" and case.index_dtype == "auto":
         toks, logits = generate(model, case.prompts, case.max_new_tokens, return_logits=True)
         return toks, [np.asarray(x) for x in logits]
     need = sum(pages(t) for t in case.kv_lengths())
@@ -282,7 +291,7 @@ def run_generate_case(case: GenerateCase, model=None) -> dict:
         row_bytes = managers[0].spec.row_bytes
         assert stats.h2d_bytes == stats.misses * row_bytes, (stats.h2d_bytes, stats.misses, row_bytes)
     return {"outcome": "identical" if exact else "near_tie", "hits": stats.hits, "misses": stats.misses,
-            "evicted_pages": stats.evicted_pages}
+            "evicted_pages": stats.evicted_pages, "int4_index": int(case.index_dtype == "int4")}
 
 
 # ----- engine -------------------------------------------------------------------------------------
@@ -305,6 +314,7 @@ class EngineCase:
     prefill_chunk: int
     speculative_tokens: int = 0  # MTP speculative decoding (float32, whole prefill, no prefix caching)
     shared_capacity: bool = True  # budgets inside the fuzzer's CAPACITY, or shapes = budgets
+    index_dtype: str = "auto"  # "int4": MXFP4 indexer keys (the oracle is then the same case all resident)
 
     @property
     def lookahead(self) -> int:
@@ -318,7 +328,7 @@ class EngineCase:
         longest = max(len(p) + m for p, m in zip(self.prompts, self.max_new)) + self.lookahead
         return within_capacity(CacheConfig(kv_dtype=self.kv_dtype, fetch=self.fetch, device_pages=self.device_pages,
                                            host_pages=self.host_pages, hot_rows=self.hot_rows,
-                                           max_seq_len=pages(longest) * PAGE,
+                                           max_seq_len=pages(longest) * PAGE, index_dtype=self.index_dtype,
                                            speculative_tokens=self.speculative_tokens), self.shared_capacity)
 
     def engine_config(self):
@@ -388,8 +398,9 @@ def draw_engine_case(rng, topk: int = 64, vocab: int = 512) -> EngineCase:
     if prefill == "whole" and rng.random() < 0.5:  # MTP speculation: k + 1 rows per request, one union resolve
         k, prefix_caching = int(rng.choice([1, 2, 3])), False
         hot_rows = max(hot_rows, (k + 1) * topk)  # the union of one step's rows must fit
-    return EngineCase(prompts, max_new, arrivals, aborts, policy, coldness, prefill, prefix_caching, kv_dtype, fetch,
+    case = EngineCase(prompts, max_new, arrivals, aborts, policy, coldness, prefill, prefix_caching, kv_dtype, fetch,
                       device, host, hot_rows, max_running, chunk, k, bool(rng.random() < 0.9))
+    return dataclasses.replace(case, index_dtype=draw_index_dtype(rng))
 
 
 def _drive(eng, case: EngineCase, admit, max_steps: int = 2000, add=None,
@@ -445,7 +456,7 @@ def run_engine_case(case: EngineCase, model=None, max_steps: int = 2000) -> dict
             "preemptions": met.preemptions,
             "swaps": met.swaps, "hits": met.hits, "misses": met.misses, "evicted_pages": met.evicted_pages,
             "cached_tokens": met.cached_tokens, "speculative_tokens": case.speculative_tokens,
-            "drafts_accepted": sum(m.accepted for m in met.history)}
+            "drafts_accepted": sum(m.accepted for m in met.history), "int4_index": int(case.index_dtype == "int4")}
 
 
 def _check_end(model, case: EngineCase, eng, managers, accepted: list[int], label) -> tuple[list[int], bool]:
@@ -466,7 +477,8 @@ def _check_end(model, case: EngineCase, eng, managers, accepted: list[int], labe
 
 def _engine_reference(model, case: EngineCase, idx: list[int], accepted: list[int]) -> dict[int, tuple]:
     """Request i -> (tokens, logits or None). float32: the contiguous path's greedy tokens and their logits.
-    bf16 / fp8 (whose cases prefill through the store, where rows are read back in the store's format): the same
+    bf16 / fp8 (whose cases prefill through the store, where rows are read back in the store's format), or int4
+    indexer keys (scored in the store's format, a whole prefill in the model's): the same
     case — arrivals, aborts, concurrency, prompt chunks — run with every page resident (the `accepted` requests).
     The schedule matters there: XLA:CPU's matmul rounds a row differently with the batch's row count (M = 8 vs 64
     differ), a float32 difference the store's bf16 rounding can turn into a different token; holding the schedule
@@ -474,7 +486,7 @@ def _engine_reference(model, case: EngineCase, idx: list[int], accepted: list[in
     from hisparse_jax.engine.engine import Engine
     from hisparse_jax.generate import generate
 
-    if case.kv_dtype == "float32":
+    if case.kv_dtype == "float32" and case.index_dtype == "auto":
         prompts = [case.prompts[i] for i in idx]
         toks, logits = generate(model, prompts, max(case.max_new[i] for i in idx), return_logits=True)
         return {i: (t[:case.max_new[i]], np.asarray(lg)) for i, t, lg in zip(idx, toks, logits)}
@@ -505,7 +517,7 @@ def draw_mesh_case(rng, topk: int = 64, vocab: int = 512, max_devices: int | Non
     case = draw_engine_case(rng, topk, vocab)
     # float32: the contiguous path is the oracle whatever each rank's batches are (bf16 / fp8 tokens may follow a
     # batch's row count: see `_engine_reference`)
-    case = dataclasses.replace(case, kv_dtype="float32", speculative_tokens=0)
+    case = dataclasses.replace(case, kv_dtype="float32", speculative_tokens=0, index_dtype="auto")
     devices = min(int(rng.choice([2, 4, 1])), max_devices)
     return MeshCase(case, devices, str(rng.choice(["balanced", "round_robin"])), bool(rng.random() < 0.5))
 
@@ -558,7 +570,7 @@ def draw_pd_case(rng, topk: int = 64, vocab: int = 512, max_devices: int | None 
     case = draw_engine_case(rng, topk, vocab)
     # float32: the contiguous path is the oracle (in bf16 / fp8 a request preempted after its import recomputes
     # its prompt through the store, rows that legitimately differ from the export's)
-    case = dataclasses.replace(case, kv_dtype="float32")
+    case = dataclasses.replace(case, kv_dtype="float32", index_dtype="auto")
     n = len(case.prompts)
     imported = tuple(i for i in range(n) if rng.random() < 0.7) or (int(rng.integers(0, n)),)
     via = str(rng.choice(["file", "object"]))
@@ -659,9 +671,13 @@ def case_rng(seed: int, kind: str, k: int):
     return np.random.default_rng([seed, KINDS.index(kind), k])
 
 
-def run_cases(kind: str, first: int, count: int, seed: int, model, log=print) -> dict:
+INDEX_DTYPE_KINDS = ("generate", "engine")  # the kinds whose cases may store int4 indexer keys (see draw_index_dtype)
+
+
+def run_cases(kind: str, first: int, count: int, seed: int, model, log=print, index_dtype: str = "drawn") -> dict:
     """Cases first .. first + count - 1 of a kind, in this process: their outcomes, the sums of their counters
-    (how much pressure they exercised), how many had each counter > 0, and every failure with its case."""
+    (how much pressure they exercised), how many had each counter > 0, and every failure with its case.
+    index_dtype: "drawn" (as the case draws it) or a format every case gets ("int4"; generate and engine only)."""
     from hisparse_jax.cpu_compile import drop_programs_near_map_limit, memory_maps
 
     draw = {"generate": draw_generate_case, "engine": draw_engine_case, "mesh": draw_mesh_case,
@@ -671,6 +687,8 @@ def run_cases(kind: str, first: int, count: int, seed: int, model, log=print) ->
     t0 = time.time()
     for k in range(first, first + count):
         case = draw(case_rng(seed, kind, k))
+        if index_dtype != "drawn":
+            case = dataclasses.replace(case, index_dtype=index_dtype)
         try:
             res = run(case, model)
             out["outcomes"][res["outcome"]] = out["outcomes"].get(res["outcome"], 0) + 1
@@ -711,7 +729,7 @@ def merge(into: dict, part: dict) -> dict:
     return into
 
 
-def run_group(kind: str, first: int, count: int, seed: int) -> dict:
+def run_group(kind: str, first: int, count: int, seed: int, index_dtype: str = "drawn") -> dict:
     """Cases first .. first + count - 1 of a kind in a process of their own: a crash of the process (a segfault
     inside XLA, the kernel's OOM killer) is recorded with the cases it ran, how to rerun them and the end of its
     output, and does not end the run."""
@@ -721,7 +739,7 @@ def run_group(kind: str, first: int, count: int, seed: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         part_path = os.path.join(tmp, "part.json")
         argv = [sys.executable, os.path.abspath(__file__), "--only", kind, "--first", str(first), "--examples",
-                str(count), "--seed", str(seed), "--group-size", "0", "--out", part_path]
+                str(count), "--seed", str(seed), "--group-size", "0", "--index-dtype", index_dtype, "--out", part_path]
         t0 = time.time()
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -756,6 +774,9 @@ def main(argv=None) -> int:
     ap.add_argument("--group-size", type=int, default=64,
                     help="cases per process (each group runs in a process of its own, so a crash is recorded and "
                          "the run goes on); 0: all in this process")
+    ap.add_argument("--index-dtype", choices=("drawn", "int4"), default="drawn",
+                    help="indexer key format: as each case draws it (one in five int4), or int4 for every case "
+                         f"(kinds {', '.join(INDEX_DTYPE_KINDS)} only)")
     ap.add_argument("--out", default="experiments/results/fuzz_tiered.json")
     ap.add_argument("--xla-defaults", action="store_true",
                     help="compile with XLA's default optimisation (by default the fuzzer compiles as the tests do, "
@@ -770,6 +791,9 @@ def main(argv=None) -> int:
     if a.examples:
         counts = {k: a.examples for k in counts}
     kinds = [a.only] if a.only else list(KINDS)
+    if a.index_dtype != "drawn" and set(kinds) - set(INDEX_DTYPE_KINDS):
+        ap.error(f"--index-dtype {a.index_dtype} applies to --only {' or '.join(INDEX_DTYPE_KINDS)} (the mesh and "
+                 "P/D cases keep the contiguous path as their oracle)")
     forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
     if {"mesh", "pd"} & set(kinds) and not forced:
         # read when jax starts its backends (not yet): 4 host devices for the mesh cases where there is no GPU
@@ -780,6 +804,7 @@ def main(argv=None) -> int:
         request_fast_compile()  # before any group starts: they inherit the flags and skip the probe
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "seed": a.seed,
            "profile": "long" if a.long else "default", "first": a.first, "group_size": a.group_size,
+           "index_dtype": a.index_dtype,
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "kinds": {}}
     model = fuzz_model() if a.group_size == 0 else None
 
@@ -791,12 +816,12 @@ def main(argv=None) -> int:
     for kind in kinds:
         if a.group_size == 0:
             out["kinds"][kind] = run_cases(kind, a.first, counts[kind], a.seed, model,
-                                           log=lambda m: print(m, flush=True))
+                                           log=lambda m: print(m, flush=True), index_dtype=a.index_dtype)
             continue
         total: dict = {}
         for start in range(a.first, a.first + counts[kind], a.group_size):
             n = min(a.group_size, a.first + counts[kind] - start)
-            merge(total, run_group(kind, start, n, a.seed))
+            merge(total, run_group(kind, start, n, a.seed, a.index_dtype))
             out["kinds"][kind] = total
             write(complete=False)
             print(f"{kind}: {total['cases']} cases run, {total['outcomes']}, {len(total['failures'])} failures, "

@@ -124,6 +124,20 @@ def test_engine_prompt_that_fills_the_device_is_admitted():
     assert res["finished"] == 1 and res["evicted_pages"] > 0 and res["misses"] > 0
 
 
+@pytest.mark.slow
+def test_engine_int4_index_keys_under_pressure():
+    """A fuzz case with MXFP4 indexer keys (`index_dtype="int4"`, one case in five of the draws): HiSparse,
+    chunked prefill, a prompt that fills the device and then tiers. Its oracle is the same case all resident
+    (the keys are scored in int4 either way); it must miss, evict and give those tokens."""
+    case = fz.EngineCase(prompts=[[(13 * j) % 500 for j in range(524)], [(5 * j) % 500 for j in range(300)]],
+                         max_new=[146, 40], arrivals=[0, 2], aborts={}, policy="hisparse", coldness="oldest",
+                         prefill="chunked", prefix_caching=False, kv_dtype="float32", fetch="row", device_pages=9,
+                         host_pages=22, hot_rows=128, max_running=2, prefill_chunk=256, index_dtype="int4")
+    assert case.cache_config().index_dtype == "int4"
+    res = fz.run_engine_case(case)
+    assert res["finished"] == 2 and res["evicted_pages"] > 0 and res["misses"] > 0 and res["int4_index"] == 1
+
+
 def test_a_crashed_group_is_recorded_and_the_run_goes_on(monkeypatch, capsys):
     """A group whose process dies (here XLA aborts at start-up on an unknown flag, as it would on a segfault) is
     recorded with its cases and the command that reruns them, instead of ending the run."""
