@@ -233,6 +233,9 @@ class ModelPreset:
     num_attention_heads: int
     # The KV shape (as `block_layout` takes it) the block bytes come from; needed for index_dtype="int4".
     kv_shape: Any = field(default=None, compare=False, repr=False)
+    # The FP8 MLA row the block bytes count: "fp8" (c + r bytes, the published constants) or "ds_mla" (FlashMLA's
+    # and this project's store: c e4m3 + an fp32 scale per 128 + r bf16 = 656 B)
+    mla_fp8_layout: str = "fp8"
 
     def blocks(self, kv_dtype: str, index_dtype: str = "fp8") -> BlockBytes:
         """The block bytes; fp8 indexer keys: the preset's constants, int4: derived from `kv_shape`."""
@@ -245,20 +248,24 @@ class ModelPreset:
         if index_dtype not in INDEX_DTYPES:
             raise CalcError(f"index_dtype must be one of {', '.join(INDEX_DTYPES)}, got {index_dtype!r}")
         if index_dtype == "fp8":
-            lay = None if self.kv_shape is None else block_layout(self.kv_shape, kv_dtype)
+            lay = None if self.kv_shape is None else block_layout(self.kv_shape, kv_dtype,
+                                                                  mla_fp8_layout=self.mla_fp8_layout)
             return (self.fp8 if kv_dtype == "fp8" else self.bf16), self.hot_groups, lay
         if self.kv_shape is None:
             raise CalcError(f"preset {self.name!r} has no KV shape to derive int4 indexer block bytes from")
-        lay = block_layout(self.kv_shape, kv_dtype, indexer_dtype=index_dtype)
+        lay = block_layout(self.kv_shape, kv_dtype, mla_fp8_layout=self.mla_fp8_layout, indexer_dtype=index_dtype)
         return lay.block_bytes, lay.hot_groups, lay
 
 
-def preset_from_config(cfg: Any, name: str, shared_weights_gib: float,
-                       routed_expert_weights_gib: float) -> ModelPreset:
-    """A preset whose block bytes and hot-group count are derived from `cfg` (FP8 row = 576-style)."""
-    fp8, bf16 = block_layout(cfg, "fp8"), block_layout(cfg, "bf16")
+def preset_from_config(cfg: Any, name: str, shared_weights_gib: float, routed_expert_weights_gib: float,
+                       mla_fp8_layout: str = "fp8") -> ModelPreset:
+    """A preset whose block bytes and hot-group count are derived from `cfg`; its FP8 row is `mla_fp8_layout`'s
+    ("fp8": c + r bytes, as the published constants count it; "ds_mla": 656 B, as this project's store keeps it)."""
+    fp8 = block_layout(cfg, "fp8", mla_fp8_layout=mla_fp8_layout)
+    bf16 = block_layout(cfg, "bf16")
     return ModelPreset(name, shared_weights_gib, routed_expert_weights_gib, fp8.block_bytes,
-                       bf16.block_bytes, fp8.hot_groups, int(getattr(cfg, "num_attention_heads", 1)), kv_shape=cfg)
+                       bf16.block_bytes, fp8.hot_groups, int(getattr(cfg, "num_attention_heads", 1)), kv_shape=cfg,
+                       mla_fp8_layout=mla_fp8_layout)
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -437,8 +444,6 @@ def capacity(inp: CalcInput) -> CalcResult:
     base_pool = math.floor(kv * 2 ** 30 / bb.baseline)
     baseline = min(inp.max_seqs, base_pool // n)
     if inp.layout == "split":  # blocks = indexer pages; a KV page of all layers is bb.host bytes of them
-        if lay is None:
-            lay = block_layout(model.kv_shape, inp.kv_dtype, indexer_dtype=inp.index_dtype)
         bb = BlockBytes(bb.baseline, lay.indexer_page, bb.host)
         kv_pages = -(-inp.hot_rows // PAGE_SIZE) + inp.retained + inp.other
         per_req = n + -(-kv_pages * bb.host // lay.indexer_page)

@@ -274,6 +274,21 @@ def test_int4_needs_a_kv_shape():
     assert a == b
 
 
+def test_a_preset_can_count_the_stores_656_byte_fp8_row():
+    """preset_from_config(..., mla_fp8_layout="ds_mla"): the blocks of this project's store (c e4m3 + a scale per
+    128 + r bf16 = 656 B per token and layer), for FP8 and int4 keys and both layouts; split-layout capacity by
+    hand."""
+    ds = calc.preset_from_config(GLM_CFG, "glm-ds", 19.556, 684.167, mla_fp8_layout="ds_mla")
+    assert ds.fp8.host == 64 * 78 * 656 and ds.fp8.baseline == 64 * 78 * 656 + 64 * 21 * 132
+    for dt, idx in (("fp8", 132), ("int4", 68)):
+        r = calc.capacity(calc.CalcInput(preset=ds, index_dtype=dt, layout="split", kv_hbm_gib=1.0, max_seqs=10 ** 6))
+        page = 64 * 21 * idx
+        assert r.block_bytes.host == 64 * 78 * 656 and r.block_bytes.hisparse_gpu == page
+        per_req = 1280 + -(-(64 + 2) * 64 * 78 * 656 // page)  # 80K tokens; 4096 hot rows + 2 tail pages
+        assert r.hisparse_gpu_blocks_per_request == per_req and r.hisparse_gpu_limit == (2 ** 30 // page) // per_req
+    assert calc.capacity(calc.CalcInput(preset=ds)).block_bytes.host == 64 * 78 * 656  # unified, FP8 too
+
+
 def test_h2d_bytes_by_hand():
     r = calc.capacity(calc.CalcInput(hit_rate=0.75))  # 80K, 39 HiSparse requests
     per_req = 0.25 * 2048 * 78 * 576                 # misses x layers x FP8 MLA row
