@@ -400,7 +400,16 @@ def draw_engine_case(rng, topk: int = 64, vocab: int = 512) -> EngineCase:
         hot_rows = max(hot_rows, (k + 1) * topk)  # the union of one step's rows must fit
     case = EngineCase(prompts, max_new, arrivals, aborts, policy, coldness, prefill, prefix_caching, kv_dtype, fetch,
                       device, host, hot_rows, max_running, chunk, k, bool(rng.random() < 0.9))
-    return dataclasses.replace(case, index_dtype=draw_index_dtype(rng))
+    return with_index_dtype(case, draw_index_dtype(rng))
+
+
+def with_index_dtype(case: EngineCase, index_dtype: str) -> EngineCase:
+    """`case` with that indexer key format. int4 keys, like bf16 / fp8 rows, prefill through the store only: a
+    whole prompt's forward scores its own top-k as the model does (exactly), rows written through the store (chunked,
+    or after a prefix hit) in the store's format, so whether a prefix was cached would change the tokens."""
+    if index_dtype == "int4" and case.prefill == "whole":
+        case = dataclasses.replace(case, prefill="chunked", speculative_tokens=0)
+    return dataclasses.replace(case, index_dtype=index_dtype)
 
 
 def _drive(eng, case: EngineCase, admit, max_steps: int = 2000, add=None,
@@ -688,7 +697,8 @@ def run_cases(kind: str, first: int, count: int, seed: int, model, log=print, in
     for k in range(first, first + count):
         case = draw(case_rng(seed, kind, k))
         if index_dtype != "drawn":
-            case = dataclasses.replace(case, index_dtype=index_dtype)
+            case = (with_index_dtype(case, index_dtype) if kind == "engine"
+                    else dataclasses.replace(case, index_dtype=index_dtype))
         try:
             res = run(case, model)
             out["outcomes"][res["outcome"]] = out["outcomes"].get(res["outcome"], 0) + 1
