@@ -29,10 +29,18 @@ Traces:
 
 H2D bytes per step = misses x 656 B (FP8 ds_mla row) x layers, with layers = 78 (GLM-5.3, assuming every
 indexer group misses as this one does; one group of 4 layers moves 4/78 of that).
+
+Ranked traces (the policy lab `experiments/locality.py` runs): `record_ranked_traces` keeps, per step, the
+indexer's ordered top-(k + margin) and every position's score (`RankedTrace`), and `simulate_ranked` adds
+score-aware retention (score, score_lru, score_ema: the victim chosen by this step's indexer scores, or their
+moving average) and margin prefetch (rows ranked k..k+m copied in the same step, counted apart from the
+critical-path misses); see its docstring for the exact rules. `lab_sweep` tabulates them with H2D rows and bytes
+per step (misses + prefetched) next to the critical-path hit rate.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -144,6 +152,208 @@ def simulate(trace, hot_rows: int, policy: str = "lru", *, max_pos: int | None =
     if return_state:
         return hits, misses, tokens.copy(), stamp.copy()
     return hits, misses
+
+
+RANKED_POLICIES = ("lru", "clock", "score", "score_lru", "score_ema", "opt")
+SCORE_POLICIES = ("score", "score_lru", "score_ema")
+_BIG = 1 << 40
+
+
+def resident_from(positions, pages: int, page_tokens: int = 64):
+    """First resident position of each step when the request's last `pages` pages (`page_tokens` tokens each,
+    the one being written included) stay on the device (0 pages: none resident, everything is offloaded)."""
+    positions = np.asarray(positions, np.int64)
+    if pages <= 0:
+        return positions + (1 << 30)
+    return np.maximum(positions // page_tokens - (pages - 1), 0) * page_tokens
+
+
+def simulate_ranked(rt: RankedTrace, hot_rows: int, policy: str = "lru", *, prefetch: int = 0,
+                    keep: float = 2.0, beta: float = 0.9, admit: str = "rank", resident_pages: int = 0,
+                    page_tokens: int = 64, return_state: bool = False, return_missed: bool = False) -> dict:
+    """Run `policy` (one of RANKED_POLICIES) over a `RankedTrace`, optionally with margin prefetch.
+
+    Each step t: the demand set D_t is the top-k (rt.order[t, :k], taken in position order as `rt.sets`, so
+    `lru` here is `simulate`'s lru on `rt.sets`) less the resident positions (the last `resident_pages` pages;
+    default none: every position offloaded, as `simulate`). A row of D_t already in the buffer before the step's
+    fetch is a critical-path hit; the others are critical-path misses, copied into victim slots. Then, with
+    `prefetch=m`, the rows ranked k..k+m-1 this step that are neither in the buffer nor resident (candidates)
+    are copied too, best ranked first, into victim slots whose row is not in the current top-(k+m) (empty slots
+    included), as many as there are such slots, so that a later step finds them. With admit="key" (score
+    policies only) a candidate is copied only while its policy value (below) exceeds its victim's (the i-th best
+    candidate against the i-th victim). A slot hit or filled this step (demand or prefetch) is never a victim in
+    the same step. Victim order (the first in the order goes first):
+      lru        the store's rule (as `simulate`): lowest stamp (never used first; a fill stamps 2t, a hit
+                 2t + 1), the demand victims claimed in slot order.
+      clock      second chance, as `simulate` (a prefetched row gets its reference bit set, as a fill).
+      score      empty slots, then the lowest value v_t(x) = s_t(x), the indexer's score of the slot's row at
+                 this step (computed before the fetch: no future), ties by stamp, then slot.
+      score_lru  rows outside the current top-(keep x k) (rank >= keep x k) in LRU order (stamp, slot), then
+                 rows inside it by lowest s_t: the score protects rows the indexer still ranks high, recency
+                 orders the rest (keep = 1 is LRU). Ranks are known to k + margin (the recorded ranking):
+                 a row ranked beyond it counts as outside.
+      score_ema  as score with v_t(x) = e_t(x), an exponential moving average of the row's score over the steps
+                 so far, e_t = beta * e_(t-1) + (1 - beta) * s_t (e = s_t at the first step that scores x): a
+                 recency-weighted score (what the indexer has kept saying about the row), not one step's noise.
+      opt        Belady (demand caching only, no prefetch): the bound.
+    Scores are `rt.scores` (each step's scores over its largest |score|). Returns per-step int arrays hits,
+    misses (critical path), prefetched, resident; and totals prefetch_used (prefetched rows hit before their
+    eviction) and prefetch_wasted (evicted unused); with `return_missed` also "missed": the missed rows of each
+    step (a list of arrays).
+    """
+    if policy not in RANKED_POLICIES:
+        raise ValueError(policy)
+    if policy == "opt" and prefetch:
+        raise ValueError("opt is demand caching: no prefetch")
+    if admit not in ("rank", "key") or (admit == "key" and policy not in SCORE_POLICIES):
+        raise ValueError(f"admit={admit!r} with policy {policy!r}")
+    k = rt.k
+    if prefetch < 0 or k + prefetch > rt.order.shape[1]:
+        raise ValueError(f"prefetch {prefetch} outside 0..{rt.margin} (the recorded margin)")
+    keep = int(round(keep * k))
+    HR = hot_rows
+    T = rt.steps
+    max_pos = max(int(rt.order.max()) + 1, rt.scores.shape[1]) if T else 1
+    first_res = resident_from(rt.positions, resident_pages, page_tokens)
+    tokens = np.full(HR, -1, np.int64)
+    stamp = np.full(HR, -1, np.int64)
+    ref = np.zeros(HR, bool)
+    pf = np.zeros(HR, bool)  # holds a prefetched row not hit yet
+    nextuse = np.full(HR, -1, np.int64)
+    where = np.full(max_pos, -1, np.int64)
+    rank_of = np.full(max_pos, _BIG, np.int64)
+    ema = np.full(rt.scores.shape[1], -np.inf, np.float32)
+    width = min(k + max(prefetch, keep - k if policy == "score_lru" else 0), rt.order.shape[1])
+    demand = []
+    for t in range(T):
+        d = rt.order[t, :k]
+        demand.append(np.sort(d[(d >= 0) & (d < first_res[t])]).astype(np.int64))  # `sets` order
+    nu = _next_uses(demand) if policy == "opt" else None
+    hits, misses = np.zeros(T, np.int64), np.zeros(T, np.int64)
+    prefetched, resident = np.zeros(T, np.int64), np.zeros(T, np.int64)
+    used = wasted = 0
+    hand = 0
+    slots = np.arange(HR)
+    missed = []
+
+    def choose(n, eligible, value):
+        """n victims among the `eligible` slots in the policy's order."""
+        nonlocal hand
+        if policy == "lru":
+            return np.argsort(np.where(eligible, stamp, _BIG), kind="stable")[:n]
+        if policy == "opt":
+            key = np.where(tokens < 0, -_BIG, -nextuse)
+            return np.lexsort((slots, np.where(eligible, key, _BIG)))[:n]
+        if policy in ("score", "score_ema"):
+            return np.lexsort((slots, stamp, np.where(eligible, value, np.inf)))[:n]
+        if policy == "score_lru":
+            inside = rank_of[np.maximum(tokens, 0)] < keep
+            group = np.where(tokens < 0, 0, np.where(inside, 2, 1))
+            sec = np.where(group == 2, value, stamp.astype(np.float64))
+            return np.lexsort((slots, stamp, sec, np.where(eligible, group, 3)))[:n]
+        v = np.empty(n, np.int64)  # clock
+        eligible = eligible.copy()
+        got = 0
+        while got < n:
+            if eligible[hand]:
+                if ref[hand]:
+                    ref[hand] = False
+                else:
+                    v[got] = hand
+                    eligible[hand] = False
+                    got += 1
+            hand = (hand + 1) % HR
+        return v
+
+    def fill(v, rows):
+        nonlocal wasted
+        old = tokens[v]
+        where[old[old >= 0]] = -1
+        wasted += int(pf[v].sum())
+        pf[v] = False
+        tokens[v] = rows
+        where[rows] = v
+        ref[v] = True
+
+    for t in range(T):
+        row = rt.order[t, :width]
+        ok = row >= 0
+        rank_of[row[ok]] = np.flatnonzero(ok)
+        full = rt.order[t, :k]
+        resident[t] = int(((full >= 0) & (full >= first_res[t])).sum())
+        q = demand[t]
+        if len(q) > HR:
+            raise ValueError(f"top-k {len(q)} > hot_rows {HR}")
+        pos_value = None
+        if policy in SCORE_POLICIES:
+            st = rt.scores[t].astype(np.float32)
+            if policy == "score_ema":
+                fin = np.isfinite(ema)
+                nxt = st.copy()
+                nxt[fin] = beta * ema[fin] + (1 - beta) * st[fin]
+                ema = nxt
+                pos_value = ema
+            else:
+                pos_value = st
+        slot = where[q]
+        hit = slot >= 0
+        hs = slot[hit]
+        m = q[~hit]
+        nm = len(m)
+        hits[t], misses[t] = hit.sum(), nm
+        if return_missed:
+            missed.append(m)
+        used += int(pf[hs].sum())
+        pf[hs] = False
+        protected = np.zeros(HR, bool)
+        protected[hs] = True
+        stamp[hs] = 2 * t + 1
+        ref[hs] = True
+        if policy == "opt":
+            nextuse[hs] = nu[t][hit]
+
+        def values():
+            if pos_value is None:
+                return None
+            return np.where(tokens < 0, -np.inf, pos_value[np.maximum(tokens, 0)])
+
+        if nm:
+            v = choose(nm, ~protected, values())
+            if policy == "lru":
+                v = np.sort(v)  # claimed in slot order
+            fill(v, m)
+            stamp[v] = 2 * t
+            protected[v] = True
+            if policy == "opt":
+                nextuse[v] = nu[t][~hit]
+        if prefetch:
+            c = rt.order[t, k:k + prefetch].astype(np.int64)
+            c = c[(c >= 0) & (c < first_res[t])]
+            c = c[where[c] < 0]
+            if len(c):
+                eligible = ~protected & ((tokens < 0) | (rank_of[np.maximum(tokens, 0)] >= k + prefetch))
+                n = min(len(c), int(eligible.sum()))
+                if n:
+                    val = values()
+                    v = choose(n, eligible, val)
+                    if admit == "key":
+                        cv = pos_value[c]
+                        c = c[np.argsort(-cv, kind="stable")]
+                        n = int(np.cumprod(pos_value[c[:n]] > val[v]).sum())
+                        v = v[:n]
+                    if n:
+                        fill(v, c[:n])
+                        stamp[v] = 2 * t
+                        pf[v] = True
+                        prefetched[t] = n
+        rank_of[row[ok]] = _BIG
+    out = {"hits": hits, "misses": misses, "prefetched": prefetched, "resident": resident,
+           "prefetch_used": used, "prefetch_wasted": wasted}
+    if return_state:
+        out["tokens"], out["stamp"] = tokens.copy(), stamp.copy()
+    if return_missed:
+        out["missed"] = missed
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -303,6 +513,163 @@ def record_traces(model, sequences, start: int):
     return traces
 
 
+class RankedTrace:
+    """One request's decode trace of one full indexer, with the indexer's ranking beyond its top-k.
+
+    order   int32[steps, k + margin]: the top-(k + margin) positions of each step in descending score order
+            (`select_topk`'s order: the lower position first among equal scores; -1 pads a short context);
+            order[:, :k] is the step's top-k set.
+    scores  float16[steps, S]: the indexer's score of every position at each step, divided by the step's
+            largest |score| (ranking unchanged, no float16 overflow); -inf where the position is not written yet.
+    positions  int64[steps]: the decode position of each step.
+    k       the top-k the model attends over.
+    """
+
+    def __init__(self, order: np.ndarray, scores: np.ndarray, positions: np.ndarray, k: int):
+        # a plain class, not a dataclass: the tests load this file without registering it as a module
+        self.order, self.scores, self.positions, self.k = order, scores, positions, int(k)
+
+    def __repr__(self) -> str:
+        return f"RankedTrace(steps={self.steps}, k={self.k}, margin={self.margin}, S={self.scores.shape[1]})"
+
+    @classmethod
+    def from_scores(cls, scores, k: int, margin: int = 0, positions=None) -> "RankedTrace":
+        """A trace from a score matrix [steps, S] (-inf: not written yet), ranked as `select_topk` ranks (descending,
+        the lower position first among equal scores); scores stored as `record_ranked_traces` stores them."""
+        sc = np.asarray(scores, np.float32)
+        T, S = sc.shape
+        order = np.argsort(-sc, axis=1, kind="stable")[:, :min(k + margin, S)]
+        order = np.where(np.isfinite(np.take_along_axis(sc, order, 1)), order, -1).astype(np.int32)
+        big = np.max(np.abs(np.where(np.isfinite(sc), sc, 0)), axis=1, keepdims=True)
+        pos = np.arange(T, dtype=np.int64) + S if positions is None else np.asarray(positions, np.int64)
+        return cls(order, (sc / np.where(big > 0, big, 1)).astype(np.float16), pos, k)
+
+    @property
+    def steps(self) -> int:
+        return len(self.order)
+
+    @property
+    def margin(self) -> int:
+        return self.order.shape[1] - self.k
+
+    @property
+    def sets(self) -> list:
+        """The per-step top-k sets as `record_traces` gives them (sorted int64 arrays)."""
+        return [np.sort(o[o >= 0]).astype(np.int64) for o in self.order[:, :self.k]]
+
+    def top(self, k: int) -> "RankedTrace":
+        """The same ranking read as a top-`k` trace (k <= k + margin): the model attended over self.k rows;
+        this asks what a buffer would see with a smaller or larger top-k of the same indexer."""
+        if not 0 < k <= self.order.shape[1]:
+            raise ValueError(f"k={k} outside 1..{self.order.shape[1]}")
+        return RankedTrace(self.order, self.scores, self.positions, k)
+
+    def window(self, lo: int, hi: int) -> "RankedTrace":
+        """Steps lo..hi-1."""
+        return RankedTrace(self.order[lo:hi], self.scores[lo:hi], self.positions[lo:hi], self.k)
+
+
+def record_ranked_traces(model, sequences, start: int, margin: int, *, with_nll: bool = False):
+    """`record_traces` with the indexer's ranking kept: traces[indexer][seq] is a `RankedTrace` (its `sets` are
+    exactly `record_traces`' lists) with the ordered top-(k + margin) and every position's score at each step.
+    Memory: steps x S float16 + steps x (k + margin) int32 per trace. With `with_nll` also returns
+    nll float32[n, L - 1]: the model's next-token loss at every position (positions with no next token: nan)."""
+    import jax.numpy as jnp
+
+    from hisparse_jax.kv.dense import DenseKV, index_select_reference
+    from pallas_kernels.indexer_topk.reference import index_scores, select_topk
+
+    def select(self, kv, ids, positions, q_index, w):
+        keys = kv["index_k"][ids.index]
+        topk = index_select_reference(keys, positions, q_index, w, self.topk, index_dtype=self.index_dtype)
+        scores = index_scores(q_index[:, None], w[:, None], keys, index_dtype=self.index_dtype)[:, 0]
+        valid = jnp.arange(keys.shape[1], dtype=jnp.int32)[None] <= positions[:, None]
+        kv = dict(kv)
+        kv["rank_order"] = kv["rank_order"].at[ids.index].set(select_topk(scores, valid, self.topk + self.margin))
+        kv["rank_scores"] = kv["rank_scores"].at[ids.index].set(jnp.where(valid, scores, -jnp.inf))
+        return topk, kv
+
+    # DenseKV whose `select` also writes the step's scores and wide ranking into two extra carry arrays (made with
+    # real types: string annotations would need this file registered as a module)
+    RankingKV = dataclasses.make_dataclass("RankingKV", [("margin", int, dataclasses.field(default=0))],
+                                           bases=(DenseKV,), frozen=True, namespace={"select": select})
+
+    cfg = model.cfg
+    n = len(sequences)
+    L = max(len(p) for p in sequences)
+    K = cfg.index_topk
+    W = min(K + margin, L)
+    backend = RankingKV(topk=K, index_dtype=model.index_dtype, margin=margin)
+    out = _run_decode(model, sequences, start, backend, {
+        "rank_order": jnp.zeros((cfg.num_indexer_layers, n, W), jnp.int32),
+        "rank_scores": jnp.zeros((cfg.num_indexer_layers, n, L), jnp.float32)}, with_nll)
+    LI = cfg.num_indexer_layers
+    lens = np.array([len(p) for p in sequences])
+    traces = []
+    for li in range(LI):
+        per_seq = []
+        for b in range(n):
+            steps = max(int(lens[b]) - start, 0)
+            order = np.stack([o[li, b] for o in out["rank_order"][:steps]]) if steps else np.zeros((0, W), np.int32)
+            sc = np.stack([s[li, b] for s in out["rank_scores"][:steps]]) if steps else np.zeros((0, L))
+            big = np.max(np.abs(np.where(np.isfinite(sc), sc, 0)), axis=1, keepdims=True)
+            sc = (sc / np.where(big > 0, big, 1)).astype(np.float16)
+            rt = RankedTrace(order.astype(np.int32), sc, np.arange(start, start + steps, dtype=np.int64), K)
+            for s_, (a, t) in enumerate(zip(rt.order[:, :K], out["topk"][:steps])):  # same rows as the model
+                if not np.array_equal(np.sort(a[a >= 0]), np.sort(t[li, b][t[li, b] >= 0])):
+                    raise AssertionError(f"ranking disagrees with the model's top-k at step {s_}")
+            per_seq.append(rt)
+        traces.append(per_seq)
+    if with_nll:
+        return traces, out["nll"]
+    return traces
+
+
+def _run_decode(model, sequences, start: int, backend, extra: dict, with_nll: bool) -> dict:
+    """Teacher-force `sequences` (one batch) with `decode_step` over `backend` whose carry is `init_dense_kv`'s
+    plus `extra` arrays; returns per step t >= start the host copies of the extra arrays and the top-k, and the
+    next-token loss at every position."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hisparse_jax.kv.dense import init_dense_kv
+    from hisparse_jax.model.decoder import decode_step
+
+    cfg = model.cfg
+    n = len(sequences)
+    L = max(len(p) for p in sequences)
+    toks = np.zeros((n, L), np.int32)
+    for i, p in enumerate(sequences):
+        toks[i, :len(p)] = p
+    lens = np.array([len(p) for p in sequences])
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, tokens, positions, nxt, kv):
+        m = nnx.merge(graphdef, state)
+        logits, kv, all_topk = decode_step(m, tokens, positions, kv, backend)
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), nxt[:, None], axis=1)[:, 0]
+        return kv, jnp.stack(all_topk), nll
+
+    kv = {**init_dense_kv(cfg, n, L), **extra}
+    res = {name: [] for name in extra}
+    res["topk"] = []
+    nll = np.full((n, L - 1), np.nan, np.float32)
+    for t in range(L):
+        positions = np.where(t < lens, t, -1).astype(np.int32)
+        nxt = toks[:, min(t + 1, L - 1)]
+        kv, topk, loss = step(state, jnp.asarray(toks[:, t]), jnp.asarray(positions), jnp.asarray(nxt), kv)
+        if with_nll and t < L - 1:
+            nll[:, t] = np.where(t + 1 < lens, np.asarray(loss), np.nan)
+        if t >= start:
+            res["topk"].append(np.asarray(topk))
+            for name in extra:
+                res[name].append(np.asarray(kv[name]))
+    res["nll"] = nll
+    return res
+
+
 # ----------------------------------------------------------------------------------------------------
 # study
 # ----------------------------------------------------------------------------------------------------
@@ -324,6 +691,165 @@ def study(traces, k: int, warmup: int) -> dict:
                                    "misses_per_step": M / max(steps, 1),
                                    "h2d_bytes_per_step": M / max(steps, 1) * ROW_BYTES * LAYERS}
     return res
+
+
+# ----------------------------------------------------------------------------------------------------
+# the policy lab on ranked traces (score-aware retention, margin prefetch): used by experiments/locality.py
+# ----------------------------------------------------------------------------------------------------
+
+# score_ema's beta and score_lru's keep: chosen from {0.8, 0.9, 0.95, 0.97} and {1.25, 1.5, 2, 3} on held-out
+# windows that are not the evaluation ones (`locality.py --tune`: three windows halfway between the four
+# evaluation windows), at 2x top-k
+EMA_BETA = 0.9
+SCORE_LRU_KEEP = 3.0
+LAB_SIZES = (1.0, 1.5, 2.0, 4.0)
+# name -> (policy, simulate_ranked keywords); "+pfM": prefetch margin M; "/key": admit="key"
+LAB_VARIANTS = {
+    "lru": ("lru", {}), "clock": ("clock", {}), "score": ("score", {}),
+    "score_lru": ("score_lru", {"keep": SCORE_LRU_KEEP}),
+    "score_ema": ("score_ema", {"beta": EMA_BETA}),
+    "lru+pf16": ("lru", {"prefetch": 16}), "lru+pf64": ("lru", {"prefetch": 64}),
+    "score+pf16": ("score", {"prefetch": 16}), "score+pf64": ("score", {"prefetch": 64}),
+    "score_lru+pf16": ("score_lru", {"keep": SCORE_LRU_KEEP, "prefetch": 16}),
+    "score_lru+pf64": ("score_lru", {"keep": SCORE_LRU_KEEP, "prefetch": 64}),
+    "score_ema+pf16": ("score_ema", {"beta": EMA_BETA, "prefetch": 16}),
+    "score_ema+pf64": ("score_ema", {"beta": EMA_BETA, "prefetch": 64}),
+    "score_ema+pf64/key": ("score_ema", {"beta": EMA_BETA, "prefetch": 64, "admit": "key"}),
+    "opt": ("opt", {}),
+}
+
+
+def _lab_stats(H, M, P, steps, used=0, p_all=0, R=0, hot_rows=None) -> dict:
+    rows = (M + P) / max(steps, 1)
+    n = max(steps, 1)
+    out = {"hit_rate": H / max(H + M, 1), "misses_per_step": M / n, "prefetched_per_step": P / n,
+           "prefetched_bytes_per_step": P / n * ROW_BYTES * LAYERS, "h2d_rows_per_step": rows,
+           "h2d_bytes_per_step": rows * ROW_BYTES * LAYERS,
+           "prefetch_used_frac": used / p_all if p_all else None}  # over whole traces, warm-up included
+    if R:
+        out["resident_per_step"] = R / max(steps, 1)
+        out["on_device_rate"] = (H + R) / max(H + M + R, 1)
+    if hot_rows is not None:
+        out["hot_rows"] = hot_rows
+    return out
+
+
+def lab_sweep(per_layer, warmup: int, variants: dict | None = None, sizes=LAB_SIZES, *, k: int | None = None,
+              resident_pages: int = 0, keep_steps=("lru", "score_ema", "opt"), keep_size: str = "2x") -> dict:
+    """Every variant x size on traces[index_layer][seq] (`RankedTrace`s, read at top-`k`, default their own),
+    the first `warmup` steps of each trace not counted. Returns {"per_index_layer": [{variant: {size: stats}}],
+    "overall": {variant: {size: stats}} (pooled over layers: hits / accesses; rows per step and indexer group),
+    "steps": {variant: (positions, hits, misses, prefetched) over all layers and sequences at `keep_size`}}.
+    stats: hit_rate (critical path), misses_per_step, prefetched_per_step (and _bytes_), h2d_rows_per_step (misses +
+    prefetched), h2d_bytes_per_step (x ROW_BYTES x LAYERS, as `study`), h2d_over_lru (against lru at the same
+    size), prefetch_used_frac (prefetched rows hit before eviction), hot_rows; with resident pages also
+    resident_per_step and on_device_rate ((hits + resident) / top-k)."""
+    variants = LAB_VARIANTS if variants is None else variants
+    layers = [[rt if k is None else rt.top(k) for rt in per_seq] for per_seq in per_layer]
+    kk = layers[0][0].k
+    res = {"per_index_layer": [{} for _ in layers], "overall": {}, "steps": {}}
+    for name, (pol, kw) in variants.items():
+        res["overall"][name] = {}
+        for f in sizes:
+            size, HR = f"{f:g}x", int(round(f * kk))
+            tot = np.zeros(7)
+            keep_rows = []
+            for li, per_seq in enumerate(layers):
+                acc = np.zeros(7)
+                for rt in per_seq:
+                    r = simulate_ranked(rt, HR, pol, resident_pages=resident_pages, **kw)
+                    w = slice(warmup, None)
+                    acc += [r["hits"][w].sum(), r["misses"][w].sum(), r["prefetched"][w].sum(),
+                            len(r["hits"][w]), r["prefetch_used"], r["prefetched"].sum(), r["resident"][w].sum()]
+                    if name in keep_steps and size == keep_size:
+                        keep_rows.append(np.stack([rt.positions[w], r["hits"][w], r["misses"][w],
+                                                   r["prefetched"][w]]))
+                res["per_index_layer"][li].setdefault(name, {})[size] = _lab_stats(*acc, hot_rows=HR)
+                tot += acc
+            res["overall"][name][size] = _lab_stats(*tot, hot_rows=HR)
+            if keep_rows:
+                res["steps"][name] = np.concatenate(keep_rows, axis=1)
+    for table in res["per_index_layer"] + [res["overall"]]:
+        for name, rows in table.items():
+            for size, st in rows.items():
+                base = table["lru"][size]["h2d_rows_per_step"] if "lru" in table else None
+                st["h2d_over_lru"] = st["h2d_rows_per_step"] / base if base else None
+    return res
+
+
+def by_position(steps: np.ndarray, edges) -> list:
+    """Critical-path hit rate and H2D rows per step of `lab_sweep`'s kept per-step rows, by decode position
+    bin [edges[i], edges[i+1])."""
+    pos, h, m, p = steps
+    out = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        sel = (pos >= lo) & (pos < hi)
+        if sel.any():
+            hs, ms = h[sel].sum(), m[sel].sum()
+            out.append({"positions": [int(lo), int(hi)], "hit_rate": float(hs / max(hs + ms, 1)),
+                        "h2d_rows_per_step": float((m[sel].sum() + p[sel].sum()) / sel.sum())})
+    return out
+
+
+REREF_EDGES = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257)
+
+
+def reref_stats(traces, warmup: int) -> dict:
+    """Re-reference distance (steps between two uses of a row) over the top-k sets of `traces` (lists of
+    per-step position arrays), for uses at steps >= warmup: histogram over REREF_EDGES (bin i: distances in
+    [e_i, e_(i+1)), the last open), the share of first uses in the trace, quantiles."""
+    dist, first, n = [], 0, 0
+    for tr in traces:
+        last = {}
+        for t, q in enumerate(tr):
+            for x in np.asarray(q).tolist():
+                if t >= warmup:
+                    n += 1
+                    if x in last:
+                        dist.append(t - last[x])
+                    else:
+                        first += 1
+                last[x] = t
+    d = np.asarray(dist, np.int64)
+    hist = np.histogram(d, bins=list(REREF_EDGES) + [1 << 30])[0] if len(d) else np.zeros(len(REREF_EDGES))
+    labels = [f"{a}-{b - 1}" if b - 1 > a else f"{a}" for a, b in zip(REREF_EDGES, REREF_EDGES[1:])]
+    labels.append(f">={REREF_EDGES[-1]}")
+    q = np.percentile(d, [50, 75, 90, 99]).tolist() if len(d) else [None] * 4
+    return {"uses": n, "first_use_frac": first / max(n, 1),
+            "hist": dict(zip(labels, (hist / max(n, 1)).tolist())),
+            "median": q[0], "p75": q[1], "p90": q[2], "p99": q[3]}
+
+
+def entry_rank_stats(rts, warmup: int) -> dict:
+    """Where the rows that enter the top-k come from: for each row of T_t not in T_(t-1) (t >= warmup), its rank
+    in step t-1's ranking (from `scores`; a position written at step t itself counts as "new"), as shares in
+    bins of k; and the share of the top-k within the last 128 positions (the store's two resident tail pages)."""
+    k = rts[0].k
+    edges = np.array([k, 1.5 * k, 2 * k, 3 * k, 4 * k, 8 * k])
+    labels = ["k-1.5k", "1.5k-2k", "2k-3k", "3k-4k", "4k-8k", ">=8k", "new"]
+    counts = np.zeros(len(labels))
+    tail = acc = 0
+    for rt in rts:
+        prev = None
+        for t in range(rt.steps):
+            o = rt.order[t, :k]
+            cur = o[o >= 0]
+            if prev is not None and t >= warmup:
+                ent = np.setdiff1d(cur, prev, assume_unique=True)
+                s = rt.scores[t - 1].astype(np.float32)
+                rank = np.empty(len(s), np.int64)
+                rank[np.argsort(-s, kind="stable")] = np.arange(len(s))
+                fresh = ~np.isfinite(s[ent])
+                b = np.searchsorted(edges, rank[ent[~fresh]], side="right") - 1
+                counts[:-1] += np.bincount(np.clip(b, 0, len(edges) - 1), minlength=len(edges))
+                counts[-1] += fresh.sum()
+                tail += int((rt.positions[t] - cur < 128).sum())
+                acc += len(cur)
+            prev = cur
+    n = counts.sum()
+    return {"entries_per_step": float(n / max(sum(max(rt.steps - max(warmup, 1), 0) for rt in rts), 1)),
+            "entry_rank_share": dict(zip(labels, (counts / max(n, 1)).tolist())),
+            "topk_in_last_128_positions": tail / max(acc, 1)}
 
 
 def plot(out: dict, path: str) -> None:

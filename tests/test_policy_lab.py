@@ -1,0 +1,234 @@
+"""The hot-buffer policy lab on ranked traces (experiments/hot_buffer_policies.py: `RankedTrace`, `simulate_ranked`,
+`lab_sweep`, the trace statistics; experiments/locality.py: the acceptance bar). Pure NumPy, no model."""
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "experiments", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+hb = _load("hot_buffer_policies")
+loc = _load("locality")
+
+DEMAND = [p for p in hb.RANKED_POLICIES if p != "opt"]
+
+
+def _random_rt(seed=0, steps=60, S=96, k=8, margin=16, drift=0.3):
+    """Scores drifting step to step (an AR(1) per position) plus noise: a top-k with some locality."""
+    rng = np.random.default_rng(seed)
+    base = rng.normal(size=S)
+    rows = []
+    for _ in range(steps):
+        base = (1 - drift) * base + drift * rng.normal(size=S)
+        rows.append(base + 0.3 * rng.normal(size=S))
+    return hb.RankedTrace.from_scores(np.array(rows), k, margin)
+
+
+def _rt(score_rows, k, margin=0):
+    return hb.RankedTrace.from_scores(np.array(score_rows, np.float64), k, margin)
+
+
+def test_from_scores_ranks_like_select_topk():
+    rt = _rt([[1.0, 3.0, 3.0, -np.inf, 2.0]], k=2, margin=3)
+    assert rt.order.tolist() == [[1, 2, 4, 0, -1]]  # descending, the lower position first on a tie, -1 unwritten
+    assert [s.tolist() for s in rt.sets] == [[1, 2]]
+    assert rt.margin == 3 and rt.top(3).k == 3 and [s.tolist() for s in rt.top(3).sets] == [[1, 2, 4]]
+    assert rt.scores.dtype == np.float16 and rt.scores[0, 1] == 1.0  # over the step's largest |score|
+    with pytest.raises(ValueError):
+        rt.top(6)
+
+
+@pytest.mark.parametrize("policy", ["lru", "clock", "opt"])
+@pytest.mark.parametrize("hot_rows", [8, 12, 16, 32])
+def test_demand_policies_equal_simulate(policy, hot_rows):
+    """Without prefetch, lru / clock / opt on a ranked trace are `simulate`'s on its top-k sets (whose lru is the
+    store's rule, tests/test_blog_experiments.py::test_lru_matches_ops_resolve)."""
+    rt = _random_rt(1)
+    r = hb.simulate_ranked(rt, hot_rows, policy, return_state=True)
+    if policy == "lru":
+        h, m, tok, stamp = hb.simulate(rt.sets, hot_rows, "lru", return_state=True)
+        np.testing.assert_array_equal(r["tokens"], tok)
+        np.testing.assert_array_equal(r["stamp"], stamp)
+    else:
+        h, m = hb.simulate(rt.sets, hot_rows, policy)
+    np.testing.assert_array_equal(r["hits"], h)
+    np.testing.assert_array_equal(r["misses"], m)
+    assert not r["prefetched"].any() and r["prefetch_used"] == r["prefetch_wasted"] == 0
+
+
+def test_score_evicts_the_lowest_scored_row():
+    """k 2, 3 slots. Step 0 fills rows 0 and 1; step 1 wants 2 and 3: one goes to the empty slot, the other evicts
+    row 1 (score 0.5 < row 0's 3) under `score`, but row 0 (lower slot, same stamp) under lru; step 2 wants 0
+    and 2 again: two hits for score, one for lru."""
+    ninf = -np.inf
+    rt = _rt([[5, 4, 1, 0, ninf, ninf], [3, 0.5, 9, 8, 1, 0], [9, 0, 8, 1, 0.5, 0]], k=2, margin=2)
+    s = hb.simulate_ranked(rt, 3, "score", return_state=True)
+    lru = hb.simulate_ranked(rt, 3, "lru", return_state=True)
+    assert s["hits"].tolist() == [0, 0, 2] and lru["hits"].tolist() == [0, 0, 1]
+    assert sorted(s["tokens"].tolist()) == [0, 2, 3]
+    for pol in ("score_lru", "score_ema"):
+        assert hb.simulate_ranked(rt, 3, pol, keep=2.0, beta=0.0)["hits"].tolist() == [0, 0, 2]
+
+
+def test_score_ema_remembers_what_one_step_forgets():
+    """k 1, 2 slots. Row 0 is the top-1 for five steps, row 1 once; then row 2 must evict one of them, at a step
+    where row 0 scores just below row 1: `score` evicts row 0 and misses it when it comes back, `score_ema` (its
+    average is still high, row 1's low) evicts row 1 and hits."""
+    rt = _rt([[9, 0, 0]] * 5 + [[5, 9, 0], [1, 2, 9], [9, 0, 8]], k=1)
+    s = hb.simulate_ranked(rt, 2, "score")
+    e = hb.simulate_ranked(rt, 2, "score_ema", beta=0.9)
+    assert s["misses"][6] == e["misses"][6] == 1
+    assert s["hits"][7] == 0 and e["hits"][7] == 1
+
+
+@pytest.mark.parametrize("policy", DEMAND)
+@pytest.mark.parametrize("prefetch", [0, 4])
+def test_no_future_information(policy, prefetch):
+    """Every policy but opt decides step t from steps <= t: rewriting the future leaves the past unchanged."""
+    rt = _random_rt(2)
+    t0 = 30
+    other = _random_rt(3)
+    mixed = hb.RankedTrace(np.concatenate([rt.order[:t0 + 1], other.order[t0 + 1:]]),
+                           np.concatenate([rt.scores[:t0 + 1], other.scores[t0 + 1:]]), rt.positions, rt.k)
+    a = hb.simulate_ranked(rt, 16, policy, prefetch=prefetch)
+    b = hb.simulate_ranked(mixed, 16, policy, prefetch=prefetch)
+    for key in ("hits", "misses", "prefetched"):
+        np.testing.assert_array_equal(a[key][:t0 + 1], b[key][:t0 + 1])
+
+
+def test_prefetch_counts_by_hand():
+    """k 1, margin 2, 3 slots. Step 0 ranks [0, 1, 2]: 0 misses, 1 and 2 are prefetched into the empty slots.
+    Step 1 ranks [1, 3, 0]: 1 is a critical-path hit (a used prefetch); candidate 3 (0 is in the buffer) may only
+    replace a row outside the top-3, i.e. 2, an unused prefetch (wasted)."""
+    ninf = -np.inf
+    rt = _rt([[3, 2, 1, ninf], [1, 3, 0, 2]], k=1, margin=2)
+    r = hb.simulate_ranked(rt, 3, "lru", prefetch=2, return_state=True)
+    assert r["hits"].tolist() == [0, 1] and r["misses"].tolist() == [1, 0]
+    assert r["prefetched"].tolist() == [2, 1]
+    assert r["prefetch_used"] == 1 and r["prefetch_wasted"] == 1
+    assert sorted(r["tokens"].tolist()) == [0, 1, 3]
+
+
+@pytest.mark.parametrize("policy", DEMAND)
+@pytest.mark.parametrize("hot_rows", [8, 12, 24])
+def test_invariants_with_prefetch(policy, hot_rows):
+    rt = _random_rt(4)
+    m = 8
+    r = hb.simulate_ranked(rt, hot_rows, policy, prefetch=m, return_state=True)
+    assert (r["hits"] + r["misses"] == rt.k).all()  # nothing resident: every top-k row is a hit or a miss
+    assert (r["prefetched"] <= m).all()
+    if hot_rows == rt.k:
+        assert not r["prefetched"].any()
+    tok = r["tokens"]
+    assert len(np.unique(tok[tok >= 0])) == (tok >= 0).sum()  # no row twice
+    assert set(rt.sets[-1].tolist()) <= set(tok.tolist())  # the step's top-k is in the buffer after it
+    assert r["prefetch_used"] + r["prefetch_wasted"] <= r["prefetched"].sum()
+
+
+def test_no_prefetch_at_1x():
+    rt = _random_rt(5)
+    r = hb.simulate_ranked(rt, rt.k, "score_ema", prefetch=16)
+    assert not r["prefetched"].any()
+
+
+@pytest.mark.parametrize("hot_rows", [8, 12, 16, 24])
+def test_demand_policies_within_opt(hot_rows):
+    """Under demand caching (no prefetch) no policy's critical-path hits exceed Belady's."""
+    for seed in range(3):
+        rt = _random_rt(seed)
+        opt = hb.simulate_ranked(rt, hot_rows, "opt")["hits"].sum()
+        for pol in DEMAND:
+            assert hb.simulate_ranked(rt, hot_rows, pol)["hits"].sum() <= opt
+
+
+def test_prefetch_can_beat_demand_opt():
+    """The next top-k row is always ranked just below this step's: demand caching misses every step (every row
+    is new: OPT hits nothing), a margin of 1 hits every step after the first."""
+    T = 12
+    sc = np.full((T, T + 1), -np.inf)
+    for t in range(T):
+        sc[t, t], sc[t, t + 1] = 2.0, 1.0
+    rt = _rt(sc, k=1, margin=1)
+    assert hb.simulate_ranked(rt, 2, "opt")["hits"].sum() == 0
+    r = hb.simulate_ranked(rt, 2, "lru", prefetch=1)
+    assert r["hits"].sum() == T - 1 and r["prefetched"].sum() == T
+
+
+def test_opt_refuses_prefetch_and_bad_margin():
+    rt = _random_rt(0)
+    with pytest.raises(ValueError):
+        hb.simulate_ranked(rt, 16, "opt", prefetch=2)
+    with pytest.raises(ValueError):
+        hb.simulate_ranked(rt, 16, "lru", prefetch=rt.margin + 1)
+    with pytest.raises(ValueError):
+        hb.simulate_ranked(rt, 16, "lru", admit="key")
+
+
+def test_resident_tail():
+    assert hb.resident_from([130, 63, 200], 2).tolist() == [64, 0, 128]
+    assert hb.resident_from([130], 1).tolist() == [128]
+    rt = _random_rt(6)
+    rt = hb.RankedTrace(rt.order, rt.scores, np.arange(rt.steps) + 128, rt.k)  # at 128..187 rows >= 64 resident
+    r = hb.simulate_ranked(rt, 12, "score_ema", prefetch=4, resident_pages=2)
+    assert (r["hits"] + r["misses"] + r["resident"] == rt.k).all() and r["resident"].sum() > 0
+    full = hb.simulate_ranked(rt, 12, "score_ema", prefetch=4)
+    assert r["misses"].sum() < full["misses"].sum()
+
+
+def test_lab_sweep_bytes_and_bar():
+    layers = [[_random_rt(s), _random_rt(s + 10)] for s in (0, 1)]
+    variants = {n: hb.LAB_VARIANTS[n] for n in ("lru", "score_ema", "score_ema+pf16", "opt")}
+    variants["score_ema+pf16"] = ("score_ema", {"prefetch": 8})
+    sw = hb.lab_sweep(layers, 4, variants, (1.0, 2.0))
+    ov = sw["overall"]
+    for size in ("1x", "2x"):
+        assert ov["lru"][size]["h2d_over_lru"] == 1.0
+        for n, rows in ov.items():
+            st = rows[size]
+            assert st["h2d_rows_per_step"] == pytest.approx(st["misses_per_step"] + st["prefetched_per_step"])
+            assert st["h2d_bytes_per_step"] == pytest.approx(st["h2d_rows_per_step"] * hb.ROW_BYTES * hb.LAYERS)
+    assert ov["opt"]["1x"]["hit_rate"] == ov["lru"]["1x"]["hit_rate"]  # one buffer of top-k: the previous set
+    assert ov["score_ema+pf16"]["2x"]["prefetched_per_step"] > 0
+    pos = hb.by_position(sw["steps"]["lru"], [96, 120, 200])  # from_scores: positions S + t
+    assert len(pos) == 2 and all(0 <= p["hit_rate"] <= 1 for p in pos)
+    bar = loc.bar_check(ov)
+    assert bar["met"] == bool(bar["met_by"]) and bar["best_within_bytes"] != "opt"
+    fake = {"lru": {"2x": {"hit_rate": 0.6, "h2d_rows_per_step": 10.0, "h2d_over_lru": 1.0}},
+            "opt": {"2x": {"hit_rate": 0.8, "h2d_rows_per_step": 5.0, "h2d_over_lru": 0.5}},
+            "a": {"2x": {"hit_rate": 0.85, "h2d_rows_per_step": 16.0, "h2d_over_lru": 1.6}},
+            "b": {"2x": {"hit_rate": 0.8, "h2d_rows_per_step": 14.0, "h2d_over_lru": 1.4}}}
+    bar = loc.bar_check(fake)
+    assert bar["met"] and bar["met_by"] == ["b"] and bar["best_any_bytes"] == "a"
+    fake["b"]["2x"]["hit_rate"] = 0.79
+    assert not loc.bar_check(fake)["met"]
+
+
+def test_reref_and_entry_ranks():
+    st = hb.reref_stats([[np.array([1]), np.array([1]), np.array([2]), np.array([1])]], 0)
+    assert st["uses"] == 4 and st["first_use_frac"] == 0.5
+    assert st["hist"]["1"] == 0.25 and st["hist"]["2"] == 0.25
+    ninf = -np.inf
+    # step 1's top-1 (row 2) ranked 3rd at step 0 (k = 1: bin 2k-3k); row 3 is written at step 2 ("new")
+    rt = _rt([[3, 2, 1, ninf], [1, 0, 3, ninf], [0, 0, 0, 5]], k=1)
+    er = hb.entry_rank_stats([rt], 0)
+    assert er["entry_rank_share"]["2k-3k"] == 0.5 and er["entry_rank_share"]["new"] == 0.5
+
+
+def test_tuning_windows_do_not_overlap_evaluation():
+    tokens = np.arange(10_000)
+    ev_starts = np.linspace(0, tokens.size - 100, 4).astype(np.int64)
+    tw = loc.tuning_windows(tokens, 100, 4)
+    assert tw.shape == (3, 100) and (np.diff(tw, axis=1) == 1).all()
+    for s in tw[:, 0]:
+        assert all(abs(int(s) - e) >= 100 for e in ev_starts)
+    with pytest.raises(ValueError):
+        loc.tuning_windows(tokens, 4000, 4)
