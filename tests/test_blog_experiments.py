@@ -1,4 +1,5 @@
-"""Fast checks of experiments/reproduce_blog.py and experiments/hot_buffer_policies.py."""
+"""Fast checks of experiments/reproduce_blog.py, experiments/hot_buffer_policies.py and the calculator side of
+experiments/engine_vs_calc.py."""
 import importlib.util
 import json
 import os
@@ -19,6 +20,7 @@ def _load(name):
 
 blog = _load("reproduce_blog")
 hb = _load("hot_buffer_policies")
+evc = _load("engine_vs_calc")
 
 
 def test_calculator_table_json(tmp_path):
@@ -33,6 +35,37 @@ def test_calculator_table_json(tmp_path):
 
 def test_blog_device_requests():
     assert blog.blog_device_requests() == pytest.approx(6260 / 1280)
+
+
+def test_engine_vs_calc_scaled_case():
+    """The published 80K case's ratios, and the calculator at the scaled default (64 pages, 64 requests, this
+    model's 656-B FP8 rows): >= 8x over the baseline with FP8 keys, more with int4, limited by the device."""
+    g = evc.glm_ratios()
+    assert g["device_requests"] == pytest.approx(6260 / 1280) and (g["baseline"], g["hisparse_unified"]) == (4, 39)
+    assert g["hot_fraction"] == 0.05 and g["indexer_over_kv"]["fp8"] == pytest.approx(21 * 132 / (78 * 576))
+    cfg = evc.model_config(4, 4, 64, g)
+    assert (cfg.index_topk, cfg.indexer_types) == (96, ("full", "shared", "shared", "shared"))
+    kv, idx = 64 * 4 * 656, 64 * 132
+    device = int(g["device_requests"] * 64 * (kv + idx))
+    got = {d: evc.predict(cfg, pages=64, requests=64, device_bytes=device, hot_rows=192, host_pages=10 ** 6,
+                          index_dtype=d) for d in ("fp8", "int4")}
+    assert got["fp8"].baseline_running == 4 and got["fp8"].hisparse_running >= 8 * 4
+    assert got["int4"].hisparse_running > got["fp8"].hisparse_running
+    assert all(r.limiting == "gpu" and r.block_bytes.host == kv for r in got.values())
+    # the calculator's split layout is the engine's own split of the device bytes (engine.device_budget)
+    assert got["fp8"].hisparse_running == device // (64 * idx + (3 + 2) * kv)
+
+
+def test_sustained_running_counts_steps_with_a_queue():
+    from types import SimpleNamespace as H
+
+    hist = [H(running=0, waiting=5, wait_reasons={"device_budget": 1, "queued": 4}),
+            H(running=4, waiting=4, wait_reasons={"device_budget": 1, "queued": 3}),
+            H(running=3, waiting=1, wait_reasons={"index_budget": 1}), H(running=2, waiting=0, wait_reasons={})]
+    s = evc.sustained(hist)
+    assert (s["sustained_running"], s["sustained_steps"], s["max_running"]) == (3.5, 2, 4)
+    assert s["mean_running"] == 3.0
+    assert evc.first_wait(hist) == {"device_budget": 2, "index_budget": 1}
 
 
 def _resolve_reference(trace, HR, K):
