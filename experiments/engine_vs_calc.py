@@ -125,8 +125,8 @@ def run(a) -> dict:
     new = rng.integers(NEW_TOKENS[0], NEW_TOKENS[1] + 1, a.requests).tolist()
     base = CacheConfig(kv_dtype="fp8", index_dtype="fp8", max_seq_len=longest, max_seqs=a.requests,
                        host_pages=1, device_pages=1, hot_rows=hot_rows)
-    spec = {d: StoreSpec.create(cfg, base.replace(index_dtype=d, device_pages=1, index_pages=1)) for d in ("fp8",
-                                                                                                          "int4")}
+    spec = {d: StoreSpec.create(cfg, base.replace(index_dtype=d, device_pages=1, index_pages=1))
+            for d in ("fp8", "int4")}
     kv_page = spec["fp8"].page_bytes * spec["fp8"].num_layers
     idx_page = {d: 64 * s.num_index_layers * s.index_row_bytes for d, s in spec.items()}
     device_bytes = int(glm["device_requests"] * n * (kv_page + idx_page["fp8"]))
@@ -140,7 +140,8 @@ def run(a) -> dict:
                                  "row_bytes": spec["fp8"].row_bytes},
            "scaled": {"pages_per_request": n, "device_requests": glm["device_requests"],
                       "hot_fraction": -(-hot_rows // 64) / n, "topk_fraction": cfg.index_topk / longest,
-                      "indexer_over_kv": {d: v / kv_page for d, v in idx_page.items()}, "tail_fraction": TAIL_PAGES / n},
+                      "indexer_over_kv": {d: v / kv_page for d, v in idx_page.items()},
+                      "tail_fraction": TAIL_PAGES / n},
            "requests": a.requests, "prompt_tokens": prompt_len, "new_tokens": NEW_TOKENS,
            "device_budget_bytes": device_bytes, "host_pages": host_pages, "runs": {}}
     print(f"scaled case: {n} pages per request, device = {glm['device_requests']:.2f} requests "

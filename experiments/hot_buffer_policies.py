@@ -74,6 +74,25 @@ def _next_uses(trace):
     return out
 
 
+def clock_sweep(blocked, ref, hand: int, n: int):
+    """CLOCK's second chance: (n victims, the hand after them). The hand skips `blocked` slots, clears a set
+    reference bit (`ref`, updated in place) and takes the first slot whose bit is clear, which becomes blocked (in
+    place) so that it is taken once."""
+    victims = np.empty(n, np.int64)
+    got = 0
+    while got < n:
+        if blocked[hand]:
+            pass
+        elif ref[hand]:
+            ref[hand] = False
+        else:
+            victims[got] = hand
+            blocked[hand] = True
+            got += 1
+        hand = (hand + 1) % len(ref)
+    return victims, hand
+
+
 def simulate(trace, hot_rows: int, policy: str = "lru", *, max_pos: int | None = None, return_state=False):
     """Run `policy` over `trace`; returns per-step hit and miss counts (and the final slot contents)."""
     if policy not in POLICIES:
@@ -127,18 +146,7 @@ def simulate(trace, hot_rows: int, policy: str = "lru", *, max_pos: int | None =
                 key = np.where(tokens < 0, -(1 << 40), -nextuse)  # empty, then farthest next use first
                 victims = np.lexsort((np.arange(HR), np.where(protected, 1 << 50, key)))[:nm]
             else:  # clock
-                victims = np.empty(nm, np.int64)
-                k = 0
-                while k < nm:
-                    if protected[hand]:
-                        pass
-                    elif ref[hand]:
-                        ref[hand] = False
-                    else:
-                        victims[k] = hand
-                        protected[hand] = True
-                        k += 1
-                    hand = (hand + 1) % HR
+                victims, hand = clock_sweep(protected, ref, hand, nm)
             old = tokens[victims]
             where[old[old >= 0]] = -1
             tokens[victims] = m
@@ -251,18 +259,7 @@ def simulate_ranked(rt: RankedTrace, hot_rows: int, policy: str = "lru", *, pref
             group = np.where(tokens < 0, 0, np.where(inside, 2, 1))
             sec = np.where(group == 2, value, stamp.astype(np.float64))
             return np.lexsort((slots, stamp, sec, np.where(eligible, group, 3)))[:n]
-        v = np.empty(n, np.int64)  # clock
-        eligible = eligible.copy()
-        got = 0
-        while got < n:
-            if eligible[hand]:
-                if ref[hand]:
-                    ref[hand] = False
-                else:
-                    v[got] = hand
-                    eligible[hand] = False
-                    got += 1
-            hand = (hand + 1) % HR
+        v, hand = clock_sweep(~eligible, ref, hand, n)  # clock
         return v
 
     def fill(v, rows):

@@ -1,23 +1,10 @@
 """The hot-buffer policy lab on ranked traces (experiments/hot_buffer_policies.py: `RankedTrace`, `simulate_ranked`,
 `lab_sweep`, the trace statistics; experiments/locality.py: the acceptance bar). Pure NumPy, no model."""
-import importlib.util
-import os
-
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "experiments", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-hb = _load("hot_buffer_policies")
-loc = _load("locality")
+from experiments import hot_buffer_policies as hb
+from experiments import locality as loc
 
 DEMAND = [p for p in hb.RANKED_POLICIES if p != "opt"]
 
