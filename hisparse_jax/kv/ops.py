@@ -68,6 +68,19 @@ def encode_index(spec: StoreSpec, k):
     return k.astype(jnp.float32 if spec.index_dtype == "float32" else jnp.bfloat16), None
 
 
+def set_rows(pool, index, vals):
+    """`pool.at[index].set(vals, mode="drop")`, written through an unsigned-integer view of the pool when its dtype
+    is a float narrower than 32 bits (fp8, bf16): XLA:CPU scatters those by converting the whole pool to a wider
+    float and back, a pool-sized copy per call, while the bits scatter in place. The values written are the same."""
+    dt = pool.dtype
+    if jnp.issubdtype(dt, jnp.floating) and dt.itemsize < 4:
+        u = jnp.uint8 if dt.itemsize == 1 else jnp.uint16
+        bits = jax.lax.bitcast_convert_type(pool, u).at[index].set(
+            jax.lax.bitcast_convert_type(jnp.asarray(vals).astype(dt), u), mode="drop")
+        return jax.lax.bitcast_convert_type(bits, dt)
+    return pool.at[index].set(vals, mode="drop")
+
+
 def _to_host(x):
     """Device values -> host-pool bits in host memory (what is `dynamic_update_slice`d into a host pool)."""
     return jax.device_put(to_host_bits(x), HOST)
@@ -105,8 +118,8 @@ def append_rows(spec: StoreSpec, store: KVStore, layer: int, index_layer: int | 
     ok = live & (dpage >= 0)
     dp = _drop(dpage, ok, spec.device_pages)
     vals, scales = encode_latent(spec, c)
-    latent = store.latent.at[layer, dp, row].set(vals, mode="drop")
-    rope = store.rope.at[layer, dp, row].set(k_rope.astype(store.rope.dtype), mode="drop")
+    latent = set_rows(store.latent, (layer, dp, row), vals)
+    rope = set_rows(store.rope, (layer, dp, row), k_rope.astype(store.rope.dtype))
     upd = dict(latent=latent, rope=rope)
     if scales is not None:
         upd["latent_scale"] = store.latent_scale.at[layer, dp, row].set(scales, mode="drop")
@@ -115,7 +128,7 @@ def append_rows(spec: StoreSpec, store: KVStore, layer: int, index_layer: int | 
         iok = live & (ipage >= 0)
         ip = _drop(ipage, iok, spec.index_pages)
         kv, ks = encode_index(spec, k_index)
-        upd["index_k"] = store.index_k.at[index_layer, ip, row].set(kv, mode="drop")
+        upd["index_k"] = set_rows(store.index_k, (index_layer, ip, row), kv)
         if ks is not None:
             upd["index_scale"] = store.index_scale.at[index_layer, ip, row].set(ks, mode="drop")
         dropped = dropped + jnp.sum(live & (ipage < 0))
@@ -364,7 +377,7 @@ def _fetch_rows(spec, store, lo, nl, plan):
     staging = jax.lax.fori_loop(0, n_chunks, body, staging)
     dpage = jnp.where(jnp.arange(sp.shape[0]) < n, dp, spec.device_pages)  # past the misses: dropped
     layer = lo + jnp.arange(nl, dtype=jnp.int32)[:, None]
-    pools = tuple(pool.at[layer, dpage[None], dr[None]].set(buf, mode="drop") for pool, buf in zip(pools, staging))
+    pools = tuple(set_rows(pool, (layer, dpage[None], dr[None]), buf) for pool, buf in zip(pools, staging))
     return _with_device_pools(store, pools), n * nl, n_chunks * chunk * nl
 
 
@@ -470,7 +483,7 @@ def load_pages(spec: StoreSpec, store: KVStore, hpages, dpages):
         out = []
         for pool, host in zip(pools, _host_pools(store)):
             blk = jax.lax.dynamic_slice(host, (0, hp) + (0,) * (host.ndim - 2), (host.shape[0], 1) + host.shape[2:])
-            out.append(pool.at[:, dp].set(_from_host(blk, pool.dtype)[:, 0], mode="drop"))
+            out.append(set_rows(pool, (slice(None), dp), _from_host(blk, pool.dtype)[:, 0]))
         return tuple(out)
 
     pools = jax.lax.fori_loop(0, n, body, _device_pools(store))
@@ -512,9 +525,9 @@ def write_prefill(spec: StoreSpec, store: KVStore, req, latent, rope, index_k, l
     vals, scales = encode_latent(spec, latent)
     rope = rope.astype(store.rope.dtype)
     kv, ks = encode_index(spec, index_k)
-    upd = dict(latent=store.latent.at[:, dp, row].set(vals, mode="drop"),
-               rope=store.rope.at[:, dp, row].set(rope, mode="drop"),
-               index_k=store.index_k.at[:, ip, row].set(kv, mode="drop"))
+    upd = dict(latent=set_rows(store.latent, (slice(None), dp, row), vals),
+               rope=set_rows(store.rope, (slice(None), dp, row), rope),
+               index_k=set_rows(store.index_k, (slice(None), ip, row), kv))
     if spec.fp8:
         upd["latent_scale"] = store.latent_scale.at[:, dp, row].set(scales, mode="drop")
     if ks is not None:
