@@ -471,42 +471,17 @@ def record_traces(model, sequences, start: int):
     """Per-step top-k sets of every full indexer of `model`, teacher-forced over `sequences` (token lists)
     with `decode_step` over the contiguous `DenseKV` backend, all sequences in one batch: traces[indexer][seq]
     is a list of sorted int64 position arrays, one per step at positions start..len(seq)-1."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
+    from hisparse_jax.kv.dense import DenseKV
 
-    from hisparse_jax.kv.dense import DenseKV, init_dense_kv
-    from hisparse_jax.model.decoder import decode_step
-
-    cfg = model.cfg
-    n = len(sequences)
-    L = max(len(p) for p in sequences)
-    toks = np.zeros((n, L), np.int32)
-    for i, p in enumerate(sequences):
-        toks[i, :len(p)] = p
-    lens = np.array([len(p) for p in sequences])
-    backend = DenseKV(topk=cfg.index_topk, index_dtype=model.index_dtype)
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def step(state, tokens, positions, kv):
-        m = nnx.merge(graphdef, state)
-        _, kv, all_topk = decode_step(m, tokens, positions, kv, backend)
-        return kv, jnp.stack(all_topk)
-
-    kv = init_dense_kv(cfg, n, L)
-    traces = None
-    for t in range(L):
-        positions = np.where(t < lens, t, -1).astype(np.int32)
-        kv, topk = step(state, jnp.asarray(toks[:, t]), jnp.asarray(positions), kv)
-        if traces is None:
-            traces = [[[] for _ in range(n)] for _ in range(topk.shape[0])]
-        if t >= start:
-            tk = np.asarray(topk)
-            for li in range(tk.shape[0]):
-                for b in range(n):
-                    if t < lens[b]:
-                        traces[li][b].append(np.sort(tk[li, b][tk[li, b] >= 0]).astype(np.int64))
+    backend = DenseKV(topk=model.cfg.index_topk, index_dtype=model.index_dtype)
+    steps = _run_decode(model, sequences, start, backend, {}, with_nll=False)["topk"]  # [LI, n, K] per step
+    lens = [len(p) for p in sequences]
+    traces = [[[] for _ in sequences] for _ in model.cfg.full_indexer_layers]
+    for i, tk in enumerate(steps):
+        for li, per_layer in enumerate(traces):
+            for b, trace in enumerate(per_layer):
+                if start + i < lens[b]:
+                    trace.append(np.sort(tk[li, b][tk[li, b] >= 0]).astype(np.int64))
     return traces
 
 
