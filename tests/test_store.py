@@ -290,3 +290,25 @@ def test_recency_coldness_orders_by_last_selection():
     tc.gather([s], np.array([[0, 200, -1, -1, -1, -1, -1, -1]], np.int32))  # touches pages 0 and 3
     tc.gather([s], np.array([[70, -1, -1, -1, -1, -1, -1, -1]], np.int32))  # then page 1
     assert least_recently_selected(tc, s) == [2, 0, 3, 1]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32])
+def test_set_rows_writes_in_place_without_a_pool_sized_conversion(dtype):
+    """`kv.ops.set_rows` (every pool write of the store) equals `.at[].set(mode="drop")`, out-of-range rows dropped,
+    and its compiled program converts nothing pool-sized: XLA:CPU scattered into an fp8 / bf16 pool by converting
+    the whole pool to a wider float and back, a pool-sized copy on every decode step."""
+    import jax
+
+    from hisparse_jax.kv.ops import set_rows
+
+    pool = jnp.asarray(np.random.default_rng(0).normal(size=(2, 300, 64, 32)), dtype)
+    vals = jnp.asarray(np.random.default_rng(1).normal(size=(3, 32)), dtype)
+    idx = (jnp.int32(1), jnp.asarray([5, 299, 300], jnp.int32), jnp.asarray([0, 63, 7], jnp.int32))  # 300: dropped
+    want = pool.at[idx].set(vals, mode="drop")
+    fn = jax.jit(set_rows)
+    got = fn(pool, idx, vals)
+    assert got.dtype == pool.dtype
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    hlo = fn.lower(pool, idx, vals).compile().as_text()
+    wide = [line for line in hlo.splitlines() if " convert(" in line and "300,64,32]" in line.split("=")[1]]
+    assert not wide, wide
