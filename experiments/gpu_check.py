@@ -103,7 +103,8 @@ SIZES = {
         decode_model={}, decode_requests=4, decode_prompt=2048, decode_warmup=2, decode_steps=12,
         decode_mechanisms=("row", "page"), decode_public_steps=4, decode_loop_steps=8, decode_loop_reps=2,
         kernels_time=True, loop_n=50, loop_reps=5, timed_variants=None,
-        idx_B=4, idx_heads=64, idx_dim=128, idx_topk=2048, idx_contexts=(131072, 32768), idx_dtypes=("bf16", "fp8"),
+        idx_B=4, idx_heads=64, idx_dim=128, idx_topk=2048, idx_contexts=(131072, 32768),
+        idx_dtypes=("bf16", "fp8", "int4"),
         idx_mosaic_contexts=(131072,),  # the Mosaic GPU top-k (jax >= 0.11) right after the Triton one there
         gather_B=32, gather_K=2048, gather_hot_rows=4096, gather_ctx=32768,
         mla_B=32, mla_C=512, mla_R=64, mla_K=2048,
@@ -130,7 +131,7 @@ SIZES = {
         # first variant of each timed (a timing loop is one more compile of the interpreted kernel)
         kernels_time=True, loop_n=2, loop_reps=1, timed_variants=1,
         idx_B=TINY["idx_B"], idx_heads=TINY["idx_heads"], idx_dim=TINY["idx_dim"], idx_topk=TINY["idx_topk"],
-        idx_contexts=(TINY["idx_context"],), idx_dtypes=("bf16", "fp8"), idx_mosaic_contexts=(TINY["idx_context"],),
+        idx_contexts=(TINY["idx_context"],), idx_dtypes=("bf16", "fp8", "int4"), idx_mosaic_contexts=(TINY["idx_context"],),
         gather_B=TINY["gather_B"], gather_K=TINY["gather_K"], gather_hot_rows=TINY["gather_hot_rows"],
         gather_ctx=TINY["gather_ctx"],
         mla_B=TINY["mla_B"], mla_C=TINY["mla_C"], mla_R=TINY["mla_R"], mla_K=TINY["mla_K"],
@@ -567,7 +568,8 @@ def _indexer_case(seed: int, B: int, I: int, D: int, S: int, kd: str):
     """Integer-valued q / k (every score exact in f32, many ties: order compared slot by slot), a permuted
     block table, NaN in every pool row no valid position reads, -1 in some unused block-table entries."""
     from pallas_kernels.common import hadamard
-    from pallas_kernels.indexer_topk.reference import quantize_index_keys
+    from pallas_kernels.indexer_topk.reference import quantize_index_keys, quantize_index_keys_int4
+    from pallas_kernels.traffic import index_key_bytes
 
     PAGE = 64
     MP = S // PAGE
@@ -579,24 +581,28 @@ def _indexer_case(seed: int, B: int, I: int, D: int, S: int, kd: str):
     q = rng.integers(-3, 4, (B, I, D)).astype(np.float32)
     k = rng.integers(-3, 4, (B, S, D)).astype(np.float32)
     w = rng.integers(-4, 9, (B, I)).astype(np.float32) / 8
-    fp8 = kd == "fp8"
-    if fp8:  # the rotation is an involution: quantized operands come back as exact small integers
-        rot = jax.jit(lambda q, k: (hadamard(q), *quantize_index_keys(hadamard(k))))
+    quantized = kd in ("fp8", "int4")  # e4m3 + f32 scales, or MXFP4 codes (uint8, two per byte) + UE8M0 scales
+    if quantized:  # the rotation is an involution: quantized operands come back as exact small integers
+        quantize = quantize_index_keys if kd == "fp8" else quantize_index_keys_int4
+        rot = jax.jit(lambda q, k: (hadamard(q), *quantize(hadamard(k))))
         q, stored, scale = (np.asarray(x) for x in rot(q, k))
     else:
         q, stored, scale = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), None
     del k
     live = np.arange(S)[None, :] < seq_lens[:, None]  # [B, S]
+    # unused rows poisoned: NaN, or for MXFP4 codes 0xFF with scale bytes 255 (infinite scales: NaN or inf dots)
+    poison = 0xFF if kd == "int4" else np.nan
     stored = stored.copy()
-    stored[~live] = np.nan
+    stored[~live] = poison
     pages = rng.permutation(P)[:B * MP].reshape(B, MP)
-    k_pages = np.full((P, PAGE, D), np.nan, stored.dtype)
-    k_pages[pages.reshape(-1)] = stored.reshape(B * MP, PAGE, D)
+    k_pages = np.full((P, PAGE, stored.shape[-1]), poison, stored.dtype)
+    k_pages[pages.reshape(-1)] = stored.reshape(B * MP, PAGE, stored.shape[-1])
     kw = {}
-    if fp8:
-        scale = np.where(live, scale, np.nan).astype(np.float32)
-        kw["k_scale"] = np.full((P, PAGE), np.nan, np.float32)
-        kw["k_scale"][pages.reshape(-1)] = scale.reshape(B * MP, PAGE)
+    if quantized:
+        scale = scale.copy() if kd == "int4" else scale.astype(np.float32)
+        scale[~live] = poison
+        kw["k_scale"] = np.full((P, PAGE, *scale.shape[2:]), poison, scale.dtype)
+        kw["k_scale"][pages.reshape(-1)] = scale.reshape(B * MP, PAGE, *scale.shape[2:])
         kw = {key: jnp.asarray(v) for key, v in kw.items()}
     q, w, k_pages = jnp.asarray(q), jnp.asarray(w), jnp.asarray(k_pages)
     bt = pages.copy()
@@ -605,7 +611,7 @@ def _indexer_case(seed: int, B: int, I: int, D: int, S: int, kd: str):
             if j * PAGE >= n and j % 2:
                 bt[b, j] = -1
     args = (q, w, k_pages, jnp.asarray(bt, jnp.int32), jnp.asarray(seq_lens))
-    key_bytes = int(seq_lens.sum()) * (D * (1 if fp8 else 2) + (4 if fp8 else 0))  # live keys (+ fp8 scales)
+    key_bytes = int(seq_lens.sum()) * index_key_bytes(kd, D)  # live keys (+ their scales)
     return _block(args), _block(kw), seq_lens, key_bytes
 
 

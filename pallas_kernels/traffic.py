@@ -39,7 +39,7 @@ from pallas_kernels.indexer_topk.kernel import (COUNT_SUB, MAX_CHUNK, MIN_DOT, P
 from pallas_kernels.sparse_gather.kernel import SELECT_BITS, SELECT_BUCKETS, tiles as gather_tiles
 from pallas_kernels.sparse_mla_decode.kernel import TARGET_PROGRAMS
 
-__all__ = ["Pass", "Traffic", "dtype_bytes", "gather_plan_counts", "indexer_topk_mosaic_traffic",
+__all__ = ["Pass", "Traffic", "dtype_bytes", "gather_plan_counts", "index_key_bytes", "indexer_topk_mosaic_traffic",
            "indexer_topk_traffic", "mla_decode_blocks",
            "production_shapes", "roofline", "selection_passes", "sparse_gather_traffic",
            "sparse_mla_decode_mosaic_traffic",
@@ -58,6 +58,15 @@ def dtype_bytes(name) -> int:
     if key not in _DTYPE_BYTES:
         raise ValueError(f"unknown dtype {name!r}; one of {sorted(_DTYPE_BYTES)}")
     return _DTYPE_BYTES[key]
+
+
+def index_key_bytes(key_dtype, index_dim: int) -> int:
+    """Bytes of one stored indexer key with its scales: "fp8" (e4m3 + one f32 scale), "int4" (MXFP4: dI / 2 code
+    bytes + one UE8M0 scale byte per 32 values), "bf16" / "float32" (no scale)."""
+    if str(key_dtype) == "int4":
+        return index_dim // 2 + index_dim // 32
+    kb = dtype_bytes(key_dtype)
+    return index_dim * kb + (F32 if kb == 1 else 0)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -160,7 +169,7 @@ def indexer_topk_traffic(batch: int, index_heads: int, index_dim: int, seq_len: 
     """`indexer_topk(q [B, I, dI], w, k_pages, block_table [B, MP], seq_lens, topk=K)` (or `_chunked` with
     `max_chunk`). seq_len: the context the block table covers (MP = ceil(seq_len / page) unless max_pages);
     seq_lens: the live length of each row (default: every row seq_len). key_dtype "fp8" (e4m3 keys + one f32
-    scale per key), "bf16" or "float32"; query_dtype: q as passed.
+    scale per key), "int4" (MXFP4 codes + UE8M0 scales), "bf16" or "float32"; query_dtype: q as passed.
 
     Shapes of the wrapper (kernel.py `indexer_topk_chunked`): Ip = max(MIN_DOT, next_pow2(I)) padded heads;
     chunk = max(page, min(max_chunk, next_pow2(MP * page))); ppb = min(PAGES_PER_BLOCK, chunk / page);
@@ -191,10 +200,10 @@ def indexer_topk_traffic(batch: int, index_heads: int, index_dim: int, seq_len: 
     is total <= 2.5 x that at 128K).
     """
     B, I, D, K = batch, index_heads, index_dim, topk
-    kb = dtype_bytes(key_dtype)
+    quantized = str(key_dtype) == "int4" or dtype_bytes(key_dtype) == 1  # fp8 / MXFP4 keys: q quantized as they are
+    key_bytes = index_key_bytes(key_dtype, D)
     qb_in = dtype_bytes(query_dtype)
-    fp8 = kb == 1
-    qb = 2 if (fp8 or (qb_in == 2 and kb == 2)) else 4  # the kernel-side q (bf16 tensor-core path or f32)
+    qb = 2 if (quantized or (qb_in == 2 and dtype_bytes(key_dtype) == 2)) else 4  # kernel-side q: bf16 or f32
     MP = max_pages if max_pages is not None else _cdiv(seq_len, page)
     S = MP * page
     lens = [min(max(int(n), 0), S) for n in (seq_lens if seq_lens is not None else [seq_len] * B)]
@@ -212,11 +221,11 @@ def indexer_topk_traffic(batch: int, index_heads: int, index_dim: int, seq_len: 
     assert chunk % min(COUNT_SUB, chunk) == 0 and K % cols == 0
 
     live_pages = sum(_cdiv(n, page) for n in lens)
-    key_row = page * (D * kb + (F32 if fp8 else 0))  # one page of keys (+ its fp8 scales)
+    key_row = page * key_bytes  # one page of keys (+ its scales)
     score_programs = B * (Sp // (ppb * page))
     passes = [
         Pass("xla: q / w prep", B * I * (D * qb_in + F32), B * Ip * (D * qb + F32), 0, "xla")
-        if (fp8 or Ip != I or qb != qb_in) else None,
+        if (quantized or Ip != I or qb != qb_in) else None,
         Pass("xla: block-table pad", B * MP * I32, B * (Sp // page) * I32, 0, "xla") if Sp // page != MP else None,
         Pass("scores", score_programs * (2 * I32 + Ip * D * qb + Ip * F32) + live_pages * (I32 + key_row),
              B * Sp * I32),
@@ -230,7 +239,7 @@ def indexer_topk_traffic(batch: int, index_heads: int, index_dim: int, seq_len: 
         Pass("rank", B * (K // rows) * (I32 + rows * 2 * I32 + K * 2 * I32), B * K * I32),
     ]
     passes = [p for p in passes if p is not None]
-    keys_once = sum(n * (D * kb + (F32 if fp8 else 0)) for n in lens)
+    keys_once = sum(n * key_bytes for n in lens)
     ideal = B * I * (D * qb_in + F32) + B * I32 + live_pages * I32 + keys_once + B * K * I32
     why = (f"The live keys are read once ({keys_once} B); the int32 score buffer is written once and read "
            f"{rounds + 2} times (radix rounds + ties + compact), q is re-read by every score program "
@@ -248,7 +257,7 @@ def indexer_topk_mosaic_traffic(batch: int, index_heads: int, index_dim: int, se
                                 key_dtype: str = "fp8", query_dtype: str = "bfloat16",
                                 seq_lens: Iterable[int] | None = None, max_pages: int | None = None) -> Traffic:
     """`indexer_topk(..., backend="mosaic")`: the Mosaic GPU scores kernel (kernel_mosaic.py) and XLA's top-k.
-    Arguments as `indexer_topk_traffic` (pages of 64; key_dtype "fp8" or "bf16").
+    Arguments as `indexer_topk_traffic` (pages of 64; key_dtype "fp8", "int4" or "bf16").
 
     Shapes of the wrapper: Ip = I rounded up to 64 (HEADS); MPp = MP rounded up to PAGES_PER_BLOCK (ppb) pages;
     Sp = MPp * 64; T query parts (3 bf16 parts for float32 q with bf16 keys, else 1), 2 bytes each.
@@ -267,10 +276,10 @@ def indexer_topk_mosaic_traffic(batch: int, index_heads: int, index_dim: int, se
     from pallas_kernels.indexer_topk.kernel_mosaic import HEADS, PAGES_PER_BLOCK as PPB
 
     B, I, D, K = batch, index_heads, index_dim, topk
-    kb = dtype_bytes(key_dtype)
+    quantized = str(key_dtype) == "int4" or dtype_bytes(key_dtype) == 1
+    key_bytes = index_key_bytes(key_dtype, D)
     qb_in = dtype_bytes(query_dtype)
-    fp8 = kb == 1
-    T = 3 if (qb_in == 4 and not fp8) else 1
+    T = 3 if (qb_in == 4 and not quantized) else 1
     MP = max_pages if max_pages is not None else _cdiv(seq_len, PAGE)
     lens = [min(max(int(n), 0), MP * PAGE) for n in (seq_lens if seq_lens is not None else [seq_len] * B)]
     if len(lens) != B:
@@ -280,7 +289,7 @@ def indexer_topk_mosaic_traffic(batch: int, index_heads: int, index_dim: int, se
     Sp = MPp * PAGE
     blocks = B * (MPp // PPB)
     live_pages = sum(_cdiv(n, PAGE) for n in lens)
-    key_page = PAGE * (D * kb + (F32 if fp8 else 0))
+    key_page = PAGE * key_bytes
     passes = [
         Pass("xla: q / w prep", B * I * (D * qb_in + F32), B * Ip * (T * D * 2 + F32), 0, "xla"),
         Pass("xla: block table (layer offset, pad)", B * MP * I32, B * MPp * I32, 0, "xla"),
@@ -289,7 +298,7 @@ def indexer_topk_mosaic_traffic(batch: int, index_heads: int, index_dim: int, se
         Pass("xla: top-k (estimated)", TOPK_SORT_PASSES * B * Sp * 2 * I32 + B * I32,
              TOPK_SORT_PASSES * B * Sp * 2 * I32 + B * K * I32, 0, "xla"),
     ]
-    keys_once = sum(n * (D * kb + (F32 if fp8 else 0)) for n in lens)
+    keys_once = sum(n * key_bytes for n in lens)
     ideal = B * I * (D * qb_in + F32) + B * I32 + live_pages * I32 + keys_once + B * K * I32
     why = (f"The live keys are read once ({keys_once} B) and q once per {PPB} pages; the scores are written once "
            f"(4 B per position) and XLA's top-k is estimated at {TOPK_SORT_PASSES} radix passes over (key, index) "

@@ -132,7 +132,7 @@ def test_gpu_check_cpu_smoke(runs):
         assert sec["interpret"] is True and sec["all_correct"] is True and not sec["skipped"], n
         assert sec["runs"][0]["timed"] is True, n
     assert {r["kernel"] for r in kern} == {"indexer_topk", "sparse_gather", "sparse_mla_decode"}
-    assert {r["variant"] for r in kern if r["kernel"] == "indexer_topk"} == {"bf16", "fp8"}
+    assert {r["variant"] for r in kern if r["kernel"] == "indexer_topk"} == {"bf16", "fp8", "int4"}
     # the Mosaic GPU top-k and decode ran (interpreted) next to the Triton ones (jax >= 0.11), or were reported as
     # not run, saying why (an older jax)
     ran = {(r["kernel"], r.get("backend")) for r in kern if not not_run(r)}

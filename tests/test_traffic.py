@@ -210,6 +210,7 @@ INDEXER_NAMES = {"scores": "indexer_scores", "radix count": "indexer_topk_count"
 
 def _indexer_case(seed, B, I, D, MP, lens, kd):
     from pallas_kernels.common import fp8_quantize, hadamard
+    from pallas_kernels.indexer_topk.reference import quantize_index_keys_int4
 
     rng = np.random.default_rng(seed)
     P = B * MP + 3
@@ -223,6 +224,8 @@ def _indexer_case(seed, B, I, D, MP, lens, kd):
     if kd == "fp8":
         kq, ks = fp8_quantize(hadamard(jnp.asarray(k)), block=D)
         k_pages, kw["k_scale"] = kq, ks
+    elif kd == "int4":
+        k_pages, kw["k_scale"] = quantize_index_keys_int4(jnp.asarray(k))
     else:
         k_pages = jnp.asarray(k, {"bf16": jnp.bfloat16, "float32": jnp.float32}[kd])
     qd = jnp.float32 if kd != "bf16" else jnp.bfloat16
@@ -233,6 +236,7 @@ def _indexer_case(seed, B, I, D, MP, lens, kd):
     ("fp8", 16, 32, 5, (320, 130, 0), 32, 64),  # 3 rows: full, partial, idle; 5 chunks of one page
     ("bf16", 12, 16, 4, (200, 256), 64, 128),  # padded heads (12 -> 16), 2 pages a chunk, topk > one chunk
     ("float32", 16, 32, 3, (150, 40), 16, 2048),  # one chunk (Sp rounded up to a power of two), table padded
+    ("int4", 16, 64, 3, (150, 40), 16, 64),  # MXFP4 codes read as words of eight + two scale bytes per key
 ])
 def test_indexer_model_matches_the_kernel(emulate, kd, I, D, MP, lens, topk, chunk):
     B = len(lens)
@@ -411,6 +415,7 @@ def _launched_mosaic_operands(fn, *args):
     (72, 64, 11, "bf16", "float32", (700, 64)),  # heads padded to 128, f32 q in 3 parts, 11 pages -> 2 blocks
     (64, 128, 16, "fp8", "bfloat16", (1024, 1, 0)),  # fp8 keys and scales, an idle row
     (3, 32, 5, "bf16", "bfloat16", (320,)),
+    (64, 128, 9, "int4", "bfloat16", (576, 70)),  # MXFP4 codes, four scale bytes per key read as one word
 ])
 def test_mosaic_indexer_model_matches_the_launched_kernel(I, D, MP, kd, qd, lens):
     """The model's scores pass == the bytes the launched kernel's body copies, from its operands: per block the
@@ -419,11 +424,12 @@ def test_mosaic_indexer_model_matches_the_launched_kernel(I, D, MP, kd, qd, lens
     from pallas_kernels.indexer_topk.kernel_mosaic import PAGES_PER_BLOCK
 
     B, P = len(lens), 4 * MP * len(lens)
-    kdt = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}[kd]
+    kdt = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}[kd]
     sds = jax.ShapeDtypeStruct
-    args = [sds((B, I, D), jnp.dtype(qd)), sds((B, I), jnp.float32), sds((P, 64, D), kdt), sds((B, MP), jnp.int32),
-            sds((B,), jnp.int32)]
-    kw = dict(k_scale=sds((P, 64), jnp.float32)) if kd == "fp8" else {}
+    args = [sds((B, I, D), jnp.dtype(qd)), sds((B, I), jnp.float32),
+            sds((P, 64, D // 2 if kd == "int4" else D), kdt), sds((B, MP), jnp.int32), sds((B,), jnp.int32)]
+    kw = {"fp8": dict(k_scale=sds((P, 64), jnp.float32)), "int4": dict(k_scale=sds((P, 64, D // 32), jnp.uint8))
+          }.get(kd, {})
     ops, (out,) = _launched_mosaic_operands(
         lambda *a: indexer_topk(*a[:5], topk=64, backend="mosaic", **dict(zip(kw, a[5:]))), *args, *kw.values())
     seq, q, w, bt, keys = ops[:5]
@@ -431,7 +437,8 @@ def test_mosaic_indexer_model_matches_the_launched_kernel(I, D, MP, kd, qd, lens
     assert bt.shape[2] == PAGES_PER_BLOCK and out.shape == (B, bt.shape[1] * PAGES_PER_BLOCK * 64)
     nbytes = lambda a: a.size * a.dtype.itemsize  # noqa: E731
     live_pages = sum(-(-n // 64) for n in lens)
-    page_bytes = 64 * keys.shape[1] * keys.dtype.itemsize + (64 * 4 if kd == "fp8" else 0)
+    scales = ops[5] if kd != "bf16" else None  # the operand after the keys: fp8: f32 [P, 64]; MXFP4: each key's scale bytes as one word
+    page_bytes = 64 * keys.shape[1] * keys.dtype.itemsize + (64 * scales.dtype.itemsize if scales is not None else 0)
     read = blocks * (4 + PAGES_PER_BLOCK * 4 + nbytes(q) // B + nbytes(w) // B) + live_pages * page_bytes
     model = traffic.indexer_topk_mosaic_traffic(B, I, D, MP * 64, 64, key_dtype=kd, query_dtype=qd, seq_lens=lens)
     (kernel,) = [p for p in model.passes if p.kind == "pallas"]
