@@ -21,10 +21,10 @@ stops starting sections once --budget-s is spent, and trims the last one's timeo
 
 * compile (70 s): every kernel (indexer_topk bf16 / fp8 / fp8 on Mosaic GPU, sparse_gather, sparse_mla_decode
   bf16 / fp8 / fp8 stacked pools with `layer=` / Mosaic GPU) compiled and run once at tiny shapes against its
-  reference, then the tiered
-  decode step (`generate(cache=...)`, both fetch mechanisms, kernels "reference" and "pallas") on a tiny
-  model -- before anything big.
-* ceilings (40 s): device-to-device copy bandwidth and pinned_host -> device copy bandwidth (device_put,
+  reference, then the tiered decode step (`generate(cache=...)`, both fetch mechanisms, kernels "reference" and
+  "pallas") on a tiny model, the Mosaic GPU decode last (a fault poisons the process's CUDA context) -- before
+  anything big.
+* ceilings (25 s): device-to-device copy bandwidth and pinned_host -> device copy bandwidth (device_put,
   inside jit whole / in chunks / page-sized blocks) plus device -> pinned_host; median after warm-up.
 * fetch (60 s): `ops.fetch_misses` per mechanism ("row", "page") and row format (bf16, fp8) at 10/20/30 %
   misses on a store with the real cache geometry, verified byte for byte against the host pool (every other
@@ -33,10 +33,12 @@ stops starting sections once --budget-s is spent, and trims the last one's timeo
   pressure (hot buffers + misses from host, per mechanism), plus the public `decode_step`'s per-call cost.
 * decode_kernels (50 s): `decode_loop` (one lax.scan of n steps) under pressure with kernels="reference" and
   kernels="pallas" ("pallas_interpret" on a CPU): tokens equal, logits close, time per step of each.
-* kernel_indexer (45 s), kernel_gather (25 s), kernel_mla (40 s): each Pallas kernel against its jnp reference
-  on fresh random inputs (NaN-poisoned unused rows, permuted tables), then kernel vs reference time per call;
-  the Mosaic GPU top-k and decode right after the Triton ones at the same shapes (jax >= 0.11).
-* mla_big_pool (35 s): sparse_mla_decode on the store's stacked fp8 pools [L, P, 64, C] of > 4 GiB read at
+* kernel_indexer (45 s), kernel_gather (25 s), kernel_mla (45 s), kernel_mla_mosaic (40 s): each Pallas kernel
+  against its jnp reference on fresh random inputs (NaN-poisoned unused rows, permuted tables), then kernel vs
+  reference time per call; the Mosaic GPU top-k right after the Triton one at the same shapes, the Mosaic GPU
+  decode in a section of its own (jax >= 0.11). A wrong top-k is explained by the reference's scores (tie-break
+  or not: `mismatch`).
+* mla_big_pool (40 s): sparse_mla_decode on the store's stacked fp8 pools [L, P, 64, C] of > 4 GiB read at
   the last layer with `layer=` (byte offsets past 2**32): correctness vs the reference, then timing.
 
 Every kernel run also carries the traffic model's bytes for its shapes and plan (`pallas_kernels/traffic.py`:
@@ -648,6 +650,8 @@ def _kernel_indexer(ctx, S: int, kd: str, seed: int, backend: str = "triton") ->
            "correct": {"sets_equal": sets_equal, "order_equal": order_equal, "well_formed": well_formed,
                        "slots_differing": int((got != want).sum())},
            "passed": sets_equal and order_equal and well_formed}
+    if not rec["passed"]:
+        rec["mismatch"] = _indexer_mismatch(args, kw, seq_lens, got, want)
     ctx.checkpoint(rec)
     call = lambda f: lambda v, c: f(v, *c[0], **c[1])  # noqa: E731  (v: q, nudged per call)
     rec.update(_time_pair(ctx, call(kern), call(ref), args[0], (args[1:], kw), nudge))
@@ -664,6 +668,31 @@ def _kernel_indexer(ctx, S: int, kd: str, seed: int, backend: str = "triton") ->
     rec.update(traffic_fields(ctx, rec, lambda: model(
         B, I, D, S, topk, key_dtype=kd, query_dtype=str(args[0].dtype), seq_lens=seq_lens.tolist())))
     return rec
+
+
+def _indexer_mismatch(args, kw, seq_lens, got, want) -> dict:
+    """What a top-k mismatch is, by the reference's own scores (`paged_index_scores`, on this device): a
+    tie-break difference (the kernel's picks have the scores of the reference's picks, slot by slot) or different
+    positions (some pick scores below the reference's k-th: the kernel's scores are not the reference's)."""
+    from pallas_kernels.indexer_topk.reference import paged_index_scores
+
+    q, w, k_pages, bt, _ = args
+    scores = np.asarray(jax.jit(paged_index_scores)(q, w, k_pages, bt, **kw))
+    out = {"rows": []}
+    for b, n in enumerate(seq_lens):
+        m = min(int(n), got.shape[1])
+        g, r = got[b, :m], want[b, :m]
+        sg, sr = scores[b, g], scores[b, r]
+        kth = float(sr.min()) if m else None
+        out["rows"].append({
+            "slots_differing": int((g != r).sum()),
+            "same_scores_slot_by_slot": bool(np.array_equal(sg, sr)),
+            "picks_below_reference_kth": int((sg < kth).sum()) if m else 0,
+            "picks_tied_at_kth": int((sg == kth).sum()) if m else 0,
+            "reference_sorted": bool(np.all(np.diff(sr) <= 0)),
+            "max_score_gap": float(np.max(np.abs(sg - sr))) if m else 0.0})
+    out["tie_break_only"] = all(r["same_scores_slot_by_slot"] for r in out["rows"])
+    return out
 
 
 def _gather_case(seed: int, B: int, K: int, HR: int, S: int, hit_frac=0.5, resident_p=0.25, fill=0.75, clock=1000):
@@ -942,11 +971,23 @@ def section_kernel_gather(ctx: Ctx) -> dict:
                 convention=KERNEL_CONVENTION)
 
 
-def section_kernel_mla(ctx: Ctx) -> dict:
-    plan = [(f"sparse_mla_decode H={H} {pool} q={qn}" + (f" {be[0]}" if be else ""),
+def _mla_plan(ctx: Ctx, mosaic: bool) -> list:
+    return [(f"sparse_mla_decode H={H} {pool} q={qn}" + (f" {be[0]}" if be else ""),
              lambda c, H=H, pool=pool, qn=qn, be=be, s=200 + i: _kernel_mla(c, H, pool, qn, s, *be))
-            for i, (H, pool, qn, *be) in enumerate(ctx.sz["mla_variants"])]
-    return dict(_run_variants(ctx, plan), convention=KERNEL_CONVENTION)
+            for i, (H, pool, qn, *be) in enumerate(ctx.sz["mla_variants"]) if bool(be) == mosaic]
+
+
+def section_kernel_mla(ctx: Ctx) -> dict:
+    return dict(_run_variants(ctx, _mla_plan(ctx, mosaic=False)), convention=KERNEL_CONVENTION)
+
+
+def section_kernel_mla_mosaic(ctx: Ctx) -> dict:
+    """The Mosaic GPU decode in its own process: a fault there (an illegal address poisons the CUDA context) costs
+    no other kernel's result."""
+    c = ctx.with_sizes(kernels_time=False) if ctx.interpret else ctx  # interpreted: its timing loop is a slow compile
+    out = _run_variants(c, _mla_plan(ctx, mosaic=True))
+    ctx.record.update(c.record)
+    return dict(out, convention=KERNEL_CONVENTION)
 
 
 def _stacked_pool(ctx, L: int, P: int, H: int, B: int, K: int, C: int, R: int, seed: int) -> dict:
@@ -1079,15 +1120,17 @@ def section_compile(ctx: Ctx) -> dict:
         ("sparse_gather", lambda c: _kernel_gather(c, 3)),
         ("sparse_mla_decode bf16", lambda c: _kernel_mla(c, T["mla_H"], "bf16", "bf16", 4)),
         ("sparse_mla_decode fp8", lambda c: _kernel_mla(c, T["mla_H"], "fp8", "bf16", 5)),
-        ("sparse_mla_decode fp8 mosaic", lambda c: _kernel_mla(c, T["mla_H"], "fp8", "bf16", 7, "mosaic")),
-        ("sparse_mla_decode bf16 mosaic H=128 (cluster of 2)",
-         lambda c: _kernel_mla(c, 128, "bf16", "bf16", 8, "mosaic")),
         ("sparse_mla_decode fp8 stacked layer=", lambda c: _stacked_pool(
             c, T["mla_layers"], 2 * T["mla_B"] * max(2 * T["mla_K"] // 64, 1), T["mla_H"], T["mla_B"], T["mla_K"],
             T["mla_C"], T["mla_R"], 6)),
     ] + [(f"decode_step reference fetch={fetch}", lambda c, fetch=fetch: _tiny_decode(c, st, fetch, "reference"))
          for fetch in ctx.sz["compile_decode_fetches"]] + [
         (f"decode_step {pallas} fetch=row", lambda c: _tiny_decode(c, st, "row", pallas)),
+        # the Mosaic GPU decode last: a fault in it poisons this process's CUDA context for every later check
+        ("sparse_mla_decode bf16 mosaic", lambda c: _kernel_mla(c, T["mla_H"], "bf16", "bf16", 10, "mosaic")),
+        ("sparse_mla_decode fp8 mosaic", lambda c: _kernel_mla(c, T["mla_H"], "fp8", "bf16", 7, "mosaic")),
+        ("sparse_mla_decode bf16 mosaic H=128 (cluster of 2)",
+         lambda c: _kernel_mla(c, 128, "bf16", "bf16", 8, "mosaic")),
     ]
     out = _run_variants(tiny, plan)
     ctx.record.update(tiny.record)
@@ -1279,9 +1322,13 @@ def section_fetch(ctx: Ctx) -> dict:
 def _fetch_one(ctx, ops, spec, layers, kvd, mech, ceiling, fracs) -> list[dict]:
     sz = ctx.sz
     store = _fill_store(ctx, spec, seed=1)
-    host_np = {n: np.asarray(getattr(store, n)) for n in ("h_latent", "h_rope", "h_latent_scale")
-               if getattr(store, n) is not None}
     dev_s = ctx.sharding("device")
+    # read through a device copy: np.asarray of a pinned_host array is a view of its buffer, which jax keeps
+    # (cached on the array); a buffer with such an external reference cannot be donated (on a GPU the call fails:
+    # "Donation requested for buffer with external reference"; XLA:CPU silently copies instead)
+    host_np = {n: np.asarray(jax.device_put(getattr(store, n), dev_s)) for n in ("h_latent", "h_rope",
+                                                                                 "h_latent_scale")
+               if getattr(store, n) is not None}
 
     lo, nl = layers[0], len(layers)
     assert tuple(layers) == tuple(range(lo, lo + nl)), layers  # an indexer group: a contiguous layer range
@@ -1314,8 +1361,14 @@ def _fetch_one(ctx, ops, spec, layers, kvd, mech, ceiling, fracs) -> list[dict]:
                 ctx.hlo_texts.append((f"fetch kv_dtype={kvd} mechanism={mech} host_pages={spec.host_pages} "
                                       f"device_pages={spec.device_pages}", text))
                 rec["hlo"] = hlo_facts(text)
+            before = jax.tree.leaves(store)
             store, payload, transfer = compiled(store, plan)
             _block(store)
+            kept = [i for i, a in enumerate(before) if not a.is_deleted()]
+            if kept:  # the store is donated: every buffer of it must be consumed, host pools included
+                raise RuntimeError(f"fetch_misses did not consume {len(kept)} of the donated store's {len(before)} "
+                                   "buffers (an external reference, e.g. a NumPy view of a pinned_host pool?)")
+            del before
         rec["warnings"] = sorted({str(w.message)[:300] for w in wlog})
         rec["out_memory_kinds"] = {n: getattr(store, n).sharding.memory_kind for n in ("latent", "h_latent")}
         exp = _expected_bytes(spec, f, miss, len(layers))
@@ -1579,14 +1632,15 @@ class Section:
 
 SECTIONS: dict[str, Section] = {
     "compile": Section(section_compile, 70, 90),
-    "ceilings": Section(section_ceilings, 40, 30),
+    "ceilings": Section(section_ceilings, 25, 30),
     "fetch": Section(section_fetch, 60, 45),
     "decode": Section(section_decode, 60, 45),
     "decode_kernels": Section(section_decode_kernels, 50, 45),
     "kernel_indexer": Section(section_kernel_indexer, 45, 45),
     "kernel_gather": Section(section_kernel_gather, 25, 30),
-    "kernel_mla": Section(section_kernel_mla, 55, 45),
-    "mla_big_pool": Section(section_mla_big_pool, 35, 30),
+    "kernel_mla": Section(section_kernel_mla, 45, 45),
+    "kernel_mla_mosaic": Section(section_kernel_mla_mosaic, 40, 45),
+    "mla_big_pool": Section(section_mla_big_pool, 40, 30),
 }
 MIN_SECTION_S = 12.0  # a section is not started with less time than this left in the budget
 # --cpu-smoke's timeouts are hang guards for two idle cores; on a busier machine each section's timeout (and so its
@@ -1682,7 +1736,7 @@ def summary_table(report: dict) -> str:
     if "tokens_equal" in dk:
         lines.append(f"decode   pallas vs reference: tokens equal {dk['tokens_equal']}, max rel logit diff "
                      f"{dk['max_rel_logit_diff']:.1e}, step time ratio {f(dk.get('kernel_step_vs_reference'), '.2f')}")
-    for name in ("kernel_indexer", "kernel_gather", "kernel_mla", "mla_big_pool"):
+    for name in ("kernel_indexer", "kernel_gather", "kernel_mla", "kernel_mla_mosaic", "mla_big_pool"):
         run_lines("kernels ", secs.get(name, {}).get("runs", []))
     for name, s in secs.items():
         err = s.get("error", "").strip().splitlines() if s.get("status") not in ("ok", "skipped") else []

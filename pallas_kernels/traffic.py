@@ -537,16 +537,17 @@ def sparse_mla_decode_mosaic_traffic(batch: int, heads: int, latent_dim: int, ro
 
     Grid (`kernel_mosaic.decode_grid`, `head_cluster`): B x Hp / 64 x S CUDA blocks of 64 heads, in clusters of
     cs = 2 neighbouring head blocks when the head blocks pair up (else 1); S splits of `steps` blocks of BK = 32
-    rows, Kp = S * steps * BK. Per CUDA block, TMA copies: q (64 heads x (C + R) bf16) and, per cluster (one
-    multicast copy), the split's addresses (steps * BK * 4); then per block of rows, per cluster, one multicast
-    copy per VALID row of its latent (C * kv bytes) and rope (R * 2) (an invalid slot's address is out of
-    bounds: TMA reads nothing and fills zeros), and for fp8 per block one copy of each valid row's C / 128 f32
-    scales (at least SCALE_COPY values: 16 bytes; too small to split between two blocks); writes o [64, C]
-    (out_dtype when S = 1, else f32 partials) and m, l [64] f32.
+    rows, Kp = S * steps * BK. Per CUDA block, TMA copies: q (64 heads x (C + R) bf16) and the split's addresses
+    (steps * BK * 4); then per block of rows, per cluster, one multicast copy per VALID row of its latent
+    (C * kv bytes) (an invalid slot's address is out of bounds: TMA reads nothing and fills zeros), and per
+    block one copy of its rope (R * 2) and for fp8 of its C / 128 f32 scales (at least SCALE_COPY values: 16
+    bytes). Those are not multicast: a block's half would land in shared memory at an offset that is not 128-byte
+    aligned (`kernel_mosaic.TMA_ALIGN`). Writes o [64, C] (out_dtype when S = 1, else f32 partials) and m, l [64]
+    f32.
 
-    So every selected row is read once per cluster of heads: Hp / (64 cs) times (once at H = 128), its scales
-    once per 64 heads, and with S > 1 the split-K partials go to memory and come back for the merge (S = 1: the
-    kernel normalizes and writes the answer).
+    So every selected row's latent is read once per cluster of heads: Hp / (64 cs) times (once at H = 128), its
+    rope and scales once per 64 heads, and with S > 1 the split-K partials go to memory and come back for the
+    merge (S = 1: the kernel normalizes and writes the answer).
 
     XLA glue (estimated): q cast to bf16 and head padding, the flat addresses (reads layer/page/row/valid,
     writes [B, Kp] int32), and the split merge (S > 1) or the slice of padded heads (S = 1, Hp > H).
@@ -574,8 +575,8 @@ def sparse_mla_decode_mosaic_traffic(batch: int, heads: int, latent_dim: int, ro
     blocks = B * hblocks * S
     kernel_out = ob if S == 1 else F32
     kernel = Pass("sparse_mla_decode (mosaic)",
-                  blocks * HEADS * (C + R) * 2 + (blocks // cs) * steps * BLOCK_ROWS * I32
-                  + (hblocks // cs) * n_valid * row_bytes + hblocks * n_valid * scale_copy,
+                  blocks * HEADS * (C + R) * 2 + blocks * steps * BLOCK_ROWS * I32
+                  + (hblocks // cs) * n_valid * C * lb + hblocks * n_valid * (R * 2 + scale_copy),
                   blocks * HEADS * (C * kernel_out + 2 * F32))
     glue = []
     if hp != H or qb != 2:
@@ -588,11 +589,12 @@ def sparse_mla_decode_mosaic_traffic(batch: int, heads: int, latent_dim: int, ro
     passes = [*glue, kernel, *tail]
     rows_once = n_valid * (row_bytes + scale_bytes)
     ideal = B * H * (C + R) * qb + B * K * (2 * I32 + 1) + rows_once + B * H * C * ob
-    why = (f"Each selected row ({row_bytes} B + {scale_bytes} B of scales) is read by {hblocks // cs} cluster(s) of "
-           f"{cs} x {HEADS} heads (its scales by each of the {hblocks} blocks); "
+    why = (f"Each selected row's latent ({C * lb} B) is read by {hblocks // cs} cluster(s) of {cs} x {HEADS} heads, "
+           f"its rope ({R * 2} B) and {scale_bytes} B of scales by each of the {hblocks} blocks; "
            + (f"{S} splits write f32 partials [{S}, B, {hp}, {C}] that the merge reads back." if S > 1 else
               f"one split: the kernel writes the normalized answer ({out_dtype})."))
-    excess = {"rows re-read by the other head clusters": (hblocks // cs - 1) * n_valid * row_bytes,
+    excess = {"latent re-read by the other head clusters": (hblocks // cs - 1) * n_valid * C * lb,
+              "rope read by every head block (not multicast)": (hblocks - 1) * n_valid * R * 2,
               "fp8 scales read by every head block (16-byte copies)": hblocks * n_valid * scale_copy
               - n_valid * scale_bytes if fp8 else 0,
               "split-K partials (write + merge read)": 2 * S * B * hp * (C + 2) * F32 if S > 1 else 0,

@@ -78,7 +78,7 @@ def test_gpu_check_cpu_smoke(runs):
     names = _section_names()
     assert list(report["sections"]) == names
     assert names[:5] == ["compile", "ceilings", "fetch", "decode", "decode_kernels"]  # before the kernel timings
-    assert {"kernel_indexer", "kernel_gather", "kernel_mla", "mla_big_pool"} <= set(names)
+    assert {"kernel_indexer", "kernel_gather", "kernel_mla", "kernel_mla_mosaic", "mla_big_pool"} <= set(names)
     pids = set()
     for name, sec in report["sections"].items():
         assert sec["status"] == "ok", (name, sec.get("error"), sec.get("stderr_tail"))
@@ -125,12 +125,13 @@ def test_gpu_check_cpu_smoke(runs):
 
     # every Pallas kernel ran (interpret mode), matched its reference, and the first of each section was timed
     # as N chained calls inside one jitted loop
-    kern = [r for n in ("kernel_indexer", "kernel_gather", "kernel_mla", "mla_big_pool")
+    kern = [r for n in ("kernel_indexer", "kernel_gather", "kernel_mla", "kernel_mla_mosaic", "mla_big_pool")
             for r in report["sections"][n]["runs"]]
-    for n in ("kernel_indexer", "kernel_gather", "kernel_mla", "mla_big_pool"):
+    for n in ("kernel_indexer", "kernel_gather", "kernel_mla", "kernel_mla_mosaic", "mla_big_pool"):
         sec = report["sections"][n]
         assert sec["interpret"] is True and sec["all_correct"] is True and not sec["skipped"], n
-        assert sec["runs"][0]["timed"] is True, n
+        # (the interpreted Mosaic GPU decode is not timed on a CPU: its timing loop is one more slow compile)
+        assert bool(sec["runs"][0].get("timed")) is (n != "kernel_mla_mosaic"), n
     assert {r["kernel"] for r in kern} == {"indexer_topk", "sparse_gather", "sparse_mla_decode"}
     assert {r["variant"] for r in kern if r["kernel"] == "indexer_topk"} == {"bf16", "fp8", "int4"}
     # the Mosaic GPU top-k and decode ran (interpreted) next to the Triton ones (jax >= 0.11), or were reported as
@@ -141,7 +142,8 @@ def test_gpu_check_cpu_smoke(runs):
     assert planned >= mosaic_checks | {("indexer_topk", "triton"), ("sparse_mla_decode", "triton")}, planned
     assert ran >= {("indexer_topk", "triton"), ("sparse_mla_decode", "triton"), ("sparse_gather", None)}, ran
     assert (ran >= mosaic_checks) if mosaic else not (ran & mosaic_checks), ran
-    for n in ("kernel_indexer", "kernel_mla"):
+    assert not report["sections"]["kernel_mla"]["unavailable"]  # the Triton decode alone
+    for n in ("kernel_indexer", "kernel_mla_mosaic"):
         sec = report["sections"][n]
         assert bool(sec["unavailable"]) is not mosaic and all("mosaic" in k for k in sec["unavailable"]), sec
     assert {r["pool"] for r in kern if r["kernel"] == "sparse_mla_decode"} == {"bf16", "fp8"}

@@ -207,3 +207,18 @@ def test_unknown_backend_is_refused():
     args, kw = make_case(8)
     with pytest.raises(ValueError, match="backend must be one of"):
         sparse_mla_decode(*args, tau=TAU, backend="cuda", **kw)
+
+
+@pytest.mark.parametrize("C,R", [(256, 64), (512, 64), (512, 128), (1024, 64)])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_tma_destinations_are_aligned(C, R, fp8, cluster):
+    """Every TMA copy into shared memory starts on a TMA_ALIGN (128-byte) boundary, a multicast copy's share in
+    each block of the cluster too: sm_90 faults otherwise, which interpret mode does not check. An H200 faulted on
+    the fp8 scales' 16-byte rows (CUDA_ERROR_ILLEGAL_INSTRUCTION at H 16, CUDA_ERROR_MISALIGNED_ADDRESS at H 128);
+    the rope (R * 2 bytes) and one row block's addresses (128 bytes), split in two shares, would start at 64."""
+    from pallas_kernels.sparse_mla_decode.kernel_mosaic import TMA_ALIGN, tma_destinations
+
+    for steps in (1, 3, 64):
+        for name, (pitch, share) in tma_destinations(C, R, fp8, cluster, steps).items():
+            assert pitch % TMA_ALIGN == 0 and share % TMA_ALIGN == 0, (name, pitch, share)

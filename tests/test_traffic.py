@@ -473,19 +473,21 @@ def test_resolver_grows_with_hot_rows_and_decode_with_head_blocks():
 
 # ----- the Mosaic GPU decode (kernel_mosaic.py) ------------------------------------------------------------
 def test_mosaic_decode_reads_rows_once_per_head_cluster():
-    """Rows once per cluster of 2 x 64 heads (H = 128 and 256: pairs; H = 192: three blocks, no cluster; H <= 64:
-    one block), their fp8 scales once per 64 heads; the v2 target at H = 128 with bf16 queries and output."""
-    rows = 64 * 2048 * (512 + 128)  # fp8 latent + bf16 rope, every slot valid
+    """Latents once per cluster of 2 x 64 heads (H = 128 and 256: pairs; H = 192: three blocks, no cluster; H <= 64:
+    one block), their rope and fp8 scales once per 64 heads (not multicast: `kernel_mosaic.TMA_ALIGN`); the v2
+    target at H = 128 with bf16 queries and output."""
+    latents, rope = 64 * 2048 * 512, 64 * 2048 * 128  # fp8 latent + bf16 rope, every slot valid
     scales = 64 * 2048 * 16
     for H, reads, blocks in ((128, 1, 2), (256, 2, 4), (192, 3, 3), (64, 1, 1), (16, 1, 1)):
         t = traffic.sparse_mla_decode_mosaic_traffic(64, H, 512, 64, 2048)
         kernel = t.by_pass()["sparse_mla_decode (mosaic)"][0]
-        want = reads * rows + blocks * scales
+        want = reads * latents + blocks * (rope + scales)
         assert want < kernel < want * 1.25, (H, kernel / want)
-        assert t.reference_bytes == rows + scales and t.ratio >= 1
+        assert t.reference_bytes == latents + rope + scales and t.ratio >= 1
     best = traffic.sparse_mla_decode_mosaic_traffic(64, 128, 512, 64, 2048, query_dtype="bfloat16",
                                                    out_dtype="bfloat16")
-    assert best.total_bytes <= 1.3 * best.reference_bytes
+    # 1.26x while the rope was multicast too; each block's half of it landed unaligned, which faults on an H200
+    assert best.total_bytes <= 1.5 * best.reference_bytes
     f32 = traffic.sparse_mla_decode_mosaic_traffic(64, 128, 512, 64, 2048, query_dtype="bfloat16")
     assert f32.total_bytes - best.total_bytes == 64 * 128 * 512 * 2  # the output's other half
     # invalid slots are not read (TMA out of bounds), neither their scales

@@ -95,6 +95,13 @@ SWIZZLE = 64
 # cannot share a copy of (a multicast copy is split along a dimension above the swizzled one)
 ROPE_CHUNK = SWIZZLE // 2
 SCALE_COPY = 4  # f32 scales per row copy at least: a TMA copy moves at least 16 bytes
+# A TMA copy's shared-memory destination must be 128-byte aligned (sm_90; interpret mode does not check it, an H200
+# faults: CUDA_ERROR_MISALIGNED_ADDRESS / ILLEGAL_INSTRUCTION). So each row's fp8 scales land in a row of their own
+# of TMA_ALIGN bytes, and the rope rows (R * 2 bytes) and the split's addresses are not multicast: a multicast copy
+# gives each block of the cluster half of the slice, and half a rope row (64 bytes at R = 64) or of one row block's
+# addresses (64 bytes) would land at an offset that is not aligned. `tma_destinations` lists every destination.
+TMA_ALIGN = 128
+MULTICAST = frozenset({"latent row"})  # the copies a cluster's blocks share (`tma_destinations`' names)
 
 
 def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float, steps: int, fp8: bool,
@@ -114,6 +121,9 @@ def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float,
     # The blocks of a cluster (neighbouring head blocks of one sequence and split) read the same rows: each row copy
     # is issued by all of them and multicast (each block fetches its share and every block receives the whole row)
     shared = "c" if cluster > 1 else None
+
+    def multicast(name):  # the cluster axis for the copies in MULTICAST, else None (each block its own copy)
+        return shared if name in MULTICAST else None
     wg = lax.axis_index("wg")
     bk = BLOCK_ROWS
     C = q_lat_ref.shape[-1]
@@ -128,20 +138,21 @@ def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float,
             r = idx_smem[step, j]
             zeros = plgpu.OOBFillMode.ZEROS
             plgpu.copy_gmem_to_smem(lat_ref.at[pl.ds(r, 1)], raw_c.at[pl.ds(j, 1)], loaded, oob_mode=zeros,
-                                    collective_axes=shared)
+                                    collective_axes=multicast("latent row"))
+            # the rope per block: half of a row (R bytes) would land at an unaligned offset (`TMA_ALIGN`)
             plgpu.copy_gmem_to_smem(rope_ref.at[pl.ds(r, 1)], raw_r.at[pl.ds(j, 1)], loaded, oob_mode=zeros,
-                                    collective_axes=shared)
+                                    collective_axes=multicast("rope row"))
             if fp8:  # the row's C / 128 scales (16 bytes at C = 512; at least 16, a TMA copy's minimum, so
-                # at smaller C the next row's come along); per block: a share would be under TMA's minimum
-                w = raw_s.shape[1]
-                plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(r * (C // FP8_BLOCK), w)], raw_s.at[j], loaded,
-                                        oob_mode=zeros)
+                # at smaller C the next row's come along) into row j of its own (aligned); per block
+                w = scale_copy(C)
+                plgpu.copy_gmem_to_smem(scale_ref.at[pl.ds(r * (C // FP8_BLOCK), w)], raw_s.at[j, pl.ds(0, w)],
+                                        loaded, oob_mode=zeros)
             return carry
         lax.fori_loop(0, bk, one, 0)
 
     @pl.when(wg == 0)
     def _start():
-        plgpu.copy_gmem_to_smem(addr_ref.at[b, split], idx_smem, idx_bar, collective_axes=shared)
+        plgpu.copy_gmem_to_smem(addr_ref.at[b, split], idx_smem, idx_bar, collective_axes=multicast("addresses"))
         for g in range(2 * nch):
             plgpu.copy_gmem_to_smem(q_lat_ref.at[b, heads, pl.ds(g * CHUNK, CHUNK)], q_smem.at[g], q_bar)
         for g in range(nrc):
@@ -249,6 +260,36 @@ def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float,
         pl.when(wg == w)(functools.partial(run, w))
 
 
+def scale_copy(latent_dim: int) -> int:
+    """f32 scales one fp8 row copy moves: the row's C / 128, at least SCALE_COPY (TMA's 16-byte minimum)."""
+    return max(latent_dim // FP8_BLOCK, SCALE_COPY)
+
+
+def tma_destinations(latent_dim: int, rope_dim: int, fp8: bool, cluster: int, steps: int) -> dict[str, tuple]:
+    """Every TMA copy of the kernel into shared memory, as name -> (bytes between consecutive destinations, bytes
+    one block's share starts at within one): with a cluster, a multicast copy is split in `cluster` shares along
+    its slice's leading divisible dimension. Each start (buffer bases are aligned) must be a multiple of
+    TMA_ALIGN; tests/test_kernel_mosaic.py checks it for the shapes the kernel takes."""
+    C, R = latent_dim, rope_dim
+    # (bytes between destinations, bytes of the slice's leading divisible dimension's share when multicast): a row
+    # slice [1, X] is split along X, one row block's addresses [steps, BK] along the steps when they divide
+    copies = {"q latent chunk": (HEADS * CHUNK * 2, None), "q rope chunk": (HEADS * ROPE_CHUNK * 2, None),
+              "addresses": (steps * BLOCK_ROWS * 4, BLOCK_ROWS * 4 * (steps // cluster) if steps % cluster == 0
+                            else 4 * BLOCK_ROWS // cluster),
+              "latent row": (C * (1 if fp8 else 2), C * (1 if fp8 else 2) // cluster),
+              "rope row": (R * 2, R * 2 // cluster)}
+    if fp8:
+        copies["fp8 scales row"] = (_scale_row(C) * 4, None)
+    return {name: (pitch, share if cluster > 1 and name in MULTICAST and share is not None else 0)
+            for name, (pitch, share) in copies.items()}
+
+
+def _scale_row(latent_dim: int) -> int:
+    """f32 columns of a row of the scale buffer: scale_copy, rounded up to TMA_ALIGN bytes."""
+    per = TMA_ALIGN // 4
+    return -(-scale_copy(latent_dim) // per) * per
+
+
 def head_cluster(hp: int) -> int:
     """CUDA blocks per cluster for Hp padded heads: 2 (neighbouring head blocks sharing every row copy) when the
     head blocks pair up, else 1."""
@@ -330,7 +371,7 @@ def sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row,
         plgpu.SMEM((steps, bk), jnp.int32),  # this block's row addresses
         plgpu.SMEM((bk, C), latent_pages.dtype),  # raw rows, as copied
         plgpu.SMEM((bk, R), jnp.bfloat16),
-        plgpu.SMEM((bk, max(nblk, SCALE_COPY) if fp8 else 1), jnp.float32),  # fp8: each row's scales
+        plgpu.SMEM((bk, _scale_row(C) if fp8 else 1), jnp.float32),  # fp8: each row's scales, rows aligned
         plgpu.SMEM((C // CHUNK, bk, CHUNK), jnp.bfloat16, transforms=swz(CHUNK, 2)),  # converted rows, per chunk
         plgpu.SMEM((R // ROPE_CHUNK, bk, ROPE_CHUNK), jnp.bfloat16, transforms=swz(R, 2)),
         plgpu.SMEM((2, 2, HEADS, bk), jnp.float32),  # partial scores [parity, wg]
