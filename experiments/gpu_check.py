@@ -678,14 +678,25 @@ def _indexer_mismatch(args, kw, seq_lens, got, want) -> dict:
 
     q, w, k_pages, bt, _ = args
     scores = np.asarray(jax.jit(paged_index_scores)(q, w, k_pages, bt, **kw))
-    out = {"rows": []}
+    # the same reference on the host CPU: a GPU-only difference of the reference itself (its rotation, scales or
+    # sums) shows as gpu_vs_cpu_reference; the kernel's picks are judged by both
+    cpu = jax.devices("cpu")[0]
+    on_cpu = jax.device_put((q, w, k_pages, bt, kw), cpu)
+    cpu_scores = np.asarray(jax.jit(paged_index_scores)(*on_cpu[:4], **on_cpu[4]))
+    out = {"rows": [], "gpu_vs_cpu_reference_max_abs": float(np.nanmax(np.abs(
+        np.where(np.isfinite(scores) & np.isfinite(cpu_scores), scores - cpu_scores, 0.0))))}
     for b, n in enumerate(seq_lens):
         m = min(int(n), got.shape[1])
         g, r = got[b, :m], want[b, :m]
         sg, sr = scores[b, g], scores[b, r]
         kth = float(sr.min()) if m else None
+        live = np.arange(scores.shape[1]) < n
+        cpu_kth = float(np.sort(np.where(live, cpu_scores[b], -np.inf))[::-1][m - 1]) if m else None
         out["rows"].append({
             "slots_differing": int((g != r).sum()),
+            "picks_below_cpu_reference_kth": int((cpu_scores[b, g] < cpu_kth).sum()) if m else 0,
+            "reference_picks_below_cpu_reference_kth": int((cpu_scores[b, r] < cpu_kth).sum()) if m else 0,
+            "max_score": float(np.max(np.abs(sr))) if m else 0.0,
             "same_scores_slot_by_slot": bool(np.array_equal(sg, sr)),
             "picks_below_reference_kth": int((sg < kth).sum()) if m else 0,
             "picks_tied_at_kth": int((sg == kth).sum()) if m else 0,

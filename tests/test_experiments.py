@@ -16,6 +16,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.newest_leg]  # CI runs these on the newest-jax leg
@@ -27,12 +28,36 @@ TIMEOUT_S = 420
 SMOKE_BOUND_S = 400.0
 
 
-def _section_names():
+def _gpu_check():
     spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "experiments", "gpu_check.py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(spec.name, mod)  # its dataclasses look their module up
     spec.loader.exec_module(mod)
-    return list(mod.SECTIONS)
+    return mod
+
+
+def _section_names():
+    return list(_gpu_check().SECTIONS)
+
+
+def test_gpu_check_explains_a_wrong_top_k():
+    """A mismatch of the indexer top-k is classified by the reference's scores (on the device and on the host
+    CPU): a swap of two picks is a tie-break-free reorder, a pick outside the reference's top-k falls below its
+    k-th score. (On an H200 the fp8 top-k differed from the reference in ~10% of slots: this says how.)"""
+    from pallas_kernels.indexer_topk import indexer_topk_reference
+
+    g = _gpu_check()
+    args, kw, seq_lens, _ = g._indexer_case(1, 2, 16, 32, 256, "fp8")
+    want = np.asarray(indexer_topk_reference(*args, topk=32, **kw))
+    got = want.copy()
+    got[0, [3, 4]] = got[0, [4, 3]]  # reordered
+    got[1, 5] = next(p for p in range(int(seq_lens[1])) if p not in set(want[1].tolist()))  # a position not picked
+    m = g._indexer_mismatch(args, kw, seq_lens, got, want)
+    r0, r1 = m["rows"]
+    assert m["gpu_vs_cpu_reference_max_abs"] == 0.0 and not m["tie_break_only"]
+    assert r0["slots_differing"] == 2 and r0["picks_below_reference_kth"] == 0 and r0["reference_sorted"]
+    assert r1["slots_differing"] == 1 and r1["picks_below_reference_kth"] == 1
+    assert r1["picks_below_cpu_reference_kth"] == 1 and r1["reference_picks_below_cpu_reference_kth"] == 0
 
 
 def _run(args, log_path, **env):

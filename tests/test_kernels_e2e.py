@@ -133,3 +133,16 @@ def test_mosaic_interpret_refused_without_what_it_needs():
         assert check_kernels("pallas_interpret") == "pallas_interpret"
     finally:
         jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+def test_mosaic_decode_refused_on_a_gpu(monkeypatch):
+    """kernels='pallas_mosaic' is refused on a GPU backend, saying why (the Mosaic decode was wrong on an H200);
+    on a CPU it was refused already (no GPU backend), and its interpreted form stays available."""
+    import jax
+
+    from hisparse_jax.kv import tiered
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ValueError, match="not on an H200" if mosaic_unavailable_reason() is None else "jax >= 0.11"):
+        tiered.check_kernels("pallas_mosaic")
+    assert tiered.check_kernels("pallas") == "pallas"

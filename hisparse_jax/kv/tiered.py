@@ -66,7 +66,8 @@ def check_kernels(kernels: str) -> str:
       "pallas"                    the Pallas GPU kernels on the Triton backend (needs a GPU backend);
       "pallas_mosaic"             the same, with the kernels that have a Mosaic GPU implementation (the sparse MLA
                                   decode, the indexer's scores with XLA's top-k over them) on that backend (a GPU
-                                  backend and jax >= 0.11); the resolver stays on Triton;
+                                  backend and jax >= 0.11); the resolver stays on Triton. Refused on a GPU for
+                                  now: its decode was wrong on an H200 (MOSAIC_DECODE_ON_GPU);
       "..._interpret"             either, interpreted (Pallas interpret mode / Mosaic GPU's interpret mode) on
                                   any backend."""
     if kernels not in KERNELS:
@@ -90,7 +91,17 @@ def check_kernels(kernels: str) -> str:
     if kernels in ("pallas", "pallas_mosaic") and jax.default_backend() != "gpu":
         raise ValueError(f"kernels={kernels!r} needs a GPU backend (this one is {jax.default_backend()!r}); "
                          f"use kernels='{kernels}_interpret' to run the kernels on the CPU")
+    if kernels == "pallas_mosaic":
+        raise ValueError(MOSAIC_DECODE_ON_GPU)
     return kernels
+
+
+# Why kernels="pallas_mosaic" is refused on a GPU (the interpreted kernels stay available, the sm_90 builds stay tested)
+MOSAIC_DECODE_ON_GPU = (
+    "kernels='pallas_mosaic': the Mosaic GPU sparse-MLA decode equals its reference in interpret mode but not on an "
+    "H200 (experiments/results/gpu/2026-12-04-h200-run2.json: relative error ~1 at H 16 and 128, bf16 and fp8 "
+    "pools; an illegal instruction with fp8 pools at H 16), so it cannot run a decode step; use kernels='pallas' "
+    "(Triton), which matched the reference there (docs/limitations.md)")
 
 
 def kernel_backend(kernels: str) -> str:

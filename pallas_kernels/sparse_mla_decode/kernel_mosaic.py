@@ -60,7 +60,10 @@ next row's two come along) and is not multicast (half of it would be under that 
 
 Status: equals the reference in GPU interpret mode with race detection (tests/test_kernel_mosaic.py) and
 builds for sm_90 (tests/test_gpu_build.py: H = 128 / 16, bf16 / fp8, B = 1, top-k 16384, the stacked
-78-layer fp8 pools with `layer=`). Not measured on a GPU yet.
+78-layer fp8 pools with `layer=`). On an H200 (2026-12-04, experiments/results/gpu/) it was NOT correct: relative
+error ~1 against the reference at H 16 and 128, bf16 and fp8 pools, and an illegal instruction with fp8 pools at
+H 16 (the first run also faulted on misaligned TMA destinations, fixed since: `TMA_ALIGN`). The store refuses
+kernels="pallas_mosaic" on a GPU until a GPU run shows it fixed.
 
 Limits (ValueError): latent_pages bfloat16 or float8_e4m3fn and rope bfloat16; C a multiple of 256, R a
 multiple of 64; out_dtype float32 or bfloat16. Needs jax >= 0.11 (NotImplementedError otherwise); on CPU it
@@ -71,6 +74,7 @@ e.g. with race detection).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -329,6 +333,10 @@ def sparse_mla_decode_mosaic(q_lat, q_rope, latent_pages, rope_pages, page, row,
     cluster's 2 x `cluster` warpgroups run at once, each holding a thread of XLA:CPU's pool: a pool smaller
     than that hangs (set PJRT_NPROC=8 before jax starts, `hisparse_jax.cpu_pool`, or pass cluster=1)."""
     plgpu = mosaic_gpu()
+    if not interpret and jax.default_backend() == "gpu":
+        warnings.warn("the Mosaic GPU sparse-MLA decode equals its reference in interpret mode but did not on an H200 "
+                      "(2026-12-04: relative error ~1; an illegal instruction with fp8 pools at 16 heads): check its "
+                      "output against sparse_mla_decode_reference", RuntimeWarning, stacklevel=2)
     latent_pages, rope_pages, latent_scale, layer = checked_stacked_pools(
         q_lat, q_rope, latent_pages, rope_pages, latent_scale, layer, page, row, valid)
     B, H, C = q_lat.shape
