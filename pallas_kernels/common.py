@@ -34,14 +34,17 @@ def float_to_key(s):
 
 
 def hadamard(x):
-    """x [..., d] @ H_d / sqrt(d), H_d the Sylvester Hadamard matrix (d a power of two)."""
+    """x [..., d] @ H_d / sqrt(d), H_d the Sylvester Hadamard matrix (d a power of two), at full float32 precision:
+    a GPU's default float32 matmul rounds its operands to TF32 (10 mantissa bits), and a rotation that far off
+    lets an exact zero come back as a small e4m3 / E2M1 value after quantization, so GPU and CPU would quantize
+    the same keys differently (an H200 run showed it as near-tie top-k differences)."""
     d = x.shape[-1]
     if d & (d - 1):
         raise ValueError(f"Hadamard rotation needs a power-of-two dimension, got {d}")
     h = np.array([[1.0]], np.float32)
     while h.shape[0] < d:
         h = np.block([[h, h], [h, -h]])
-    return x @ jnp.asarray(h / math.sqrt(d), x.dtype)
+    return jnp.matmul(x, jnp.asarray(h / math.sqrt(d), x.dtype), precision=lax.Precision.HIGHEST)
 
 
 def fp8_quantize(x, block: int = FP8_BLOCK):

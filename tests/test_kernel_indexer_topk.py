@@ -363,3 +363,15 @@ def test_fp8_keys_of_2_to_4_gib_are_addressed_as_words(L, pages):
     words = f"tensor<{L}x{pages}x64x{Dg // 4}xui32>"
     assert words in text and L * pages * 64 * Dg // 4 < 2**31
     assert f"{L}x{pages}x64x{Dg}xf8E4M3FN" not in text.split("__gpu$xla.gpu.triton")[1].split("\n")[0]
+
+
+def test_hadamard_rotates_at_full_precision():
+    """The rotation asks for float32 precision: a GPU's default (TF32 operands) rotated integer test keys so far
+    off that zeros came back as small e4m3 values after quantization, and the fp8 top-k on an H200 differed from
+    the reference at near ties; XLA:CPU computes float32 either way, so this checks the request itself."""
+    import jax
+
+    for dt in (jnp.float32, jnp.bfloat16):
+        jaxpr = jax.make_jaxpr(hadamard)(jnp.zeros((3, 128), dt))
+        dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+        assert dots and all(str(e.params["precision"]).count("HIGHEST") == 2 for e in dots), dots
