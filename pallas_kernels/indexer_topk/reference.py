@@ -92,6 +92,90 @@ def select_topk(scores, valid, k: int):
     return jnp.where(ok, pos, -1).astype(jnp.int32)
 
 
+# ----- a device-side summary of the keys: blocks whose scores are bounded without their keys (index_tier="host") ----
+BOUND_SLACK = 2.0 ** -16  # relative slack of `block_score_bound` over float32 rounding of the sums
+
+
+def key_block_bounds(k, block: int):
+    """Each block of `block` consecutive keys summarized by its per-dimension extremes.
+
+    k [..., S, dI] (S a multiple of `block`) -> (kmin, kmax) f32[..., S / block, dI]. With the scored keys (as
+    `index_scores` scores them: dequantized fp8 / int4 keys, rotated), `block_score_bound` bounds every score of
+    the block from these 2 x dI numbers alone (8 bytes per token at dI 128 and blocks of 64, bf16, against 132 for
+    the fp8 key itself)."""
+    *lead, S, D = k.shape
+    if S % block:
+        raise ValueError(f"{S} keys do not split into blocks of {block}")
+    kb = k.astype(jnp.float32).reshape(*lead, S // block, block, D)
+    return kb.min(axis=-2), kb.max(axis=-2)
+
+
+def block_score_bound(q, w, kmin, kmax):
+    """An upper bound of every score I(t, s) = sum_h w_h relu(q_h . k_s) over each block of keys, from its extremes.
+
+    q f32[..., T, I, dI], w f32[..., T, I], kmin / kmax f32[..., NB, dI] -> f32[..., T, NB]. For head h, q_h . k
+    over the box [kmin, kmax] lies in [lo_h, hi_h] (per dimension the smaller / larger of q_hd kmin_d and
+    q_hd kmax_d); relu is non-decreasing, so w_h relu(q_h . k) <= w_h relu(hi_h) where w_h >= 0 and
+    <= w_h relu(lo_h) where w_h < 0 (a negative head weight is bounded by the smallest dot). Computed in float32
+    and raised by BOUND_SLACK times the sum of the terms' magnitudes, so that float32 rounding of the exact
+    scores' own sums never puts a score above its block's bound."""
+    q = q.astype(jnp.float32)
+    w = w.astype(jnp.float32)
+    a = q[..., :, :, None, :] * kmin[..., None, None, :, :]  # [..., T, I, NB, dI]
+    b = q[..., :, :, None, :] * kmax[..., None, None, :, :]
+    hi = jnp.maximum(a, b).sum(-1)  # [..., T, I, NB]
+    lo = jnp.minimum(a, b).sum(-1)
+    mag = jnp.maximum(jnp.abs(a), jnp.abs(b)).sum(-1)
+    wb = w[..., None]
+    terms = jnp.where(wb >= 0, wb * jax.nn.relu(hi), wb * jax.nn.relu(lo))
+    return terms.sum(-2) + BOUND_SLACK * (jnp.abs(wb) * mag).sum(-2)
+
+
+HOST_INDEX_RANKS = ("bound", "mean")  # how budgeted mode ranks the blocks (`host_index_select_reference`)
+
+
+def host_index_select_reference(q, w, k, valid, topk: int, block: int, budget: int | None = None,
+                                rank: str = "bound"):
+    """The top-k as an indexer with its key history on the host finds it, from block summaries on the device.
+
+    q f32[B, I, dI], w f32[B, I], k [B, S, dI] (the scored keys), valid bool[B, S] -> (positions int32[B, K'],
+    blocks_read int32[B], blocks_live int32[B]). A block with no valid position is never read.
+      budget None (exact): every block whose bound (`block_score_bound`) reaches the k-th best exact score is
+        read: what reading blocks in bound order until no unread bound exceeds the k-th best score read so far
+        ends with. The positions are `select_topk` of all exact scores (recall 1 by construction).
+      budget N (an int, or int32[B] per row, traced or not): the N best-ranked blocks are read and the top-k is
+        taken among their positions only; `rank` "bound" ranks blocks by their bound, "mean" by the score of the
+        block's mean key (HISA's coarse filter: no bound, one more dI-vector per block on the device).
+    """
+    if rank not in HOST_INDEX_RANKS:
+        raise ValueError(f"rank must be one of {HOST_INDEX_RANKS}, got {rank!r}")
+    B, S, _ = k.shape
+    nb = S // block
+    kmin, kmax = key_block_bounds(k, block)
+    live = valid.reshape(B, nb, block).any(-1)
+    if budget is not None and rank == "mean":
+        kb = k.astype(jnp.float32).reshape(B, nb, block, -1)
+        vb = valid.reshape(B, nb, block, 1)
+        mean = (kb * vb).sum(-2) / jnp.maximum(vb.sum(-2), 1)
+        bound = index_scores(q[:, None], w[:, None], mean)[:, 0]
+    else:
+        bound = block_score_bound(q[:, None], w[:, None], kmin, kmax)[:, 0]  # [B, NB]
+    bound = jnp.where(live, bound, -jnp.inf)
+    scores = index_scores(q[:, None], w[:, None], k)[:, 0]  # [B, S]
+    if budget is None:
+        full = select_topk(scores, valid, topk)
+        last = jnp.take_along_axis(scores, jnp.maximum(full[:, -1:], 0), axis=-1)  # the k-th best (or last) score
+        kth = jnp.where((full >= 0).all(-1, keepdims=True), last, -jnp.inf)
+        read = live & (bound >= kth)
+        return full, read.sum(-1).astype(jnp.int32), live.sum(-1).astype(jnp.int32)
+    order = jnp.argsort(-bound, axis=-1, stable=True)  # best first; the lower block wins a tie
+    place = jnp.zeros((B, nb), jnp.int32).at[jnp.arange(B)[:, None], order].set(jnp.arange(nb, dtype=jnp.int32))
+    read = (place < jnp.reshape(jnp.asarray(budget, jnp.int32), (-1, 1))) & live
+    in_read = jnp.repeat(read, block, axis=-1)
+    return (select_topk(scores, valid & in_read, topk), read.sum(-1).astype(jnp.int32),
+            live.sum(-1).astype(jnp.int32))
+
+
 def paged_index_scores(q, w, k_pages, block_table, *, k_scale=None):
     """Indexer scores of every block-table position (unmasked) -> f32[B, S].
 
