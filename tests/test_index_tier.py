@@ -86,6 +86,7 @@ def test_bad_arguments_are_refused():
                                     jnp.ones((1, 64), bool), 4, 16, budget=2, rank="max")
 
 
+@pytest.mark.slow
 def test_index_tier_experiment_runs(tmp_path):
     """experiments/index_tier.py --quick on the shipped trained model: every step's exact mode reads at most the
     live blocks, and a budget of every live block finds the whole top-k with either ranking."""
