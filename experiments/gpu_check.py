@@ -872,6 +872,8 @@ def _kernel_mla(ctx, H: int, pool: str, q_name: str, seed: int, backend: str = "
                        "rel_err_is": "max |kernel - reference| / max |reference|"},
            "passed": finite and got.shape == want.shape and rel is not None and rel <= tol,
            "bytes_note": "bytes_read = valid rows x (latent + rope + fp8 scales) bytes"}
+    if not rec["passed"] and got.shape == want.shape:
+        rec["error_pattern"] = _error_pattern(got, want)
     ctx.checkpoint(rec)
     call = lambda f: lambda v, c: f(c[0], v, *c[1], **c[2])  # noqa: E731  (v: q_rope, nudged per call)
     rec.update(_time_pair(ctx, call(kern), call(ref), args[1], (args[0], args[2:], kw), nudge,
@@ -882,6 +884,25 @@ def _kernel_mla(ctx, H: int, pool: str, q_name: str, seed: int, backend: str = "
     rec.update(traffic_fields(ctx, rec, lambda: model(B, H, C, R, K, kv_dtype=pool, query_dtype=q_name,
                                                       valid_rows=n_valid)))
     return rec
+
+def _error_pattern(got: np.ndarray, want: np.ndarray) -> dict:
+    """Where a wrong decode output [B, H, C] is wrong: the relative error per 128-column chunk (the Mosaic kernel's
+    warpgroups own halves of C), per group of 16 heads and per sequence, and how the rows compare (norms, cosine):
+    a scale error, a permutation and noise look different here."""
+    a, b = got.astype(np.float64), want.astype(np.float64)
+    B, H, C = a.shape
+    scale = max(float(np.nanmax(np.abs(b))), 1e-30)
+    err = np.abs(np.nan_to_num(a - b, nan=np.inf)) / scale
+    chunks = [float(err[..., c:c + 128].max()) for c in range(0, C, 128)]
+    heads = [float(err[:, h:h + 16].max()) for h in range(0, H, 16)]
+    cos = (a * b).sum(-1) / np.maximum(np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1), 1e-30)
+    return {"rel_err_by_128_columns": chunks, "rel_err_by_16_heads": heads,
+            "rel_err_by_sequence": [float(err[i].max()) for i in range(B)],
+            "nan_outputs": int(np.isnan(a).sum()), "zero_rows": int((np.abs(a).max(-1) == 0).sum()),
+            "norm_ratio_median": float(np.median(np.linalg.norm(a, axis=-1) / np.maximum(np.linalg.norm(b, axis=-1),
+                                                                                         1e-30))),
+            "cosine_median": float(np.nanmedian(cos)), "cosine_min": float(np.nanmin(cos))}
+
 
 def _kernel_line(r: dict) -> str:
     """One table line of a kernels run (after the name)."""

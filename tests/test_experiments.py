@@ -36,6 +36,24 @@ def _gpu_check():
     return mod
 
 
+def test_gpu_check_locates_a_wrong_decode():
+    """A wrong decode output is located: per 128-column chunk, per 16 heads, per sequence, with norms and cosines
+    (the Mosaic decode was wrong on an H200 with no more said than its largest error)."""
+    g = _gpu_check()
+    want = np.random.default_rng(0).standard_normal((2, 32, 256)).astype(np.float32)
+    got = want.copy()
+    got[:, :, 128:] *= 2  # the second warpgroup's half scaled
+    got[1, 20] = 0  # one head of one sequence never written
+    p = g._error_pattern(got, want)
+    assert p["rel_err_by_128_columns"][0] < p["rel_err_by_128_columns"][1]
+    assert p["zero_rows"] == 1 and p["nan_outputs"] == 0 and p["cosine_min"] == 0.0 and 1 < p["norm_ratio_median"] < 2
+    heads = want.copy()
+    heads[:, 16:] += 1  # the second group of 16 heads off
+    h = g._error_pattern(heads, want)["rel_err_by_16_heads"]
+    assert h[0] == 0.0 < h[1]
+    assert g._error_pattern(want, want)["rel_err_by_sequence"] == [0.0, 0.0]
+
+
 def _section_names():
     return list(_gpu_check().SECTIONS)
 
@@ -238,6 +256,7 @@ def test_gpu_check_cpu_smoke(runs):
     assert (runs["gpu_dir"] / "hlo_fetch.txt").stat().st_size > 0
 
 
+@pytest.mark.slow  # the parent's process handling: plain Python, the same on every jax (CI's first leg)
 def test_gpu_check_survives_a_crashed_and_a_hung_section(tmp_path):
     """A section that aborts (as a Triton abort would) and one that hangs past its timeout are recorded with
     their exit status, what they had written so far and their stderr tail; the next section still runs."""

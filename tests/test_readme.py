@@ -29,6 +29,9 @@ def _run_page(path: str, tmp_path) -> dict:
     return ns
 
 
+# The snippets are end-to-end uses of the same device programs the unmarked tests prove on both ends of the jax
+# range: `slow`, so CI runs them on its first leg (the plain `make test` runs them everywhere)
+@pytest.mark.slow
 def test_readme_python_snippets_run(tmp_path, monkeypatch):
     readme = os.path.join(ROOT, "README.md")
     assert len(_blocks(readme)) >= 2
@@ -37,6 +40,7 @@ def test_readme_python_snippets_run(tmp_path, monkeypatch):
     assert ns["outputs"] == ns["tokens"]  # the engine's example: the same tokens as generate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", [p for p in DOCS if _blocks(p)], ids=lambda p: os.path.basename(p))
 def test_docs_python_snippets_run(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
