@@ -56,6 +56,18 @@ The cost of the capacity: HiSparse copies each hot-buffer miss from the host poo
 request and step the expected H2D bytes are (1 - hit_rate) * min(top_k, seq) rows * L layers * MLA row bytes
 (= (1 - hit_rate) * min(top_k, seq) * host/64, since one host block holds 64 tokens of all L layers' rows); per
 replica, times the HiSparse running requests (0 when HiSparse runs everything resident, limiting = "baseline").
+Indexer keys in the host tier (`index_tier="host"`, CLI `--index-tier host`; no published system does this): the
+keys of every full layer move to the host pool beside the KV rows (a host block grows by the indexer page); the GPU
+keeps a summary per token and full layer (default a bf16 min and max per dimension per 64-token page,
+`index_summary_bytes`: 8 B at d = 128, 168 B per token for GLM-5.3's 21 full layers against 2,772 for the fp8
+keys) and a request's hot and tail KV pages; HiSparse's GPU blocks are then host blocks, the summaries of a request
+counted in them rounded up. Each step reads `index_read_fraction` of every full layer's keys of each request from
+the host (default 1: on the trained model an exact top-k from min / max page bounds read every page, and ranking
+pages by their mean key still needs ~60 % of them for recall 0.9; `experiments/index_tier.py`), added to the H2D
+bytes. At 1M tokens that gives 51 running requests per replica (10x the device tier's 5, GPU-limited) with 2,376
+GiB of host pool, but 2.9 GB of keys to read per request and step: 3 s per step at 50 GB/s; the read fraction
+would have to fall to ~3 % for 100 ms.
+
 Every TP rank holds the whole latent KV (the calculator's per-GPU pool is the replica's), so each rank copies all of
 it over its own host link: copy time per step = bytes / link_gb_per_s (1 GB = 1e9 B), ranks in parallel. The
 default hit rate is the project's measured one (`experiments/results/demo.json`, policy "hisparse": 0.734 on the
@@ -88,6 +100,10 @@ INDEX_DTYPES = ("fp8", "int4")  # indexer key storage (see the module docstring;
 # "split": the indexer keys in a pool of their own and the hot / tail KV pages (all layers) in another, as this
 # project's store keeps them (`index_pages` apart from `device_pages`)
 LAYOUTS = ("unified", "split")
+# "device": the indexer-key history on the GPU (every published HiSparse); "host": in the host tier beside the KV, the
+# GPU keeping a summary per 64-token page of each full layer (`reference.key_block_bounds`: per-dimension min / max)
+# and reading a fraction of the pages' keys each step (see the module docstring)
+INDEX_TIERS = ("device", "host")
 DEFAULT_TOP_K = 2048            # DSA / GLM-5.x index_topk
 DEFAULT_LINK_GB_PER_S = 50.0    # host -> GPU link per GPU (GB/s, 1e9 B): ~ a pinned copy on PCIe Gen5 x16
 # The hot-buffer hit rate `hisparse demo` measured (experiments/results/demo.json, policies.hisparse.hit_rate,
@@ -135,6 +151,7 @@ class BlockLayout:
     mla_row: int           # bytes per token per layer of c + kR
     indexer_row: int       # bytes per token per full layer of the indexer key
     hot_group_layers: tuple[int, ...]  # layers in each HiSparse hot/resident group
+    index_dim: int = 128   # d, the indexer head dim
 
     @property
     def host(self) -> int:
@@ -193,7 +210,7 @@ def block_layout(cfg: Any, kv_dtype: str = "fp8", *, mla_fp8_layout: str = "fp8"
             groups[-1] += u
         else:
             groups.append(u)
-    return BlockLayout(cfg.num_hidden_layers, full, mla_row, idx_row, tuple(groups))
+    return BlockLayout(cfg.num_hidden_layers, full, mla_row, idx_row, tuple(groups), d)
 
 
 def block_bytes(cfg: Any, kv_dtype: str = "fp8", **kw: str) -> BlockBytes:
@@ -329,6 +346,9 @@ class CalcInput:
     top_k: int = DEFAULT_TOP_K
     link_gb_per_s: float = DEFAULT_LINK_GB_PER_S
     layout: str = "unified"
+    index_tier: str = "device"
+    index_read_fraction: float = 1.0
+    index_summary_bytes: float | None = None
 
 
 @dataclass(frozen=True)
@@ -366,6 +386,10 @@ class CalcResult:
     inputs: CalcInput = field(repr=False)
     layout: str = "unified"          # "split": HiSparse's GPU blocks are indexer pages (block_bytes.hisparse_gpu),
     # a request's hot and tail KV pages (all layers, host-block sized) counted in them, rounded up
+    index_tier: str = "device"       # "host": the keys in the host tier; HiSparse's GPU blocks are host blocks
+    index_read_fraction: float = 1.0  # index_tier "host": the part of a request's key history read per step
+    index_summary_bytes_per_token: float = 0.0  # index_tier "host": the GPU's summary, all full layers
+    index_h2d_bytes_per_request_step: float = 0.0  # index_tier "host": the keys read per request and step
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -418,6 +442,14 @@ def _check(inp: CalcInput, model: ModelPreset) -> None:
         raise CalcError(f"layout must be one of {', '.join(LAYOUTS)}, got {inp.layout!r}")
     if inp.layout == "split" and model.kv_shape is None:
         raise CalcError(f"layout='split' needs a preset with a KV shape; {model.name!r} has none")
+    if inp.index_tier not in INDEX_TIERS:
+        raise CalcError(f"index_tier must be one of {', '.join(INDEX_TIERS)}, got {inp.index_tier!r}")
+    if inp.index_tier == "host" and model.kv_shape is None:
+        raise CalcError(f"index_tier='host' needs a preset with a KV shape; {model.name!r} has none")
+    if not 0 <= inp.index_read_fraction <= 1:
+        raise CalcError(f"index_read_fraction must be in [0, 1], got {inp.index_read_fraction}")
+    if inp.index_summary_bytes is not None and not 0 <= inp.index_summary_bytes < math.inf:
+        raise CalcError(f"index_summary_bytes must be finite and >= 0, got {inp.index_summary_bytes}")
 
 
 def weights_per_gpu_gib(model: ModelPreset, dp: int, tp: int, ep: bool) -> float:
@@ -443,7 +475,17 @@ def capacity(inp: CalcInput) -> CalcResult:
     n = -(-inp.seq // PAGE_SIZE)
     base_pool = math.floor(kv * 2 ** 30 / bb.baseline)
     baseline = min(inp.max_seqs, base_pool // n)
-    if inp.layout == "split":  # blocks = indexer pages; a KV page of all layers is bb.host bytes of them
+    summary = idx_h2d = 0.0
+    host_block = bb.host
+    if inp.index_tier == "host":  # blocks = host blocks (a KV page of all layers); the keys move to the host tier
+        summary = lay.full_layers * (index_summary_bytes(lay) if inp.index_summary_bytes is None
+                                     else inp.index_summary_bytes)  # per token, all full layers
+        kv_pages = -(-inp.hot_rows // PAGE_SIZE) + inp.retained + inp.other
+        bb = BlockBytes(bb.baseline, bb.host, bb.host)
+        per_req = kv_pages + math.ceil(n * PAGE_SIZE * summary / bb.host)
+        host_block = bb.host + PAGE_SIZE * lay.full_layers * lay.indexer_row
+        idx_h2d = inp.index_read_fraction * n * PAGE_SIZE * lay.full_layers * lay.indexer_row
+    elif inp.layout == "split":  # blocks = indexer pages; a KV page of all layers is bb.host bytes of them
         bb = BlockBytes(bb.baseline, lay.indexer_page, bb.host)
         kv_pages = -(-inp.hot_rows // PAGE_SIZE) + inp.retained + inp.other
         per_req = n + -(-kv_pages * bb.host // lay.indexer_page)
@@ -452,13 +494,13 @@ def capacity(inp: CalcInput) -> CalcResult:
     gpu_pool = math.floor(kv * 2 ** 30 / bb.hisparse_gpu)
     gpu_limit = gpu_pool // per_req
     target = min(inp.max_seqs, gpu_limit)
-    min_host = target * n * bb.host / 2 ** 30 if target > baseline else 0.0
+    min_host = target * n * host_block / 2 ** 30 if target > baseline else 0.0
     host = inp.host_gib
     if host is None:
         host = float(min(HOST_SLIDER_GIB[1], max(HOST_SLIDER_GIB[0], math.ceil(min_host))))
     if not math.isinf(host):  # the calculator caps each replica's pool by the system RAM budget
         host = min(host, inp.system_ram_gib / (inp.dp * (1 if inp.share_host_across_tp else inp.tp)))
-    host_limit = None if math.isinf(host) else math.floor(host * 2 ** 30 / bb.host) // n
+    host_limit = None if math.isinf(host) else math.floor(host * 2 ** 30 / host_block) // n
     offloaded = min(target, gpu_limit if host_limit is None else host_limit)
     hisparse = max(baseline, offloaded)
     if baseline > 0 and baseline >= offloaded:
@@ -471,7 +513,7 @@ def capacity(inp: CalcInput) -> CalcResult:
         hit, hit_source = default_hit_rate()
     else:
         hit, hit_source = inp.hit_rate, "input"
-    per_req_h2d = h2d_bytes_per_request_step(hit, min(inp.top_k, inp.seq), bb.host // PAGE_SIZE)
+    per_req_h2d = h2d_bytes_per_request_step(hit, min(inp.top_k, inp.seq), bb.host // PAGE_SIZE) + idx_h2d
     h2d = 0.0 if limiting == "baseline" else per_req_h2d * hisparse
     return CalcResult(baseline, hisparse, gpu_limit, host_limit, min_host, math.ceil(min_host), host, kv, weights,
                       limiting, bb, groups, base_pool, gpu_pool, n, per_req, n, baseline * inp.dp,
@@ -480,7 +522,15 @@ def capacity(inp: CalcInput) -> CalcResult:
                       indexer_bytes_per_token=(bb.baseline - bb.host) // PAGE_SIZE, hit_rate=hit,
                       hit_rate_source=hit_source, top_k=inp.top_k, link_gb_per_s=inp.link_gb_per_s,
                       h2d_bytes_per_request_step=per_req_h2d, h2d_bytes_per_step=h2d,
-                      h2d_ms_per_step=h2d / (inp.link_gb_per_s * 1e9) * 1e3, inputs=inp, layout=inp.layout)
+                      h2d_ms_per_step=h2d / (inp.link_gb_per_s * 1e9) * 1e3, inputs=inp, layout=inp.layout,
+                      index_tier=inp.index_tier, index_read_fraction=inp.index_read_fraction,
+                      index_summary_bytes_per_token=summary, index_h2d_bytes_per_request_step=idx_h2d)
+
+
+def index_summary_bytes(lay: BlockLayout) -> float:
+    """The GPU's summary of one token's indexer key in one full layer with the keys in the host tier: a bf16 min and
+    max per dimension per 64-token page (`reference.key_block_bounds`), 2 * 2 * d / 64 bytes (8 at d = 128)."""
+    return 2 * 2 * lay.index_dim / PAGE_SIZE
 
 
 def h2d_bytes_per_request_step(hit_rate: float, rows: int, bytes_per_token: int) -> float:
@@ -557,6 +607,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="HiSparse's GPU memory: unified (one block size for indexer and hot pages, vLLM's shared "
                         "pool: the published calculator) or split (indexer keys in a pool of their own, hot and tail "
                         "KV pages of all layers in another, as hisparse-jax's store keeps them)")
+    p.add_argument("--index-tier", type=choice(INDEX_TIERS, "index tier"), default="device", metavar="{device,host}",
+                   help="where the indexer-key history lives: device (every published HiSparse) or host (beside the "
+                        "KV; the GPU keeps a per-page min / max summary and reads --index-read-fraction of the keys "
+                        "each step)")
+    p.add_argument("--index-read-fraction", type=bounded_float(0, 1, name="index_read_fraction"), default=1.0,
+                   help="with --index-tier host: the part of a request's key history read per step and layer "
+                        "(default 1: an exact top-k from min / max page bounds read every page on the trained model, "
+                        "docs/results.md)")
+    p.add_argument("--index-summary-bytes", type=bounded_float(0, name="index_summary_bytes"), default=None,
+                   help="with --index-tier host: GPU bytes per token and full layer of the key summary (default: "
+                        "bf16 min and max per dimension per 64-token page, 4 d / 64 = 8 at d 128)")
     p.add_argument("--hot-rows", type=int_at_least(1, "hot_rows"), default=4096,
                    help="hot-buffer rows per group (10240 with MTP3)")
     p.add_argument("--groups", type=int_at_least(1, "groups"), default=None,
@@ -603,8 +664,14 @@ def _table(r: CalcResult) -> str:
             ("indexer B / token", f"{r.indexer_bytes_per_token:,}", idx),
             ("H2D / decode step", "0", h2d),
             ("  assuming", "", f"hit rate {r.hit_rate:.3f} ({r.hit_rate_source}), top-k {r.top_k:,}")]
+    if r.index_tier == "host":
+        rows[9] = ("indexer B / token", f"{r.indexer_bytes_per_token:,}",
+                    f"host tier ({idx}); GPU summary {r.index_summary_bytes_per_token:g} B / token")
+        rows.append(("  of which indexer keys", "", f"{r.index_h2d_bytes_per_request_step / 1e6:,.2f} MB / request "
+                     f"(read fraction {r.index_read_fraction:g})"))
     head = (f"preset {get_preset(i.preset).name}  {i.gpu} DP{i.dp} TP{i.tp} {'EP' if i.ep else 'no-EP'}  "
-            f"{i.kv_dtype} (indexer {r.index_dtype}, {r.layout} layout)  seq {i.seq:,}  hot rows {i.hot_rows:,}  "
+            f"{i.kv_dtype} (indexer {r.index_dtype}, {r.layout if r.index_tier == 'device' else 'host-tier keys'} "
+            f"layout)  seq {i.seq:,}  hot rows {i.hot_rows:,}  "
             f"KV HBM {r.kv_hbm_gib:g} GiB/GPU (weights {r.weights_per_gpu_gib:.2f} GiB/GPU)")
     return "\n".join([head] + [f"  {a:26}{b:>12}   {c}" for a, b, c in rows])
 
@@ -622,7 +689,9 @@ def main(argv: list[str] | None = None) -> int:
                     hot_rows=a.hot_rows, groups=a.groups, retained=a.retained, other=a.other, host_gib=a.host_gib,
                     max_seqs=a.max_seqs, gpu_memory_utilization=a.gpu_memory_utilization,
                     reserve_gib=a.reserve_gib, kv_hbm_gib=a.kv_hbm_gib, index_dtype=a.index_dtype,
-                    hit_rate=a.hit_rate, top_k=a.top_k, link_gb_per_s=a.link_gb_per_s, layout=a.layout)
+                    hit_rate=a.hit_rate, top_k=a.top_k, link_gb_per_s=a.link_gb_per_s, layout=a.layout,
+                    index_tier=a.index_tier, index_read_fraction=a.index_read_fraction,
+                    index_summary_bytes=a.index_summary_bytes)
     try:
         result = capacity(inp)
         rows = sweep(inp) if a.sweep or a.plot else None

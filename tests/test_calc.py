@@ -239,6 +239,48 @@ def test_int4_capacity_at_1m():
         assert b.hisparse_running >= a.hisparse_running and b.baseline_running >= a.baseline_running
 
 
+def test_host_tier_index_keys_at_1m():
+    """The indexer keys in the host tier (issue 34's calculator): the GPU keeps 8 B per token and full layer (bf16
+    min / max per dimension per page) and a request's hot and tail pages, so HiSparse runs 51 requests per replica
+    at 1M, >= 10x the device tier's 5, GPU-limited, with the keys beside the KV in the host pool; but every step
+    reads `index_read_fraction` of each request's key history over the link (3 s per step at the exact mode's 1)."""
+    dev = calc.capacity(calc.CalcInput(seq=2 ** 20))
+    host = calc.capacity(calc.CalcInput(seq=2 ** 20, index_tier="host"))
+    n, F, row = 2 ** 20 // 64, 21, 132
+    assert dev.hisparse_running == 5 and dev.index_tier == "device" and dev.index_h2d_bytes_per_request_step == 0
+    assert host.hisparse_running == 51 >= 10 * dev.hisparse_running and host.limiting == "gpu"
+    assert host.index_summary_bytes_per_token == F * 8
+    assert host.hisparse_gpu_blocks_per_request == 66 + -(-n * 64 * F * 8 // 2_875_392)  # in host blocks
+    assert host.min_host_gib == pytest.approx(51 * n * (2_875_392 + 64 * F * row) / 2 ** 30)
+    assert host.index_h2d_bytes_per_request_step == n * 64 * F * row
+    kv_misses = (1 - host.hit_rate) * 2048 * 2_875_392 / 64
+    assert host.h2d_bytes_per_request_step == pytest.approx(kv_misses + n * 64 * F * row)
+    assert host.h2d_ms_per_step == pytest.approx(51 * host.h2d_bytes_per_request_step / 50e9 * 1e3)
+    part = calc.capacity(calc.CalcInput(seq=2 ** 20, index_tier="host", index_read_fraction=0.03))
+    assert part.index_h2d_bytes_per_request_step == pytest.approx(0.03 * n * 64 * F * row)
+    assert part.hisparse_running == 51 and part.h2d_ms_per_step < 120
+    small = calc.capacity(calc.CalcInput(seq=2 ** 20, index_tier="host", index_summary_bytes=2.0))
+    assert small.hisparse_running > host.hisparse_running  # a smaller summary fits more
+    for bad, match in ((dict(index_tier="disk"), "index_tier must be one of"),
+                       (dict(index_read_fraction=1.5), "index_read_fraction must be in"),
+                       (dict(index_summary_bytes=-1.0), "index_summary_bytes must be")):
+        with pytest.raises(calc.CalcError, match=match):
+            calc.capacity(calc.CalcInput(**bad))
+    with pytest.raises(calc.CalcError, match="index_tier='host' needs a preset with a KV shape"):
+        calc.capacity(calc.CalcInput(preset=replace(GLM, name="bare", kv_shape=None), index_tier="host"))
+
+
+def test_calc_cli_host_tier_json(capsys):
+    assert calc.main(["--seq", "1m", "--index-tier", "host", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["hisparse_running"], d["index_tier"], d["index_read_fraction"]) == (51, "host", 1.0)
+    assert d["inputs"]["index_tier"] == "host" and d["h2d_ms_per_step"] > 1000
+    assert calc.main(["--seq", "1m", "--index-tier", "host", "--index-read-fraction", "0.03"]) == 0
+    out = capsys.readouterr().out
+    assert "host-tier keys" in out and "of which indexer keys" in out and "GPU summary 168 B / token" in out
+    assert calc.main(["--index-read-fraction", "-0.5"]) == 2
+
+
 def test_split_layout_int4_at_1m():
     """The layout of this project's store (indexer keys in a pool of their own, a hot / tail page holding every
     layer): the block is the indexer page, so int4 halves it and HiSparse runs 11 requests per replica at 1M
