@@ -41,6 +41,8 @@ remains):
   or not: `mismatch`).
 * mla_big_pool (40 s): sparse_mla_decode on the store's stacked fp8 pools [L, P, 64, C] of > 4 GiB read at
   the last layer with `layer=` (byte offsets past 2**32): correctness vs the reference, then timing.
+* mosaic_probes (35 s): the Mosaic GPU decode on inputs that isolate its stages (`MOSAIC_PROBES`: one valid row,
+  uniform scores, rope-only and latent-only scores, an fp8 pool), with the error pattern of each wrong one.
 
 Every kernel run also carries the traffic model's bytes for its shapes and plan (`pallas_kernels/traffic.py`:
 model_bytes, model_ideal_bytes, traffic_model) and, when timed with the ceilings known, the model's time at
@@ -117,6 +119,7 @@ SIZES = {
                       (128, "bf16", "bf16", "mosaic"), (64, "fp8", "bf16"), (64, "fp8", "bf16", "mosaic"),
                       (64, "bf16", "bf16"), (128, "bf16", "f32")),
         big_layers=40, big_pages=4096, big_H=128, big_B=32, big_K=2048,  # 40 x 4096 x 64 x 512 B = 5 GiB fp8
+        mosaic_probes=None,  # all of MOSAIC_PROBES
     ),
     "smoke": dict(
         d2d_bytes=16 << 20, h2d_bytes=8 << 20, h2d_chunk_bytes=2 << 20, small_blocks=32, warmup=1, reps=3,
@@ -142,6 +145,7 @@ SIZES = {
                       (TINY["mla_H"], "fp8", "bf16", "mosaic")),
         big_layers=TINY["mla_layers"], big_pages=2 * TINY["mla_B"] * max(2 * TINY["mla_K"] // 64, 1),
         big_H=TINY["mla_H"], big_B=TINY["mla_B"], big_K=TINY["mla_K"],
+        mosaic_probes=2,  # interpreted, each probe is seconds: the first two prove the section runs
     ),
 }
 MECHANISMS = ("row", "page")
@@ -1093,6 +1097,66 @@ def _stacked_pool(ctx, L: int, P: int, H: int, B: int, K: int, C: int, R: int, s
     return rec
 
 
+# Probes of the Mosaic GPU decode, one head block (H 64: no cluster), one split, B 1, K 32: each isolates a stage.
+# (name, pool, what the queries are, valid slots); `_mosaic_probe` says what each one's answer must be.
+MOSAIC_PROBES = (
+    ("one valid row", "bf16", "random", 1),  # softmax over one row: the output is that row's latent (copy + values)
+    ("uniform scores", "bf16", "zero", 32),  # q = 0: every score 0, the output is the mean of the rows (values, sums)
+    ("rope scores only", "bf16", "rope", 32),  # q_lat = 0: the rope MMA and the softmax
+    ("latent scores only", "bf16", "latent", 32),  # q_rope = 0: the latent MMAs, the warpgroups' score exchange
+    ("random, half the slots valid", "bf16", "random", 16),
+    ("one valid row, fp8 pool", "fp8", "random", 1),  # the fp8 conversion (and its scale rows) alone
+)
+
+
+def _mosaic_probe(ctx, name: str, pool: str, queries: str, n_valid: int, seed: int) -> dict:
+    from functools import partial
+
+    from pallas_kernels.backends import mosaic_unavailable_reason
+    from pallas_kernels.sparse_mla_decode import sparse_mla_decode_reference
+
+    rec = {"kernel": "sparse_mla_decode", "backend": "mosaic", "variant": f"probe: {name}", "pool": pool}
+    if (why := mosaic_unavailable_reason()) is not None:
+        return dict(rec, passed=True, skipped=why)
+    B, H, C, R, K = 1, 64, 512, 64, 32
+    args, kw, _, _, _ = _mla_case(seed, B, H, C, R, K, pool, jnp.bfloat16)
+    q_lat, q_rope, latent, rope, page, row, valid = args
+    v = np.zeros((B, K), bool)
+    v[:, :n_valid] = True
+    valid = jnp.asarray(v & np.asarray(valid) | (np.arange(K) == 0)[None])
+    if queries in ("zero", "rope"):
+        q_lat = jnp.zeros_like(q_lat)
+    if queries in ("zero", "latent"):
+        q_rope = jnp.zeros_like(q_rope)
+    args = (q_lat, q_rope, latent, rope, page, row, valid)
+    tau = float(1 / np.sqrt(192))
+    from pallas_kernels.sparse_mla_decode.kernel_mosaic import sparse_mla_decode_mosaic
+
+    kern = jax.jit(partial(sparse_mla_decode_mosaic, tau=tau, interpret=ctx.interpret, splits=1, cluster=1))
+    want = np.asarray(jax.jit(partial(sparse_mla_decode_reference, tau=tau))(*args, **kw))
+    got = np.asarray(kern(*args, **kw))
+    finite = bool(np.all(np.isfinite(got)))
+    rel = float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30)) if finite else None
+    rec.update(B=B, H=H, C=C, R=R, K=K, queries=queries, valid_rows=int(np.asarray(valid).sum()),
+               interpret=ctx.interpret, correct={"finite": finite, "max_rel_err": rel, "rel_tol": 2e-2},
+               passed=finite and rel is not None and rel <= 2e-2)
+    if not rec["passed"]:
+        rec["error_pattern"] = _error_pattern(got, want)
+    return rec
+
+
+def section_mosaic_probes(ctx: Ctx) -> dict:
+    """The Mosaic GPU decode on inputs that isolate its stages (`MOSAIC_PROBES`), after everything else: it was
+    wrong on an H200 (relative error ~1) while interpret mode matched; which probes fail says where."""
+    plan = [(f"mosaic probe: {name}", lambda c, a=(name, pool, q, n), i=i: _mosaic_probe(c, *a, 400 + i))
+            for i, (name, pool, q, n) in enumerate(MOSAIC_PROBES)
+            if ctx.sz["mosaic_probes"] is None or i < ctx.sz["mosaic_probes"]]
+    c = ctx.with_sizes(kernels_time=False)
+    out = _run_variants(c, plan)
+    ctx.record.update(c.record)
+    return out
+
+
 def section_mla_big_pool(ctx: Ctx) -> dict:
     sz = ctx.sz
     return _run_variants(ctx, [(f"sparse_mla_decode stacked fp8 L={sz['big_layers']} P={sz['big_pages']}",
@@ -1674,6 +1738,7 @@ SECTIONS: dict[str, Section] = {
     "kernel_mla": Section(section_kernel_mla, 55, 45),
     "kernel_mla_mosaic": Section(section_kernel_mla_mosaic, 40, 45),
     "mla_big_pool": Section(section_mla_big_pool, 40, 30),
+    "mosaic_probes": Section(section_mosaic_probes, 35, 45),
 }
 MIN_SECTION_S = 12.0  # a section is not started with less time than this left in the budget
 # --cpu-smoke's timeouts are hang guards for two idle cores; on a busier machine each section's timeout (and so its
@@ -1769,7 +1834,7 @@ def summary_table(report: dict) -> str:
     if "tokens_equal" in dk:
         lines.append(f"decode   pallas vs reference: tokens equal {dk['tokens_equal']}, max rel logit diff "
                      f"{dk['max_rel_logit_diff']:.1e}, step time ratio {f(dk.get('kernel_step_vs_reference'), '.2f')}")
-    for name in ("kernel_indexer", "kernel_gather", "kernel_mla", "kernel_mla_mosaic", "mla_big_pool"):
+    for name in ("kernel_indexer", "kernel_gather", "kernel_mla", "kernel_mla_mosaic", "mla_big_pool", "mosaic_probes"):
         run_lines("kernels ", secs.get(name, {}).get("runs", []))
     for name, s in secs.items():
         err = s.get("error", "").strip().splitlines() if s.get("status") not in ("ok", "skipped") else []

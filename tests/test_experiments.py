@@ -186,6 +186,9 @@ def test_gpu_check_cpu_smoke(runs):
     assert ran >= {("indexer_topk", "triton"), ("sparse_mla_decode", "triton"), ("sparse_gather", None)}, ran
     assert (ran >= mosaic_checks) if mosaic else not (ran & mosaic_checks), ran
     assert not report["sections"]["kernel_mla"]["unavailable"]  # the Triton decode alone
+    probes = report["sections"]["mosaic_probes"]["runs"]  # the Mosaic decode's stage probes (interpreted: 2 of them)
+    assert len(probes) == sizes["mosaic_probes"] and all(r["passed"] for r in probes)
+    assert all(not_run(r) for r in probes) if not mosaic else all(r["correct"]["max_rel_err"] <= 2e-2 for r in probes)
     for n in ("kernel_indexer", "kernel_mla_mosaic"):
         sec = report["sections"][n]
         assert bool(sec["unavailable"]) is not mosaic and all("mosaic" in k for k in sec["unavailable"]), sec
@@ -210,8 +213,9 @@ def test_gpu_check_cpu_smoke(runs):
     assert big["layer"] == big["layers"] - 1 == sizes["big_layers"] - 1 and "reads_beyond_4gib" in big
     assert sum(ln.startswith("kernels  ") for ln in out.splitlines()) >= len(kern)
     if not mosaic:
+        probes = report["sections"]["mosaic_probes"]["runs"]
         assert sum(ln.startswith("kernels  ") and "skipped: backend 'mosaic' needs jax >= 0.11" in ln
-                   for ln in out.splitlines()) == sum(map(not_run, kern)) > 0
+                   for ln in out.splitlines()) == sum(map(not_run, kern + probes)) > 0
 
     # every fetch run (both mechanisms, both row formats, every miss fraction) was verified exact
     fetch = report["sections"]["fetch"]
