@@ -486,6 +486,7 @@ def test_a_failing_prefill_fails_only_its_request(model, reference, monkeypatch,
     assert [eng.requests[f"r{i}"].output for i in (0, 1)] == reference[:2]
 
 
+@pytest.mark.slow  # an engine scenario over the programs the unmarked tests prove (CI: first leg)
 def test_a_failed_batch_commits_nothing_and_the_engine_goes_on(model, reference, monkeypatch):
     eng = engine(model)
     add_all(eng)

@@ -260,7 +260,6 @@ def test_gpu_check_cpu_smoke(runs):
     assert (runs["gpu_dir"] / "hlo_fetch.txt").stat().st_size > 0
 
 
-@pytest.mark.slow  # the parent's process handling: plain Python, the same on every jax (CI's first leg)
 def test_gpu_check_survives_a_crashed_and_a_hung_section(tmp_path):
     """A section that aborts (as a Triton abort would) and one that hangs past its timeout are recorded with
     their exit status, what they had written so far and their stderr tail; the next section still runs."""

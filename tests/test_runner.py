@@ -88,6 +88,7 @@ def test_compiles_per_run_equal_the_batch_buckets_used():
     assert runner_mod.COUNTS["sampler"] == before.get("sampler", 0)  # chunked prefill: no separate sampler
 
 
+@pytest.mark.slow  # an engine scenario over the programs the unmarked tests prove (CI: first leg)
 def test_sampled_generate_equals_the_engine_at_each_prompts_seed(model):
     """One sampler: generate's prompt i draws its tokens with the seed `prompt_seeds(key, n)[i]` at the engine's
     positions, so its tokens are the Engine's for that prompt and seed, batched with others or alone."""
