@@ -444,6 +444,9 @@ def _check(inp: CalcInput, model: ModelPreset) -> None:
         raise CalcError(f"layout='split' needs a preset with a KV shape; {model.name!r} has none")
     if inp.index_tier not in INDEX_TIERS:
         raise CalcError(f"index_tier must be one of {', '.join(INDEX_TIERS)}, got {inp.index_tier!r}")
+    if inp.index_tier == "host" and inp.layout != "unified":
+        raise CalcError("index_tier='host' has its own GPU layout (host-block sized pages holding the hot and tail KV "
+                        f"and the key summaries); leave layout at 'unified', got {inp.layout!r}")
     if inp.index_tier == "host" and model.kv_shape is None:
         raise CalcError(f"index_tier='host' needs a preset with a KV shape; {model.name!r} has none")
     if not 0 <= inp.index_read_fraction <= 1:

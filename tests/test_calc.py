@@ -263,7 +263,8 @@ def test_host_tier_index_keys_at_1m():
     assert small.hisparse_running > host.hisparse_running  # a smaller summary fits more
     for bad, match in ((dict(index_tier="disk"), "index_tier must be one of"),
                        (dict(index_read_fraction=1.5), "index_read_fraction must be in"),
-                       (dict(index_summary_bytes=-1.0), "index_summary_bytes must be")):
+                       (dict(index_summary_bytes=-1.0), "index_summary_bytes must be"),
+                       (dict(index_tier="host", layout="split"), "has its own GPU layout")):
         with pytest.raises(calc.CalcError, match=match):
             calc.capacity(calc.CalcInput(**bad))
     with pytest.raises(calc.CalcError, match="index_tier='host' needs a preset with a KV shape"):
