@@ -11,7 +11,8 @@ block. Per decode step it ranks the blocks by bound and reads exact keys of the 
   top-k's own size).
 
 This script teacher-forces held-out sequences through the trained `stdlib-dsa` model (`decode_step`, contiguous
-cache) and records at every step of every full indexer: the live blocks, the blocks exact mode reads, and the
+cache) and records at every step of every full indexer: the live blocks, the blocks exact mode reads, the blocks
+holding a position of the exact top-k (what any block-level method must read for recall 1), and the
 budgeted recall (|top-k found & exact top-k| / k) at several budgets and both rankings, for blocks of 16 and 64
 keys (64: the store's page). Bytes are those of fp8 keys (dI + 4 per key) fetched per step and layer, against the whole key
 history and against the KV rows the step attends to (top-k x 656 B, DeepSeek's fp8 row).
@@ -67,20 +68,22 @@ def record(model, sequences, start: int, blocks: list[int]) -> dict:
         for bs, budgets in plan.items():
             full, read, live = host_index_select_reference(q_index, w, kp, valid, self.topk, bs)
             want = jnp.zeros((n, Sp), bool).at[jnp.arange(n)[:, None], jnp.maximum(full, 0)].set(full >= 0)
-            rec = []
+            # blocks holding a top-k position: what any block-level method must read for recall 1
+            needed = want.reshape(n, Sp // bs, bs).any(-1).sum(-1).astype(jnp.float32)
+            rec = [needed]
             for rank in RANKS:
                 for f in budgets:  # at least the blocks the top-k's own size takes
                     b = jnp.maximum(jnp.ceil(f * live).astype(jnp.int32), -(-self.topk // bs))
                     got = host_index_select_reference(q_index, w, kp, valid, self.topk, bs, budget=b, rank=rank)[0]
                     hit = jnp.zeros((n, Sp), bool).at[jnp.arange(n)[:, None], jnp.maximum(got, 0)].set(got >= 0)
                     rec.append((hit & want).sum(-1) / jnp.maximum(want.sum(-1), 1))
-            stats = jnp.stack([read.astype(jnp.float32), live.astype(jnp.float32), *rec], axis=-1)  # [n, 2 + nb]
+            stats = jnp.stack([read.astype(jnp.float32), live.astype(jnp.float32), *rec], axis=-1)  # [n, 3 + ...]
             kv[f"tier_{bs}"] = kv[f"tier_{bs}"].at[ids.index].set(stats)
         return topk, kv
 
     TierKV = dataclasses.make_dataclass("TierKV", [], bases=(DenseKV,), frozen=True, namespace={"select": select})
     backend = TierKV(topk=K, index_dtype=model.index_dtype)
-    extra = {f"tier_{bs}": jnp.zeros((LI, n, 2 + len(RANKS) * len(b)), jnp.float32) for bs, b in plan.items()}
+    extra = {f"tier_{bs}": jnp.zeros((LI, n, 3 + len(RANKS) * len(b)), jnp.float32) for bs, b in plan.items()}
     out = _run_decode(model, sequences, start, backend, extra, False)
     lens = np.array([len(p) for p in sequences])
     res = {}
@@ -97,9 +100,11 @@ def record(model, sequences, start: int, blocks: list[int]) -> dict:
                 "exact_blocks_read_mean": float(a[:, 0].mean()),
                 "exact_blocks_read_p95": float(np.percentile(a[:, 0], 95)),
                 "exact_fraction_read_mean": float((a[:, 0] / a[:, 1]).mean()),
-                **{f"recall_by_budget_{rank}": {str(b): float(a[:, 2 + j * len(budgets) + i].mean())
+                "topk_blocks_mean": float(a[:, 2].mean()),
+                "topk_fraction_of_blocks_mean": float((a[:, 2] / a[:, 1]).mean()),
+                **{f"recall_by_budget_{rank}": {str(b): float(a[:, 3 + j * len(budgets) + i].mean())
                                                  for i, b in enumerate(budgets)} for j, rank in enumerate(RANKS)},
-                **{f"recall_by_budget_{rank}_min": {str(b): float(a[:, 2 + j * len(budgets) + i].min())
+                **{f"recall_by_budget_{rank}_min": {str(b): float(a[:, 3 + j * len(budgets) + i].min())
                                                      for i, b in enumerate(budgets)} for j, rank in enumerate(RANKS)}})
         res[str(bs)] = {"block": bs, "budget_fractions": list(budgets), "per_index_layer": per_layer}
     return res
@@ -114,7 +119,9 @@ def summarize(res: dict, k: int, index_dim: int) -> dict:
         live = float(np.mean([x["live_blocks_mean"] for x in layers]))
         exact = float(np.mean([x["exact_blocks_read_mean"] for x in layers]))
         block_bytes = int(bs) * key_bytes
+        topk_frac = float(np.mean([x["topk_fraction_of_blocks_mean"] for x in layers]))
         out[bs] = {"live_blocks": live, "exact_blocks_read": exact, "exact_fraction_read": exact / live,
+                   "topk_fraction_of_blocks": topk_frac,
                    "exact_key_bytes_per_step_layer": exact * block_bytes,
                    "full_key_bytes_per_step_layer": live * block_bytes,
                    "exact_key_bytes_vs_topk_kv_rows": exact * block_bytes / (k * FP8_ROW),
@@ -140,8 +147,14 @@ def plot(out: dict, path: str) -> None:
             rec = s[rank]["recall_by_fraction_read"]
             ax.plot([float(f) for f in rec], list(rec.values()), style, label=f"budgeted by {rank}, blocks of {bs}")
         ax.plot([s["exact_fraction_read"]], [1.0], "k*", ms=10)
-        ax.text(0.02, 0.96 - 0.07 * i, f"* exact mode, blocks of {bs}: reads {100 * s['exact_fraction_read']:.0f} %",
-                transform=ax.transAxes, va="top")
+        ax.plot([s["topk_fraction_of_blocks"]], [1.0], "kx", ms=9)
+
+    sizes = " / ".join(out["summary"])
+    ax.text(0.02, 0.96, f"star: exact mode's reads, blocks of {sizes}: " + " / ".join(
+        f"{100 * s['exact_fraction_read']:.0f} %" for s in out["summary"].values()) + "\n"
+        f"x: blocks holding a top-k position: " + " / ".join(
+        f"{100 * s['topk_fraction_of_blocks']:.0f} %" for s in out["summary"].values()),
+        transform=ax.transAxes, va="top", fontsize=8)
     ax.set_xlabel("fraction of the key history read per step and layer")
     ax.set_ylabel("recall of the exact top-k")
     ax.set_title(f"host-tier indexer keys, {out['model']} (top-{out['k']})")
@@ -201,7 +214,8 @@ def main(argv=None) -> int:
     plot(out, os.path.join(a.out, "index_tier.png"))
     for bs, s in out["summary"].items():
         print(f"blocks of {bs:>3}: live {s['live_blocks']:.1f}, exact mode reads {s['exact_blocks_read']:.1f} "
-              f"({100 * s['exact_fraction_read']:.0f} %); exact keys / top-k KV rows "
+              f"({100 * s['exact_fraction_read']:.0f} %), blocks holding a top-k position "
+              f"{100 * s['topk_fraction_of_blocks']:.0f} %; exact keys / top-k KV rows "
               f"{s['exact_key_bytes_vs_topk_kv_rows']:.2f}; recall at half the blocks "
               + ", ".join(f"{s[r]['recall_by_fraction_read']['0.5']:.3f} (by {r})" for r in RANKS)
               + "; recall 0.99 reading " + ", ".join(f"{s[r]['fraction_read_for_recall_0.99']} (by {r})" for r in RANKS))

@@ -99,6 +99,7 @@ def test_index_tier_experiment_runs(tmp_path):
     assert (tmp_path / "index_tier.png").exists()
     for bs, s in out["summary"].items():
         assert 0 < s["exact_blocks_read"] <= s["live_blocks"] + 1e-9, bs
+        assert 0 < s["topk_fraction_of_blocks"] <= s["exact_fraction_read"] + 1e-9, bs  # exact mode reads them all
         for rank in ("bound", "mean"):
             rec = s[rank]["recall_by_fraction_read"]
             assert rec["1.0"] == 1.0 and all(0 <= v <= 1 for v in rec.values()), (bs, rank, rec)
