@@ -42,7 +42,8 @@ remains):
 * mla_big_pool (40 s): sparse_mla_decode on the store's stacked fp8 pools [L, P, 64, C] of > 4 GiB read at
   the last layer with `layer=` (byte offsets past 2**32): correctness vs the reference, then timing.
 * mosaic_probes (35 s): the Mosaic GPU decode on inputs that isolate its stages (`MOSAIC_PROBES`: one valid row,
-  uniform scores, rope-only and latent-only scores, an fp8 pool), with the error pattern of each wrong one.
+  uniform scores, rope-only and latent-only scores, two sequences, an fp8 pool), with the error pattern of each
+  wrong one.
 
 Every kernel run also carries the traffic model's bytes for its shapes and plan (`pallas_kernels/traffic.py`:
 model_bytes, model_ideal_bytes, traffic_model) and, when timed with the ceilings known, the model's time at
@@ -1097,7 +1098,8 @@ def _stacked_pool(ctx, L: int, P: int, H: int, B: int, K: int, C: int, R: int, s
     return rec
 
 
-# Probes of the Mosaic GPU decode, one head block (H 64: no cluster), one split, B 1, K 32: each isolates a stage.
+# Probes of the Mosaic GPU decode, one head block (H 64: no cluster), one split, B 1 (2 where named), K 32: each
+# isolates a stage.
 # (name, pool, what the queries are, valid slots); `_mosaic_probe` says what each one's answer must be.
 MOSAIC_PROBES = (
     ("one valid row", "bf16", "random", 1),  # softmax over one row: the output is that row's latent (copy + values)
@@ -1105,6 +1107,8 @@ MOSAIC_PROBES = (
     ("rope scores only", "bf16", "rope", 32),  # q_lat = 0: the rope MMA and the softmax
     ("latent scores only", "bf16", "latent", 32),  # q_rope = 0: the latent MMAs, the warpgroups' score exchange
     ("random, half the slots valid", "bf16", "random", 16),
+    # two sequences: the kernel stores its registers to the outputs at (split, b, heads) offsets; B 1 hides a wrong one
+    ("random, two sequences", "bf16", "random", 32),
     ("one valid row, fp8 pool", "fp8", "random", 1),  # the fp8 conversion (and its scale rows) alone
 )
 
@@ -1118,7 +1122,7 @@ def _mosaic_probe(ctx, name: str, pool: str, queries: str, n_valid: int, seed: i
     rec = {"kernel": "sparse_mla_decode", "backend": "mosaic", "variant": f"probe: {name}", "pool": pool}
     if (why := mosaic_unavailable_reason()) is not None:
         return dict(rec, passed=True, skipped=why)
-    B, H, C, R, K = 1, 64, 512, 64, 32
+    B, H, C, R, K = 2 if "two sequences" in name else 1, 64, 512, 64, 32
     args, kw, _, _, _ = _mla_case(seed, B, H, C, R, K, pool, jnp.bfloat16)
     q_lat, q_rope, latent, rope, page, row, valid = args
     v = np.zeros((B, K), bool)
