@@ -1023,9 +1023,7 @@ def section_kernel_mla_mosaic(ctx: Ctx) -> dict:
     """The Mosaic GPU decode in its own process: a fault there (an illegal address poisons the CUDA context) costs
     no other kernel's result."""
     c = ctx.with_sizes(kernels_time=False) if ctx.interpret else ctx  # interpreted: its timing loop is a slow compile
-    out = _run_variants(c, _mla_plan(ctx, mosaic=True))
-    ctx.record.update(c.record)
-    return dict(out, convention=KERNEL_CONVENTION)
+    return dict(_run_variants(c, _mla_plan(ctx, mosaic=True)), convention=KERNEL_CONVENTION)
 
 
 def _stacked_pool(ctx, L: int, P: int, H: int, B: int, K: int, C: int, R: int, seed: int) -> dict:
@@ -1098,22 +1096,21 @@ def _stacked_pool(ctx, L: int, P: int, H: int, B: int, K: int, C: int, R: int, s
     return rec
 
 
-# Probes of the Mosaic GPU decode, one head block (H 64: no cluster), one split, B 1 (2 where named), K 32: each
-# isolates a stage.
-# (name, pool, what the queries are, valid slots); `_mosaic_probe` says what each one's answer must be.
+# Probes of the Mosaic GPU decode, one head block (H 64: no cluster), one split, K 32: each isolates a stage.
+# (name, pool, what the queries are, valid slots, sequences)
 MOSAIC_PROBES = (
-    ("one valid row", "bf16", "random", 1),  # softmax over one row: the output is that row's latent (copy + values)
-    ("uniform scores", "bf16", "zero", 32),  # q = 0: every score 0, the output is the mean of the rows (values, sums)
-    ("rope scores only", "bf16", "rope", 32),  # q_lat = 0: the rope MMA and the softmax
-    ("latent scores only", "bf16", "latent", 32),  # q_rope = 0: the latent MMAs, the warpgroups' score exchange
-    ("random, half the slots valid", "bf16", "random", 16),
-    # two sequences: the kernel stores its registers to the outputs at (split, b, heads) offsets; B 1 hides a wrong one
-    ("random, two sequences", "bf16", "random", 32),
-    ("one valid row, fp8 pool", "fp8", "random", 1),  # the fp8 conversion (and its scale rows) alone
+    ("one valid row", "bf16", "random", 1, 1),  # softmax over one row: the output is that row's latent (copy + values)
+    ("uniform scores", "bf16", "zero", 32, 1),  # q = 0: every score 0, the output is the rows' mean (values, sums)
+    ("rope scores only", "bf16", "rope", 32, 1),  # q_lat = 0: the rope MMA and the softmax
+    ("latent scores only", "bf16", "latent", 32, 1),  # q_rope = 0: the latent MMAs, the warpgroups' score exchange
+    ("random, half the slots valid", "bf16", "random", 16, 1),
+    # the kernel stores its registers to the outputs at (split, b, heads) offsets: one sequence hides a wrong one
+    ("random, two sequences", "bf16", "random", 32, 2),
+    ("one valid row, fp8 pool", "fp8", "random", 1, 1),  # the fp8 conversion (and its scale rows) alone
 )
 
 
-def _mosaic_probe(ctx, name: str, pool: str, queries: str, n_valid: int, seed: int) -> dict:
+def _mosaic_probe(ctx, name: str, pool: str, queries: str, n_valid: int, B: int, seed: int) -> dict:
     from functools import partial
 
     from pallas_kernels.backends import mosaic_unavailable_reason
@@ -1122,7 +1119,7 @@ def _mosaic_probe(ctx, name: str, pool: str, queries: str, n_valid: int, seed: i
     rec = {"kernel": "sparse_mla_decode", "backend": "mosaic", "variant": f"probe: {name}", "pool": pool}
     if (why := mosaic_unavailable_reason()) is not None:
         return dict(rec, passed=True, skipped=why)
-    B, H, C, R, K = 2 if "two sequences" in name else 1, 64, 512, 64, 32
+    H, C, R, K = 64, 512, 64, 32
     args, kw, _, _, _ = _mla_case(seed, B, H, C, R, K, pool, jnp.bfloat16)
     q_lat, q_rope, latent, rope, page, row, valid = args
     v = np.zeros((B, K), bool)
@@ -1152,13 +1149,10 @@ def _mosaic_probe(ctx, name: str, pool: str, queries: str, n_valid: int, seed: i
 def section_mosaic_probes(ctx: Ctx) -> dict:
     """The Mosaic GPU decode on inputs that isolate its stages (`MOSAIC_PROBES`), after everything else: it was
     wrong on an H200 (relative error ~1) while interpret mode matched; which probes fail says where."""
-    plan = [(f"mosaic probe: {name}", lambda c, a=(name, pool, q, n), i=i: _mosaic_probe(c, *a, 400 + i))
-            for i, (name, pool, q, n) in enumerate(MOSAIC_PROBES)
+    plan = [(f"mosaic probe: {probe[0]}", lambda c, probe=probe, i=i: _mosaic_probe(c, *probe, 400 + i))
+            for i, probe in enumerate(MOSAIC_PROBES)
             if ctx.sz["mosaic_probes"] is None or i < ctx.sz["mosaic_probes"]]
-    c = ctx.with_sizes(kernels_time=False)
-    out = _run_variants(c, plan)
-    ctx.record.update(c.record)
-    return out
+    return _run_variants(ctx.with_sizes(kernels_time=False), plan)
 
 
 def section_mla_big_pool(ctx: Ctx) -> dict:
@@ -1233,8 +1227,7 @@ def section_compile(ctx: Ctx) -> dict:
         ("sparse_mla_decode bf16 mosaic H=128 (cluster of 2)",
          lambda c: _kernel_mla(c, 128, "bf16", "bf16", 8, "mosaic")),
     ]
-    out = _run_variants(tiny, plan)
-    ctx.record.update(tiny.record)
+    out = _run_variants(tiny, plan)  # (`with_sizes` shares the section's record)
     return dict(out, shapes=dict(TINY), pallas=pallas)
 
 # ----- section: fetch ---------------------------------------------------------------------------------

@@ -474,7 +474,7 @@ def record_traces(model, sequences, start: int):
     from hisparse_jax.kv.dense import DenseKV
 
     backend = DenseKV(topk=model.cfg.index_topk, index_dtype=model.index_dtype)
-    steps = _run_decode(model, sequences, start, backend, {}, with_nll=False)["topk"]  # [LI, n, K] per step
+    steps = run_decode(model, sequences, start, backend, {}, with_nll=False)["topk"]  # [LI, n, K] per step
     lens = [len(p) for p in sequences]
     traces = [[[] for _ in sequences] for _ in model.cfg.full_indexer_layers]
     for i, tk in enumerate(steps):
@@ -572,7 +572,7 @@ def record_ranked_traces(model, sequences, start: int, margin: int, *, with_nll:
     K = cfg.index_topk
     W = min(K + margin, L)
     backend = RankingKV(topk=K, index_dtype=model.index_dtype, margin=margin)
-    out = _run_decode(model, sequences, start, backend, {
+    out = run_decode(model, sequences, start, backend, {
         "rank_order": jnp.zeros((cfg.num_indexer_layers, n, W), jnp.int32),
         "rank_scores": jnp.zeros((cfg.num_indexer_layers, n, L), jnp.float32)}, with_nll)
     LI = cfg.num_indexer_layers
@@ -597,7 +597,7 @@ def record_ranked_traces(model, sequences, start: int, margin: int, *, with_nll:
     return traces
 
 
-def _run_decode(model, sequences, start: int, backend, extra: dict, with_nll: bool) -> dict:
+def run_decode(model, sequences, start: int, backend, extra: dict, with_nll: bool) -> dict:
     """Teacher-force `sequences` (one batch) with `decode_step` over `backend` whose carry is `init_dense_kv`'s
     plus `extra` arrays; returns per step t >= start the host copies of the extra arrays and the top-k, and the
     next-token loss at every position."""

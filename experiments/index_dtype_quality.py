@@ -29,7 +29,6 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 FORMATS = {"exact": None, "fp8": "fp8", "int4": "int4"}  # name in the results -> SparseMLAModel(index_dtype=...)
 
 
@@ -72,33 +71,24 @@ def recall(mine: np.ndarray, ref: np.ndarray, k: int) -> list[float]:
 
 
 def main(argv=None) -> int:
+    from experiments import held_out
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="stdlib-dsa", help="a shipped checkpoint's name or a checkpoint folder")
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
-    p.add_argument("--sequences", type=int, default=4, help="held-out windows (default 4)")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per window (default 2048)")
-    p.add_argument("--trace-start", type=int, default=512, help="first decode position traced (default 512)")
+    held_out.add_arguments(p)
     p.add_argument("--warmup", type=int, default=16, help="steps of each trace not counted (cold buffer)")
-    p.add_argument("--quick", action="store_true", help="2 short windows (tests / smoke)")
     a = p.parse_args(argv)
     if a.quick:
         a.sequences, a.seq_len, a.trace_start, a.warmup = 2, 320, 160, 4
-    if a.sequences < 1 or a.seq_len < 2 or not 0 <= a.trace_start < a.seq_len or a.warmup < 0:
-        p.error("need --sequences >= 1, --seq-len >= 2, 0 <= --trace-start < --seq-len and --warmup >= 0")
+    held_out.check(p, a)
+    if a.warmup < 0:
+        p.error("need --warmup >= 0")
 
     import jax
 
     import hisparse_jax as hj
     from experiments.locality import mean_over_layers, trace_study
-    from hisparse_jax import checkpoints
-    from hisparse_jax.train import data
 
-    try:
-        folder = checkpoints.resolve(a.model)
-    except (ValueError, FileNotFoundError) as e:
-        p.error(f"--model: {e}")
-    _, held, info = data.load_corpus()
-    windows = data.fixed_windows(held, a.seq_len + 1, a.sequences)
+    folder, windows, info = held_out.load(p, a)
     t0 = time.perf_counter()
     cfg = None
     per, tops = {}, {}
@@ -120,7 +110,7 @@ def main(argv=None) -> int:
         per[name]["recall_vs_exact_per_index_layer"] = recall(tops[name], tops["exact"], k)
         per[name]["ppl_over_fp8"] = per[name]["ppl_sparse"] / per["fp8"]["ppl_sparse"]
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "jax": jax.__version__,
-           "model": a.model if a.model in checkpoints.SHIPPED else os.path.relpath(folder), "corpus": info.to_json(),
+           "model": held_out.model_name(a, folder), "corpus": info.to_json(),
            "settings": {key: getattr(a, key) for key in ("sequences", "seq_len", "trace_start", "warmup")},
            "index_topk": k, "index_head_dim": cfg.index_head_dim, "index_heads": cfg.index_n_heads,
            "key_bytes_per_token_per_index_layer": key_bytes(cfg.index_head_dim), "formats": per,

@@ -35,7 +35,6 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 FP8_ROW = 656  # bytes of one DeepSeek fp8 KV row (512 e4m3 + 4 scales + 64 bf16 rope)
 RANKS = ("bound", "mean")  # budgeted mode's block ranking (`reference.HOST_INDEX_RANKS`)
 
@@ -45,10 +44,9 @@ FRACTIONS = (0.0625, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # budget
 
 def record(model, sequences, start: int, blocks: list[int]) -> dict:
     """Per block size: live, exact-mode reads and budgeted recall at every traced step, per index layer."""
-    import jax
     import jax.numpy as jnp
 
-    from experiments.hot_buffer_policies import _run_decode
+    from experiments.hot_buffer_policies import run_decode
     from hisparse_jax.kv.dense import DenseKV
     from hisparse_jax.kv.dense import index_select_reference
     from pallas_kernels.indexer_topk.reference import host_index_select_reference
@@ -84,7 +82,7 @@ def record(model, sequences, start: int, blocks: list[int]) -> dict:
     TierKV = dataclasses.make_dataclass("TierKV", [], bases=(DenseKV,), frozen=True, namespace={"select": select})
     backend = TierKV(topk=K, index_dtype=model.index_dtype)
     extra = {f"tier_{bs}": jnp.zeros((LI, n, 3 + len(RANKS) * len(b)), jnp.float32) for bs, b in plan.items()}
-    out = _run_decode(model, sequences, start, backend, extra, False)
+    out = run_decode(model, sequences, start, backend, extra, False)
     lens = np.array([len(p) for p in sequences])
     res = {}
     for bs, budgets in plan.items():
@@ -152,7 +150,7 @@ def plot(out: dict, path: str) -> None:
     sizes = " / ".join(out["summary"])
     ax.text(0.02, 0.96, f"star: exact mode's reads, blocks of {sizes}: " + " / ".join(
         f"{100 * s['exact_fraction_read']:.0f} %" for s in out["summary"].values()) + "\n"
-        f"x: blocks holding a top-k position: " + " / ".join(
+        "x: blocks holding a top-k position: " + " / ".join(
         f"{100 * s['topk_fraction_of_blocks']:.0f} %" for s in out["summary"].values()),
         transform=ax.transAxes, va="top", fontsize=8)
     ax.set_xlabel("fraction of the key history read per step and layer")
@@ -165,42 +163,34 @@ def plot(out: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
+    from experiments import held_out
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="stdlib-dsa", help="a shipped checkpoint's name or a checkpoint folder")
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
-    p.add_argument("--sequences", type=int, default=4, help="held-out sequences (default 4)")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument("--trace-start", type=int, default=512, help="first decode position recorded (default 512)")
+    held_out.add_arguments(p)
     p.add_argument("--blocks", default="16,64", help="key-block sizes, comma-separated (default 16,64)")
-    p.add_argument("--quick", action="store_true", help="2 short sequences (tests / smoke)")
     a = p.parse_args(argv)
     if a.quick:
         a.sequences, a.seq_len, a.trace_start = 2, 320, 192
-    blocks = sorted({int(x) for x in a.blocks.split(",") if x})
+    held_out.check(p, a)
+    try:
+        blocks = sorted({int(x) for x in a.blocks.split(",") if x})
+    except ValueError:
+        blocks = []
     if not blocks or any(b <= 0 for b in blocks):
-        p.error(f"--blocks: positive sizes, got {a.blocks!r}")
-    if a.trace_start >= a.seq_len:
-        p.error(f"--trace-start {a.trace_start} must be below --seq-len {a.seq_len}")
+        p.error(f"--blocks: positive sizes, comma-separated, got {a.blocks!r}")
 
     import jax
 
     import hisparse_jax as hj
-    from hisparse_jax import checkpoints
-    from hisparse_jax.train import data
 
-    try:
-        folder = checkpoints.resolve(a.model)
-    except (ValueError, FileNotFoundError) as e:
-        p.error(f"--model: {e}")
+    folder, windows, info = held_out.load(p, a)
     model = hj.load_pretrained(folder)
-    _, held, info = data.load_corpus()
-    windows = data.fixed_windows(held, a.seq_len + 1, a.sequences)
     t0 = time.perf_counter()
     print(f"recording {a.sequences} x {a.seq_len} tokens from position {a.trace_start}, blocks {blocks} ...",
           file=sys.stderr, flush=True)
     res = record(model, [list(w) for w in windows], a.trace_start, blocks)
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "jax": jax.__version__,
-           "model": a.model if a.model in checkpoints.SHIPPED else os.path.relpath(folder), "corpus": info.to_json(),
+           "model": held_out.model_name(a, folder), "corpus": info.to_json(),
            "k": model.cfg.index_topk, "index_heads": model.cfg.index_n_heads, "index_dim": model.cfg.index_head_dim,
            "settings": {"sequences": a.sequences, "seq_len": a.seq_len, "trace_start": a.trace_start,
                         "blocks": blocks},

@@ -486,8 +486,8 @@ def capacity(inp: CalcInput) -> CalcResult:
         kv_pages = -(-inp.hot_rows // PAGE_SIZE) + inp.retained + inp.other
         bb = BlockBytes(bb.baseline, bb.host, bb.host)
         per_req = kv_pages + math.ceil(n * PAGE_SIZE * summary / bb.host)
-        host_block = bb.host + PAGE_SIZE * lay.full_layers * lay.indexer_row
-        idx_h2d = inp.index_read_fraction * n * PAGE_SIZE * lay.full_layers * lay.indexer_row
+        host_block = bb.host + lay.indexer_page  # a page of KV rows and of keys
+        idx_h2d = inp.index_read_fraction * n * lay.indexer_page
     elif inp.layout == "split":  # blocks = indexer pages; a KV page of all layers is bb.host bytes of them
         bb = BlockBytes(bb.baseline, lay.indexer_page, bb.host)
         kv_pages = -(-inp.hot_rows // PAGE_SIZE) + inp.retained + inp.other
@@ -653,6 +653,8 @@ def _table(r: CalcResult) -> str:
     host = "unlimited" if r.hisparse_host_limit is None else f"{r.hisparse_host_limit:,}"
     per_layer = r.indexer_bytes_per_token_layer
     idx = f"{r.index_dtype}" + ("" if per_layer is None else f": {per_layer} B / token / full layer")
+    if r.index_tier == "host":
+        idx = f"host tier ({idx}); GPU summary {r.index_summary_bytes_per_token:g} B / token"
     h2d = (f"{r.h2d_bytes_per_step / 1e6:,.1f} MB ({r.h2d_bytes_per_request_step / 1e6:,.2f} MB / request), "
            f"{r.h2d_ms_per_step:,.2f} ms at {r.link_gb_per_s:g} GB/s")
     rows = [("", "baseline", "HiSparse"),
@@ -668,8 +670,6 @@ def _table(r: CalcResult) -> str:
             ("H2D / decode step", "0", h2d),
             ("  assuming", "", f"hit rate {r.hit_rate:.3f} ({r.hit_rate_source}), top-k {r.top_k:,}")]
     if r.index_tier == "host":
-        rows[9] = ("indexer B / token", f"{r.indexer_bytes_per_token:,}",
-                    f"host tier ({idx}); GPU summary {r.index_summary_bytes_per_token:g} B / token")
         rows.append(("  of which indexer keys", "", f"{r.index_h2d_bytes_per_request_step / 1e6:,.2f} MB / request "
                      f"(read fraction {r.index_read_fraction:g})"))
     head = (f"preset {get_preset(i.preset).name}  {i.gpu} DP{i.dp} TP{i.tp} {'EP' if i.ep else 'no-EP'}  "

@@ -69,6 +69,11 @@ def index_key_bytes(key_dtype, index_dim: int) -> int:
     return index_dim * kb + (F32 if kb == 1 else 0)
 
 
+def _quantized_keys(key_dtype) -> bool:
+    """fp8 or MXFP4 (int4) indexer keys: the kernels quantize the query as the keys are."""
+    return str(key_dtype) == "int4" or dtype_bytes(key_dtype) == 1
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -200,7 +205,7 @@ def indexer_topk_traffic(batch: int, index_heads: int, index_dim: int, seq_len: 
     is total <= 2.5 x that at 128K).
     """
     B, I, D, K = batch, index_heads, index_dim, topk
-    quantized = str(key_dtype) == "int4" or dtype_bytes(key_dtype) == 1  # fp8 / MXFP4 keys: q quantized as they are
+    quantized = _quantized_keys(key_dtype)  # fp8 / MXFP4 keys: q quantized as they are
     key_bytes = index_key_bytes(key_dtype, D)
     qb_in = dtype_bytes(query_dtype)
     qb = 2 if (quantized or (qb_in == 2 and dtype_bytes(key_dtype) == 2)) else 4  # kernel-side q: bf16 or f32
@@ -276,7 +281,7 @@ def indexer_topk_mosaic_traffic(batch: int, index_heads: int, index_dim: int, se
     from pallas_kernels.indexer_topk.kernel_mosaic import HEADS, PAGES_PER_BLOCK as PPB
 
     B, I, D, K = batch, index_heads, index_dim, topk
-    quantized = str(key_dtype) == "int4" or dtype_bytes(key_dtype) == 1
+    quantized = _quantized_keys(key_dtype)  # fp8 / MXFP4 keys: q quantized as they are
     key_bytes = index_key_bytes(key_dtype, D)
     qb_in = dtype_bytes(query_dtype)
     T = 3 if (qb_in == 4 and not quantized) else 1

@@ -103,3 +103,15 @@ def test_index_tier_experiment_runs(tmp_path):
         for rank in ("bound", "mean"):
             rec = s[rank]["recall_by_fraction_read"]
             assert rec["1.0"] == 1.0 and all(0 <= v <= 1 for v in rec.values()), (bs, rank, rec)
+
+
+@pytest.mark.parametrize("argv, match", [(["--blocks", "16,x"], "--blocks: positive sizes"),
+                                         (["--blocks", "0"], "--blocks: positive sizes"),
+                                         (["--sequences", "0"], "need --sequences >= 1"),
+                                         (["--trace-start", "4096"], "0 <= --trace-start < --seq-len")])
+def test_index_tier_refuses_bad_options(argv, match, capsys):
+    from experiments import index_tier
+
+    with pytest.raises(SystemExit) as e:
+        index_tier.main(argv)
+    assert e.value.code == 2 and match in capsys.readouterr().err

@@ -151,7 +151,6 @@ def host_index_select_reference(q, w, k, valid, topk: int, block: int, budget: i
         raise ValueError(f"rank must be one of {HOST_INDEX_RANKS}, got {rank!r}")
     B, S, _ = k.shape
     nb = S // block
-    kmin, kmax = key_block_bounds(k, block)
     live = valid.reshape(B, nb, block).any(-1)
     if budget is not None and rank == "mean":
         kb = k.astype(jnp.float32).reshape(B, nb, block, -1)
@@ -159,7 +158,7 @@ def host_index_select_reference(q, w, k, valid, topk: int, block: int, budget: i
         mean = (kb * vb).sum(-2) / jnp.maximum(vb.sum(-2), 1)
         bound = index_scores(q[:, None], w[:, None], mean)[:, 0]
     else:
-        bound = block_score_bound(q[:, None], w[:, None], kmin, kmax)[:, 0]  # [B, NB]
+        bound = block_score_bound(q[:, None], w[:, None], *key_block_bounds(k, block))[:, 0]  # [B, NB]
     bound = jnp.where(live, bound, -jnp.inf)
     scores = index_scores(q[:, None], w[:, None], k)[:, 0]  # [B, S]
     if budget is None:

@@ -3,14 +3,16 @@
 Same signature and math as `reference.sparse_mla_decode_reference`. One CUDA block per (sequence, block of
 64 heads, split of the top-k), two warpgroups (`wg` 0 and 1), each owning half of the 512 latent columns.
 Neighbouring head blocks of one sequence and split form a cluster of 2 (`head_cluster`: H = 128 is one
-cluster) that reads every selected row from HBM once: each row copy is issued by both blocks as one
-multicast TMA copy (each block fetches half of the row and both receive all of it).
+cluster) that reads every selected row's latent from HBM once: each latent copy is issued by both blocks as one
+multicast TMA copy (each block fetches half of the row and both receive all of it). The rope, the fp8 scales and
+the addresses are copied by each block: a block's half of them would land off TMA's 128-byte shared-memory
+alignment (`TMA_ALIGN`).
 
     start      WG 0 copies the block's 64 query heads (latent per 128-column chunk, rope per 32-column
-               chunk) and the split's row addresses (multicast) to shared memory, then issues the first
+               chunk) and the split's row addresses to shared memory, then issues the first
                row block's copies.
-    per block of BK = 32 rows (by its address, one TMA copy per row of the latent and of the rope, both
-    multicast; fp8: one copy of the row's C / 128 scales, per block, 16 bytes; an invalid slot's address
+    per block of BK = 32 rows (by its address, one TMA copy per row of the latent, multicast, and of the rope;
+    fp8: one copy of the row's C / 128 scales into a 128-byte row of its own, 16 bytes; an invalid slot's address
     is one past the pool, so TMA fills that row with zeros and reads nothing):
       convert  each WG moves its columns of the raw rows into swizzled bf16 tiles, one per 128-column
                chunk (fp8: times the row's scale of that chunk); WG 0 also the rope part. Both WGs of
@@ -29,14 +31,14 @@ multicast TMA copy (each block fetches half of the row and both receive all of i
                rounding a bf16 model applies before W_UV anyway). The blocks of a cluster then meet at a
                cluster barrier, so none exits while its peer may still write into it.
 
-So each selected row is read once per 128 heads (per 64 when the head blocks do not pair up: H <= 64, or
-an odd number of 64-head blocks). Addresses are (row of the flattened [L * P * 64, *] pool) TMA
+So each selected row's latent is read once per 128 heads (per 64 when the head blocks do not pair up: H <= 64,
+or an odd number of 64-head blocks), its rope and scales once per 64. Addresses are (row of the flattened [L * P * 64, *] pool) TMA
 coordinates, so pools of any byte size are addressed with 64-bit offsets; the flattened row count (and
 fp8 scale count) must stay below 2^31 (checked). A split holds at most MAX_STEPS row blocks (its
 addresses live in shared memory); a long top-k gets more splits.
 
 Shared memory at C = 512, R = 64 (bf16 pools): q 72 KB, raw rows 36 KB, bf16 tiles 36 KB, score exchange
-32 KB, p 8 KB, addresses <= 16 KB, fp8 scales 0.5 KB: <= 201 KB of the 227 KB. Every MMA operand is
+32 KB, p 8 KB, addresses <= 16 KB, fp8 scales 4 KB (128-byte rows): <= 205 KB of the 227 KB. Every MMA operand is
 64-byte swizzled (`SWIZZLE`): a warpgroup MMA needs both operands swizzled alike and p, [64, 32] bf16, has
 64-byte rows.
 
@@ -121,8 +123,9 @@ def _body(q_lat_ref, q_rope_ref, addr_ref, lat_ref, rope_ref, *rest, tau: float,
      q_bar, idx_bar, loaded, consumed, exchange, *done) = scratch  # done: with a cluster only
     b, split = lax.axis_index("b"), lax.axis_index("s")
     hb = lax.axis_index("h") * cluster + lax.axis_index("c")  # this block's 64 heads
-    # The blocks of a cluster (neighbouring head blocks of one sequence and split) read the same rows: each row copy
-    # is issued by all of them and multicast (each block fetches its share and every block receives the whole row)
+    # The blocks of a cluster (neighbouring head blocks of one sequence and split) read the same rows: each latent
+    # copy is issued by all of them and multicast (each block fetches its share and every block receives the whole
+    # row); the copies not in MULTICAST each block makes itself
     shared = "c" if cluster > 1 else None
 
     def multicast(name):  # the cluster axis for the copies in MULTICAST, else None (each block its own copy)
