@@ -5,6 +5,8 @@ log (JSON: every logged step, the held-out evaluation after each stage, the corp
 
     python experiments/train_locality_model.py                       # the shipped checkpoint's recipe
     python experiments/train_locality_model.py --recipe smoke --out /tmp/m   # a few steps (the test's run)
+    python experiments/train_locality_model.py --init hisparse_jax/checkpoints/stdlib-dsa --first-stage 5
+                                       # from the shipped weights, only the MTP stages (the log keeps stages 1-4)
 
 Progress goes to stderr, one line per logged step.
 """
@@ -33,21 +35,42 @@ def main(argv=None) -> int:
                    "stage's seq_len)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--init", default="", metavar="FOLDER",
+                   help="start from this checkpoint's weights (its MTP layer too when it has one) instead of random ones")
+    p.add_argument("--first-stage", type=int, default=1, metavar="N",
+                   help="run the recipe from its stage N (1-based; default 1); needs --init, whose training_log.json "
+                        "must hold stages 1..N-1 of the same recipe (they are kept in the new log)")
     a = p.parse_args(argv)
+    n_stages = len(RECIPES[a.recipe])
+    if not 1 <= a.first_stage <= n_stages:
+        p.error(f"argument --first-stage: must be 1..{n_stages} (recipe {a.recipe} has {n_stages} stages)")
+    if a.first_stage > 1 and not a.init:
+        p.error("argument --first-stage: needs --init (the weights the skipped stages trained)")
 
     import jax
     from flax import nnx
 
+    from hisparse_jax.config import ModelConfig
+
     from hisparse_jax.model.decoder import SparseMLAModel
-    from hisparse_jax.model.weights import save_pretrained
+    from hisparse_jax.model.weights import load_pretrained, save_pretrained
     from hisparse_jax.train import data, dsa
     from hisparse_jax.train.recipe import STDLIB_DSA
 
     stages = RECIPES[a.recipe]
+    skipped = stages[:a.first_stage - 1]
+    earlier = initial_log(a.init, a.recipe, skipped) if a.init else None
     train, held, info = data.load_corpus()
+    if earlier and earlier["corpus"]["sha256"] != info.sha256:
+        sys.exit(f"--init {a.init}: its stages were trained on another corpus (SHA-256 {earlier['corpus']['sha256']}"
+                 f", this interpreter's is {info.sha256})")
     eval_len = a.eval_len or stages[-1].seq_len
     windows = data.fixed_windows(held, eval_len + 1, a.eval_windows)
-    model = SparseMLAModel(STDLIB_DSA, rngs=nnx.Rngs(a.seed))
+    with_mtp = any(sc.stage in dsa.MTP_STAGES for sc in stages)
+    model = SparseMLAModel(STDLIB_DSA, rngs=nnx.Rngs(a.seed), mtp=with_mtp)
+    if a.init:  # every parameter the checkpoint has (the MTP layer's only if it has one)
+        init = load_pretrained(a.init, mtp=with_mtp and ModelConfig.from_hf_config(a.init).num_nextn_predict_layers > 0)
+        nnx.update(model, nnx.state(init, nnx.Param))
     n_params = sum(int(x.size) for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
     print(f"corpus: {info.train_files} training files ({info.train_bytes:,} bytes), {info.held_out_files} held out "
           f"({info.held_out_bytes:,} bytes), Python {info.python}; model: {n_params:,} parameters", file=sys.stderr)
@@ -55,6 +78,10 @@ def main(argv=None) -> int:
            "config": STDLIB_DSA.to_hf_config(), "stages": [], "steps": [],
            "jax": jax.__version__, "python": platform.python_version(), "machine": platform.platform(),
            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if earlier:
+        log.update(stages=earlier["stages"][:len(skipped)], init=a.init, first_stage=a.first_stage,
+                   steps=[r for rows in stage_rows(earlier["steps"])[:len(skipped)] for r in rows],
+                   earlier_wall_s=sum(st["wall_s"] for st in earlier["stages"][:len(skipped)]))
     t_all = time.perf_counter()
 
     def show(row):
@@ -63,9 +90,13 @@ def main(argv=None) -> int:
               f"kl {row['kl']:.4f}) {row['s_per_step']:.2f} s/step", file=sys.stderr, flush=True)
 
     for i, sc in enumerate(stages):
+        if i < len(skipped):
+            continue
         print(f"stage {i + 1}/{len(stages)}: {sc.stage}, {sc.steps} steps of {sc.batch} x {sc.seq_len} tokens",
               file=sys.stderr, flush=True)
         t0 = time.perf_counter()
+        if sc.stage in dsa.MTP_STAGES and not any(st["stage"] in dsa.MTP_STAGES for st in log["stages"]):
+            dsa.init_mtp_head(model)
         batches = data.random_windows(train, sc.seq_len + 1, sc.batch, seed=a.seed * 1000 + i)
         dsa.train_stage(model, sc, batches, log=show, log_every=a.log_every)
         ev = dsa.evaluate(model, windows, batch=1)
@@ -74,7 +105,11 @@ def main(argv=None) -> int:
         print(f"  held out: ppl dense {ev['ppl_dense']:.3f}, sparse {ev['ppl_sparse']:.3f} "
               f"(x{ev['sparse_over_dense_ppl']:.4f}), indexer recall {ev['recall_per_index_layer']}",
               file=sys.stderr, flush=True)
-    log["wall_s"] = time.perf_counter() - t_all
+        if "mtp" in ev:
+            print(f"  MTP held out: loss {ev['mtp']['loss']:.4f}, draft accuracy {ev['mtp']['draft_accuracy']:.3f}, "
+                  f"agreement with the main model {ev['mtp']['draft_agreement']:.3f}, indexer recall "
+                  f"{ev['mtp']['indexer_recall']:.3f}", file=sys.stderr, flush=True)
+    log["wall_s"] = time.perf_counter() - t_all + log.get("earlier_wall_s", 0.0)
     save_pretrained(model, a.out)
     log_path = a.log or os.path.join(a.out, "training_log.json")
     with open(log_path, "w") as f:
@@ -83,6 +118,25 @@ def main(argv=None) -> int:
         f.write(model_card(log))
     print(f"wrote {a.out} (checkpoint, README.md) and {log_path}", file=sys.stderr)
     return 0
+
+
+def initial_log(folder: str, recipe: str, skipped) -> dict:
+    """The training log of `--init FOLDER`, checked to hold the skipped stages of `recipe` (same configs, in
+    order); exits saying what differs otherwise."""
+    path = os.path.join(folder, "training_log.json")
+    try:
+        with open(path) as f:
+            log = json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"--init {folder}: cannot read its training log {path} ({e})")
+    if not skipped:
+        return log
+    done = [st["config"] for st in log.get("stages", [])][:len(skipped)]
+    want = [sc.__dict__ for sc in skipped]
+    if log.get("recipe") != recipe or done != want:
+        sys.exit(f"--init {folder}: its log ({path}, recipe {log.get('recipe')!r}) does not hold stages "
+                 f"1..{len(skipped)} of recipe {recipe!r}: {done} != {want}")
+    return log
 
 
 def stage_rows(steps: list[dict]) -> list[list[dict]]:
@@ -117,10 +171,31 @@ def model_card(log: dict) -> str:
     ]
     for st, rows in zip(log["stages"], stage_rows(log["steps"])):
         sc, ev = st["config"], st["eval"]
+        if "mtp" in ev:  # the MTP stages leave the main model as it was: their own table below
+            continue
         lines.append(f"| {sc['stage']} | {sc['steps']} | {sc['batch']} x {sc['seq_len']} | {sc['lr']:g} | "
                      f"{rows[-1]['loss']:.4f} | {ev['ppl_dense']:.3f} | {ev['ppl_sparse']:.3f} | "
                      f"{ev['sparse_over_dense_ppl']:.4f} | "
                      f"{', '.join(f'{r:.3f}' for r in ev['recall_per_index_layer'])} | {st['wall_s'] / 60:.1f} min |")
+    mtp = [(st, rows) for st, rows in zip(log["stages"], stage_rows(log["steps"])) if "mtp" in st["eval"]]
+    if mtp:
+        lines += [
+            "", "## The multi-token-prediction layer", "",
+            "One MTP layer (DeepSeek-V3's: the main model's final hidden state at t and the embedding of token t + 1 "
+            "-> one decoder layer with its own full indexer -> the token at t + 2), trained last with the main model "
+            "frozen, its output head starting as a copy of the main model's: first with dense attention "
+            "(`mtp_dense`), then over its indexer's top-k (`mtp_sparse`), as it drafts. Held out: the MTP loss on "
+            "the token two ahead; draft accuracy = its greedy draft is the data's token; agreement = its greedy "
+            "draft is the main model's greedy token there (what speculative decoding accepts, teacher-forced).", "",
+            "| stage | steps | batch x tokens | lr | final MTP loss (train) | held-out MTP loss | draft accuracy | "
+            "agreement with the main model | its indexer's recall | wall |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for st, rows in mtp:
+            sc, ev = st["config"], st["eval"]["mtp"]
+            lines.append(f"| {sc['stage']} | {sc['steps']} | {sc['batch']} x {sc['seq_len']} | {sc['lr']:g} | "
+                         f"{rows[-1]['lm']:.4f} | {ev['loss']:.4f} | {ev['draft_accuracy']:.3f} | "
+                         f"{ev['draft_agreement']:.3f} | {ev['indexer_recall']:.3f} | {st['wall_s'] / 60:.1f} min |")
     ev = log["stages"][-1]["eval"]
     lines += [
         "", "Losses are nats per byte. The stages are DeepSeek's for DSA: dense language modelling; an indexer "
@@ -131,6 +206,8 @@ def model_card(log: dict) -> str:
         f"holds, over queries that see more than {cfg['index_topk']} keys.", "",
         f"Evaluation: {ev['windows']} held-out windows of {ev['tokens_per_window']} bytes; sparse = the model's own "
         "forward (`model(ids)`, what prefill runs), dense = full causal attention.", "",
+        (f"Stages {log['first_stage']}.. ran from the weights of {log['init']} (`--init`, `--first-stage`). "
+         if "init" in log else "") +
         f"Trained in {log['wall_s'] / 60:.1f} min on {log['machine']} (CPU), jax {log['jax']}, Python "
         f"{log['python']}, seed {log['seed']}; the full log is `training_log.json` beside this card.", "",
     ]

@@ -12,6 +12,7 @@ import pytest
 
 from hisparse_jax import checkpoints
 from hisparse_jax.config import ModelConfig
+from hisparse_jax.model.mtp import mtp_forward
 from hisparse_jax.train import data
 from hisparse_jax.train.recipe import STDLIB_DSA
 
@@ -31,21 +32,30 @@ def test_shipped_checkpoint_is_the_recipes_model_and_fits_the_budget():
     assert ModelConfig.from_hf_config(folder) == STDLIB_DSA
     size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
     assert size <= 25 * 2 ** 20, size
-    model = checkpoints.load()
+    model = checkpoints.load(mtp=True)
     ids = jnp.asarray(data.fixed_windows(data.load_corpus()[1], 96, 1))
-    assert np.isfinite(np.asarray(model(ids))).all()
+    logits, aux = model.forward(ids)
+    assert np.isfinite(np.asarray(logits)).all() and len(model.mtp) == 1
+    assert np.isfinite(np.asarray(mtp_forward(model, aux["hidden"][:, :-1], ids[:, 1:])[0])).all()
 
 
 def test_shipped_training_log_meets_the_bar():
     with open(os.path.join(checkpoints.path(), "training_log.json")) as f:
         log = json.load(f)
-    assert [s["stage"] for s in log["stages"]][-2:] == ["warmup", "sparse"]
+    assert [s["stage"] for s in log["stages"]][-4:] == ["warmup", "sparse", "mtp_dense", "mtp_sparse"]
     ev = log["stages"][-1]["eval"]
     assert ev["sparse_over_dense_ppl"] <= 1.05, ev  # the sparse model within 5% of its dense perplexity
     assert ev["ppl_dense"] < 8  # it learned the text (a byte model knowing nothing: 256)
+    # the MTP stages leave the main model as it was (the evaluation's program differs: float rounding only)
+    main = log["stages"][-3]["eval"]
+    assert set(ev) == set(main) | {"mtp"}
+    for k, v in main.items():
+        np.testing.assert_allclose(ev[k], v, rtol=1e-5, err_msg=k)
+    # its MTP layer drafts: a greedy draft is the main model's greedy token at least half the time (teacher-forced)
+    assert ev["mtp"]["draft_agreement"] >= 0.5, ev["mtp"]
     with open(os.path.join(checkpoints.path(), "README.md")) as f:
         card = f.read()
-    assert log["corpus"]["sha256"] in card and "| sparse |" in card
+    assert log["corpus"]["sha256"] in card and "| sparse |" in card and "| mtp_sparse |" in card
 
 
 def test_document_prompts_start_at_documents():

@@ -3,11 +3,13 @@ the value on stderr, no traceback, and no work started (`demo.run` / `calc.capac
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import pytest
 
-from hisparse_jax import calc, cli, demo
+from hisparse_jax import calc, checkpoints, cli, demo
 from hisparse_jax.engine.scheduler import POLICIES
 
 # {file}: a regular file; {dir}: an existing writable directory (both under tmp_path).
@@ -95,14 +97,20 @@ def test_demo_model_or_preset_not_both(no_work, capsys):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--speculative-tokens", "2"], "has no MTP layer to draft with"),  # the shipped checkpoint has none
+    (["--model", "{no_mtp}", "--speculative-tokens", "2"], "has no MTP layer to draft with"),
     (["--preset", "demo-glm", "--workload", "text"], "the prompts are bytes"),  # a 512-token vocabulary
 ])
-def test_demo_model_cannot_run_the_workload(capsys, argv, needle, monkeypatch):
-    """Valid arguments the model cannot serve: the demo's own error (exit 2, no usage) before any model is built."""
+def test_demo_model_cannot_run_the_workload(capsys, argv, needle, monkeypatch, tmp_path):
+    """Valid arguments the model cannot serve: the demo's own error (exit 2, no usage) before any model is built.
+    `{no_mtp}`: the shipped checkpoint's config without its MTP layer."""
     def refuse(*a, **k):
         raise AssertionError("a model was built")
 
+    with open(os.path.join(checkpoints.path(), "config.json")) as f:
+        config = json.load(f)
+    assert config["num_nextn_predict_layers"] == 1  # the shipped checkpoint drafts
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=0)))
+    argv = [a.replace("{no_mtp}", str(tmp_path)) for a in argv]
     monkeypatch.setattr(demo, "SparseMLAModel", refuse)
     monkeypatch.setattr(demo.checkpoints, "load", refuse)
     assert cli.main(["demo", *argv, "--plot", ""]) == 2

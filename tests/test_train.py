@@ -1,5 +1,5 @@
-"""Training (`hisparse_jax.train`): the corpus, the three DSA stages' objectives and freezing, and the training
-script's smoke recipe end to end (checkpoint loadable, card and log written)."""
+"""Training (`hisparse_jax.train`): the corpus, the three DSA stages' and the two MTP stages' objectives and
+freezing, and the training script's smoke recipe end to end (checkpoint loadable, card and log written)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from flax import nnx
 
 from hisparse_jax.config import ModelConfig
 from hisparse_jax.model.decoder import SparseMLAModel
+from hisparse_jax.model.mtp import mtp_forward
 from hisparse_jax.train import data, dsa
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,7 +26,7 @@ TINY = ModelConfig(
     num_attention_heads=2, q_lora_rank=16, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
     mlp_layer_types=("dense",) * 3, index_n_heads=2, index_head_dim=16, index_topk=8, indexer_rope_interleaved=True,
     indexer_types=("full", "shared", "full"), dtype="float32", bos_token_id=0, eos_token_id=(0,),
-    max_position_embeddings=4096)
+    max_position_embeddings=4096, num_nextn_predict_layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -94,21 +95,60 @@ def _params(model):
 
 @pytest.mark.parametrize("stage", dsa.STAGES)
 def test_each_stage_trains_only_its_parameters(corpus, stage):
-    model = SparseMLAModel(TINY, rngs=nnx.Rngs(0))
+    model = SparseMLAModel(TINY, rngs=nnx.Rngs(0), mtp=True)
     before = _params(model)
     sc = dsa.StageConfig(stage, steps=3, lr=1e-2, batch=2, seq_len=24, warmup_steps=1)
     rows = dsa.train_stage(model, sc, data.random_windows(corpus[0], 25, 2, seed=2), log_every=1)
     assert [r["step"] for r in rows] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in rows)
     after = _params(model)
     changed = {k for k in before if not np.array_equal(before[k], after[k])}
-    indexer = {k for k in before if "indexer" in k}
-    assert indexer and changed
+    mtp = {k for k in before if k[0] == "mtp"}
+    indexer = {k for k in before if "indexer" in k} - mtp
+    mtp_indexer = {k for k in mtp if "indexer" in k}
+    assert indexer and mtp_indexer and changed
     if stage == "dense":
-        assert not changed & indexer
+        assert not changed & (indexer | mtp)
     elif stage == "warmup":
         assert changed <= indexer and rows[-1]["lm"] > 0
-    else:
-        assert changed & indexer and changed - indexer
+    elif stage == "sparse":
+        assert changed & indexer and changed - indexer - mtp and not changed & mtp
+    else:  # the main model frozen; the MTP layer and its indexer learn
+        assert changed <= mtp and changed & mtp_indexer and changed - mtp_indexer and rows[-1]["kl"] > 0
+
+
+def test_mtp_training_forward_is_the_drafting_forward(corpus):
+    """The "mtp_sparse" stage trains what speculative decoding drafts with: its MTP logits are `mtp_forward`'s on
+    the main model's own hidden states, its main logits the model's; the dense stage differs (dense attention)."""
+    model = SparseMLAModel(TINY, rngs=nnx.Rngs(5), mtp=True)
+    ids = jnp.asarray(next(data.random_windows(corpus[0], 41, 2, seed=4)))
+    main, draft, aux = dsa.mtp_train_forward(model, ids, stage="mtp_sparse", recall=True)
+    logits, maux = model.forward(ids[:, :-1])
+    want, _ = mtp_forward(model, maux["hidden"][:, :-1], ids[:, 1:-1])
+    np.testing.assert_array_equal(np.asarray(main), np.asarray(logits))
+    np.testing.assert_array_equal(np.asarray(draft), np.asarray(want))
+    assert draft.shape == (2, 39, 256) and aux["kl"].shape == aux["recall"].shape == (1,)
+    dense = dsa.mtp_train_forward(model, ids, stage="mtp_dense")[1]
+    assert not np.allclose(np.asarray(dense), np.asarray(draft))
+    loss, metrics = dsa.stage_loss(model, ids, "mtp_sparse")
+    np.testing.assert_allclose(float(metrics["lm"]), float(dsa.lm_loss(draft, ids[:, 2:])), rtol=1e-6)
+    with pytest.raises(ValueError, match="MTP stages"):
+        dsa.mtp_train_forward(model, ids, stage="sparse")
+    with pytest.raises(ValueError, match="mtp_train_forward"):
+        dsa.train_forward(model, ids, stage="mtp_dense")
+    with pytest.raises(ValueError, match="need a model with an MTP layer"):
+        dsa.mtp_train_forward(SparseMLAModel(TINY, rngs=nnx.Rngs(5)), ids, stage="mtp_dense")
+
+
+def test_draft_agreement_and_mtp_head_init():
+    main = jnp.zeros((1, 4, 5)).at[0, jnp.arange(4), jnp.array([1, 2, 3, 4])].set(1.0)  # greedy 1, 2, 3, 4
+    draft = jnp.zeros((1, 3, 5)).at[0, jnp.arange(3), jnp.array([2, 0, 4])].set(1.0)  # rows t vs main t + 1
+    assert float(dsa.draft_agreement(main, draft)) == pytest.approx(2 / 3)
+    model = SparseMLAModel(TINY, rngs=nnx.Rngs(1), mtp=True)
+    model.norm.weight[...] = jnp.linspace(0.5, 1.5, TINY.hidden_size)
+    dsa.init_mtp_head(model)
+    np.testing.assert_array_equal(np.asarray(model.mtp[0].shared_head.kernel[...]), np.asarray(model.lm_head.kernel[...]))
+    np.testing.assert_array_equal(np.asarray(model.mtp[0].shared_head_norm.weight[...]),
+                                  np.asarray(model.norm.weight[...]))
 
 
 def test_model_card_tells_two_stages_of_one_kind_apart():
@@ -144,23 +184,48 @@ def test_stage_config_is_checked():
 def test_training_script_smoke_recipe(tmp_path):
     out = tmp_path / "model"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.join("experiments", "train_locality_model.py"), "--recipe",
-                           "smoke", "--out", str(out), "--eval-windows", "2", "--log-every", "1"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+
+    def script(*argv):
+        return subprocess.run([sys.executable, os.path.join("experiments", "train_locality_model.py"), "--recipe",
+                               "smoke", "--eval-windows", "2", "--log-every", "1", *argv], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    proc = script("--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "stage 3/3: sparse" in proc.stderr and "held out: ppl dense" in proc.stderr
+    assert "stage 5/5: mtp_sparse" in proc.stderr and "held out: ppl dense" in proc.stderr
+    assert "MTP held out: loss" in proc.stderr
     log = json.loads((out / "training_log.json").read_text())
-    assert [s["stage"] for s in log["stages"]] == ["dense", "warmup", "sparse"]
+    assert [s["stage"] for s in log["stages"]] == ["dense", "warmup", "sparse", "mtp_dense", "mtp_sparse"]
     dense_steps = [r for r in log["steps"] if r["stage"] == "dense"]
     assert dense_steps[-1]["lm"] < dense_steps[0]["lm"] < np.log(256) + 0.5  # it learned something
+    assert 0 <= log["stages"][-1]["eval"]["mtp"]["draft_agreement"] <= 1
     card = (out / "README.md").read_text()
-    assert "| sparse |" in card and log["corpus"]["sha256"] in card
+    assert "| sparse |" in card and "| mtp_sparse |" in card and log["corpus"]["sha256"] in card
     import hisparse_jax as hj
 
-    model = hj.load_pretrained(out)
-    assert model.cfg.index_topk == 128 and model.cfg.vocab_size == 256
+    model = hj.load_pretrained(out, mtp=True)
+    assert model.cfg.index_topk == 128 and model.cfg.vocab_size == 256 and len(model.mtp) == 1
     ids = jnp.asarray(data.fixed_windows(data.load_corpus()[1], 64, 1))
     assert np.isfinite(np.asarray(model(ids))).all()
+
+    # only the MTP stages again, from that checkpoint: the main model's weights stay, the earlier stages' log too
+    again = tmp_path / "again"
+    proc = script("--init", str(out), "--first-stage", "4", "--out", str(again), "--seed", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stage 1/5" not in proc.stderr and "stage 4/5: mtp_dense" in proc.stderr
+    log2 = json.loads((again / "training_log.json").read_text())
+    assert log2["stages"][:3] == log["stages"][:3] and log2["first_stage"] == 4
+    assert [s["stage"] for s in log2["stages"]] == [s["stage"] for s in log["stages"]]
+    assert [r for r in log2["steps"] if r["stage"] in dsa.STAGES[:3]] == [r for r in log["steps"]
+                                                                         if r["stage"] in dsa.STAGES[:3]]
+    before, after = _params(model), _params(hj.load_pretrained(again, mtp=True))
+    changed = {k for k in before if not np.array_equal(before[k], after[k])}
+    assert changed and all(k[0] == "mtp" for k in changed)
+
+    proc = script("--first-stage", "4", "--out", str(tmp_path / "x"))
+    assert proc.returncode == 2 and "--first-stage: needs --init" in proc.stderr
+    proc = script("--init", str(out), "--recipe", "default", "--first-stage", "5", "--out", str(tmp_path / "x"))
+    assert proc.returncode != 0 and "does not hold stages 1..4 of recipe 'default'" in proc.stderr
 
 
 @pytest.mark.slow

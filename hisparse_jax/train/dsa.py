@@ -8,6 +8,14 @@
    the main model learns from the LM loss, the indexer from the KL restricted to the selected keys; the
    indexer's inputs are detached, so the two losses train disjoint parameters.
 
+Then the multi-token-prediction layer (`model.mtp[0]`, `hisparse_jax.model.mtp`), the main model frozen, with
+DeepSeek-V3's MTP objective: from the main model's final hidden state at t and the token at t + 1, cross entropy on
+the token at t + 2 (V3 report, section 2.2; one MTP module, depth 1). Its block has its own full indexer, trained as
+the main ones are, in two stages:
+
+4. "mtp_dense": the block attends densely; the MTP loss for the layer, the indexer KL for its indexer;
+5. "mtp_sparse": the block attends over its indexer's top-k, as it drafts at decode time.
+
 `train_forward` is the causal forward of `SparseMLAModel.forward`, scanned over the stacked layers with the same
 `prefill_layer` (in the stage's indexer mode, returning the attention distribution and the indexer's scores),
 plus the indexer loss. In "sparse" mode its logits are the model's own (`model(ids)`), which the tests check.
@@ -29,13 +37,18 @@ from flax import nnx
 
 from hisparse_jax.model.block import prefill_layer, topk_to_mask
 from hisparse_jax.model.decoder import SparseMLAModel, scan_layers
+from hisparse_jax.model.mtp import mtp_input, mtp_logits
 from pallas_kernels.indexer_topk.reference import select_topk
 
-STAGES = ("dense", "warmup", "sparse")
-# which parameter groups a stage trains (the rest are frozen)
-TRAINS = {"dense": ("main",), "warmup": ("indexer",), "sparse": ("main", "indexer")}
-# what each stage's layers do with their indexer (`prefill_layer`'s modes)
-INDEXER_MODE = {"dense": "off", "warmup": "score", "sparse": "select"}
+STAGES = ("dense", "warmup", "sparse", "mtp_dense", "mtp_sparse")
+MTP_STAGES = ("mtp_dense", "mtp_sparse")
+# which parameter groups (`param_groups`) a stage trains (the rest are frozen)
+GROUPS = ("main", "indexer", "mtp")
+TRAINS = {"dense": ("main",), "warmup": ("indexer",), "sparse": ("main", "indexer"), "mtp_dense": ("mtp",),
+          "mtp_sparse": ("mtp",)}
+# what each stage's layers with their own indexer do with it (`prefill_layer`'s modes): the main layers' in the
+# first three stages, the MTP block's in the last two (where the main model runs as it decodes, "select")
+INDEXER_MODE = {"dense": "off", "warmup": "score", "sparse": "select", "mtp_dense": "score", "mtp_sparse": "select"}
 
 
 def _check_stage(stage: str) -> None:
@@ -52,6 +65,9 @@ def train_forward(model: SparseMLAModel, ids, *, stage: str, recall: bool = Fals
     queries that see more than K keys (in "warmup" the attention is dense: what the indexer is taught).
     """
     _check_stage(stage)
+    if stage in MTP_STAGES:
+        raise ValueError(f"train_forward runs the main layers' stages; {stage!r} trains the MTP layer "
+                         "(mtp_train_forward)")
     cfg = model.cfg
     B, T = ids.shape
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -81,6 +97,56 @@ def train_forward(model: SparseMLAModel, ids, *, stage: str, recall: bool = Fals
     if recall:
         aux["recall"] = out.get("recall", none)
     return logits, aux
+
+
+def mtp_train_forward(model: SparseMLAModel, ids, *, stage: str, recall: bool = False):
+    """ids int32[B, T + 1] -> (main logits f32[B, T, V] at positions 0..T-1, MTP logits f32[B, T - 1, V], aux).
+
+    The main model runs its own forward (`model.forward`, sparse, as it decodes) over ids[:, :T], its final hidden
+    states detached (frozen, and no gradient computed through it); `model.mtp[0]` reads hidden state t and token
+    t + 1 and predicts token t + 2, t = 0..T-2: MTP row t's target is ids[:, t + 2]. Its block runs in the stage's
+    indexer mode ("score": dense attention; "select": over its indexer's top-k, then its logits are
+    `mtp.mtp_forward`'s). aux = {"kl": f32[1] (the block's indexer loss), "recall" (with `recall`): f32[1], as
+    `train_forward`'s: against the block's attention in this mode, so only meaningful in "mtp_dense"}.
+    """
+    _check_stage(stage)
+    if stage not in MTP_STAGES:
+        raise ValueError(f"mtp_train_forward runs the MTP stages ({', '.join(MTP_STAGES)}), got {stage!r}")
+    if not len(getattr(model, "mtp", ())):
+        raise ValueError("the MTP stages need a model with an MTP layer (SparseMLAModel(..., mtp=True))")
+    cfg, layer = model.cfg, model.mtp[0]
+    B, T = ids.shape[0], ids.shape[1] - 1
+    main_logits, aux = model.forward(ids[:, :T])
+    hidden = jax.lax.stop_gradient(aux["hidden"][:, :T - 1])
+    pos = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
+    cos, sin = model.rope(pos)
+    causal = jnp.tril(jnp.ones((T - 1, T - 1), bool))[None]
+    x = mtp_input(layer, model.embed(ids[:, 1:T]), hidden, pos)
+    y, rows, attend = prefill_layer(model, layer.block, x, cos, sin, causal, None, indexer=INDEXER_MODE[stage],
+                                    with_probs=True)
+    p = jax.lax.stop_gradient(rows["probs"])
+    out = {"kl": indexer_kl(p, rows["scores"], attend)[None]}
+    if recall:
+        out["recall"] = topk_recall(rows["scores"], jnp.sum(p.astype(jnp.float32), axis=1),
+                                    jnp.broadcast_to(causal, rows["scores"].shape), cfg.index_topk)[None]
+    return jax.lax.stop_gradient(main_logits.astype(jnp.float32)), mtp_logits(layer, y), out
+
+
+def init_mtp_head(model: SparseMLAModel) -> None:
+    """Start the MTP layer's output head and its norm (`shared_head`, `shared_head_norm`) as copies of the main
+    model's LM head and final norm, in place: DeepSeek-V3 shares the output head between the main model and its MTP
+    module; the checkpoints store the layer's own copy, which the MTP stages then train."""
+    layer = model.mtp[0]
+    head = model.embed_tokens[...].T if model.lm_head is None else model.lm_head.kernel[...]
+    layer.shared_head.kernel[...] = head.astype(layer.shared_head.kernel.dtype)
+    layer.shared_head_norm.weight[...] = model.norm.weight[...]
+
+
+def draft_agreement(main_logits, mtp_logits):
+    """The share of MTP rows t whose greedy draft (argmax of mtp_logits[:, t], f32[B, T - 1, V]) is the main
+    model's greedy token at t + 2 given the true prefix (argmax of main_logits[:, t + 1], f32[B, T, V]): the
+    acceptance rate of one greedy speculative token, teacher-forced."""
+    return jnp.mean((jnp.argmax(mtp_logits, -1) == jnp.argmax(main_logits[:, 1:], -1)).astype(jnp.float32))
 
 
 def topk_recall(scores, target, valid, K: int):
@@ -113,7 +179,12 @@ def lm_loss(logits, targets):
 
 def stage_loss(model: SparseMLAModel, batch, stage: str):
     """batch int32[B, T + 1] -> (loss, metrics): the LM loss in "dense"/"sparse", the mean indexer KL in "warmup",
-    their sum in "sparse"."""
+    their sum in "sparse"; in the MTP stages the MTP loss (the token two ahead) plus its block's indexer KL, with
+    "lm" the MTP loss."""
+    if stage in MTP_STAGES:
+        _, logits, aux = mtp_train_forward(model, batch, stage=stage)
+        ce, kl = lm_loss(logits, batch[:, 2:]), jnp.mean(aux["kl"])
+        return ce + kl, {"loss": ce + kl, "lm": ce, "kl": kl}
     logits, aux = train_forward(model, batch[:, :-1], stage=stage)
     ce = lm_loss(logits, batch[:, 1:])
     kl = jnp.mean(aux["kl"]) if aux["kl"].size else jnp.float32(0)
@@ -122,9 +193,11 @@ def stage_loss(model: SparseMLAModel, batch, stage: str):
 
 
 def param_groups(params) -> object:
-    """The pytree of group labels ("indexer" | "main") of a params State."""
+    """The pytree of group labels (`GROUPS`) of a params State: "mtp" for the MTP layers' (their block's indexer
+    included), "indexer" for the main layers' indexers, "main" for the rest."""
     def label(path, _):
-        return "indexer" if any(getattr(k, "key", getattr(k, "name", None)) == "indexer" for k in path) else "main"
+        keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        return "mtp" if keys[:1] == ["mtp"] else "indexer" if "indexer" in keys else "main"
     return jax.tree_util.tree_map_with_path(label, params)
 
 
@@ -157,7 +230,7 @@ class StageConfig:
                                                       end_value=self.lr * self.final_lr_frac)
         adamw = optax.chain(optax.clip_by_global_norm(self.clip_norm),
                             optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=self.weight_decay))
-        transforms = {g: adamw if g in TRAINS[self.stage] else optax.set_to_zero() for g in ("main", "indexer")}
+        transforms = {g: adamw if g in TRAINS[self.stage] else optax.set_to_zero() for g in GROUPS}
         return optax.multi_transform(transforms, param_groups(params))
 
 
@@ -202,8 +275,12 @@ def evaluate(model: SparseMLAModel, windows: np.ndarray, *, batch: int = 1) -> d
     """Held-out quality of a DSA model on windows int32[N, T + 1]: LM loss (nats per token) and perplexity with
     dense attention and with the model's own sparse forward (`model(ids)`, what prefill runs), and per full
     indexer layer the recall of the main attention's top-k (summed over heads) by the indexer's top-k, over the
-    queries that see more than top-k keys."""
+    queries that see more than top-k keys. With an MTP layer also "mtp": its loss on the token two ahead (its block
+    sparse, as it drafts), the share of greedy drafts that are the data's token ("draft_accuracy") and the main
+    model's greedy token ("draft_agreement", `draft_agreement`: one speculative token's acceptance rate,
+    teacher-forced), its indexer's recall."""
     graphdef, state = nnx.split(model)
+    has_mtp = bool(len(getattr(model, "mtp", ())))
 
     @jax.jit
     def one(state, ids):
@@ -211,18 +288,27 @@ def evaluate(model: SparseMLAModel, windows: np.ndarray, *, batch: int = 1) -> d
         x, y = ids[:, :-1], ids[:, 1:]
         dense_logits, aux = train_forward(m, x, stage="warmup", recall=True)
         sparse_logits = m(x).astype(jnp.float32)
-        return lm_loss(dense_logits, y), lm_loss(sparse_logits, y), aux["recall"], aux["kl"]
+        out = {"dense": lm_loss(dense_logits, y), "sparse": lm_loss(sparse_logits, y), "recall": aux["recall"],
+               "kl": aux["kl"]}
+        if has_mtp:
+            main, draft, _ = mtp_train_forward(m, ids, stage="mtp_sparse")
+            # the recall of its dense attention's top-k (what its indexer is taught; under "select" the attention
+            # sees only the indexer's own top-k)
+            recall = mtp_train_forward(m, ids, stage="mtp_dense", recall=True)[2]["recall"][0]
+            out.update(mtp_loss=lm_loss(draft, ids[:, 2:]), mtp_agreement=draft_agreement(main, draft),
+                       mtp_accuracy=jnp.mean((jnp.argmax(draft, -1) == ids[:, 2:]).astype(jnp.float32)),
+                       mtp_recall=recall)
+        return out
 
-    out = {"dense": [], "sparse": [], "recall": [], "kl": []}
-    for i in range(0, len(windows), batch):
-        d, s, r, kl = jax.device_get(one(state, jnp.asarray(windows[i:i + batch])))
-        out["dense"].append(d)
-        out["sparse"].append(s)
-        out["recall"].append(r)
-        out["kl"].append(kl)
-    dense, sparse = float(np.mean(out["dense"])), float(np.mean(out["sparse"]))
-    return {"windows": int(len(windows)), "tokens_per_window": int(windows.shape[1] - 1),
-            "loss_dense": dense, "loss_sparse": sparse, "ppl_dense": math.exp(dense), "ppl_sparse": math.exp(sparse),
-            "sparse_over_dense_ppl": math.exp(sparse - dense),
-            "recall_per_index_layer": [float(v) for v in np.mean(out["recall"], axis=0)],
-            "kl_per_index_layer": [float(v) for v in np.mean(out["kl"], axis=0)]}
+    rows = [jax.device_get(one(state, jnp.asarray(windows[i:i + batch]))) for i in range(0, len(windows), batch)]
+    mean = {k: np.mean([r[k] for r in rows], axis=0) for k in rows[0]}
+    dense, sparse = float(mean["dense"]), float(mean["sparse"])
+    out = {"windows": int(len(windows)), "tokens_per_window": int(windows.shape[1] - 1),
+           "loss_dense": dense, "loss_sparse": sparse, "ppl_dense": math.exp(dense), "ppl_sparse": math.exp(sparse),
+           "sparse_over_dense_ppl": math.exp(sparse - dense),
+           "recall_per_index_layer": [float(v) for v in mean["recall"]],
+           "kl_per_index_layer": [float(v) for v in mean["kl"]]}
+    if has_mtp:
+        out["mtp"] = {"loss": float(mean["mtp_loss"]), "draft_accuracy": float(mean["mtp_accuracy"]),
+                      "draft_agreement": float(mean["mtp_agreement"]), "indexer_recall": float(mean["mtp_recall"])}
+    return out

@@ -2,7 +2,8 @@
 
 `STDLIB_DSA` is a GLM-5-style DSA decoder with the real KV geometry of the tiny presets (latent 512, rope 64,
 indexer keys 128, so the store's bytes per token are the production ones) and a byte vocabulary: 4 layers,
-full / shared / full / shared indexers (IndexShare), dense MLPs, top-k 128 (1/16 of a 2048-token context).
+full / shared / full / shared indexers (IndexShare), dense MLPs, top-k 128 (1/16 of a 2048-token context), and
+one multi-token-prediction layer (the draft model of speculative decoding, trained last with the main model frozen).
 
 `RECIPES["default"]` is what the shipped checkpoint was trained with; `RECIPES["smoke"]` is a few steps at a
 tiny context, for tests.
@@ -21,7 +22,7 @@ STDLIB_DSA = ModelConfig(
     n_group=1, topk_group=1, rms_norm_eps=1e-5, max_position_embeddings=8192, rope=RopeConfig(theta=10000.0),
     index_n_heads=4, index_head_dim=128, index_topk=128, indexer_rope_interleaved=True,
     indexer_types=("full", "shared", "full", "shared"), tie_word_embeddings=False, bos_token_id=BOS_ID,
-    eos_token_id=(BOS_ID,), dtype="float32",
+    eos_token_id=(BOS_ID,), dtype="float32", num_nextn_predict_layers=1,
 )
 
 RECIPES: dict[str, tuple[StageConfig, ...]] = {
@@ -30,10 +31,14 @@ RECIPES: dict[str, tuple[StageConfig, ...]] = {
         StageConfig("dense", steps=100, lr=1e-3, batch=2, seq_len=2048, warmup_steps=10),
         StageConfig("warmup", steps=100, lr=3e-3, batch=2, seq_len=2048, warmup_steps=10),
         StageConfig("sparse", steps=60, lr=3e-4, batch=2, seq_len=2048, warmup_steps=5),
+        StageConfig("mtp_dense", steps=800, lr=2e-3, batch=8, seq_len=512, warmup_steps=50),
+        StageConfig("mtp_sparse", steps=100, lr=5e-4, batch=2, seq_len=2048, warmup_steps=10),
     ),
     "smoke": (
         StageConfig("dense", steps=4, lr=2e-3, batch=2, seq_len=256, warmup_steps=1),
         StageConfig("warmup", steps=3, lr=3e-3, batch=1, seq_len=256, warmup_steps=1),
         StageConfig("sparse", steps=3, lr=3e-4, batch=1, seq_len=256, warmup_steps=1),
+        StageConfig("mtp_dense", steps=3, lr=2e-3, batch=2, seq_len=256, warmup_steps=1),
+        StageConfig("mtp_sparse", steps=2, lr=5e-4, batch=1, seq_len=256, warmup_steps=1),
     ),
 }
