@@ -17,6 +17,7 @@ random-weight preset (prompted with locally generated token walks), as the tests
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import numbers
 import os
@@ -92,6 +93,11 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
                    help="MTP speculative decoding: verify K draft tokens per request and step, drafted by the "
                         "model's MTP layer (default 0: none); outputs stay identical; acceptance rate and tokens per "
                         "step are reported per policy (needs --prefill whole)")
+    p.add_argument("--hot-rows", type=int_at_least(0, high=MAX_HOT_ROWS), default=0, metavar="N",
+                   help="hot-buffer rows per request and indexer group, for every policy's store (default 0: the "
+                        "store's default, (K + 2) x the model's top-k with --speculative-tokens K, 2 x top-k "
+                        "without); at least (K + 1) x top-k, the rows one step can miss. HiSparse's device budget "
+                        "lends each running request its hot buffer, so more rows leave room for fewer requests")
     p.add_argument("--devices", type=int_at_least(1, high=MAX_DEVICES), default=1, metavar="N",
                    help="attention data parallelism over N devices (default 1, at most "
                         f"{MAX_DEVICES}): each device serves its own "
@@ -108,6 +114,9 @@ WORKLOADS = ("text", "random")
 # The most devices the demo serves on: XLA makes that many host devices on request (thousands take seconds and
 # memory to create, and 100000 crash XLA), far more than the engines a demo needs.
 MAX_DEVICES = 256
+# The most hot rows per request the option takes: a hot slot is an int32 index (the machine's memory is the
+# tighter bound, checked with the stores' budgets in `_check_memory`).
+MAX_HOT_ROWS = 2**31 - 1
 # The default longest prompt, in top-k's: the hot buffer (2 x top-k) and the tail pages are then about a tenth of
 # a request, as 4096 hot rows are of the published ~80K-token requests (the real ratio is smaller still).
 PROMPT_TOPKS = 32
@@ -138,15 +147,17 @@ def workload(vocab: int, n: int, longest: int, seed: int, low: float = 0.55) -> 
 
 
 def budgets(cfg, requests: int, max_len: int, device_requests: float, kv_dtype: str = "float32",
-            miss_attention: str = "single", speculative_tokens: int = 0, index_dtype: str = "auto"):
+            miss_attention: str = "single", speculative_tokens: int = 0, index_dtype: str = "auto",
+            hot_rows: int | None = None):
     """The demo's budgets for `requests` requests of up to `max_len` tokens: (a base CacheConfig whose host pool
     holds all of them, the device bytes of `device_requests` whole longest requests' KV + indexer keys, the keys
     counted in kv_dtype's own format whatever `index_dtype`: one device budget for every key format). Pass both
     to `device_budget` to get each policy's split. With speculative tokens, `max_len` must include the positions
-    a speculative step writes past a request's last token (`speculative.lookahead`)."""
+    a speculative step writes past a request's last token (`speculative.lookahead`). `hot_rows`: the base's
+    `CacheConfig.hot_rows` (None: the store's default); the device bytes do not depend on it."""
     base = CacheConfig(kv_dtype=kv_dtype, max_seq_len=pages(max_len) * 64, max_seqs=requests,
                        host_pages=requests * pages(max_len), device_pages=1, miss_attention=miss_attention,
-                       speculative_tokens=speculative_tokens)
+                       speculative_tokens=speculative_tokens, hot_rows=hot_rows)
     probe = device_budget(cfg, base, 1 << 40, "preempt", max_running=requests, max_len=max_len)
     per_page = (1 << 40) / probe.device_pages  # bytes of one KV page + one indexer page
     return base.replace(index_dtype=index_dtype), int(device_requests * pages(max_len) * per_page)
@@ -204,15 +215,20 @@ def _check_sizes(args: argparse.Namespace, cfg: ModelConfig, kind: str, longest:
 
 
 def _check_memory(args: argparse.Namespace, cfg: ModelConfig, longest: int) -> None:
-    """DemoSetupError when the stores' host pools (every request's pages, on each device) and device budgets do not
-    fit the machine's memory (`_check_sizes`)."""
+    """DemoSetupError when the stores' host pools (every request's pages, on each device) and device budgets, or
+    with them the hot buffers' slot state (`--hot-rows`), do not fit the machine's memory (`_check_sizes`)."""
     n_dev, extra = args.devices, lookahead(args.speculative_tokens)
     max_len = longest + args.new_tokens + extra
     base, device_bytes = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype,
-                                 args.miss_attention, args.speculative_tokens, args.index_dtype)
+                                 args.miss_attention, args.speculative_tokens, args.index_dtype,
+                                 args.hot_rows or None)
     spec = StoreSpec.create(cfg, base.replace(device_pages=1, index_pages=1))
     request_bytes = pages(max_len) * spec.page_bytes * spec.num_layers  # one request's host pages
     host, device = n_dev * args.requests * request_bytes, n_dev * device_bytes  # all devices together
+    # the hot buffers' slot state on the device (`kv.state.init_store`: hot_token and hot_stamp, int32, per request
+    # slot, indexer group and hot row), beside the pools; their rows live in device pages the budget lends
+    row_state = 8 * args.requests * len(spec.groups)
+    hot = row_state * spec.hot_rows
     dev = jax.devices()[0]
     per = f" on each of {n_dev} devices" if n_dev > 1 else ""
     if dev.platform != "cpu":  # the device budget in the device's memory, the host pools in RAM
@@ -221,10 +237,16 @@ def _check_memory(args: argparse.Namespace, cfg: ModelConfig, longest: int) -> N
             raise DemoSetupError(f"--device-requests {args.device_requests:g} must be <= "
                                  f"{args.device_requests * dev_mem / device_bytes:.4g}: its budget ({device_bytes:,} "
                                  f"bytes{per}) exceeds the {dev_mem:,} bytes of {dev.device_kind}")
-        device = 0
+        if dev_mem is not None and device_bytes + hot > dev_mem:
+            _hot_rows_too_many(args, spec.hot_rows, (dev_mem - device_bytes) // row_state, hot,
+                               f"the {dev_mem:,} bytes of {dev.device_kind} with its device budget{per}")
+        device, hot = 0, 0
     ram = host_memory_bytes()  # on a CPU the device pools are RAM too
-    if ram is None or host + device <= ram:
+    if ram is None or host + device + n_dev * hot <= ram:
         return
+    if host + device <= ram:  # the hot buffers' state alone does not fit
+        _hot_rows_too_many(args, spec.hot_rows, (ram - host - device) // (n_dev * row_state), n_dev * hot,
+                           f"the {ram:,} bytes of RAM with the host pools and device budgets")
     what = f"{args.requests} requests{per} of up to {max_len} tokens"
     if device > host:
         bound = args.device_requests * max(ram - host, 0) / device
@@ -235,6 +257,19 @@ def _check_memory(args: argparse.Namespace, cfg: ModelConfig, longest: int) -> N
     raise DemoSetupError(f"--requests {args.requests} must be <= {bound} on this machine: the host pools of {what} "
                          f"({request_bytes:,} bytes per request) need {host + device:,} bytes with the device "
                          f"budget{'s' if n_dev > 1 else ''}, more than its {ram:,} bytes of RAM")
+
+
+def _hot_rows_too_many(args: argparse.Namespace, rows: int, bound: int, need: int, where: str) -> None:
+    """DemoSetupError for hot buffers whose slot state does not fit next to the stores (`_check_memory`)."""
+    what = f"--hot-rows {rows}" if args.hot_rows else f"the default hot buffer ({rows} rows)"
+    raise DemoSetupError(f"{what} must be <= {max(bound, 0)} on this machine: the hot buffers' state of "
+                         f"{args.requests} requests ({need:,} bytes) does not fit {where}")
+
+
+def outputs_digest(outputs: dict[str, list[int]]) -> str:
+    """SHA-256 of a run's generated tokens (request id -> token ids, `Engine.outputs()`): equal digests, equal
+    outputs, so runs in different processes (with and without speculation, other kernels) compare by their JSON."""
+    return hashlib.sha256(json.dumps(outputs, sort_keys=True).encode()).hexdigest()
 
 
 def _run(args: argparse.Namespace, on_setup=None) -> dict:
@@ -261,6 +296,13 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
                              f"({jax.default_backend()}); on a CPU start the process with "
                              f"XLA_FLAGS=--xla_force_host_platform_device_count={n_dev} (the hisparse command sets it "
                              "when jax has not started yet)")
+    need = (k + 1) * cfg.index_topk  # the rows one step can miss (`CacheConfig.hot_rows_for`)
+    if args.hot_rows and args.hot_rows < need:
+        raise DemoSetupError(f"--hot-rows {args.hot_rows} must be >= {need}, {f'{k + 1} x ' if k else ''}the "
+                             f"model's top-k ({cfg.index_topk}): " + (f"a step verifies {k + 1} rows per request "
+                                                        f"(--speculative-tokens {k}) and " if k else "a step ")
+                             + "can miss every row it selects (0: the store's default, "
+                             f"{(k + 2 if k else 2) * cfg.index_topk})")
     longest = args.prompt_len or PROMPT_TOPKS * cfg.index_topk
     _check_sizes(args, cfg, kind, longest)  # before the model, the prompts or the stores are made
     mesh = parallel.data_mesh(n_dev) if n_dev > 1 else None
@@ -274,7 +316,7 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
         prompts = workload(cfg.vocab_size, args.requests * n_dev, longest, args.seed)
     max_len = max(len(p) for p in prompts) + args.new_tokens + lookahead(k)
     base, device_bytes = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype,
-                                 args.miss_attention, k, args.index_dtype)
+                                 args.miss_attention, k, args.index_dtype, args.hot_rows or None)
     params = SamplingParams(max_new_tokens=args.new_tokens)
     quiet = args.json
     results, outputs = {}, {}
@@ -325,7 +367,7 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
         "new_tokens": args.new_tokens, "kv_dtype": args.kv_dtype, "index_dtype": args.index_dtype,
         "device_budget_bytes": device_bytes,
         "device_requests": args.device_requests, "host_pages": base.host_pages, "kernels": args.kernels,
-        "miss_attention": args.miss_attention, "speculative_tokens": k,
+        "miss_attention": args.miss_attention, "speculative_tokens": k, "hot_rows": base.hot_rows_for(cfg),
         "prefill": args.prefill, "backend": jax.default_backend(), "policies": split,
         "capacity": {"device_pages": capacity.device_pages, "index_pages": capacity.num_index_pages,
                      "host_pages": capacity.host_pages},
@@ -350,9 +392,11 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
         results[pol] = {
             "mean_running": m.mean_running, "max_running": m.max_running, "preemptions": m.preemptions,
             "swaps": m.swaps, "tokens_per_s": m.tokens_per_s, "hit_rate": m.hit_rate,
-            "hits": m.hits, "misses": m.misses, "h2d_bytes": m.h2d_bytes, "d2h_bytes": m.d2h_bytes,
+            "hits": m.hits, "misses": m.misses, "resident": sum(h.resident for h in m.history),
+            "h2d_bytes": m.h2d_bytes, "d2h_bytes": m.d2h_bytes,
             "evicted_pages": m.evicted_pages, "steps": m.steps, "wall_s": time.perf_counter() - t0,
-            "compile_s": m.compile_time_s, "acceptance_rate": m.acceptance_rate,
+            "compile_s": m.compile_time_s, "outputs_sha256": outputs_digest(outputs[pol]),
+            "acceptance_rate": m.acceptance_rate,
             "tokens_per_step": m.tokens_per_step, "duplicate_misses": m.duplicate_misses,
             # H2D bytes of the steps over (distinct missing rows x row bytes): 1.00 when each miss moves once
             "h2d_per_miss_bytes": _ratio(sum(h.h2d_bytes for h in m.history), m.misses * row_bytes),
@@ -538,7 +582,8 @@ def _header(setup: dict) -> str:
              f"(prefill {setup['prefill']}, kernels {setup['kernels']}, backend {setup['backend']})",
              f"budgets: device {setup['device_budget_bytes']:,} bytes ({setup['device_budget_bytes'] / 2 ** 20:.1f} "
              f"MiB = {setup['device_requests']:g} longest requests' KV + indexer keys), split per policy into pages "
-             f"of 64 tokens; host pool {setup['host_pages']} pages (offload, hisparse)"]
+             f"of 64 tokens; host pool {setup['host_pages']} pages (offload, hisparse)"
+             + (f"; hot buffers of {setup['hot_rows']} rows (hisparse)" if "hot_rows" in setup else "")]
     w = len("device KV pages")
     lines.append(f"{'':<{w}}  " + "  ".join(f"{p:>10}" for p in pols))
     for name, key in (("device KV pages", "device_pages"), ("indexer pages", "index_pages"),

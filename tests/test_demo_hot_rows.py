@@ -1,0 +1,120 @@
+"""`hisparse demo --hot-rows N`: the hot buffer's size for every policy's store. A bad value is a usage error naming
+the option before any work; a value below the rows one step can miss ((K + 1) x the model's top-k) is the demo's
+own error before any model is built; a real run reports the effective size, and the outputs do not depend on it.
+Also experiments/speculative_sizing.py, which sweeps it against the speculative tokens, end to end (--quick)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from hisparse_jax import cli, demo
+from hisparse_jax.config import get_preset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Any model built, or any policy run, fails the test."""
+    def refuse(*a, **k):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(demo, "SparseMLAModel", refuse)
+    monkeypatch.setattr(demo.checkpoints, "load", refuse)
+
+
+@pytest.mark.parametrize("value", ["-1", "x", "1.5", "", "nan", str(demo.MAX_HOT_ROWS + 1)])
+def test_bad_value_is_a_usage_error(monkeypatch, capsys, value):
+    def refuse(*a, **k):
+        raise AssertionError("work started despite a bad argument")
+
+    monkeypatch.setattr(demo, "run", refuse)
+    monkeypatch.setattr(demo, "_run", refuse)
+    assert cli.main(["demo", f"--hot-rows={value}"]) == 2
+    err = capsys.readouterr().err
+    assert "usage: hisparse" in err and "error: argument --hot-rows: " in err, err
+    assert repr(value) in err and "Traceback" not in err, err
+
+
+def test_keyword_api_checks_like_the_command():
+    with pytest.raises(ValueError, match="hot_rows: must be >= 0"):
+        demo.run(hot_rows=-1)
+    with pytest.raises(TypeError, match="hot_rows must be an int"):
+        demo.run(hot_rows=1.5)
+    assert demo.parse_args([]).hot_rows == 0  # the store's default
+
+
+@pytest.mark.parametrize("argv, need", [
+    (["--hot-rows", "127"], 128),  # the shipped model: top-k 128
+    (["--preset", "demo-glm", "--hot-rows", "63"], 64),  # top-k 64
+    (["--preset", "demo-glm", "--speculative-tokens", "2", "--hot-rows", "191"], 192),  # 3 rows verified per step
+])
+def test_too_few_rows_is_the_demos_error_before_any_model(no_model, capsys, argv, need):
+    assert cli.main(["demo", *argv, "--plot", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hisparse demo: error: --hot-rows ") and f"must be >= {need}" in err, err
+    assert "usage:" not in err and "Traceback" not in err, err
+    with pytest.raises(demo.DemoSetupError, match=f"--hot-rows {argv[-1]} must be >= {need}"):
+        demo.run(**{a.lstrip("-").replace("-", "_"): (int(b) if b.isdigit() else b) for a, b in zip(argv[::2], argv[1::2])},
+                 plot="")
+
+
+def test_too_many_rows_for_the_machine_is_the_demos_error(no_model, capsys):
+    assert cli.main(["demo", "--hot-rows", str(demo.MAX_HOT_ROWS), "--plot", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hisparse demo: error: --hot-rows {demo.MAX_HOT_ROWS} must be <= ") and "hot buffers' state" \
+        in err, err
+
+
+def test_budgets_carry_the_hot_rows():
+    cfg = get_preset("demo-glm")
+    base, dev = demo.budgets(cfg, 4, 1000, 2.0)
+    sized, dev2 = demo.budgets(cfg, 4, 1000, 2.0, hot_rows=320)
+    assert base.hot_rows is None and base.hot_rows_for(cfg) == 2 * cfg.index_topk
+    assert sized.hot_rows == 320 and dev2 == dev  # the device bytes do not depend on it
+
+
+def test_real_run_reports_hot_rows_and_outputs_do_not_depend_on_them():
+    """One small run per size (demo-glm, top-k 64): the default (2 x 64) and 3 x 64, same tokens."""
+    kw = dict(preset="demo-glm", requests=2, prompt_len=96, new_tokens=4, policies=("hisparse",), plot="",
+              device_requests=2.0, json=True)
+    default, bigger = demo.run(**kw), demo.run(**kw, hot_rows=192)
+    assert default["hot_rows"] == 128 and bigger["hot_rows"] == 192
+    a, b = default["policies"]["hisparse"], bigger["policies"]["hisparse"]
+    assert len(a["outputs_sha256"]) == 64 and a["outputs_sha256"] == b["outputs_sha256"]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "experiments", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_speculative_sizing_quick(tmp_path):
+    """experiments/speculative_sizing.py --quick: every (k, hot rows) run recorded, each with the k = 0 run's
+    outputs."""
+    ss = _load("speculative_sizing")
+    out = tmp_path / "sizing.json"
+    argv = ["--quick", "--out", str(out), "--plot", str(tmp_path / "sizing.png")]
+    with open(os.path.join(ROOT, "hisparse_jax", "checkpoints", "stdlib-dsa", "config.json")) as f:
+        if not json.load(f).get("num_nextn_predict_layers"):  # the shipped model cannot draft: a preset's MTP layer
+            argv += ["--preset", "demo-glm"]
+    assert ss.main(argv) == 0
+    res = json.loads(out.read_text())
+    topk, runs = res["index_topk"], res["runs"]
+    assert {(r["k"], r["hot_rows_x_topk"]) for r in runs} == \
+        {(0, 1), (0, 2), *((k, m) for k in res["speculative_tokens"] if k for m in (k + 1, k + 2))}
+    assert res["speculative_tokens"] == [0, 1, 2, 3]
+    for r in runs:
+        assert r["hot_rows"] == r["hot_rows_x_topk"] * topk
+        assert r["outputs_equal_k0"] is True and len(r["outputs_sha256"]) == 64
+        assert r["steps"] > 0 and r["decode_steps"] > 0 and 0 <= r["hit_rate"] <= 1
+        assert r["h2d_bytes_per_decode_step"] == pytest.approx(r["h2d_bytes"] / r["decode_steps"])
+        assert (r["acceptance_rate"] is None or 0 <= r["acceptance_rate"] <= 1) and r["tokens_per_step"] >= 1
+    assert res["outputs_identical"] is True and os.path.getsize(tmp_path / "sizing.png") > 0
