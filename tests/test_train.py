@@ -210,14 +210,14 @@ def test_training_script_smoke_recipe(tmp_path):
 
     # only the MTP stages again, from that checkpoint: the main model's weights stay, the earlier stages' log too
     again = tmp_path / "again"
-    proc = script("--init", str(out), "--first-stage", "4", "--out", str(again), "--seed", "1")
+    proc = script("--init", str(out), "--first-stage", "5", "--out", str(again), "--seed", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "stage 1/5" not in proc.stderr and "stage 4/5: mtp_dense" in proc.stderr
+    assert "stage 4/5" not in proc.stderr and "stage 5/5: mtp_sparse" in proc.stderr
     log2 = json.loads((again / "training_log.json").read_text())
-    assert log2["stages"][:3] == log["stages"][:3] and log2["first_stage"] == 4
+    assert log2["stages"][:4] == log["stages"][:4] and log2["first_stage"] == 5
     assert [s["stage"] for s in log2["stages"]] == [s["stage"] for s in log["stages"]]
-    assert [r for r in log2["steps"] if r["stage"] in dsa.STAGES[:3]] == [r for r in log["steps"]
-                                                                         if r["stage"] in dsa.STAGES[:3]]
+    assert [r for r in log2["steps"] if r["stage"] != "mtp_sparse"] == [r for r in log["steps"]
+                                                                        if r["stage"] != "mtp_sparse"]
     before, after = _params(model), _params(hj.load_pretrained(again, mtp=True))
     changed = {k for k in before if not np.array_equal(before[k], after[k])}
     assert changed and all(k[0] == "mtp" for k in changed)
