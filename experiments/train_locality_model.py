@@ -51,7 +51,6 @@ def main(argv=None) -> int:
     from flax import nnx
 
     from hisparse_jax.config import ModelConfig
-
     from hisparse_jax.model.decoder import SparseMLAModel
     from hisparse_jax.model.weights import load_pretrained, save_pretrained
     from hisparse_jax.train import data, dsa
@@ -68,9 +67,10 @@ def main(argv=None) -> int:
     windows = data.fixed_windows(held, eval_len + 1, a.eval_windows)
     with_mtp = any(sc.stage in dsa.MTP_STAGES for sc in stages)
     model = SparseMLAModel(STDLIB_DSA, rngs=nnx.Rngs(a.seed), mtp=with_mtp)
-    if a.init:  # every parameter the checkpoint has (the MTP layer's only if it has one)
-        init = load_pretrained(a.init, mtp=with_mtp and ModelConfig.from_hf_config(a.init).num_nextn_predict_layers > 0)
-        nnx.update(model, nnx.state(init, nnx.Param))
+    # the MTP layer starts fresh (its head a copy of the main model's, before its first stage) unless --init has one
+    fresh_mtp = with_mtp and not (a.init and ModelConfig.from_hf_config(a.init).num_nextn_predict_layers > 0)
+    if a.init:  # every parameter the checkpoint has
+        nnx.update(model, nnx.state(load_pretrained(a.init, mtp=with_mtp and not fresh_mtp), nnx.Param))
     n_params = sum(int(x.size) for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
     print(f"corpus: {info.train_files} training files ({info.train_bytes:,} bytes), {info.held_out_files} held out "
           f"({info.held_out_bytes:,} bytes), Python {info.python}; model: {n_params:,} parameters", file=sys.stderr)
@@ -80,8 +80,7 @@ def main(argv=None) -> int:
            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     if earlier:
         log.update(stages=earlier["stages"][:len(skipped)], init=a.init, first_stage=a.first_stage,
-                   steps=[r for rows in stage_rows(earlier["steps"])[:len(skipped)] for r in rows],
-                   earlier_wall_s=sum(st["wall_s"] for st in earlier["stages"][:len(skipped)]))
+                   steps=[r for rows in stage_rows(earlier["steps"])[:len(skipped)] for r in rows])
     t_all = time.perf_counter()
 
     def show(row):
@@ -95,8 +94,9 @@ def main(argv=None) -> int:
         print(f"stage {i + 1}/{len(stages)}: {sc.stage}, {sc.steps} steps of {sc.batch} x {sc.seq_len} tokens",
               file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        if sc.stage in dsa.MTP_STAGES and not any(st["stage"] in dsa.MTP_STAGES for st in log["stages"]):
+        if sc.stage in dsa.MTP_STAGES and fresh_mtp:
             dsa.init_mtp_head(model)
+            fresh_mtp = False
         batches = data.random_windows(train, sc.seq_len + 1, sc.batch, seed=a.seed * 1000 + i)
         dsa.train_stage(model, sc, batches, log=show, log_every=a.log_every)
         ev = dsa.evaluate(model, windows, batch=1)
@@ -109,7 +109,8 @@ def main(argv=None) -> int:
             print(f"  MTP held out: loss {ev['mtp']['loss']:.4f}, draft accuracy {ev['mtp']['draft_accuracy']:.3f}, "
                   f"agreement with the main model {ev['mtp']['draft_agreement']:.3f}, indexer recall "
                   f"{ev['mtp']['indexer_recall']:.3f}", file=sys.stderr, flush=True)
-    log["wall_s"] = time.perf_counter() - t_all + log.get("earlier_wall_s", 0.0)
+    # the kept stages' time too
+    log["wall_s"] = time.perf_counter() - t_all + sum(st["wall_s"] for st in log["stages"][:len(skipped)])
     save_pretrained(model, a.out)
     log_path = a.log or os.path.join(a.out, "training_log.json")
     with open(log_path, "w") as f:

@@ -392,7 +392,7 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
         results[pol] = {
             "mean_running": m.mean_running, "max_running": m.max_running, "preemptions": m.preemptions,
             "swaps": m.swaps, "tokens_per_s": m.tokens_per_s, "hit_rate": m.hit_rate,
-            "hits": m.hits, "misses": m.misses, "resident": sum(h.resident for h in m.history),
+            "hits": m.hits, "misses": m.misses, "resident": m.resident,
             "h2d_bytes": m.h2d_bytes, "d2h_bytes": m.d2h_bytes,
             "evicted_pages": m.evicted_pages, "steps": m.steps, "wall_s": time.perf_counter() - t0,
             "compile_s": m.compile_time_s, "outputs_sha256": outputs_digest(outputs[pol]),

@@ -110,7 +110,8 @@ class EngineMetrics(Record):
     mean_running: requests decoding per decode step (the published table's "running requests"); max_running;
     preemptions; swaps (swap-outs); failed requests; tokens (new) and prefill_tokens (computed prompt tokens);
     cached_tokens and prefix_hit_rate (their share of prompt tokens admitted); time_s, compile_steps,
-    compile_time_s; tokens_per_s over steps that did not compile; hits / misses / hit_rate of hot buffers;
+    compile_time_s; tokens_per_s over steps that did not compile; hits / misses / hit_rate of hot buffers, resident
+    (selected rows read from resident pages, which the hit rate leaves out);
     h2d_bytes / d2h_bytes (steps plus page loads and prompt writes); evicted_pages; import_bytes (KV rows of
     imported prompts moved to the device, `Engine.import_request`); speculative_tokens (k), acceptance_rate
     (drafts accepted / verified), duplicate_misses (fetches the union resolve saved) and tokens_per_step (tokens a running request gains per decode step: 1 without
@@ -137,6 +138,7 @@ class EngineMetrics(Record):
     hits: int
     misses: int
     hit_rate: float
+    resident: int
     h2d_bytes: int
     d2h_bytes: int
     evicted_pages: int

@@ -52,6 +52,7 @@ def test_engine_step_and_metrics(model, tmp_path):
     m = eng.metrics()
     assert isinstance(m, EngineMetrics) and all(isinstance(h, StepMetrics) for h in m.history)
     assert m.tokens == 24 and m.steps == len(m.history) == eng.step_count
+    assert m.resident == sum(h.resident for h in m.history) > 0  # the rows the hit rate leaves out
     assert m.mean_running == pytest.approx(sum(h.running for h in m.history if h.running) /
                                            sum(1 for h in m.history if h.running))
     # 3 requests, max_running 4, 12 device pages: the first steps have requests waiting, each with its reason

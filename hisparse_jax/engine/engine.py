@@ -596,6 +596,7 @@ def summarize(h: list, requests: list, *, policy: str, speculative_tokens: int =
         # throughput over the steps that did not compile (the step compiles once per batch bucket)
         "tokens_per_s": sum(m.tokens for m in warm) / warm_time if warm_time else 0.0,
         "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
+        "resident": sum(m.resident for m in h),
         "h2d_bytes": sum(m.h2d_bytes for m in h) + extra_h2d_bytes,
         "d2h_bytes": sum(m.d2h_bytes for m in h) + extra_d2h_bytes,
         "evicted_pages": evicted_pages, "import_bytes": import_bytes,

@@ -109,15 +109,21 @@ def mtp_train_forward(model: SparseMLAModel, ids, *, stage: str, recall: bool = 
     `mtp.mtp_forward`'s). aux = {"kl": f32[1] (the block's indexer loss), "recall" (with `recall`): f32[1], as
     `train_forward`'s: against the block's attention in this mode, so only meaningful in "mtp_dense"}.
     """
-    _check_stage(stage)
     if stage not in MTP_STAGES:
         raise ValueError(f"mtp_train_forward runs the MTP stages ({', '.join(MTP_STAGES)}), got {stage!r}")
     if not len(getattr(model, "mtp", ())):
         raise ValueError("the MTP stages need a model with an MTP layer (SparseMLAModel(..., mtp=True))")
+    main_logits, aux = model.forward(ids[:, :-1])
+    draft, out = _mtp_block(model, aux["hidden"], ids, stage, recall)
+    return jax.lax.stop_gradient(main_logits.astype(jnp.float32)), draft, out
+
+
+def _mtp_block(model: SparseMLAModel, hidden, ids, stage: str, recall: bool):
+    """`mtp_train_forward` past the main forward: the main model's final hidden states hidden [B, T, D] (detached
+    here) and ids int32[B, T + 1] -> (MTP logits f32[B, T - 1, V], aux)."""
     cfg, layer = model.cfg, model.mtp[0]
     B, T = ids.shape[0], ids.shape[1] - 1
-    main_logits, aux = model.forward(ids[:, :T])
-    hidden = jax.lax.stop_gradient(aux["hidden"][:, :T - 1])
+    hidden = jax.lax.stop_gradient(hidden[:, :T - 1])
     pos = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
     cos, sin = model.rope(pos)
     causal = jnp.tril(jnp.ones((T - 1, T - 1), bool))[None]
@@ -129,7 +135,7 @@ def mtp_train_forward(model: SparseMLAModel, ids, *, stage: str, recall: bool = 
     if recall:
         out["recall"] = topk_recall(rows["scores"], jnp.sum(p.astype(jnp.float32), axis=1),
                                     jnp.broadcast_to(causal, rows["scores"].shape), cfg.index_topk)[None]
-    return jax.lax.stop_gradient(main_logits.astype(jnp.float32)), mtp_logits(layer, y), out
+    return mtp_logits(layer, y), out
 
 
 def init_mtp_head(model: SparseMLAModel) -> None:
@@ -287,15 +293,15 @@ def evaluate(model: SparseMLAModel, windows: np.ndarray, *, batch: int = 1) -> d
         m = nnx.merge(graphdef, state)
         x, y = ids[:, :-1], ids[:, 1:]
         dense_logits, aux = train_forward(m, x, stage="warmup", recall=True)
-        sparse_logits = m(x).astype(jnp.float32)
+        sparse_logits, main = m.forward(x)
+        sparse_logits = sparse_logits.astype(jnp.float32)
         out = {"dense": lm_loss(dense_logits, y), "sparse": lm_loss(sparse_logits, y), "recall": aux["recall"],
                "kl": aux["kl"]}
-        if has_mtp:
-            main, draft, _ = mtp_train_forward(m, ids, stage="mtp_sparse")
-            # the recall of its dense attention's top-k (what its indexer is taught; under "select" the attention
-            # sees only the indexer's own top-k)
-            recall = mtp_train_forward(m, ids, stage="mtp_dense", recall=True)[2]["recall"][0]
-            out.update(mtp_loss=lm_loss(draft, ids[:, 2:]), mtp_agreement=draft_agreement(main, draft),
+        if has_mtp:  # on the same main forward: sparse, as it drafts, and dense for its indexer's recall (under
+            # "select" its attention sees only the indexer's own top-k)
+            draft, _ = _mtp_block(m, main["hidden"], ids, "mtp_sparse", False)
+            recall = _mtp_block(m, main["hidden"], ids, "mtp_dense", True)[1]["recall"][0]
+            out.update(mtp_loss=lm_loss(draft, ids[:, 2:]), mtp_agreement=draft_agreement(sparse_logits, draft),
                        mtp_accuracy=jnp.mean((jnp.argmax(draft, -1) == ids[:, 2:]).astype(jnp.float32)),
                        mtp_recall=recall)
         return out
