@@ -109,8 +109,11 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=None, help="new tokens per request (the demo's default, 160)")
     p.add_argument("--device-requests", type=float, default=None, help="device budget (the demo's default, 3.5)")
     a = p.parse_args(argv)
-    ks = [int(x) for x in a.ks.split(",")]
-    if ks[0] != 0 or len(set(ks)) != len(ks) or min(ks) < 0:
+    try:
+        ks = [int(x) for x in a.ks.split(",")]
+    except ValueError:
+        ks = []
+    if not ks or ks[0] != 0 or len(set(ks)) != len(ks) or min(ks) < 0:
         p.error(f"argument --ks: distinct values >= 0, 0 first (its outputs are the reference), got {a.ks!r}")
     opts = dict(QUICK) if a.quick else {}
     for name in ("requests", "prompt_len", "new_tokens", "device_requests"):

@@ -85,6 +85,13 @@ def _load(name):
     return mod
 
 
+@pytest.mark.parametrize("ks", ["1,0", "0,x", "0,1,1", ""])
+def test_speculative_sizing_refuses_bad_ks(ks, capsys):
+    with pytest.raises(SystemExit) as e:
+        _load("speculative_sizing").main(["--ks", ks, "--out", "/nonexistent/x.json"])
+    assert e.value.code == 2 and "argument --ks: distinct values >= 0, 0 first" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_speculative_sizing_quick(tmp_path):
     """experiments/speculative_sizing.py --quick on the shipped model (k = 0, 1): every (k, hot rows) run recorded
