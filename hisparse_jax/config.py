@@ -520,6 +520,7 @@ KV_DTYPES = ("auto", "bf16", "fp8", "float32")
 INDEX_DTYPES = ("auto", "fp8", "int4")
 FETCH_MECHANISMS = ("row", "page")
 MISS_ATTENTION = ("single", "split")
+HOT_POLICIES = ("lru", "score_ema")
 MAX_SPECULATIVE_TOKENS = 8
 
 
@@ -554,6 +555,15 @@ class CacheConfig:
       "split" (attention over the rows already on the device — resident pages and hot-buffer hits — and over
       the fetched misses computed apart and merged by their log-sum-exp, so the first part does not wait for
       the host→device copy; equal to "single" up to float rounding). Needs kernels="reference".
+    hot_policy: which hot slot a miss claims (`kv.ops.resolve`): "lru" (the default; the least recently filled or
+      hit slot, as vLLM's and SGLang's HiSparse) or "score_ema" (the slot whose row the indexer has scored lowest
+      of late: each step the leader of an indexer group scores every hot slot's row, and a slot keeps an
+      exponential moving average e = hot_ema_beta * e + (1 - hot_ema_beta) * score of those scores, from the step
+      after the one that filled it; never-used slots go first, then the lowest average). A policy changes where
+      rows are read from, never which rows: the tokens are the same under every policy.
+      `experiments/hot_buffer_policies.py` compares them on recorded traces.
+    hot_ema_beta: score_ema's weight of the past, in [0, 1) (default 0.9, tuned on held-out traces by
+      `experiments/locality.py --tune`).
     speculative_tokens: k, the draft tokens per request and step of multi-token-prediction (MTP) speculative
       decoding (0: none). The store then keeps the model's first MTP layer after its main layers (its own KV
       and indexer pages) and a step verifies k + 1 rows per request, resolved as one union of their top-k, so
@@ -564,8 +574,8 @@ class CacheConfig:
       allocated at the capacity's sizes, and the budgets above are limits the host bookkeeping enforces inside
       them, so every budget within one capacity runs the same compiled programs: set one capacity for a process
       (or a sweep) and vary the budgets per experiment. Each budget must be at most the capacity's, and the
-      formats (kv_dtype, index_dtype, fetch, fetch_chunk, mirror_to_host, miss_attention, speculative_tokens)
-      must match.
+      formats (kv_dtype, index_dtype, fetch, fetch_chunk, mirror_to_host, miss_attention, hot_policy, hot_ema_beta,
+      speculative_tokens) must match.
     """
 
     kv_dtype: str = "auto"
@@ -580,6 +590,8 @@ class CacheConfig:
     fetch_chunk: int = 256
     mirror_to_host: bool = True
     miss_attention: str = "single"
+    hot_policy: str = "lru"
+    hot_ema_beta: float = 0.9
     speculative_tokens: int = 0
     capacity: "CacheConfig | None" = None
 
@@ -593,6 +605,11 @@ class CacheConfig:
             problems.append(f"fetch must be one of {FETCH_MECHANISMS}, got {self.fetch!r}")
         if self.miss_attention not in MISS_ATTENTION:
             problems.append(f"miss_attention must be one of {MISS_ATTENTION}, got {self.miss_attention!r}")
+        if self.hot_policy not in HOT_POLICIES:
+            problems.append(f"hot_policy must be one of {HOT_POLICIES}, got {self.hot_policy!r}")
+        if (isinstance(self.hot_ema_beta, bool) or not isinstance(self.hot_ema_beta, (int, float))
+                or not 0 <= self.hot_ema_beta < 1):
+            problems.append(f"hot_ema_beta must be a number in [0, 1), got {self.hot_ema_beta!r}")
         put = functools.partial(_checked, self, problems)
         for name in ("device_pages", "max_seqs", "max_seq_len", "fetch_chunk"):
             put(name, check_int, lo=1)
@@ -610,7 +627,7 @@ class CacheConfig:
 
     # the fields a capacity fixes for its budgets (formats), and the budgets it bounds
     CAPACITY_FORMATS = ("kv_dtype", "index_dtype", "fetch", "fetch_chunk", "mirror_to_host", "miss_attention",
-                        "speculative_tokens")
+                        "hot_policy", "hot_ema_beta", "speculative_tokens")
     CAPACITY_BUDGETS = ("device_pages", "host_pages", "index_pages", "max_seqs", "max_seq_len")  # and hot_rows:
     # its default depends on the model (`hot_rows_for`), so `kv.spec.StoreSpec.create` compares it
 

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from hisparse_jax.cli_args import (bounded_float, check_output_dir, check_output_file, choice, int_at_least,
                                    name_list, positive_int)
-from hisparse_jax.config import (INDEX_DTYPES, MAX_SPECULATIVE_TOKENS, MISS_ATTENTION, PRESETS, CacheConfig,
+from hisparse_jax.config import (HOT_POLICIES, INDEX_DTYPES, MAX_SPECULATIVE_TOKENS, MISS_ATTENTION, PRESETS, CacheConfig,
                                  ModelConfig, get_preset)
 from hisparse_jax.engine.speculative import lookahead
 from hisparse_jax import parallel
@@ -98,6 +98,10 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
                         "store's default, (K + 2) x the model's top-k with --speculative-tokens K, 2 x top-k "
                         "without); at least (K + 1) x top-k, the rows one step can miss. HiSparse's device budget "
                         "lends each running request its hot buffer, so more rows leave room for fewer requests")
+    p.add_argument("--hot-policy", default="lru", choices=HOT_POLICIES,
+                   help="which hot-buffer slot a HiSparse miss takes over (`CacheConfig.hot_policy`): lru (the "
+                        "default: the least recently used) or score_ema (the lowest moving average of the indexer's "
+                        "scores of the slot's row); outputs are the same under every choice")
     p.add_argument("--devices", type=int_at_least(1, high=MAX_DEVICES), default=1, metavar="N",
                    help="attention data parallelism over N devices (default 1, at most "
                         f"{MAX_DEVICES}): each device serves its own "
@@ -148,16 +152,17 @@ def workload(vocab: int, n: int, longest: int, seed: int, low: float = 0.55) -> 
 
 def budgets(cfg, requests: int, max_len: int, device_requests: float, kv_dtype: str = "float32",
             miss_attention: str = "single", speculative_tokens: int = 0, index_dtype: str = "auto",
-            hot_rows: int | None = None):
+            hot_rows: int | None = None, hot_policy: str = "lru"):
     """The demo's budgets for `requests` requests of up to `max_len` tokens: (a base CacheConfig whose host pool
     holds all of them, the device bytes of `device_requests` whole longest requests' KV + indexer keys, the keys
     counted in kv_dtype's own format whatever `index_dtype`: one device budget for every key format). Pass both
     to `device_budget` to get each policy's split. With speculative tokens, `max_len` must include the positions
     a speculative step writes past a request's last token (`speculative.lookahead`). `hot_rows`: the base's
-    `CacheConfig.hot_rows` (None: the store's default); the device bytes do not depend on it."""
+    `CacheConfig.hot_rows` (None: the store's default) and `hot_policy` its `CacheConfig.hot_policy`; the device
+    bytes depend on neither."""
     base = CacheConfig(kv_dtype=kv_dtype, max_seq_len=pages(max_len) * 64, max_seqs=requests,
                        host_pages=requests * pages(max_len), device_pages=1, miss_attention=miss_attention,
-                       speculative_tokens=speculative_tokens, hot_rows=hot_rows)
+                       speculative_tokens=speculative_tokens, hot_rows=hot_rows, hot_policy=hot_policy)
     probe = device_budget(cfg, base, 1 << 40, "preempt", max_running=requests, max_len=max_len)
     per_page = (1 << 40) / probe.device_pages  # bytes of one KV page + one indexer page
     return base.replace(index_dtype=index_dtype), int(device_requests * pages(max_len) * per_page)
@@ -316,7 +321,7 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
         prompts = workload(cfg.vocab_size, args.requests * n_dev, longest, args.seed)
     max_len = max(len(p) for p in prompts) + args.new_tokens + lookahead(k)
     base, device_bytes = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype,
-                                 args.miss_attention, k, args.index_dtype, args.hot_rows or None)
+                                 args.miss_attention, k, args.index_dtype, args.hot_rows or None, args.hot_policy)
     params = SamplingParams(max_new_tokens=args.new_tokens)
     quiet = args.json
     results, outputs = {}, {}
@@ -368,6 +373,7 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
         "device_budget_bytes": device_bytes,
         "device_requests": args.device_requests, "host_pages": base.host_pages, "kernels": args.kernels,
         "miss_attention": args.miss_attention, "speculative_tokens": k, "hot_rows": base.hot_rows_for(cfg),
+        "hot_policy": args.hot_policy,
         "prefill": args.prefill, "backend": jax.default_backend(), "policies": split,
         "capacity": {"device_pages": capacity.device_pages, "index_pages": capacity.num_index_pages,
                      "host_pages": capacity.host_pages},
@@ -583,7 +589,8 @@ def _header(setup: dict) -> str:
              f"budgets: device {setup['device_budget_bytes']:,} bytes ({setup['device_budget_bytes'] / 2 ** 20:.1f} "
              f"MiB = {setup['device_requests']:g} longest requests' KV + indexer keys), split per policy into pages "
              f"of 64 tokens; host pool {setup['host_pages']} pages (offload, hisparse)"
-             + (f"; hot buffers of {setup['hot_rows']} rows (hisparse)" if "hot_rows" in setup else "")]
+             + (f"; hot buffers of {setup['hot_rows']} rows, {setup.get('hot_policy', 'lru')} (hisparse)"
+                if "hot_rows" in setup else "")]
     w = len("device KV pages")
     lines.append(f"{'':<{w}}  " + "  ".join(f"{p:>10}" for p in pols))
     for name, key in (("device KV pages", "device_pages"), ("indexer pages", "index_pages"),

@@ -170,7 +170,7 @@ def pool_sized_instructions(text: str, pool_dims: dict[str, tuple]):
 
 def check_no_pool_sized_temporary(label, store, text, mem):
     pools = {n: tuple(getattr(store, n).shape) for n in store_fields(store)
-             if n in ("latent", "rope", "index_k", "latent_scale", "index_scale") + HOST_POOLS}
+             if n in ("latent", "rope", "index_k", "latent_scale", "index_scale", "index_ema") + HOST_POOLS}
     found = pool_sized_instructions(text, pools)
     new = [f for f in found if f[0] == "NEW"]
     print(f"\n[{label}] pool-sized instructions: "

@@ -6,7 +6,7 @@ XLA's deviceless AOT compilation (`hisparse_jax/deviceless.py`) runs the whole X
 
 1. every Pallas kernel variant at production shapes (DeepSeek-V3.2 / GLM-5 geometry) compiles;
 2. the whole jitted tiered decode step (`hisparse_jax.engine.runner._jitted_step`, the function
-   `decode_step` runs, store donated) of GLM-5 (all 78 layers for the fp8 row-fetch Pallas cases, a 4-layer
+   `decode_step` runs, store donated) of GLM-5 (all 78 layers for the fp8 row-fetch Pallas-Triton case, a 4-layer
    slice for the others) compiles for both fetch mechanisms, bf16 and
    fp8 KV, reference and Pallas kernels, and its compiled HLO shows that
    (a) every store buffer is donated (an input_output_alias from each store parameter to its result),
@@ -182,22 +182,25 @@ NUM_LAYERS = 78
 # The other step cases, the speculative step and the store programs build a 4-layer slice (GLM-5 layers 0-3: three
 # dense layers with full indexers, one MoE layer sharing layer 2's index): the same code paths in less CI time.
 SLICE_LAYERS = 4
-FULL_MODEL_CASES = {("fp8", "row", "pallas"), ("fp8", "row", "pallas_mosaic")}
+# (the Mosaic decode case builds the slice: the scanned step is the same program at any depth, bench_compile.py
+# measures that, and the whole model's build is proven by the Triton case)
+FULL_MODEL_CASES = {("fp8", "row", "pallas", "lru")}
 
 
 def step_layers(case) -> int:
     return NUM_LAYERS if tuple(case) in FULL_MODEL_CASES else SLICE_LAYERS
 
 
-# A pairwise covering set of (kv, fetch, kernels): every pair of values of two axes is built once. Each
-# build takes 20-50 s on a 2-core machine; HISPARSE_GPU_BUILD_ALL=1 builds all 8 combinations.
-STEP_CASES = [("bf16", "row", "reference"), ("fp8", "page", "reference"), ("bf16", "page", "pallas"),
-              ("fp8", "row", "pallas")]
+# A pairwise covering set of (kv, fetch, kernels): every pair of values of two axes is built once, and the
+# score-aware hot policy (its slot scores and the Pallas resolver on its keys) in one of them. Each build takes
+# 20-50 s on a 2-core machine; HISPARSE_GPU_BUILD_ALL=1 builds all 8 combinations of the first three axes.
+STEP_CASES = [("bf16", "row", "reference", "lru"), ("fp8", "page", "reference", "lru"),
+              ("bf16", "page", "pallas", "score_ema"), ("fp8", "row", "pallas", "lru")]
 if os.environ.get("HISPARSE_GPU_BUILD_ALL"):
-    STEP_CASES = [(kv, fetch, kernels) for kernels in ("reference", "pallas") for kv in ("bf16", "fp8")
-                  for fetch in ("row", "page")]
+    STEP_CASES = [(kv, fetch, kernels, "lru") for kernels in ("reference", "pallas") for kv in ("bf16", "fp8")
+                  for fetch in ("row", "page")] + [("bf16", "page", "pallas", "score_ema")]
 if MOSAIC:  # the Mosaic decode inside the step (GLM-5: 64 heads, one block each; bf16 queries, so bf16 output)
-    STEP_CASES.append(("fp8", "row", "pallas_mosaic"))
+    STEP_CASES.append(("fp8", "row", "pallas_mosaic", "lru"))
 
 
 @pytest.fixture(scope="module", params=STEP_CASES, ids=lambda c: "-".join(c))
@@ -206,15 +209,16 @@ def built_step(request, build_log):
     from hisparse_jax.config import CacheConfig
     from hisparse_jax.engine import runner
 
-    kv, fetch, kernels = request.param
+    kv, fetch, kernels, hot_policy = request.param
     cfg = glm5_layers(step_layers(request.param))
     cache = CacheConfig(kv_dtype=kv, device_pages=4096, host_pages=16384, max_seqs=32, max_seq_len=131072,
-                        fetch=fetch)
+                        fetch=fetch, hot_policy=hot_policy)
     graphdef, params, store, batch = abstract_step_args(cfg, cache)
     # The jitted function decode_step / make_decode_step call (donate_argnums=(1,): the store). Taken from the
     # cache directly because kv.tiered.check_kernels refuses kernels="pallas" on a CPU backend, rightly.
     step = runner._jitted_step(graphdef, kernels)
-    case = f"tiered decode_step glm-5[{cfg.num_hidden_layers} layers] kv={kv} fetch={fetch} kernels={kernels} (B={BATCH})"
+    case = (f"tiered decode_step glm-5[{cfg.num_hidden_layers} layers] kv={kv} fetch={fetch} kernels={kernels} "
+            f"hot_policy={hot_policy} (B={BATCH})")
     exe = timed_build(build_log, case, lambda: dl.compile_lowered(dl.lower_for_gpu(step, params, store, batch)))
     text = dl.hlo_text(exe)
     return request.param, store, text, exe.get_compiled_memory_stats()

@@ -62,6 +62,17 @@ def test_greedy_tokens_identical_under_eviction(model, prompts, baseline, k):
         assert h.h2d_bytes == h.misses * row
 
 
+@pytest.mark.slow
+def test_score_ema_hot_policy_gives_the_same_tokens(model, prompts, baseline):
+    """hot_policy="score_ema" under speculation: a request's k + 1 rows score its slots (the union keeps the
+    highest score), and the tokens stay those of the LRU run without speculation."""
+    eng = Engine(model, cache_for(model, "hisparse", 1).replace(hot_policy="score_ema"),
+                 EngineConfig(policy="hisparse", max_running=4, prefill="whole", prefix_caching=False,
+                              check_invariants=True, speculative_tokens=1))
+    assert eng.generate(prompts, SamplingParams(max_new_tokens=NEW)) == baseline[0]
+    assert eng.metrics().misses > 0
+
+
 class PerfectDrafts(Engine):
     """Drafts replaced by the true continuation (from a run without speculation), one of them wrong every few
     steps: exercises acceptance of 0..k drafts, multi-token commits and the lengths they set."""

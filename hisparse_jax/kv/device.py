@@ -187,6 +187,9 @@ def gather(store: KVStore, manager: TieredCache, slots, topk):
     (store, latent f32[L, B, K, C], rope f32[L, B, K, R], valid bool[B, K], payload_h2d_bytes).
     Advances the LRU clock like a decode step and refreshes `manager.page_stamps`. Raises ValueError on positions
     outside [0, seq_len)."""
+    if manager.spec.hot_policy != "lru":
+        raise ValueError(f"gather replays top-k without the indexer's scores, which hot_policy="
+                         f"{manager.spec.hot_policy!r} orders the hot slots by: use a store with hot_policy='lru'")
     slots = manager.check_live_slots(slots)
     swapped = [x for x in slots if x in manager.swapped]
     if swapped:

@@ -131,6 +131,8 @@ def append_rows(spec: StoreSpec, store: KVStore, layer: int, index_layer: int | 
         upd["index_k"] = set_rows(store.index_k, (index_layer, ip, row), kv)
         if ks is not None:
             upd["index_scale"] = store.index_scale.at[index_layer, ip, row].set(ks, mode="drop")
+        if store.index_ema is not None:  # a new key: its position is not scored yet
+            upd["index_ema"] = store.index_ema.at[index_layer, ip, row].set(jnp.nan, mode="drop")
         dropped = dropped + jnp.sum(live & (ipage < 0))
     return _replace(store, **upd), dropped.astype(jnp.int32)
 
@@ -191,6 +193,19 @@ def index_select(spec: StoreSpec, store: KVStore, index_layer: int, req, positio
     num_pages (static): score only each request's first `num_pages` pages — the caller's bound on the batch's
     longest live sequence, so a step costs O(context), not O(max_seq_len); None scores all MP.
     """
+    scores, valid, _ = index_scores_paged(spec, store, index_layer, req, positions, q_index, w, num_pages)
+    return topk_of_scores(spec, scores, valid)
+
+
+def topk_of_scores(spec: StoreSpec, scores, valid):
+    """`index_select`'s top-k of `index_scores_paged`'s scores: int32[B, K], -1 padded."""
+    return pad_topk(spec, select_topk(scores, valid, spec.topk))
+
+
+def index_scores_paged(spec: StoreSpec, store: KVStore, index_layer: int, req, positions, q_index, w,
+                       num_pages: int | None = None):
+    """The indexer's scores of keys 0..positions[b] of request req[b] (`index_select`'s, before the top-k):
+    (scores f32[B, S], valid bool[B, S], pages int32[B, P]: the indexer pages read, S = P * 64)."""
     r = jnp.maximum(req, 0)
     pages = jnp.maximum(store.index_table[r][:, :num_pages], 0)  # [B, P]
     keys = store.index_k[index_layer][pages]
@@ -207,7 +222,63 @@ def index_select(spec: StoreSpec, store: KVStore, index_layer: int, req, positio
         scores = index_scores(q_index[:, None], w[:, None], keys)[:, 0]
     S = keys.shape[1]
     valid = (jnp.arange(S, dtype=jnp.int32)[None] <= positions[:, None]) & (req >= 0)[:, None]
-    return pad_topk(spec, select_topk(scores, valid, spec.topk))
+    return scores, valid, pages
+
+
+# ----- hot_policy="score_ema": a moving average of every position's scores, beside its key ----------------------
+def update_index_ema(spec: StoreSpec, store: KVStore, index_layer: int, req, scores, valid, pages,
+                     rows_per_request: int = 1):
+    """Fold one step's scores (`index_scores_paged` of rows `req`: f32[B, S], valid [B, S], pages [B, P]) into
+    `index_ema`: e := s the first time a position is scored (e NaN), else hot_ema_beta * e + (1 - hot_ema_beta) * s.
+
+    With `rows_per_request` S > 1 (speculative verification) a request's S consecutive rows score its positions
+    with S queries: its highest score counts, once. An indexer page two requests share (a prompt prefix) follows
+    the first of them in the batch."""
+    B, S_ = scores.shape
+    if rows_per_request > 1:
+        G = B // rows_per_request
+        scores = jnp.max(jnp.where(valid, scores, -jnp.inf).reshape(G, rows_per_request, S_), axis=1)
+        valid = jnp.any(valid.reshape(G, rows_per_request, S_), axis=1)
+        r = jnp.maximum(group_req(req, rows_per_request), 0)  # a group's live rows are one request's
+        pages = jnp.maximum(store.index_table[r][:, :pages.shape[1]], 0)
+    old = store.index_ema[index_layer][pages].reshape(scores.shape)  # [B', S]
+    b = spec.hot_ema_beta
+    new = jnp.where(jnp.isnan(old), scores, b * old + (1 - b) * scores)
+    # one writer per indexer page: the first row that scores it (a page two requests share would otherwise get two
+    # values in one scatter, which a GPU resolves in no fixed order); one scatter, so XLA updates the pool in place
+    scored = jnp.any(valid.reshape(pages.shape + (PAGE_SIZE,)), axis=-1)  # [B', P]
+    flat = jnp.where(scored, pages, spec.index_pages).reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    s_flat = flat[order]
+    first = jnp.concatenate([jnp.ones((1,), bool), s_flat[1:] != s_flat[:-1]])
+    writer = jnp.zeros(flat.shape, bool).at[order].set(first).reshape(pages.shape)
+    ip = jnp.where(valid & jnp.repeat(writer, PAGE_SIZE, axis=1), jnp.repeat(pages, PAGE_SIZE, axis=1),
+                   spec.index_pages)  # [B', S]; not scored, or another row's page: dropped
+    row = jnp.broadcast_to(jnp.arange(S_, dtype=jnp.int32) % PAGE_SIZE, ip.shape)
+    return _replace(store, index_ema=store.index_ema.at[index_layer, ip, row].set(new, mode="drop"))
+
+
+SCORE_KEY_MAX = UNUSED_STAMP - 1  # the largest key of an average (+inf and NaN are clamped to it)
+
+
+def encode_score(x):
+    """f32 -> int32 in [0, SCORE_KEY_MAX], non-decreasing in x (-inf lowest): the float's bits in total order,
+    less their lowest bit (averages a float32 ulp apart may tie; ties go by slot). The resolver's victims are the
+    lowest (key, slot) for any int32 keys in [-1, STAMP_MARK) (`pallas_kernels.sparse_gather.reference`), so the
+    averages, encoded, are its keys as they are."""
+    i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    ordered = jnp.where(i >= 0, i, i ^ 0x7FFFFFFF)  # int32 order == float order (-0.0 just below +0.0)
+    return jnp.minimum((ordered >> 1) + 2**30, SCORE_KEY_MAX)
+
+
+def score_keys(store: KVStore, group: int, hot_token, hot_stamp):
+    """score_ema's victim keys of group slices hot_token / hot_stamp int32[Rq, HR]: each held position's encoded
+    average (group g's leader is index layer g), -1 for a slot holding nothing (the first victims), UNUSED_STAMP
+    past the hot-row budget (never a victim)."""
+    pos = jnp.maximum(hot_token, 0)
+    pages = jnp.maximum(jnp.take_along_axis(store.index_table, pos // PAGE_SIZE, axis=1), 0)
+    avg = store.index_ema[group, pages, pos % PAGE_SIZE]
+    return jnp.where(hot_stamp == UNUSED_STAMP, UNUSED_STAMP, jnp.where(hot_token < 0, -1, encode_score(avg)))
 
 
 def pad_topk(spec: StoreSpec, topk):
@@ -233,23 +304,31 @@ def resolve(spec: StoreSpec, store: KVStore, group: int, req, topk, *, resolver=
     """Resolve the top-k positions of every decode row for indexer group `group`.
 
     The rule is `pallas_kernels.sparse_gather.reference` (its docstring is the spec): resident page | hot
-    hit (moves to the most-recent end of the LRU order) | miss (claims the least-recently-used slot not hit
-    this step and names the host row to copy into it) | invalid (padding, idle rows, non-resident positions of a request without a hot buffer, positions
+    hit | miss (claims a slot not hit this step, the lowest in the victim order, and names the host row to copy
+    into it) | invalid (padding, idle rows, non-resident positions of a request without a hot buffer, positions
     with no copy anywhere: never fetched, never read). Requires hot_rows >= K, so every miss finds a slot.
+    The victim order is `spec.hot_policy`'s: "lru", the resolver's step stamps (a hit moves a slot to the
+    most-recent end); "score_ema", the held positions' averaged indexer scores (`score_keys`, from `index_ema`,
+    which the group leader's `update_index_ema` has advanced this step), lowest first.
 
     `resolver` computes the rule: None for the jnp spec (`resolve_positions`), or a function of the same
     signature such as the Pallas kernel `pallas_kernels.sparse_gather.sparse_gather` (bit-identical).
     Returns (plan, store) with the group's hot_token / hot_stamp and the requests' page_stamp updated.
     """
     resolver = resolve_positions if resolver is None else resolver
-    out = resolver(topk, req, store.block_table, store.host_table, store.hot_pages, store.hot_token[:, group],
-                   store.hot_stamp[:, group], store.clock, hot_rows=spec.hot_rows)
+    tokens, stamps = store.hot_token[:, group], store.hot_stamp[:, group]
+    keys = score_keys(store, group, tokens, stamps) if spec.hot_policy == "score_ema" else stamps
+    out = resolver(topk, req, store.block_table, store.host_table, store.hot_pages, tokens, keys, store.clock,
+                   hot_rows=spec.hot_rows)
     plan = Plan(*out[:7])
+    # score_ema's hot_stamp only marks the slots past the budget (UNUSED_STAMP; the others stay -1): the keys the
+    # resolver stamped over are this step's only
+    new_stamps = out[8] if spec.hot_policy == "lru" else stamps
     rw = jnp.where(req >= 0, req, spec.max_seqs)  # idle rows write nowhere
     lp = jnp.where(plan.valid, jnp.maximum(topk, 0) // PAGE_SIZE, spec.max_pages)
     page_stamp = store.page_stamp.at[rw[:, None], lp].max(store.clock, mode="drop")
     return plan, _replace(store, hot_token=store.hot_token.at[:, group].set(out[7]),
-                          hot_stamp=store.hot_stamp.at[:, group].set(out[8]), page_stamp=page_stamp)
+                          hot_stamp=store.hot_stamp.at[:, group].set(new_stamps), page_stamp=page_stamp)
 
 
 # ----- several query rows per request: one resolve over the union of their top-k -----------------
@@ -532,6 +611,8 @@ def write_prefill(spec: StoreSpec, store: KVStore, req, latent, rope, index_k, l
         upd["latent_scale"] = store.latent_scale.at[:, dp, row].set(scales, mode="drop")
     if ks is not None:
         upd["index_scale"] = store.index_scale.at[:, ip, row].set(ks, mode="drop")
+    if store.index_ema is not None:
+        upd["index_ema"] = store.index_ema.at[:, ip, row].set(jnp.nan, mode="drop")
     hosts = _write_host_pages(spec, store, store.host_table[req], (vals, rope, scales), start,
                               jnp.minimum(length, offset + T), offset)
     seq_lens = store.seq_lens.at[req].set(length)

@@ -40,6 +40,8 @@ class StoreSpec:
     miss_attention: str = "single"
     mtp_layers: int = 0  # MTP layers kept after the main layers (speculative decoding), each its own group
     index_dtype: str = "float32"  # the indexer keys' stored format: "fp8", "int4", "bf16" or "float32"
+    hot_policy: str = "lru"  # which hot slot a miss claims: "lru" or "score_ema" (`CacheConfig.hot_policy`)
+    hot_ema_beta: float = 0.9  # score_ema's weight of the past
 
     @classmethod
     def create(cls, model: ModelConfig, cache: CacheConfig) -> "StoreSpec":
@@ -82,7 +84,7 @@ class StoreSpec:
                    max_pages=cache.max_pages_per_seq, hot_rows=cache.hot_rows_for(model), kv_dtype=kv_dtype,
                    fetch=cache.fetch, fetch_chunk=cache.fetch_chunk, mirror_to_host=cache.mirror_to_host,
                    topk=model.index_topk, miss_attention=cache.miss_attention, mtp_layers=mtp,
-                   index_dtype=index_dtype)
+                   index_dtype=index_dtype, hot_policy=cache.hot_policy, hot_ema_beta=float(cache.hot_ema_beta))
 
     @property
     def hot_pages(self) -> int:
@@ -99,14 +101,16 @@ class StoreSpec:
 
     @property
     def index_row_bytes(self) -> int:
-        """Bytes of one token's indexer key in one index layer: fp8 dI + a 4-byte scale, int4 dI / 2 + dI / 32
-        (68 for dI = 128), else dI values of the value dtype."""
+        """Device bytes of one token in one index layer: its indexer key — fp8 dI + a 4-byte scale, int4 dI / 2 +
+        dI / 32 (68 for dI = 128), else dI values of the value dtype — and with hot_policy="score_ema" the 4-byte
+        average of its scores (`KVStore.index_ema`)."""
         dI = self.index_dim
+        ema = 4 if self.hot_policy == "score_ema" else 0
         if self.index_dtype == "fp8":
-            return dI + 4
+            return dI + 4 + ema
         if self.index_dtype == "int4":
-            return dI // 2 + dI // MXFP4_BLOCK
-        return dI * (4 if self.index_dtype == "float32" else 2)
+            return dI // 2 + dI // MXFP4_BLOCK + ema
+        return dI * (4 if self.index_dtype == "float32" else 2) + ema
 
     @property
     def value_dtype(self):

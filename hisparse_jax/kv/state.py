@@ -22,6 +22,9 @@ MP pages per request, G indexer groups, HR hot rows):
     clock       int32[]        the step counter hot_stamp and page_stamp refer to
     page_stamp  int32[Rq, MP]  last step the indexer selected a position of each logical page (-1 never):
                                per-page access recency, for free, for the coldness policies
+    index_ema   f32[LI, PI, 64] hot_policy="score_ema" only (else None): beside each indexer key, the moving
+                               average of the indexer's scores of that position (NaN: not scored yet, set when
+                               the key is written); the hot buffer's victims are its slots' lowest averages
 
 One page id means the same page in every layer. A hot page serves every indexer group at once: layer l
 stores the rows of *its* group's slots in it, so G groups cost one set of pages. Hot slot j of a request
@@ -98,6 +101,7 @@ class KVStore:
     latent_scale: jax.Array | None = None
     index_scale: jax.Array | None = None
     h_latent_scale: jax.Array | None = None
+    index_ema: jax.Array | None = None
     spec: StoreSpec | None = dataclasses.field(default=None, metadata={"static": True})
 
 
@@ -117,7 +121,7 @@ def store_shardings(spec: StoreSpec, device=None) -> KVStore:
     return KVStore(spec=spec, latent=d, rope=d, index_k=d, h_latent=h, h_rope=h, block_table=d, host_table=d, index_table=d,
                    seq_lens=d, hot_pages=d, hot_token=d, hot_stamp=d, clock=d, page_stamp=d,
                    latent_scale=d if spec.fp8 else None, index_scale=d if spec.index_scaled else None,
-                   h_latent_scale=h if spec.fp8 else None)
+                   h_latent_scale=h if spec.fp8 else None, index_ema=d if spec.hot_policy == "score_ema" else None)
 
 
 def init_store(spec: StoreSpec, device=None) -> KVStore:
@@ -145,6 +149,7 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
         latent_scale=((L, P, PAGE_SIZE, C // FP8_BLOCK), jnp.float32) if spec.fp8 else None,
         index_scale=index_scale,
         h_latent_scale=((L, PH, PAGE_SIZE, C // FP8_BLOCK), host_dtype(jnp.float32)) if spec.fp8 else None,
+        index_ema=((LI, PI, PAGE_SIZE), jnp.float32) if spec.hot_policy == "score_ema" else None,
     )
     shardings = store_shardings(spec, device)
     if not abstract():
@@ -159,14 +164,14 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
             out[f.name] = None
             continue
         shape, dt = sd
-        fill = -1 if f.name in minus_one else 0
+        fill = -1 if f.name in minus_one else jnp.nan if f.name == "index_ema" else 0
         out[f.name] = jax.device_put(jnp.full(shape, fill, dt), getattr(shardings, f.name))
     return KVStore(spec=spec, **out)
 
 
 # the CacheConfig fields each array's size follows (named when a store cannot fit)
 _SIZED_BY = {"latent": "device_pages", "rope": "device_pages", "latent_scale": "device_pages",
-             "index_k": "index_pages", "index_scale": "index_pages", "h_latent": "host_pages", "h_rope": "host_pages",
+             "index_k": "index_pages", "index_scale": "index_pages", "index_ema": "index_pages", "h_latent": "host_pages", "h_rope": "host_pages",
              "h_latent_scale": "host_pages", "hot_token": "hot_rows x max_seqs", "hot_stamp": "hot_rows x max_seqs",
              "hot_pages": "hot_rows x max_seqs"}
 

@@ -139,7 +139,8 @@ class TieredKV:
     """`KVBackend` over a `KVStore`. The carry threaded through the model (`kv`) is `init_kv(store, req)`:
     {"store": KVStore, "req": int32[B], "plan": ops.Plan, "plan_counts": 4 x int32[], "stats": dict}; a group's
     leader writes its plan and its resident / hit / miss / row-miss counts there, which the group's shared-index
-    layers read (and count again).
+    layers read (and count again). With hot_policy="score_ema" a leader's `select` also folds its scores into the
+    store's `index_ema` (`ops.update_index_ema`), which its `attend`'s resolve orders the hot slots by.
 
     kernels: "reference" (jnp ops), or one of the Pallas choices of `check_kernels`: the indexer top-k, the fused
     resolver and the sparse MLA decode run as Pallas kernels (`pallas_kernels`), the decode and the indexer's scores
@@ -196,6 +197,15 @@ class TieredKV:
 
     def select(self, kv, ids, positions, q_index, w):
         index_layer = ids.index
+        if self.spec.hot_policy == "score_ema":
+            # every position's score, for its moving average (the Pallas indexer keeps its scores to itself: with
+            # it this is one more scoring pass over the keys)
+            scores, valid, pages = ops.index_scores_paged(self.spec, kv["store"], index_layer, kv["req"], positions,
+                                                          q_index, w, self.index_pages)
+            kv = dict(kv, store=ops.update_index_ema(self.spec, kv["store"], index_layer, kv["req"], scores, valid,
+                                                     pages, self.rows_per_request))
+            if not self._pallas:
+                return ops.topk_of_scores(self.spec, scores, valid), kv
         if not self._pallas:
             return ops.index_select(self.spec, kv["store"], index_layer, kv["req"], positions, q_index, w,
                                     self.index_pages), kv

@@ -46,6 +46,12 @@ by claim order and within the hit group by previous order, which rewrites the wh
 writes per request); the stamps write O(K) and give the same hit rates on the project's traces
 (experiments/hot_buffer_policies.py; ordering only the groups is what matters).
 
+Other victim orders. The rule reads hot_stamp only as the key of the (key, slot) order and writes it only at the
+touched slots, so a caller may pass any int32 keys in [-1, STAMP_MARK) instead of stamps (and discard the stamps
+written): the victims are then the m lowest (key, slot) among the slots not hit, as above. The store's
+hot_policy="score_ema" does this with the held positions' averaged indexer scores (`hisparse_jax.kv.ops.resolve`); the
+kernel's selection is exact for any such keys (radix passes beyond the steady-state window).
+
 Live rows must name distinct requests. hot_rows >= K, so every miss finds a slot.
 """
 
