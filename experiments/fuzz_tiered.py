@@ -135,6 +135,7 @@ class GenerateCase:
     max_seq_len: int
     shared_capacity: bool = True  # budgets inside the fuzzer's CAPACITY, or shapes = budgets
     index_dtype: str = "auto"  # "int4": MXFP4 indexer keys (the oracle is then the same formats all resident)
+    hot_policy: str = "lru"  # the hot buffer's victim order (`CacheConfig.hot_policy`): never changes the tokens
 
     def cache_config(self):
         from hisparse_jax.config import CacheConfig
@@ -142,7 +143,8 @@ class GenerateCase:
         return within_capacity(CacheConfig(kv_dtype=self.kv_dtype, fetch=self.fetch, device_pages=self.device_pages,
                                            host_pages=self.host_pages, index_pages=self.index_pages,
                                            hot_rows=self.hot_rows, max_seqs=self.max_seqs,
-                                           max_seq_len=self.max_seq_len, index_dtype=self.index_dtype),
+                                           max_seq_len=self.max_seq_len, index_dtype=self.index_dtype,
+                                           hot_policy=self.hot_policy),
                                self.shared_capacity)
 
     def kv_lengths(self) -> list[int]:
@@ -315,6 +317,7 @@ class EngineCase:
     speculative_tokens: int = 0  # MTP speculative decoding (float32, whole prefill, no prefix caching)
     shared_capacity: bool = True  # budgets inside the fuzzer's CAPACITY, or shapes = budgets
     index_dtype: str = "auto"  # "int4": MXFP4 indexer keys (the oracle is then the same case all resident)
+    hot_policy: str = "lru"  # the hot buffer's victim order (`CacheConfig.hot_policy`): never changes the tokens
 
     @property
     def lookahead(self) -> int:
@@ -329,7 +332,8 @@ class EngineCase:
         return within_capacity(CacheConfig(kv_dtype=self.kv_dtype, fetch=self.fetch, device_pages=self.device_pages,
                                            host_pages=self.host_pages, hot_rows=self.hot_rows,
                                            max_seq_len=pages(longest) * PAGE, index_dtype=self.index_dtype,
-                                           speculative_tokens=self.speculative_tokens), self.shared_capacity)
+                                           speculative_tokens=self.speculative_tokens, hot_policy=self.hot_policy),
+                               self.shared_capacity)
 
     def engine_config(self):
         from hisparse_jax.engine.engine import EngineConfig
@@ -683,10 +687,12 @@ def case_rng(seed: int, kind: str, k: int):
 INDEX_DTYPE_KINDS = ("generate", "engine")  # the kinds whose cases may store int4 indexer keys (see draw_index_dtype)
 
 
-def run_cases(kind: str, first: int, count: int, seed: int, model, log=print, index_dtype: str = "drawn") -> dict:
+def run_cases(kind: str, first: int, count: int, seed: int, model, log=print, index_dtype: str = "drawn",
+              hot_policy: str = "lru") -> dict:
     """Cases first .. first + count - 1 of a kind, in this process: their outcomes, the sums of their counters
     (how much pressure they exercised), how many had each counter > 0, and every failure with its case.
-    index_dtype: "drawn" (as the case draws it) or a format every case gets ("int4"; generate and engine only)."""
+    index_dtype: "drawn" (as the case draws it) or a format every case gets ("int4"; generate and engine only).
+    hot_policy: every case's hot buffer policy (generate and engine only; the oracle's tokens do not depend on it)."""
     from hisparse_jax.cpu_compile import drop_programs_near_map_limit, memory_maps
 
     draw = {"generate": draw_generate_case, "engine": draw_engine_case, "mesh": draw_mesh_case,
@@ -699,6 +705,8 @@ def run_cases(kind: str, first: int, count: int, seed: int, model, log=print, in
         if index_dtype != "drawn":
             case = (with_index_dtype(case, index_dtype) if kind == "engine"
                     else dataclasses.replace(case, index_dtype=index_dtype))
+        if hot_policy != "lru":
+            case = dataclasses.replace(case, hot_policy=hot_policy)
         try:
             res = run(case, model)
             out["outcomes"][res["outcome"]] = out["outcomes"].get(res["outcome"], 0) + 1
@@ -739,7 +747,7 @@ def merge(into: dict, part: dict) -> dict:
     return into
 
 
-def run_group(kind: str, first: int, count: int, seed: int, index_dtype: str = "drawn") -> dict:
+def run_group(kind: str, first: int, count: int, seed: int, index_dtype: str = "drawn", hot_policy: str = "lru") -> dict:
     """Cases first .. first + count - 1 of a kind in a process of their own: a crash of the process (a segfault
     inside XLA, the kernel's OOM killer) is recorded with the cases it ran, how to rerun them and the end of its
     output, and does not end the run."""
@@ -749,7 +757,8 @@ def run_group(kind: str, first: int, count: int, seed: int, index_dtype: str = "
     with tempfile.TemporaryDirectory() as tmp:
         part_path = os.path.join(tmp, "part.json")
         argv = [sys.executable, os.path.abspath(__file__), "--only", kind, "--first", str(first), "--examples",
-                str(count), "--seed", str(seed), "--group-size", "0", "--index-dtype", index_dtype, "--out", part_path]
+                str(count), "--seed", str(seed), "--group-size", "0", "--index-dtype", index_dtype, "--hot-policy",
+                hot_policy, "--out", part_path]
         t0 = time.time()
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -773,6 +782,8 @@ def run_group(kind: str, first: int, count: int, seed: int, index_dtype: str = "
 
 
 def main(argv=None) -> int:
+    from hisparse_jax.config import HOT_POLICIES
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--long", action="store_true",
                     help="the deep profile (200 generate + 80 engine + 40 mesh + 40 pd cases)")
@@ -787,6 +798,9 @@ def main(argv=None) -> int:
     ap.add_argument("--index-dtype", choices=("drawn", "int4"), default="drawn",
                     help="indexer key format: as each case draws it (one in five int4), or int4 for every case "
                          f"(kinds {', '.join(INDEX_DTYPE_KINDS)} only)")
+    ap.add_argument("--hot-policy", choices=HOT_POLICIES, default="lru",
+                    help="every case's hot buffer policy (`CacheConfig.hot_policy`; kinds "
+                         f"{', '.join(INDEX_DTYPE_KINDS)} only): the tokens must not depend on it")
     ap.add_argument("--out", default="experiments/results/fuzz_tiered.json")
     ap.add_argument("--xla-defaults", action="store_true",
                     help="compile with XLA's default optimisation (by default the fuzzer compiles as the tests do, "
@@ -801,6 +815,8 @@ def main(argv=None) -> int:
     if a.examples:
         counts = {k: a.examples for k in counts}
     kinds = [a.only] if a.only else list(KINDS)
+    if a.hot_policy != "lru" and set(kinds) - set(INDEX_DTYPE_KINDS):
+        ap.error(f"--hot-policy {a.hot_policy} applies to --only {' or '.join(INDEX_DTYPE_KINDS)}")
     if a.index_dtype != "drawn" and set(kinds) - set(INDEX_DTYPE_KINDS):
         ap.error(f"--index-dtype {a.index_dtype} applies to --only {' or '.join(INDEX_DTYPE_KINDS)} (the mesh and "
                  "P/D cases keep the contiguous path as their oracle)")
@@ -814,7 +830,7 @@ def main(argv=None) -> int:
         request_fast_compile()  # before any group starts: they inherit the flags and skip the probe
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "seed": a.seed,
            "profile": "long" if a.long else "default", "first": a.first, "group_size": a.group_size,
-           "index_dtype": a.index_dtype,
+           "index_dtype": a.index_dtype, "hot_policy": a.hot_policy,
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "kinds": {}}
     model = fuzz_model() if a.group_size == 0 else None
 
@@ -826,12 +842,13 @@ def main(argv=None) -> int:
     for kind in kinds:
         if a.group_size == 0:
             out["kinds"][kind] = run_cases(kind, a.first, counts[kind], a.seed, model,
-                                           log=lambda m: print(m, flush=True), index_dtype=a.index_dtype)
+                                           log=lambda m: print(m, flush=True), index_dtype=a.index_dtype,
+                                           hot_policy=a.hot_policy)
             continue
         total: dict = {}
         for start in range(a.first, a.first + counts[kind], a.group_size):
             n = min(a.group_size, a.first + counts[kind] - start)
-            merge(total, run_group(kind, start, n, a.seed, a.index_dtype))
+            merge(total, run_group(kind, start, n, a.seed, a.index_dtype, a.hot_policy))
             out["kinds"][kind] = total
             write(complete=False)
             print(f"{kind}: {total['cases']} cases run, {total['outcomes']}, {len(total['failures'])} failures, "
