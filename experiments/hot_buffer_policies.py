@@ -177,7 +177,8 @@ def resident_from(positions, pages: int, page_tokens: int = 64):
 
 
 def simulate_ranked(rt: RankedTrace, hot_rows: int, policy: str = "lru", *, prefetch: int = 0,
-                    keep: float = 2.0, beta: float = 0.9, admit: str = "rank", resident_pages: int = 0,
+                    keep: float = 2.0, beta: float = 0.9, admit: str = "rank", ema_scope: str = "position",
+                    resident_pages: int = 0,
                     page_tokens: int = 64, return_state: bool = False, return_missed: bool = False) -> dict:
     """Run `policy` (one of RANKED_POLICIES) over a `RankedTrace`, optionally with margin prefetch.
 
@@ -203,6 +204,9 @@ def simulate_ranked(rt: RankedTrace, hot_rows: int, policy: str = "lru", *, pref
       score_ema  as score with v_t(x) = e_t(x), an exponential moving average of the row's score over the steps
                  so far, e_t = beta * e_(t-1) + (1 - beta) * s_t (e = s_t at the first step that scores x): a
                  recency-weighted score (what the indexer has kept saying about the row), not one step's noise.
+                 With ema_scope="slot" the average is the store's (`CacheConfig(hot_policy="score_ema")`): kept
+                 per hot slot only, from the step after the one that filled it (e = s_t then), so a row's history
+                 before it entered the buffer is not known.
       opt        Belady (demand caching only, no prefetch): the bound.
     Scores are `rt.scores` (each step's scores over its largest |score|). Returns per-step int arrays hits,
     misses (critical path), prefetched, resident; and totals prefetch_used (prefetched rows hit before their
@@ -215,6 +219,8 @@ def simulate_ranked(rt: RankedTrace, hot_rows: int, policy: str = "lru", *, pref
         raise ValueError("opt is demand caching: no prefetch")
     if admit not in ("rank", "key") or (admit == "key" and policy not in SCORE_POLICIES):
         raise ValueError(f"admit={admit!r} with policy {policy!r}")
+    if ema_scope not in ("position", "slot") or (ema_scope == "slot" and admit == "key"):
+        raise ValueError(f"ema_scope={ema_scope!r} with admit={admit!r}")
     k = rt.k
     if prefetch < 0 or k + prefetch > rt.order.shape[1]:
         raise ValueError(f"prefetch {prefetch} outside 0..{rt.margin} (the recorded margin)")
@@ -231,6 +237,8 @@ def simulate_ranked(rt: RankedTrace, hot_rows: int, policy: str = "lru", *, pref
     where = np.full(max_pos, -1, np.int64)
     rank_of = np.full(max_pos, _BIG, np.int64)
     ema = np.full(rt.scores.shape[1], -np.inf, np.float32)
+    slot_ema = np.full(HR, np.nan, np.float32)  # ema_scope="slot": nan = no average yet (empty or fresh)
+    slot_scope = policy == "score_ema" and ema_scope == "slot"
     width = min(k + max(prefetch, keep - k if policy == "score_lru" else 0), rt.order.shape[1])
     demand = []
     for t in range(T):
@@ -271,6 +279,7 @@ def simulate_ranked(rt: RankedTrace, hot_rows: int, policy: str = "lru", *, pref
         tokens[v] = rows
         where[rows] = v
         ref[v] = True
+        slot_ema[v] = np.nan
 
     for t in range(T):
         row = rt.order[t, :width]
@@ -284,7 +293,13 @@ def simulate_ranked(rt: RankedTrace, hot_rows: int, policy: str = "lru", *, pref
         pos_value = None
         if policy in SCORE_POLICIES:
             st = rt.scores[t].astype(np.float32)
-            if policy == "score_ema":
+            if slot_scope:
+                held = tokens >= 0
+                s_held = st[tokens[held]]
+                old = slot_ema[held]
+                slot_ema[held] = np.where(np.isnan(old), s_held, beta * old + (1 - beta) * s_held)
+                pos_value = None
+            elif policy == "score_ema":
                 fin = np.isfinite(ema)
                 nxt = st.copy()
                 nxt[fin] = beta * ema[fin] + (1 - beta) * st[fin]
@@ -310,6 +325,8 @@ def simulate_ranked(rt: RankedTrace, hot_rows: int, policy: str = "lru", *, pref
             nextuse[hs] = nu[t][hit]
 
         def values():
+            if slot_scope:
+                return np.where(tokens < 0, -np.inf, slot_ema)
             if pos_value is None:
                 return None
             return np.where(tokens < 0, -np.inf, pos_value[np.maximum(tokens, 0)])
@@ -687,6 +704,8 @@ LAB_VARIANTS = {
     "score_ema+pf16": ("score_ema", {"beta": EMA_BETA, "prefetch": 16}),
     "score_ema+pf64": ("score_ema", {"beta": EMA_BETA, "prefetch": 64}),
     "score_ema+pf64/key": ("score_ema", {"beta": EMA_BETA, "prefetch": 64, "admit": "key"}),
+    # the average kept per hot slot from its fill on (O(hot rows) state, no history before the fill)
+    "score_ema/slot": ("score_ema", {"beta": EMA_BETA, "ema_scope": "slot"}),
     "opt": ("opt", {}),
 }
 

@@ -77,6 +77,20 @@ def test_score_ema_remembers_what_one_step_forgets():
     assert s["hits"][7] == 0 and e["hits"][7] == 1
 
 
+def test_score_ema_per_slot_forgets_the_history_before_the_fill():
+    """k 1, 2 slots. Row 0 is the top-1 at steps 0-4 (filled), row 1 second with 8.5; row 1 is the top-1 at step 5
+    (filled), row 3 at step 6, where row 0 scores 2 and row 1 scores 1. The per-position average (what the store
+    keeps, `index_ema`) still ranks row 1 above row 0 and evicts row 0; the per-slot one knows row 1 only from its
+    fill on (1) and evicts it, and misses it at step 7."""
+    rt = _rt([[9, 8.5, 0, 0]] * 5 + [[0, 9, 0, 0], [2, 1, 0, 9], [0, 9, 0, 0]], k=1)
+    pos = hb.simulate_ranked(rt, 2, "score_ema", beta=0.9)
+    slot = hb.simulate_ranked(rt, 2, "score_ema", beta=0.9, ema_scope="slot")
+    assert pos["misses"].tolist()[:7] == slot["misses"].tolist()[:7] == [1, 0, 0, 0, 0, 1, 1]
+    assert pos["hits"][7] == 1 and slot["hits"][7] == 0
+    with pytest.raises(ValueError, match="ema_scope"):
+        hb.simulate_ranked(rt, 2, "score_ema", ema_scope="slot", admit="key")
+
+
 @pytest.mark.parametrize("policy", DEMAND)
 @pytest.mark.parametrize("prefetch", [0, 4])
 def test_no_future_information(policy, prefetch):
