@@ -74,7 +74,7 @@ def _resolve_reference(trace, HR, K):
 
     from hisparse_jax.kv import ops
 
-    spec = SimpleNamespace(hot_rows=HR, max_seqs=1, max_pages=64)
+    spec = SimpleNamespace(hot_rows=HR, max_seqs=1, max_pages=64, hot_policy="lru")
     fields = dict(block_table=-jnp.ones((1, 64), jnp.int32), host_table=jnp.arange(64, dtype=jnp.int32)[None],
                   hot_pages=jnp.arange(-(-HR // 64), dtype=jnp.int32)[None],
                   hot_token=-jnp.ones((1, 1, HR), jnp.int32), hot_stamp=-jnp.ones((1, 1, HR), jnp.int32),
