@@ -204,9 +204,9 @@ def simulate_ranked(rt: RankedTrace, hot_rows: int, policy: str = "lru", *, pref
       score_ema  as score with v_t(x) = e_t(x), an exponential moving average of the row's score over the steps
                  so far, e_t = beta * e_(t-1) + (1 - beta) * s_t (e = s_t at the first step that scores x): a
                  recency-weighted score (what the indexer has kept saying about the row), not one step's noise.
-                 With ema_scope="slot" the average is the store's (`CacheConfig(hot_policy="score_ema")`): kept
-                 per hot slot only, from the step after the one that filled it (e = s_t then), so a row's history
-                 before it entered the buffer is not known.
+                 This per-position average is the store's (`CacheConfig(hot_policy="score_ema")`). With
+                 ema_scope="slot" it is kept per hot slot only, from the step after the one that filled it (e = s_t
+                 then), so a row's history before it entered the buffer is not known (O(hot rows) state).
       opt        Belady (demand caching only, no prefetch): the bound.
     Scores are `rt.scores` (each step's scores over its largest |score|). Returns per-step int arrays hits,
     misses (critical path), prefetched, resident; and totals prefetch_used (prefetched rows hit before their

@@ -557,11 +557,11 @@ class CacheConfig:
       the host→device copy; equal to "single" up to float rounding). Needs kernels="reference".
     hot_policy: which hot slot a miss claims (`kv.ops.resolve`): "lru" (the default; the least recently filled or
       hit slot, as vLLM's and SGLang's HiSparse) or "score_ema" (the slot whose row the indexer has scored lowest
-      of late: each step the leader of an indexer group scores every hot slot's row, and a slot keeps an
-      exponential moving average e = hot_ema_beta * e + (1 - hot_ema_beta) * score of those scores, from the step
-      after the one that filled it; never-used slots go first, then the lowest average). A policy changes where
-      rows are read from, never which rows: the tokens are the same under every policy.
-      `experiments/hot_buffer_policies.py` compares them on recorded traces.
+      of late: beside each indexer key the store keeps an exponential moving average e = hot_ema_beta * e +
+      (1 - hot_ema_beta) * score of that position's scores, which each step's indexer updates for every position
+      it ranks; never-used slots go first, then the lowest average; 4 bytes per token and index layer, counted in
+      `StoreSpec.index_row_bytes`). A policy changes where rows are read from, never which rows: the tokens are the
+      same under every policy. `experiments/hot_buffer_policies.py` compares them on recorded traces.
     hot_ema_beta: score_ema's weight of the past, in [0, 1) (default 0.9, tuned on held-out traces by
       `experiments/locality.py --tune`).
     speculative_tokens: k, the draft tokens per request and step of multi-token-prediction (MTP) speculative
@@ -607,10 +607,10 @@ class CacheConfig:
             problems.append(f"miss_attention must be one of {MISS_ATTENTION}, got {self.miss_attention!r}")
         if self.hot_policy not in HOT_POLICIES:
             problems.append(f"hot_policy must be one of {HOT_POLICIES}, got {self.hot_policy!r}")
-        if (isinstance(self.hot_ema_beta, bool) or not isinstance(self.hot_ema_beta, (int, float))
-                or not 0 <= self.hot_ema_beta < 1):
-            problems.append(f"hot_ema_beta must be a number in [0, 1), got {self.hot_ema_beta!r}")
         put = functools.partial(_checked, self, problems)
+        put("hot_ema_beta", check_float, lo=0.0)
+        if isinstance(self.hot_ema_beta, float) and self.hot_ema_beta >= 1:
+            problems.append(f"hot_ema_beta must be < 1 (the weight of the past), got {self.hot_ema_beta}")
         for name in ("device_pages", "max_seqs", "max_seq_len", "fetch_chunk"):
             put(name, check_int, lo=1)
         put("host_pages", check_int, lo=0)

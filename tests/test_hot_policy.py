@@ -253,11 +253,42 @@ def test_engine_gives_the_same_tokens_under_score_ema(model, lru_run):
 def test_bad_hot_policies_are_refused():
     with pytest.raises(ValueError, match="hot_policy must be one of"):
         hj.CacheConfig(hot_policy="lfu")
-    for beta in (1.0, -0.1, True, "0.9", float("nan")):
-        with pytest.raises(ValueError, match="hot_ema_beta must be a number in"):
+    for beta, why in ((1.0, r"must be < 1 \(the weight of the past\), got 1.0"), (-0.1, "must be >= 0.0, got -0.1"),
+                      (True, "must be a number, got True"), ("0.9", "must be a number, got '0.9'"),
+                      (float("nan"), "must be finite, got nan")):
+        with pytest.raises(ValueError, match="hot_ema_beta " + why):
             hj.CacheConfig(hot_policy="score_ema", hot_ema_beta=beta)
+    assert hj.CacheConfig(hot_ema_beta=np.float32(0.5)).hot_ema_beta == 0.5  # numpy numbers are numbers
     with pytest.raises(ValueError, match="hot_policy must be the capacity's"):
         BIG.replace(capacity=BIG).replace(hot_policy="score_ema")
+
+
+def test_the_averages_are_counted_in_the_device_budget():
+    """score_ema's 4 bytes per token and index layer come out of the device budget: an indexer page costs that much
+    more, so one device byte budget splits into fewer KV pages than under lru."""
+    from hisparse_jax.engine import device_budget
+
+    cfg = model_cfg()
+    for kv, index in (("float32", "auto"), ("bf16", "auto"), ("float32", "int4")):
+        cache = hj.CacheConfig(kv_dtype=kv, index_dtype=index)
+        lru, ema = (StoreSpec.create(cfg, cache.replace(hot_policy=p)) for p in ("lru", "score_ema"))
+        assert ema.index_row_bytes == lru.index_row_bytes + 4
+    budget = 64 * (StoreSpec.create(cfg, BIG).page_bytes * 4 + 64 * 2 * StoreSpec.create(cfg, BIG).index_row_bytes)
+    kw = dict(max_running=4, max_len=512)
+    a = device_budget(cfg, BIG, budget, "offload", **kw)
+    b = device_budget(cfg, BIG.replace(hot_policy="score_ema"), budget, "offload", **kw)
+    assert a.device_pages == 64 and b.device_pages < 64
+
+
+def test_fuzzer_option_applies_to_the_kinds_that_take_it(capsys):
+    from experiments import fuzz_tiered as fz
+
+    with pytest.raises(SystemExit) as e:
+        fz.main(["--only", "mesh", "--hot-policy", "score_ema", "--out", "/nonexistent/x.json"])
+    assert e.value.code == 2 and "--hot-policy score_ema applies to --only generate or engine" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        fz.main(["--only", "engine", "--hot-policy", "mru"])
+    assert e.value.code == 2 and "invalid choice: 'mru'" in capsys.readouterr().err
 
 
 def test_trace_replay_refuses_score_ema(model):

@@ -84,7 +84,7 @@ class StoreSpec:
                    max_pages=cache.max_pages_per_seq, hot_rows=cache.hot_rows_for(model), kv_dtype=kv_dtype,
                    fetch=cache.fetch, fetch_chunk=cache.fetch_chunk, mirror_to_host=cache.mirror_to_host,
                    topk=model.index_topk, miss_attention=cache.miss_attention, mtp_layers=mtp,
-                   index_dtype=index_dtype, hot_policy=cache.hot_policy, hot_ema_beta=float(cache.hot_ema_beta))
+                   index_dtype=index_dtype, hot_policy=cache.hot_policy, hot_ema_beta=cache.hot_ema_beta)
 
     @property
     def hot_pages(self) -> int:

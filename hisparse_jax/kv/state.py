@@ -171,8 +171,8 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
 
 # the CacheConfig fields each array's size follows (named when a store cannot fit)
 _SIZED_BY = {"latent": "device_pages", "rope": "device_pages", "latent_scale": "device_pages",
-             "index_k": "index_pages", "index_scale": "index_pages", "index_ema": "index_pages", "h_latent": "host_pages", "h_rope": "host_pages",
-             "h_latent_scale": "host_pages", "hot_token": "hot_rows x max_seqs", "hot_stamp": "hot_rows x max_seqs",
+             "index_k": "index_pages", "index_scale": "index_pages", "index_ema": "index_pages",
+             "h_latent": "host_pages", "h_rope": "host_pages", "h_latent_scale": "host_pages", "hot_token": "hot_rows x max_seqs", "hot_stamp": "hot_rows x max_seqs",
              "hot_pages": "hot_rows x max_seqs"}
 
 
