@@ -521,6 +521,7 @@ INDEX_DTYPES = ("auto", "fp8", "int4")
 FETCH_MECHANISMS = ("row", "page")
 MISS_ATTENTION = ("single", "split")
 HOT_POLICIES = ("lru", "score_ema")
+INDEX_TIERS = ("device", "host")
 MAX_SPECULATIVE_TOKENS = 8
 
 
@@ -541,7 +542,8 @@ class CacheConfig:
       int4 runs with every kernels choice (the Mosaic indexer reads it for an indexer head dim of 32, 64 or 128).
     device_pages: device KV pool (latent + rope of every layer); hot buffers are lent from it.
     host_pages: pinned-host KV pool (the offloaded tier; every token is mirrored here when `mirror_to_host`).
-    index_pages: device indexer-key pool (keys never leave the device); default: device + host pages.
+    index_pages: indexer-key pool (on the device, or in pinned host memory with index_tier="host"; a token's key
+      page is never released); default: device + host pages.
     hot_rows: hot-buffer rows per request and indexer group; default 2 * index_topk (must be >= index_topk). A
       request that tiers holds its tail pages and its hot buffer on the device; one larger than the device pool
       just never tiers (preempt and offload use none). The store's arrays, hot-buffer state included, are checked
@@ -564,6 +566,16 @@ class CacheConfig:
       same under every policy. `experiments/hot_buffer_policies.py` compares them on recorded traces.
     hot_ema_beta: score_ema's weight of the past, in [0, 1) (default 0.9, tuned on held-out traces by
       `experiments/locality.py --tune`).
+    index_tier: where the indexer keys live: "device" (the default; every published HiSparse keeps them there) or
+      "host" (the keys in a pinned-host pool, paged by `index_pages` like the device pool they replace, written as
+      tokens are appended; the device keeps per page and index layer each dimension's min and max of the scored
+      keys, 8 x index_head_dim bytes per page, from which every score of the page is bounded, and each step reads
+      exact keys from the host in bound order, `ops.index_scores_host`). Exact mode (`index_budget_pages` None)
+      reads pages until no unread page's bound reaches the k-th best score read: the same top-k as device keys,
+      bit for bit. Needs kernels="reference" and hot_policy="lru".
+    index_budget_pages: with index_tier="host", at most this many pages read per step, request and index layer
+      (budgeted mode: the best-bounded pages; the top-k is taken among their positions, a fixed amount of work per
+      step); None (the default) is exact mode.
     speculative_tokens: k, the draft tokens per request and step of multi-token-prediction (MTP) speculative
       decoding (0: none). The store then keeps the model's first MTP layer after its main layers (its own KV
       and indexer pages) and a step verifies k + 1 rows per request, resolved as one union of their top-k, so
@@ -575,7 +587,7 @@ class CacheConfig:
       them, so every budget within one capacity runs the same compiled programs: set one capacity for a process
       (or a sweep) and vary the budgets per experiment. Each budget must be at most the capacity's, and the
       formats (kv_dtype, index_dtype, fetch, fetch_chunk, mirror_to_host, miss_attention, hot_policy, hot_ema_beta,
-      speculative_tokens) must match.
+      index_tier, index_budget_pages, speculative_tokens) must match.
     """
 
     kv_dtype: str = "auto"
@@ -592,6 +604,8 @@ class CacheConfig:
     miss_attention: str = "single"
     hot_policy: str = "lru"
     hot_ema_beta: float = 0.9
+    index_tier: str = "device"
+    index_budget_pages: int | None = None
     speculative_tokens: int = 0
     capacity: "CacheConfig | None" = None
 
@@ -607,6 +621,14 @@ class CacheConfig:
             problems.append(f"miss_attention must be one of {MISS_ATTENTION}, got {self.miss_attention!r}")
         if self.hot_policy not in HOT_POLICIES:
             problems.append(f"hot_policy must be one of {HOT_POLICIES}, got {self.hot_policy!r}")
+        if self.index_tier not in INDEX_TIERS:
+            problems.append(f"index_tier must be one of {INDEX_TIERS}, got {self.index_tier!r}")
+        elif self.index_tier == "host" and self.hot_policy != "lru":
+            problems.append(f"index_tier='host' needs hot_policy='lru' (score_ema keeps every position's average "
+                            f"score, which needs every key scored each step), got {self.hot_policy!r}")
+        elif self.index_tier == "device" and self.index_budget_pages is not None:
+            problems.append("index_budget_pages is the read budget of index_tier='host'; with index_tier='device' "
+                            f"leave it None, got {self.index_budget_pages!r}")
         put = functools.partial(_checked, self, problems)
         put("hot_ema_beta", check_float, lo=0.0)
         if isinstance(self.hot_ema_beta, float) and self.hot_ema_beta >= 1:
@@ -615,7 +637,7 @@ class CacheConfig:
             put(name, check_int, lo=1)
         put("host_pages", check_int, lo=0)
         put("speculative_tokens", check_int, lo=0, hi=MAX_SPECULATIVE_TOKENS)
-        for name in ("index_pages", "hot_rows"):
+        for name in ("index_pages", "hot_rows", "index_budget_pages"):
             if getattr(self, name) is not None:
                 put(name, check_int, lo=1)
         if not isinstance(self.mirror_to_host, bool):
@@ -627,7 +649,7 @@ class CacheConfig:
 
     # the fields a capacity fixes for its budgets (formats), and the budgets it bounds
     CAPACITY_FORMATS = ("kv_dtype", "index_dtype", "fetch", "fetch_chunk", "mirror_to_host", "miss_attention",
-                        "hot_policy", "hot_ema_beta", "speculative_tokens")
+                        "hot_policy", "hot_ema_beta", "index_tier", "index_budget_pages", "speculative_tokens")
     CAPACITY_BUDGETS = ("device_pages", "host_pages", "index_pages", "max_seqs", "max_seq_len")  # and hot_rows:
     # its default depends on the model (`hot_rows_for`), so `kv.spec.StoreSpec.create` compares it
 

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from hisparse_jax.cli_args import (bounded_float, check_output_dir, check_output_file, choice, int_at_least,
                                    name_list, positive_int)
-from hisparse_jax.config import (HOT_POLICIES, INDEX_DTYPES, MAX_SPECULATIVE_TOKENS, MISS_ATTENTION, PRESETS,
+from hisparse_jax.config import (HOT_POLICIES, INDEX_DTYPES, INDEX_TIERS, MAX_SPECULATIVE_TOKENS, MISS_ATTENTION, PRESETS,
                                  CacheConfig, ModelConfig, get_preset)
 from hisparse_jax.engine.speculative import lookahead
 from hisparse_jax import parallel
@@ -75,6 +75,15 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
                    help="indexer keys: as --kv-dtype stores them (auto, the default), fp8 (132 bytes per key of 128) "
                         "or int4 (MXFP4, 68 bytes). --device-requests counts the default format's bytes, so a "
                         "smaller key format leaves more of the same device budget to HiSparse")
+    p.add_argument("--index-tier", default="device", choices=INDEX_TIERS,
+                   help="where every policy's indexer keys live (`CacheConfig.index_tier`): device (the default, as "
+                        "every published HiSparse) or host (pinned host memory; the device keeps a min / max "
+                        "summary per key page and each step reads the keys it needs, best bound first). "
+                        "--device-requests counts device keys, so host keys leave the device to the KV; outputs "
+                        "are the same (exact mode) unless --index-budget-pages is set")
+    p.add_argument("--index-budget-pages", type=int_at_least(0), default=0, metavar="N",
+                   help="with --index-tier host: read at most N key pages per step, request and index layer "
+                        "(budgeted mode: the top-k among the N best-bounded pages; default 0: exact mode)")
     p.add_argument("--policies", type=name_list(POLICIES, "policy"), default=",".join(POLICIES),
                    help="comma-separated subset of " + ",".join(POLICIES))
     p.add_argument("--prefill", default="whole", choices=("whole", "chunked"),
@@ -152,20 +161,22 @@ def workload(vocab: int, n: int, longest: int, seed: int, low: float = 0.55) -> 
 
 def budgets(cfg, requests: int, max_len: int, device_requests: float, kv_dtype: str = "float32",
             miss_attention: str = "single", speculative_tokens: int = 0, index_dtype: str = "auto",
-            hot_rows: int | None = None, hot_policy: str = "lru"):
+            hot_rows: int | None = None, hot_policy: str = "lru", index_tier: str = "device",
+            index_budget_pages: int | None = None):
     """The demo's budgets for `requests` requests of up to `max_len` tokens: (a base CacheConfig whose host pool
     holds all of them, the device bytes of `device_requests` whole longest requests' KV + indexer keys, the keys
     counted in kv_dtype's own format whatever `index_dtype`: one device budget for every key format). Pass both
     to `device_budget` to get each policy's split. With speculative tokens, `max_len` must include the positions
     a speculative step writes past a request's last token (`speculative.lookahead`). `hot_rows`: the base's
-    `CacheConfig.hot_rows` (None: the store's default) and `hot_policy` its `CacheConfig.hot_policy`; the device
-    bytes depend on neither."""
+    `CacheConfig.hot_rows` (None: the store's default), `hot_policy`, `index_tier` and `index_budget_pages` its
+    `CacheConfig` fields; the device bytes depend on none of them (they count device keys whatever the tier)."""
     base = CacheConfig(kv_dtype=kv_dtype, max_seq_len=pages(max_len) * 64, max_seqs=requests,
                        host_pages=requests * pages(max_len), device_pages=1, miss_attention=miss_attention,
                        speculative_tokens=speculative_tokens, hot_rows=hot_rows, hot_policy=hot_policy)
     probe = device_budget(cfg, base, 1 << 40, "preempt", max_running=requests, max_len=max_len)
     per_page = (1 << 40) / probe.device_pages  # bytes of one KV page + one indexer page
-    return base.replace(index_dtype=index_dtype), int(device_requests * pages(max_len) * per_page)
+    return (base.replace(index_dtype=index_dtype, index_tier=index_tier, index_budget_pages=index_budget_pages),
+            int(device_requests * pages(max_len) * per_page))
 
 
 class DemoSetupError(ValueError):
@@ -226,9 +237,11 @@ def _check_memory(args: argparse.Namespace, cfg: ModelConfig, longest: int) -> N
     max_len = longest + args.new_tokens + extra
     base, device_bytes = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype,
                                  args.miss_attention, args.speculative_tokens, args.index_dtype,
-                                 args.hot_rows or None)
+                                 args.hot_rows or None, "lru", args.index_tier, args.index_budget_pages or None)
     spec = StoreSpec.create(cfg, base.replace(device_pages=1, index_pages=1))
-    request_bytes = pages(max_len) * spec.page_bytes * spec.num_layers  # one request's host pages
+    # one request's host pages (and with --index-tier host its indexer keys)
+    request_bytes = pages(max_len) * 64 * (spec.row_bytes * spec.num_layers +
+                                           spec.index_host_row_bytes * spec.num_index_layers)
     host, device = n_dev * args.requests * request_bytes, n_dev * device_bytes  # all devices together
     # the hot buffers' slot state on the device (`kv.state.init_store`: hot_token and hot_stamp, int32, per request
     # slot, indexer group and hot row), beside the pools; their rows live in device pages the budget lends
@@ -301,6 +314,13 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
                              f"({jax.default_backend()}); on a CPU start the process with "
                              f"XLA_FLAGS=--xla_force_host_platform_device_count={n_dev} (the hisparse command sets it "
                              "when jax has not started yet)")
+    if args.index_budget_pages and args.index_tier != "host":
+        raise DemoSetupError(f"--index-budget-pages {args.index_budget_pages} is the read budget of --index-tier "
+                             "host (with device keys every key is scored)")
+    if args.index_tier == "host" and (args.kernels != "reference" or args.hot_policy != "lru"):
+        raise DemoSetupError("--index-tier host needs --kernels reference (the Pallas indexer reads device keys) "
+                             "and --hot-policy lru (score_ema averages every key's score each step), got "
+                             f"--kernels {args.kernels} --hot-policy {args.hot_policy}")
     need = (k + 1) * cfg.index_topk  # the rows one step can miss (`CacheConfig.hot_rows_for`)
     if args.hot_rows and args.hot_rows < need:
         raise DemoSetupError(f"--hot-rows {args.hot_rows} must be >= {need}, {f'{k + 1} x ' if k else ''}the "
@@ -321,7 +341,8 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
         prompts = workload(cfg.vocab_size, args.requests * n_dev, longest, args.seed)
     max_len = max(len(p) for p in prompts) + args.new_tokens + lookahead(k)
     base, device_bytes = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype,
-                                 args.miss_attention, k, args.index_dtype, args.hot_rows or None, args.hot_policy)
+                                 args.miss_attention, k, args.index_dtype, args.hot_rows or None, args.hot_policy,
+                                 args.index_tier, args.index_budget_pages or None)
     params = SamplingParams(max_new_tokens=args.new_tokens)
     quiet = args.json
     results, outputs = {}, {}
@@ -365,7 +386,8 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
         split[pol] = {"device_pages": cc.device_pages, "index_pages": cc.num_index_pages,
                       "host_pages": cc.host_pages if pol != "preempt" else 0,
                       "kv_pool_bytes": cc.device_pages * spec.page_bytes * spec.num_layers,
-                      "index_pool_bytes": cc.num_index_pages * 64 * spec.num_index_layers * spec.index_row_bytes}
+                      "index_pool_bytes": int(cc.num_index_pages * 64 * spec.num_index_layers * spec.index_row_bytes),
+                      "index_host_bytes": cc.num_index_pages * 64 * spec.num_index_layers * spec.index_host_row_bytes}
     setup = {
         "preset": args.preset, "model": None if args.preset else args.model, "workload": kind,
         "requests": len(prompts), "devices": n_dev, "prompt_tokens": [len(p) for p in prompts],
@@ -373,7 +395,8 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
         "device_budget_bytes": device_bytes,
         "device_requests": args.device_requests, "host_pages": base.host_pages, "kernels": args.kernels,
         "miss_attention": args.miss_attention, "speculative_tokens": k, "hot_rows": base.hot_rows_for(cfg),
-        "hot_policy": args.hot_policy,
+        "hot_policy": args.hot_policy, "index_tier": args.index_tier,
+        "index_budget_pages": args.index_budget_pages or None,
         "prefill": args.prefill, "backend": jax.default_backend(), "policies": split,
         "capacity": {"device_pages": capacity.device_pages, "index_pages": capacity.num_index_pages,
                      "host_pages": capacity.host_pages},
@@ -399,7 +422,7 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
             "mean_running": m.mean_running, "max_running": m.max_running, "preemptions": m.preemptions,
             "swaps": m.swaps, "tokens_per_s": m.tokens_per_s, "hit_rate": m.hit_rate,
             "hits": m.hits, "misses": m.misses, "resident": m.resident,
-            "h2d_bytes": m.h2d_bytes, "d2h_bytes": m.d2h_bytes,
+            "h2d_bytes": m.h2d_bytes, "d2h_bytes": m.d2h_bytes, "index_h2d_bytes": m.index_h2d_bytes,
             "evicted_pages": m.evicted_pages, "steps": m.steps, "wall_s": time.perf_counter() - t0,
             "compile_s": m.compile_time_s, "outputs_sha256": outputs_digest(outputs[pol]),
             "acceptance_rate": m.acceptance_rate,

@@ -43,7 +43,8 @@ class GenerateStats(Record):
     device→host bytes (prompt rows and decode rows mirrored to the host). append_dropped: rows a step could not
     write (must be 0). evicted_pages: device pages released to the host. row_misses: misses counted per query row
     (several rows of one request in a step — speculative verification — count a row they both miss twice; equal
-    to misses otherwise)."""
+    to misses otherwise). index_h2d_bytes: indexer-key bytes read from the host (index_tier="host"; counted apart
+    from h2d_bytes)."""
 
     resident: int
     hits: int
@@ -56,6 +57,7 @@ class GenerateStats(Record):
     steps: int
     per_layer: dict
     row_misses: int = 0
+    index_h2d_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=True)
@@ -67,7 +69,7 @@ class StepMetrics(Record):
     index_pages: indexer pages scored; decode_tokens: tokens the running requests emitted (= running without
     speculation); drafted / accepted: speculative drafts verified / accepted; duplicate_misses: misses the rows of
     one request would have fetched twice had each resolved alone (speculative verification resolves their union
-    once); hits / misses / resident / h2d_bytes / d2h_bytes: as in `GenerateStats`;
+    once); hits / misses / resident / h2d_bytes / d2h_bytes / index_h2d_bytes: as in `GenerateStats`;
     device_pages_used: after the step; step_time_s: wall time; compiled: whether the step compiled;
     wait_reasons: requests that made no progress this step, per reason (`engine.scheduler.WAIT_REASONS`: waiting
     for max_running / the device, indexer or host budget / a prompt being written / behind the first waiting one,
@@ -97,6 +99,7 @@ class StepMetrics(Record):
     resident: int
     h2d_bytes: int
     d2h_bytes: int
+    index_h2d_bytes: int
     device_pages_used: int
     step_time_s: float
     compiled: bool
@@ -112,7 +115,8 @@ class EngineMetrics(Record):
     cached_tokens and prefix_hit_rate (their share of prompt tokens admitted); time_s, compile_steps,
     compile_time_s; tokens_per_s over steps that did not compile; hits / misses / hit_rate of hot buffers, resident
     (selected rows read from resident pages, which the hit rate leaves out);
-    h2d_bytes / d2h_bytes (steps plus page loads and prompt writes); evicted_pages; import_bytes (KV rows of
+    h2d_bytes / d2h_bytes (steps plus page loads and prompt writes); index_h2d_bytes (indexer keys read from the
+    host, index_tier="host"); evicted_pages; import_bytes (KV rows of
     imported prompts moved to the device, `Engine.import_request`); speculative_tokens (k), acceptance_rate
     (drafts accepted / verified), duplicate_misses (fetches the union resolve saved) and tokens_per_step (tokens a running request gains per decode step: 1 without
     speculation); mean_ttft_steps and
@@ -141,6 +145,7 @@ class EngineMetrics(Record):
     resident: int
     h2d_bytes: int
     d2h_bytes: int
+    index_h2d_bytes: int
     evicted_pages: int
     import_bytes: int
     speculative_tokens: int

@@ -383,6 +383,7 @@ class Engine:
             "duplicate_misses": st.get("row_misses", 0) - st.get("misses", 0),
             "hits": st.get("hits", 0), "misses": st.get("misses", 0), "resident": st.get("resident", 0),
             "h2d_bytes": st.get("h2d_bytes", 0), "d2h_bytes": st.get("d2h_bytes", 0),
+            "index_h2d_bytes": st.get("index_h2d_bytes", 0),
             "device_pages_used": self.manager.pool.num_used("device"), "step_time_s": dt,
             "compiled": TRACE_COUNTS["decode_step"] > w.traces, "wait_reasons": plan.wait_reasons(),
         })
@@ -599,6 +600,7 @@ def summarize(h: list, requests: list, *, policy: str, speculative_tokens: int =
         "resident": sum(m.resident for m in h),
         "h2d_bytes": sum(m.h2d_bytes for m in h) + extra_h2d_bytes,
         "d2h_bytes": sum(m.d2h_bytes for m in h) + extra_d2h_bytes,
+        "index_h2d_bytes": sum(m.index_h2d_bytes for m in h),
         "evicted_pages": evicted_pages, "import_bytes": import_bytes,
         # speculative decoding: drafts accepted / verified, and tokens a running request gains per decode step
         "speculative_tokens": speculative_tokens,

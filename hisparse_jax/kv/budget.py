@@ -55,7 +55,8 @@ def check_batch_fits(manager: "TieredCache", num_tokens: list[int]) -> None:
                               f"{parts + ' = ' if len(need) > 1 else ''}{sum(need)} {how}; {name} is {have}, "
                               f"{sum(need) - have} short")
 
-    shortfall("index_pages", spec.index_pages, n, "indexer pages (every page's keys stay on the device)")
+    shortfall("index_pages", spec.index_pages, n, "indexer pages (every page's keys are kept, " +
+              ("in the host tier)" if spec.index_tier == "host" else "on the device)"))
     if spec.mirror_to_host:
         shortfall("host_pages", spec.host_pages, n, "host pages (every page is mirrored to the host)")
     dev = [manager.min_device_pages(k) for k in n]

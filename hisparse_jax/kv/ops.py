@@ -37,8 +37,9 @@ import numpy as np
 from hisparse_jax.compat import DEVICE, HOST, on_host
 from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.kv.state import FP8_BLOCK, KVStore, StoreSpec, from_host_bits, to_host_bits
-from pallas_kernels.common import fp8_quantize
-from pallas_kernels.indexer_topk.reference import (index_scores, index_scores_fp8, index_scores_int4,
+from pallas_kernels.common import fp8_quantize, hadamard, mxfp4_dequantize, mxfp4_quantize
+from pallas_kernels.indexer_topk.reference import (block_score_bound, index_scores, index_scores_fp8,
+                                                   index_scores_int4,
                                                    quantize_index_keys, quantize_index_keys_int4, select_topk)
 from pallas_kernels.sparse_gather.reference import UNUSED_STAMP, resolve_positions
 
@@ -128,9 +129,12 @@ def append_rows(spec: StoreSpec, store: KVStore, layer: int, index_layer: int | 
         iok = live & (ipage >= 0)
         ip = _drop(ipage, iok, spec.index_pages)
         kv, ks = encode_index(spec, k_index)
-        upd["index_k"] = set_rows(store.index_k, (index_layer, ip, row), kv)
-        if ks is not None:
-            upd["index_scale"] = store.index_scale.at[index_layer, ip, row].set(ks, mode="drop")
+        if spec.index_tier == "host":
+            upd.update(_append_host_keys(spec, store, index_layer, ipage, row, iok, kv, ks))
+        else:
+            upd["index_k"] = set_rows(store.index_k, (index_layer, ip, row), kv)
+            if ks is not None:
+                upd["index_scale"] = store.index_scale.at[index_layer, ip, row].set(ks, mode="drop")
         if store.index_ema is not None:  # a new key: its position is not scored yet
             upd["index_ema"] = store.index_ema.at[index_layer, ip, row].set(jnp.nan, mode="drop")
         dropped = dropped + jnp.sum(live & (ipage < 0))
@@ -193,8 +197,17 @@ def index_select(spec: StoreSpec, store: KVStore, index_layer: int, req, positio
     num_pages (static): score only each request's first `num_pages` pages — the caller's bound on the batch's
     longest live sequence, so a step costs O(context), not O(max_seq_len); None scores all MP.
     """
+    return index_select_read(spec, store, index_layer, req, positions, q_index, w, num_pages)[0]
+
+
+def index_select_read(spec: StoreSpec, store: KVStore, index_layer: int, req, positions, q_index, w,
+                      num_pages: int | None = None):
+    """`index_select` and the indexer key pages it read from the host (int32[]; 0 with device keys)."""
+    if spec.index_tier == "host":
+        scores, valid, n = index_scores_host(spec, store, index_layer, req, positions, q_index, w, num_pages)
+        return topk_of_scores(spec, scores, valid), n
     scores, valid, _ = index_scores_paged(spec, store, index_layer, req, positions, q_index, w, num_pages)
-    return topk_of_scores(spec, scores, valid)
+    return topk_of_scores(spec, scores, valid), jnp.zeros((), jnp.int32)
 
 
 def topk_of_scores(spec: StoreSpec, scores, valid):
@@ -205,24 +218,201 @@ def topk_of_scores(spec: StoreSpec, scores, valid):
 def index_scores_paged(spec: StoreSpec, store: KVStore, index_layer: int, req, positions, q_index, w,
                        num_pages: int | None = None):
     """The indexer's scores of keys 0..positions[b] of request req[b] (`index_select`'s, before the top-k):
-    (scores f32[B, S], valid bool[B, S], pages int32[B, P]: the indexer pages read, S = P * 64)."""
+    (scores f32[B, S], valid bool[B, S], pages int32[B, P]: the indexer pages read, S = P * 64). Device keys only
+    (index_tier="host" scores with `index_scores_host`)."""
     r = jnp.maximum(req, 0)
     pages = jnp.maximum(store.index_table[r][:, :num_pages], 0)  # [B, P]
+    B = req.shape[0]
     keys = store.index_k[index_layer][pages]
-    keys = keys.reshape(req.shape[0], -1, keys.shape[-1])  # [B, S, dI] (int4: dI / 2 bytes of codes)
-    keys = jax.lax.optimization_barrier(keys)  # same scores bit for bit whatever the pool size (see tiered.py)
-    if spec.index_dtype == "fp8":
-        ks = jax.lax.optimization_barrier(store.index_scale[index_layer][pages].reshape(req.shape[0], -1))
-        scores = index_scores_fp8(q_index[:, None], w[:, None], keys, ks)[:, 0]
-    elif spec.index_dtype == "int4":
-        ks = store.index_scale[index_layer][pages]  # [B, P, 64, dI / 32]
-        ks = jax.lax.optimization_barrier(ks.reshape(req.shape[0], -1, ks.shape[-1]))
-        scores = index_scores_int4(q_index[:, None], w[:, None], keys, ks)[:, 0]
-    else:
-        scores = index_scores(q_index[:, None], w[:, None], keys)[:, 0]
+    keys = keys.reshape(B, -1, *keys.shape[3:])  # [B, S, dI] (int4: dI / 2 bytes of codes)
+    ks = None
+    if store.index_scale is not None:
+        ks = store.index_scale[index_layer][pages]
+        ks = ks.reshape(B, -1, *ks.shape[3:])  # fp8 [B, S]; int4 [B, S, dI / 32]
+    scores = _score_keys(spec, q_index, w, keys, ks)
     S = keys.shape[1]
     valid = (jnp.arange(S, dtype=jnp.int32)[None] <= positions[:, None]) & (req >= 0)[:, None]
     return scores, valid, pages
+
+
+# ----- index_tier="host": the keys in pinned-host memory, page summaries on the device --------------------------
+def scored_keys(spec: StoreSpec, kv, ks):
+    """Stored keys (`encode_index`'s) -> f32[..., dI], the keys as the indexer scores them: fp8 e4m3 x its scale
+    (a power of two: exact), int4 MXFP4 dequantized, bf16 / f32 as they are. `index_lo` / `index_hi` summarize
+    these."""
+    if spec.index_dtype == "fp8":
+        return kv.astype(jnp.float32) * ks[..., None]
+    if spec.index_dtype == "int4":
+        return mxfp4_dequantize(kv, ks)
+    return kv.astype(jnp.float32)
+
+
+def scored_query(spec: StoreSpec, q, w):
+    """(q f32[..., I, dI], w f32[..., I]) -> (q', w') with score(k) = sum_h w'_h relu(q'_h . scored_keys(k)) the
+    store's score of a stored key (up to float rounding): fp8 q' = the e4m3 values of the rotated query and w' = w x
+    their scales (the key's power-of-two scale commutes with relu), int4 q' = the dequantized MXFP4 query, else
+    q, w."""
+    if spec.index_dtype == "fp8":
+        qq, qs = fp8_quantize(hadamard(q.astype(jnp.float32)), block=q.shape[-1])
+        return qq.astype(jnp.float32), w * qs
+    if spec.index_dtype == "int4":
+        return mxfp4_dequantize(*mxfp4_quantize(hadamard(q.astype(jnp.float32)))), w
+    return q.astype(jnp.float32), w
+
+
+def _append_host_keys(spec: StoreSpec, store: KVStore, index_layer, ipage, row, ok, kv, ks) -> dict:
+    """`append_rows`' key writes with index_tier="host": each row's key (and scale) into its page of the pinned-host
+    pool (in place, a row at a time) and its page's summary widened by it (a page's first row resets it: a page
+    freed and lent again forgets its last owner). Returns the store fields to replace."""
+    order = jnp.argsort(~ok, stable=True)
+    n = jnp.sum(ok).astype(jnp.int32)
+    ip = jnp.maximum(ipage, 0)
+    upd = {"index_k": _write_key_rows(store.index_k, kv, index_layer, ip, row, order, n)}
+    if ks is not None:
+        upd["index_scale"] = _write_key_rows(store.index_scale, ks, index_layer, ip, row, order, n)
+    k = scored_keys(spec, kv, ks)
+    page = _drop(ipage, ok, spec.index_pages)
+    fresh = _drop(ipage, ok & (row == 0), spec.index_pages)
+    lo = store.index_lo.at[index_layer, fresh].set(jnp.inf, mode="drop")
+    hi = store.index_hi.at[index_layer, fresh].set(-jnp.inf, mode="drop")
+    upd["index_lo"] = lo.at[index_layer, page].min(k, mode="drop")
+    upd["index_hi"] = hi.at[index_layer, page].max(k, mode="drop")
+    return upd
+
+
+def _write_key_rows(pool, vals, index_layer, pages, rows, order, n):
+    """pool[index_layer, pages[b], rows[b]] = vals[b] for b in order[:n] (a pinned-host key pool, in place)."""
+    def body(j, pool):
+        b = order[j]
+        upd = _to_host(jax.lax.dynamic_index_in_dim(vals, b, axis=0, keepdims=False)[None, None, None])
+        return jax.lax.dynamic_update_slice(pool, upd, (index_layer, pages[b], rows[b]) + (0,) * (pool.ndim - 3))
+
+    return jax.lax.fori_loop(0, n, body, pool)
+
+
+def _prefill_summaries(spec: StoreSpec, store: KVStore, req, keys, pos, ok, start) -> dict:
+    """`write_prefill`'s summaries with index_tier="host": keys f32[LI, T, dI] (scored) at positions `pos` [T], rows
+    `ok` written. A page whose first position is at or past `start` is summarized anew from its written rows; the
+    page of `start` (a shared prefix ends inside it) is widened."""
+    LI, T, dI = keys.shape
+    NP = -(-T // PAGE_SIZE)
+    pad = NP * PAGE_SIZE - T
+    kb = jnp.pad(keys, ((0, 0), (0, pad), (0, 0))).reshape(LI, NP, PAGE_SIZE, dI)
+    okb = jnp.pad(ok, (0, pad)).reshape(NP, PAGE_SIZE)[None, :, :, None]
+    lo = jnp.where(okb, kb, jnp.inf).min(axis=2)  # [LI, NP, dI]
+    hi = jnp.where(okb, kb, -jnp.inf).max(axis=2)
+    first = jnp.pad(pos, (0, pad)).reshape(NP, PAGE_SIZE)[:, 0]  # each block's first position (page-aligned)
+    lp = jnp.minimum(first // PAGE_SIZE, spec.max_pages - 1)
+    ipage = store.index_table[req, lp]
+    any_ok = okb[0, :, :, 0].any(-1) & (ipage >= 0)
+    page = _drop(ipage, any_ok, spec.index_pages)
+    anew = _drop(ipage, any_ok & (first >= start), spec.index_pages)
+    idx_lo = store.index_lo.at[:, anew].set(jnp.inf, mode="drop")
+    idx_hi = store.index_hi.at[:, anew].set(-jnp.inf, mode="drop")
+    return {"index_lo": idx_lo.at[:, page].min(lo, mode="drop"), "index_hi": idx_hi.at[:, page].max(hi, mode="drop")}
+
+
+def index_scores_host(spec: StoreSpec, store: KVStore, index_layer: int, req, positions, q_index, w,
+                      num_pages: int | None = None):
+    """`index_scores_paged` with index_tier="host": each row's pages ranked by their summary's bound
+    (`block_score_bound` of `index_lo` / `index_hi`, an upper bound of every score in the page) and read from the
+    pinned-host pool best bound first, `spec.index_read_chunk` pages per round. Exact mode (index_budget_pages None)
+    reads rounds until no unread page's bound reaches the row's k-th best score read so far: every position of the
+    exact top-k has then been scored, with the same arithmetic as device keys (`_score_keys`), so `select_topk` of the
+    result is the device tier's top-k. Budgeted mode reads the index_budget_pages best-bounded pages (rounds of the
+    chunk, the last one cut), a fixed amount per step.
+
+    Returns (scores f32[B, S], valid bool[B, S] (only positions read are valid), pages_read int32[] (summed over the
+    rows: what crossed the host link)). A page with no valid position is never read. Exact mode's loop is a
+    `while_loop` whose trip count depends on the scores (on a GPU: one small device -> host read per round)."""
+    B = req.shape[0]
+    r = jnp.maximum(req, 0)
+    table = store.index_table[r][:, :num_pages]  # [B, P]
+    P = table.shape[1]
+    S = P * PAGE_SIZE
+    K = min(spec.topk, S)
+    pos = jnp.arange(S, dtype=jnp.int32)
+    valid = (pos[None] <= positions[:, None]) & (req >= 0)[:, None]
+    live = valid.reshape(B, P, PAGE_SIZE).any(-1) & (table >= 0)
+    qb, wb = scored_query(spec, q_index, w)
+    pages = jnp.maximum(table, 0)
+    bound = block_score_bound(qb[:, None], wb[:, None], store.index_lo[index_layer][pages],
+                              store.index_hi[index_layer][pages])[:, 0]  # [B, P]
+    bound = jnp.where(live, jnp.where(jnp.isnan(bound), jnp.inf, bound), -jnp.inf)
+    order = jnp.argsort(-bound, axis=-1, stable=True).astype(jnp.int32)  # best bound first
+    ranked = jnp.take_along_axis(bound, order, axis=-1)
+    C = min(spec.index_read_chunk, P)
+    limit = P if spec.index_budget_pages is None else min(spec.index_budget_pages, P)
+    rounds = -(-limit // C)
+    pad = rounds * C - P
+    order = jnp.pad(order, ((0, 0), (0, max(pad, 0))), constant_values=P)  # past the pages: nothing
+    ranked = jnp.pad(ranked, ((0, 0), (0, max(pad, 0))), constant_values=-jnp.inf)
+    kdt, sdt = index_value_dtypes(spec)
+
+    def read(i, scores, seen, want):
+        """Round i: score the rows' next C pages in bound order (a row that does not `want` reads none)."""
+        j = i * C + jnp.arange(C, dtype=jnp.int32)
+        lp = jnp.take_along_axis(order, jnp.broadcast_to(j, (B, C)), axis=-1)  # logical pages [B, C]
+        take = want[:, None] & (lp < P) & (j < limit)[None] & jnp.take_along_axis(
+            live, jnp.minimum(lp, P - 1), axis=-1)
+        pp = jnp.where(take, jnp.take_along_axis(pages, jnp.minimum(lp, P - 1), axis=-1), 0)
+        hp = jax.device_put(pp, HOST)
+        hl = jax.device_put(jnp.asarray(index_layer, jnp.int32), HOST)
+        kb = _from_host(on_host(lambda h, li, p: h[li][p], store.index_k, hl, hp), kdt)  # [B, C, 64, dI']
+        sb = None if store.index_scale is None else _from_host(
+            on_host(lambda h, li, p: h[li][p], store.index_scale, hl, hp), sdt)
+        got = _score_keys(spec, q_index, w, kb.reshape(B, C * PAGE_SIZE, *kb.shape[3:]),
+                          None if sb is None else sb.reshape(B, C * PAGE_SIZE, *sb.shape[3:]))
+        at = jnp.where(take[:, :, None], lp[:, :, None] * PAGE_SIZE + jnp.arange(PAGE_SIZE, dtype=jnp.int32),
+                       S).reshape(B, C * PAGE_SIZE)
+        rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+        return (scores.at[rows, at].set(got, mode="drop"), seen.at[rows, at].set(True, mode="drop"),
+                jnp.sum(take).astype(jnp.int32))
+
+    scores0 = jnp.full((B, S), -jnp.inf, jnp.float32)
+    seen0 = jnp.zeros((B, S), bool)
+    if spec.index_budget_pages is not None:
+        def body(i, c):
+            scores, seen, n = c
+            scores, seen, m = read(i, scores, seen, req >= 0)
+            return scores, seen, n + m
+        scores, seen, n = jax.lax.fori_loop(0, rounds, body, (scores0, seen0, jnp.int32(0)))
+        return scores, valid & seen, n
+
+    def wanting(i, scores, seen):
+        """Rows with an unread page whose bound reaches their k-th best score read so far (-inf: fewer than K)."""
+        kth = jax.lax.top_k(jnp.where(valid & seen, scores, -jnp.inf), K)[0][:, K - 1]
+        nxt = jax.lax.dynamic_index_in_dim(ranked, jnp.minimum(i * C, ranked.shape[1] - 1), axis=1,
+                                           keepdims=False)
+        return (req >= 0) & (i < rounds) & (nxt > -jnp.inf) & (nxt >= kth)
+
+    def cond(c):
+        return jnp.any(c[3])
+
+    def loop(c):
+        i, scores, seen, want, n = c
+        scores, seen, m = read(i, scores, seen, want)
+        return i + 1, scores, seen, wanting(i + 1, scores, seen), n + m
+
+    c = (jnp.int32(0), scores0, seen0, wanting(0, scores0, seen0), jnp.int32(0))
+    _, scores, seen, _, n = jax.lax.while_loop(cond, loop, c)
+    return scores, valid & seen, n
+
+
+def index_value_dtypes(spec: StoreSpec):
+    """(key dtype, scale dtype or None): the values the indexer pools hold (`init_store`'s layout table)."""
+    return {"fp8": (jnp.float8_e4m3fn, jnp.float32), "int4": (jnp.uint8, jnp.uint8)}.get(
+        spec.index_dtype, (jnp.float32 if spec.index_dtype == "float32" else jnp.bfloat16, None))
+
+
+def _score_keys(spec: StoreSpec, q_index, w, keys, ks):
+    """Scores f32[B, S] of keys [B, S, dI'] (stored format; ks their scales or None) for queries [B, I, dI]."""
+    keys = jax.lax.optimization_barrier(keys)  # same scores bit for bit whatever the pool size (see tiered.py)
+    if spec.index_dtype == "fp8":
+        return index_scores_fp8(q_index[:, None], w[:, None], keys, jax.lax.optimization_barrier(ks))[:, 0]
+    if spec.index_dtype == "int4":
+        return index_scores_int4(q_index[:, None], w[:, None], keys, jax.lax.optimization_barrier(ks))[:, 0]
+    return index_scores(q_index[:, None], w[:, None], keys)[:, 0]
 
 
 # ----- hot_policy="score_ema": a moving average of every position's scores, beside its key ----------------------
@@ -605,27 +795,34 @@ def write_prefill(spec: StoreSpec, store: KVStore, req, latent, rope, index_k, l
     rope = rope.astype(store.rope.dtype)
     kv, ks = encode_index(spec, index_k)
     upd = dict(latent=set_rows(store.latent, (slice(None), dp, row), vals),
-               rope=set_rows(store.rope, (slice(None), dp, row), rope),
-               index_k=set_rows(store.index_k, (slice(None), ip, row), kv))
+               rope=set_rows(store.rope, (slice(None), dp, row), rope))
+    end = jnp.minimum(length, offset + T)
+    if spec.index_tier == "host":
+        keys = _write_host_pages(spec, (store.index_k, store.index_scale), store.index_table[req], (kv, ks), start,
+                                 end, offset)
+        upd.update(index_k=keys[0], index_scale=keys[1] if ks is not None else None,
+                   **_prefill_summaries(spec, store, req, scored_keys(spec, kv, ks), pos, ok, start))
+    else:
+        upd["index_k"] = set_rows(store.index_k, (slice(None), ip, row), kv)
+        if ks is not None:
+            upd["index_scale"] = store.index_scale.at[:, ip, row].set(ks, mode="drop")
     if spec.fp8:
         upd["latent_scale"] = store.latent_scale.at[:, dp, row].set(scales, mode="drop")
-    if ks is not None:
-        upd["index_scale"] = store.index_scale.at[:, ip, row].set(ks, mode="drop")
     if store.index_ema is not None:
         upd["index_ema"] = store.index_ema.at[:, ip, row].set(jnp.nan, mode="drop")
-    hosts = _write_host_pages(spec, store, store.host_table[req], (vals, rope, scales), start,
-                              jnp.minimum(length, offset + T), offset)
+    hosts = _write_host_pages(spec, _host_pools(store), store.host_table[req], (vals, rope, scales), start, end,
+                              offset)
     seq_lens = store.seq_lens.at[req].set(length)
     return (_replace(_with_host_pools(_replace(store, **upd), hosts), seq_lens=seq_lens),
             jnp.sum(ok & (hpage >= 0)).astype(jnp.int32) * spec.num_layers)
 
 
-def _write_host_pages(spec, store, host_row, values, start, end, offset=0):
-    """Write positions start..end-1 of `values` ([L, T, X] each: latent, rope, latent scale or None; row t is
-    position offset + t, `offset` a multiple of PAGE_SIZE) into their host pages (`host_row` int32[MP]: logical page -> host page, -1 none), a whole
-    [L, 1, 64, X] page block at a time with `dynamic_update_slice` into the pinned-host pools (in place).
-    A page only partly in [start, end) is read from the host first and merged on the device (as bits), so its
-    other rows are kept. Returns the host pools."""
+def _write_host_pages(spec, pools, host_row, values, start, end, offset=0):
+    """Write positions start..end-1 of `values` ([L, T, X] each, or None: e.g. latent, rope, latent scale; row t is
+    position offset + t, `offset` a multiple of PAGE_SIZE) into their pages of the pinned-host `pools` (one per
+    value that is not None; `host_row` int32[MP]: logical page -> pool page, -1 none), a whole [L, 1, 64, X] page
+    block at a time with `dynamic_update_slice` (in place). A page only partly in [start, end) is read from the
+    host first and merged on the device (as bits), so its other rows are kept. Returns the pools."""
     T = values[0].shape[1]
     NP = -(-T // PAGE_SIZE)
     q = offset // PAGE_SIZE + jnp.arange(NP, dtype=jnp.int32)  # the logical pages of the rows
@@ -660,7 +857,7 @@ def _write_host_pages(spec, store, host_row, values, start, end, offset=0):
 
         return jax.lax.fori_loop(0, n, body, hosts)
 
-    hosts = page_loop(full, False, _host_pools(store))
+    hosts = page_loop(full, False, tuple(p for p in pools if p is not None))
     return page_loop(partial, True, hosts)
 
 

@@ -42,6 +42,8 @@ class StoreSpec:
     index_dtype: str = "float32"  # the indexer keys' stored format: "fp8", "int4", "bf16" or "float32"
     hot_policy: str = "lru"  # which hot slot a miss claims: "lru" or "score_ema" (`CacheConfig.hot_policy`)
     hot_ema_beta: float = 0.9  # score_ema's weight of the past
+    index_tier: str = "device"  # where the indexer keys live: "device" or "host" (`CacheConfig.index_tier`)
+    index_budget_pages: int | None = None  # index_tier="host": pages read per step, request and layer (None: exact)
 
     @classmethod
     def create(cls, model: ModelConfig, cache: CacheConfig) -> "StoreSpec":
@@ -84,7 +86,8 @@ class StoreSpec:
                    max_pages=cache.max_pages_per_seq, hot_rows=cache.hot_rows_for(model), kv_dtype=kv_dtype,
                    fetch=cache.fetch, fetch_chunk=cache.fetch_chunk, mirror_to_host=cache.mirror_to_host,
                    topk=model.index_topk, miss_attention=cache.miss_attention, mtp_layers=mtp,
-                   index_dtype=index_dtype, hot_policy=cache.hot_policy, hot_ema_beta=cache.hot_ema_beta)
+                   index_dtype=index_dtype, hot_policy=cache.hot_policy, hot_ema_beta=cache.hot_ema_beta,
+                   index_tier=cache.index_tier, index_budget_pages=cache.index_budget_pages)
 
     @property
     def hot_pages(self) -> int:
@@ -100,17 +103,36 @@ class StoreSpec:
         return self.index_dtype in ("fp8", "int4")
 
     @property
-    def index_row_bytes(self) -> int:
-        """Device bytes of one token in one index layer: its indexer key — fp8 dI + a 4-byte scale, int4 dI / 2 +
-        dI / 32 (68 for dI = 128), else dI values of the value dtype — and with hot_policy="score_ema" the 4-byte
-        average of its scores (`KVStore.index_ema`)."""
+    def index_key_bytes(self) -> int:
+        """Bytes of one token's indexer key in one index layer: fp8 dI + a 4-byte scale, int4 dI / 2 + dI / 32 (68
+        for dI = 128), else dI values of the value dtype. With index_tier="host" it is what a page read moves per
+        token."""
         dI = self.index_dim
-        ema = 4 if self.hot_policy == "score_ema" else 0
         if self.index_dtype == "fp8":
-            return dI + 4 + ema
+            return dI + 4
         if self.index_dtype == "int4":
-            return dI // 2 + dI // MXFP4_BLOCK + ema
-        return dI * (4 if self.index_dtype == "float32" else 2) + ema
+            return dI // 2 + dI // MXFP4_BLOCK
+        return dI * (4 if self.index_dtype == "float32" else 2)
+
+    @property
+    def index_row_bytes(self) -> float:
+        """Device bytes of one token in one index layer: its indexer key (`index_key_bytes`) and with
+        hot_policy="score_ema" the 4-byte average of its scores (`KVStore.index_ema`); with index_tier="host" only
+        its share of its page's summary (`KVStore.index_lo` / `index_hi`: 2 x dI float32 per 64 tokens)."""
+        if self.index_tier == "host":
+            return 8 * self.index_dim / PAGE_SIZE
+        return self.index_key_bytes + (4 if self.hot_policy == "score_ema" else 0)
+
+    @property
+    def index_host_row_bytes(self) -> int:
+        """Pinned-host bytes of one token in one index layer: its key with index_tier="host", else none."""
+        return self.index_key_bytes if self.index_tier == "host" else 0
+
+    @property
+    def index_read_chunk(self) -> int:
+        """index_tier="host": key pages read per round of a step's bound-ordered reads (and exact mode's first
+        read): twice the pages one top-k fills, at least 1."""
+        return max(1, 2 * -(-self.topk // PAGE_SIZE))
 
     @property
     def value_dtype(self):

@@ -25,6 +25,10 @@ MP pages per request, G indexer groups, HR hot rows):
     index_ema   f32[LI, PI, 64] hot_policy="score_ema" only (else None): beside each indexer key, the moving
                                average of the indexer's scores of that position (NaN: not scored yet, set when
                                the key is written); the hot buffer's victims are its slots' lowest averages
+    index_lo    f32[LI, PI, dI] index_tier="host" only (else None): index_k / index_scale then live in pinned-host
+    index_hi    f32[LI, PI, dI] memory (as host-pool bits, `host_dtype`), and the device keeps per indexer page
+                               each dimension's min / max of the scored keys written to it (`ops.scored_keys`),
+                               the summary `index_scores_host` bounds the page's scores with
 
 One page id means the same page in every layer. A hot page serves every indexer group at once: layer l
 stores the rows of *its* group's slots in it, so G groups cost one set of pages. Hot slot j of a request
@@ -102,6 +106,8 @@ class KVStore:
     index_scale: jax.Array | None = None
     h_latent_scale: jax.Array | None = None
     index_ema: jax.Array | None = None
+    index_lo: jax.Array | None = None
+    index_hi: jax.Array | None = None
     spec: StoreSpec | None = dataclasses.field(default=None, metadata={"static": True})
 
 
@@ -116,12 +122,16 @@ def device_sharding(device=None) -> SingleDeviceSharding:
 
 
 def store_shardings(spec: StoreSpec, device=None) -> KVStore:
-    """A KVStore of shardings: host pools in pinned_host memory, everything else on the device."""
+    """A KVStore of shardings: host pools (and with index_tier="host" the indexer keys) in pinned_host memory,
+    everything else on the device."""
     d, h = device_sharding(device), host_sharding(device)
-    return KVStore(spec=spec, latent=d, rope=d, index_k=d, h_latent=h, h_rope=h, block_table=d, host_table=d, index_table=d,
-                   seq_lens=d, hot_pages=d, hot_token=d, hot_stamp=d, clock=d, page_stamp=d,
-                   latent_scale=d if spec.fp8 else None, index_scale=d if spec.index_scaled else None,
-                   h_latent_scale=h if spec.fp8 else None, index_ema=d if spec.hot_policy == "score_ema" else None)
+    host_keys = spec.index_tier == "host"
+    k = h if host_keys else d
+    return KVStore(spec=spec, latent=d, rope=d, index_k=k, h_latent=h, h_rope=h, block_table=d, host_table=d,
+                   index_table=d, seq_lens=d, hot_pages=d, hot_token=d, hot_stamp=d, clock=d, page_stamp=d,
+                   latent_scale=d if spec.fp8 else None, index_scale=k if spec.index_scaled else None,
+                   h_latent_scale=h if spec.fp8 else None, index_ema=d if spec.hot_policy == "score_ema" else None,
+                   index_lo=d if host_keys else None, index_hi=d if host_keys else None)
 
 
 def init_store(spec: StoreSpec, device=None) -> KVStore:
@@ -139,6 +149,10 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
         "int4": (((LI, PI, PAGE_SIZE, dI // 2), jnp.uint8), ((LI, PI, PAGE_SIZE, dI // MXFP4_BLOCK), jnp.uint8)),
     }.get(spec.index_dtype, (((LI, PI, PAGE_SIZE, dI), jnp.dtype(jnp.float32 if spec.index_dtype == "float32"
                                                                   else jnp.bfloat16)), None))
+    host_keys = spec.index_tier == "host"
+    if host_keys:  # pinned-host pools of the keys' bits
+        index_k = (index_k[0], host_dtype(index_k[1]))
+        index_scale = None if index_scale is None else (index_scale[0], host_dtype(index_scale[1]))
     shapes = KVStore(
         spec=spec, latent=((L, P, PAGE_SIZE, C), kdt), rope=((L, P, PAGE_SIZE, R), vdt),
         index_k=index_k, h_latent=((L, PH, PAGE_SIZE, C), host_dtype(kdt)),
@@ -150,6 +164,8 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
         index_scale=index_scale,
         h_latent_scale=((L, PH, PAGE_SIZE, C // FP8_BLOCK), host_dtype(jnp.float32)) if spec.fp8 else None,
         index_ema=((LI, PI, PAGE_SIZE), jnp.float32) if spec.hot_policy == "score_ema" else None,
+        index_lo=((LI, PI, dI), jnp.float32) if host_keys else None,
+        index_hi=((LI, PI, dI), jnp.float32) if host_keys else None,
     )
     shardings = store_shardings(spec, device)
     if not abstract():
@@ -164,7 +180,8 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
             out[f.name] = None
             continue
         shape, dt = sd
-        fill = -1 if f.name in minus_one else jnp.nan if f.name == "index_ema" else 0
+        fill = (-1 if f.name in minus_one else jnp.nan if f.name == "index_ema" else
+                jnp.inf if f.name == "index_lo" else -jnp.inf if f.name == "index_hi" else 0)
         out[f.name] = jax.device_put(jnp.full(shape, fill, dt), getattr(shardings, f.name))
     return KVStore(spec=spec, **out)
 
@@ -172,6 +189,7 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
 # the CacheConfig fields each array's size follows (named when a store cannot fit)
 _SIZED_BY = {"latent": "device_pages", "rope": "device_pages", "latent_scale": "device_pages",
              "index_k": "index_pages", "index_scale": "index_pages", "index_ema": "index_pages",
+             "index_lo": "index_pages", "index_hi": "index_pages",
              "h_latent": "host_pages", "h_rope": "host_pages", "h_latent_scale": "host_pages", "hot_token": "hot_rows x max_seqs", "hot_stamp": "hot_rows x max_seqs",
              "hot_pages": "hot_rows x max_seqs"}
 

@@ -34,6 +34,7 @@ import numpy as np
 
 from hisparse_jax.kv import ops
 from hisparse_jax.kv.state import StoreSpec
+from hisparse_jax.units import PAGE_SIZE
 from pallas_kernels.sparse_mla_decode.reference import (merge_partial_attention, sparse_mla_decode_rows,
                                                          sparse_mla_decode_rows_lse)
 
@@ -43,7 +44,7 @@ def empty_stats(spec: StoreSpec) -> dict:
     z = jnp.zeros((), jnp.int32)
     return {"resident": jnp.zeros((L,), jnp.int32), "hits": jnp.zeros((L,), jnp.int32),
             "misses": jnp.zeros((L,), jnp.int32), "row_misses": jnp.zeros((L,), jnp.int32), "h2d_rows": z,
-            "h2d_transfer_rows": z, "d2h_rows": z, "append_dropped": z}
+            "h2d_transfer_rows": z, "d2h_rows": z, "append_dropped": z, "index_h2d_pages": z}
 
 
 def stats_bytes(spec: StoreSpec, stats: dict) -> dict:
@@ -51,6 +52,7 @@ def stats_bytes(spec: StoreSpec, stats: dict) -> dict:
     out = {k: int(np.sum(v)) for k, v in stats.items()}
     for k in ("h2d", "h2d_transfer", "d2h"):
         out[f"{k}_bytes"] = out.pop(f"{k}_rows") * spec.row_bytes
+    out["index_h2d_bytes"] = out.pop("index_h2d_pages") * PAGE_SIZE * spec.index_key_bytes
     return out
 
 
@@ -112,6 +114,9 @@ def kernel_backend(kernels: str) -> str:
 
 def check_backend(spec: StoreSpec, kernels: str) -> None:
     """Refuse a store / kernels pairing that has no implementation (ValueError, before anything runs)."""
+    if spec.index_tier == "host" and kernels != "reference":
+        raise ValueError(f"index_tier='host' needs kernels='reference' (got {kernels!r}): the Pallas indexer top-k "
+                         "reads device-resident keys")
     if spec.miss_attention == "split" and kernels != "reference":
         raise ValueError(f"miss_attention='split' needs kernels='reference' (got {kernels!r}): the Pallas sparse "
                          "MLA kernel returns no log-sum-exp to merge the two parts with")
@@ -207,8 +212,11 @@ class TieredKV:
             if not self._pallas:
                 return ops.topk_of_scores(self.spec, scores, valid), kv
         if not self._pallas:
-            return ops.index_select(self.spec, kv["store"], index_layer, kv["req"], positions, q_index, w,
-                                    self.index_pages), kv
+            topk, read = ops.index_select_read(self.spec, kv["store"], index_layer, kv["req"], positions, q_index, w,
+                                               self.index_pages)
+            if self.spec.index_tier == "host":
+                kv = dict(kv, stats=dict(kv["stats"], index_h2d_pages=kv["stats"]["index_h2d_pages"] + read))
+            return topk, kv
         from pallas_kernels import indexer_topk
 
         spec, store, req = self.spec, kv["store"], kv["req"]
