@@ -569,10 +569,10 @@ class CacheConfig:
     index_tier: where the indexer keys live: "device" (the default; every published HiSparse keeps them there) or
       "host" (the keys in a pinned-host pool, paged by `index_pages` like the device pool they replace, written as
       tokens are appended; the device keeps per page and index layer each dimension's min and max of the scored
-      keys, 8 x index_head_dim bytes per page, from which every score of the page is bounded, and each step reads
-      exact keys from the host in bound order, `ops.index_scores_host`). Exact mode (`index_budget_pages` None)
-      reads pages until no unread page's bound reaches the k-th best score read: the same top-k as device keys,
-      bit for bit. Needs kernels="reference" and hot_policy="lru".
+      keys in bf16 rounded outward, 4 x index_head_dim bytes per page, from which every score of the page is
+      bounded, and each step reads exact keys from the host in bound order, `ops.index_scores_host`). Exact
+      mode (`index_budget_pages` None) reads pages until no unread page's bound reaches the k-th best score read:
+      the same top-k as device keys, bit for bit. Needs kernels="reference" and hot_policy="lru".
     index_budget_pages: with index_tier="host", at most this many pages read per step, request and index layer
       (budgeted mode: the best-bounded pages; the top-k is taken among their positions, a fixed amount of work per
       step); None (the default) is exact mode.

@@ -33,8 +33,8 @@ from tqdm import tqdm
 
 from hisparse_jax.cli_args import (bounded_float, check_output_dir, check_output_file, choice, int_at_least,
                                    name_list, positive_int)
-from hisparse_jax.config import (HOT_POLICIES, INDEX_DTYPES, INDEX_TIERS, MAX_SPECULATIVE_TOKENS, MISS_ATTENTION, PRESETS,
-                                 CacheConfig, ModelConfig, get_preset)
+from hisparse_jax.config import (HOT_POLICIES, INDEX_DTYPES, INDEX_TIERS, MAX_SPECULATIVE_TOKENS, MISS_ATTENTION,
+                                 PRESETS, CacheConfig, ModelConfig, get_preset)
 from hisparse_jax.engine.speculative import lookahead
 from hisparse_jax import parallel
 from hisparse_jax.engine import Engine, EngineConfig, MeshEngine, SamplingParams, device_budget

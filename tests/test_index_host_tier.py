@@ -48,7 +48,7 @@ def test_layout_memory_kinds_and_bytes():
         dev = StoreSpec.create(CFG, SMALL.replace(index_dtype=fmt))
         spec = StoreSpec.create(CFG, host(SMALL, index_dtype=fmt))
         assert dev.index_row_bytes == key_bytes == spec.index_key_bytes == spec.index_host_row_bytes
-        assert spec.index_row_bytes == 8 * DI / 64 and dev.index_host_row_bytes == 0  # the summary's share
+        assert spec.index_row_bytes == 4 * DI / 64 and dev.index_host_row_bytes == 0  # the summary's share (bf16)
         store = jax.eval_shape(lambda s=spec: init_store(s))
         dstore = jax.eval_shape(lambda s=dev: init_store(s))
         for name in ("index_k", "index_scale"):
@@ -80,8 +80,8 @@ def _poisoned(spec):
             jnp.full(a.shape, nan_bits[jnp.dtype(dt)], jnp.uint8)
         upd[name] = jax.device_put(fill.astype(a.dtype) if fill.dtype != a.dtype else fill, a.sharding)
     if store.index_lo is not None:
-        upd["index_lo"] = jnp.full(store.index_lo.shape, jnp.nan, jnp.float32)
-        upd["index_hi"] = jnp.full(store.index_hi.shape, jnp.nan, jnp.float32)
+        upd["index_lo"] = jnp.full(store.index_lo.shape, jnp.nan, store.index_lo.dtype)
+        upd["index_hi"] = jnp.full(store.index_hi.shape, jnp.nan, store.index_hi.dtype)
     return ops._replace(store, **upd)
 
 
@@ -194,8 +194,9 @@ def test_generate_exact_mode_per_key_format(fmt):
 
 def test_engine_exact_mode_gives_the_device_tier_tokens_without_recompiling():
     """HiSparse with a shared prompt prefix (its pages written once, the second prompt's tail page merged into the
-    summaries) under a tight device pool: the host tier's tokens are the device tier's, the step compiles as often as with device
-    keys (the reads are a loop inside the step, whatever their number), and its key reads are in the metrics."""
+    summaries) under a tight device pool: the host tier's tokens are the device tier's, the step compiles as often
+    as with device keys (the reads are a loop inside the step, whatever their number), and its key reads are in the
+    metrics."""
     from hisparse_jax.engine import Engine, EngineConfig, SamplingParams
     from hisparse_jax.engine import runner
 

@@ -236,6 +236,9 @@ def index_scores_paged(spec: StoreSpec, store: KVStore, index_layer: int, req, p
 
 
 # ----- index_tier="host": the keys in pinned-host memory, page summaries on the device --------------------------
+SUMMARY_DTYPE = jnp.bfloat16  # index_lo / index_hi: 4 x dI bytes per page and index layer (8 B per token at dI 128)
+
+
 def scored_keys(spec: StoreSpec, kv, ks):
     """Stored keys (`encode_index`'s) -> f32[..., dI], the keys as the indexer scores them: fp8 e4m3 x its scale
     (a power of two: exact), int4 MXFP4 dequantized, bf16 / f32 as they are. `index_lo` / `index_hi` summarize
@@ -270,14 +273,23 @@ def _append_host_keys(spec: StoreSpec, store: KVStore, index_layer, ipage, row, 
     upd = {"index_k": _write_key_rows(store.index_k, kv, index_layer, ip, row, order, n)}
     if ks is not None:
         upd["index_scale"] = _write_key_rows(store.index_scale, ks, index_layer, ip, row, order, n)
-    k = scored_keys(spec, kv, ks)
+    lo_k, hi_k = summary_bounds(scored_keys(spec, kv, ks))
     page = _drop(ipage, ok, spec.index_pages)
     fresh = _drop(ipage, ok & (row == 0), spec.index_pages)
     lo = store.index_lo.at[index_layer, fresh].set(jnp.inf, mode="drop")
     hi = store.index_hi.at[index_layer, fresh].set(-jnp.inf, mode="drop")
-    upd["index_lo"] = lo.at[index_layer, page].min(k, mode="drop")
-    upd["index_hi"] = hi.at[index_layer, page].max(k, mode="drop")
+    upd["index_lo"] = lo.at[index_layer, page].min(lo_k, mode="drop")
+    upd["index_hi"] = hi.at[index_layer, page].max(hi_k, mode="drop")
     return upd
+
+
+def summary_bounds(k):
+    """f32 keys -> (lo, hi) in the summaries' dtype (`SUMMARY_DTYPE`), rounded outward (lo <= k <= hi exactly), so
+    a page's summary still bounds every key written to it."""
+    lo, hi = k.astype(SUMMARY_DTYPE), k.astype(SUMMARY_DTYPE)
+    lo = jnp.where(lo.astype(jnp.float32) > k, jnp.nextafter(lo, jnp.asarray(-jnp.inf, SUMMARY_DTYPE)), lo)
+    hi = jnp.where(hi.astype(jnp.float32) < k, jnp.nextafter(hi, jnp.asarray(jnp.inf, SUMMARY_DTYPE)), hi)
+    return lo, hi
 
 
 def _write_key_rows(pool, vals, index_layer, pages, rows, order, n):
@@ -299,8 +311,9 @@ def _prefill_summaries(spec: StoreSpec, store: KVStore, req, keys, pos, ok, star
     pad = NP * PAGE_SIZE - T
     kb = jnp.pad(keys, ((0, 0), (0, pad), (0, 0))).reshape(LI, NP, PAGE_SIZE, dI)
     okb = jnp.pad(ok, (0, pad)).reshape(NP, PAGE_SIZE)[None, :, :, None]
-    lo = jnp.where(okb, kb, jnp.inf).min(axis=2)  # [LI, NP, dI]
-    hi = jnp.where(okb, kb, -jnp.inf).max(axis=2)
+    lo, hi = summary_bounds(kb)
+    lo = jnp.where(okb, lo, jnp.inf).min(axis=2)  # [LI, NP, dI]
+    hi = jnp.where(okb, hi, -jnp.inf).max(axis=2)
     first = jnp.pad(pos, (0, pad)).reshape(NP, PAGE_SIZE)[:, 0]  # each block's first position (page-aligned)
     lp = jnp.minimum(first // PAGE_SIZE, spec.max_pages - 1)
     ipage = store.index_table[req, lp]
@@ -336,8 +349,8 @@ def index_scores_host(spec: StoreSpec, store: KVStore, index_layer: int, req, po
     live = valid.reshape(B, P, PAGE_SIZE).any(-1) & (table >= 0)
     qb, wb = scored_query(spec, q_index, w)
     pages = jnp.maximum(table, 0)
-    bound = block_score_bound(qb[:, None], wb[:, None], store.index_lo[index_layer][pages],
-                              store.index_hi[index_layer][pages])[:, 0]  # [B, P]
+    bound = block_score_bound(qb[:, None], wb[:, None], store.index_lo[index_layer][pages].astype(jnp.float32),
+                              store.index_hi[index_layer][pages].astype(jnp.float32))[:, 0]  # [B, P]
     bound = jnp.where(live, jnp.where(jnp.isnan(bound), jnp.inf, bound), -jnp.inf)
     order = jnp.argsort(-bound, axis=-1, stable=True).astype(jnp.int32)  # best bound first
     ranked = jnp.take_along_axis(bound, order, axis=-1)

@@ -118,9 +118,9 @@ class StoreSpec:
     def index_row_bytes(self) -> float:
         """Device bytes of one token in one index layer: its indexer key (`index_key_bytes`) and with
         hot_policy="score_ema" the 4-byte average of its scores (`KVStore.index_ema`); with index_tier="host" only
-        its share of its page's summary (`KVStore.index_lo` / `index_hi`: 2 x dI float32 per 64 tokens)."""
+        its share of its page's summary (`KVStore.index_lo` / `index_hi`: 2 x dI bf16 per 64 tokens)."""
         if self.index_tier == "host":
-            return 8 * self.index_dim / PAGE_SIZE
+            return 4 * self.index_dim / PAGE_SIZE
         return self.index_key_bytes + (4 if self.hot_policy == "score_ema" else 0)
 
     @property

@@ -25,10 +25,10 @@ MP pages per request, G indexer groups, HR hot rows):
     index_ema   f32[LI, PI, 64] hot_policy="score_ema" only (else None): beside each indexer key, the moving
                                average of the indexer's scores of that position (NaN: not scored yet, set when
                                the key is written); the hot buffer's victims are its slots' lowest averages
-    index_lo    f32[LI, PI, dI] index_tier="host" only (else None): index_k / index_scale then live in pinned-host
-    index_hi    f32[LI, PI, dI] memory (as host-pool bits, `host_dtype`), and the device keeps per indexer page
-                               each dimension's min / max of the scored keys written to it (`ops.scored_keys`),
-                               the summary `index_scores_host` bounds the page's scores with
+    index_lo    bf16[LI, PI, dI] index_tier="host" only (else None): index_k / index_scale then live in pinned-host
+    index_hi    bf16[LI, PI, dI] memory (as host-pool bits, `host_dtype`), and the device keeps per indexer page
+                               each dimension's min / max of the scored keys written to it (`ops.scored_keys`,
+                               rounded outward), the summary `index_scores_host` bounds the page's scores with
 
 One page id means the same page in every layer. A hot page serves every indexer group at once: layer l
 stores the rows of *its* group's slots in it, so G groups cost one set of pages. Hot slot j of a request
@@ -164,8 +164,8 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
         index_scale=index_scale,
         h_latent_scale=((L, PH, PAGE_SIZE, C // FP8_BLOCK), host_dtype(jnp.float32)) if spec.fp8 else None,
         index_ema=((LI, PI, PAGE_SIZE), jnp.float32) if spec.hot_policy == "score_ema" else None,
-        index_lo=((LI, PI, dI), jnp.float32) if host_keys else None,
-        index_hi=((LI, PI, dI), jnp.float32) if host_keys else None,
+        index_lo=((LI, PI, dI), jnp.bfloat16) if host_keys else None,
+        index_hi=((LI, PI, dI), jnp.bfloat16) if host_keys else None,
     )
     shardings = store_shardings(spec, device)
     if not abstract():
