@@ -35,7 +35,9 @@ indexer's ordered top-(k + margin) and every position's score (`RankedTrace`), a
 score-aware retention (score, score_lru, score_ema: the victim chosen by this step's indexer scores, or their
 moving average) and margin prefetch (rows ranked k..k+m copied in the same step, counted apart from the
 critical-path misses); see its docstring for the exact rules. `lab_sweep` tabulates them with H2D rows and bytes
-per step (misses + prefetched) next to the critical-path hit rate.
+per step (misses + prefetched) next to the critical-path hit rate. `prefetch_predictability` asks whether any
+prefetcher could name the rows a demand cache will miss: precision and coverage of candidate generators (margin
+ranks, score moving average, frequency, neighbours) against the rows entering the top-k within a few steps.
 """
 from __future__ import annotations
 
@@ -841,6 +843,113 @@ def entry_rank_stats(rts, warmup: int) -> dict:
     return {"entries_per_step": float(n / max(sum(max(rt.steps - max(warmup, 1), 0) for rt in rts), 1)),
             "entry_rank_share": dict(zip(labels, (counts / max(n, 1)).tolist())),
             "topk_in_last_128_positions": tail / max(acc, 1)}
+
+
+PREDICT_MIN_STEP = 32  # the first step scored: the moving averages and counts have some history by then
+
+
+def prefetch_predictability(rts, warmup: int, *, horizon: int = 4, recent: int = 6, sizes=(16, 32, 64),
+                            beta: float = EMA_BETA, min_step: int = PREDICT_MIN_STEP) -> dict:
+    """Could a prefetcher predict the rows a demand cache will miss? On the `RankedTrace`s of one index layer, at
+    each step t with max(warmup, min_step) <= t and t + horizon < steps:
+      recent_t  the positions in the top-k at any of steps t-recent+1..t (what an LRU-like buffer still holds);
+      target_t  the positions in the top-k at any of steps t+1..t+horizon not in recent_t (what it would miss).
+    Candidate generators, each from what is known at step t (scores and top-k sets of steps <= t), then less
+    recent_t:
+      rank_margin/m  the rows ranked k..k+m-1 at step t (order[t, k:k+m]; m beyond the recorded margin skipped);
+      score_ema/m    the m written positions with the highest moving average of the score (simulate_ranked's
+                     score_ema: e = s at the first step that scores the position, then e = beta e + (1 - beta) s,
+                     step t included), outside recent_t; ties: the lower position first;
+      frequency/m    the m positions most often in the top-k at steps 0..t, outside recent_t (never-used ones
+                     excluded); ties: the more recently used, then the lower position;
+      neighbours     p - 1 and p + 1 of every p in step t's top-k that are written at step t (finite score).
+    Per generator, pooled over steps and traces (ratios of sums): precision = |C ∩ target| / |C|, coverage =
+    |C ∩ target| / |target|, candidates_per_step; and, for a prefetcher that already copied step t-1's candidates,
+    the new ones (C_t less C_(t-1), what it would copy at step t): new_per_step, new_precision (|new ∩ target| /
+    |new|) and useful_new_per_step (|new ∩ target| per step: misses it could turn into hits). Also target rows per
+    step, the share of them not written yet at step t (no predictor can name them) and recent rows per step."""
+    k = rts[0].k
+    margin = min(rt.margin for rt in rts)
+    names = ([f"rank_margin/{m}" for m in sizes if m <= margin] + [f"score_ema/{m}" for m in sizes]
+             + [f"frequency/{m}" for m in sizes] + ["neighbours"])
+    acc = {n: np.zeros(4, np.int64) for n in names}  # candidates, correct, new, new correct
+    n_steps = n_target = n_unwritten = n_recent = 0
+    first = max(warmup, min_step, 0)
+    for rt in rts:
+        T, S = rt.steps, rt.scores.shape[1]
+        if T - horizon <= first:
+            continue
+        lo = max(first - 1, 0)  # one step before the first: its candidates are the "previous" ones
+        ext = np.arange(lo, T - horizon)
+        top = np.zeros((T, S), bool)
+        o = rt.order[:, :k]
+        r, c = np.nonzero(o >= 0)
+        top[r, o[r, c]] = True
+        cs = np.zeros((T + 1, S), np.int32)
+        np.cumsum(top, axis=0, out=cs[1:])
+        rec = (cs[ext + 1] - cs[np.maximum(ext - recent + 1, 0)]) > 0
+        written = np.isfinite(rt.scores[ext])
+        nt = len(ext)
+
+        def top_m(key, m_max):
+            """[nt, m_max] positions by descending key (stable: lower position first), -1 where key is -inf."""
+            idx = np.argsort(-key, axis=1, kind="stable")[:, :m_max]
+            return np.where(np.isfinite(np.take_along_axis(key, idx, 1)), idx, -1)
+
+        def mask(pos):
+            out = np.zeros((nt, S), bool)
+            i, j = np.nonzero(pos >= 0)
+            out[i, pos[i, j]] = True
+            return out & ~rec
+
+        cand = {}
+        for m in sizes:
+            if m <= margin:
+                cand[f"rank_margin/{m}"] = mask(rt.order[ext, k:k + m])
+        ema = np.full(S, -np.inf, np.float32)
+        E = np.empty((T - horizon, S), np.float32)
+        for t in range(T - horizon):
+            st = rt.scores[t].astype(np.float32)
+            fin = np.isfinite(ema)
+            nxt = st.copy()
+            nxt[fin] = beta * ema[fin] + (1 - beta) * st[fin]
+            ema = E[t] = nxt
+        best = top_m(np.where(rec, -np.inf, E[ext]), max(sizes))
+        for m in sizes:
+            cand[f"score_ema/{m}"] = mask(best[:, :m])
+        last = np.maximum.accumulate(np.where(top, np.arange(T)[:, None], -1), axis=0)
+        count = cs[ext + 1].astype(np.int64)
+        key = np.where(rec | (count == 0), -np.inf, (count * (T + 1) + last[ext]).astype(np.float64))
+        best = top_m(key, max(sizes))
+        for m in sizes:
+            cand[f"frequency/{m}"] = mask(best[:, :m])
+        nb = np.zeros((nt, S), bool)
+        nb[:, :-1] |= top[ext, 1:]
+        nb[:, 1:] |= top[ext, :-1]
+        cand["neighbours"] = nb & written & ~rec
+        cur = slice(1, None) if lo < first else slice(0, None)  # the scored steps among ext
+        ts = ext[cur]
+        tgt = ((cs[ts + 1 + horizon] - cs[ts + 1]) > 0) & ~rec[cur]
+        n_steps += len(ts)
+        n_target += int(tgt.sum())
+        n_unwritten += int((tgt & ~written[cur]).sum())
+        n_recent += int(rec[cur].sum())
+        for n, cm in cand.items():
+            now = cm[cur]
+            prev = cm[:-1] if lo < first else np.concatenate([np.zeros((1, S), bool), cm[:-1]])
+            new = now & ~prev
+            acc[n] += [now.sum(), (now & tgt).sum(), new.sum(), (new & tgt).sum()]
+
+    def ratio(a, b):
+        return float(a / b) if b else None
+
+    return {"horizon": horizon, "recent": recent, "beta": beta, "first_step": first, "steps": n_steps,
+            "target_per_step": ratio(n_target, n_steps), "target_unwritten_frac": ratio(n_unwritten, n_target),
+            "recent_rows_per_step": ratio(n_recent, n_steps),
+            "predictors": {n: {"precision": ratio(a[1], a[0]), "coverage": ratio(a[1], n_target),
+                               "candidates_per_step": ratio(a[0], n_steps), "new_per_step": ratio(a[2], n_steps),
+                               "new_precision": ratio(a[3], a[2]), "useful_new_per_step": ratio(a[3], n_steps)}
+                           for n, a in acc.items()}}
 
 
 def plot(out: dict, path: str) -> None:

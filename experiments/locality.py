@@ -16,7 +16,11 @@
   with H2D bytes per step <= 1.5x LRU's); and what limits the hit rate: re-reference distances per index layer,
   where rows entering the top-k ranked one step before, the hit rate by decode position (and, with
   --long-len, on longer sequences than the model was trained on, with its next-token loss by position), by
-  top-k (64/128/256 read off the same ranking), and with the store's two resident tail pages.
+  top-k (64/128/256 read off the same ranking), and with the store's two resident tail pages;
+  whether any prefetcher could close the gap to OPT within the bytes (`prefetch_predictability`: precision and
+  coverage of margin-rank, score-average, frequency and neighbour candidates against the rows entering the top-k
+  within 4 steps that the last 6 steps' top-k do not hold), next to the precision the bar's byte budget needs
+  (`prefetch_need`, in the bar).
   `--tune` also records held-out windows that are not the evaluation ones and sweeps score_ema's beta and
   score_lru's keep there (the constants in `hot_buffer_policies.py` were chosen that way).
 
@@ -112,6 +116,54 @@ def bar_check(overall: dict, size: str = BAR_SIZE, factor: float = BAR_BYTES) ->
             "best_any_bytes_h2d_over_lru": overall[best_any][size]["h2d_over_lru"]}
 
 
+PREFETCH_MIN_CANDIDATES = 16  # a predictor named best must offer at least this many candidates per step
+
+
+def prefetch_need(overall: dict, predictability: list, size: str = BAR_SIZE, factor: float = BAR_BYTES,
+                  min_candidates: float = PREFETCH_MIN_CANDIDATES) -> dict:
+    """The precision a prefetcher needs to meet the bar, against the best measured one. With H2D rows = misses +
+    prefetched (`lab_sweep`) and a prefetched row that is later hit replacing one of LRU's misses, reaching OPT's
+    hit rate means G = lru_misses - opt_misses useful prefetches per step, and with misses down to OPT's the
+    budget leaves factor x lru_rows - opt_misses rows for prefetch: precision >= G / that (a lower bound: it
+    ignores the misses a prefetch causes by evicting a row). The stricter reading that counts every prefetched
+    row as extra traffic (G / ((factor - 1) x lru_rows)) is reported alongside. The best predictor: the highest
+    precision (mean over the index layers of `prefetch_predictability`) among those with >= min_candidates
+    candidates per step (mean); and the predictors whose mean precision reaches the needed one. Useful new rows per
+    step (`prefetch_predictability`'s useful_new_per_step) compare with the useful prefetches needed per step."""
+    lru, opt = overall["lru"][size], overall["opt"][size]
+    gain = lru["misses_per_step"] - opt["misses_per_step"]  # (opt_hit - lru_hit) x demand rows per step
+    allowed = factor * lru["h2d_rows_per_step"] - opt["misses_per_step"]
+    names = list(predictability[0]["predictors"])
+
+    def mean(n, key):
+        vals = [la["predictors"][n][key] for la in predictability]
+        return None if any(v is None for v in vals) else float(np.mean(vals))
+    ok = [n for n in names if (mean(n, "candidates_per_step") or 0) >= min_candidates and mean(n, "precision")
+          is not None]
+    best = max(ok, key=lambda n: mean(n, "precision")) if ok else None
+    need = gain / allowed if allowed > 0 else None
+    out = {"prefetch_useful_rows_needed_per_step": gain, "prefetch_rows_allowed_per_step": allowed,
+           "prefetch_precision_needed": need,
+           "prefetch_precision_needed_formula": f"(opt_hit - lru_hit) * demand_rows_per_step / ({factor:g} * "
+           "lru_h2d_rows_per_step - opt_misses_per_step): useful prefetches needed per step over the prefetched "
+           "rows the byte budget allows once misses are down to OPT's (a prefetched row later hit replaces a miss; "
+           "pollution ignored: a lower bound)",
+           "prefetch_precision_needed_if_all_extra": gain / ((factor - 1) * lru["h2d_rows_per_step"]),
+           "prefetch_precision_needed_if_all_extra_formula": f"(opt_hit - lru_hit) * demand_rows_per_step / "
+           f"({factor - 1:g} * lru_h2d_rows_per_step): every prefetched row counted as extra traffic",
+           "best_predictor": best, "best_predictor_min_candidates_per_step": min_candidates,
+           "predictors_reaching_precision_needed": [n for n in names if need is not None and
+                                                    (mean(n, "precision") or 0) >= need]}
+    if best:
+        out.update({"best_predictor_precision": mean(best, "precision"),
+                    "best_predictor_coverage": mean(best, "coverage"),
+                    "best_predictor_candidates_per_step": mean(best, "candidates_per_step"),
+                    "best_predictor_new_precision": mean(best, "new_precision"),
+                    "best_predictor_new_per_step": mean(best, "new_per_step"),
+                    "best_predictor_useful_new_per_step": mean(best, "useful_new_per_step")})
+    return out
+
+
 def policy_lab(ranked, warmup: int, nll=None, position_bin: int = 512) -> dict:
     """The policy lab on ranked traces[index_layer][seq] (see the module docstring)."""
     from experiments import hot_buffer_policies as hb
@@ -132,7 +184,9 @@ def policy_lab(ranked, warmup: int, nll=None, position_bin: int = 512) -> dict:
            "by_position_2x": {n: hb.by_position(st, edges) for n, st in steps.items()},
            "reref": [hb.reref_stats([rt.sets for rt in per_seq], warmup) for per_seq in ranked],
            "entry_ranks": [hb.entry_rank_stats(per_seq, warmup) for per_seq in ranked],
+           "predictability": [hb.prefetch_predictability(per_seq, warmup) for per_seq in ranked],
            "topk": {}}  # per top-k: lru / score_ema / opt at 1x (= the adjacent overlap), 2x, 4x
+    lab["bar"].update(prefetch_need(sweep["overall"], lab["predictability"]))
     if nll is not None:
         lab["nll_by_position"] = nll_by_position(nll, [0] + edges)
     small = {n: hb.LAB_VARIANTS[n] for n in ("lru", "score_ema", "opt")}
@@ -293,6 +347,21 @@ def lab_table(lab: dict) -> str:
                  f"{'met by ' + ', '.join(b['met_by']) if b['met'] else 'not met'}; best within the bytes "
                  f"{b['best_within_bytes']} {b['best_within_bytes_hit_rate']:.3f} "
                  f"({b['best_within_bytes_h2d_over_lru']:.2f}x LRU's H2D)")
+    if "predictability" in lab:
+        pr = lab["predictability"]
+        lines.append(f"prefetch predictability (horizon {pr[0]['horizon']}, recent {pr[0]['recent']}; target rows per "
+                     f"step {[round(la['target_per_step'] or 0, 1) for la in pr]}): precision / coverage / candidates "
+                     "per step, per index layer")
+        for n in pr[0]["predictors"]:
+            lines.append(f"{n:20}" + "".join(
+                f"{la['predictors'][n]['precision'] or 0:>8.3f} /{la['predictors'][n]['coverage'] or 0:>6.3f} /"
+                f"{la['predictors'][n]['candidates_per_step'] or 0:>6.1f}" for la in pr))
+        need = b.get("prefetch_precision_needed")
+        lines.append(f"precision needed {need if need is None else round(need, 3)} (every prefetch extra: "
+                     f"{b['prefetch_precision_needed_if_all_extra']:.3f}); best predictor {b['best_predictor']} "
+                     f"{b.get('best_predictor_precision') or 0:.3f}, useful new rows per step "
+                     f"{b.get('best_predictor_useful_new_per_step') or 0:.1f} (needed "
+                     f"{b['prefetch_useful_rows_needed_per_step']:.1f})")
     return "\n".join(lines)
 
 

@@ -233,3 +233,111 @@ def test_tuning_windows_do_not_overlap_evaluation():
         assert all(abs(int(s) - e) >= 100 for e in ev_starts)
     with pytest.raises(ValueError):
         loc.tuning_windows(tokens, 4000, 4)
+
+
+def _predictability_oracle(rts, warmup, horizon, recent, sizes, min_step=32, beta=0.9):
+    """`prefetch_predictability` with Python sets, step by step."""
+    names = ([f"rank_margin/{m}" for m in sizes if m <= min(rt.margin for rt in rts)]
+             + [f"score_ema/{m}" for m in sizes] + [f"frequency/{m}" for m in sizes] + ["neighbours"])
+    acc = {n: [0, 0, 0, 0] for n in names}
+    steps = target_n = 0
+    for rt in rts:
+        k, T, S = rt.k, rt.steps, rt.scores.shape[1]
+        top = [{int(x) for x in rt.order[t, :k] if x >= 0} for t in range(T)]
+        ema, count, last, prev = {}, {}, {}, {n: set() for n in names}
+        b, b1 = np.float32(beta), np.float32(1 - beta)
+        for t in range(T):
+            s = rt.scores[t].astype(np.float32)
+            for p in range(S):
+                if p in ema:
+                    ema[p] = np.float32(b * ema[p] + b1 * s[p])
+                elif np.isfinite(s[p]):
+                    ema[p] = s[p]
+            for p in top[t]:
+                count[p], last[p] = count.get(p, 0) + 1, t
+            rec = set().union(*top[max(t - recent + 1, 0):t + 1])
+            cand = {}
+            for m in sizes:
+                if f"rank_margin/{m}" in acc:
+                    cand[f"rank_margin/{m}"] = {int(x) for x in rt.order[t, k:k + m] if x >= 0} - rec
+                by_ema = sorted((p for p in ema if p not in rec and np.isfinite(ema[p])), key=lambda p: (-ema[p], p))
+                cand[f"score_ema/{m}"] = set(by_ema[:m])
+                by_count = sorted((p for p in count if p not in rec), key=lambda p: (-count[p], -last[p], p))
+                cand[f"frequency/{m}"] = set(by_count[:m])
+            cand["neighbours"] = {q for p in top[t] for q in (p - 1, p + 1) if 0 <= q < S and np.isfinite(s[q])} - rec
+            if t >= max(warmup, min_step) and t + horizon < T:
+                target = set().union(*top[t + 1:t + horizon + 1]) - rec
+                steps += 1
+                target_n += len(target)
+                for n, c in cand.items():
+                    new = c - prev[n]
+                    acc[n] = [a + d for a, d in zip(acc[n], (len(c), len(c & target), len(new), len(new & target)))]
+            prev = cand
+    return steps, target_n, acc
+
+
+def _check_against_oracle(rts, warmup, **kw):
+    got = hb.prefetch_predictability(rts, warmup, **kw)
+    steps, target_n, acc = _predictability_oracle(rts, warmup, kw["horizon"], kw["recent"], kw["sizes"],
+                                                  kw.get("min_step", 32))
+    assert got["steps"] == steps > 0 and got["target_per_step"] == pytest.approx(target_n / steps)
+    assert list(got["predictors"]) == list(acc)
+    for n, (c, hit, new, new_hit) in acc.items():
+        st = got["predictors"][n]
+        assert st["candidates_per_step"] == pytest.approx(c / steps), n
+        assert st["precision"] == (pytest.approx(hit / c) if c else None), n
+        assert st["coverage"] == pytest.approx(hit / target_n), n
+        assert st["new_per_step"] == pytest.approx(new / steps), n
+        assert st["new_precision"] == (pytest.approx(new_hit / new) if new else None), n
+        assert st["useful_new_per_step"] == pytest.approx(new_hit / steps), n
+    return got
+
+
+def test_prefetch_predictability_by_hand():
+    """The top-2 slides right by one position a step: at step t it is {t, t+1}, recent (2 steps) {t-1, t, t+1},
+    the target (horizon 2) {t+2, t+3}. The neighbours (t-1 is recent) are {t+2}: precision 1, coverage 1/2. Ranks
+    2-3 are t-1 and t+2 (tied, the lower first), rank 4 is t-2: rank_margin/2 names {t+2} as well, rank_margin/3
+    adds t-2 (precision 1/2). A row that left the window never recurs: frequency, naming only such rows, is never
+    right."""
+    T, S = 10, 14
+    sc = np.array([[10 - abs(p - t - 0.5) for p in range(S)] for t in range(T)])
+    rt = _rt(sc, k=2, margin=3)
+    got = _check_against_oracle([rt], 0, horizon=2, recent=2, sizes=(2, 3, 4), min_step=2)
+    pr = got["predictors"]
+    assert "rank_margin/4" not in pr  # beyond the recorded margin
+    assert got["steps"] == T - 2 - 2 and got["target_per_step"] == 2
+    assert pr["neighbours"]["precision"] == 1 and pr["neighbours"]["coverage"] == 0.5
+    assert pr["rank_margin/2"]["precision"] == 1 and pr["rank_margin/3"]["precision"] == 0.5
+    assert pr["neighbours"]["new_per_step"] == 1 and pr["neighbours"]["new_precision"] == 1
+    assert pr["frequency/2"]["precision"] == 0
+    assert pr["score_ema/2"]["candidates_per_step"] == 2  # every position is written
+    assert pr["frequency/2"]["candidates_per_step"] == pytest.approx((1 + 2 * 5) / 6)  # at step 2 only row 0 is old
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_prefetch_predictability_matches_oracle(seed):
+    rts = [_random_rt(seed), _random_rt(seed + 1, drift=0.6)]
+    got = _check_against_oracle(rts, 4, horizon=4, recent=6, sizes=(4, 8, 32))
+    assert got["first_step"] == 32 and "rank_margin/32" not in got["predictors"]
+    assert 0 < got["predictors"]["score_ema/8"]["precision"] < 1
+
+
+def test_prefetch_need():
+    """LRU misses 40 of 100 rows a step, OPT 25: 15 useful prefetches needed, and 1.5 x 40 - 25 = 35 rows allowed
+    once the misses are OPT's (15 / 35); counting every prefetch as extra, 15 / 20. The best predictor is the most
+    precise one (mean over the layers) with >= 16 candidates per step, never the more precise but smaller a."""
+    overall = {"lru": {"2x": {"misses_per_step": 40.0, "h2d_rows_per_step": 40.0}},
+               "opt": {"2x": {"misses_per_step": 25.0, "h2d_rows_per_step": 25.0}}}
+
+    def layer(pa, pb, pc):
+        st = {"coverage": 0.1, "new_per_step": 5.0, "new_precision": 0.2, "useful_new_per_step": 1.0}
+        return {"predictors": {"a": {**st, "precision": pa, "candidates_per_step": 8.0},
+                               "b": {**st, "precision": pb, "candidates_per_step": 20.0},
+                               "c": {**st, "precision": pc, "candidates_per_step": 64.0}}}
+    need = loc.prefetch_need(overall, [layer(0.9, 0.4, 0.3), layer(0.8, 0.2, 0.35)])
+    assert need["prefetch_precision_needed"] == pytest.approx(15 / 35)
+    assert need["prefetch_precision_needed_if_all_extra"] == pytest.approx(15 / 20)
+    assert need["best_predictor"] == "c" and need["best_predictor_precision"] == pytest.approx(0.325)
+    assert need["predictors_reaching_precision_needed"] == ["a"] and need["best_predictor_useful_new_per_step"] == 1
+    need = loc.prefetch_need(overall, [layer(0.9, 0.5, 0.3), layer(0.8, 0.3, 0.35)])
+    assert need["best_predictor"] == "b" and need["best_predictor_candidates_per_step"] == 20
