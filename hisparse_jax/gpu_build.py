@@ -4,8 +4,9 @@
 of GLM-5 from abstract arrays (`abstract_step_args`: nothing is allocated; the pinned-host pools carry their memory
 kind) with XLA's deviceless AOT compiler (`hisparse_jax.deviceless`) and check that
   (a) every store buffer is donated (`check_store_donated`: an input_output_alias from each store parameter),
-  (b) the pinned-host pools stay in host memory, S(5), as parameters and results (`check_host_pools_in_host_memory`),
-  (c) no instruction materializes a whole-pool-sized buffer (`check_no_pool_sized_temporary`).
+  (b) the pinned-host pools stay in host memory, S(5), as parameters and results (`check_host_pools_in_host_memory`;
+      which fields are host pools is the store's own `state.store_shardings`: `host_pools`),
+  (c) no instruction materializes a whole-pool-sized buffer (`check_no_pool_sized_temporary`, over `POOLS`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import jax.numpy as jnp
 from hisparse_jax import deviceless as dl
 
 BATCH = 32
-HOST_POOLS = ("h_latent", "h_rope", "h_latent_scale")
+# The store's per-page arrays (pool-sized: [L or LI, pages, ...]), device or pinned-host (`host_pools` says which).
+POOLS = ("latent", "rope", "latent_scale", "h_latent", "h_rope", "h_latent_scale", "index_k", "index_scale",
+         "index_ema", "index_lo", "index_hi")
 sds = dl.abstract_on_cpu
 
 
@@ -60,6 +63,15 @@ def store_fields(store):
     return [f.name for f in dataclasses.fields(store) if f.name != "spec" and getattr(store, f.name) is not None]
 
 
+def host_pools(store) -> tuple[str, ...]:
+    """The store's fields in pinned-host memory, from its own shardings (`state.store_shardings` of its spec): the
+    KV host pools, and with index_tier="host" the indexer keys (`index_k`, `index_scale`)."""
+    from hisparse_jax.kv.state import store_shardings
+
+    shardings = store_shardings(store.spec, jax.devices("cpu")[0])
+    return tuple(n for n in store_fields(store) if getattr(shardings, n).memory_kind == "pinned_host")
+
+
 def entry_parameters(text: str) -> dict[str, int]:
     """{store field: entry parameter number}, from the parameters' metadata op_name="store.<field>"."""
     entry = text[text.index("\nENTRY "):]
@@ -96,10 +108,11 @@ def check_store_donated(label, store, text):
 
 def check_host_pools_in_host_memory(label, store, text):
     params, results, by_param, pnum = entry_signature(text)
+    host = host_pools(store)
     report = []
     for name in store_fields(store):
         p = pnum[name]
-        want = 5 if name in HOST_POOLS else 0
+        want = 5 if name in host else 0
         got_in = params[p]["memory_space"]
         got_out = results[by_param[p]]["memory_space"] if p in by_param else None
         report.append(f"store.{name}: in S({got_in}) out S({got_out})")
@@ -169,8 +182,7 @@ def pool_sized_instructions(text: str, pool_dims: dict[str, tuple]):
 
 
 def check_no_pool_sized_temporary(label, store, text, mem):
-    pools = {n: tuple(getattr(store, n).shape) for n in store_fields(store)
-             if n in ("latent", "rope", "index_k", "latent_scale", "index_scale", "index_ema") + HOST_POOLS}
+    pools = {n: tuple(getattr(store, n).shape) for n in store_fields(store) if n in POOLS}
     found = pool_sized_instructions(text, pools)
     new = [f for f in found if f[0] == "NEW"]
     print(f"\n[{label}] pool-sized instructions: "
@@ -179,8 +191,7 @@ def check_no_pool_sized_temporary(label, store, text, mem):
           f"host temp {mem.host_temp_size_in_bytes / 2**20:.0f} MiB")
     for f in new:
         print("   NEW", f[1], "in", f[2], ":", f[3])
-    smallest_host = min(getattr(store, n).size * getattr(store, n).dtype.itemsize for n in HOST_POOLS
-                        if getattr(store, n, None) is not None)
+    smallest_host = min(getattr(store, n).size * getattr(store, n).dtype.itemsize for n in host_pools(store))
     assert not new, f"{len(new)} whole-pool-sized buffers, e.g. {new[0][3]}"
     assert mem.host_temp_size_in_bytes < smallest_host, \
         f"host temp {mem.host_temp_size_in_bytes} B >= a host pool ({smallest_host} B)"

@@ -8,9 +8,11 @@ XLA's deviceless AOT compilation (`hisparse_jax/deviceless.py`) runs the whole X
 2. the whole jitted tiered decode step (`hisparse_jax.engine.runner._jitted_step`, the function
    `decode_step` runs, store donated) of GLM-5 (all 78 layers for the fp8 row-fetch Pallas-Triton case, a 4-layer
    slice for the others) compiles for both fetch mechanisms, bf16 and
-   fp8 KV, reference and Pallas kernels, and its compiled HLO shows that
+   fp8 KV, reference and Pallas kernels, indexer keys on the device and in the host tier, and its compiled HLO
+   shows that
    (a) every store buffer is donated (an input_output_alias from each store parameter to its result),
-   (b) the pinned-host pools stay in host memory (S(5)) as parameters and as results,
+   (b) the pinned-host pools (the store's pinned_host fields: with index_tier="host" the indexer keys too) stay in
+       host memory (S(5)) as parameters and as results, the others on the device,
    (c) no instruction materializes a whole-pool-sized buffer besides the aliased parameter / result;
    2b. the same (a)-(c) for the jitted store programs that apply `TieredCache`'s decisions (kv/device.py:
    write_prefill bf16 / fp8, evict_pages with and without write-back, load_pages, the table updates,
@@ -34,7 +36,7 @@ import jax.numpy as jnp
 import pytest
 
 from hisparse_jax import deviceless as dl
-from hisparse_jax.gpu_build import (BATCH, HOST_POOLS, VIEW_OPS, abstract_step_args, abstract_store,  # noqa: F401
+from hisparse_jax.gpu_build import (BATCH, VIEW_OPS, abstract_step_args, abstract_store,  # noqa: F401
                                     check_host_pools_in_host_memory, check_no_pool_sized_temporary,
                                     check_store_donated, glm5_layers, pool_sized_instructions, store_fields)
 from pallas_kernels.backends import mosaic_unavailable_reason
@@ -184,23 +186,27 @@ NUM_LAYERS = 78
 SLICE_LAYERS = 4
 # (the Mosaic decode case builds the slice: the scanned step is the same program at any depth, bench_compile.py
 # measures that, and the whole model's build is proven by the Triton case)
-FULL_MODEL_CASES = {("fp8", "row", "pallas", "lru")}
+FULL_MODEL_CASES = {("fp8", "row", "pallas", "lru", "device")}
 
 
 def step_layers(case) -> int:
     return NUM_LAYERS if tuple(case) in FULL_MODEL_CASES else SLICE_LAYERS
 
 
-# A pairwise covering set of (kv, fetch, kernels): every pair of values of two axes is built once, and the
-# score-aware hot policy (its slot scores and the Pallas resolver on its keys) in one of them. Each build takes
-# 20-50 s on a 2-core machine; HISPARSE_GPU_BUILD_ALL=1 builds all 8 combinations of the first three axes.
-STEP_CASES = [("bf16", "row", "reference", "lru"), ("fp8", "page", "reference", "lru"),
-              ("bf16", "page", "pallas", "score_ema"), ("fp8", "row", "pallas", "lru")]
+# A pairwise covering set of (kv, fetch, kernels, hot_policy, index_tier): every pair of values of the first three
+# axes is built once, the score-aware hot policy (its slot scores and the Pallas resolver on its keys) in one of
+# them, and the indexer keys in the host tier (index_tier="host", exact mode: pinned-host key pools read a page at a
+# time in a while loop, written a row at a time) in one. Each build takes 20-50 s on a 2-core machine;
+# HISPARSE_GPU_BUILD_ALL=1 builds all 8 combinations of the first three axes.
+STEP_CASES = [("bf16", "row", "reference", "lru", "device"), ("fp8", "page", "reference", "lru", "device"),
+              ("bf16", "page", "pallas", "score_ema", "device"), ("fp8", "row", "pallas", "lru", "device"),
+              ("bf16", "row", "reference", "lru", "host")]
 if os.environ.get("HISPARSE_GPU_BUILD_ALL"):
-    STEP_CASES = [(kv, fetch, kernels, "lru") for kernels in ("reference", "pallas") for kv in ("bf16", "fp8")
-                  for fetch in ("row", "page")] + [("bf16", "page", "pallas", "score_ema")]
+    STEP_CASES = [(kv, fetch, kernels, "lru", "device") for kernels in ("reference", "pallas")
+                  for kv in ("bf16", "fp8") for fetch in ("row", "page")] + [
+        ("bf16", "page", "pallas", "score_ema", "device"), ("bf16", "row", "reference", "lru", "host")]
 if MOSAIC:  # the Mosaic decode inside the step (GLM-5: 64 heads, one block each; bf16 queries, so bf16 output)
-    STEP_CASES.append(("fp8", "row", "pallas_mosaic", "lru"))
+    STEP_CASES.append(("fp8", "row", "pallas_mosaic", "lru", "device"))
 
 
 @pytest.fixture(scope="module", params=STEP_CASES, ids=lambda c: "-".join(c))
@@ -209,16 +215,16 @@ def built_step(request, build_log):
     from hisparse_jax.config import CacheConfig
     from hisparse_jax.engine import runner
 
-    kv, fetch, kernels, hot_policy = request.param
+    kv, fetch, kernels, hot_policy, index_tier = request.param
     cfg = glm5_layers(step_layers(request.param))
     cache = CacheConfig(kv_dtype=kv, device_pages=4096, host_pages=16384, max_seqs=32, max_seq_len=131072,
-                        fetch=fetch, hot_policy=hot_policy)
+                        fetch=fetch, hot_policy=hot_policy, index_tier=index_tier)
     graphdef, params, store, batch = abstract_step_args(cfg, cache)
     # The jitted function decode_step / make_decode_step call (donate_argnums=(1,): the store). Taken from the
     # cache directly because kv.tiered.check_kernels refuses kernels="pallas" on a CPU backend, rightly.
     step = runner._jitted_step(graphdef, kernels)
     case = (f"tiered decode_step glm-5[{cfg.num_hidden_layers} layers] kv={kv} fetch={fetch} kernels={kernels} "
-            f"hot_policy={hot_policy} (B={BATCH})")
+            f"hot_policy={hot_policy} index_tier={index_tier} (B={BATCH})")
     exe = timed_build(build_log, case, lambda: dl.compile_lowered(dl.lower_for_gpu(step, params, store, batch)))
     text = dl.hlo_text(exe)
     return request.param, store, text, exe.get_compiled_memory_stats()

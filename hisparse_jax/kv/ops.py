@@ -349,8 +349,9 @@ def index_scores_host(spec: StoreSpec, store: KVStore, index_layer: int, req, po
     live = valid.reshape(B, P, PAGE_SIZE).any(-1) & (table >= 0)
     qb, wb = scored_query(spec, q_index, w)
     pages = jnp.maximum(table, 0)
-    bound = block_score_bound(qb[:, None], wb[:, None], store.index_lo[index_layer][pages].astype(jnp.float32),
-                              store.index_hi[index_layer][pages].astype(jnp.float32))[:, 0]  # [B, P]
+    # one gather at (layer, page) each: no copy of the layer's summaries
+    bound = block_score_bound(qb[:, None], wb[:, None], store.index_lo[index_layer, pages].astype(jnp.float32),
+                              store.index_hi[index_layer, pages].astype(jnp.float32))[:, 0]  # [B, P]
     bound = jnp.where(live, jnp.where(jnp.isnan(bound), jnp.inf, bound), -jnp.inf)
     order = jnp.argsort(-bound, axis=-1, stable=True).astype(jnp.int32)  # best bound first
     ranked = jnp.take_along_axis(bound, order, axis=-1)
@@ -369,11 +370,13 @@ def index_scores_host(spec: StoreSpec, store: KVStore, index_layer: int, req, po
         take = want[:, None] & (lp < P) & (j < limit)[None] & jnp.take_along_axis(
             live, jnp.minimum(lp, P - 1), axis=-1)
         pp = jnp.where(take, jnp.take_along_axis(pages, jnp.minimum(lp, P - 1), axis=-1), 0)
-        hp = jax.device_put(pp, HOST)
-        hl = jax.device_put(jnp.asarray(index_layer, jnp.int32), HOST)
-        kb = _from_host(on_host(lambda h, li, p: h[li][p], store.index_k, hl, hp), kdt)  # [B, C, 64, dI']
-        sb = None if store.index_scale is None else _from_host(
-            on_host(lambda h, li, p: h[li][p], store.index_scale, hl, hp), sdt)
+        # one gather over (layer x page) rows of the pool: no slice of the whole layer on the host
+        hp = jax.device_put(index_layer * spec.index_pages + pp, HOST)
+
+        def gather(h, p):
+            return h.reshape(-1, *h.shape[2:])[p]
+        kb = _from_host(on_host(gather, store.index_k, hp), kdt)  # [B, C, 64, dI']
+        sb = None if store.index_scale is None else _from_host(on_host(gather, store.index_scale, hp), sdt)
         got = _score_keys(spec, q_index, w, kb.reshape(B, C * PAGE_SIZE, *kb.shape[3:]),
                           None if sb is None else sb.reshape(B, C * PAGE_SIZE, *sb.shape[3:]))
         at = jnp.where(take[:, :, None], lp[:, :, None] * PAGE_SIZE + jnp.arange(PAGE_SIZE, dtype=jnp.int32),
