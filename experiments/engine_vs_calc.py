@@ -1,6 +1,7 @@
 """Engine = calculator? The calculator's 81,920-token GLM-5.3 case scaled down to a model that runs here, the
 calculator asked for its prediction at the scaled numbers, and the engine run under offload and HiSparse (FP8 and
-int4 indexer keys) on one workload and one device byte budget.
+int4 indexer keys on the device, and FP8 keys in the host tier: `CacheConfig(index_tier="host")`, exact mode) on one
+workload and one device byte budget.
 
     PYTHONPATH=. python experiments/engine_vs_calc.py [--pages 64] [--requests 64] [--quick] [--out DIR]
 
@@ -44,7 +45,13 @@ from hisparse_jax import calc
 SEQ = 81_920  # the calculator's published default case
 NEW_TOKENS = (16, 48)  # per request, drawn uniformly (the prompt leaves room for the longest in the same pages)
 TAIL_PAGES = 2  # the calculator's "retained" pages: the store's tail pages (kv.manager.TAIL_PAGES)
-VARIANTS = (("offload", "fp8"), ("hisparse", "fp8"), ("hisparse", "int4"))
+# (policy, indexer key format, where the keys live: `CacheConfig.index_tier`)
+VARIANTS = (("offload", "fp8", "device"), ("hisparse", "fp8", "device"), ("hisparse", "int4", "device"),
+            ("hisparse", "fp8", "host"))
+
+
+def variant_name(pol: str, dt: str, tier: str) -> str:
+    return f"{pol}-{dt}" + ("-host" if tier == "host" else "")
 
 
 def glm_ratios() -> dict:
@@ -74,15 +81,18 @@ def model_config(layers: int, full_every: int, pages: int, glm: dict):
 
 
 def predict(cfg, *, pages: int, requests: int, device_bytes: int, hot_rows: int, host_pages: int,
-            index_dtype: str, layout: str = "split") -> calc.CalcResult:
+            index_dtype: str, layout: str = "split", index_tier: str = "device") -> calc.CalcResult:
     """The calculator at the scaled numbers: this model's block bytes (the store's 656-B FP8 row), the device
-    bytes as the KV HBM, one DP replica of one GPU (no weights: the device bytes are given)."""
+    bytes as the KV HBM, one DP replica of one GPU (no weights: the device bytes are given). The host pool is
+    `host_pages` KV pages (with host-tier keys, each beside its page of keys: the store keeps them in a pool of their
+    own, as large)."""
     preset = calc.preset_from_config(cfg, "engine-vs-calc", 0.0, 0.0, mla_fp8_layout="ds_mla")
-    host_block = calc.block_layout(cfg, "fp8", mla_fp8_layout="ds_mla").host
+    lay = calc.block_layout(cfg, "fp8", mla_fp8_layout="ds_mla", indexer_dtype=index_dtype)
+    host_block = lay.host + (lay.indexer_page if index_tier == "host" else 0)
     return calc.capacity(calc.CalcInput(
         preset=preset, tp=1, dp=1, ep=False, kv_dtype="fp8", seq=64 * pages, hot_rows=hot_rows,
         retained=TAIL_PAGES, other=0, host_gib=host_pages * host_block / 2 ** 30, max_seqs=requests,
-        kv_hbm_gib=device_bytes / 2 ** 30, index_dtype=index_dtype, layout=layout))
+        kv_hbm_gib=device_bytes / 2 ** 30, index_dtype=index_dtype, layout=layout, index_tier=index_tier))
 
 
 def sustained(history) -> dict:
@@ -130,10 +140,11 @@ def run(a) -> dict:
     kv_page = spec["fp8"].page_bytes * spec["fp8"].num_layers
     idx_page = {d: 64 * s.num_index_layers * s.index_row_bytes for d, s in spec.items()}
     device_bytes = int(glm["device_requests"] * n * (kv_page + idx_page["fp8"]))
-    # the host pool: the calculator's minimum non-limiting one for the largest HiSparse case (int4), unlimited first
-    probe = predict(cfg, pages=n, requests=a.requests, device_bytes=device_bytes, hot_rows=hot_rows,
-                    host_pages=10 ** 9, index_dtype="int4")
-    host_pages = max(probe.hisparse_gpu_limit, 1) * n if probe.hisparse_gpu_limit < a.requests else a.requests * n
+    # the host pool: the calculator's minimum non-limiting one for the largest HiSparse case, unlimited first
+    limit = max(predict(cfg, pages=n, requests=a.requests, device_bytes=device_bytes, hot_rows=hot_rows,
+                        host_pages=10 ** 9, index_dtype=d, index_tier=t).hisparse_gpu_limit
+                for p, d, t in VARIANTS if p == "hisparse")
+    host_pages = max(limit, 1) * n if limit < a.requests else a.requests * n
     base = base.replace(host_pages=host_pages)
     out = {"glm": glm, "model": {"layers": a.layers, "full_every": a.full_every, "index_topk": cfg.index_topk,
                                  "hot_rows": hot_rows, "kv_page_bytes": kv_page, "index_page_bytes": idx_page,
@@ -149,17 +160,19 @@ def run(a) -> dict:
           file=sys.stderr, flush=True)
     model = SparseMLAModel(cfg, rngs=nnx.Rngs(a.seed))
     outputs = {}
-    budgets = {(p, d): device_budget(cfg, base.replace(index_dtype=d), device_bytes, p, max_running=a.requests,
-                                     max_len=longest, prefill="whole") for p, d in VARIANTS}
-    for pol, dt in [v for v in VARIANTS if f"{v[0]}-{v[1]}" in a.variants]:
-        name = f"{pol}-{dt}"
+    budgets = {(p, d, t): device_budget(cfg, base.replace(index_dtype=d, index_tier=t), device_bytes, p,
+                                        max_running=a.requests, max_len=longest, prefill="whole")
+               for p, d, t in VARIANTS}
+    for pol, dt, tier in [v for v in VARIANTS if variant_name(*v) in a.variants]:
+        name = variant_name(pol, dt, tier)
         pred = predict(cfg, pages=n, requests=a.requests, device_bytes=device_bytes, hot_rows=hot_rows,
-                       host_pages=host_pages, index_dtype=dt)
+                       host_pages=host_pages, index_dtype=dt, index_tier=tier)
         unified = predict(cfg, pages=n, requests=a.requests, device_bytes=device_bytes, hot_rows=hot_rows,
-                          host_pages=host_pages, index_dtype=dt, layout="unified")
+                          host_pages=host_pages, index_dtype=dt, layout="unified", index_tier=tier)
         predicted = pred.baseline_running if pol == "offload" else pred.hisparse_running
-        same = [b for (p, d), b in budgets.items() if d == dt]  # one capacity per key format: shared programs
-        cc = budgets[pol, dt].replace(capacity=budgets[pol, dt].replace(
+        # one capacity per key format and tier: shared programs
+        same = [b for (p, d, t), b in budgets.items() if (d, t) == (dt, tier)]
+        cc = budgets[pol, dt, tier].replace(capacity=budgets[pol, dt, tier].replace(
             device_pages=max(b.device_pages for b in same), index_pages=max(b.num_index_pages for b in same)))
         eng = Engine(model, cc, EngineConfig(policy=pol, max_running=a.requests, prefill="whole"))
         for i, (p, k) in enumerate(zip(prompts, new)):
@@ -180,7 +193,7 @@ def run(a) -> dict:
         eng.close()
         got = sustained(m.history)
         out["runs"][name] = {
-            "policy": pol, "index_dtype": dt, "predicted": predicted, **got,
+            "policy": pol, "index_dtype": dt, "index_tier": tier, "predicted": predicted, **got,
             "difference": got["sustained_running"] - predicted,
             "within_one": abs(got["sustained_running"] - predicted) <= 1.0,
             "calculator": {k: v for k, v in pred.to_dict().items() if k not in ("inputs",)},
@@ -189,15 +202,18 @@ def run(a) -> dict:
             "device_pages": cc.device_pages, "index_pages": cc.num_index_pages,
             "first_wait_reasons": first_wait(m.history), "wait_reasons": m.wait_reasons,
             "preemptions": m.preemptions, "swaps": m.swaps, "hit_rate": m.hit_rate, "steps": m.steps,
+            "h2d_bytes": m.h2d_bytes, "index_h2d_bytes": m.index_h2d_bytes,
+            "calculator_h2d_bytes_per_request_step": pred.h2d_bytes_per_request_step,
             "wall_s": time.perf_counter() - t0, "compile_s": m.compile_time_s,
             "running_over_time": [h.running for h in m.history], "waiting_over_time": [h.waiting for h in m.history],
         }
         print(f"  {name}: sustained {got['sustained_running']:.2f} over {got['sustained_steps']} steps, calculator "
               f"{predicted}; {out['runs'][name]['wall_s']:.0f}s", file=sys.stderr, flush=True)
     runs = out["runs"]
-    if "offload-fp8" in runs and "hisparse-fp8" in runs:
-        out["outputs_identical_fp8"] = outputs["offload-fp8"] == outputs["hisparse-fp8"]
-    for name in ("hisparse-fp8", "hisparse-int4"):
+    fp8 = [outputs[k] for k in ("offload-fp8", "hisparse-fp8", "hisparse-fp8-host") if k in outputs]
+    if len(fp8) > 1:  # exact mode: host keys select what device keys select
+        out["outputs_identical_fp8"] = all(o == fp8[0] for o in fp8)
+    for name in ("hisparse-fp8", "hisparse-int4", "hisparse-fp8-host"):
         if name in runs and "offload-fp8" in runs and runs["offload-fp8"]["predicted"]:
             runs[name]["predicted_over_offload"] = runs[name]["predicted"] / runs["offload-fp8"]["predicted"]
             runs[name]["measured_over_offload"] = (runs[name]["sustained_running"]
@@ -213,7 +229,8 @@ def plot(out: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4))
-    colors = {"offload-fp8": "tab:blue", "hisparse-fp8": "tab:green", "hisparse-int4": "tab:purple"}
+    colors = {"offload-fp8": "tab:blue", "hisparse-fp8": "tab:green", "hisparse-int4": "tab:purple",
+              "hisparse-fp8-host": "tab:red"}
     for name, r in out["runs"].items():
         c = colors.get(name)
         ax.plot(r["running_over_time"], color=c, lw=1.3,
@@ -240,7 +257,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=None, help="requests (64; quick 12)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--full-every", type=int, default=4, help="an indexer every N layers (the rest share it)")
-    p.add_argument("--variants", default=",".join(f"{p}-{d}" for p, d in VARIANTS))
+    p.add_argument("--variants", default=",".join(variant_name(*v) for v in VARIANTS))
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     a.pages = a.pages or (16 if a.quick else 64)
@@ -248,7 +265,7 @@ def main(argv=None) -> int:
     if a.pages < 4 or a.requests < 1 or a.layers < 1 or a.full_every < 1:
         p.error("--pages >= 4, --requests, --layers and --full-every >= 1")
     a.variants = {v.strip() for v in a.variants.split(",") if v.strip()}
-    unknown = a.variants - {f"{p}-{d}" for p, d in VARIANTS}
+    unknown = a.variants - {variant_name(*v) for v in VARIANTS}
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}")
     os.makedirs(a.out, exist_ok=True)

@@ -60,8 +60,9 @@ Indexer keys in the host tier (`index_tier="host"`, CLI `--index-tier host`; no 
 keys of every full layer move to the host pool beside the KV rows (a host block grows by the indexer page); the GPU
 keeps a summary per token and full layer (default a bf16 min and max per dimension per 64-token page,
 `index_summary_bytes`: 8 B at d = 128, 168 B per token for GLM-5.3's 21 full layers against 2,772 for the fp8
-keys) and a request's hot and tail KV pages; HiSparse's GPU blocks are then host blocks, the summaries of a request
-counted in them rounded up. Each step reads `index_read_fraction` of every full layer's keys of each request from
+keys, as the store keeps them: `CacheConfig(index_tier="host")`) and a request's hot and tail KV pages; with the
+"unified" layout HiSparse's GPU blocks are then host blocks, the summaries of a request counted in them rounded up;
+with "split" (this project's store: the summaries in the indexer pool) the blocks are one page's summaries. Each step reads `index_read_fraction` of every full layer's keys of each request from
 the host (default 1: on the trained model an exact top-k from min / max page bounds read every page, and ranking
 pages by their mean key still needs ~60 % of them for recall 0.9; `experiments/index_tier.py`), added to the H2D
 bytes. At 1M tokens that gives 51 running requests per replica (10x the device tier's 5, GPU-limited) with 2,376
@@ -444,9 +445,6 @@ def _check(inp: CalcInput, model: ModelPreset) -> None:
         raise CalcError(f"layout='split' needs a preset with a KV shape; {model.name!r} has none")
     if inp.index_tier not in INDEX_TIERS:
         raise CalcError(f"index_tier must be one of {', '.join(INDEX_TIERS)}, got {inp.index_tier!r}")
-    if inp.index_tier == "host" and inp.layout != "unified":
-        raise CalcError("index_tier='host' has its own GPU layout (host-block sized pages holding the hot and tail KV "
-                        f"and the key summaries); leave layout at 'unified', got {inp.layout!r}")
     if inp.index_tier == "host" and model.kv_shape is None:
         raise CalcError(f"index_tier='host' needs a preset with a KV shape; {model.name!r} has none")
     if not 0 <= inp.index_read_fraction <= 1:
@@ -480,12 +478,17 @@ def capacity(inp: CalcInput) -> CalcResult:
     baseline = min(inp.max_seqs, base_pool // n)
     summary = idx_h2d = 0.0
     host_block = bb.host
-    if inp.index_tier == "host":  # blocks = host blocks (a KV page of all layers); the keys move to the host tier
+    if inp.index_tier == "host":  # the keys move to the host tier; the GPU holds their summaries
         summary = lay.full_layers * (index_summary_bytes(lay) if inp.index_summary_bytes is None
                                      else inp.index_summary_bytes)  # per token, all full layers
         kv_pages = -(-inp.hot_rows // PAGE_SIZE) + inp.retained + inp.other
-        bb = BlockBytes(bb.baseline, bb.host, bb.host)
-        per_req = kv_pages + math.ceil(n * PAGE_SIZE * summary / bb.host)
+        if inp.layout == "split":  # blocks = summary pages (one 64-token page's summaries) beside the KV pages
+            page = max(1, round(PAGE_SIZE * summary))
+            bb = BlockBytes(bb.baseline, page, bb.host)
+            per_req = n + -(-kv_pages * bb.host // page)
+        else:  # blocks = host blocks (a KV page of all layers), a request's summaries rounded up to whole blocks
+            bb = BlockBytes(bb.baseline, bb.host, bb.host)
+            per_req = kv_pages + math.ceil(n * PAGE_SIZE * summary / bb.host)
         host_block = bb.host + lay.indexer_page  # a page of KV rows and of keys
         idx_h2d = inp.index_read_fraction * n * lay.indexer_page
     elif inp.layout == "split":  # blocks = indexer pages; a KV page of all layers is bb.host bytes of them

@@ -54,6 +54,10 @@ def test_engine_vs_calc_scaled_case():
     assert all(r.limiting == "gpu" and r.block_bytes.host == kv for r in got.values())
     # the calculator's split layout is the engine's own split of the device bytes (engine.device_budget)
     assert got["fp8"].hisparse_running == device // (64 * idx + (3 + 2) * kv)
+    # host-tier keys: a page's bf16 min / max summary (4 x 128 B) on the device instead of its 132-B keys
+    host = evc.predict(cfg, pages=64, requests=64, device_bytes=device, hot_rows=192, host_pages=10 ** 6,
+                       index_dtype="fp8", index_tier="host")
+    assert host.hisparse_running == min(64, device // (64 * 4 * 128 + (3 + 2) * kv)) > got["int4"].hisparse_running
 
 
 def test_sustained_running_counts_steps_with_a_queue():

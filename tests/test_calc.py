@@ -261,10 +261,16 @@ def test_host_tier_index_keys_at_1m():
     assert part.hisparse_running == 51 and part.h2d_ms_per_step < 120
     small = calc.capacity(calc.CalcInput(seq=2 ** 20, index_tier="host", index_summary_bytes=2.0))
     assert small.hisparse_running > host.hisparse_running  # a smaller summary fits more
+    # the store's layout: summaries in a pool of their own (no rounding to host blocks), the bytes counted exactly
+    split = calc.capacity(calc.CalcInput(seq=2 ** 20, index_tier="host", layout="split"))
+    page = 64 * F * 8
+    per_req = n + -(-66 * 2_875_392 // page)  # every summary page + the hot and tail KV pages in summary pages
+    assert split.block_bytes.hisparse_gpu == page and split.hisparse_gpu_blocks_per_request == per_req
+    assert split.hisparse_running == math.floor(split.kv_hbm_gib * 2 ** 30 / page) // per_req
+    assert split.hisparse_running >= host.hisparse_running
     for bad, match in ((dict(index_tier="disk"), "index_tier must be one of"),
                        (dict(index_read_fraction=1.5), "index_read_fraction must be in"),
-                       (dict(index_summary_bytes=-1.0), "index_summary_bytes must be"),
-                       (dict(index_tier="host", layout="split"), "has its own GPU layout")):
+                       (dict(index_summary_bytes=-1.0), "index_summary_bytes must be")):
         with pytest.raises(calc.CalcError, match=match):
             calc.capacity(calc.CalcInput(**bad))
     with pytest.raises(calc.CalcError, match="index_tier='host' needs a preset with a KV shape"):
