@@ -318,12 +318,12 @@ PREFILL_T = 8192  # the prompt bucket (rows per layer) written by write_prefill
 NPAGES = 64  # pages per evict_pages / load_pages call (the bookkeeping pads the list to a power of two)
 
 
-def _store(kv, *, mirror=True, fetch="row"):
+def _store(kv, *, mirror=True, fetch="row", index_tier="device"):
     from hisparse_jax.config import CacheConfig
     from hisparse_jax.kv.state import StoreSpec
 
     cache = CacheConfig(kv_dtype=kv, device_pages=4096, host_pages=16384, max_seqs=32, max_seq_len=131072,
-                        fetch=fetch, mirror_to_host=mirror)
+                        fetch=fetch, mirror_to_host=mirror, index_tier=index_tier)
     return abstract_store(StoreSpec.create(glm5_layers(SLICE_LAYERS), cache))
 
 
@@ -370,6 +370,9 @@ STORE_CASES = {
     "set_rows kv=fp8": ("set_rows", "fp8", {}),
     "clear_page_stamps kv=fp8": ("clear_page_stamps", "fp8", {}),
     f"append_all (+ mirror_rows) kv=fp8 (B={BATCH})": ("append_all", "fp8", {}),
+    # host-tier keys: each new key row written in place into its pinned-host page, prompt pages as whole blocks
+    f"write_prefill kv=fp8 index_tier=host (T={PREFILL_T})": ("write_prefill", "fp8", dict(index_tier="host")),
+    f"append_all (+ mirror_rows) kv=fp8 index_tier=host (B={BATCH})": ("append_all", "fp8", dict(index_tier="host")),
 }
 # gather_all (TieredCache.gather: trace replays and tests, not the engine) takes ~20 s to build on 2 cores.
 GATHER_CASE = f"gather_all kv=bf16 fetch=page (B={BATCH} K=2048)"
