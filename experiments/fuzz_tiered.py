@@ -136,6 +136,9 @@ class GenerateCase:
     shared_capacity: bool = True  # budgets inside the fuzzer's CAPACITY, or shapes = budgets
     index_dtype: str = "auto"  # "int4": MXFP4 indexer keys (the oracle is then the same formats all resident)
     hot_policy: str = "lru"  # the hot buffer's victim order (`CacheConfig.hot_policy`): never changes the tokens
+    index_tier: str = "device"  # "host": indexer keys in pinned host memory, exact mode (`CacheConfig.index_tier`):
+    # the device keys' top-k bit for bit, so the oracle (device keys) is unchanged. It needs kernels="reference",
+    # the only kernels the fuzzer runs (`generate`'s and `EngineConfig`'s default: no case draws Pallas kernels)
 
     def cache_config(self):
         from hisparse_jax.config import CacheConfig
@@ -144,7 +147,7 @@ class GenerateCase:
                                            host_pages=self.host_pages, index_pages=self.index_pages,
                                            hot_rows=self.hot_rows, max_seqs=self.max_seqs,
                                            max_seq_len=self.max_seq_len, index_dtype=self.index_dtype,
-                                           hot_policy=self.hot_policy),
+                                           hot_policy=self.hot_policy, index_tier=self.index_tier),
                                self.shared_capacity)
 
     def kv_lengths(self) -> list[int]:
@@ -257,15 +260,15 @@ def same_tokens(what: str, out: list[int], ref: list[int], ref_logits=None) -> b
 
 def _reference_tokens(model, case: GenerateCase):
     """(tokens, logits or None): float32, the contiguous path's; bf16 / fp8 or int4 indexer keys, the same formats
-    all resident."""
+    all resident, the indexer keys on the device (a host-tier case's exact mode must give their tokens)."""
     from hisparse_jax.generate import generate
 
     if case.kv_dtype == "float32" and case.index_dtype == "auto":
         toks, logits = generate(model, case.prompts, case.max_new_tokens, return_logits=True)
         return toks, [np.asarray(x) for x in logits]
     need = sum(pages(t) for t in case.kv_lengths())
-    roomy = case.cache_config().replace(device_pages=need + 2, host_pages=need, index_pages=None,
-                                        max_seqs=max(case.max_seqs, len(case.prompts)))
+    roomy = dataclasses.replace(case, index_tier="device").cache_config().replace(
+        device_pages=need + 2, host_pages=need, index_pages=None, max_seqs=max(case.max_seqs, len(case.prompts)))
     return generate(model, case.prompts, case.max_new_tokens, cache=roomy), None
 
 
@@ -293,7 +296,8 @@ def run_generate_case(case: GenerateCase, model=None) -> dict:
         row_bytes = managers[0].spec.row_bytes
         assert stats.h2d_bytes == stats.misses * row_bytes, (stats.h2d_bytes, stats.misses, row_bytes)
     return {"outcome": "identical" if exact else "near_tie", "hits": stats.hits, "misses": stats.misses,
-            "evicted_pages": stats.evicted_pages, "int4_index": int(case.index_dtype == "int4")}
+            "evicted_pages": stats.evicted_pages, "int4_index": int(case.index_dtype == "int4"),
+            "host_index": int(case.index_tier == "host"), "index_h2d_bytes": int(stats.index_h2d_bytes)}
 
 
 # ----- engine -------------------------------------------------------------------------------------
@@ -318,6 +322,7 @@ class EngineCase:
     shared_capacity: bool = True  # budgets inside the fuzzer's CAPACITY, or shapes = budgets
     index_dtype: str = "auto"  # "int4": MXFP4 indexer keys (the oracle is then the same case all resident)
     hot_policy: str = "lru"  # the hot buffer's victim order (`CacheConfig.hot_policy`): never changes the tokens
+    index_tier: str = "device"  # "host": indexer keys in pinned host memory, exact mode (see `GenerateCase`)
 
     @property
     def lookahead(self) -> int:
@@ -332,7 +337,8 @@ class EngineCase:
         return within_capacity(CacheConfig(kv_dtype=self.kv_dtype, fetch=self.fetch, device_pages=self.device_pages,
                                            host_pages=self.host_pages, hot_rows=self.hot_rows,
                                            max_seq_len=pages(longest) * PAGE, index_dtype=self.index_dtype,
-                                           speculative_tokens=self.speculative_tokens, hot_policy=self.hot_policy),
+                                           speculative_tokens=self.speculative_tokens, hot_policy=self.hot_policy,
+                                           index_tier=self.index_tier),
                                self.shared_capacity)
 
     def engine_config(self):
@@ -469,7 +475,8 @@ def run_engine_case(case: EngineCase, model=None, max_steps: int = 2000) -> dict
             "preemptions": met.preemptions,
             "swaps": met.swaps, "hits": met.hits, "misses": met.misses, "evicted_pages": met.evicted_pages,
             "cached_tokens": met.cached_tokens, "speculative_tokens": case.speculative_tokens,
-            "drafts_accepted": sum(m.accepted for m in met.history), "int4_index": int(case.index_dtype == "int4")}
+            "drafts_accepted": sum(m.accepted for m in met.history), "int4_index": int(case.index_dtype == "int4"),
+            "host_index": int(case.index_tier == "host"), "index_h2d_bytes": int(met.index_h2d_bytes)}
 
 
 def _check_end(model, case: EngineCase, eng, managers, accepted: list[int], label) -> tuple[list[int], bool]:
@@ -492,7 +499,8 @@ def _engine_reference(model, case: EngineCase, idx: list[int], accepted: list[in
     """Request i -> (tokens, logits or None). float32: the contiguous path's greedy tokens and their logits.
     bf16 / fp8 (whose cases prefill through the store, where rows are read back in the store's format), or int4
     indexer keys (scored in the store's format, a whole prefill in the model's): the same
-    case — arrivals, aborts, concurrency, prompt chunks — run with every page resident (the `accepted` requests).
+    case — arrivals, aborts, concurrency, prompt chunks — run with every page resident (the `accepted` requests)
+    and the indexer keys on the device (a host-tier case's exact mode must give their tokens).
     The schedule matters there: XLA:CPU's matmul rounds a row differently with the batch's row count (M = 8 vs 64
     differ), a float32 difference the store's bf16 rounding can turn into a different token; holding the schedule
     fixed keeps the batch shapes equal where the budget did not change them."""
@@ -504,7 +512,7 @@ def _engine_reference(model, case: EngineCase, idx: list[int], accepted: list[in
         toks, logits = generate(model, prompts, max(case.max_new[i] for i in idx), return_logits=True)
         return {i: (t[:case.max_new[i]], np.asarray(lg)) for i, t, lg in zip(idx, toks, logits)}
     need = sum(pages(len(case.prompts[i]) + case.max_new[i]) for i in accepted)
-    roomy = dataclasses.replace(case, policy="hisparse", device_pages=need + 2, host_pages=need)
+    roomy = dataclasses.replace(case, policy="hisparse", device_pages=need + 2, host_pages=need, index_tier="device")
     cc = roomy.cache_config().replace(index_pages=need + 2)
     eng = Engine(model, cc, roomy.engine_config())
     _drive(eng, roomy, lambda i: i in accepted)
@@ -688,11 +696,13 @@ INDEX_DTYPE_KINDS = ("generate", "engine")  # the kinds whose cases may store in
 
 
 def run_cases(kind: str, first: int, count: int, seed: int, model, log=print, index_dtype: str = "drawn",
-              hot_policy: str = "lru") -> dict:
+              hot_policy: str = "lru", index_tier: str = "device") -> dict:
     """Cases first .. first + count - 1 of a kind, in this process: their outcomes, the sums of their counters
     (how much pressure they exercised), how many had each counter > 0, and every failure with its case.
     index_dtype: "drawn" (as the case draws it) or a format every case gets ("int4"; generate and engine only).
-    hot_policy: every case's hot buffer policy (generate and engine only; the oracle's tokens do not depend on it)."""
+    hot_policy: every case's hot buffer policy (generate and engine only; the oracle's tokens do not depend on it).
+    index_tier: where every case keeps its indexer keys (generate and engine only; "host": exact mode, held to the
+    oracle's device-key tokens)."""
     from hisparse_jax.cpu_compile import drop_programs_near_map_limit, memory_maps
 
     draw = {"generate": draw_generate_case, "engine": draw_engine_case, "mesh": draw_mesh_case,
@@ -707,6 +717,8 @@ def run_cases(kind: str, first: int, count: int, seed: int, model, log=print, in
                     else dataclasses.replace(case, index_dtype=index_dtype))
         if hot_policy != "lru":
             case = dataclasses.replace(case, hot_policy=hot_policy)
+        if index_tier != "device":
+            case = dataclasses.replace(case, index_tier=index_tier)
         try:
             res = run(case, model)
             out["outcomes"][res["outcome"]] = out["outcomes"].get(res["outcome"], 0) + 1
@@ -747,7 +759,8 @@ def merge(into: dict, part: dict) -> dict:
     return into
 
 
-def run_group(kind: str, first: int, count: int, seed: int, index_dtype: str = "drawn", hot_policy: str = "lru") -> dict:
+def run_group(kind: str, first: int, count: int, seed: int, index_dtype: str = "drawn", hot_policy: str = "lru",
+              index_tier: str = "device") -> dict:
     """Cases first .. first + count - 1 of a kind in a process of their own: a crash of the process (a segfault
     inside XLA, the kernel's OOM killer) is recorded with the cases it ran, how to rerun them and the end of its
     output, and does not end the run."""
@@ -758,7 +771,7 @@ def run_group(kind: str, first: int, count: int, seed: int, index_dtype: str = "
         part_path = os.path.join(tmp, "part.json")
         argv = [sys.executable, os.path.abspath(__file__), "--only", kind, "--first", str(first), "--examples",
                 str(count), "--seed", str(seed), "--group-size", "0", "--index-dtype", index_dtype, "--hot-policy",
-                hot_policy, "--out", part_path]
+                hot_policy, "--index-tier", index_tier, "--out", part_path]
         t0 = time.time()
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -782,7 +795,7 @@ def run_group(kind: str, first: int, count: int, seed: int, index_dtype: str = "
 
 
 def main(argv=None) -> int:
-    from hisparse_jax.config import HOT_POLICIES
+    from hisparse_jax.config import HOT_POLICIES, INDEX_TIERS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--long", action="store_true",
@@ -801,6 +814,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hot-policy", choices=HOT_POLICIES, default="lru",
                     help="every case's hot buffer policy (`CacheConfig.hot_policy`; kinds "
                          f"{', '.join(INDEX_DTYPE_KINDS)} only): the tokens must not depend on it")
+    ap.add_argument("--index-tier", choices=INDEX_TIERS, default="device",
+                    help="where every case keeps its indexer keys (`CacheConfig.index_tier`; kinds "
+                         f"{', '.join(INDEX_DTYPE_KINDS)} only): host is exact mode, held to the device keys' tokens")
     ap.add_argument("--out", default="experiments/results/fuzz_tiered.json")
     ap.add_argument("--xla-defaults", action="store_true",
                     help="compile with XLA's default optimisation (by default the fuzzer compiles as the tests do, "
@@ -820,6 +836,11 @@ def main(argv=None) -> int:
     if a.index_dtype != "drawn" and set(kinds) - set(INDEX_DTYPE_KINDS):
         ap.error(f"--index-dtype {a.index_dtype} applies to --only {' or '.join(INDEX_DTYPE_KINDS)} (the mesh and "
                  "P/D cases keep the contiguous path as their oracle)")
+    if a.index_tier != "device" and set(kinds) - set(INDEX_DTYPE_KINDS):
+        ap.error(f"--index-tier {a.index_tier} applies to --only {' or '.join(INDEX_DTYPE_KINDS)}")
+    if a.index_tier == "host" and a.hot_policy != "lru":
+        ap.error(f"--index-tier host needs --hot-policy lru (got {a.hot_policy}): score_ema averages every "
+                 "position's score each step, which host-tier keys do not compute")
     forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
     if {"mesh", "pd"} & set(kinds) and not forced:
         # read when jax starts its backends (not yet): 4 host devices for the mesh cases where there is no GPU
@@ -830,7 +851,7 @@ def main(argv=None) -> int:
         request_fast_compile()  # before any group starts: they inherit the flags and skip the probe
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "seed": a.seed,
            "profile": "long" if a.long else "default", "first": a.first, "group_size": a.group_size,
-           "index_dtype": a.index_dtype, "hot_policy": a.hot_policy,
+           "index_dtype": a.index_dtype, "hot_policy": a.hot_policy, "index_tier": a.index_tier,
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "kinds": {}}
     model = fuzz_model() if a.group_size == 0 else None
 
@@ -843,12 +864,12 @@ def main(argv=None) -> int:
         if a.group_size == 0:
             out["kinds"][kind] = run_cases(kind, a.first, counts[kind], a.seed, model,
                                            log=lambda m: print(m, flush=True), index_dtype=a.index_dtype,
-                                           hot_policy=a.hot_policy)
+                                           hot_policy=a.hot_policy, index_tier=a.index_tier)
             continue
         total: dict = {}
         for start in range(a.first, a.first + counts[kind], a.group_size):
             n = min(a.group_size, a.first + counts[kind] - start)
-            merge(total, run_group(kind, start, n, a.seed, a.index_dtype, a.hot_policy))
+            merge(total, run_group(kind, start, n, a.seed, a.index_dtype, a.hot_policy, a.index_tier))
             out["kinds"][kind] = total
             write(complete=False)
             print(f"{kind}: {total['cases']} cases run, {total['outcomes']}, {len(total['failures'])} failures, "

@@ -138,6 +138,30 @@ def test_engine_int4_index_keys_under_pressure():
     assert res["finished"] == 2 and res["evicted_pages"] > 0 and res["misses"] > 0 and res["int4_index"] == 1
 
 
+def test_a_host_tier_case_gives_the_device_keys_tokens():
+    """`--index-tier host` (`run_cases(..., index_tier="host")`): generate case 2 of seed 2026 (bf16, two prompts, a
+    device one page short of all resident, 27 new tokens) with its indexer keys in pinned host memory, exact mode.
+    Its oracle is the same formats all resident with the keys on the device: the same tokens, the row fetches still
+    accounted, and keys read from the host."""
+    out = fz.run_cases("generate", 2, 1, 2026, fz.fuzz_model(), log=lambda m: None, index_tier="host")
+    assert not out["failures"] and out["outcomes"] == {"identical": 1}, out["failures"]
+    assert out["totals"]["host_index"] == 1 and out["totals"]["index_h2d_bytes"] > 0 and out["totals"]["misses"] > 0
+
+
+def test_index_tier_option_applies_to_the_kinds_and_policy_that_take_it(capsys):
+    """--index-tier: generate and engine cases only (mesh and P/D keep the contiguous path as their oracle), and
+    host-tier keys with the lru hot buffer only (as `CacheConfig` has it)."""
+    for argv, why in ((["--only", "pd", "--index-tier", "host"], "--index-tier host applies to --only generate or "
+                       "engine"),
+                      (["--index-tier", "host"], "--index-tier host applies to --only generate or engine"),
+                      (["--only", "generate", "--index-tier", "host", "--hot-policy", "score_ema"],
+                       "--index-tier host needs --hot-policy lru (got score_ema)"),
+                      (["--only", "engine", "--index-tier", "disk"], "invalid choice: 'disk'")):
+        with pytest.raises(SystemExit) as e:
+            fz.main(argv + ["--out", "/nonexistent/x.json"])
+        assert e.value.code == 2 and why in capsys.readouterr().err, argv
+
+
 def test_a_crashed_group_is_recorded_and_the_run_goes_on(monkeypatch, capsys):
     """A group whose process dies (here XLA aborts at start-up on an unknown flag, as it would on a segfault) is
     recorded with its cases and the command that reruns them, instead of ending the run."""
