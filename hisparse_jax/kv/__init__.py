@@ -12,7 +12,7 @@ Glossary (one word, one thing; where the code still uses a word for two things, 
 
 - page: 64 consecutive token positions of one request (`PAGE_SIZE`); a *logical page* i covers positions
   64i..64i+63 of a request, and lives in up to three *tiers* (`pool.Tier`): a device KV page (latent + rope of
-  every layer), a pinned-host KV page, and a device indexer-key page (indexer keys never leave the device).
+  every layer), a pinned-host KV page, and an indexer-key page (device or, with index_tier="host", pinned host).
 - pool: the pages of one tier (`KVStore` arrays) and their bookkeeping (`pool.PagePool`: refcounts, free lists,
   prefix registrations).
 - request slot (`slot` on the host, `req` in jitted code): a request's row in the store's tables, 0..max_seqs-1.

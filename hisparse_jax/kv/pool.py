@@ -3,7 +3,7 @@
 The device-side store holds three page pools, every page `PAGE_SIZE` (64) tokens long:
 
 * `Tier.DEVICE`: the device KV pool (latent + rope rows of every layer),
-* `Tier.INDEX`:  the device indexer-key pool (indexer keys never leave the device),
+* `Tier.INDEX`:  the indexer-key pool (on the device, or pinned host with index_tier="host"; never released),
 * `Tier.HOST`:   the pinned-host KV pool.
 
 A page id names the same page in every layer. Allocation is decided here, on the host, between jitted
@@ -522,7 +522,7 @@ class RequestPages:
 
     device: the device KV page holding it, or INVALID when it lives only on the host.
     host:   the pinned-host KV page holding it, or INVALID.
-    index:  the device indexer-key page (indexer keys never leave the device).
+    index:  the indexer-key page (device, or pinned host with index_tier="host"; never released).
     hot:    device KV pages lent to the request's hot buffer (where host pages selected by top-k are
             loaded); not tied to a logical page.
     """
