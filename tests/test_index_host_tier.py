@@ -9,6 +9,7 @@ exact mode. What cannot run is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -69,7 +70,7 @@ def _poisoned(spec):
     """An empty store whose indexer pools (host keys, or device keys) and summaries are NaN everywhere: a page
     the tables do not name must never reach a score."""
     store = init_store(spec)
-    kdt, sdt = ops.index_value_dtypes(spec)
+    kdt, sdt = spec.index_dtypes
     nan_bits = {jnp.dtype(jnp.float32): None, jnp.dtype(jnp.float8_e4m3fn): 0x7F}
     upd = {}
     for name, dt in (("index_k", kdt), ("index_scale", sdt)):
@@ -82,7 +83,7 @@ def _poisoned(spec):
     if store.index_lo is not None:
         upd["index_lo"] = jnp.full(store.index_lo.shape, jnp.nan, store.index_lo.dtype)
         upd["index_hi"] = jnp.full(store.index_hi.shape, jnp.nan, store.index_hi.dtype)
-    return ops._replace(store, **upd)
+    return dataclasses.replace(store, **upd)
 
 
 def _fill(cache, prompt_lens, appends, keys, seed):

@@ -36,7 +36,7 @@ import numpy as np
 
 from hisparse_jax.compat import DEVICE, HOST, on_host
 from hisparse_jax.units import PAGE_SIZE
-from hisparse_jax.kv.state import FP8_BLOCK, KVStore, StoreSpec, from_host_bits, to_host_bits
+from hisparse_jax.kv.state import FP8_BLOCK, SUMMARY_DTYPE, KVStore, StoreSpec, from_host_bits, to_host_bits
 from pallas_kernels.common import fp8_quantize, hadamard, mxfp4_dequantize, mxfp4_quantize
 from pallas_kernels.indexer_topk.reference import (block_score_bound, index_scores, index_scores_fp8,
                                                    index_scores_int4,
@@ -178,12 +178,13 @@ def finish_step(spec: StoreSpec, store: KVStore, stats: dict, written: tuple, le
     return _replace(store, seq_lens=seq_lens, clock=store.clock + 1), stats
 
 
-def _write_host_rows(host, vals, pages, rows, order, n):
-    """host[:, pages[b], rows[b]] = vals[:, b] for b in order[:n], one row (all layers) at a time."""
+def _write_host_rows(host, vals, pages, rows, order, n, first_layer=0):
+    """host[first_layer:first_layer + L, pages[b], rows[b]] = vals[:, b] (vals [L, B, ...]) for b in order[:n], one
+    row (all its layers) at a time, in place."""
     def body(j, host):
         b = order[j]
         upd = _to_host(jax.lax.dynamic_index_in_dim(vals, b, axis=1)[:, :, None])  # [L, 1, 1, X]
-        return jax.lax.dynamic_update_slice(host, upd, (0, pages[b], rows[b]) + (0,) * (host.ndim - 3))
+        return jax.lax.dynamic_update_slice(host, upd, (first_layer, pages[b], rows[b]) + (0,) * (host.ndim - 3))
 
     return jax.lax.fori_loop(0, n, body, host)
 
@@ -236,9 +237,6 @@ def index_scores_paged(spec: StoreSpec, store: KVStore, index_layer: int, req, p
 
 
 # ----- index_tier="host": the keys in pinned-host memory, page summaries on the device --------------------------
-SUMMARY_DTYPE = jnp.bfloat16  # index_lo / index_hi: 4 x dI bytes per page and index layer (8 B per token at dI 128)
-
-
 def scored_keys(spec: StoreSpec, kv, ks):
     """Stored keys (`encode_index`'s) -> f32[..., dI], the keys as the indexer scores them: fp8 e4m3 x its scale
     (a power of two: exact), int4 MXFP4 dequantized, bf16 / f32 as they are. `index_lo` / `index_hi` summarize
@@ -270,9 +268,9 @@ def _append_host_keys(spec: StoreSpec, store: KVStore, index_layer, ipage, row, 
     order = jnp.argsort(~ok, stable=True)
     n = jnp.sum(ok).astype(jnp.int32)
     ip = jnp.maximum(ipage, 0)
-    upd = {"index_k": _write_key_rows(store.index_k, kv, index_layer, ip, row, order, n)}
+    upd = {"index_k": _write_host_rows(store.index_k, kv[None], ip, row, order, n, index_layer)}
     if ks is not None:
-        upd["index_scale"] = _write_key_rows(store.index_scale, ks, index_layer, ip, row, order, n)
+        upd["index_scale"] = _write_host_rows(store.index_scale, ks[None], ip, row, order, n, index_layer)
     lo_k, hi_k = summary_bounds(scored_keys(spec, kv, ks))
     page = _drop(ipage, ok, spec.index_pages)
     fresh = _drop(ipage, ok & (row == 0), spec.index_pages)
@@ -290,16 +288,6 @@ def summary_bounds(k):
     lo = jnp.where(lo.astype(jnp.float32) > k, jnp.nextafter(lo, jnp.asarray(-jnp.inf, SUMMARY_DTYPE)), lo)
     hi = jnp.where(hi.astype(jnp.float32) < k, jnp.nextafter(hi, jnp.asarray(jnp.inf, SUMMARY_DTYPE)), hi)
     return lo, hi
-
-
-def _write_key_rows(pool, vals, index_layer, pages, rows, order, n):
-    """pool[index_layer, pages[b], rows[b]] = vals[b] for b in order[:n] (a pinned-host key pool, in place)."""
-    def body(j, pool):
-        b = order[j]
-        upd = _to_host(jax.lax.dynamic_index_in_dim(vals, b, axis=0, keepdims=False)[None, None, None])
-        return jax.lax.dynamic_update_slice(pool, upd, (index_layer, pages[b], rows[b]) + (0,) * (pool.ndim - 3))
-
-    return jax.lax.fori_loop(0, n, body, pool)
 
 
 def _prefill_summaries(spec: StoreSpec, store: KVStore, req, keys, pos, ok, start) -> dict:
@@ -361,7 +349,7 @@ def index_scores_host(spec: StoreSpec, store: KVStore, index_layer: int, req, po
     pad = rounds * C - P
     order = jnp.pad(order, ((0, 0), (0, max(pad, 0))), constant_values=P)  # past the pages: nothing
     ranked = jnp.pad(ranked, ((0, 0), (0, max(pad, 0))), constant_values=-jnp.inf)
-    kdt, sdt = index_value_dtypes(spec)
+    kdt, sdt = spec.index_dtypes
 
     def read(i, scores, seen, want):
         """Round i: score the rows' next C pages in bound order (a row that does not `want` reads none)."""
@@ -413,12 +401,6 @@ def index_scores_host(spec: StoreSpec, store: KVStore, index_layer: int, req, po
     c = (jnp.int32(0), scores0, seen0, wanting(0, scores0, seen0), jnp.int32(0))
     _, scores, seen, _, n = jax.lax.while_loop(cond, loop, c)
     return scores, valid & seen, n
-
-
-def index_value_dtypes(spec: StoreSpec):
-    """(key dtype, scale dtype or None): the values the indexer pools hold (`init_store`'s layout table)."""
-    return {"fp8": (jnp.float8_e4m3fn, jnp.float32), "int4": (jnp.uint8, jnp.uint8)}.get(
-        spec.index_dtype, (jnp.float32 if spec.index_dtype == "float32" else jnp.bfloat16, None))
 
 
 def _score_keys(spec: StoreSpec, q_index, w, keys, ks):

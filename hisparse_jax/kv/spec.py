@@ -14,6 +14,8 @@ from hisparse_jax.units import PAGE_SIZE
 
 FP8_BLOCK = 128  # latent values per fp8 scale
 MXFP4_BLOCK = 32  # indexer-key values per UE8M0 scale of the int4 (MXFP4) layout
+# index_tier="host": the device's per-page key summaries (`KVStore.index_lo` / `index_hi`), rounded outward
+SUMMARY_DTYPE = np.dtype(ml_dtypes.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +122,19 @@ class StoreSpec:
         hot_policy="score_ema" the 4-byte average of its scores (`KVStore.index_ema`); with index_tier="host" only
         its share of its page's summary (`KVStore.index_lo` / `index_hi`: 2 x dI bf16 per 64 tokens)."""
         if self.index_tier == "host":
-            return 4 * self.index_dim / PAGE_SIZE
+            return 2 * SUMMARY_DTYPE.itemsize * self.index_dim / PAGE_SIZE
         return self.index_key_bytes + (4 if self.hot_policy == "score_ema" else 0)
+
+    @property
+    def index_dtypes(self) -> tuple[np.dtype, np.dtype | None]:
+        """(key dtype, scale dtype or None): the values the indexer pools hold — fp8: e4m3 keys + a float32 scale,
+        int4: uint8 codes (two per byte) + uint8 UE8M0 scales, else float32 / bf16 keys (`state.init_store`'s
+        layout; a host-tier pool holds their bits, `state.host_dtype`)."""
+        if self.index_dtype == "fp8":
+            return np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.float32)
+        if self.index_dtype == "int4":
+            return np.dtype(np.uint8), np.dtype(np.uint8)
+        return np.dtype(np.float32 if self.index_dtype == "float32" else ml_dtypes.bfloat16), None
 
     @property
     def index_host_row_bytes(self) -> int:

@@ -28,7 +28,8 @@ MP pages per request, G indexer groups, HR hot rows):
     index_lo    bf16[LI, PI, dI] index_tier="host" only (else None): index_k / index_scale then live in pinned-host
     index_hi    bf16[LI, PI, dI] memory (as host-pool bits, `host_dtype`), and the device keeps per indexer page
                                each dimension's min / max of the scored keys written to it (`ops.scored_keys`,
-                               rounded outward), the summary `index_scores_host` bounds the page's scores with
+                               rounded outward to `SUMMARY_DTYPE`), the summary `index_scores_host` bounds the
+                               page's scores with
 
 One page id means the same page in every layer. A hot page serves every indexer group at once: layer l
 stores the rows of *its* group's slots in it, so G groups cost one set of pages. Hot slot j of a request
@@ -48,7 +49,7 @@ from jax.sharding import SingleDeviceSharding
 from hisparse_jax.memory import abstract, device_memory_bytes, host_memory_bytes, memory_name
 from hisparse_jax.units import PAGE_SIZE
 
-from hisparse_jax.kv.spec import FP8_BLOCK, MXFP4_BLOCK, StoreSpec  # noqa: F401  (re-exported)
+from hisparse_jax.kv.spec import FP8_BLOCK, MXFP4_BLOCK, SUMMARY_DTYPE, StoreSpec  # noqa: F401  (re-exported)
 
 
 # ----- host pool storage: floats narrower than 32 bits are kept as their bit patterns ------------------------
@@ -144,15 +145,15 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
     G, HR = len(spec.groups), spec.hot_rows
     vdt = spec.value_dtype
     kdt = jnp.float8_e4m3fn if spec.fp8 else vdt
-    index_k, index_scale = {  # the indexer keys' layout (`StoreSpec.index_dtype`)
-        "fp8": (((LI, PI, PAGE_SIZE, dI), jnp.float8_e4m3fn), ((LI, PI, PAGE_SIZE), jnp.float32)),
-        "int4": (((LI, PI, PAGE_SIZE, dI // 2), jnp.uint8), ((LI, PI, PAGE_SIZE, dI // MXFP4_BLOCK), jnp.uint8)),
-    }.get(spec.index_dtype, (((LI, PI, PAGE_SIZE, dI), jnp.dtype(jnp.float32 if spec.index_dtype == "float32"
-                                                                  else jnp.bfloat16)), None))
+    kvals, svals = spec.index_dtypes  # the indexer keys' layout (`StoreSpec.index_dtype`)
     host_keys = spec.index_tier == "host"
-    if host_keys:  # pinned-host pools of the keys' bits
-        index_k = (index_k[0], host_dtype(index_k[1]))
-        index_scale = None if index_scale is None else (index_scale[0], host_dtype(index_scale[1]))
+    as_stored = host_dtype if host_keys else jnp.dtype  # a pinned-host pool holds the keys' bits
+    key_shape, scale_shape = {
+        "fp8": ((LI, PI, PAGE_SIZE, dI), (LI, PI, PAGE_SIZE)),
+        "int4": ((LI, PI, PAGE_SIZE, dI // 2), (LI, PI, PAGE_SIZE, dI // MXFP4_BLOCK)),
+    }.get(spec.index_dtype, ((LI, PI, PAGE_SIZE, dI), None))
+    index_k = (key_shape, as_stored(kvals))
+    index_scale = None if svals is None else (scale_shape, as_stored(svals))
     shapes = KVStore(
         spec=spec, latent=((L, P, PAGE_SIZE, C), kdt), rope=((L, P, PAGE_SIZE, R), vdt),
         index_k=index_k, h_latent=((L, PH, PAGE_SIZE, C), host_dtype(kdt)),
@@ -164,8 +165,8 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
         index_scale=index_scale,
         h_latent_scale=((L, PH, PAGE_SIZE, C // FP8_BLOCK), host_dtype(jnp.float32)) if spec.fp8 else None,
         index_ema=((LI, PI, PAGE_SIZE), jnp.float32) if spec.hot_policy == "score_ema" else None,
-        index_lo=((LI, PI, dI), jnp.bfloat16) if host_keys else None,
-        index_hi=((LI, PI, dI), jnp.bfloat16) if host_keys else None,
+        index_lo=((LI, PI, dI), SUMMARY_DTYPE) if host_keys else None,
+        index_hi=((LI, PI, dI), SUMMARY_DTYPE) if host_keys else None,
     )
     shardings = store_shardings(spec, device)
     if not abstract():
@@ -190,8 +191,8 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
 _SIZED_BY = {"latent": "device_pages", "rope": "device_pages", "latent_scale": "device_pages",
              "index_k": "index_pages", "index_scale": "index_pages", "index_ema": "index_pages",
              "index_lo": "index_pages", "index_hi": "index_pages",
-             "h_latent": "host_pages", "h_rope": "host_pages", "h_latent_scale": "host_pages", "hot_token": "hot_rows x max_seqs", "hot_stamp": "hot_rows x max_seqs",
-             "hot_pages": "hot_rows x max_seqs"}
+             "h_latent": "host_pages", "h_rope": "host_pages", "h_latent_scale": "host_pages",
+             "hot_token": "hot_rows x max_seqs", "hot_stamp": "hot_rows x max_seqs", "hot_pages": "hot_rows x max_seqs"}
 
 
 def check_store_memory(spec: StoreSpec, shapes: KVStore, shardings: KVStore, device=None) -> None:

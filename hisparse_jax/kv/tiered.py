@@ -214,9 +214,7 @@ class TieredKV:
         if not self._pallas:
             topk, read = ops.index_select_read(self.spec, kv["store"], index_layer, kv["req"], positions, q_index, w,
                                                self.index_pages)
-            if self.spec.index_tier == "host":
-                kv = dict(kv, stats=dict(kv["stats"], index_h2d_pages=kv["stats"]["index_h2d_pages"] + read))
-            return topk, kv
+            return topk, dict(kv, stats=dict(kv["stats"], index_h2d_pages=kv["stats"]["index_h2d_pages"] + read))
         from pallas_kernels import indexer_topk
 
         spec, store, req = self.spec, kv["store"], kv["req"]
