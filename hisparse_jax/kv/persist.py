@@ -5,28 +5,40 @@ Layout of `path`: `store/` (an Orbax checkpoint of the `KVStore` arrays) and `ma
 `PagePool` snapshot, each request's pages and length, and a manifest of every array's dtype, shape and SHA-256).
 Restored host pools are `pinned_host` arrays again.
 
+The restored arrays are what `init_store` makes: each is put in the sharding a new store's array has (memory kind
+in its type, donatable), so the jitted step, `generate` and the engine's programs accept them in a fresh process.
+
 Integrity: `load_tiered` refuses (`CheckpointError`, naming the file and array) a `manager.json` that was edited or
 damaged (it carries its own checksum), arrays whose saved dtype or shape differ from what the described configs
-imply (checked before anything is read), arrays whose bytes differ from their checksums, and bookkeeping that
-fails the allocator's invariants.
+imply (checked before anything is read), array files Orbax cannot read (one message naming the array; the reads
+still in flight are closed without printing), arrays whose bytes differ from their checksums, bookkeeping that
+fails the allocator's invariants, and (index_tier="host") page summaries that do not bound their page's keys.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import os
+import sys
+import tempfile
+import time
 
 import jax
+import numpy as np
 
 from hisparse_jax import integrity
 from hisparse_jax.config import CacheConfig, ModelConfig, RopeConfig
 from hisparse_jax.integrity import CheckpointError
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.ops import scored_keys
 from hisparse_jax.kv.pool import PagePool, PoolError, RequestPages
 from hisparse_jax.kv.spec import StoreSpec
-from hisparse_jax.kv.state import KVStore, init_store, store_shardings
+from hisparse_jax.kv.state import KVStore, from_host_bits, init_store, store_shardings
+from hisparse_jax.units import PAGE_SIZE
 
 FORMAT = "hisparse_jax.TieredCache"
 VERSION = 2  # 2: array manifest + metadata checksum
@@ -81,10 +93,9 @@ def _model_from_dict(d: dict) -> ModelConfig:
 
 
 def load_tiered(path: str | os.PathLike, device=None) -> tuple[TieredCache, KVStore]:
-    """Restore a `TieredCache` and its `KVStore` written by `save_tiered` (host pools land in pinned_host memory);
-    refuses a damaged or mismatched one with `CheckpointError` (see the module docstring)."""
-    import orbax.checkpoint as ocp
-
+    """Restore a `TieredCache` and its `KVStore` written by `save_tiered`: arrays typed and placed as `init_store`
+    makes them (host pools in pinned_host memory), ready for the jitted step in any process. Refuses a damaged or
+    mismatched one with `CheckpointError` (see the module docstring)."""
     path = os.path.abspath(os.fspath(path))
     fn = os.path.join(path, "manager.json")
     if not os.path.exists(fn):
@@ -113,11 +124,11 @@ def load_tiered(path: str | os.PathLike, device=None) -> tuple[TieredCache, KVSt
     integrity.check_description(meta["arrays"], expected, os.path.join(path, "store"), "manager.json's configs")
     shardings = _arrays(store_shardings(spec, device))
     target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in expected.items()}
-    try:
-        with ocp.StandardCheckpointer() as ckptr:
-            arrays = ckptr.restore(os.path.join(path, "store"), target)
-    except Exception as e:  # Orbax/TensorStore errors do not say which array or why
-        raise CheckpointError(f"{path}/store: the arrays could not be restored ({type(e).__name__}: {e})") from e
+    arrays = _restore(os.path.join(path, "store"), target)
+    # Orbax's arrays carry the sharding's memory kind but not the memory space in their type (a host pool's type
+    # reads float32[...], a new store's float32<host>[...]): a step compiled for them gathers across memory spaces
+    # and is refused. A donated device_put into the same sharding retypes each one without copying its buffer.
+    arrays = {k: jax.device_put(v, shardings[k], donate=True, may_alias=False) for k, v in arrays.items()}
     integrity.verify(meta["arrays"], arrays, os.path.join(path, "store"))
     store = KVStore(spec=spec, **{f.name: arrays.get(f.name) for f in dataclasses.fields(KVStore) if f.name != "spec"})
     try:
@@ -132,7 +143,127 @@ def load_tiered(path: str | os.PathLike, device=None) -> tuple[TieredCache, KVSt
         kv_device.check_tables(store, manager)
     except PoolError as e:
         raise CheckpointError(f"{fn}: the saved bookkeeping is inconsistent ({e})") from None
+    check_summaries(store, manager, os.path.join(path, "store"))
     return manager, store
+
+
+def _restore(where: str, target: dict) -> dict:
+    """Orbax's restore of `target` ({name: ShapeDtypeStruct with sharding}) from `where`. A file it cannot read is
+    one `CheckpointError` naming `where` and the array (TensorStore's first line, not its spec dump); the reads
+    still in flight when Orbax gives up finish with nothing printed (their late callbacks into Orbax's closed event
+    loop would print tracebacks, on stderr, from TensorStore's threads)."""
+    import orbax.checkpoint as ocp
+
+    with _stderr_held() as held:
+        try:
+            with ocp.StandardCheckpointer() as ckptr:
+                return ckptr.restore(where, target)
+        except Exception as e:  # Orbax/TensorStore errors bury which array and why under a spec dump
+            held.discard = True
+            reason = _first_line(e)
+    raise CheckpointError(f"{where}: the saved arrays could not be read — a file is damaged, missing or truncated "
+                          f"({reason})")
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of the innermost cause of `e` (TensorStore's: names the array and what failed), cut short."""
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ if e.__cause__ is not None else e.__context__
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return f"{type(e).__name__}: {line[:300]}"
+
+
+class _Held:
+    discard = False
+
+
+@contextlib.contextmanager
+def _stderr_held(settle_s: float = 0.2, max_wait_s: float = 5.0):
+    """Within the block, file descriptor 2 (and Python's unraisable-exception hook) go to a temporary file; after it
+    the file is copied to stderr, or, with `held.discard` set (a failed restore), thrown away once the in-flight
+    work has been quiet for `settle_s` (at most `max_wait_s`): collected first, so that coroutines Orbax left
+    pending are closed now rather than at exit."""
+    held = _Held()
+    sys.stderr.flush()
+    saved_fd, saved_hook = os.dup(2), sys.unraisablehook
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        sys.unraisablehook = lambda _: None
+        try:
+            yield held
+        finally:
+            try:
+                if held.discard:
+                    gc.collect()
+                    end, last = time.monotonic() + max_wait_s, -1
+                    while time.monotonic() < end and os.fstat(tmp.fileno()).st_size != last:
+                        last = os.fstat(tmp.fileno()).st_size
+                        time.sleep(settle_s)
+                        gc.collect()
+                sys.stderr.flush()
+            finally:
+                os.dup2(saved_fd, 2)
+                os.close(saved_fd)
+                sys.unraisablehook = saved_hook
+            if not held.discard:
+                tmp.seek(0)
+                sys.stderr.write(tmp.read().decode(errors="replace"))
+
+
+def written_rows(manager: TieredCache) -> dict[int, int]:
+    """{indexer page: rows of it written} over the manager's requests (a logical page i of a request of length n
+    holds min(64, n - 64 i) rows) and its registered prefix pages (full)."""
+    rows: dict[int, int] = {}
+    for s, r in manager.requests.items():
+        n = manager.lengths[s]
+        for i, page in enumerate(r.index):
+            k = min(PAGE_SIZE, max(0, n - i * PAGE_SIZE))
+            if k and page >= 0:
+                rows[page] = max(rows.get(page, 0), k)
+    for _, page in manager.pool.snapshot()["tiers"]["index"]["prefix"]:
+        rows[int(page)] = PAGE_SIZE
+    return rows
+
+
+def check_summaries(store: KVStore, manager: TieredCache, where: str, chunk_bytes: int = 64 << 20) -> None:
+    """Refuse (`CheckpointError`, naming the first (layer, page)) a host-tier store whose page summaries
+    (`index_lo` / `index_hi`, bf16[LI, PI, dI]) do not bound, in every dimension, the scored keys (`ops.scored_keys`)
+    of the rows written to the page (`written_rows`): exact mode would skip a page holding a top-k key. A NaN
+    summary bound is accepted (the reader treats it as unbounded: the page is always read). No-op for device keys.
+    Reads the key pool once, `chunk_bytes` of scored keys at a time."""
+    spec = store.spec
+    if store.index_lo is None:
+        return
+    rows = written_rows(manager)
+    if not rows:
+        return
+    pages = np.array(sorted(rows), np.int64)
+    count = np.array([rows[p] for p in pages.tolist()])
+    kdt, sdt = spec.index_dtypes
+    keys = np.asarray(jax.device_get(store.index_k))
+    scales = None if store.index_scale is None else np.asarray(jax.device_get(store.index_scale))
+    lo_all = np.asarray(jax.device_get(store.index_lo)).astype(np.float32)
+    hi_all = np.asarray(jax.device_get(store.index_hi)).astype(np.float32)
+    step = max(1, chunk_bytes // (PAGE_SIZE * spec.index_dim * 4))
+    for layer in range(spec.num_index_layers):
+        for at in range(0, len(pages), step):
+            pp, n = pages[at:at + step], count[at:at + step]
+            kv = from_host_bits(keys[layer, pp], kdt)
+            ks = None if scales is None else from_host_bits(scales[layer, pp], sdt)
+            k = np.asarray(scored_keys(spec, kv, ks), np.float32)  # [c, 64, dI]
+            written = (np.arange(PAGE_SIZE)[None, :] < n[:, None])[..., None]
+            kmin = np.where(written, k, np.inf).min(axis=1)
+            kmax = np.where(written, k, -np.inf).max(axis=1)
+            lo, hi = lo_all[layer, pp], hi_all[layer, pp]
+            ok = ((lo <= kmin) | np.isnan(lo)) & ((kmax <= hi) | np.isnan(hi))
+            bad = np.flatnonzero(~ok.all(axis=-1))
+            if bad.size:
+                j = int(bad[0])
+                d = int(np.flatnonzero(~ok[j])[0])
+                raise CheckpointError(
+                    f"{where}: the summary of indexer layer {layer}, page {int(pp[j])} does not bound its keys "
+                    f"(dimension {d}: keys in [{kmin[j, d]}, {kmax[j, d]}] over {int(n[j])} written rows, summary "
+                    f"[{lo[j, d]}, {hi[j, d]}]; {bad.size} page(s) of this layer wrong) — exact top-k would skip it")
 
 
 def _cache_from_dict(d: dict) -> CacheConfig:
