@@ -17,6 +17,7 @@ import pytest
 from hisparse_jax.compat import gpu_lowering_target
 from pallas_kernels.sparse_mla_decode.reference import sparse_mla_decode_rows as rows_reference
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_reference
+from pallas_kernels.sparse_mla_decode.kernel import decode_blocks
 
 TAU = 0.13523378
 
@@ -87,6 +88,25 @@ def test_awkward_sizes(H, K, C):
     check(*make_case(H + K + C, H=H, K=K, C=C, R=16 if C == 16 else 64, seq_lens=[K + 3, K, max(K - 1, 1)]))
 
 
+@pytest.mark.parametrize("H,K,kv,splits", [(100, 24, "fp8", 1), (100, 70, "bfloat16", 3), (72, 40, "fp8", 2)])
+def test_head_blocks_of_64(H, K, kv, splits):
+    """H > 64: blocks of 64 heads, the last one padded (its heads past H neither read nor written), with one split
+    (the kernel normalizes and writes the answer) and with several (f32 partials merged outside)."""
+    assert (decode_blocks(3, H, 128, K)["bh"], decode_blocks(3, H, 128, K)["splits"]) == (64, splits)
+    check(*make_case(H * K, H=H, K=K, kv=kv, seq_lens=[K + 5, K, 9]))
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8"])
+def test_one_split_writes_bf16_answer(kv):
+    """One split (K <= one row block), bf16 queries and output: the kernel rounds its normalized answer."""
+    args, kw = make_case(21, H=80, K=32, kv=kv, q_dtype=jnp.bfloat16, seq_lens=[40, 32, 3])
+    assert decode_blocks(3, 80, 128, 32)["splits"] == 1
+    ref = np.asarray(sparse_mla_decode_reference(*args, tau=TAU, **kw), np.float32)
+    out = sparse_mla_decode(*args, tau=TAU, interpret=True, out_dtype=jnp.bfloat16, **kw)
+    assert out.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(out, np.float32)))
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=0, atol=1e-2 * np.max(np.abs(ref)))
+
+
 def test_fp8_wide_latent_uses_every_scale():
     """C = 256: two fp8 scale blocks per row, each applied to its own 128 columns."""
     args, kw = make_case(5, C=256, kv="fp8")
@@ -112,10 +132,11 @@ def test_reference_equals_library_math_on_gathered_rows():
     np.testing.assert_array_equal(np.asarray(sparse_mla_decode_reference(*args, tau=TAU, **kw)), np.asarray(want))
 
 
-@pytest.mark.parametrize("kv", ["bfloat16", "fp8"])
-def test_layer_of_stacked_pools(kv):
-    """`layer=` reads one layer of the store's [L, P, 64, *] pools in place (a traced layer index)."""
-    args, kw = make_case(6, kv=kv)
+@pytest.mark.parametrize("kv,shape", [("bfloat16", {}), ("fp8", {}), ("fp8", dict(H=70, K=30))])
+def test_layer_of_stacked_pools(kv, shape):
+    """`layer=` reads one layer of the store's [L, P, 64, *] pools in place (a traced layer index); the last case
+    in two head blocks of 64 (padded) and one split."""
+    args, kw = make_case(6, kv=kv, **shape)
     q_lat, q_rope, latent, rope, page, row, valid = args
     junk = lambda x: jnp.stack([jnp.full_like(x, jnp.nan), x, jnp.full_like(x, jnp.nan)])  # noqa: E731
     stacked = (q_lat, q_rope, junk(latent), junk(rope), page, row, valid)
