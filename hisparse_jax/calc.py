@@ -81,9 +81,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import numbers
+import re
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from decimal import ROUND_HALF_UP, Decimal
+from fractions import Fraction
 from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
@@ -409,15 +412,37 @@ def get_preset(preset: str | ModelPreset) -> ModelPreset:
     return PRESETS[preset]
 
 
+# The largest value each count and size of a `CalcInput` may take (the command's options are bounded alike): far
+# above any deployment the calculator describes (GLM-5's 202752 positions, 8-GPU nodes, 4096 hot rows), low enough
+# that every result is a meaningful number (`--seq 1e30` used to be accepted and reported as 0 requests fitting).
+# reserve_gib and kv_hbm_gib need none: each is bounded by the GPU's memory (`_check`).
+LIMITS = {"seq": 2 ** 30, "dp": 1 << 16, "tp": 1 << 10, "hot_rows": 2 ** 31 - 1, "max_seqs": 1 << 24,
+          "groups": 1 << 10, "retained": 1 << 20, "other": 1 << 20, "top_k": 1 << 24,
+          "host_gib": float(1 << 30), "link_gb_per_s": 1e6,
+          "index_summary_bytes": float(1 << 20)}
+COUNTS = ("seq", "dp", "tp", "hot_rows", "max_seqs", "groups", "retained", "other", "top_k")
+
+
 def _check(inp: CalcInput, model: ModelPreset) -> None:
     if inp.gpu not in GPU_MEMORY_GB:
         raise CalcError(f"unknown gpu {inp.gpu!r}; known: {', '.join(GPU_MEMORY_GB)}")
+    for name in COUNTS:  # whole numbers (a count of 2.5 GPUs means nothing), never a bool
+        v = getattr(inp, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+            raise CalcError(f"{name} must be a whole number, got {v!r}")
     for name in ("seq", "dp", "tp", "hot_rows", "max_seqs"):
         if getattr(inp, name) < 1:
             raise CalcError(f"{name} must be positive, got {getattr(inp, name)}")
     for name in ("retained", "other"):
         if getattr(inp, name) < 0:
             raise CalcError(f"{name} must be >= 0, got {getattr(inp, name)}")
+    for name, hi in LIMITS.items():
+        v = getattr(inp, name)
+        if v is not None and v > hi and not (name == "host_gib" and v == math.inf):
+            raise CalcError(f"{name} must be <= {hi:g} (hisparse_jax.calc.LIMITS), got {v:g}")
+    if inp.top_k > inp.hot_rows:
+        raise CalcError(f"top_k ({inp.top_k}) must be <= hot_rows ({inp.hot_rows}): one step can miss every row it "
+                        f"selects, and each miss needs a hot-buffer row (as the store requires)")
     if not 0 <= inp.reserve_gib < math.inf:
         raise CalcError(f"reserve_gib must be finite and >= 0, got {inp.reserve_gib}")
     hbm = GPU_MEMORY_GB[inp.gpu] * 1e9 / 2 ** 30
@@ -582,16 +607,24 @@ def plot_sweep(rows: Sequence[dict[str, Any]], path: str,
 
 
 def parse_tokens(text: str) -> int:
-    """'81920', '81_920', '80k' (x1024), '1m' (x2^20) -> tokens; raises ArgumentTypeError."""
+    """'81920', '81_920', '80k' (x1024), '1.5k', '1m' (x2^20) -> tokens: a decimal number and an optional k / m
+    giving a whole number of at most LIMITS["seq"] (no exponent: '1e3k' is not a token count); raises
+    ArgumentTypeError."""
     t = text.strip().lower().replace("_", "").replace(",", "")
-    mult = {"k": 1024, "m": 2 ** 20}.get(t[-1:], 1)
-    try:
-        value = float(t[:-1] if mult > 1 else t) * mult
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (use e.g. 81920, 80k, 1m)") from None
-    if not math.isfinite(value) or value != int(value) or value < 1:
-        raise argparse.ArgumentTypeError(f"sequence length must be a positive whole number of tokens, got {text!r}")
-    return int(value)
+    m = re.fullmatch(r"(\d{1,12})(\.\d{1,12})?([km]?)", t)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (digits with an optional k or m, e.g. 81920, "
+                                         "80k, 1.5k, 1m)")
+    mult = {"k": 1024, "m": 2 ** 20, "": 1}[m.group(3)]
+    value = Fraction(m.group(1) + (m.group(2) or "")) * mult  # exact: 1.5k is 1536 tokens, 1.3k no whole number
+    if value.denominator != 1:
+        raise argparse.ArgumentTypeError(f"sequence length must be a whole number of tokens, got {text!r} "
+                                         f"({float(value):g})")
+    value = int(value)
+    if not 1 <= value <= LIMITS["seq"]:
+        raise argparse.ArgumentTypeError(f"sequence length must be a positive number of tokens, at most "
+                                         f"{LIMITS['seq']}, got {text!r}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -602,8 +635,8 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"model constants ({', '.join(PRESETS)})")
     p.add_argument("--seq", type=parse_tokens, default=81_920, help="tokens: 81920, 80k (=81920), 1m (=1048576)")
     p.add_argument("--gpu", choices=sorted(GPU_MEMORY_GB), default="h200")
-    p.add_argument("--dp", type=int_at_least(1, "dp"), default=1)
-    p.add_argument("--tp", type=int_at_least(1, "tp"), default=8)
+    p.add_argument("--dp", type=int_at_least(1, "dp", high=LIMITS["dp"]), default=1)
+    p.add_argument("--tp", type=int_at_least(1, "tp", high=LIMITS["tp"]), default=8)
     p.add_argument("--ep", action=argparse.BooleanOptionalAction, default=True, help="expert parallel over DP*TP")
     p.add_argument("--kv-dtype", choices=("fp8", "bf16"), default="fp8")
     p.add_argument("--index-dtype", type=choice(INDEX_DTYPES, "index dtype"), default="fp8", metavar="{fp8,int4}",
@@ -621,18 +654,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --index-tier host: the part of a request's key history read per step and layer "
                         "(default 1: an exact top-k from min / max page bounds read every page on the trained model, "
                         "docs/results.md)")
-    p.add_argument("--index-summary-bytes", type=bounded_float(0, name="index_summary_bytes"), default=None,
+    p.add_argument("--index-summary-bytes", type=bounded_float(0, name="index_summary_bytes", high=LIMITS["index_summary_bytes"]), default=None,
                    help="with --index-tier host: GPU bytes per token and full layer of the key summary (default: "
                         "bf16 min and max per dimension per 64-token page, 4 d / 64 = 8 at d 128)")
-    p.add_argument("--hot-rows", type=int_at_least(1, "hot_rows"), default=4096,
+    p.add_argument("--hot-rows", type=int_at_least(1, "hot_rows", high=LIMITS["hot_rows"]), default=4096,
                    help="hot-buffer rows per group (10240 with MTP3)")
-    p.add_argument("--groups", type=int_at_least(1, "groups"), default=None,
+    p.add_argument("--groups", type=int_at_least(1, "groups", high=LIMITS["groups"]), default=None,
                    help="hot/resident groups (default: the preset's)")
-    p.add_argument("--retained", type=int_at_least(0, "retained"), default=2, help="retained resident pages per group")
-    p.add_argument("--other", type=int_at_least(0, "other"), default=0, help="other GPU blocks per request")
-    p.add_argument("--host-gib", type=bounded_float(0, allow_inf=True, name="host_gib"), default=None,
+    p.add_argument("--retained", type=int_at_least(0, "retained", high=LIMITS["retained"]), default=2, help="retained resident pages per group")
+    p.add_argument("--other", type=int_at_least(0, "other", high=LIMITS["other"]), default=0, help="other GPU blocks per request")
+    p.add_argument("--host-gib", type=bounded_float(0, allow_inf=True, name="host_gib", high=LIMITS["host_gib"]), default=None,
                    help="host pool per DP replica (default: minimum; inf = unlimited)")
-    p.add_argument("--max-seqs", type=int_at_least(1, "max_seqs"), default=1024)
+    p.add_argument("--max-seqs", type=int_at_least(1, "max_seqs", high=LIMITS["max_seqs"]), default=1024)
     p.add_argument("--gpu-memory-utilization", type=bounded_float(0, 1, low_inclusive=False,
                                                                   name="gpu_memory_utilization"), default=0.92)
     p.add_argument("--reserve-gib", type=bounded_float(0, name="reserve_gib"), default=15.0)
@@ -641,9 +674,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hit-rate", type=bounded_float(0, 1, name="hit_rate"), default=None,
                    help="hot-buffer hit rate for the H2D cost (default: the measured one in "
                         f"experiments/results/demo.json, else {DEFAULT_HIT_RATE})")
-    p.add_argument("--top-k", type=int_at_least(1, "top_k"), default=DEFAULT_TOP_K,
+    p.add_argument("--top-k", type=int_at_least(1, "top_k", high=LIMITS["top_k"]), default=DEFAULT_TOP_K,
                    help="rows the indexer selects per layer and step")
-    p.add_argument("--link-gb-per-s", type=bounded_float(0, low_inclusive=False, name="link_gb_per_s"),
+    p.add_argument("--link-gb-per-s", type=bounded_float(0, low_inclusive=False, name="link_gb_per_s", high=LIMITS["link_gb_per_s"]),
                    default=DEFAULT_LINK_GB_PER_S, help="host->GPU link bandwidth per GPU, GB/s (1e9 B/s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--sweep", action="store_true", help="tabulate capacity vs sequence length (8K..1M)")

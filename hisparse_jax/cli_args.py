@@ -42,7 +42,7 @@ nonnegative_int = int_at_least(0)
 def bounded_float(low: float | None = None, high: float | None = None, *, low_inclusive: bool = True,
                   allow_inf: bool = False, name: str = "") -> Callable[[str], float]:
     """A type: a number in [low, high] ((low, high] with low_inclusive=False); never nan, never +-inf unless
-    `allow_inf` (and then only where the bounds allow it)."""
+    `allow_inf` (and then only where the low bound allows it: +inf, "unlimited", is above any `high`)."""
     lo = "" if low is None else f"{'>=' if low_inclusive else '>'} {low:g}"
     hi = "" if high is None else f"<= {high:g}"
     bounds = " and ".join(filter(None, (lo, hi)))
@@ -55,7 +55,7 @@ def bounded_float(low: float | None = None, high: float | None = None, *, low_in
             raise argparse.ArgumentTypeError(f"{_subject(name)}must be a number, got {text!r}") from None
         ok = not math.isnan(value) and (allow_inf or math.isfinite(value))
         ok = ok and (low is None or (value >= low if low_inclusive else value > low))
-        ok = ok and (high is None or value <= high)
+        ok = ok and (high is None or value <= high or (allow_inf and value == math.inf))
         if not ok:
             raise argparse.ArgumentTypeError(f"{_subject(name)}must be {need}, got {text!r}")
         return value
