@@ -131,6 +131,9 @@ KERNEL_CASES = {
     **{f"sparse_mla_decode H={H} kv={kv} q={jnp.dtype(q).name} (B=32 K=2048 P=4096)": functools.partial(_mla_case, H, kv, q)
        for H in (128, 16) for kv in ("bf16", "fp8") for q in (_BF, _F32)},
     "sparse_mla_decode stacked fp8 pools L=78 (8.6 GB latent), layer= traced, H=64": _mla_stacked_case,
+    # blocks of 64 heads: split-K partials at a small batch, and a padded second head block
+    "sparse_mla_decode B=1 H=128 kv=fp8 (32 splits)": functools.partial(_mla_case, 128, "fp8", _BF, B=1),
+    "sparse_mla_decode H=72 kv=fp8 (a second head block of 8 heads)": functools.partial(_mla_case, 72, "fp8", _BF),
     # the Mosaic GPU backend (jax >= 0.11): bf16 queries (it rounds f32 ones to bf16 in the wrapper)
     **{f"sparse_mla_decode mosaic H={H} kv={kv} (B=32 K=2048 P=4096)": functools.partial(_mla_case, H, kv, _BF, "mosaic")
        for H in (128, 16) for kv in ("bf16", "fp8")},
