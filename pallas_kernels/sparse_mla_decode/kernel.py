@@ -229,7 +229,7 @@ def _sparse_mla_decode_triton(q_lat, q_rope, latent_pages, rope_pages, page, row
                 pl.BlockSpec((None, kp), lambda b, h, s: (b, 0)),
                 pl.BlockSpec((None, kp), lambda b, h, s: (b, 0))] + [whole(x) for x in pools]
     # two stages (row loads of step i + 1 in flight during step i's products) fit sm_90's 227 KB of shared memory
-    # with bf16 operands at BH 64, not with float32 ones (236 KB: the sm_90 build refuses it)
+    # with bf16 operands at BH 64, not with float32 ones (237 KB with fp8 pools: the sm_90 build refuses it)
     stages = 2 if q_lat.dtype == jnp.bfloat16 else 1
     outs = pl.pallas_call(
         functools.partial(_kernel, tau=float(tau), bh=bh, bk=bk, cc=cc, steps=steps, fp8=fp8, partials=S > 1),
