@@ -9,6 +9,7 @@
 * `float_to_key`   f32 -> int32 whose signed order is the float order (the indexer kernels select on it)
 * `check_triton_offsets`  refuses an operand Pallas-Triton would address past 2^31 with 32-bit offsets
 * `fp8_words`, `e4m3_to_f32`  an e4m3 pool as uint32 words of four (so those offsets stay under 2^31), decoded
+  (`word_planes`: from the bits; `e4m3_planes`: as e4m3 values the hardware converts)
 * `int4_words`, `e2m1_to_f32`, `ue8m0_to_f32`  an MXFP4 pool as uint32 words of eight codes, decoded exactly
 """
 
@@ -186,3 +187,12 @@ def word_planes(words):
     """uint32 words [..., n] -> the FP8_PER_WORD e4m3 values of each word as f32 planes [..., n] (plane m holds
     elements 4 j + m)."""
     return [e4m3_to_f32((words >> (8 * m)) & 0xFF) for m in range(FP8_PER_WORD)]
+
+
+def e4m3_planes(words):
+    """uint32 words [..., n] -> the FP8_PER_WORD float8_e4m3fn planes [..., n] of the words (plane m holds elements
+    4 j + m; each byte bitcast, no arithmetic): a kernel casts them, and on a GPU the cast is the hardware's e4m3
+    conversion (sm_89 on; Pallas-Triton refuses it below) instead of `word_planes`' ~15 integer operations per
+    value. Exact for every finite value; NaN patterns stay NaN."""
+    return [lax.bitcast_convert_type(((words >> (8 * m)) & 0xFF).astype(jnp.uint8), jnp.float8_e4m3fn)
+            for m in range(FP8_PER_WORD)]

@@ -240,3 +240,20 @@ def test_the_offset_guard_refuses_a_byte_operand_of_2_to_4_gib():
     check_triton_offsets("words", jax.eval_shape(fp8_words, pool))
     for layers in (7, 78):
         check_triton_offsets("latent_pages", sds((layers, 4096, 64, 512), jnp.float8_e4m3fn))
+
+
+def test_e4m3_planes_are_the_words_values():
+    """`common.e4m3_planes` (what the fp8 decode converts) gives back every e4m3 bit pattern of the words, plane m
+    holding elements 4 j + m, and agrees with the bit decode (`word_planes`) on every finite pattern."""
+    from pallas_kernels.common import e4m3_planes, fp8_words, word_planes
+
+    bits = np.arange(256, dtype=np.uint8).reshape(2, 128)
+    x = jnp.asarray(bits).view(jnp.float8_e4m3fn)
+    planes = e4m3_planes(fp8_words(x))
+    for m, p in enumerate(planes):
+        assert p.dtype == jnp.float8_e4m3fn
+        np.testing.assert_array_equal(np.asarray(p).view(np.uint8), bits[:, m::4])
+    finite = np.isfinite(np.asarray(x.astype(jnp.float32)))
+    for m, (p, w) in enumerate(zip(planes, word_planes(fp8_words(x)))):
+        got, want = np.asarray(p.astype(jnp.float32)), np.asarray(w)
+        np.testing.assert_array_equal(got[finite[:, m::4]], want[finite[:, m::4]])

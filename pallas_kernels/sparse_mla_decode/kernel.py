@@ -13,7 +13,8 @@ its K / S rows in blocks of BK:
     addresses  page / row [BK] (page -1 marks an invalid slot: its loads are masked, never read)
     q          its heads' q_lat / q_rope, gathered from the unpadded [B, H, *] arrays (heads >= H masked)
     rows       latent [BK, C] in chunks of CC = min(C, 128) columns (fp8: read as uint32 words of four,
-               decoded into four planes of CC / 4 columns, times the chunk's scale; plane m of a chunk holds
+               split into four e4m3 planes of CC / 4 columns (`common.e4m3_planes`: the GPU's e4m3
+               conversion, not a bit decode), times the chunk's scale; plane m of a chunk holds
                columns c0 + 4 j + m, so its q columns are gathered with stride 4 and its output columns
                scattered back the same way: nothing is permuted outside the kernel),
                rope [BK, R], gathered with one (page, row, column) index per element
@@ -46,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.backends import check_pallas_backend
-from pallas_kernels.common import FP8_PER_WORD, check_triton_offsets, fp8_words, word_planes
+from pallas_kernels.common import FP8_PER_WORD, check_triton_offsets, e4m3_planes, fp8_words
 from pallas_kernels.sparse_mla_decode.reference import FP8_BLOCK, check_out_dtype, checked_stacked_pools, merge_splits
 
 HEAD_BLOCK = 64  # the most heads a program covers (its accumulator [64, C] f32 is 128 KB at C = 512)
@@ -86,7 +87,7 @@ def _kernel(layer_ref, q_lat_ref, q_rope_ref, page_ref, row_ref, lat_ref, rope_r
     out_heads = pl.program_id(1) * bh + lax.broadcasted_iota(jnp.int32, (bh, 1), 0)  # [BH, 1]
     live = out_heads < H
     heads = jnp.where(live, out_heads, 0)
-    # fp8: each chunk's latent comes as FP8_PER_WORD planes of CC / 4 columns (`common.word_planes`); plane m of
+    # fp8: each chunk's latent comes as FP8_PER_WORD planes of CC / 4 columns (`common.e4m3_planes`); plane m of
     # the chunk at c0 holds columns c0 + 4 j + m. parts[i]: the latent / output columns of accumulator part i
     part = cc // FP8_PER_WORD if fp8 else cc
     step = FP8_PER_WORD if fp8 else 1
@@ -131,7 +132,7 @@ def _kernel(layer_ref, q_lat_ref, q_rope_ref, page_ref, row_ref, lat_ref, rope_r
                                mask=jnp.broadcast_to(ok2, shape), other=jnp.zeros((), lat_ref.dtype))
                 blk = jnp.full((bk,), c0 // FP8_BLOCK, jnp.int32)
                 sc = plgpu.load(scale_ref.at[layer, pg[:, 0], rw[:, 0], blk], mask=ok, other=0.0)  # [BK]
-                rows += [(c * sc[:, None]).astype(mma) for c in word_planes(w)]
+                rows += [(c.astype(jnp.float32) * sc[:, None]).astype(mma) for c in e4m3_planes(w)]
             else:
                 shape = (bk, cc)
                 c = plgpu.load(lat_ref.at[layer, jnp.broadcast_to(pg, shape), jnp.broadcast_to(rw, shape),
