@@ -611,7 +611,7 @@ def parse_tokens(text: str) -> int:
     giving a whole number of at most LIMITS["seq"] (no exponent: '1e3k' is not a token count); raises
     ArgumentTypeError."""
     t = text.strip().lower().replace("_", "").replace(",", "")
-    m = re.fullmatch(r"(\d{1,12})(\.\d{1,12})?([km]?)", t)
+    m = re.fullmatch(r"(\d{1,40})(\.\d{1,40})?([km]?)", t)
     if m is None:
         raise argparse.ArgumentTypeError(f"not a token count: {text!r} (digits with an optional k or m, e.g. 81920, "
                                          "80k, 1.5k, 1m)")

@@ -523,6 +523,7 @@ MISS_ATTENTION = ("single", "split")
 HOT_POLICIES = ("lru", "score_ema")
 INDEX_TIERS = ("device", "host")
 MAX_SPECULATIVE_TOKENS = 8
+DEFAULT_HOT_EMA_BETA = 0.9  # score_ema's weight of the past, tuned on held-out traces (`experiments/locality.py`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -565,7 +566,7 @@ class CacheConfig:
       `StoreSpec.index_row_bytes`). A policy changes where rows are read from, never which rows: the tokens are the
       same under every policy. `experiments/hot_buffer_policies.py` compares them on recorded traces.
     hot_ema_beta: score_ema's weight of the past, in [0, 1) (default 0.9, tuned on held-out traces by
-      `experiments/locality.py --tune`).
+      `experiments/locality.py --tune`); with hot_policy="lru" another value is refused (lru keeps no averages).
     index_tier: where the indexer keys live: "device" (the default; every published HiSparse keeps them there) or
       "host" (the keys in a pinned-host pool, paged by `index_pages` like the device pool they replace, written as
       tokens are appended; the device keeps per page and index layer each dimension's min and max of the scored
@@ -575,12 +576,13 @@ class CacheConfig:
       the same top-k as device keys, bit for bit. Needs kernels="reference" and hot_policy="lru".
     index_budget_pages: with index_tier="host", at most this many pages read per step, request and index layer
       (budgeted mode: the best-bounded pages; the top-k is taken among their positions, a fixed amount of work per
-      step); None (the default) is exact mode.
+      step; at most index_pages); None (the default) is exact mode.
     speculative_tokens: k, the draft tokens per request and step of multi-token-prediction (MTP) speculative
       decoding (0: none). The store then keeps the model's first MTP layer after its main layers (its own KV
       and indexer pages) and a step verifies k + 1 rows per request, resolved as one union of their top-k, so
       the hot buffer must hold (k + 1) * index_topk rows; the default hot_rows becomes (k + 2) * index_topk,
-      the published HiSparse sizing (one top-k of slack for the LRU).
+      the published HiSparse sizing (one top-k of slack for the LRU). An `Engine` takes k from its
+      `EngineConfig.speculative_tokens` (which sets its store's); a CacheConfig with another k > 0 is refused there.
     capacity: the store's shapes, when they are to be larger than these budgets (None: the budgets are the
       shapes). The device and host pools, the request slots, the pages per request and the hot buffers are
       allocated at the capacity's sizes, and the budgets above are limits the host bookkeeping enforces inside
@@ -603,7 +605,7 @@ class CacheConfig:
     mirror_to_host: bool = True
     miss_attention: str = "single"
     hot_policy: str = "lru"
-    hot_ema_beta: float = 0.9
+    hot_ema_beta: float = DEFAULT_HOT_EMA_BETA
     index_tier: str = "device"
     index_budget_pages: int | None = None
     speculative_tokens: int = 0
@@ -633,6 +635,9 @@ class CacheConfig:
         put("hot_ema_beta", check_float, lo=0.0)
         if isinstance(self.hot_ema_beta, float) and self.hot_ema_beta >= 1:
             problems.append(f"hot_ema_beta must be < 1 (the weight of the past), got {self.hot_ema_beta}")
+        elif self.hot_policy == "lru" and self.hot_ema_beta != DEFAULT_HOT_EMA_BETA:
+            problems.append(f"hot_ema_beta is hot_policy='score_ema''s weight of the past; lru keeps no averages, so "
+                            f"leave it at its default {DEFAULT_HOT_EMA_BETA} (got {self.hot_ema_beta})")
         for name in ("device_pages", "max_seqs", "max_seq_len", "fetch_chunk"):
             put(name, check_int, lo=1)
         put("host_pages", check_int, lo=0)
@@ -642,6 +647,9 @@ class CacheConfig:
                 put(name, check_int, lo=1)
         if not isinstance(self.mirror_to_host, bool):
             problems.append(f"mirror_to_host must be a bool, got {self.mirror_to_host!r}")
+        if not problems and self.index_budget_pages is not None and self.index_budget_pages > self.num_index_pages:
+            problems.append(f"index_budget_pages ({self.index_budget_pages}) must be <= index_pages "
+                            f"({self.num_index_pages}): a step cannot read more key pages than the pool holds")
         if not problems and self.capacity is not None:
             problems += self._capacity_problems()
         if problems:

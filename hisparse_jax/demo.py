@@ -43,7 +43,8 @@ from hisparse_jax.engine.scheduler import POLICIES, pages
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.tiered import KERNELS, check_kernels
 from hisparse_jax.engine.runner import TRACE_COUNTS as _STEP_TRACES
-from hisparse_jax.memory import device_memory_bytes, host_memory_bytes
+from hisparse_jax.kv.state import store_costs
+from hisparse_jax.memory import Cost, check_account
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax import checkpoints
 from hisparse_jax.train import data as text_data
@@ -202,6 +203,12 @@ def run(args: argparse.Namespace | None = None, /, **options) -> dict:
     return _run(args)
 
 
+def _too_small(args: argparse.Namespace, device_bytes: int, pol: str, e: ValueError) -> DemoSetupError:
+    """A device budget with no room for the workload under `pol` (a BudgetError, or a budget of no pages at all)."""
+    return DemoSetupError(f"--device-requests {args.device_requests:g} ({device_bytes:,} bytes) is too small "
+                          f"for this workload under {pol!r}: {e}")
+
+
 def _check_sizes(args: argparse.Namespace, cfg: ModelConfig, kind: str, longest: int) -> None:
     """DemoSetupError, before anything is allocated, for a workload past the model's positions, the workload's
     text, or the memory its stores would take: the prompt (`longest` tokens) and the new tokens (plus the
@@ -223,6 +230,16 @@ def _check_sizes(args: argparse.Namespace, cfg: ModelConfig, kind: str, longest:
     if text is not None and longest > text:
         raise DemoSetupError(f"{prompt_opt} must be <= {text}: the held-out text has {text} tokens")
     _check_memory(args, cfg, longest)
+    max_len = longest + new + extra
+    base, device_bytes = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype,
+                                 args.miss_attention, args.speculative_tokens, args.index_dtype, args.hot_rows or None,
+                                 args.hot_policy, args.index_tier, args.index_budget_pages or None)
+    for pol in args.policies:  # a budget of no pages at all: refused now, not after the model is made
+        try:
+            device_budget(cfg, base, device_bytes, pol, max_running=args.requests, max_len=max_len,
+                          prefill=args.prefill)
+        except ValueError as e:
+            raise _too_small(args, device_bytes, pol, e) from None
     room = None if text is None else text - longest + 1  # distinct prompt starts (`text_data.document_prompts`)
     if room is not None and args.requests * n_dev > room:
         raise DemoSetupError(f"--requests {args.requests} must be <= {room // n_dev}: the held-out text ({text} "
@@ -230,58 +247,76 @@ def _check_sizes(args: argparse.Namespace, cfg: ModelConfig, kind: str, longest:
                              + (f" ({n_dev} devices x --requests are asked for)" if n_dev > 1 else ""))
 
 
+def _demo_costs(args: argparse.Namespace, cfg: ModelConfig, longest: int) -> list[Cost]:
+    """The memory account of the workload `args` asks for (`kv.state.store_costs`), per device: a store whose
+    device pools are the device budget (--device-requests), whose host pools hold every request's pages
+    (--requests), whose hot buffers have --hot-rows rows, the temporaries of the engine's largest step, and a copy
+    of the model's parameters."""
+    k = args.speculative_tokens
+    max_len = longest + args.new_tokens + lookahead(k)
+    base, _ = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype, args.miss_attention, k,
+                      args.index_dtype, args.hot_rows or None, "lru", args.index_tier, args.index_budget_pages or None)
+    # the device budget in pages of KV + indexer keys (`budgets`: device_requests longest requests' pages)
+    budget_pages = max(1, int(args.device_requests * pages(max_len)))
+    spec = StoreSpec.create(cfg, base.replace(device_pages=budget_pages, index_pages=budget_pages))
+    step = EngineConfig(max_running=args.requests, prefill=args.prefill, prefill_chunk=args.prefill_chunk,
+                        speculative_tokens=k, prefix_caching=not k)
+    model = Cost("the model's parameters", sum(cfg.parameter_bytes(mtp=bool(k)).values()), "device",
+                 f"--devices {args.devices} (one copy each)")
+    return store_costs(spec, step_rows=step.max_step_rows) + [model]
+
+
+def _culprit(args: argparse.Namespace, part: str) -> str:
+    """The option a part of the account follows (`_demo_costs`): the one whose bound a refusal states."""
+    if "hot" in part and args.hot_rows:
+        return "--hot-rows"
+    if "step rows" in part and args.prefill == "chunked" and args.prefill_chunk > args.requests:
+        return "--prefill-chunk"
+    if any(f"store's {n}" in part for n in ("latent", "rope", "index_")):
+        return "--device-requests"
+    if "parameters" in part and args.devices > 1:
+        return "--devices"
+    return "--requests"
+
+
 def _check_memory(args: argparse.Namespace, cfg: ModelConfig, longest: int) -> None:
-    """DemoSetupError when the stores' host pools (every request's pages, on each device) and device budgets, or
-    with them the hot buffers' slot state (`--hot-rows`), do not fit the machine's memory (`_check_sizes`)."""
-    n_dev, extra = args.devices, lookahead(args.speculative_tokens)
-    max_len = longest + args.new_tokens + extra
-    base, device_bytes = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype,
-                                 args.miss_attention, args.speculative_tokens, args.index_dtype,
-                                 args.hot_rows or None, "lru", args.index_tier, args.index_budget_pages or None)
-    spec = StoreSpec.create(cfg, base.replace(device_pages=1, index_pages=1))
-    # one request's host pages (and with --index-tier host its indexer keys)
-    request_bytes = pages(max_len) * 64 * (spec.row_bytes * spec.num_layers +
-                                           spec.index_host_row_bytes * spec.num_index_layers)
-    host, device = n_dev * args.requests * request_bytes, n_dev * device_bytes  # all devices together
-    # the hot buffers' slot state on the device (`kv.state.init_store`: hot_token and hot_stamp, int32, per request
-    # slot, indexer group and hot row), beside the pools; their rows live in device pages the budget lends
-    row_state = 8 * args.requests * len(spec.groups)
-    hot = row_state * spec.hot_rows
-    dev = jax.devices()[0]
-    per = f" on each of {n_dev} devices" if n_dev > 1 else ""
-    if dev.platform != "cpu":  # the device budget in the device's memory, the host pools in RAM
-        dev_mem = device_memory_bytes(dev)
-        if dev_mem is not None and device_bytes > dev_mem:
-            raise DemoSetupError(f"--device-requests {args.device_requests:g} must be <= "
-                                 f"{args.device_requests * dev_mem / device_bytes:.4g}: its budget ({device_bytes:,} "
-                                 f"bytes{per}) exceeds the {dev_mem:,} bytes of {dev.device_kind}")
-        if dev_mem is not None and device_bytes + hot > dev_mem:
-            _hot_rows_too_many(args, spec.hot_rows, (dev_mem - device_bytes) // row_state, hot,
-                               f"the {dev_mem:,} bytes of {dev.device_kind} with its device budget{per}")
-        device, hot = 0, 0
-    ram = host_memory_bytes()  # on a CPU the device pools are RAM too
-    if ram is None or host + device + n_dev * hot <= ram:
+    """DemoSetupError, before anything is allocated, when the workload's memory account (`_demo_costs`: the store
+    of every device, their host pools, the step's temporaries, the model's copies) does not fit this machine's
+    memory (`memory.check_account`, as the engine checks it): the message gives the largest value of the option
+    behind the largest part that would fit, with the others as given."""
+    def refusal(**change) -> str | None:
+        a = argparse.Namespace(**{**vars(args), **change})
+        try:
+            check_account("the workload", _demo_costs(a, cfg, longest), ranks=a.devices)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def largest(option: str):  # the largest value of `option` that fits, the others as given (None: none)
+        field = option[2:].replace("-", "_")
+        if option == "--device-requests":  # a float: bisect to 4 significant digits
+            lo, hi = 0.0, float(args.device_requests)
+            while hi - lo > 1e-4 * hi:
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if refusal(device_requests=mid) is None else (lo, mid)
+            return float(f"{lo:.4g}") or None
+        least = (args.speculative_tokens + 1) * cfg.index_topk if field == "hot_rows" else 1
+        lo, hi = least - 1, getattr(args, field)  # hi is refused; lo: none fits
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if refusal(**{field: mid}) is None else (lo, mid)
+        return lo if lo >= least else None
+
+    why = refusal()
+    if why is None:
         return
-    if host + device <= ram:  # the hot buffers' state alone does not fit
-        _hot_rows_too_many(args, spec.hot_rows, (ram - host - device) // (n_dev * row_state), n_dev * hot,
-                           f"the {ram:,} bytes of RAM with the host pools and device budgets")
-    what = f"{args.requests} requests{per} of up to {max_len} tokens"
-    if device > host:
-        bound = args.device_requests * max(ram - host, 0) / device
-        raise DemoSetupError(f"--device-requests {args.device_requests:g} must be <= {bound:.4g} on this machine: "
-                             f"with the host pools of {what} the device budget{per} ({device_bytes:,} bytes) "
-                             f"needs {host + device:,} bytes in all, more than its {ram:,} bytes of RAM")
-    bound = max(ram - device, 0) // (n_dev * request_bytes)
-    raise DemoSetupError(f"--requests {args.requests} must be <= {bound} on this machine: the host pools of {what} "
-                         f"({request_bytes:,} bytes per request) need {host + device:,} bytes with the device "
-                         f"budget{'s' if n_dev > 1 else ''}, more than its {ram:,} bytes of RAM")
-
-
-def _hot_rows_too_many(args: argparse.Namespace, rows: int, bound: int, need: int, where: str) -> None:
-    """DemoSetupError for hot buffers whose slot state does not fit next to the stores (`_check_memory`)."""
-    what = f"--hot-rows {rows}" if args.hot_rows else f"the default hot buffer ({rows} rows)"
-    raise DemoSetupError(f"{what} must be <= {max(bound, 0)} on this machine: the hot buffers' state of "
-                         f"{args.requests} requests ({need:,} bytes) does not fit {where}")
+    option = _culprit(args, why.split("the largest part is ", 1)[1])
+    bound = largest(option)
+    if bound is None and args.devices > 1:  # not even the least of it fits next to the other devices' shares
+        option, bound = "--devices", largest("--devices")
+    value = getattr(args, option[2:].replace("-", "_"))
+    shown = (f"{value:g}", f"{bound or 0:g}") if isinstance(value, float) else (value, bound or 0)
+    raise DemoSetupError(f"{option} {shown[0]} must be <= {shown[1]} on this machine: {why}")
 
 
 def outputs_digest(outputs: dict[str, list[int]]) -> str:
@@ -348,9 +383,8 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
     results, outputs = {}, {}
     policies = list(args.policies)
 
-    def too_small(pol: str, e: ValueError) -> DemoSetupError:  # BudgetError, or a budget of no pages at all
-        return DemoSetupError(f"--device-requests {args.device_requests:g} ({device_bytes:,} bytes) is too small "
-                              f"for this workload under {pol!r}: {e}")
+    def too_small(pol: str, e: ValueError) -> DemoSetupError:
+        return _too_small(args, device_bytes, pol, e)
 
     budget = {}
     for pol in policies:

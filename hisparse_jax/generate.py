@@ -89,6 +89,10 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     stats are summed over ranks. Multi-process (`jax.distributed.initialize`): the mesh may span every process's
     devices; every process calls `generate` with the same arguments and returns all the tokens.
     """
+    if not isinstance(model, SparseMLAModel):
+        raise TypeError(f"generate: model must be a SparseMLAModel, got {type(model).__name__}")
+    if cache is not None and not isinstance(cache, CacheConfig):
+        raise TypeError(f"generate: cache must be a CacheConfig or None (contiguous KV), got {type(cache).__name__}")
     prompts = validate_prompts(model, prompts, max_new_tokens)
     temperature, top_p = check_float("temperature", temperature), check_float("top_p", top_p)
     if temperature < 0 or not 0 < top_p <= 1:
@@ -187,7 +191,7 @@ def _generate_tiered(model, prompts, cache, kernels, run, return_stats):
     cfg = model.cfg
     runner = Runner(model, kernels=kernels)  # the model split once for the whole run
     n, max_new_tokens = len(prompts), run.max_new_tokens
-    manager = TieredCache(cfg, cache)
+    manager = TieredCache(cfg, cache, step_rows=bucket_pow2(n))
     check_backend(manager.spec, kernels)
     # the last new token is sampled, never written: the store holds prompt + max_new_tokens - 1 positions
     manager.check_batch_fits([len(p) + max_new_tokens - 1 for p in prompts])
@@ -220,7 +224,10 @@ def _generate_mesh(model, prompts, cache, kernels, mesh, run, return_stats):
     N, n, max_new_tokens = parallel.num_ranks(mesh), len(prompts), run.max_new_tokens
     runner = Runner(model, kernels=kernels)
     placed = parallel.place_round_robin(n, N)  # placed[r]: the prompts rank r serves
-    managers = [TieredCache(cfg, cache) for _ in range(N)]
+    Bl = bucket_pow2(max(len(idx) for idx in placed))  # each rank's step rows
+    # every device's store, step and model copy, checked before any rank's bookkeeping or store exists
+    managers = [TieredCache(cfg, cache, step_rows=Bl, ranks=N, also=(parallel.replica_cost(runner.state, mesh),))
+                for _ in range(N)]
     spec = managers[0].spec
     check_backend(spec, kernels)
     for c, idx in zip(managers, placed):  # the last new token is sampled, never written
@@ -239,7 +246,7 @@ def _generate_mesh(model, prompts, cache, kernels, mesh, run, return_stats):
         store, got = parallel.admit_prefilled_ranks(store, managers, rows)
         for r, s in got.items():
             slots[r].append(s)
-    Bl, B = bucket_pow2(max(len(idx) for idx in placed)), bucket_pow2(n)
+    B = bucket_pow2(n)
     req = np.full((N, Bl), -1, np.int32)
     where = np.zeros(n, np.int64)  # prompt i's row in the flattened [N * Bl] step batch
     for r, idx in enumerate(placed):

@@ -3,6 +3,7 @@ against before allocating them (`docs/bad_input.md`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -43,3 +44,44 @@ def abstract() -> bool:
     `jax.core.Tracer` (the public test flax uses too) and nothing is allocated, so no size is refused: shapes of
     GLM-5 stay computable on any machine (deviceless builds, `load_pretrained`'s shape pass)."""
     return isinstance(jnp.zeros((), jnp.int8), jax.core.Tracer)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """One entry of a memory account: `nbytes` held in `where` ("device": the memory of each device that runs the
+    work; "host": this machine's RAM), and the user's settings its size follows (`sized_by`, e.g.
+    "hot_rows=10000000 x 256 step rows"), which a refusal names."""
+
+    part: str
+    nbytes: int
+    where: str
+    sized_by: str
+
+
+def check_account(what: str, costs: list[Cost], *, device=None, ranks: int = 1) -> None:
+    """Refuse (ValueError), before anything of these sizes exists, work whose account does not fit: the "device"
+    costs on each of `ranks` devices against that device's memory, `ranks` times the "host" costs against this
+    machine's RAM (on a CPU both are RAM, so everything counts there, `ranks` times). One message names the bytes,
+    the limit, the largest entry and the settings behind it. Without a known limit nothing is refused."""
+    dev = device if device is not None else jax.devices()[0]
+    per = {"device": [c for c in costs if c.where == "device"], "host": [c for c in costs if c.where == "host"]}
+    if dev.platform == "cpu":
+        per = {"device": [], "host": per["device"] + per["host"]}
+    on_each = f" on each of {ranks} devices" if ranks > 1 else ""
+    checks = (("device", device_memory_bytes(dev), memory_name(dev), 1, on_each),
+              ("host", host_memory_bytes(), "this machine's physical RAM", ranks,
+               f" ({ranks} devices' share)" if ranks > 1 else ""))
+    for where, limit, name, times, whose in checks:
+        total = times * sum(c.nbytes for c in per[where])
+        if limit is None or total <= limit:
+            continue
+        big = max(per[where], key=lambda c: c.nbytes)
+        raise ValueError(f"{what} needs {total:,} bytes ({total / 2**30:,.1f} GiB){whose}, more than the {limit:,} "
+                         f"bytes ({limit / 2**30:,.1f} GiB) of {name}; the largest part is {big.part} "
+                         f"({big.nbytes:,} bytes{' per device' if times > 1 else ''}, sized by {big.sized_by})")
+
+
+def account_bytes(costs: list[Cost], *, ranks: int = 1) -> dict[str, int]:
+    """An account's totals: bytes per device ("device") and in this machine's RAM ("host", `ranks` times)."""
+    return {"device": sum(c.nbytes for c in costs if c.where == "device"),
+            "host": ranks * sum(c.nbytes for c in costs if c.where == "host")}

@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.state import KVStore, StoreSpec, init_store, store_shardings
+from hisparse_jax.memory import Cost
 from hisparse_jax.model import moe
 
 
@@ -58,6 +59,18 @@ def check_mesh(mesh) -> str:
     if not isinstance(mesh, Mesh) or len(mesh.axis_names) != 1:
         raise ValueError(f"mesh must be a one-axis jax.sharding.Mesh (e.g. parallel.data_mesh(n)), got {mesh!r}")
     return mesh.axis_names[0]
+
+
+def replica_cost(state, mesh: Mesh, *, expert_parallel: bool = False) -> Cost:
+    """The memory account's entry for the model's parameters (`state`: the split model's arrays) on each device of
+    `mesh`: a replica each, or with `expert_parallel` the routed experts' 1/N share and the rest replicated."""
+    n = num_ranks(mesh)
+    total = sum(int(x.nbytes) for x in jax.tree.leaves(state))
+    if expert_parallel:
+        experts = sum(int(x.nbytes) for path, x in jax.tree_util.tree_leaves_with_path(state)
+                      if "experts" in jax.tree_util.keystr(path))
+        total -= experts - experts // n
+    return Cost("the model's parameters (one copy per device)", total, "device", f"{n} devices of the mesh")
 
 
 def is_local(mesh: Mesh) -> bool:

@@ -66,8 +66,8 @@ def test_too_few_rows_is_the_demos_error_before_any_model(no_model, capsys, argv
 def test_too_many_rows_for_the_machine_is_the_demos_error(no_model, capsys):
     assert cli.main(["demo", "--hot-rows", str(demo.MAX_HOT_ROWS), "--plot", ""]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"hisparse demo: error: --hot-rows {demo.MAX_HOT_ROWS} must be <= ") and "hot buffers' state" \
-        in err, err
+    assert err.startswith(f"hisparse demo: error: --hot-rows {demo.MAX_HOT_ROWS} must be <= ") and "hot-buffer resolve " \
+        "temporaries" in err, err
 
 
 def test_budgets_carry_the_hot_rows():

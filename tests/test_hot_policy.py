@@ -258,7 +258,7 @@ def test_bad_hot_policies_are_refused():
                       (float("nan"), "must be finite, got nan")):
         with pytest.raises(ValueError, match="hot_ema_beta " + why):
             hj.CacheConfig(hot_policy="score_ema", hot_ema_beta=beta)
-    assert hj.CacheConfig(hot_ema_beta=np.float32(0.5)).hot_ema_beta == 0.5  # numpy numbers are numbers
+    assert hj.CacheConfig(hot_policy="score_ema", hot_ema_beta=np.float32(0.5)).hot_ema_beta == 0.5  # numpy numbers
     with pytest.raises(ValueError, match="hot_policy must be the capacity's"):
         BIG.replace(capacity=BIG).replace(hot_policy="score_ema")
 

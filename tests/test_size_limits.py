@@ -186,8 +186,8 @@ def test_a_store_past_the_machine_memory(library):
     """A hot buffer of 10^10 rows is refused when the store is made, before any array of it is allocated, naming
     the array and the field it follows (a hot buffer larger than the device pool is allowed: such a request
     never tiers, and preempt / offload use none; what cannot be is a store larger than the memory)."""
-    _refused(library["hot_rows"], "the KV store needs", "largest array is hot_token", "sized by hot_rows x max_seqs",
-             "hot_rows=10000000000")
+    _refused(library["hot_rows"], "the KV store needs", "largest part is the store's hot_token",
+             "sized by hot_rows=10,000,000,000 x max_seqs=8")
 
 
 @pytest.mark.parametrize("case", ["prefill_long", "export_long"])

@@ -109,6 +109,15 @@ class EngineConfig:
                              f"{self.prefill!r}, prefix_caching={self.prefix_caching}): prompt rows written "
                              "through the store in chunks are not carried by the speculative step yet")
 
+    @property
+    def max_step_rows(self) -> int:
+        """Batch rows of the largest step this engine can run (its bucket): every running request's decode rows
+        (k + 1 each with speculative decoding) and a prefill chunk's rows, padded to a power of two >= min_bucket.
+        The memory account counts the step's temporaries at this size (`kv.state.store_costs`)."""
+        rows = self.max_running * (self.speculative_tokens + 1)
+        rows += self.prefill_chunk if self.prefill == "chunked" else 0
+        return max(self.min_bucket, 1 << (rows - 1).bit_length())
+
 
 class UnknownRequest(KeyError):
     """A request id this engine never saw."""
@@ -155,11 +164,27 @@ class StepWork:
     speculative: bool = False  # this step's decode rows go through `_speculative_step` (one device only)
 
 
+def check_engine_args(model, cache, config) -> None:
+    """The Engine's (and MeshEngine's) arguments by type, and a speculative_tokens given twice in conflict: the
+    engine's `EngineConfig.speculative_tokens` is the one that counts (it sets its store's); a CacheConfig that
+    says otherwise is refused rather than silently replaced."""
+    for name, value, kind in (("model", model, SparseMLAModel), ("cache", cache, CacheConfig),
+                              ("config", config, EngineConfig)):
+        if not isinstance(value, kind):
+            raise TypeError(f"Engine: {name} must be a {kind.__name__}, got {type(value).__name__}")
+    if cache.speculative_tokens not in (0, config.speculative_tokens):
+        raise ValueError(f"CacheConfig.speculative_tokens={cache.speculative_tokens} conflicts with "
+                         f"EngineConfig.speculative_tokens={config.speculative_tokens}: an engine's speculative "
+                         f"decoding is set by its EngineConfig (which sets its store's); set "
+                         f"EngineConfig(speculative_tokens={cache.speculative_tokens}) or leave the CacheConfig's 0")
+
+
 class Engine:
     def __init__(self, model: SparseMLAModel, cache: CacheConfig, config: EngineConfig = EngineConfig(), *,
                  store_owner=OneStore):
         """store_owner(manager) -> the object that holds this engine's KVStore (`OneStore`, or a rank of a
         `MeshEngine`'s stacked store)."""
+        check_engine_args(model, cache, config)
         self.model, self.config = model, config
         # the device side: the model split once, the kernels ("pallas" needs a GPU backend: refused here, never a
         # silent fallback), one jitted decode-and-sample call per step
@@ -169,7 +194,8 @@ class Engine:
             raise ValueError(f"speculative_tokens={self.k} needs the model's MTP layer: build it with "
                              "SparseMLAModel(cfg, mtp=True) or load_pretrained(path, mtp=True)")
         cache = policy_cache(cache, config.policy, config.max_running, self.k)
-        self.manager = TieredCache(model.cfg, cache, victim_order=COLDNESS[config.coldness])
+        self.manager = TieredCache(model.cfg, cache, victim_order=COLDNESS[config.coldness],
+                                   step_rows=config.max_step_rows)
         tiered.check_backend(self.manager.spec, config.kernels)
         self.manager.partial_eviction = config.policy == "hisparse"
         self.manager.prefix_caching = config.prefix_caching

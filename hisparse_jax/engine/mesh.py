@@ -28,13 +28,17 @@ import json
 import time
 
 import jax
+from flax import nnx
 
 from hisparse_jax import parallel
 from hisparse_jax.config import CacheConfig
-from hisparse_jax.engine.engine import Engine, EngineConfig, UnknownRequest, run_prompts, sum_counts, summarize
+from hisparse_jax.engine.engine import (Engine, EngineConfig, UnknownRequest, check_engine_args, run_prompts,
+                                       sum_counts, summarize)
 from hisparse_jax.engine.request import Request, SamplingParams
 from hisparse_jax.engine.runner import TRACE_COUNTS, MeshRunner
+from hisparse_jax.engine.scheduler import policy_cache
 from hisparse_jax.kv import device as kv_device
+from hisparse_jax.kv.state import StoreSpec, check_store_memory
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.results import EngineMetrics, StepMetrics
 
@@ -87,8 +91,14 @@ class MeshEngine:
         if config.speculative_tokens:
             raise ValueError(f"speculative_tokens={config.speculative_tokens}: MeshEngine does not carry speculative "
                              "decoding yet (use Engine on one device)")
+        check_engine_args(model, cache, config)
         self.model, self.config, self.mesh = model, config, mesh
         self.n = parallel.num_ranks(mesh)
+        # every device's store, step and model copy, checked before any rank's bookkeeping or store exists
+        check_store_memory(StoreSpec.create(model.cfg, policy_cache(cache, config.policy, config.max_running)),
+                           step_rows=config.max_step_rows, ranks=self.n,
+                           also=(parallel.replica_cost(nnx.state(model), mesh,
+                                                       expert_parallel=config.expert_parallel),))
         rank_config = dataclasses.replace(config, log_path=None)  # the mesh logs one line per step, ranks inside
         self.engines = [Engine(model, cache, rank_config, store_owner=lambda c, r=r: RankStore(self, r))
                         for r in range(self.n)]

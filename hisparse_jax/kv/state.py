@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from hisparse_jax.memory import abstract, device_memory_bytes, host_memory_bytes, memory_name
+from hisparse_jax.memory import Cost, abstract, check_account
 from hisparse_jax.units import PAGE_SIZE
 
 from hisparse_jax.kv.spec import FP8_BLOCK, MXFP4_BLOCK, SUMMARY_DTYPE, StoreSpec  # noqa: F401  (re-exported)
@@ -124,19 +124,13 @@ def device_sharding(device=None) -> SingleDeviceSharding:
 
 def store_shardings(spec: StoreSpec, device=None) -> KVStore:
     """A KVStore of shardings: host pools (and with index_tier="host" the indexer keys) in pinned_host memory,
-    everything else on the device."""
-    d, h = device_sharding(device), host_sharding(device)
-    host_keys = spec.index_tier == "host"
-    k = h if host_keys else d
-    return KVStore(spec=spec, latent=d, rope=d, index_k=k, h_latent=h, h_rope=h, block_table=d, host_table=d,
-                   index_table=d, seq_lens=d, hot_pages=d, hot_token=d, hot_stamp=d, clock=d, page_stamp=d,
-                   latent_scale=d if spec.fp8 else None, index_scale=k if spec.index_scaled else None,
-                   h_latent_scale=h if spec.fp8 else None, index_ema=d if spec.hot_policy == "score_ema" else None,
-                   index_lo=d if host_keys else None, index_hi=d if host_keys else None)
+    everything else on the device (`store_memory_kinds`)."""
+    by_kind = {"device": device_sharding(device), "host": host_sharding(device)}
+    return jax.tree.map(by_kind.get, store_memory_kinds(spec))
 
 
-def init_store(spec: StoreSpec, device=None) -> KVStore:
-    """An empty store: zeroed pools (host pools in pinned_host memory), tables of -1."""
+def store_shapes(spec: StoreSpec) -> KVStore:
+    """A KVStore of (shape, dtype) pairs (None where the spec has no such array): what `init_store` allocates."""
     L, LI, P, PI = spec.num_layers, spec.num_index_layers, spec.device_pages, spec.index_pages
     # a host tier of no pages (preempt never offloads) still has one physical page, never lent: the step's miss
     # path gathers from the host pools whatever the policy, and a gather from an empty axis cannot be traced
@@ -154,7 +148,7 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
     }.get(spec.index_dtype, ((LI, PI, PAGE_SIZE, dI), None))
     index_k = (key_shape, as_stored(kvals))
     index_scale = None if svals is None else (scale_shape, as_stored(svals))
-    shapes = KVStore(
+    return KVStore(
         spec=spec, latent=((L, P, PAGE_SIZE, C), kdt), rope=((L, P, PAGE_SIZE, R), vdt),
         index_k=index_k, h_latent=((L, PH, PAGE_SIZE, C), host_dtype(kdt)),
         h_rope=((L, PH, PAGE_SIZE, R), host_dtype(vdt)), block_table=((Rq, spec.max_pages), jnp.int32),
@@ -168,9 +162,14 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
         index_lo=((LI, PI, dI), SUMMARY_DTYPE) if host_keys else None,
         index_hi=((LI, PI, dI), SUMMARY_DTYPE) if host_keys else None,
     )
+
+
+def init_store(spec: StoreSpec, device=None) -> KVStore:
+    """An empty store: zeroed pools (host pools in pinned_host memory), tables of -1."""
+    shapes = store_shapes(spec)
     shardings = store_shardings(spec, device)
     if not abstract():
-        check_store_memory(spec, shapes, shardings, device)
+        check_store_memory(spec, device=device)
     minus_one = {"block_table", "host_table", "index_table", "hot_pages", "hot_token", "hot_stamp", "page_stamp"}
     out = {}
     for f in dataclasses.fields(KVStore):
@@ -187,38 +186,78 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
     return KVStore(spec=spec, **out)
 
 
-# the CacheConfig fields each array's size follows (named when a store cannot fit)
-_SIZED_BY = {"latent": "device_pages", "rope": "device_pages", "latent_scale": "device_pages",
-             "index_k": "index_pages", "index_scale": "index_pages", "index_ema": "index_pages",
-             "index_lo": "index_pages", "index_hi": "index_pages",
-             "h_latent": "host_pages", "h_rope": "host_pages", "h_latent_scale": "host_pages",
-             "hot_token": "hot_rows x max_seqs", "hot_stamp": "hot_rows x max_seqs", "hot_pages": "hot_rows x max_seqs"}
+# the CacheConfig fields each array's size follows (named when an account does not fit)
+_SIZED_BY = {"latent": ("device_pages",), "rope": ("device_pages",), "latent_scale": ("device_pages",),
+             "index_k": ("index_pages",), "index_scale": ("index_pages",), "index_ema": ("index_pages",),
+             "index_lo": ("index_pages",), "index_hi": ("index_pages",),
+             "h_latent": ("host_pages",), "h_rope": ("host_pages",), "h_latent_scale": ("host_pages",),
+             "hot_token": ("hot_rows", "max_seqs"), "hot_stamp": ("hot_rows", "max_seqs"),
+             "hot_pages": ("hot_rows", "max_seqs")}
+
+# Temporaries of the step's hot-buffer resolve per (step row x hot slot): each row resolves against its request's
+# whole hot buffer (`pallas_kernels/sparse_gather/reference.py`: the slots' tags and stamps gathered per row,
+# sorted twice, ranked), so the step's temporaries grow as step rows x hot_rows. XLA's memory analysis (CPU) of
+# the resolver alone gives 41.1 bytes per row and slot (B 16-256, hot_rows 4096-65536); of the compiled engine
+# step, 39-59 (demo-glm, two indexer groups, B 8-32, hot_rows 4096-131072) and 40.1 (a one-layer model,
+# `tests/test_red_team.py::test_step_temporaries_formula`, which keeps the bound honest).
+RESOLVE_BYTES_PER_ROW_SLOT = 64
+# host bookkeeping per page of each pool (`kv.pool.PagePool`): an int32 refcount, and an int64 count while the
+# invariants are checked
+POOL_BYTES_PER_PAGE = 4 + 8
 
 
-def check_store_memory(spec: StoreSpec, shapes: KVStore, shardings: KVStore, device=None) -> None:
-    """Refuse (ValueError), before any is allocated, a store whose device arrays exceed the device's memory or whose
-    pinned-host pools exceed this machine's RAM (`hisparse_jax.memory`), naming the largest array and the
-    CacheConfig field its size follows. (On a CPU both are RAM, so they are counted together.)"""
-    dev = device if device is not None else jax.devices()[0]
-    sizes = {"device": {}, "host": {}}
+def _sizes(spec: StoreSpec, names: tuple[str, ...]) -> str:
+    values = {"max_seqs": spec.max_seqs, "max_seq_len": spec.max_pages * PAGE_SIZE}
+    return " x ".join(f"{n}={values.get(n, getattr(spec, n, None)):,}" for n in names)
+
+
+def store_costs(spec: StoreSpec, *, step_rows: int = 0) -> list[Cost]:
+    """The memory account of a store of geometry `spec`, pure arithmetic (nothing is allocated): its arrays
+    (`store_shapes`: device pools, tables and hot-buffer state on the device; pinned-host pools in RAM), the host
+    bookkeeping `kv.manager.TieredCache` keeps (`PagePool`'s per-page counts, the per-page recency stamps), and
+    with `step_rows` > 0 the temporaries a step of that many batch rows makes in resolving them against the hot
+    buffers (`RESOLVE_BYTES_PER_ROW_SLOT`)."""
+    shapes, kinds = store_shapes(spec), store_memory_kinds(spec)
+    out = []
     for f in dataclasses.fields(KVStore):
         sd = None if f.name == "spec" else getattr(shapes, f.name)
-        if sd is not None:
-            where = "host" if getattr(shardings, f.name).memory_kind == "pinned_host" else "device"
-            sizes[where][f.name] = int(np.prod(sd[0], dtype=object)) * np.dtype(sd[1]).itemsize
-    if dev.platform == "cpu":
-        sizes = {"device": {**sizes["device"], **sizes["host"]}, "host": {}}
-    for where, limit, name in (("device", device_memory_bytes(dev), memory_name(dev)),
-                               ("host", host_memory_bytes(), "this machine's physical RAM (the pinned-host pools)")):
-        total = sum(sizes[where].values())
-        if limit is None or total <= limit:
+        if sd is None:
             continue
-        big = max(sizes[where], key=sizes[where].get)
-        raise ValueError(f"the KV store needs {total:,} bytes ({total / 2**30:,.1f} GiB), more than the {limit:,} of "
-                         f"{name}; its largest array is {big} ({sizes[where][big]:,} bytes, sized by "
-                         f"{_SIZED_BY.get(big, 'max_seqs x max_seq_len')}: device_pages={spec.device_pages}, "
-                         f"host_pages={spec.host_pages}, index_pages={spec.index_pages}, hot_rows={spec.hot_rows}, "
-                         f"max_seqs={spec.max_seqs}, max_pages={spec.max_pages})")
+        n = int(np.prod(sd[0], dtype=object)) * np.dtype(sd[1]).itemsize
+        out.append(Cost(f"the store's {f.name}", n, getattr(kinds, f.name),
+                        _sizes(spec, _SIZED_BY.get(f.name, ("max_seqs", "max_seq_len")))))
+    pages = spec.device_pages + spec.index_pages + spec.host_pages
+    out.append(Cost("the page pools' bookkeeping", POOL_BYTES_PER_PAGE * pages, "host",
+                    _sizes(spec, ("device_pages", "index_pages", "host_pages")).replace(" x ", " + ")))
+    out.append(Cost("the per-page recency stamps", 4 * spec.max_seqs * spec.max_pages, "host",
+                    _sizes(spec, ("max_seqs", "max_seq_len"))))
+    if step_rows:
+        n = RESOLVE_BYTES_PER_ROW_SLOT * step_rows * spec.hot_rows
+        out.append(Cost("the step's hot-buffer resolve temporaries", n, "device",
+                        f"{_sizes(spec, ('hot_rows',))} x {step_rows} step rows"))
+    return out
+
+
+def store_memory_kinds(spec: StoreSpec) -> KVStore:
+    """Where each store array lives, without a device: a KVStore of "device" / "host" (None where the spec has no
+    such array): host pools (and with index_tier="host" the indexer keys) in pinned-host memory."""
+    d, h = "device", "host"
+    k = h if spec.index_tier == "host" else d
+    summary = d if spec.index_tier == "host" else None
+    return KVStore(spec=spec, latent=d, rope=d, index_k=k, h_latent=h, h_rope=h, block_table=d, host_table=d,
+                   index_table=d, seq_lens=d, hot_pages=d, hot_token=d, hot_stamp=d, clock=d, page_stamp=d,
+                   latent_scale=d if spec.fp8 else None, index_scale=k if spec.index_scaled else None,
+                   h_latent_scale=h if spec.fp8 else None, index_ema=d if spec.hot_policy == "score_ema" else None,
+                   index_lo=summary, index_hi=summary)
+
+
+def check_store_memory(spec: StoreSpec, *, step_rows: int = 0, ranks: int = 1, also: tuple[Cost, ...] = (),
+                       device=None) -> None:
+    """Refuse (ValueError), before any of it exists, a store whose account (`store_costs`, plus `also`: e.g. the
+    model's replicas on a mesh) does not fit: per device against the device's memory, `ranks` stores' host
+    parts against this machine's RAM (`memory.check_account`), naming the bytes, the limit, the largest part and
+    the CacheConfig sizes it follows."""
+    check_account("the KV store", store_costs(spec, step_rows=step_rows) + list(also), device=device, ranks=ranks)
 
 
 def store_nbytes(store: KVStore) -> dict[str, int]:

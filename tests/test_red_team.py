@@ -1,0 +1,304 @@
+"""Red-team regressions (issue 50): every size a user sets is checked against what it will cost before anything of
+that size exists, and every bad argument of the library, the engine and the CLI is one clear refusal.
+
+Each size is set to 10^9 or more (each CLI count to 1e9 / 1e30) in a child process under an address-space limit
+(`LIMIT`): a refusal must come within `FAST_S` with the child's peak RSS under `PEAK_MB` and one line naming the
+size, its bytes and the limit. An allocation of a refused size would instead end in a MemoryError, an XLA
+out-of-memory error or the limit's kill, which the assertions name. The cases run in two children (the library and
+the engine; the CLI) and one for `--devices 256`, whose 256 host devices must be made before jax starts.
+
+The memory account these refusals come from (`kv.state.store_costs`, `memory.check_account`) counts the store's
+arrays, the host bookkeeping and the step's hot-buffer resolve temporaries; `test_step_temporaries_formula` checks
+the last against XLA's memory analysis of the compiled engine step."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from hisparse_jax import calc
+from hisparse_jax.config import CacheConfig, ModelConfig
+from hisparse_jax.engine.runner import _jitted_step_and_sample
+from hisparse_jax.kv.spec import StoreSpec
+from hisparse_jax.kv.state import RESOLVE_BYTES_PER_ROW_SLOT, init_store
+from hisparse_jax.model.decoder import SparseMLAModel
+
+LIMIT = 4 << 30  # RLIMIT_AS of the children: jax needs ~2 GiB of address space to start
+FAST_S = 10.0  # seconds a refusal may take
+PEAK_MB = 2500  # the child's peak RSS, jax and a micro model included
+
+MICRO = dict(model_type="glm_moe_dsa", vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+             num_attention_heads=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+             v_head_dim=8, index_n_heads=1, index_head_dim=8, index_topk=8, mlp_layer_types=("dense",),
+             dtype="float32")
+
+_PRELUDE = f"""
+import contextlib, io, json, resource, sys, time, traceback
+resource.setrlimit(resource.RLIMIT_AS, ({LIMIT}, {LIMIT}))
+results = {{}}
+
+def attempt(name, fn):
+    t0 = time.perf_counter()
+    out = {{"error": None, "message": ""}}
+    try:
+        value = fn()
+        if isinstance(value, dict):
+            out.update(value)
+    except BaseException as e:
+        out = {{"error": type(e).__name__, "message": str(e)}}
+    out.update(seconds=time.perf_counter() - t0,
+               peak_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    results[name] = out
+"""
+
+# sizes of 10^9 and more, each through generate and the engine (the engine's request slots are its max_running)
+SIZES = {"max_seq_len": 64 * 10**9, "index_pages": 10**10, "host_pages": 2 * 10**9, "max_seqs": 10**9,
+         "device_pages": 10**9, "hot_rows": 10**9}
+ENGINE_COUNTS = {"max_running": 10**9, "prefill_chunk": 10**9, "min_bucket": 10**9}
+
+_LIBRARY = _PRELUDE + f"""
+import jax
+from flax import nnx
+import hisparse_jax as hj
+from hisparse_jax.config import CacheConfig, ModelConfig
+from hisparse_jax.engine import Engine, EngineConfig, MeshEngine
+from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.spec import StoreSpec
+from hisparse_jax.kv.state import check_store_memory
+from hisparse_jax.memory import host_memory_bytes
+from hisparse_jax.parallel import data_mesh
+
+cfg = ModelConfig(**{MICRO!r})
+model = hj.SparseMLAModel(cfg, rngs=nnx.Rngs(0))
+prompts = [[1, 2, 3]]
+for name, value in {SIZES!r}.items():
+    cache = lambda: CacheConfig(**{{name: value}})
+    attempt("generate " + name, lambda: hj.generate(model, prompts, 2, cache=cache()))
+    if name != "max_seqs":  # an engine's request slots are its max_running (below)
+        attempt("engine " + name, lambda: Engine(model, cache()))
+attempt("manager max_seqs", lambda: TieredCache(cfg, CacheConfig(max_seqs=10**9)))
+# the issue's case: 10^7 hot rows pass a count of the store alone; the engine's step resolves each of its 512
+# batch rows against a request's whole hot buffer
+attempt("engine hot_rows 1e7", lambda: Engine(model, CacheConfig(hot_rows=10**7)))
+for name, value in {ENGINE_COUNTS!r}.items():
+    attempt("engine " + name, lambda: Engine(model, CacheConfig(), EngineConfig(**{{name: value}})))
+# a host pool of 40 % of the RAM fits one device; four devices' pools do not
+hp = int(0.4 * host_memory_bytes() / StoreSpec.create(cfg, CacheConfig()).page_bytes)
+attempt("one device host_pages", lambda: check_store_memory(StoreSpec.create(cfg, CacheConfig(host_pages=hp))))
+mesh = data_mesh(4)
+attempt("mesh generate host_pages", lambda: hj.generate(model, prompts * 4, 2, cache=CacheConfig(host_pages=hp),
+                                                        mesh=mesh))
+attempt("mesh engine host_pages", lambda: MeshEngine(model, CacheConfig(host_pages=hp), mesh=mesh))
+# arguments of the wrong kind, and values one field contradicts
+attempt("generate cache=dict", lambda: hj.generate(model, prompts, 2, cache={{"device_pages": 8}}))
+attempt("engine cache=None", lambda: Engine(model, None))
+attempt("engine speculative conflict", lambda: Engine(model, CacheConfig(speculative_tokens=2)))
+attempt("hot_ema_beta with lru", lambda: CacheConfig(hot_ema_beta=0.5))
+attempt("index_budget_pages above index_pages",
+        lambda: CacheConfig(index_tier="host", index_pages=4, index_budget_pages=8))
+print(json.dumps(results))
+"""
+
+_CLI = _PRELUDE + """
+import jax
+from hisparse_jax.cli import main
+from hisparse_jax.train import data
+from hisparse_jax import checkpoints
+from hisparse_jax.config import ModelConfig
+
+jax.devices(), data.load_corpus(), ModelConfig.from_hf_config(checkpoints.resolve(checkpoints.DEFAULT))
+
+def cli(argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(argv)
+    return {"rc": rc, "stderr": err.getvalue()}
+
+for name, argv in json.loads(sys.argv[1]).items():
+    attempt(name, lambda: cli(argv))
+print(json.dumps(results))
+"""
+
+# (argv, the option the one error line names); demo cases on the default model and on demo-glm
+DEMO = {
+    "hot_rows": (["--hot-rows", "100000000"], "--hot-rows 100000000 must be <= "),
+    "hot_rows_preset": (["--preset", "demo-glm", "--hot-rows", "1000000000"], "--hot-rows 1000000000 must be <= "),
+    "device_requests": (["--device-requests", "5000"], "--device-requests 5000 must be <= "),
+    "device_requests_1e9": (["--device-requests", "1e9"], "--device-requests 1e+09 must be <= "),
+    "device_requests_tiny": (["--device-requests", "1e-300"], "--device-requests 1e-300 (0 bytes) is too small"),
+    "requests": (["--preset", "demo-glm", "--requests", "1000000000"], "--requests 1000000000 must be <= "),
+    "prefill_chunk": (["--preset", "demo-glm", "--prefill", "chunked", "--prefill-chunk", "1000000000"],
+                      "--prefill-chunk 1000000000 must be <= "),
+}
+CALC_COUNTS = ("--dp", "--tp", "--hot-rows", "--groups", "--retained", "--other", "--max-seqs", "--top-k")
+CALC = {
+    "seq 1e30": (["--seq", "1e30"], "argument --seq: not a token count: '1e30'"),
+    "seq 1e3k": (["--seq", "1e3k"], "argument --seq: not a token count: '1e3k'"),
+    "seq 10^12": (["--seq", "1000000000000"], "argument --seq: sequence length must be a positive number of tokens"),
+    "top-k past the hot rows": (["--top-k", "2000000", "--seq", "1m"], "top_k (2000000) must be <= hot_rows (4096)"),
+    "host-gib 1e30": (["--host-gib", "1e30"], "argument --host-gib: host_gib must be a number >= 0 and <= "),
+    "link 1e30": (["--link-gb-per-s", "1e30"], "argument --link-gb-per-s: link_gb_per_s must be a finite number"),
+    **{f"{opt} {v}": ([opt, v], f"argument {opt}: {opt[2:].replace('-', '_')} must be "
+                      + ("a whole number" if "e" in v else "<= "))
+       for opt in CALC_COUNTS for v in ("1e9", "1e30", "1" + "0" * 30)},
+}
+
+
+def _child(script: str, *args: str, devices: int = 4, timeout: float = 300) -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    p = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout,
+                       env=env)
+    assert p.returncode == 0 and p.stdout.strip(), f"child failed ({p.returncode}): {p.stderr[-3000:]}"
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def library():
+    return _child(_LIBRARY)
+
+
+@pytest.fixture(scope="module")
+def cli():
+    cases = {f"demo {k}": ["demo", "--plot", "", *argv] for k, (argv, _) in DEMO.items()}
+    cases.update({f"calc {k}": ["calc", *argv] for k, (argv, _) in CALC.items()})
+    return _child(_CLI, json.dumps(cases), devices=1)
+
+
+def _quick(r: dict) -> None:
+    assert r["seconds"] < FAST_S and r["peak_mb"] < PEAK_MB, r
+
+
+def _refused(r: dict, kind: str, *words: str) -> str:
+    assert r["error"] == kind, r
+    msg = r["message"]
+    assert "\n" not in msg and all(w in msg for w in words), msg
+    _quick(r)
+    return msg
+
+
+@pytest.mark.parametrize("where, name", [(w, n) for n in sorted(SIZES) for w in ("generate", "engine")
+                                         if (w, n) != ("engine", "max_seqs")])  # an engine's: its max_running
+def test_a_size_past_the_memory_is_refused_before_it_exists(library, where, name):
+    msg = _refused(library[f"{where} {name}"], "ValueError", "the KV store needs", "bytes", "more than the",
+                   "sized by")
+    need, have = (int(x.replace(",", "")) for x in re.search(r"needs ([\d,]+) bytes .* the ([\d,]+) bytes", msg)
+                  .groups())
+    assert need > have, msg
+    # the message names the size as set (thousands separated)
+    shown = f"{SIZES[name]:,}" if name != "max_seq_len" else f"max_seq_len={SIZES[name]:,}"
+    assert shown in msg, msg
+
+
+def test_the_manager_counts_before_it_allocates(library):
+    _refused(library["manager max_seqs"], "ValueError", "the KV store needs", "max_seqs=1,000,000,000")
+
+
+def test_the_engine_counts_its_step_temporaries(library):
+    """The issue's case: 10^7 hot rows fit as a store (2.6 GB here) but not the step that resolves each of the
+    engine's 512 batch rows against them, which XLA failed to allocate (80 GB) at run time."""
+    _refused(library["engine hot_rows 1e7"], "ValueError", "the largest part is the step's hot-buffer resolve "
+             "temporaries", "hot_rows=10,000,000 x 512 step rows")
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_COUNTS))
+def test_engine_counts_are_counted(library, name):
+    _refused(library[f"engine {name}"], "ValueError", "the KV store needs", "1,0")
+
+
+def test_every_device_is_counted(library):
+    """A host pool that one device's store fits is refused for four: the account is per device."""
+    assert library["one device host_pages"]["error"] is None, library["one device host_pages"]
+    for case in ("mesh generate host_pages", "mesh engine host_pages"):
+        _refused(library[case], "ValueError", "the KV store needs", "(4 devices' share)", "host_pages=")
+
+
+@pytest.mark.parametrize("case, kind, words", [
+    ("generate cache=dict", "TypeError", "generate: cache must be a CacheConfig or None (contiguous KV), got dict"),
+    ("engine cache=None", "TypeError", "Engine: cache must be a CacheConfig, got NoneType"),
+    ("engine speculative conflict", "ValueError", "CacheConfig.speculative_tokens=2 conflicts with "
+                                                  "EngineConfig.speculative_tokens=0"),
+    ("hot_ema_beta with lru", "ValueError", "hot_ema_beta is hot_policy='score_ema''s weight"),
+    ("index_budget_pages above index_pages", "ValueError", "index_budget_pages (8) must be <= index_pages (4)"),
+])
+def test_unclear_arguments_are_clear_refusals(library, case, kind, words):
+    _refused(library[case], kind, words)
+
+
+@pytest.mark.parametrize("case", sorted(DEMO))
+def test_demo_sizes_are_refused_up_front(cli, case):
+    r = cli[f"demo {case}"]
+    assert r["error"] is None and r["rc"] == 2, r
+    err = r["stderr"]
+    assert "Traceback" not in err and err.count("\n") == 1, err  # one line
+    assert err.startswith(f"hisparse demo: error: {DEMO[case][1]}"), err
+    _quick(r)
+
+
+@pytest.mark.parametrize("case", sorted(CALC))
+def test_calc_values_are_bounded(cli, case):
+    r = cli[f"calc {case}"]
+    assert r["error"] is None and r["rc"] == 2, r
+    err = r["stderr"]
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("hisparse calc: error: "), err
+    assert CALC[case][1] in err, err
+    _quick(r)
+
+
+def test_calc_library_refuses_what_is_no_count():
+    for kw, words in ((dict(seq=1e30), "seq must be a whole number"), (dict(dp=2.5), "dp must be a whole number"),
+                      (dict(seq=10**12), "seq must be <= "), (dict(top_k=8192), "top_k (8192) must be <= hot_rows")):
+        with pytest.raises(calc.CalcError, match=re.escape(words)):
+            calc.capacity(calc.CalcInput(**kw))
+
+
+def test_demo_devices_256_is_refused_before_any_engine():
+    """`--devices 256`, the option's documented maximum: the account counts every device's store, step and model
+    copy (it used to pass a check of the stores alone, then run 256 engines to 6.5 GB and die)."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # 256 host devices' threads need more
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "hisparse_jax.cli", "demo", "--devices", "256", "--plot", ""],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=limit,
+                         env={**env, "JAX_PLATFORMS": "cpu"})
+    _, err = p.communicate(timeout=120)
+    seconds = time.perf_counter() - t0
+    assert p.returncode == 2, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    assert re.match(r"hisparse demo: error: --(devices 256|requests 16) must be <= \d+ on this machine: "
+                    r"the workload needs [\d,]+ bytes", err), err
+    assert seconds < 60, seconds  # jax making 256 host devices takes a few seconds
+
+
+def test_step_temporaries_formula():
+    """`RESOLVE_BYTES_PER_ROW_SLOT` against XLA's memory analysis of the compiled engine step (micro model, one
+    indexer group): the temporaries that grow with hot_rows, per step row and hot slot, are at most the constant
+    and more than half of it (the account neither misses nor grossly overstates them)."""
+    cfg = ModelConfig(**MICRO)
+    g, state = nnx.split(SparseMLAModel(cfg, rngs=nnx.Rngs(0)))
+    step = _jitted_step_and_sample(g, "reference")
+    B, temps = 16, {}
+    for hr in (1024, 16384):
+        store = init_store(StoreSpec.create(cfg, CacheConfig(device_pages=8, host_pages=8, max_seqs=4,
+                                                             max_seq_len=512, hot_rows=hr)))
+        i32 = np.zeros(B, np.int32)
+        batch = {"tokens": i32, "req": i32, "pos": i32, "index_span": np.zeros(8, np.int32)}
+        sampling = {"rows": i32, "seed": np.zeros(B, np.uint32), "pos": i32,
+                    "temperature": np.zeros(B, np.float32), "top_p": np.ones(B, np.float32)}
+        stats = step.lower(state, store, batch, sampling).compile().memory_analysis()
+        if stats is None:
+            pytest.skip("this backend gives no memory analysis")
+        temps[hr] = stats.temp_size_in_bytes
+    per = (temps[16384] - temps[1024]) / (B * (16384 - 1024))
+    assert RESOLVE_BYTES_PER_ROW_SLOT / 2 < per <= RESOLVE_BYTES_PER_ROW_SLOT, (per, temps)
