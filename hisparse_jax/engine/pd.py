@@ -22,7 +22,10 @@ damaged file, another format or version, tensors of the wrong count; and, from a
 check, `check_export`): an export made by a model whose config differs from the engine's (naming the differing
 fields) or that carries no config, tensors of the wrong shape or dtype (tokens not int32, KV rows not one
 floating dtype — integer latents would be truncated silently —, last_logits not float32), token ids outside the
-vocabulary, and NaN / Inf in the KV rows or in `last_logits` (naming the tensor, the count and the first place).
+vocabulary, a prompt that leaves no position for a new token (max_position_embeddings), and NaN / Inf in the KV
+rows or in `last_logits` (naming the tensor, the count and the first place). A file's shapes and prompt length are
+checked from its header before any payload is read or hashed. `export_prefill` refuses such a prompt, and a
+destination that is a folder (naming it), before it runs the forward.
 
 The decode engine admits an imported request like a whole-prompt prefill: under "hisparse" its pages land all
 resident when the device pool has room, otherwise its older pages go straight to the host tier (only the tail
@@ -34,14 +37,16 @@ the store's own, allocated by `TieredCache` — the file carries positions, neve
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import struct
 
 import numpy as np
 
 from hisparse_jax.config import ModelConfig
 from hisparse_jax.integrity import CheckpointError, digest, writing
-from hisparse_jax.model.safetensors_io import CHECKSUM_KEY, read_safetensors
+from hisparse_jax.model.safetensors_io import CHECKSUM_KEY, MAX_HEADER_BYTES, read_safetensors
 from hisparse_jax.validation import check_prompt
 
 FORMAT = "hisparse_jax.prefill_export"
@@ -126,8 +131,9 @@ def _check_export(where: str, tokens, arrays: dict, config, cfg: ModelConfig) ->
             raise CheckpointError(f"{where}: {name} is a {type(a).__name__}, not an array")
         got[name] = tuple(a.shape)
     bad = [f"tensor {k!r} has shape {got[k]}, expected {v}" for k, v in _shapes(cfg, T).items() if got[k] != v]
-    if T < 1 or bad:
-        raise CheckpointError(f"{where}: does not fit this model: {'; '.join(bad) or 'no tokens'}")
+    problem = "; ".join(bad) or ("no tokens" if T < 1 else _positions_problem(T, cfg))
+    if problem:
+        raise CheckpointError(f"{where}: does not fit this model: {problem}")
     logits_dtype = np.dtype(arrays["last_logits"].dtype)
     if (array_tokens and np.dtype(tokens.dtype) != np.int32) or logits_dtype != np.float32:
         raise CheckpointError(f"{where}: tokens must be int32 and last_logits float32 (got "
@@ -164,6 +170,11 @@ def export_prefill(model, tokens, path: str | os.PathLike | None = None) -> Pref
     from hisparse_jax.engine.runner import prefill_rows
 
     tokens = check_prompt("prompt", tokens, model.cfg.vocab_size)
+    problem = _positions_problem(len(tokens), model.cfg)
+    if problem:
+        raise ValueError(f"prompt: {problem}")
+    if path is not None:
+        _check_target(path)  # before the forward, not after it
     last, latent, rope, index_k = prefill_rows(model, tokens)
     T = len(tokens)
     export = PrefillExport(tuple(int(t) for t in tokens), np.asarray(latent)[:, :T], np.asarray(rope)[:, :T],
@@ -188,8 +199,48 @@ def save_export(export: PrefillExport, cfg: ModelConfig, path: str | os.PathLike
                "last_logits": np.ascontiguousarray(export.last_logits, np.float32)}
     meta = {META_KEY: json.dumps({"format": FORMAT, "version": VERSION, "model": export_config(cfg)}),
             CHECKSUM_KEY: json.dumps({n: digest(t) for n, t in tensors.items()})}
+    _check_target(path)
     with writing("a prefill export", path) as path:
         save_file(tensors, path, metadata=meta)
+
+
+def _check_target(path) -> None:
+    """Refuse (IsADirectoryError, naming it) a destination that is a folder: safetensors' own error names no
+    path."""
+    if os.path.isdir(os.fspath(path)):
+        raise IsADirectoryError(errno.EISDIR, f"cannot write a prefill export at {os.fspath(path)}: it is a folder "
+                                "(give a file name, e.g. <folder>/request.safetensors)")
+
+
+def _positions_problem(T: int, cfg: ModelConfig) -> str | None:
+    """What is wrong with a prompt of `T` tokens that leaves no position for a new token under the model's
+    max_position_embeddings (an import of it could never decode), or None."""
+    if T < cfg.max_position_embeddings:
+        return None
+    return (f"{T} tokens leave no position for a new token (max_position_embeddings {cfg.max_position_embeddings}; "
+            f"a prompt has at most {cfg.max_position_embeddings - 1})")
+
+
+def _check_header(path: str, cfg: ModelConfig) -> None:
+    """Refuse (`CheckpointError`) from the safetensors header alone an export whose tensors' shapes do not fit a
+    model of config `cfg` or whose prompt leaves no position for a new token. A header this cannot parse is left
+    to the strict reader (`read_safetensors`), which names what is wrong with it."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > min(MAX_HEADER_BYTES, os.fstat(f.fileno()).st_size - 8):
+                return
+            header = json.loads(f.read(n))
+        shapes = {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+        T = int(shapes["tokens"][0]) if len(shapes.get("tokens", ())) == 1 else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, struct.error):
+        return
+    if T is None or set(shapes) != set(_shapes(cfg, 0)):
+        return  # the full check names it
+    bad = [f"tensor {k!r} has shape {shapes[k]}, expected {v}" for k, v in _shapes(cfg, T).items() if shapes[k] != v]
+    problem = "; ".join(bad) or _positions_problem(T, cfg)
+    if problem:
+        raise CheckpointError(f"{path}: does not fit this model: {problem}")
 
 
 def load_export(path: str | os.PathLike, cfg: ModelConfig) -> PrefillExport:
@@ -197,6 +248,7 @@ def load_export(path: str | os.PathLike, cfg: ModelConfig) -> PrefillExport:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no prefill export at {path}")
+    _check_header(path, cfg)  # what the header alone tells, before any payload is read or hashed
     tensors, meta = read_safetensors(path, with_metadata=True)  # header and checksums checked
     if CHECKSUM_KEY not in meta:
         raise CheckpointError(f"{path}: no per-tensor checksums ({CHECKSUM_KEY}): not a prefill export")
