@@ -550,9 +550,11 @@ class CacheConfig:
       just never tiers (preempt and offload use none). The store's arrays, hot-buffer state included, are checked
       against the machine's memory when the store is made (`kv.state.init_store`).
     max_seqs: request slots in the store; max_seq_len: longest sequence a slot can hold.
-    fetch: host -> device mechanism for misses: "row" (host-side gather of the missing rows into a staging
-      buffer, one H2D copy per chunk of `fetch_chunk` rows) or "page" (whole-page H2D slices, each needed
-      page once, the needed rows kept).
+    fetch: host -> device mechanism for misses: "row" (per indexer group and step, one host-side gather of every
+      missing row of every host pool into one packed staging buffer and one H2D copy of it, at the smallest of
+      the static sizes `fetch_min_rows`, 2x, 4x, ... B x K rows that holds the misses) or "page" (whole-page H2D
+      slices, each needed page once, the needed rows kept).
+    fetch_min_rows: the row fetch's smallest staging size (rows); a value >= B x K stages every step at B x K.
     mirror_to_host: write every new row to its host page as it is appended (eviction then needs no copy).
     miss_attention: "single" (one attention pass over every selected row, after the misses are fetched) or
       "split" (attention over the rows already on the device — resident pages and hot-buffer hits — and over
@@ -588,7 +590,7 @@ class CacheConfig:
       allocated at the capacity's sizes, and the budgets above are limits the host bookkeeping enforces inside
       them, so every budget within one capacity runs the same compiled programs: set one capacity for a process
       (or a sweep) and vary the budgets per experiment. Each budget must be at most the capacity's, and the
-      formats (kv_dtype, index_dtype, fetch, fetch_chunk, mirror_to_host, miss_attention, hot_policy, hot_ema_beta,
+      formats (kv_dtype, index_dtype, fetch, fetch_min_rows, mirror_to_host, miss_attention, hot_policy, hot_ema_beta,
       index_tier, index_budget_pages, speculative_tokens) must match.
     """
 
@@ -601,7 +603,7 @@ class CacheConfig:
     max_seqs: int = 8
     max_seq_len: int = 8192
     fetch: str = "row"
-    fetch_chunk: int = 256
+    fetch_min_rows: int = 256
     mirror_to_host: bool = True
     miss_attention: str = "single"
     hot_policy: str = "lru"
@@ -638,7 +640,7 @@ class CacheConfig:
         elif self.hot_policy == "lru" and self.hot_ema_beta != DEFAULT_HOT_EMA_BETA:
             problems.append(f"hot_ema_beta is hot_policy='score_ema''s weight of the past; lru keeps no averages, so "
                             f"leave it at its default {DEFAULT_HOT_EMA_BETA} (got {self.hot_ema_beta})")
-        for name in ("device_pages", "max_seqs", "max_seq_len", "fetch_chunk"):
+        for name in ("device_pages", "max_seqs", "max_seq_len", "fetch_min_rows"):
             put(name, check_int, lo=1)
         put("host_pages", check_int, lo=0)
         put("speculative_tokens", check_int, lo=0, hi=MAX_SPECULATIVE_TOKENS)
@@ -656,7 +658,7 @@ class CacheConfig:
             raise ValueError("invalid CacheConfig: " + "; ".join(problems))
 
     # the fields a capacity fixes for its budgets (formats), and the budgets it bounds
-    CAPACITY_FORMATS = ("kv_dtype", "index_dtype", "fetch", "fetch_chunk", "mirror_to_host", "miss_attention",
+    CAPACITY_FORMATS = ("kv_dtype", "index_dtype", "fetch", "fetch_min_rows", "mirror_to_host", "miss_attention",
                         "hot_policy", "hot_ema_beta", "index_tier", "index_budget_pages", "speculative_tokens")
     CAPACITY_BUDGETS = ("device_pages", "host_pages", "index_pages", "max_seqs", "max_seq_len")  # and hot_rows:
     # its default depends on the model (`hot_rows_for`), so `kv.spec.StoreSpec.create` compares it

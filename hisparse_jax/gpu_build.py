@@ -195,3 +195,65 @@ def check_no_pool_sized_temporary(label, store, text, mem):
     assert not new, f"{len(new)} whole-pool-sized buffers, e.g. {new[0][3]}"
     assert mem.host_temp_size_in_bytes < smallest_host, \
         f"host temp {mem.host_temp_size_in_bytes} B >= a host pool ({smallest_host} B)"
+
+
+# ----- the miss fetch: host calls and copies per fetch ---------------------------------------------
+def computations(text: str) -> dict[str, list[str]]:
+    """{computation name: its instruction lines} of an HLO module's text."""
+    out, comp = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^(?:ENTRY\s+)?(%[\w.\-]+)\s.*\{$", line)
+        if m:
+            comp = m.group(1)
+            out[comp] = []
+        elif line.startswith("}"):
+            comp = None
+        elif comp is not None:
+            out[comp].append(line)
+    return out
+
+
+def host_call_outputs(lines) -> list[dict]:
+    """The result (`deviceless.parse_shape`) of each host computation (an XLA:GPU "HostExecute" custom call, what
+    `compat.on_host` compiles to) started in `lines`. A result outside the host memory space (S(5)) is written to
+    the device: the call's own host -> device copy."""
+    out = []
+    for line in lines:
+        m = re.match(r"^\s*%[\w.\-]+ = \((.*)\) custom-call-start\(", line)
+        if m and 'custom_call_target="HostExecute"' in line:
+            results = dl.split_top(m.group(1))[1:-1]  # (operands), results..., context
+            out += [dl.parse_shape(r) for r in results]
+    return out
+
+
+def copies(lines) -> tuple[list[dict], list[dict]]:
+    """(device -> host, host -> device) async copies started in `lines`: the destination's parsed shape."""
+    d2h, h2d = [], []
+    for line in lines:
+        m = re.match(r"^\s*%[\w.\-]+ = \((.*)\) copy-start\(", line)
+        if m:
+            dst, src = (dl.parse_shape(s) for s in dl.split_top(m.group(1))[:2])
+            if dst["memory_space"] == 5 and src["memory_space"] != 5:
+                d2h.append(dst)
+            elif src["memory_space"] == 5 and dst["memory_space"] != 5:
+                h2d.append(dst)
+    return d2h, h2d
+
+
+def host_call_conditionals(text: str) -> list[list[dict]]:
+    """Every conditional of which some branch makes a host computation (the row fetch's `lax.switch` over its
+    staging sizes): per conditional, per branch, {"host_calls": results, "d2h": copies, "h2d": copies}."""
+    comps = computations(text)
+    out = []
+    for lines in comps.values():
+        for line in lines:
+            m = re.search(r" conditional\(.*branch_computations=\{([^}]*)\}", line)
+            if not m:
+                continue
+            branches = []
+            for name in (b.strip() for b in m.group(1).split(",")):
+                d2h, h2d = copies(comps[name])
+                branches.append({"host_calls": host_call_outputs(comps[name]), "d2h": d2h, "h2d": h2d})
+            if any(b["host_calls"] for b in branches):
+                out.append(branches)
+    return out

@@ -197,11 +197,12 @@ def test_exact_accounting_and_lru_by_hand():
 
 
 def test_transfer_bytes_per_mechanism():
-    """Row mechanism moves whole chunks of rows; page mechanism each distinct host page once."""
+    """Row mechanism moves the smallest staging size that holds the misses (`ops.fetch_sizes`); page mechanism
+    each distinct host page once."""
     from hisparse_jax.kv import ops
     rng = np.random.default_rng(1)
     for fetch in ("row", "page"):
-        tc = StorePair(MODEL, cache_config(fetch=fetch, max_seqs=1, fetch_chunk=4))
+        tc = StorePair(MODEL, cache_config(fetch=fetch, max_seqs=1, fetch_min_rows=4))
         s = admit(tc, Reference(), rng, 192)
         tc._ensure_hot(s)
         tc.evict(s, [0])

@@ -11,13 +11,15 @@ K top-k slots (-1 padded), L layers, C latent, R rope, dI indexer dim, 64 tokens
                       the LRU slot; returns the fetch plan)
 * `union_topk` / `group_req` / `row_plan`: several query rows per request (speculative verification) resolved
                       once, over the union of their top-k; each row's plan looked up in the union's
-* `fetch_misses`      copy the missing rows host -> device hot slots; mechanism "row" or "page"
+* `fetch_misses`      copy the missing rows host -> device hot slots; mechanism "row" (one packed gather and
+                      one copy per group and step) or "page"
 * `gather_rows`       read (and dequantize) the rows at the resolved addresses
 * `evict_pages` / `write_prefill` / `set_tables`: host-decided table changes applied on the device
 
 Host pools live in `pinned_host` memory. Inside `jit` ops may not mix memory kinds, so host reads are
-`dynamic_slice` + `device_put(Device)` (page mechanism) or a gather placed on the host with
-`compute_on("device_host")` (`compat.on_host`) followed by one `device_put(Device)` (row mechanism). Host writes are
+`dynamic_slice` + `device_put(Device)` (page mechanism) or one gather placed on the host with
+`compute_on("device_host")` (`compat.on_host`), packing every host pool's rows into one buffer, followed by one
+`device_put(Device)` (row mechanism). Host writes are
 a `device_put(Host)` row or page block `dynamic_update_slice`d into the pinned-host pool, which XLA does in place; a
 host-side scatter under `compute_on` returns a new pool (on a GPU: a copy of the whole host pool per call, see
 tests/test_gpu_build.py). On CPU these are semantic only; on a GPU they are the H2D / D2H copies being measured.
@@ -28,6 +30,7 @@ values), so the host-memory ops are integer moves that XLA:CPU does not widen to
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -596,7 +599,7 @@ def fetch_misses(spec: StoreSpec, store: KVStore, first_layer, num_layers: int, 
     Returns (store, payload_rows, transfer_rows) in layer-rows (one token's row in one layer; bytes =
     rows x `spec.row_bytes`, computed on the host so nothing overflows int32): payload = misses x layers;
     transfer = what
-    the mechanism moved (row: whole chunks of `fetch_chunk` rows; page: each distinct host page once).
+    the mechanism moved (row: the staging buffer's rows, `fetch_sizes`; page: each distinct host page once).
     """
     if spec.fetch == "row":
         return _fetch_rows(spec, store, first_layer, num_layers, plan)
@@ -615,40 +618,85 @@ def _compact_misses(plan: Plan):
     return jnp.sum(miss).astype(jnp.int32), take(plan.src_page), take(plan.src_row), take(plan.page), take(plan.row)
 
 
+def fetch_sizes(min_rows: int, rows: int) -> tuple[int, ...]:
+    """The row fetch's static staging sizes for a step of `rows` (B x K) top-k slots: `min_rows`, doubling,
+    capped at (and ending with) `rows`. A step stages its misses at the smallest size that holds them, so it moves
+    at most twice its payload (or `min_rows` rows) in one copy; `min_rows >= rows` leaves the one size B x K."""
+    sizes, s = [], min(min_rows, rows)
+    while s < rows:
+        sizes.append(s)
+        s *= 2
+    return tuple(sizes) + (rows,)
+
+
+def _row_bytes_of(host) -> int:
+    """Bytes of one row of a host pool (its last axis, as stored: the bits of the device values)."""
+    return host.shape[-1] * host.dtype.itemsize
+
+
+def gather_packed(nl: int, index, *hosts):
+    """On the host: index = int32[nl + 2N], the layers, then N host pages, then N rows in page -> those rows of
+    every host pool, as bytes side by side in one buffer: uint8 [nl, N, sum of the pools' row bytes] (fp8: 512
+    e4m3 + 64 bf16 rope + 4 fp32 scales = 656 bytes)."""
+    n = (index.shape[0] - nl) // 2
+    layers, page, row = index[:nl], index[nl:nl + n], index[nl + n:]
+    parts = []
+    for h in hosts:
+        x = h[layers[:, None], page[None], row[None]]  # [nl, N, X]
+        if x.dtype.itemsize > 1:
+            x = jax.lax.bitcast_convert_type(x, jnp.uint8)  # [nl, N, X, itemsize]
+        parts.append(x.reshape(*x.shape[:2], -1))
+    return jnp.concatenate(parts, axis=-1)
+
+
+def _unpack(staged, hosts):
+    """The device copy of `gather_packed`'s buffer -> each host pool's rows, in its stored dtype (bits)."""
+    out, at = [], 0
+    for h in hosts:
+        w = _row_bytes_of(h)
+        x = staged[..., at:at + w]
+        at += w
+        if h.dtype.itemsize > 1:
+            x = jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], -1, h.dtype.itemsize), h.dtype)
+        out.append(x)
+    return out
+
+
 def _fetch_rows(spec, store, lo, nl, plan):
-    """Row fetch: each chunk of `fetch_chunk` misses is gathered on the host and copied to a device staging buffer;
-    the staged rows go into the device pools in one scatter per pool after the loop (a scatter per chunk inside
-    the loop cost O(pool) per chunk on XLA:CPU)."""
+    """Row fetch: one host computation gathers every miss's row, all layers of the group and all host pools, into
+    one packed staging buffer (`gather_packed`), one host -> device copy moves it, and the device unpacks it into
+    its pools (one scatter per pool). The staging buffer has one of `fetch_sizes` static sizes, the smallest that
+    holds the misses, picked by a `lax.switch` on the miss count (no misses: nothing runs); exactly one branch runs,
+    so a step makes one host computation and one copy per group, with no loop."""
     n, sp, sr, dp, dr = _compact_misses(plan)
-    chunk = min(spec.fetch_chunk, sp.shape[0])
-    pad = (-sp.shape[0]) % chunk
-    sp, sr = jnp.pad(sp, (0, pad)), jnp.pad(sr, (0, pad))
-    dp, dr = jnp.pad(dp, (0, pad)), jnp.pad(dr, (0, pad))
-    n_chunks = (n + chunk - 1) // chunk
-    pools = _device_pools(store)
+    sizes = fetch_sizes(spec.fetch_min_rows, sp.shape[0])
+    hosts = _host_pools(store)
+    layers = jnp.asarray(lo, jnp.int32) + jnp.arange(nl, dtype=jnp.int32)
 
-    def body(i, staging):
-        sl = lambda a: jax.lax.dynamic_slice(a, (i * chunk,), (chunk,))  # noqa: E731
-        ok = i * chunk + jnp.arange(chunk) < n
-        hp = jax.device_put(jnp.where(ok, sl(sp), 0), HOST)
-        hr = jax.device_put(sl(sr), HOST)
-        hlo = jax.device_put(jnp.asarray(lo, jnp.int32), HOST)
-        out = []
-        for buf, host in zip(staging, _host_pools(store)):
-            rows = on_host(lambda h, first, p, r: jax.lax.dynamic_slice_in_dim(h, first, nl, axis=0)[:, p, r],
-                           host, hlo, hp, hr)  # [nl, chunk, X]
-            out.append(jax.lax.dynamic_update_slice_in_dim(buf, _from_host(rows, buf.dtype), i * chunk, axis=1))
-        return tuple(out)
+    def staged(size):
+        def branch(pools):
+            ok = jnp.arange(size) < n
+            index = jnp.concatenate([layers, jnp.where(ok, sp[:size], 0), sr[:size]])  # one copy to the host
+            packed = on_host(functools.partial(gather_packed, nl), jax.device_put(index, HOST),
+                             *hosts)  # uint8 [nl, size, row bytes], in host memory
+            rows = _unpack(jax.device_put(packed, DEVICE), hosts)
+            dpage = jnp.where(ok, dp[:size], spec.device_pages)  # past the misses: dropped
+            at = (layers[:, None], dpage[None], dr[:size][None])
+            return tuple(set_rows(pool, at, from_host_bits(r, pool.dtype)) for pool, r in zip(pools, rows))
+        return branch
 
-    staging = tuple(jnp.zeros((nl, sp.shape[0]) + pool.shape[3:], pool.dtype) for pool in pools)
-    staging = jax.lax.fori_loop(0, n_chunks, body, staging)
-    dpage = jnp.where(jnp.arange(sp.shape[0]) < n, dp, spec.device_pages)  # past the misses: dropped
-    layer = lo + jnp.arange(nl, dtype=jnp.int32)[:, None]
-    pools = tuple(set_rows(pool, (layer, dpage[None], dr[None]), buf) for pool, buf in zip(pools, staging))
-    return _with_device_pools(store, pools), n * nl, n_chunks * chunk * nl
+    # branch 0: no misses; branch i: sizes[i - 1], the smallest size >= n
+    pick = jnp.where(n > 0, 1 + jnp.sum(n > jnp.asarray(sizes[:-1], jnp.int32)), 0)
+    pools = jax.lax.switch(pick, [lambda pools: pools] + [staged(s) for s in sizes], _device_pools(store))
+    moved = jnp.asarray((0,) + sizes, jnp.int32)[pick]
+    return _with_device_pools(store, pools), n * nl, moved * nl
 
 
 def _fetch_pages(spec, store, lo, nl, plan):
+    """Page fetch: each distinct host page of the misses sliced (all layers of the group) and copied on its own, in
+    a `fori_loop` over pages, its needed rows written one by one. The loop carries the device pools as the host
+    pools' bits (`to_host_bits`: a bitcast), so a row write is an integer move (XLA:CPU widens a narrow-float pool
+    to f32 around each in-loop write otherwise: a pool-sized copy per row)."""
     n, sp, sr, dp, dr = _compact_misses(plan)
     first = jnp.concatenate([jnp.ones((1,), bool), sp[1:] != sp[:-1]]) & (jnp.arange(sp.shape[0]) < n)
     n_pages = jnp.sum(first).astype(jnp.int32)
@@ -662,7 +710,7 @@ def _fetch_pages(spec, store, lo, nl, plan):
         pages = []
         for host, pool in zip(_host_pools(store), pools):
             blk = jax.lax.dynamic_slice(host, (lo, hp) + (0,) * (host.ndim - 2), (nl, 1) + host.shape[2:])
-            pages.append(_from_host(blk, pool.dtype)[:, 0])  # [nl, 64, X]
+            pages.append(jax.device_put(blk, DEVICE)[:, 0])  # [nl, 64, X] bits
 
         def row_body(m, pools):
             return tuple(jax.lax.dynamic_update_slice(
@@ -671,7 +719,9 @@ def _fetch_pages(spec, store, lo, nl, plan):
 
         return jax.lax.fori_loop(s, e, row_body, pools)
 
-    pools = jax.lax.fori_loop(0, n_pages, page_body, _device_pools(store))
+    pools = _device_pools(store)
+    bits = jax.lax.fori_loop(0, n_pages, page_body, tuple(to_host_bits(p) for p in pools))
+    pools = tuple(from_host_bits(b, p.dtype) for b, p in zip(bits, pools))
     return _with_device_pools(store, pools), n * nl, n_pages * nl * PAGE_SIZE
 
 

@@ -36,7 +36,7 @@ class StoreSpec:
     hot_rows: int
     kv_dtype: str
     fetch: str
-    fetch_chunk: int
+    fetch_min_rows: int
     mirror_to_host: bool
     topk: int
     miss_attention: str = "single"
@@ -86,7 +86,7 @@ class StoreSpec:
                    index_dim=model.index_head_dim, device_pages=cache.device_pages,
                    index_pages=cache.num_index_pages, host_pages=cache.host_pages, max_seqs=cache.max_seqs,
                    max_pages=cache.max_pages_per_seq, hot_rows=cache.hot_rows_for(model), kv_dtype=kv_dtype,
-                   fetch=cache.fetch, fetch_chunk=cache.fetch_chunk, mirror_to_host=cache.mirror_to_host,
+                   fetch=cache.fetch, fetch_min_rows=cache.fetch_min_rows, mirror_to_host=cache.mirror_to_host,
                    topk=model.index_topk, miss_attention=cache.miss_attention, mtp_layers=mtp,
                    index_dtype=index_dtype, hot_policy=cache.hot_policy, hot_ema_beta=cache.hot_ema_beta,
                    index_tier=cache.index_tier, index_budget_pages=cache.index_budget_pages)
