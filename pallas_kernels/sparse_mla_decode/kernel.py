@@ -161,8 +161,8 @@ def _kernel(layer_ref, q_lat_ref, q_rope_ref, page_ref, row_ref, lat_ref, rope_r
     else:  # the only split: normalize here (a sequence without a valid row keeps its zeros)
         (o_ref,) = outs
         lead = (b,)
-        inv = 1.0 / jnp.where(l > 0, l, 1.0)
-        acc = tuple(a * inv[:, None] for a in acc)
+        denom = jnp.where(l > 0, l, 1.0)[:, None]
+        acc = tuple(a / denom for a in acc)  # divided, as `merge_splits` does with several splits
     for a, cols_ in zip(acc, parts):
         shape = a.shape
         plgpu.store(o_ref.at[(*lead, jnp.broadcast_to(out_heads, shape), jnp.broadcast_to(cols_, shape))],
