@@ -87,7 +87,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.gpu_sections import mosaic_matrix
+from experiments.gpu_sections import library, mosaic_matrix
 from experiments.gpu_sections.engine import section_engine
 
 GB = 1e9
@@ -1096,15 +1096,6 @@ def _mla_plan(ctx: Ctx, mosaic: bool) -> list:
             for i, (H, pool, qn, *be) in enumerate(ctx.sz["mla_variants"]) if bool(be) == mosaic]
 
 
-def entry_defaults(fn) -> dict:
-    """A public entry point's keyword defaults (name -> repr): which variant its callers get, recorded as the
-    library says it when the section ran (the decode's variant and the fetch's options change under it)."""
-    import inspect
-
-    return {k: repr(p.default) for k, p in inspect.signature(fn).parameters.items()
-            if p.default is not inspect.Parameter.empty}
-
-
 def section_kernel_mla(ctx: Ctx) -> dict:
     """The Triton decode (the library's default variant, through the public `sparse_mla_decode`) at H 128 with
     fp8 and bf16 pools first; the other shapes while the soft budget lasts."""
@@ -1112,7 +1103,7 @@ def section_kernel_mla(ctx: Ctx) -> dict:
 
     return dict(_run_variants(ctx, _mla_plan(ctx, mosaic=False)), convention=KERNEL_CONVENTION,
                 entry_point="pallas_kernels.sparse_mla_decode.sparse_mla_decode",
-                entry_defaults=entry_defaults(sparse_mla_decode))
+                entry_defaults=library.entry_defaults(sparse_mla_decode))
 
 
 def section_kernel_mla_mosaic(ctx: Ctx) -> dict:
@@ -1460,8 +1451,7 @@ def section_fetch(ctx: Ctx) -> dict:
                               "host_pages": "random permutation of the host pool"},
                  "h2d_ceiling": {"name": ceiling[0], "gb_per_s": ceiling[1]} if ceiling else None,
                  "runs": [], "pool_scaling": [], "all_exact": True, "mechanisms": list(MECHANISMS),
-                 "cache_fetch_defaults": {fl.name: fl.default for fl in dataclasses.fields(CacheConfig)
-                                          if fl.name.startswith("fetch")},
+                 "cache_fetch_defaults": library.fetch_defaults(),
                  "pool_scaling_note": f"first miss fraction again with host and device pools {POOL_SCALE}x larger "
                                       "(same misses): time_ratio_vs_base ~1 means the fetch does not touch "
                                       "whole pools"}

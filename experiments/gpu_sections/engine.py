@@ -35,6 +35,8 @@ import time
 
 import numpy as np
 
+from experiments.gpu_sections import library
+
 POLICIES = ("hisparse", "offload", "preempt")  # most important first: a policy past its time share stops early
 
 ENGINE_SIZES = {
@@ -252,6 +254,8 @@ def section_engine(ctx) -> dict:
            "workload": {k: sz[k] for k in ("requests", "prompt", "new_tokens", "prefill", "prefill_chunk", "min_bucket",
                                            "kernels", "kv_dtype", "device_fraction")},
            "model_init_s": init_s,
+           # which decode and fetch the library ran (its defaults change under this script)
+           "library": library.decode_and_fetch(),
            "budget": {k: v for k, v in b.items() if k != "caches"},
            "policies": {}}
     ctx.partial(**out)
