@@ -185,7 +185,12 @@ def _stderr_held(settle_s: float = 0.2, max_wait_s: float = 5.0):
     pending are closed now rather than at exit."""
     held = _Held()
     sys.stderr.flush()
-    saved_fd, saved_hook = os.dup(2), sys.unraisablehook
+    try:
+        saved_fd = os.dup(2)
+    except OSError:  # no file descriptor 2 to hold
+        yield held
+        return
+    saved_hook = sys.unraisablehook
     with tempfile.TemporaryFile() as tmp:
         os.dup2(tmp.fileno(), 2)
         sys.unraisablehook = lambda _: None
