@@ -63,12 +63,14 @@ def check_account(what: str, costs: list[Cost], *, device=None, ranks: int = 1) 
     costs on each of `ranks` devices against that device's memory, `ranks` times the "host" costs against this
     machine's RAM (on a CPU both are RAM, so everything counts there, `ranks` times). One message names the bytes,
     the limit, the largest entry and the settings behind it. Without a known limit nothing is refused."""
-    dev = device if device is not None else jax.devices()[0]
     per = {"device": [c for c in costs if c.where == "device"], "host": [c for c in costs if c.where == "host"]}
-    if dev.platform == "cpu":
-        per = {"device": [], "host": per["device"] + per["host"]}
+    dev = None
+    if per["device"]:  # (host costs alone need no device: the NumPy bookkeeping never starts jax's backend)
+        dev = device if device is not None else jax.devices()[0]
+        if dev.platform == "cpu":
+            per = {"device": [], "host": per["device"] + per["host"]}
     on_each = f" on each of {ranks} devices" if ranks > 1 else ""
-    checks = (("device", device_memory_bytes(dev), memory_name(dev), 1, on_each),
+    checks = (("device", dev and device_memory_bytes(dev), dev and memory_name(dev), 1, on_each),
               ("host", host_memory_bytes(), "this machine's physical RAM", ranks,
                f" ({ranks} devices' share)" if ranks > 1 else ""))
     for where, limit, name, times, whose in checks:

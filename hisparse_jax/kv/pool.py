@@ -36,6 +36,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from hisparse_jax.memory import Cost, check_account
 from hisparse_jax.units import INVALID, PAGE_SIZE
 
 
@@ -117,10 +118,15 @@ def page_hash(prev_hash: int | None, tokens: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little") >> (64 - _HASH_BITS)
 
 
+# host bytes per page of each pool: an int32 refcount, and an int64 count while the invariants are checked
+POOL_BYTES_PER_PAGE = 4 + 8
+
+
 class _TierState:
     """One pool. Pages >= `next_fresh` have never been handed out (all free); freed pages below it wait
-    in the min-heap `returned`. So "lowest free id first" costs O(log n) and memory grows only with the
-    pages ever touched, not with the capacity (a host pool may hold millions of pages)."""
+    in the min-heap `returned`. So "lowest free id first" costs O(log n) and the free list grows only with the
+    pages ever touched, not with the capacity (a host pool may hold millions of pages); the refcounts are one
+    int32 per page of capacity (`POOL_BYTES_PER_PAGE`, checked before they exist)."""
 
     __slots__ = ("tier", "capacity", "refcount", "returned", "next_fresh", "used", "hash_to_page", "page_to_hash",
                  "cached")
@@ -158,6 +164,9 @@ class PagePool:
             if n < lo:
                 raise ValueError(f"{tier.value}_pages must be >= {lo}, got {n}")
             caps[tier] = n
+        pages = ", ".join(f"{t.value}_pages={n:,}" for t, n in caps.items())
+        check_account("the page pools' bookkeeping", [Cost("the page pools' bookkeeping",
+                                                            POOL_BYTES_PER_PAGE * sum(caps.values()), "host", pages)])
         self._t = {tier: _TierState(tier, n) for tier, n in caps.items()}
         self.retain_prefix = bool(retain_prefix)
 

@@ -49,6 +49,7 @@ from jax.sharding import SingleDeviceSharding
 from hisparse_jax.memory import Cost, abstract, check_account
 from hisparse_jax.units import PAGE_SIZE
 
+from hisparse_jax.kv.pool import POOL_BYTES_PER_PAGE
 from hisparse_jax.kv.spec import FP8_BLOCK, MXFP4_BLOCK, SUMMARY_DTYPE, StoreSpec  # noqa: F401  (re-exported)
 
 
@@ -201,9 +202,6 @@ _SIZED_BY = {"latent": ("device_pages",), "rope": ("device_pages",), "latent_sca
 # step, 39-59 (demo-glm, two indexer groups, B 8-32, hot_rows 4096-131072) and 40.1 (a one-layer model,
 # `tests/test_red_team.py::test_step_temporaries_formula`, which keeps the bound honest).
 RESOLVE_BYTES_PER_ROW_SLOT = 64
-# host bookkeeping per page of each pool (`kv.pool.PagePool`): an int32 refcount, and an int64 count while the
-# invariants are checked
-POOL_BYTES_PER_PAGE = 4 + 8
 
 
 def _sizes(spec: StoreSpec, names: tuple[str, ...]) -> str:
