@@ -6,8 +6,8 @@ The step is `engine.runner._jitted_step`, built without a GPU by XLA's deviceles
 The row fetch (`kv.ops._fetch_rows`) is a `lax.switch` on the group's miss count over its static staging sizes
 (`ops.fetch_sizes`): branch 0 (no misses) does nothing, each other branch makes exactly one host computation (an
 XLA:GPU "HostExecute" call: the host-side gather of every miss's row, all layers of the group and all three host
-pools, packed as `spec.row_bytes` bytes per row) whose one result is written to device memory (its host -> device
-copy), after one device -> host copy of the rows' addresses. Every host computation of the step is in such a
+pools, packed as `spec.row_bytes` bytes per row in 32-bit words) whose one result is written to device memory
+(its host -> device copy), after one device -> host copy of the rows' addresses. Every host computation of the step is in such a
 branch: none runs in a loop over chunks. The layers are scanned, so each run of layers (`model.decoder.layer_runs`,
 one indexer group per iteration) holds one such switch.
 """
@@ -68,7 +68,7 @@ def test_one_host_computation_and_one_copy_per_group(built):
         for size, b in zip(sizes, branches[1:]):
             assert len(b["host_calls"]) == 1, b["host_calls"]
             out = b["host_calls"][0]
-            assert (out["dtype"], out["dims"], out["memory_space"]) == ("u8", (nl, size, spec.row_bytes), 0), out
+            assert (out["dtype"], out["dims"], out["memory_space"]) == ("u32", (nl, size, spec.row_bytes // 4), 0), out
             assert [c["dims"] for c in b["d2h"]] == [(nl + 2 * size,)], b["d2h"]  # the addresses, in one copy
             assert not b["h2d"], b["h2d"]  # the host call's result is the one host -> device copy
     in_switches = sum(len(b["host_calls"]) for branches in switches for b in branches)
