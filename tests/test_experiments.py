@@ -101,9 +101,9 @@ def test_gpu_check_engine_latencies_and_token_comparison():
     assert cfg.indexer_types == ("full", "shared", "shared", "shared")
     assert full["kv_dtype"] == "fp8" and 16000 <= full["prompt"] and full["prompt"] + full["new_tokens"] <= 32768
     assert 32 <= full["requests"] <= 64 and full["device_fraction"] == 0.25 and full["kernels"] == "pallas"
-    # its prompts are whole prefill chunks, and a chunk plus every decode row fills one batch bucket
-    assert full["prompt"] % full["prefill_chunk"] == 0
-    assert full["prefill_chunk"] + full["requests"] <= 1 << (full["prefill_chunk"] - 1).bit_length()
+    # whole-prompt prefill (chunked, the prompts bound the run: every policy would keep ~4 requests decoding), and
+    # every decode batch in one bucket
+    assert full["prefill"] == "whole" and full["min_bucket"] >= full["requests"]
 
 
 def test_gpu_check_mosaic_matrix_verdict():

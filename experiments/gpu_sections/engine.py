@@ -19,11 +19,15 @@ random weights, fp8 KV and indexer keys, the Pallas kernels on Triton) runs unde
 and across policies whether their tokens are identical (on every request's tokens that all policies produced:
 a policy stopped at its share of the section's soft deadline still counts, and says so).
 
-Prompt length and chunk are chosen so that few programs compile: a prefill chunk of 2000 rows plus at most 32
-decode rows fills one batch bucket of 2048 rows, decode-only steps use one bucket of 64 (`min_bucket`), the
-prompts are whole chunks and no sequence crosses 256 indexer pages (prefill spans 32 / 64 / 128 / 256 pages);
-offload and hisparse share one store capacity, so one set of programs; preempt (no host mirror) compiles its own.
-A whole-prompt prefill is not an option at 16K tokens and 64 heads (its scores alone need ~100 GB).
+Prefill is whole-prompt (one causal forward per admitted prompt, outside the batched step; the host share leaves
+those steps out): with chunked prefill (2000 rows a step) the prompts, not memory, bound the run — the engine's
+scheduler on this workload (`engine.fake_compute.FakeEngine`) keeps 3.6 requests decoding under every policy, so
+the policies would not differ — and through the sparse decode the 512K prompt rows cost ~1 s a step at the H200's
+fp8 Triton decode rate. A 16K-token forward of this model needs 69.4 GiB on the device (XLA's memory analysis of the
+sm_90 build: 64.6 GiB of temporaries, mostly scores), so the section's process may use 95 % of the device's memory
+(XLA_PYTHON_CLIENT_MEM_FRACTION, set by gpu_check for it). Decode steps use one batch bucket (`min_bucket` 32 =
+`requests`) and one indexer span (256 pages), so each store format compiles one step; offload and hisparse share
+one store capacity, so one program; preempt (no host mirror) compiles its own.
 """
 
 from __future__ import annotations
@@ -45,12 +49,10 @@ ENGINE_SIZES = {
         model=dict(num_hidden_layers=4, indexer_types=("full", "shared", "shared", "shared"),
                    mlp_layer_types=("dense", "sparse", "sparse", "sparse"), n_routed_experts=8,
                    num_experts_per_tok=2, n_shared_experts=1, vocab_size=16384, dtype="bfloat16"),
-        requests=32, prompt=16000, new_tokens=32, device_fraction=0.25, prefill="chunked", prefill_chunk=2000,
-        min_bucket=64, kernels="pallas", kv_dtype="fp8"),
+        requests=32, prompt=16000, new_tokens=32, device_fraction=0.25, prefill="whole", prefill_chunk=2000,
+        min_bucket=32, kernels="pallas", kv_dtype="fp8"),
     # tiny widths with the fp8 row geometry (latent 512, indexer keys 128), 2 dense layers (a full indexer and a
-    # shared one): CPU compiles are the cost. Whole-prompt prefill: at these sizes a chunked prefill's resident
-    # prompt would take most of the quarter budget, leaving HiSparse nothing to tier (the GPU's prompts are 251
-    # pages, the reserve one request's worth of ~23)
+    # shared one): CPU compiles are the cost. Whole-prompt prefill, as on the GPU
     "smoke": dict(
         preset="tiny-glm",
         model=dict(num_hidden_layers=2, indexer_types=("full", "shared"), mlp_layer_types=("dense", "dense"),
