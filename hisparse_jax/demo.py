@@ -39,7 +39,7 @@ from hisparse_jax.engine.speculative import lookahead
 from hisparse_jax import parallel
 from hisparse_jax.engine import Engine, EngineConfig, MeshEngine, SamplingParams, device_budget
 from hisparse_jax.engine.request import SEED_RANGE
-from hisparse_jax.engine.scheduler import POLICIES, pages
+from hisparse_jax.engine.scheduler import ADMISSIONS, POLICIES, pages
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.tiered import KERNELS, check_kernels
 from hisparse_jax.engine.runner import TRACE_COUNTS as _STEP_TRACES
@@ -87,6 +87,11 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
                         "(budgeted mode: the top-k among the N best-bounded pages; default 0: exact mode)")
     p.add_argument("--policies", type=name_list(POLICIES, "policy"), default=",".join(POLICIES),
                    help="comma-separated subset of " + ",".join(POLICIES))
+    p.add_argument("--admission", default="vllm", choices=ADMISSIONS,
+                   help="how preempt and offload admit: 'vllm' (default: on the prompt's pages, grown page by page, "
+                        "preempting or swapping out the newest request when one cannot grow) or 'reserve' (only "
+                        "when the indexer pages of the whole length fit: never preempts or swaps); HiSparse keeps "
+                        "its own rule")
     p.add_argument("--prefill", default="whole", choices=("whole", "chunked"),
                    help="prompt prefill for every policy: one causal forward per prompt written into the store "
                         "(default), or chunks through the store within the decode batch")
@@ -402,7 +407,7 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
     def engine(pol: str, log_path: str | None = None) -> tuple[Engine, CacheConfig]:
         try:
             cc = budget[pol].replace(capacity=capacity)
-            ec = EngineConfig(policy=pol, max_running=args.requests, prefill=args.prefill,
+            ec = EngineConfig(policy=pol, admission=args.admission, max_running=args.requests, prefill=args.prefill,
                               prefill_chunk=args.prefill_chunk, log_path=log_path, kernels=args.kernels,
                               speculative_tokens=k, prefix_caching=not k)
             eng = Engine(model, cc, ec) if mesh is None else MeshEngine(model, cc, ec, mesh=mesh)
@@ -426,7 +431,7 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
         "preset": args.preset, "model": None if args.preset else args.model, "workload": kind,
         "requests": len(prompts), "devices": n_dev, "prompt_tokens": [len(p) for p in prompts],
         "new_tokens": args.new_tokens, "kv_dtype": args.kv_dtype, "index_dtype": args.index_dtype,
-        "device_budget_bytes": device_bytes,
+        "device_budget_bytes": device_bytes, "admission": args.admission,
         "device_requests": args.device_requests, "host_pages": base.host_pages, "kernels": args.kernels,
         "miss_attention": args.miss_attention, "speculative_tokens": k, "hot_rows": base.hot_rows_for(cfg),
         "hot_policy": args.hot_policy, "index_tier": args.index_tier,
@@ -458,6 +463,11 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
             "hits": m.hits, "misses": m.misses, "resident": m.resident,
             "h2d_bytes": m.h2d_bytes, "d2h_bytes": m.d2h_bytes, "index_h2d_bytes": m.index_h2d_bytes,
             "evicted_pages": m.evicted_pages, "steps": m.steps, "wall_s": time.perf_counter() - t0,
+            # what preempt / offload cost (`EngineMetrics`): tokens prefilled again, request-steps preempted or
+            # swapped out, pages and bytes swapped each way
+            "recomputed_tokens": m.recomputed_tokens, "preempted_steps": m.preempted_steps,
+            "swapped_steps": m.swapped_steps, "swap_out_pages": m.swap_out_pages, "swap_in_pages": m.swap_in_pages,
+            "swap_out_bytes": m.swap_out_bytes, "swap_in_bytes": m.swap_in_bytes,
             "compile_s": m.compile_time_s, "outputs_sha256": outputs_digest(outputs[pol]),
             "acceptance_rate": m.acceptance_rate,
             "tokens_per_step": m.tokens_per_step, "duplicate_misses": m.duplicate_misses,
@@ -669,11 +679,14 @@ def _model_name(setup: dict) -> str:
 
 def _table(out: dict) -> str:
     cols = [("mean running", "mean_running", "{:.2f}"), ("max running", "max_running", "{}"), ("steps", "steps", "{}"),
-            ("preemptions", "preemptions", "{}"), ("swaps", "swaps", "{}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
+            ("preemptions", "preemptions", "{}"), ("swaps", "swaps", "{}"),
+            ("recomputed tokens", "recomputed_tokens", "{}"), ("steps preempted", "preempted_steps", "{}"),
+            ("steps swapped", "swapped_steps", "{}"), ("swap out MiB", "swap_out_bytes", "{:.1f}"),
+            ("swap in MiB", "swap_in_bytes", "{:.1f}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
             ("hit rate", "hit_rate", "{:.3f}"), ("H2D MiB", "h2d_bytes", "{:.1f}"), ("D2H MiB", "d2h_bytes", "{:.1f}"),
             ("device KV pages", "device_pages", "{}"), ("wall s", "wall_s", "{:.1f}")]
     if out.get("speculative_tokens"):
-        cols[6:6] = [("acceptance rate", "acceptance_rate", "{:.3f}"), ("tokens/step", "tokens_per_step", "{:.2f}")]
+        cols[11:11] = [("acceptance rate", "acceptance_rate", "{:.3f}"), ("tokens/step", "tokens_per_step", "{:.2f}")]
     pols = list(out["policies"])
     w = max(len(c[0]) for c in cols)
     lines = [f"{'':<{w}}  " + "  ".join(f"{p:>10}" for p in pols)]
@@ -692,9 +705,12 @@ def _table(out: dict) -> str:
     res = out["policies"]
     if "preempt" in res and res["preempt"]["preemptions"] == 0:
         also = " (offload's 0 swaps likewise)" if "offload" in res and res["offload"]["swaps"] == 0 else ""
-        lines.append(f"preempt shows 0 preemptions{also}: admission is conservative, a request is admitted only when "
-                     "the pages of its whole length (prompt + new tokens) fit next to every admitted request's, so "
-                     "under this budget the waiting queue absorbs the pressure instead of preemption")
+        why = ("admission 'reserve' admits a request only when the pages of its whole length (prompt + new "
+               "tokens) fit next to every admitted request's, so the waiting queue absorbs the pressure"
+               if out.get("admission") == "reserve" else
+               "admission 'vllm' admits on the prompt's pages, and here every admitted request could still grow to "
+               "its end beside the others (nothing had to give way)")
+        lines.append(f"preempt shows 0 preemptions{also}: {why}")
     return "\n".join(lines)
 
 

@@ -73,7 +73,10 @@ class StepMetrics(Record):
     device_pages_used: after the step; step_time_s: wall time; compiled: whether the step compiled;
     wait_reasons: requests that made no progress this step, per reason (`engine.scheduler.WAIT_REASONS`: waiting
     for max_running / the device, indexer or host budget / a prompt being written / behind the first waiting one,
-    preempted, swapped out or not yet back, no prompt tokens left this step)."""
+    preempted, swapped out or not yet back, no prompt tokens left this step); recomputed_tokens: of prefill_tokens,
+    those computed before and dropped by a preemption; preempted_waiting: preempted requests back in the queue after
+    scheduling; swap_out_pages / swap_in_pages: KV pages swapped out to the host / back in; swap_out_bytes /
+    swap_in_bytes: their bytes (every layer) plus the indexer keys' that leave / re-enter the device budget."""
 
     step: int
     running: int
@@ -104,6 +107,12 @@ class StepMetrics(Record):
     step_time_s: float
     compiled: bool
     wait_reasons: dict = dataclasses.field(default_factory=dict)
+    recomputed_tokens: int = 0
+    preempted_waiting: int = 0
+    swap_out_pages: int = 0
+    swap_in_pages: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=True)
@@ -122,7 +131,13 @@ class EngineMetrics(Record):
     speculation); mean_ttft_steps and
     mean_latency_steps (finished requests, in steps from arrival to first / last token). ranks: a `MeshEngine`'s
     per-rank `EngineMetrics` (its totals and `history` are summed over ranks step by step); empty on one device.
-    wait_reasons: request-steps without progress per reason, summed over the steps (`StepMetrics.wait_reasons`)."""
+    wait_reasons: request-steps without progress per reason, summed over the steps (`StepMetrics.wait_reasons`).
+    admission: preempt / offload's admission rule (`EngineConfig.admission`; "hisparse" for HiSparse's own);
+    recomputed_tokens: prompt and generated tokens prefilled again after preemptions; preempted_steps /
+    swapped_steps: request-steps spent preempted (in the queue) / swapped out; swap_out_pages / swap_in_pages and
+    swap_out_bytes / swap_in_bytes: pages swapped each way and their bytes (KV of every layer — already on the host
+    by the eager mirror when swapped out; loaded back in whole — plus the indexer keys, whose copy is counted, not
+    made: `engine.scheduler`)."""
 
     policy: str
     steps: int
@@ -157,3 +172,11 @@ class EngineMetrics(Record):
     history: list
     ranks: list = dataclasses.field(default_factory=list)
     wait_reasons: dict = dataclasses.field(default_factory=dict)
+    admission: str = "vllm"
+    recomputed_tokens: int = 0
+    preempted_steps: int = 0
+    swapped_steps: int = 0
+    swap_out_pages: int = 0
+    swap_in_pages: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0

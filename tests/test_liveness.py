@@ -18,7 +18,7 @@ from hisparse_jax.engine.fake_compute import FakeEngine, Workload, liveness_mode
 from hisparse_jax.engine.mesh import combine_steps
 from hisparse_jax.engine.request import RequestState
 from hisparse_jax.engine import scheduler
-from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES
+from hisparse_jax.engine.scheduler import ADMISSIONS, POLICIES, PREFILL_MODES
 from hisparse_jax.results import StepMetrics
 
 P = 64
@@ -109,8 +109,9 @@ def test_engine_metrics_sum_wait_reasons_over_steps_and_ranks():
 # ----- the property over random workloads ---------------------------------------------------------------------
 @st.composite
 def workloads(draw) -> Workload:
-    """Policies, prefill modes, prefix caching, max_running, prompt chunks, hot buffers of 1-3 pages, 2-6 requests
-    of 1-4 pages (most from the start of one of two documents: shared prefixes; some on a page boundary) and 1-80
+    """Policies, admission rules, prefill modes, prefix caching, max_running, prompt chunks, hot buffers of 1-3
+    pages, 2-6 requests of 1-4 pages (most from the start of one of two documents: shared prefixes; some on a page
+    boundary) and 1-80
     new tokens (some ending at an eos; or prompts of 1-2 pages and 64-200 new tokens: growth while decoding),
     arrivals over the first steps (the sizes drawn from a drawn seed), and device / indexer / host budgets from
     the least a request needs up (mostly within a few pages of it: under pressure)."""
@@ -140,7 +141,8 @@ def workloads(draw) -> Workload:
     return Workload(policy=policy, prefill=prefill, prefix_caching=draw(st.booleans()),
                     max_running=draw(st.sampled_from([4, 2, 6, 3, 5, 1])),
                     prefill_chunk=draw(st.sampled_from([16, 64, 100, 256])), device_pages=device, host_pages=host,
-                    index_pages=index, hot_rows=hot_rows, requests=tuple(reqs))
+                    index_pages=index, hot_rows=hot_rows, requests=tuple(reqs),
+                    admission=draw(st.sampled_from(ADMISSIONS)))
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None,

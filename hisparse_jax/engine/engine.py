@@ -30,7 +30,7 @@ import numpy as np
 from hisparse_jax.config import MAX_SPECULATIVE_TOKENS, CacheConfig
 from hisparse_jax.engine.pd import IMPORT_CHUNK, PrefillExport, check_export, load_export
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
-from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, pages, policy_cache
+from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, check_admission, pages, policy_cache
 from hisparse_jax.kv.budget import BudgetError
 from hisparse_jax.kv.eviction import COLDNESS
 from hisparse_jax.kv.manager import TieredCache
@@ -40,6 +40,7 @@ from hisparse_jax.engine.runner import TRACE_COUNTS, Runner, sampler
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.results import EngineMetrics, StepMetrics
 from hisparse_jax.engine import speculative
+from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.validation import check_eos, check_int, check_prompt
 
 
@@ -49,6 +50,11 @@ PLACEMENTS = ("balanced", "round_robin")  # a MeshEngine's choice of rank for a 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """policy: "preempt" | "offload" | "hisparse"; coldness (hisparse): "oldest" | "recency";
+    admission (preempt / offload): "vllm" (vLLM's rule: admitted on the prompt's pages, KV and indexer keys alike,
+    grown page by page; a running request that cannot grow preempts or swaps out the newest admitted one) or
+    "reserve" (admitted only when the indexer pages of its whole length fit beside every admitted request's: never
+    preempts or swaps); see `engine.scheduler`. HiSparse ignores it: it keeps its own rule (the keys of the whole
+    length and the device floor), the same under either value, so its tokens and metrics do not change;
     prefill: "chunked" (prompt rows ride in the decode batch, `prefill_chunk` per step) | "whole" (one full
     causal forward per admitted prompt, written straight into the store);
     max_running: admitted requests at most (also the store's request slots); prefill_chunk: prompt tokens
@@ -73,6 +79,7 @@ class EngineConfig:
     gathers the ranks' tokens and scatters the sums back) instead of replicating every parameter."""
 
     policy: str = "hisparse"
+    admission: str = "vllm"
     coldness: str = "oldest"
     prefill: str = "chunked"
     max_running: int = 32
@@ -90,6 +97,7 @@ class EngineConfig:
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        check_admission(self.admission)
         if self.coldness not in COLDNESS:
             raise ValueError(f"unknown coldness {self.coldness!r}; choose one of {', '.join(COLDNESS)}")
         if self.prefill not in PREFILL_MODES:
@@ -155,6 +163,7 @@ class StepWork:
     traces: int
     new_tokens: int = 0
     prefill_tokens: int = 0
+    recomputed_tokens: int = 0  # of which tokens computed before, dropped by a preemption
     emit: list = dataclasses.field(default_factory=list)
     completed: list = dataclasses.field(default_factory=list)
     batch: dict | None = None
@@ -193,7 +202,8 @@ class Engine:
         if self.k and not len(getattr(model, "mtp", None) or ()):
             raise ValueError(f"speculative_tokens={self.k} needs the model's MTP layer: build it with "
                              "SparseMLAModel(cfg, mtp=True) or load_pretrained(path, mtp=True)")
-        cache = policy_cache(cache, config.policy, config.max_running, self.k)
+        device_keys = cache.num_index_pages  # the device's key budget (offload under "vllm" grows the pool)
+        cache = policy_cache(cache, config.policy, config.max_running, self.k, config.admission)
         self.manager = TieredCache(model.cfg, cache, victim_order=COLDNESS[config.coldness],
                                    step_rows=config.max_step_rows)
         tiered.check_backend(self.manager.spec, config.kernels)
@@ -201,7 +211,8 @@ class Engine:
         self.manager.prefix_caching = config.prefix_caching
         self.stores = store_owner(self.manager)
         self.scheduler = Scheduler(self.manager, config.policy, max_running=config.max_running,
-                                   prefill_chunk=config.prefill_chunk, prefill=config.prefill)
+                                   prefill_chunk=config.prefill_chunk, prefill=config.prefill,
+                                   admission=config.admission, device_keys=device_keys)
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self.history: list[StepMetrics] = []
@@ -265,6 +276,7 @@ class Engine:
             c.check_fits(kv_len)
         except BudgetError as e:
             raise BudgetError(f"request {rid!r} can never be admitted under {self.config.policy!r}: {e}") from None
+        self.scheduler.check_ever_fits(rid, kv_len)
         if chunked and self.config.prefill == "chunked" and pages(prompt_len) > spec.device_pages:
             raise BudgetError(f"request {rid!r} can never be admitted: device_pages is too small: its prompt is "
                               f"written through the store and must be resident meanwhile, {pages(prompt_len)} "
@@ -332,6 +344,7 @@ class Engine:
                 plan.whole.remove(r)
                 continue
             w.prefill_tokens += len(r.kv_tokens)
+            w.recomputed_tokens += len(r.kv_tokens) if r.preemptions else 0
             r.computed = len(r.kv_tokens)
             r.state = RequestState.RUNNING
             if not r.output:
@@ -354,6 +367,7 @@ class Engine:
             rows_req += [r.slot] * n
             rows_pos += list(range(start, start + n))
             w.prefill_tokens += n
+            w.recomputed_tokens += n if r.preemptions else 0  # (a victim is always running: its KV was computed)
             if start + n == len(r.kv_tokens):
                 w.completed.append(r)  # its last chunk is in this batch
                 if not r.output:
@@ -412,6 +426,11 @@ class Engine:
             "index_h2d_bytes": st.get("index_h2d_bytes", 0),
             "device_pages_used": self.manager.pool.num_used("device"), "step_time_s": dt,
             "compiled": TRACE_COUNTS["decode_step"] > w.traces, "wait_reasons": plan.wait_reasons(),
+            "recomputed_tokens": w.recomputed_tokens,
+            "preempted_waiting": sum(1 for r in sched.waiting if r.preemptions),
+            "swap_out_pages": plan.swap_out_pages, "swap_in_pages": plan.swap_in_pages,
+            "swap_out_bytes": self._swap_bytes(plan.swap_out_pages, plan.swap_out_keys),
+            "swap_in_bytes": self._swap_bytes(plan.swap_in_pages, plan.swap_in_keys),
         })
         self.history.append(m)
         if self._log:
@@ -419,6 +438,12 @@ class Engine:
             self._log.flush()
         self.step_count += 1
         return m
+
+    def _swap_bytes(self, kv_pages: int, key_pages: int) -> int:
+        """Bytes of `kv_pages` KV pages (every layer) and `key_pages` indexer pages (every indexer layer)."""
+        spec = self.manager.spec
+        key_page = int(PAGE_SIZE * spec.num_index_layers * spec.index_row_bytes)
+        return kv_pages * self.manager.all_layers_page_bytes + key_pages * key_page
 
     def _device_call(self, fn, *args):
         """The step's one batched call `fn(spec, store, *args, read_page_stamps=...)` (`Runner.step` or
@@ -577,7 +602,8 @@ class Engine:
         """Totals and per-step series (`history`: `StepMetrics`) for the run so far; `.to_json()` for JSON."""
         c = self.manager
         return summarize(self.history, list(self.requests.values()), policy=self.config.policy,
-                         speculative_tokens=self.k, extra_h2d_bytes=c.h2d_bytes, extra_d2h_bytes=c.d2h_bytes,
+                         admission=self.config.admission, speculative_tokens=self.k, extra_h2d_bytes=c.h2d_bytes,
+                         extra_d2h_bytes=c.d2h_bytes,
                          evicted_pages=c.evicted_pages, import_bytes=self.import_bytes)
 
     def close(self) -> None:
@@ -598,7 +624,8 @@ def run_prompts(engine, prompts: list[list[int]], params: SamplingParams) -> lis
     return [reqs[rid].output for rid in ids]
 
 
-def summarize(h: list, requests: list, *, policy: str, speculative_tokens: int = 0, extra_h2d_bytes: int = 0,
+def summarize(h: list, requests: list, *, policy: str, admission: str = "vllm", speculative_tokens: int = 0,
+              extra_h2d_bytes: int = 0,
               extra_d2h_bytes: int = 0, evicted_pages: int = 0, import_bytes: int = 0, ranks=()) -> EngineMetrics:
     """`EngineMetrics` of a run from its per-step history `h` and its `requests`; extra_h2d/d2h_bytes: bytes moved
     outside the steps (page loads, prompt writes); ranks: per-rank metrics (a `MeshEngine`)."""
@@ -637,6 +664,13 @@ def summarize(h: list, requests: list, *, policy: str, speculative_tokens: int =
         "mean_ttft_steps": _mean(r.first_token_step - r.arrival for r in done if r.first_token_step is not None),
         "mean_latency_steps": _mean(r.finish_step - r.arrival for r in done),
         "history": list(h), "ranks": list(ranks), "wait_reasons": sum_counts(m.wait_reasons for m in h),
+        # what preempt / offload cost: tokens prefilled again after a preemption, request-steps spent preempted
+        # (back in the queue) or swapped out, pages and bytes swapped each way
+        "admission": admission if policy != "hisparse" else "hisparse",
+        "recomputed_tokens": sum(m.recomputed_tokens for m in h),
+        "preempted_steps": sum(m.preempted_waiting for m in h), "swapped_steps": sum(m.swapped for m in h),
+        "swap_out_pages": sum(m.swap_out_pages for m in h), "swap_in_pages": sum(m.swap_in_pages for m in h),
+        "swap_out_bytes": sum(m.swap_out_bytes for m in h), "swap_in_bytes": sum(m.swap_in_bytes for m in h),
     })
 
 

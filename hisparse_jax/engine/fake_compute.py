@@ -30,7 +30,8 @@ import numpy as np
 from hisparse_jax.config import CacheConfig, ModelConfig, get_preset
 from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
-from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, StepPlan, pages, policy_cache
+from hisparse_jax.engine.scheduler import (ADMISSIONS, POLICIES, PREFILL_MODES, Scheduler, StepPlan, pages,
+                                           policy_cache)
 from hisparse_jax.kv.budget import BudgetError
 from hisparse_jax.kv.eviction import COLDNESS
 from hisparse_jax.kv.manager import TieredCache
@@ -68,15 +69,17 @@ class FakeEngine:
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, *, policy: str = "hisparse", prefill: str = "chunked",
                  max_running: int = 8, prefill_chunk: int = 256, prefix_caching: bool = True,
-                 coldness: str = "oldest"):
-        cache = policy_cache(cache, policy, max_running, cache.speculative_tokens)  # kept (sizes the hot buffer)
+                 coldness: str = "oldest", admission: str = "vllm"):
+        device_keys = cache.num_index_pages  # as `Engine`: the device's key budget before `policy_cache`
+        cache = policy_cache(cache, policy, max_running, cache.speculative_tokens, admission)  # (speculative
+        # rows kept: they size the hot buffer)
         self.model_cfg = model
         self.manager = TieredCache(model, cache, victim_order=COLDNESS[coldness])
         self.manager.partial_eviction = policy == "hisparse"
         self.manager.prefix_caching = prefix_caching
         self.policy, self.prefill = policy, prefill
         self.scheduler = Scheduler(self.manager, policy, max_running=max_running, prefill_chunk=prefill_chunk,
-                                   prefill=prefill)
+                                   prefill=prefill, admission=admission, device_keys=device_keys)
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self.out_of_pages = 0  # OutOfPages raised inside the manager during schedule (all steps)
@@ -103,6 +106,7 @@ class FakeEngine:
         params = SamplingParams(max_new_tokens=max_new_tokens, seed=seed, eos_token_id=eos_token_id)
         total = len(prompt) + max_new_tokens
         c.check_fits(total - 1)  # the last new token is never written
+        self.scheduler.check_ever_fits(request_id, total - 1)
         if self.prefill == "chunked" and pages(len(prompt)) > c.budget.device_pages:
             raise BudgetError(f"request {request_id!r}: its prompt ({pages(len(prompt))} pages) is written through "
                               f"the store and must be resident; device_pages is {c.budget.device_pages}")
@@ -199,6 +203,7 @@ class Workload:
     index_pages: int
     hot_rows: int
     requests: tuple[tuple[int, tuple[int, ...], int, int], ...]
+    admission: str = "vllm"
 
     def cache_config(self) -> CacheConfig:
         longest = max((len(p) + n for _, p, n, _ in self.requests), default=1)
@@ -242,7 +247,7 @@ def run_workload(w: Workload, model: ModelConfig | None = None, check_every: int
     invariants every `check_every` steps. Never raises for a property: each broken one is a line in `failures`."""
     model = model or liveness_model()
     eng = FakeEngine(model, w.cache_config(), policy=w.policy, prefill=w.prefill, max_running=w.max_running,
-                     prefill_chunk=w.prefill_chunk, prefix_caching=w.prefix_caching)
+                     prefill_chunk=w.prefill_chunk, prefix_caching=w.prefix_caching, admission=w.admission)
     bound = step_bound(w)
     failures: list[str] = []
     counts = {"prefix_shared": 0, "prefix_tokens": 0, "chunk_steps": 0, "preemptions": 0, "swaps": 0,
@@ -309,7 +314,8 @@ def run_workload(w: Workload, model: ModelConfig | None = None, check_every: int
 
 
 def random_workload(rng: np.random.Generator, vocab: int = 512) -> Workload:
-    """A random workload: policy, prefill mode, prefix caching, max_running 1-6, prompt chunk, 2-10 requests of
+    """A random workload: policy, admission (drawn last: the other draws of a seed do not depend on it), prefill
+    mode, prefix caching, max_running 1-6, prompt chunk, 2-10 requests of
     1-6 pages (some sharing a document's first pages, some ending on a page boundary), 1-150 new tokens (some
     ending at an eos; or, in 3 workloads of 10, prompts of 1-2 pages and 64-320 new tokens), arrivals over the
     first steps, and budgets from about one request's need to all of them (half within a few pages of the
@@ -345,7 +351,8 @@ def random_workload(rng: np.random.Generator, vocab: int = 512) -> Workload:
 
     device = budget(lo)
     host, index = (budget(longest) if rng.random() < 0.25 else total + longest for _ in range(2))
-    return Workload(policy=policy, prefill=prefill, prefix_caching=bool(rng.random() < 0.8),
-                    max_running=int(rng.integers(2, 7)) if rng.random() < 0.9 else 1,
-                    prefill_chunk=int(rng.choice([16, 64, 100, 256])),
-                    device_pages=device, host_pages=host, index_pages=index, hot_rows=hot_rows, requests=tuple(reqs))
+    w = Workload(policy=policy, prefill=prefill, prefix_caching=bool(rng.random() < 0.8),
+                 max_running=int(rng.integers(2, 7)) if rng.random() < 0.9 else 1,
+                 prefill_chunk=int(rng.choice([16, 64, 100, 256])),
+                 device_pages=device, host_pages=host, index_pages=index, hot_rows=hot_rows, requests=tuple(reqs))
+    return dataclasses.replace(w, admission=ADMISSIONS[rng.integers(len(ADMISSIONS))])

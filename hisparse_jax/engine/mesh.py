@@ -95,7 +95,8 @@ class MeshEngine:
         self.model, self.config, self.mesh = model, config, mesh
         self.n = parallel.num_ranks(mesh)
         # every device's store, step and model copy, checked before any rank's bookkeeping or store exists
-        check_store_memory(StoreSpec.create(model.cfg, policy_cache(cache, config.policy, config.max_running)),
+        shape = policy_cache(cache, config.policy, config.max_running, admission=config.admission)
+        check_store_memory(StoreSpec.create(model.cfg, shape),
                            step_rows=config.max_step_rows, ranks=self.n,
                            also=(parallel.replica_cost(nnx.state(model), mesh,
                                                        expert_parallel=config.expert_parallel),))
@@ -263,6 +264,7 @@ class MeshEngine:
         """Totals over ranks (per-step sums in `history`) and `ranks`: each rank's `Engine.metrics()`."""
         ranks = [e.metrics() for e in self.engines]
         return summarize(self.history, list(self.requests.values()), policy=self.config.policy,
+                         admission=self.config.admission,
                          extra_h2d_bytes=sum(c.h2d_bytes for c in self.managers),
                          extra_d2h_bytes=sum(c.d2h_bytes for c in self.managers),
                          evicted_pages=sum(c.evicted_pages for c in self.managers),

@@ -13,6 +13,26 @@ tokens to prefilling requests. What happens when the device KV pool runs out is 
                (indexer pages + hot buffers + tail pages, the prompt resident while it is prefilled) and the
                host budget; a request that does not fit waits (never fails).
 
+Admission under preempt / offload is one of `ADMISSIONS`:
+
+* `vllm` (the default) — as vLLM's scheduler: a request is admitted when the pages of its prompt (plus the
+               lookahead and one growth page) are free on the device, in the KV pool and the indexer pool alike
+               (the DSA indexer's keys are one more KV cache group on the same block table); it then grows page
+               by page. When a running request cannot get its next page the newest admitted running request is
+               preempted (preempt) or swapped out whole (offload), KV and keys; no request is admitted while one
+               is swapped out. The host pool (offload's swap space) is still reserved for the whole length.
+* `reserve` — conservative: admitted only when the indexer pages of its whole length fit beside every admitted
+               request's (the indexer pool has as many pages as the device pool, so an admitted request can always
+               grow to its end: the pressure stays in the waiting queue, and nothing is preempted or swapped).
+
+HiSparse keeps its own rule whatever `admission` says (its keys never leave the device: the indexer pages of
+every admitted request's whole length, next to the device floor).
+
+Offload under `vllm`: this store keeps no host copy of indexer keys, so a swapped-out request's keys stay in the
+store's key pool (`policy_cache` gives it room for every host page's keys) and only leave the device *budget*
+(`Scheduler.device_keys`): the copy vLLM would make is counted (`StepPlan.swap_out_keys` / `swap_in_keys`),
+not performed.
+
 With prefix caching on (`TieredCache.prefix_caching`), a waiting request whose prompt starts with registered
 full pages shares them at admission and prefills only the rest, through the store (even in "whole" mode: the
 shared rows are read back from the store, so the rest is written chunk by chunk with the prompt resident;
@@ -31,11 +51,13 @@ from collections import deque
 
 from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.engine.request import Request, RequestState
+from hisparse_jax.kv.budget import BudgetError
 from hisparse_jax.kv.manager import TAIL_PAGES, TieredCache
 from hisparse_jax.kv.pool import OutOfPages, Tier
 from hisparse_jax.units import INVALID
 
 POLICIES = ("preempt", "offload", "hisparse")
+ADMISSIONS = ("vllm", "reserve")  # how preempt / offload admit (see the module docstring); HiSparse has its own
 # chunked: prompt rows go through the store with the decode batch (the prompt stays resident while it is
 # written, since its rows read each other's top-k); whole: one full causal forward per prompt, written straight
 # into the store — under HiSparse only the tail pages need to be on the device.
@@ -53,17 +75,40 @@ WAIT_REASONS = {
     "preempted": "preempted this step (its KV dropped; recomputed when readmitted)",
     "swapped_out": "swapped out to the host this step",
     "swap_in": "swapped out; its whole KV does not fit on the device yet",
+    "swapped_first": "a swapped-out request comes back before a new one is admitted (admission 'vllm')",
     "prefill_chunk": "this step's prompt tokens (prefill_chunk) went to earlier prompts",
 }
 
 
-def policy_cache(cache, policy: str, max_running: int, speculative_tokens: int = 0):
+def check_admission(admission: str) -> str:
+    """`admission`, refused (ValueError) unless one of `ADMISSIONS`."""
+    if admission not in ADMISSIONS:
+        raise ValueError(f"unknown admission {admission!r}; choose one of {', '.join(ADMISSIONS)}")
+    return admission
+
+
+def swaps_keys(cache, policy: str, admission: str) -> bool:
+    """Whether a swap-out takes the request's indexer keys off the device budget too (offload under "vllm", keys
+    on the device: vLLM swaps every KV cache group of a request)."""
+    return policy == "offload" and admission == "vllm" and cache.index_tier == "device"
+
+
+def policy_cache(cache, policy: str, max_running: int, speculative_tokens: int = 0, admission: str = "vllm"):
     """The `CacheConfig` a policy's store is built from: `max_running` request slots, the speculative rows, and
     no host mirror under preempt (it never uses the host tier). Formats change with the cache's capacity
-    (`CacheConfig.with_formats`), so a capacity shared by several policies stays valid."""
+    (`CacheConfig.with_formats`), so a capacity shared by several policies stays valid. When swaps take the keys
+    off the device budget (`swaps_keys`) the key pool holds every host page's keys too (the budget on the device
+    stays `cache.num_index_pages`: `Scheduler(device_keys=...)`), its capacity grown to match."""
     if policy == "preempt":
         cache = cache.with_formats(mirror_to_host=False)
-    return cache.with_formats(speculative_tokens=speculative_tokens).replace(max_seqs=max_running)
+    cache = cache.with_formats(speculative_tokens=speculative_tokens).replace(max_seqs=max_running)
+    if swaps_keys(cache, policy, check_admission(admission)):
+        n = max(cache.num_index_pages, cache.host_pages)
+        cap = cache.capacity
+        if cap is not None and cap.num_index_pages < n:
+            cap = cap.replace(index_pages=n)
+        cache = cache.replace(index_pages=n, capacity=cap)
+    return cache
 
 
 def pages(n_tokens: int) -> int:
@@ -78,6 +123,12 @@ class StepPlan:
     swapped_out: list[Request]
     swapped_in: list[Request]
     whole: list[Request] = dataclasses.field(default_factory=list)  # one full causal forward each
+    # pages swapped this step: KV pages released to the host / copied back to the device, and the
+    # indexer pages whose keys left / re-entered the device budget (offload under "vllm": counted, not copied)
+    swap_out_pages: int = 0
+    swap_in_pages: int = 0
+    swap_out_keys: int = 0
+    swap_in_keys: int = 0
     cached_tokens: int = 0  # prompt tokens shared by prefix caching in this step's admissions
     # request id -> why it makes no progress this step (a key of WAIT_REASONS): every waiting request, every
     # admitted one with no decode row, prompt rows or whole prefill, every one preempted
@@ -93,12 +144,18 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, manager: TieredCache, policy: str, *, max_running: int, prefill_chunk: int,
-                 prefill: str = "chunked"):
+                 prefill: str = "chunked", admission: str = "vllm", device_keys: int | None = None):
+        """admission: one of `ADMISSIONS` (preempt / offload; HiSparse keeps its own rule); device_keys: the
+        indexer pages the device budget holds when swaps take keys off it (`swaps_keys`; default: the key pool's)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if prefill not in PREFILL_MODES:
             raise ValueError(f"unknown prefill mode {prefill!r}; choose one of {', '.join(PREFILL_MODES)}")
         self.manager, self.policy, self.prefill = manager, policy, prefill
+        self.admission = check_admission(admission)
+        self.grows = policy != "hisparse" and admission == "vllm"  # admitted on the prompt, grown page by page
+        self.swaps_keys = swaps_keys(manager.cache, policy, admission)
+        self.device_keys = manager.budget.index_pages if device_keys is None else device_keys
         self.max_running, self.prefill_chunk = max_running, prefill_chunk
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # admitted: PREFILLING, RUNNING or SWAPPED, in admission order
@@ -182,10 +239,9 @@ class Scheduler:
         c = self.manager
         if len(self.active) >= self.max_running or not c.free_slots():
             return None, "max_running"
+        if self.grows and any(x.state is RequestState.SWAPPED for x in self.active):
+            return None, "swapped_first"
         hits = c.match_prefix(r.kv_tokens) if c.prefix_caching else []
-        short = self._short_tier(r, hits)  # (a whole prefill shares nothing: its pages are all new)
-        if short:
-            return None, short
         # preempt / offload: the prompt's pages and one growth page; a request admitted alone needs only the pages
         # of its prompt and first decode row. HiSparse: what it adds to the device floor (`_least`). Either way a
         # request alone needs no more than `Engine.add_request` checked, so one that fits alone never waits forever
@@ -194,6 +250,9 @@ class Scheduler:
             prompt_pages = max(min(pages(n_kv) + 1, pages(r.max_kv_len)), pages(n_kv))
         else:
             prompt_pages = max(pages(n_kv), pages(min(n_kv + 1 + r.lookahead, r.max_kv_len)))
+        short = self._short_tier(r, hits, prompt_pages)  # (a whole prefill shares nothing: its pages are all new)
+        if short:
+            return None, short
         hisparse = self.policy == "hisparse"
         n_max = max(pages(r.max_kv_len), pages(n_kv))
         # one prompt resident at a time while written through the store keeps the device floor predictable
@@ -214,7 +273,7 @@ class Scheduler:
                 return (None, "prefill_busy") if chunking else ("chunked", "")
             if self.prefill == "chunked":
                 return None, "device_budget"
-            if hits and (short := self._short_tier(r, [])):
+            if hits and (short := self._short_tier(r, [], prompt_pages)):
                 return None, short
         # whole: under HiSparse it adds its tail pages and a hot buffer (or all its pages when it never needs to
         # release one) to the floor
@@ -222,19 +281,48 @@ class Scheduler:
                 else c.pool.num_free(Tier.DEVICE) >= prompt_pages)
         return ("whole", "") if fits else (None, "device_budget")
 
-    def _short_tier(self, r: Request, hits: list) -> str:
-        """The wait reason when the indexer or host pool cannot hold `r` at its longest next to what the admitted
-        requests may grow to, sharing the pages of `hits` (a hit page in use costs nothing); "" when both can."""
+    def _short_tier(self, r: Request, hits: list, prompt_pages: int) -> str:
+        """The wait reason when the indexer or host pool cannot hold `r` next to the admitted requests, sharing the
+        pages of `hits` (a hit page in use costs nothing); "" when both can. The host pool, and the indexer pool
+        under "reserve" (and HiSparse), must hold `r` at its longest next to what the admitted requests may grow
+        to; under "vllm" the indexer pool (and the device key budget, `swaps_keys`) must have `prompt_pages` of
+        `r` free now, as the device pool must."""
         c = self.manager
         for tier, field in ((Tier.INDEX, "index"), (Tier.HOST, "host")):
             if tier is Tier.HOST and not c.spec.mirror_to_host:
                 continue
             rc = c.pool.refcounts(tier)
-            n_max = pages(r.max_kv_len) - sum(1 for x in hits if getattr(x, field) != INVALID
-                                           and rc[getattr(x, field)] > 0)
-            if self._committed(tier) + n_max > c.pool.capacity(tier):
+            in_use = sum(1 for x in hits if getattr(x, field) != INVALID and rc[getattr(x, field)] > 0)
+            if tier is Tier.INDEX and self.grows:
+                new = prompt_pages - in_use
+                if c.pool.num_free(tier) < new or (self.swaps_keys and self._keys_on_device() + new > self.device_keys):
+                    return "index_budget"
+            elif self._committed(tier) + pages(r.max_kv_len) - in_use > c.pool.capacity(tier):
                 return f"{field}_budget"
         return ""
+
+    def _keys_on_device(self) -> int:
+        """Indexer pages the device budget holds now: those of every admitted request not swapped out (a shared
+        page once)."""
+        c = self.manager
+        return len({i for s, rp in c.requests.items() if s not in c.swapped for i in rp.index if i != INVALID})
+
+    def _can_grow(self, r: Request, need: int) -> bool:
+        """Whether `r` can have positions < need writable now without taking pages from anyone (the pools, and the
+        device key budget when swaps take keys off it)."""
+        c = self.manager
+        if not c.can_reserve(r.slot, need):
+            return False
+        new = max(pages(need) - c.requests[r.slot].num_pages, 0)
+        return not self.swaps_keys or self._keys_on_device() + new <= self.device_keys
+
+    def check_ever_fits(self, rid: str, kv_len: int) -> None:
+        """Refuse (BudgetError) a request of `kv_len` KV positions whose keys could never be on the device at once
+        when swaps take keys off the device budget (the key pool itself is larger: `policy_cache`)."""
+        if self.swaps_keys and pages(kv_len) > self.device_keys:
+            raise BudgetError(f"request {rid!r} can never be admitted under 'offload': index_pages is too small: "
+                              f"{pages(kv_len)} indexer pages on the device at once; index_pages is "
+                              f"{self.device_keys}, {pages(kv_len) - self.device_keys} short")
 
     # ----- one step ------------------------------------------------------------------------------
     def schedule(self, step: int) -> StepPlan:
@@ -242,9 +330,14 @@ class Scheduler:
         c = self.manager
         # 1. swapped requests come back first (offload), when their whole KV fits again
         for r in [x for x in self.active if x.state is RequestState.SWAPPED]:
-            growth = 1 if pages(r.max_kv_len) > c.requests[r.slot].num_pages else 0
-            if c.pool.num_free(Tier.DEVICE) >= c.resident_pages_needed(r.slot) + growth:
-                c.swap_in(r.slot)
+            rp = c.requests[r.slot]
+            growth = 1 if pages(r.max_kv_len) > rp.num_pages else 0
+            keys_fit = not self.swaps_keys or self._keys_on_device() + rp.num_pages + growth <= self.device_keys
+            if keys_fit and c.pool.num_free(Tier.DEVICE) >= c.resident_pages_needed(r.slot) + growth:
+                before = c.h2d_bytes
+                c.swap_in(r.slot)  # (prefix pages still cached on the device are shared again, not copied)
+                plan.swap_in_pages += (c.h2d_bytes - before) // c.all_layers_page_bytes
+                plan.swap_in_keys += rp.num_pages if self.swaps_keys else 0
                 r.state = RequestState.RUNNING
                 plan.swapped_in.append(r)
         # 2. every running request needs its next position writable
@@ -255,10 +348,10 @@ class Scheduler:
             if not self._make_writable(r, need, plan):
                 continue
             plan.decode.append(r)
-        # 3. admit waiting requests
+        # 3. admit waiting requests (under "vllm" none in a step that preempted, as vLLM's scheduler)
         while self.waiting:
             r = self.waiting[0]
-            mode, why = self._decide(r)
+            mode, why = (None, "preempted") if self.grows and plan.preempted else self._decide(r)
             if mode is None:
                 plan.waits.setdefault(r.request_id, why)  # (one preempted this step says so)
                 break
@@ -314,7 +407,7 @@ class Scheduler:
             if self.policy == "hisparse":
                 c.reserve(r.slot, need)  # evicts cold pages (others' first) as needed
                 return True
-            if c.can_reserve(r.slot, need):
+            if self._can_grow(r, need):
                 c.reserve(r.slot, need)
                 return True
             victim = self._newest_running(exclude_prefilling=True)
@@ -345,7 +438,8 @@ class Scheduler:
         plan.waits[r.request_id] = "preempted"
 
     def _swap_out(self, r: Request, plan: StepPlan) -> None:
-        self.manager.swap_out(r.slot)
+        plan.swap_out_keys += self.manager.requests[r.slot].num_pages if self.swaps_keys else 0
+        plan.swap_out_pages += self.manager.swap_out(r.slot)
         r.state = RequestState.SWAPPED
         r.swaps += 1
         if r in plan.decode:
