@@ -11,8 +11,9 @@ command that reruns them) and the run goes on; case k of a kind is drawn from (s
 Draws random workloads and budgets — prompt counts and lengths (1 to several pages, page-boundary lengths),
 `max_new_tokens`, `device_pages` from one below the smallest workable budget upwards, `host_pages`,
 `index_pages`, `hot_rows` (top-k to 4x), `max_seqs`, both fetch mechanisms, float32 / bf16 / fp8 formats —
-and for the engine also the policy, coldness rule, prefill mode, prefix caching with shared prefixes, random
-arrivals and aborts, and MTP speculative decoding (k = 1..3 draft tokens); "mesh" cases run an engine case
+and for the engine also the policy, admission rule ("vllm" / "reserve", from a stream of its own: `admission_rng`),
+coldness rule, prefill mode, prefix caching with shared prefixes, random arrivals and aborts, and MTP speculative
+decoding (k = 1..3 draft tokens); "mesh" cases run an engine case
 (float32, no speculation) on a `MeshEngine` over 1-4 devices (as many as jax sees; the command asks for 4 host
 devices), with either placement and with or without expert parallelism, the budgets per device; "pd" cases run an
 engine case (float32) whose requests arrive in part as prefill exports (`pd.export_prefill`, passed as objects or
@@ -323,6 +324,7 @@ class EngineCase:
     index_dtype: str = "auto"  # "int4": MXFP4 indexer keys (the oracle is then the same case all resident)
     hot_policy: str = "lru"  # the hot buffer's victim order (`CacheConfig.hot_policy`): never changes the tokens
     index_tier: str = "device"  # "host": indexer keys in pinned host memory, exact mode (see `GenerateCase`)
+    admission: str = "vllm"  # preempt / offload's admission rule (`EngineConfig.admission`; `admission_rng`)
 
     @property
     def lookahead(self) -> int:
@@ -344,7 +346,7 @@ class EngineCase:
     def engine_config(self):
         from hisparse_jax.engine.engine import EngineConfig
 
-        return EngineConfig(policy=self.policy, coldness=self.coldness, prefill=self.prefill,
+        return EngineConfig(policy=self.policy, admission=self.admission, coldness=self.coldness, prefill=self.prefill,
                             prefix_caching=self.prefix_caching, max_running=self.max_running,
                             prefill_chunk=self.prefill_chunk, check_invariants=True, min_bucket=8,
                             speculative_tokens=self.speculative_tokens)
@@ -472,7 +474,8 @@ def run_engine_case(case: EngineCase, model=None, max_steps: int = 2000) -> dict
     done, exact = _check_end(model, case, eng, [eng.manager], accepted, lambda i: f"request {i}")
     met = eng.metrics()
     return {"outcome": "identical" if exact else "near_tie", "finished": len(done), "refused": len(refused),
-            "preemptions": met.preemptions,
+            "preemptions": met.preemptions, "vllm_admission": int(case.admission == "vllm"),
+            "recomputed_tokens": met.recomputed_tokens, "swap_out_pages": met.swap_out_pages,
             "swaps": met.swaps, "hits": met.hits, "misses": met.misses, "evicted_pages": met.evicted_pages,
             "cached_tokens": met.cached_tokens, "speculative_tokens": case.speculative_tokens,
             "drafts_accepted": sum(m.accepted for m in met.history), "int4_index": int(case.index_dtype == "int4"),
@@ -692,6 +695,12 @@ def case_rng(seed: int, kind: str, k: int):
     return np.random.default_rng([seed, KINDS.index(kind), k])
 
 
+def admission_rng(seed: int, kind: str, k: int):
+    """The stream that draws case `k`'s admission rule (engine cases): apart from `case_rng`, so that the cases a
+    seed drew before the rule existed are drawn the same."""
+    return np.random.default_rng([seed, KINDS.index(kind), k, 1])
+
+
 INDEX_DTYPE_KINDS = ("generate", "engine")  # the kinds whose cases may store int4 indexer keys (see draw_index_dtype)
 
 
@@ -719,6 +728,10 @@ def run_cases(kind: str, first: int, count: int, seed: int, model, log=print, in
             case = dataclasses.replace(case, hot_policy=hot_policy)
         if index_tier != "device":
             case = dataclasses.replace(case, index_tier=index_tier)
+        if kind == "engine":
+            from hisparse_jax.engine.scheduler import ADMISSIONS
+
+            case = dataclasses.replace(case, admission=str(admission_rng(seed, kind, k).choice(ADMISSIONS)))
         try:
             res = run(case, model)
             out["outcomes"][res["outcome"]] = out["outcomes"].get(res["outcome"], 0) + 1

@@ -1,9 +1,12 @@
 """Scheduler liveness over many random workloads: the property of `tests/test_liveness.py`, at scale.
 
-    PYTHONPATH=. python experiments/liveness.py [--runs 10000] [--seed 0] [--jobs 1]
+    PYTHONPATH=. python experiments/liveness.py [--runs 10000] [--seed 0] [--jobs 1] [--admissions vllm,reserve]
                                                 [--out experiments/results/liveness.json]
 
-Each run draws a workload (`engine.fake_compute.random_workload`: policy, prefill mode, prefix caching,
+Each workload seed is run once per admission rule (`engine.scheduler.ADMISSIONS`, the seed's own draw replaced:
+the same workload under "vllm" and "reserve"), so --runs 10000 is 10^4 schedules per rule; the summary is given
+in all and per rule (`by_admission`). Each run draws a workload (`engine.fake_compute.random_workload`: policy,
+prefill mode, prefix caching,
 max_running, prompt chunk, hot-buffer size, 2-10 requests sharing documents' first pages or not, arrivals, and
 device / indexer / host budgets, half of them within a few pages of the least) and drives the real `Scheduler`
 over the real `TieredCache` bookkeeping with a fake model (`run_workload`: NumPy only, nothing compiled). It
@@ -34,18 +37,24 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from hisparse_jax.engine.scheduler import ADMISSIONS  # noqa: E402  (after the path above)
+
 KINDS = ("prefix_shared", "chunk_steps", "preemptions", "swaps", "hisparse_releases", "whole")
 
 
-def one(seed: int) -> dict:
-    """Run the workload of `seed`; a small summary of it."""
+def one(task: tuple[int, str]) -> dict:
+    """Run the workload of `seed` under `admission` (task = (seed, admission)); a small summary of it."""
+    import dataclasses
+
     import numpy as np
 
     from hisparse_jax.engine.fake_compute import random_workload, run_workload
 
-    w = random_workload(np.random.default_rng(seed))
+    seed, admission = task
+    w = dataclasses.replace(random_workload(np.random.default_rng(seed)), admission=admission)
     rep = run_workload(w, check_every=8)
-    return {"seed": seed, "policy": w.policy, "prefill": w.prefill, "prefix_caching": w.prefix_caching,
+    return {"seed": seed, "admission": admission, "policy": w.policy, "prefill": w.prefill,
+            "prefix_caching": w.prefix_caching,
             "requests": rep.requests, "refused": rep.refused, "steps": rep.steps, "bound": rep.bound,
             "failures": rep.failures, "counts": rep.counts, "waits": rep.waits}
 
@@ -66,8 +75,8 @@ def summarize(results: list[dict]) -> dict:
     ratios = [r["steps"] / r["bound"] for r in results]
     return {
         "runs": len(results), "failures": len(failures),
-        "failing": [{"seed": r["seed"], "policy": r["policy"], "prefill": r["prefill"], "first": r["failures"][0]}
-                    for r in failures[:50]],
+        "failing": [{"seed": r["seed"], "admission": r["admission"], "policy": r["policy"], "prefill": r["prefill"],
+                     "first": r["failures"][0]} for r in failures[:50]],
         "requests": sum(r["requests"] for r in results), "refused_at_the_door": sum(r["refused"] for r in results),
         "steps": sum(r["steps"] for r in results),
         "pressure": kinds, "by_policy": by_policy,
@@ -78,8 +87,9 @@ def summarize(results: list[dict]) -> dict:
     }
 
 
-def demo_schedule(devices: int, repeat: bool, policy: str = "hisparse") -> dict:
-    """The demo's workload and budgets (its defaults) scheduled over `devices` ranks with the fake model."""
+def demo_schedule(devices: int, repeat: bool, policy: str = "hisparse", admission: str = "vllm") -> dict:
+    """The demo's workload and budgets (its defaults) scheduled over `devices` ranks with the fake model (under
+    `policy` and, for preempt / offload, `admission`)."""
     import numpy as np
 
     from hisparse_jax import checkpoints
@@ -98,8 +108,8 @@ def demo_schedule(devices: int, repeat: bool, policy: str = "hisparse") -> dict:
     max_len = max(len(p) for p in prompts) + new_tokens
     base, device_bytes = budgets(cfg, requests, max_len, 3.5)
     cc = device_budget(cfg, base, device_bytes, policy, max_running=requests, max_len=max_len, prefill="whole")
-    ranks = [FakeEngine(cfg, cc, policy=policy, prefill="whole", max_running=requests, prefill_chunk=240)
-             for _ in range(devices)]
+    ranks = [FakeEngine(cfg, cc, policy=policy, prefill="whole", max_running=requests, prefill_chunk=240,
+                        admission=admission) for _ in range(devices)]
 
     def place(prompt):  # `MeshEngine.place`, "balanced"
         def key(r):
@@ -112,6 +122,7 @@ def demo_schedule(devices: int, repeat: bool, policy: str = "hisparse") -> dict:
         ranks[place(p)].add_request(f"r{i}", p, new_tokens)
     running = [[] for _ in ranks]
     longest_stall, streak, raised = [0] * devices, [{} for _ in ranks], [0] * devices
+    preemptions = swaps = 0
     steps = 0
     while any(e.has_unfinished() for e in ranks):
         for k, e in enumerate(ranks):
@@ -119,12 +130,15 @@ def demo_schedule(devices: int, repeat: bool, policy: str = "hisparse") -> dict:
                 continue
             s = e.step()
             raised[k] += s.out_of_pages
+            preemptions, swaps = preemptions + len(s.plan.preempted), swaps + len(s.plan.swapped_out)
             if s.plan.decode:
                 running[k].append(len(s.plan.decode))
             streak[k] = {rid: streak[k].get(rid, 0) + 1 for rid in s.unexplained}
             longest_stall[k] = max([longest_stall[k], *streak[k].values()])
         steps += 1
-    return {"devices": devices, "repeated_documents": repeat, "policy": policy, "steps": steps,
+    return {"devices": devices, "repeated_documents": repeat, "policy": policy,
+            "admission": admission if policy != "hisparse" else None, "steps": steps,
+            "preemptions": preemptions, "swaps": swaps,
             "device_pages": cc.device_pages, "index_pages": cc.num_index_pages,
             "prompts_sharing_a_first_page": len(prompts) - len({tuple(p[:64]) for p in prompts}),
             "mean_running_per_rank": [round(float(np.mean(r)), 3) for r in running],
@@ -139,23 +153,30 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="worker processes")
     p.add_argument("--out", default="experiments/results/liveness.json")
     p.add_argument("--no-demo", action="store_true", help="skip the demo workload's schedules")
+    p.add_argument("--admissions", default=",".join(ADMISSIONS), help="comma-separated admission rules to run "
+                   "every seed under (default: all)")
     args = p.parse_args(argv)
+    rules = args.admissions.split(",")
+    if not rules or any(a not in ADMISSIONS for a in rules):
+        p.error(f"--admissions: comma-separated subset of {','.join(ADMISSIONS)}, got {args.admissions!r}")
     t0 = time.perf_counter()
-    seeds = range(args.seed, args.seed + args.runs)
+    tasks = [(s, a) for s in range(args.seed, args.seed + args.runs) for a in rules]
     if args.jobs > 1:
         import multiprocessing as mp
 
         with mp.get_context("spawn").Pool(args.jobs) as pool:
-            results = pool.map(one, seeds, chunksize=64)
+            results = pool.map(one, tasks, chunksize=64)
     else:
-        results = [one(s) for s in seeds]
+        results = [one(t) for t in tasks]
     import jax
 
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "jax": jax.__version__,
            "python": platform.python_version(), "seeds": [args.seed, args.seed + args.runs - 1],
-           **summarize(results)}
+           "admissions": rules, **summarize(results),
+           "by_admission": {a: summarize([r for r in results if r["admission"] == a]) for a in rules}}
     if not args.no_demo:
         out["demo"] = [demo_schedule(n, repeat) for n, repeat in ((1, False), (4, True), (4, False))]
+        out["demo"] += [demo_schedule(1, False, pol, a) for pol in ("preempt", "offload") for a in rules]
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -163,6 +184,8 @@ def main(argv=None) -> int:
             json.dump(out, f, indent=1)
             f.write("\n")
     print(json.dumps({k: out[k] for k in ("runs", "failures", "pressure", "steps_over_bound", "wall_s")}))
+    for a, sub in out["by_admission"].items():
+        print(json.dumps({"admission": a, **{k: sub[k] for k in ("runs", "failures", "pressure")}}))
     for d in out.get("demo", []):
         print(json.dumps(d))
     return 1 if out["failures"] else 0
