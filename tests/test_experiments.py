@@ -324,6 +324,11 @@ def test_gpu_check_cpu_smoke(runs):
             assert c["finite"] and c["max_rel_err"] <= c["rel_tol"], r
         if r.get("timed"):
             assert r["kernel_s"] > 0 and r["reference_s"] > 0 and r["speedup_vs_reference"] > 0, r
+            # the next run's goals: TFLOPS of the decode, GB/s of keys the indexer reads
+            if r["kernel"] == "sparse_mla_decode" and not r["variant"].startswith("stacked"):
+                assert r["tflops"] == r["flops"] / r["kernel_s"] / 1e12 > 0, r
+            elif r["kernel"] == "indexer_topk":
+                assert r["keys_gb_per_s"] == r["key_bytes"] / r["kernel_s"] / 1e9 > 0, r
             for t in (r["kernel_time"], r["reference_time"]):
                 assert t["calls_per_loop"] == sizes["loop_n"] and t["per_call_s"] * sizes["loop_n"] == t["loop_median_s"]
     big = report["sections"]["mla_big_pool"]["runs"][0]
