@@ -30,12 +30,12 @@ from tiny import BIG, model_cfg
 
 # name -> (model config overrides, CacheConfig): every KV dtype, both key tiers, every quantized key format
 FORMATS = {
-    "float32": ({}, BIG.replace(device_pages=10)),
-    "bf16-host-keys": ({}, BIG.replace(kv_dtype="bf16", index_tier="host", device_pages=10)),
+    "float32": ({}, BIG.replace(device_pages=7)),
+    "bf16-host-keys": ({}, BIG.replace(kv_dtype="bf16", index_tier="host", device_pages=7)),
     "fp8-int4-host-keys": ({"kv_lora_rank": 128, "index_head_dim": 128},
-                           BIG.replace(kv_dtype="fp8", index_dtype="int4", index_tier="host", device_pages=10)),
+                           BIG.replace(kv_dtype="fp8", index_dtype="int4", index_tier="host", device_pages=7)),
 }
-PROMPTS = [np.random.default_rng(4).integers(0, 97, n).tolist() for n in (200, 120)]
+PROMPTS = [np.random.default_rng(4).integers(0, 97, n).tolist() for n in (300, 170)]
 BEFORE, DECODE, ENGINE = 4, 5, 5  # steps before the save; after it, through decode_step, then through Runner.step
 
 
@@ -48,12 +48,13 @@ def build(name):
 def continue_decoding(model, tc, store, slots, tok, n_decode, n_engine):
     """Greedy steps from (store, last tokens): `n_decode` through docs/store.md's path, then `n_engine` through the
     engine's program (`Runner.step`: its batch and sampling rows, one device read). Returns (store, the last
-    tokens, the tokens of every step [steps][B])."""
+    tokens, the tokens of every step [steps][B], the rows decode_step read from the host pools)."""
     req = jnp.asarray(slots, jnp.int32)
-    out = []
+    out, misses = [], 0
     for _ in range(n_decode):
         store = kv_device.reserve_next(store, tc, slots)
-        logits, store, _ = decode_step(model, store, {"tokens": tok, "req": req})
+        logits, store, stats = decode_step(model, store, {"tokens": tok, "req": req})
+        misses += int(np.sum(stats["misses"]))
         tc.advance(slots)
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
         out.append(np.asarray(tok).tolist())
@@ -71,7 +72,7 @@ def continue_decoding(model, tc, store, slots, tok, n_decode, n_engine):
         tc.advance(slots)
         tok = jnp.asarray(step.tokens, jnp.int32)
         out.append(list(step.tokens))
-    return store, tok, out
+    return store, tok, out, misses
 
 
 def resume(path):
@@ -83,7 +84,7 @@ def resume(path):
         with open(os.path.join(path, name + ".json")) as f:
             slots, tok = json.load(f)
         tc, store = load_tiered(os.path.join(path, name))
-        store, _, got[name] = continue_decoding(model, tc, store, slots, jnp.asarray(tok, jnp.int32), DECODE, ENGINE)
+        store, _, got[name], _ = continue_decoding(model, tc, store, slots, jnp.asarray(tok, jnp.int32), DECODE, ENGINE)
         fresh = kv_device.new_store(TieredCache(model.cfg, cc))
         restored = load_tiered(os.path.join(path, name))[1]
         for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(fresh)):
@@ -99,12 +100,13 @@ def test_a_saved_store_resumes_in_a_fresh_process(tmp_path):
         tc = TieredCache(model.cfg, cc)
         store, slots, logits = Runner(model).admit_prompts(kv_device.new_store(tc), tc, PROMPTS)
         tok = jnp.asarray([int(np.argmax(x)) for x in logits], jnp.int32)
-        store, tok, _ = continue_decoding(model, tc, store, slots, tok, BEFORE, 0)
+        store, tok, _, _ = continue_decoding(model, tc, store, slots, tok, BEFORE, 0)
         store = kv_device.apply_updates(store, tc)
         save_tiered(tc, store, tmp_path / name)
         with open(tmp_path / (name + ".json"), "w") as f:
             json.dump([slots, np.asarray(tok).tolist()], f)
-        _, _, want[name] = continue_decoding(model, tc, store, slots, tok, DECODE, ENGINE)
+        _, _, want[name], misses = continue_decoding(model, tc, store, slots, tok, DECODE, ENGINE)
+        assert misses > 0, name  # the continuation reads the host pools
     code = ("import sys, json; sys.path.insert(0, 'tests'); import test_resume; "
             f"print(json.dumps(test_resume.resume({str(tmp_path)!r})))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
