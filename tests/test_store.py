@@ -213,6 +213,17 @@ def test_transfer_bytes_per_mechanism():
         assert int(transfer) * ROW_BYTES == (1 * 4 * 2 * ROW_BYTES if fetch == "row" else 1 * 2 * 64 * ROW_BYTES)
 
 
+def test_fetch_sizes_and_their_option():
+    """The row fetch's static staging sizes: fetch_min_rows doubling, capped at and ending with B x K."""
+    from hisparse_jax.kv.ops import fetch_sizes
+    assert fetch_sizes(256, 65536) == (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+    assert fetch_sizes(256, 1000) == (256, 512, 1000)
+    assert fetch_sizes(256, 100) == (100,)  # fewer slots than the smallest size: one size
+    assert fetch_sizes(65536, 65536) == (65536,)  # the single B x K size
+    with pytest.raises(ValueError, match="fetch_min_rows must be >= 1"):
+        CacheConfig(fetch_min_rows=0)
+
+
 def test_host_pools_are_pinned_and_device_pools_are_not():
     tc = StorePair(MODEL, cache_config())
     assert tc.store.h_latent.sharding.memory_kind == "pinned_host"
