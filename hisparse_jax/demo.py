@@ -43,7 +43,7 @@ from hisparse_jax.engine.scheduler import ADMISSIONS, POLICIES, pages
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.tiered import KERNELS, check_kernels
 from hisparse_jax.engine.runner import TRACE_COUNTS as _STEP_TRACES
-from hisparse_jax.kv.state import store_costs
+from hisparse_jax.kv.account import store_costs
 from hisparse_jax.memory import Cost, check_account
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax import checkpoints
@@ -252,8 +252,8 @@ def _check_sizes(args: argparse.Namespace, cfg: ModelConfig, kind: str, longest:
                              + (f" ({n_dev} devices x --requests are asked for)" if n_dev > 1 else ""))
 
 
-def _demo_costs(args: argparse.Namespace, cfg: ModelConfig, longest: int) -> list[Cost]:
-    """The memory account of the workload `args` asks for (`kv.state.store_costs`), per device: a store whose
+def workload_costs(args: argparse.Namespace, cfg: ModelConfig, longest: int) -> list[Cost]:
+    """The memory account of the workload `args` asks for (`kv.account.store_costs`), per device: a store whose
     device pools are the device budget (--device-requests), whose host pools hold every request's pages
     (--requests), whose hot buffers have --hot-rows rows, the temporaries of the engine's largest step, and a copy
     of the model's parameters."""
@@ -272,7 +272,7 @@ def _demo_costs(args: argparse.Namespace, cfg: ModelConfig, longest: int) -> lis
 
 
 def _culprit(args: argparse.Namespace, part: str) -> str:
-    """The option a part of the account follows (`_demo_costs`): the one whose bound a refusal states."""
+    """The option a part of the account follows (`workload_costs`): the one whose bound a refusal states."""
     if "hot" in part and args.hot_rows:
         return "--hot-rows"
     if "step rows" in part and args.prefill == "chunked" and args.prefill_chunk > args.requests:
@@ -285,14 +285,14 @@ def _culprit(args: argparse.Namespace, part: str) -> str:
 
 
 def _check_memory(args: argparse.Namespace, cfg: ModelConfig, longest: int) -> None:
-    """DemoSetupError, before anything is allocated, when the workload's memory account (`_demo_costs`: the store
+    """DemoSetupError, before anything is allocated, when the workload's memory account (`workload_costs`: the store
     of every device, their host pools, the step's temporaries, the model's copies) does not fit this machine's
     memory (`memory.check_account`, as the engine checks it): the message gives the largest value of the option
     behind the largest part that would fit, with the others as given."""
     def refusal(**change) -> str | None:
         a = argparse.Namespace(**{**vars(args), **change})
         try:
-            check_account("the workload", _demo_costs(a, cfg, longest), ranks=a.devices)
+            check_account("the workload", workload_costs(a, cfg, longest), ranks=a.devices)
         except ValueError as e:
             return str(e)
         return None

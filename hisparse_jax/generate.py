@@ -26,7 +26,9 @@ from hisparse_jax.engine.runner import (Runner, bucket_pow2, check_prefill_memor
 from hisparse_jax.engine.sampling import prompt_seeds
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.dense import DenseKV, init_dense_kv
+from hisparse_jax.kv.account import check_store_memory
 from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.tiered import check_backend, check_kernels, empty_stats, index_span, stats_bytes
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.results import GenerateStats
@@ -191,7 +193,8 @@ def _generate_tiered(model, prompts, cache, kernels, run, return_stats):
     cfg = model.cfg
     runner = Runner(model, kernels=kernels)  # the model split once for the whole run
     n, max_new_tokens = len(prompts), run.max_new_tokens
-    manager = TieredCache(cfg, cache, step_rows=bucket_pow2(n))
+    check_store_memory(StoreSpec.create(cfg, cache), step_rows=bucket_pow2(n))  # before any of it exists
+    manager = TieredCache(cfg, cache)
     check_backend(manager.spec, kernels)
     # the last new token is sampled, never written: the store holds prompt + max_new_tokens - 1 positions
     manager.check_batch_fits([len(p) + max_new_tokens - 1 for p in prompts])
@@ -226,8 +229,9 @@ def _generate_mesh(model, prompts, cache, kernels, mesh, run, return_stats):
     placed = parallel.place_round_robin(n, N)  # placed[r]: the prompts rank r serves
     Bl = bucket_pow2(max(len(idx) for idx in placed))  # each rank's step rows
     # every device's store, step and model copy, checked before any rank's bookkeeping or store exists
-    managers = [TieredCache(cfg, cache, step_rows=Bl, ranks=N, also=(parallel.replica_cost(runner.state, mesh),))
-                for _ in range(N)]
+    check_store_memory(StoreSpec.create(cfg, cache), step_rows=Bl, ranks=N,
+                       also=(parallel.replica_cost(runner.state, mesh),))
+    managers = [TieredCache(cfg, cache) for _ in range(N)]
     spec = managers[0].spec
     check_backend(spec, kernels)
     for c, idx in zip(managers, placed):  # the last new token is sampled, never written

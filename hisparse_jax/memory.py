@@ -1,13 +1,11 @@
-"""How much memory this machine and its devices have: the bound the model, the store and the demo refuse sizes
-against before allocating them (`docs/bad_input.md`)."""
+"""How much memory this machine and its devices have, and the account sizes are checked against before anything of
+them is allocated (`docs/bad_input.md`). jax is imported only where a device is asked about: the host bookkeeping
+(`kv.pool`, `kv.manager`) checks its account without it."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-
-import jax
-import jax.numpy as jnp
 
 
 def host_memory_bytes() -> int | None:
@@ -43,6 +41,9 @@ def abstract() -> bool:
     """Whether jax is tracing here (`jax.eval_shape`, `nnx.eval_shape`, `jit`): a fresh array is then a
     `jax.core.Tracer` (the public test flax uses too) and nothing is allocated, so no size is refused: shapes of
     GLM-5 stay computable on any machine (deviceless builds, `load_pretrained`'s shape pass)."""
+    import jax
+    import jax.numpy as jnp
+
     return isinstance(jnp.zeros((), jnp.int8), jax.core.Tracer)
 
 
@@ -66,6 +67,8 @@ def check_account(what: str, costs: list[Cost], *, device=None, ranks: int = 1) 
     per = {"device": [c for c in costs if c.where == "device"], "host": [c for c in costs if c.where == "host"]}
     dev = None
     if per["device"]:  # (host costs alone need no device: the NumPy bookkeeping never starts jax's backend)
+        import jax
+
         dev = device if device is not None else jax.devices()[0]
         if dev.platform == "cpu":
             per = {"device": [], "host": per["device"] + per["host"]}

@@ -7,7 +7,7 @@ size, its bytes and the limit. An allocation of a refused size would instead end
 out-of-memory error or the limit's kill, which the assertions name. The cases run in two children (the library and
 the engine; the CLI) and one for `--devices 256`, whose 256 host devices must be made before jax starts.
 
-The memory account these refusals come from (`kv.state.store_costs`, `memory.check_account`) counts the store's
+The memory account these refusals come from (`kv.account.store_costs`, `memory.check_account`) counts the store's
 arrays, the host bookkeeping and the step's hot-buffer resolve temporaries; `test_step_temporaries_formula` checks
 the last against XLA's memory analysis of the compiled engine step."""
 
@@ -27,9 +27,11 @@ from flax import nnx
 
 from hisparse_jax import calc
 from hisparse_jax.config import CacheConfig, ModelConfig
+from hisparse_jax.engine import EngineConfig
 from hisparse_jax.engine.runner import _jitted_step_and_sample
 from hisparse_jax.kv.spec import StoreSpec
-from hisparse_jax.kv.state import RESOLVE_BYTES_PER_ROW_SLOT, init_store
+from hisparse_jax.kv.account import RESOLVE_BYTES_PER_ROW_SLOT
+from hisparse_jax.kv.state import init_store
 from hisparse_jax.model.decoder import SparseMLAModel
 
 LIMIT = 4 << 30  # RLIMIT_AS of the children: jax needs ~2 GiB of address space to start
@@ -72,8 +74,9 @@ import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig, ModelConfig
 from hisparse_jax.engine import Engine, EngineConfig, MeshEngine
 from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.pool import PagePool
 from hisparse_jax.kv.spec import StoreSpec
-from hisparse_jax.kv.state import check_store_memory
+from hisparse_jax.kv.account import check_store_memory
 from hisparse_jax.memory import host_memory_bytes
 from hisparse_jax.parallel import data_mesh
 
@@ -86,6 +89,7 @@ for name, value in {SIZES!r}.items():
     if name != "max_seqs":  # an engine's request slots are its max_running (below)
         attempt("engine " + name, lambda: Engine(model, cache()))
 attempt("manager max_seqs", lambda: TieredCache(cfg, CacheConfig(max_seqs=10**9)))
+attempt("pool index_pages", lambda: PagePool(1, 10**10, 0))
 # the issue's case: 10^7 hot rows pass a count of the store alone; the engine's step resolves each of its 512
 # batch rows against a request's whole hot buffer
 attempt("engine hot_rows 1e7", lambda: Engine(model, CacheConfig(hot_rows=10**7)))
@@ -199,8 +203,10 @@ def test_a_size_past_the_memory_is_refused_before_it_exists(library, where, name
     assert shown in msg, msg
 
 
-def test_the_manager_counts_before_it_allocates(library):
-    _refused(library["manager max_seqs"], "ValueError", "the KV store needs", "max_seqs=1,000,000,000")
+def test_the_bookkeeping_counts_before_it_allocates(library):
+    _refused(library["manager max_seqs"], "ValueError", "the host bookkeeping needs", "max_seqs=1,000,000,000")
+    _refused(library["pool index_pages"], "ValueError", "the page pools' bookkeeping needs 120,000,000,012 bytes",
+             "index_pages=10,000,000,000")
 
 
 def test_the_engine_counts_its_step_temporaries(library):
@@ -302,3 +308,11 @@ def test_step_temporaries_formula():
         temps[hr] = stats.temp_size_in_bytes
     per = (temps[16384] - temps[1024]) / (B * (16384 - 1024))
     assert RESOLVE_BYTES_PER_ROW_SLOT / 2 < per <= RESOLVE_BYTES_PER_ROW_SLOT, (per, temps)
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_COUNTS))
+def test_engine_counts_are_integers(name):
+    for value, words in ((1e9, "must be an integer, got 1000000000.0"), (0, "must be >= 1, got 0"),
+                         (True, "must be an integer, got True")):
+        with pytest.raises(ValueError, match=f"{name} {words}"):
+            EngineConfig(**{name: value})

@@ -35,6 +35,7 @@ from hisparse_jax.kv.budget import BudgetError
 from hisparse_jax.kv.eviction import COLDNESS
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv import device as kv_device, tiered
+from hisparse_jax.kv.account import check_store_memory
 from hisparse_jax.kv.state import StoreSpec
 from hisparse_jax.engine.runner import TRACE_COUNTS, Runner, sampler
 from hisparse_jax.model.decoder import SparseMLAModel
@@ -102,8 +103,8 @@ class EngineConfig:
             raise ValueError(f"unknown coldness {self.coldness!r}; choose one of {', '.join(COLDNESS)}")
         if self.prefill not in PREFILL_MODES:
             raise ValueError(f"unknown prefill mode {self.prefill!r}; choose one of {', '.join(PREFILL_MODES)}")
-        if self.max_running < 1 or self.prefill_chunk < 1 or self.min_bucket < 1:
-            raise ValueError("max_running, prefill_chunk and min_bucket must be >= 1")
+        for name in ("max_running", "prefill_chunk", "min_bucket"):  # integers (their sizes: the memory account)
+            check_int(name, getattr(self, name), lo=1)
         if self.kernels not in tiered.KERNELS:
             raise ValueError(f"unknown kernels {self.kernels!r}; choose one of {', '.join(tiered.KERNELS)}")
         if self.placement not in PLACEMENTS:
@@ -121,7 +122,7 @@ class EngineConfig:
     def max_step_rows(self) -> int:
         """Batch rows of the largest step this engine can run (its bucket): every running request's decode rows
         (k + 1 each with speculative decoding) and a prefill chunk's rows, padded to a power of two >= min_bucket.
-        The memory account counts the step's temporaries at this size (`kv.state.store_costs`)."""
+        The memory account counts the step's temporaries at this size (`kv.account.store_costs`)."""
         rows = self.max_running * (self.speculative_tokens + 1)
         rows += self.prefill_chunk if self.prefill == "chunked" else 0
         return max(self.min_bucket, 1 << (rows - 1).bit_length())
@@ -204,8 +205,9 @@ class Engine:
                              "SparseMLAModel(cfg, mtp=True) or load_pretrained(path, mtp=True)")
         device_keys = cache.num_index_pages  # the device's key budget (offload under "vllm" grows the pool)
         cache = policy_cache(cache, config.policy, config.max_running, self.k, config.admission)
-        self.manager = TieredCache(model.cfg, cache, victim_order=COLDNESS[config.coldness],
-                                   step_rows=config.max_step_rows)
+        # the store, its bookkeeping and the largest step's temporaries, before any of them exists
+        check_store_memory(StoreSpec.create(model.cfg, cache), step_rows=config.max_step_rows)
+        self.manager = TieredCache(model.cfg, cache, victim_order=COLDNESS[config.coldness])
         tiered.check_backend(self.manager.spec, config.kernels)
         self.manager.partial_eviction = config.policy == "hisparse"
         self.manager.prefix_caching = config.prefix_caching

@@ -38,7 +38,8 @@ from hisparse_jax.engine.request import Request, SamplingParams
 from hisparse_jax.engine.runner import TRACE_COUNTS, MeshRunner
 from hisparse_jax.engine.scheduler import policy_cache
 from hisparse_jax.kv import device as kv_device
-from hisparse_jax.kv.state import StoreSpec, check_store_memory
+from hisparse_jax.kv.account import check_store_memory
+from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.results import EngineMetrics, StepMetrics
 

@@ -29,8 +29,8 @@ from hisparse_jax.kv.pool import OutOfPages, PagePool, PoolError, RequestPages, 
 from hisparse_jax.units import INVALID
 from hisparse_jax.kv.prefix import PrefixHit
 from hisparse_jax.kv.spec import StoreSpec
-from hisparse_jax.kv.state import check_store_memory
-from hisparse_jax.memory import Cost
+from hisparse_jax.kv.account import bookkeeping_costs
+from hisparse_jax.memory import check_account
 from hisparse_jax.kv.updates import ClearStamps, ReleasePages, SetTables, Update, pad_pow2, table_row
 
 
@@ -44,11 +44,10 @@ class TieredCache:
     `budget.max_pages` pages, and a hot buffer has `budget.hot_rows` slots. Without a capacity the two are equal."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, *,
-                 victim_order: Callable[["TieredCache", int], list[int]] = oldest_first, step_rows: int = 0,
-                 ranks: int = 1, also: tuple[Cost, ...] = ()):
-        """step_rows / ranks / also: what the memory account checked here, before anything of the cache's sizes
-        exists, counts beside the store and this bookkeeping (`kv.state.check_store_memory`): the batch rows of
-        the largest step that will run, the devices each holding such a store, other costs (model replicas)."""
+                 victim_order: Callable[["TieredCache", int], list[int]] = oldest_first):
+        """The bookkeeping's own arrays are checked against the RAM before they exist (`kv.account`); the store's
+        device and host arrays, and the step's temporaries, are the caller's account (`generate`, the engines:
+        `kv.account.check_store_memory`, before they make this)."""
         if not isinstance(model, ModelConfig):
             raise TypeError(f"model must be a ModelConfig, got {type(model).__name__}")
         if not isinstance(cache, CacheConfig):
@@ -56,7 +55,7 @@ class TieredCache:
         self.model_cfg, self.cache = model, cache
         self.spec = StoreSpec.create(model, cache)
         self.budget = StoreSpec.create(model, cache.replace(capacity=None))
-        check_store_memory(self.spec, step_rows=step_rows, ranks=ranks, also=also)  # before any allocation
+        check_account("the host bookkeeping", bookkeeping_costs(self.spec))  # before its arrays exist
         self.pool = PagePool(self.budget.device_pages, self.budget.index_pages, self.budget.host_pages)
         self.requests: dict[int, RequestPages] = {}
         self.lengths: dict[int, int] = {}
