@@ -250,6 +250,7 @@ def test_gpu_check_cpu_smoke(runs):
         assert 0 <= r["host_share"] < 1 and 0 <= r["hit_rate"] <= 1 and r["mean_running"] >= 1, (pol, r)
     hs, off = eng["policies"]["hisparse"], eng["policies"]["offload"]
     assert hs["misses"] > 0 and hs["h2d_bytes_per_step"] > 0 and hs["mean_running"] > off["mean_running"]
+    assert hs["sustained_running"] > off["sustained_running"] >= 1 and off["sustained_tokens_per_s"] > 0
     assert eng["budget"]["device_bytes"] == int(eng["workload"]["device_fraction"] * eng["budget"]["need_bytes"])
     assert eng["hisparse_vs_offload_tokens_per_s"] > 0 and eng["hisparse_vs_offload_itl_p99"] > 0
 

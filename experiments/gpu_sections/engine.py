@@ -12,6 +12,8 @@ random weights, fp8 KV and indexer keys, the Pallas kernels on Triton) runs unde
 * inter-token latency: per request, the wall time between consecutive tokens (intervals that span a compiling
   step are left out and counted): itl_median_s, itl_p99_s;
 * mean_running (requests decoding per decode step), hit_rate, h2d_bytes_per_step (mean over decode steps);
+* sustained_running and sustained_tokens_per_s: the same over the steps while requests waited (the steady state
+  under memory pressure, without the tail where the last requests finish with the queue empty);
 * host_share: the host's share of the step time, (step wall time - time inside `Runner.step`, the device call
   and its one device -> host read) / step wall time, over the steps that did not compile (and, with whole-prompt
   prefill, ran no prompt's forward: that runs outside the batched call);
@@ -40,6 +42,7 @@ import time
 
 import numpy as np
 
+from experiments.engine_vs_calc import sustained
 from experiments.gpu_sections import library
 
 POLICIES = ("hisparse", "offload", "preempt")  # most important first: a policy past its time share stops early
@@ -187,6 +190,10 @@ def run_policy(model, cc, policy: str, prompts, sz: dict, deadline: float, log) 
             and not (sz["prefill"] == "whole" and x.prefill_tokens)]
     step_s = sum(x.step_time_s for x, _ in warm)
     decode = [x for x in h if x.running]
+    # the steady state under pressure: the steps while requests waited (the tail, when the queue is empty and the
+    # last requests finish, is left out)
+    busy = [x for x, _ in warm if x.waiting and x.running]
+    busy_s = sum(x.step_time_s for x in busy)
     outputs = eng.outputs()
     rec = {
         "policy": policy, "complete": stopped is None, "stopped_at_step": stopped,
@@ -196,6 +203,8 @@ def run_policy(model, cc, policy: str, prompts, sz: dict, deadline: float, log) 
         "itl_median_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99), "itl_intervals": len(itl),
         "itl_left_out_compiling": dropped,
         "mean_running": em.mean_running, "max_running": em.max_running, "preemptions": em.preemptions,
+        **{k: v for k, v in sustained(h).items() if k.startswith("sustained")},
+        "sustained_tokens_per_s": sum(x.tokens for x in busy) / busy_s if busy_s else None,
         "swaps": em.swaps, "failed": em.failed, "hit_rate": em.hit_rate, "hits": em.hits, "misses": em.misses,
         "resident": em.resident, "h2d_bytes": em.h2d_bytes, "d2h_bytes": em.d2h_bytes,
         "h2d_bytes_per_step": float(np.mean([x.h2d_bytes for x in decode])) if decode else 0.0,
@@ -278,6 +287,8 @@ def section_engine(ctx) -> dict:
         out["hisparse_vs_offload_tokens_per_s"] = p["hisparse"]["tokens_per_s"] / p["offload"]["tokens_per_s"]
         out["hisparse_vs_offload_itl_p99"] = (p["hisparse"]["itl_p99_s"] / p["offload"]["itl_p99_s"]
                                               if p["hisparse"]["itl_p99_s"] else None)
+        hs, off = p["hisparse"]["sustained_tokens_per_s"], p["offload"]["sustained_tokens_per_s"]
+        out["hisparse_vs_offload_sustained_tokens_per_s"] = hs / off if hs and off else None
     if out["tokens_identical"] is False:
         out.update(status="error", error="the policies' tokens differ")
     return out
