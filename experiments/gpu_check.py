@@ -1913,7 +1913,8 @@ def summary_table(report: dict) -> str:
         if "tokens_identical" in en:
             lines.append(f"engine   tokens identical across policies: {en['tokens_identical']} "
                          f"({en.get('tokens_compared')} tokens); hisparse / offload tok/s "
-                         f"{f(en.get('hisparse_vs_offload_tokens_per_s'), '.2f')}, ITL p99 "
+                         f"{f(en.get('hisparse_vs_offload_tokens_per_s'), '.2f')} (sustained "
+                         f"{f(en.get('hisparse_vs_offload_sustained_tokens_per_s'), '.2f')}), ITL p99 "
                          f"{f(en.get('hisparse_vs_offload_itl_p99'), '.2f')}")
     mm = secs.get("mosaic_matrix", {})
     for r in mm.get("runs", []):
