@@ -39,7 +39,7 @@ from hisparse_jax.engine.speculative import lookahead
 from hisparse_jax import parallel
 from hisparse_jax.engine import Engine, EngineConfig, MeshEngine, SamplingParams, device_budget
 from hisparse_jax.engine.request import SEED_RANGE
-from hisparse_jax.engine.scheduler import ADMISSIONS, POLICIES, pages
+from hisparse_jax.engine.scheduler import ADMISSIONS, POLICIES, pages, policy_cache
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.tiered import KERNELS, check_kernels
 from hisparse_jax.engine.runner import TRACE_COUNTS as _STEP_TRACES
@@ -234,7 +234,6 @@ def _check_sizes(args: argparse.Namespace, cfg: ModelConfig, kind: str, longest:
     text = text_data.load_corpus()[1].size if kind == "text" else None
     if text is not None and longest > text:
         raise DemoSetupError(f"{prompt_opt} must be <= {text}: the held-out text has {text} tokens")
-    _check_memory(args, cfg, longest)
     max_len = longest + new + extra
     base, device_bytes = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype,
                                  args.miss_attention, args.speculative_tokens, args.index_dtype, args.hot_rows or None,
@@ -245,6 +244,7 @@ def _check_sizes(args: argparse.Namespace, cfg: ModelConfig, kind: str, longest:
                           prefill=args.prefill)
         except ValueError as e:
             raise _too_small(args, device_bytes, pol, e) from None
+    _check_memory(args, cfg, longest)
     room = None if text is None else text - longest + 1  # distinct prompt starts (`text_data.document_prompts`)
     if room is not None and args.requests * n_dev > room:
         raise DemoSetupError(f"--requests {args.requests} must be <= {room // n_dev}: the held-out text ({text} "
@@ -253,22 +253,28 @@ def _check_sizes(args: argparse.Namespace, cfg: ModelConfig, kind: str, longest:
 
 
 def workload_costs(args: argparse.Namespace, cfg: ModelConfig, longest: int) -> list[Cost]:
-    """The memory account of the workload `args` asks for (`kv.account.store_costs`), per device: a store whose
-    device pools are the device budget (--device-requests), whose host pools hold every request's pages
-    (--requests), whose hot buffers have --hot-rows rows, the temporaries of the engine's largest step, and a copy
-    of the model's parameters."""
+    """The memory account of the workload `args` asks for (`kv.account.store_costs`), per device: the largest store
+    an engine of its policies builds (`_run`'s budgets: --device-requests split per policy, every policy inside
+    one capacity, host pools for every request's pages (--requests), hot buffers of --hot-rows rows), the
+    temporaries of the engine's largest step, and a copy of the model's parameters. Raises ValueError when a
+    policy's budget holds no page (`device_budget`)."""
     k = args.speculative_tokens
     max_len = longest + args.new_tokens + lookahead(k)
-    base, _ = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype, args.miss_attention, k,
-                      args.index_dtype, args.hot_rows or None, "lru", args.index_tier, args.index_budget_pages or None)
-    # the device budget in pages of KV + indexer keys (`budgets`: device_requests longest requests' pages)
-    budget_pages = max(1, int(args.device_requests * pages(max_len)))
-    spec = StoreSpec.create(cfg, base.replace(device_pages=budget_pages, index_pages=budget_pages))
+    base, device_bytes = budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype,
+                                 args.miss_attention, k, args.index_dtype, args.hot_rows or None, args.hot_policy,
+                                 args.index_tier, args.index_budget_pages or None)
+    split = [device_budget(cfg, base, device_bytes, pol, max_running=args.requests, max_len=max_len,
+                           prefill=args.prefill) for pol in args.policies]
+    capacity = base.replace(device_pages=max(b.device_pages for b in split),
+                            index_pages=max(b.num_index_pages for b in split))
+    stores = [StoreSpec.create(cfg, policy_cache(capacity, pol, args.requests, k, args.admission))
+              for pol in args.policies]
     step = EngineConfig(max_running=args.requests, prefill=args.prefill, prefill_chunk=args.prefill_chunk,
                         speculative_tokens=k, prefix_caching=not k)
     model = Cost("the model's parameters", sum(cfg.parameter_bytes(mtp=bool(k)).values()), "device",
                  f"--devices {args.devices} (one copy each)")
-    return store_costs(spec, step_rows=step.max_step_rows) + [model]
+    costs = [store_costs(spec, step_rows=step.max_step_rows) + [model] for spec in stores]
+    return max(costs, key=lambda c: sum(x.nbytes for x in c))
 
 
 def _culprit(args: argparse.Namespace, part: str) -> str:
@@ -292,7 +298,11 @@ def _check_memory(args: argparse.Namespace, cfg: ModelConfig, longest: int) -> N
     def refusal(**change) -> str | None:
         a = argparse.Namespace(**{**vars(args), **change})
         try:
-            check_account("the workload", workload_costs(a, cfg, longest), ranks=a.devices)
+            costs = workload_costs(a, cfg, longest)
+        except ValueError:  # a budget of no pages (`_check_sizes` refuses it): none of its memory is taken
+            return None
+        try:
+            check_account("the workload", costs, ranks=a.devices)
         except ValueError as e:
             return str(e)
         return None
