@@ -1,0 +1,96 @@
+"""Does the memory account predict what a run takes? `hisparse demo`'s small workload at the largest --hot-rows,
+--devices and --requests its memory check accepts, each run's peak RSS against the account
+(`demo.workload_costs`, the account `memory.check_account` refuses with), on a CPU where the devices' memory is RAM.
+
+    PYTHONPATH=. python experiments/account_vs_rss.py [--limit-gib 3] [--out experiments/results]
+
+The check's bound is this machine's RAM; a run at the largest accepted value would take all of it, next to
+everything else the machine runs. So each child process sees a RAM of `--limit-gib` instead (its
+`memory.host_memory_bytes` replaced): the demo refuses a value past it, naming the largest it accepts ("--hot-rows
+N must be <= M"), and that M is run. The account leaves out what every run has whatever its sizes (jax's runtime,
+compiled programs, the model's activations), so the comparison is of growths: (peak RSS at M - peak RSS at a small
+value) against (account at M - account at the small value), for each option; the workload is the same otherwise.
+Writes account_vs_rss.json.
+
+Measured (results/account_vs_rss.json, 2 CPU cores shared): --hot-rows at 3 GiB: 5,885,923 rows accepted, peak RSS
+grew 3.77 GB for an account growth of 3.20 GB (1.18x). --devices and --requests at 2 GiB: 113 devices and 1194
+requests accepted, peak RSS grew 6.2 and 6.5 GB for 2.1 GB of account (2.9x, 3.0x): the account does not count the
+step's temporaries that do not scale with hot_rows (XLA's analysis of demo-glm's step: ~44 MB at 8 rows, ~2.9 MB per
+further step row at a 4096-token span), held on every device and grown with the step rows max_running gives."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+# the demo's small workload: demo-glm, short prompts, a few new tokens, HiSparse only
+WORKLOAD = ["demo", "--preset", "demo-glm", "--requests", "2", "--prompt-len", "128", "--new-tokens", "4",
+            "--policies", "hisparse", "--plot", "", "--json"]
+# (option, a small value, a value far past any limit)
+OPTIONS = [("--hot-rows", "128", "2000000000"), ("--devices", "1", "256"), ("--requests", "2", "1000000000")]
+
+_CHILD = """
+import io, contextlib, json, resource, sys
+import hisparse_jax.memory as memory
+memory.host_memory_bytes = lambda: int(float(sys.argv[1]) * 2 ** 30)  # the RAM the check sees
+from hisparse_jax import demo
+from hisparse_jax.cli import main
+from hisparse_jax.config import get_preset
+from hisparse_jax.memory import account_bytes
+argv = json.loads(sys.argv[2])
+args = demo.parse_args(argv[1:])
+cfg = get_preset(args.preset)
+costs = demo.workload_costs(args, cfg, args.prompt_len)
+err = io.StringIO()
+with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    rc = main(argv)
+totals = account_bytes(costs, ranks=args.devices)
+print(json.dumps({"rc": rc, "stderr": err.getvalue()[-2000:], "account_bytes": totals["device"] * args.devices
+                  + totals["host"], "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def child(argv: list[str], limit_gib: float) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, "-c", _CHILD, str(limit_gib), json.dumps(argv)], capture_output=True,
+                       text=True, env={**env, "JAX_PLATFORMS": "cpu"}, timeout=3600)
+    if p.returncode:
+        raise RuntimeError(p.stderr[-3000:])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--limit-gib", type=float, default=3.0, help="the RAM each child's memory check sees (GiB)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--options", default=",".join(o for o, _, _ in OPTIONS))
+    a = ap.parse_args()
+    rows = []
+    for option, small, huge in OPTIONS:
+        if option not in a.options.split(","):
+            continue
+        refused = child(WORKLOAD + [option, huge], a.limit_gib)
+        m = re.search(rf"{option} \d+ must be <= (\d+)", refused["stderr"])
+        assert refused["rc"] == 2 and m, refused
+        largest = m.group(1)
+        base, top = child(WORKLOAD + [option, small], a.limit_gib), child(WORKLOAD + [option, largest], a.limit_gib)
+        assert base["rc"] == 0 and top["rc"] == 0, (base, top)
+        grew, predicted = top["peak_rss_bytes"] - base["peak_rss_bytes"], top["account_bytes"] - base["account_bytes"]
+        rows.append({"option": option, "small": int(small), "largest_accepted": int(largest),
+                     "account_small": base["account_bytes"], "account_largest": top["account_bytes"],
+                     "peak_rss_small": base["peak_rss_bytes"], "peak_rss_largest": top["peak_rss_bytes"],
+                     "rss_growth": grew, "account_growth": predicted, "growth_ratio": grew / predicted})
+        print(json.dumps(rows[-1]), flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "account_vs_rss.json")
+    with open(path, "w") as f:
+        json.dump({"limit_gib": a.limit_gib, "workload": WORKLOAD, "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
