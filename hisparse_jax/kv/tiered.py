@@ -263,10 +263,10 @@ class TieredKV:
             from pallas_kernels import sparse_mla_decode
 
             backend = kernel_backend(self.kernels)
-            # The Mosaic kernel writes bf16 itself when the queries are bf16 (half the output bytes): the model
+            # Both kernels write bf16 themselves when the queries are bf16 (half the output bytes): the model
             # rounds o_lat to its compute dtype before W_UV, so the f32 view below costs nothing (XLA folds the
             # bf16 -> f32 -> bf16 round trip) and changes no value the model uses.
-            out_dtype = jnp.bfloat16 if backend == "mosaic" and q_lat.dtype == jnp.bfloat16 else jnp.float32
+            out_dtype = jnp.bfloat16 if q_lat.dtype == jnp.bfloat16 else jnp.float32
 
             def decode(*a):  # the layer is an argument: it may be traced, and the interpreted call is a callback
                 return sparse_mla_decode(*a[:7], latent_scale=a[7], tau=tau, layer=a[8], interpret=self._interpret,
