@@ -33,8 +33,8 @@ from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.account import RESOLVE_BYTES_PER_ROW_SLOT
 from hisparse_jax.kv.state import init_store
 from hisparse_jax.model.decoder import SparseMLAModel
+from limit_harness import CLI, PRELUDE, child
 
-LIMIT = 4 << 30  # RLIMIT_AS of the children: jax needs ~2 GiB of address space to start
 FAST_S = 10.0  # seconds a refusal may take
 PEAK_MB = 2500  # the child's peak RSS, jax and a micro model included
 
@@ -43,31 +43,12 @@ MICRO = dict(model_type="glm_moe_dsa", vocab_size=32, hidden_size=16, intermedia
              v_head_dim=8, index_n_heads=1, index_head_dim=8, index_topk=8, mlp_layer_types=("dense",),
              dtype="float32")
 
-_PRELUDE = f"""
-import contextlib, io, json, resource, sys, time, traceback
-resource.setrlimit(resource.RLIMIT_AS, ({LIMIT}, {LIMIT}))
-results = {{}}
-
-def attempt(name, fn):
-    t0 = time.perf_counter()
-    out = {{"error": None, "message": ""}}
-    try:
-        value = fn()
-        if isinstance(value, dict):
-            out.update(value)
-    except BaseException as e:
-        out = {{"error": type(e).__name__, "message": str(e)}}
-    out.update(seconds=time.perf_counter() - t0,
-               peak_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    results[name] = out
-"""
-
 # sizes of 10^9 and more, each through generate and the engine (the engine's request slots are its max_running)
 SIZES = {"max_seq_len": 64 * 10**9, "index_pages": 10**10, "host_pages": 2 * 10**9, "max_seqs": 10**9,
          "device_pages": 10**9, "hot_rows": 10**9}
 ENGINE_COUNTS = {"max_running": 10**9, "prefill_chunk": 10**9, "min_bucket": 10**9}
 
-_LIBRARY = _PRELUDE + f"""
+_LIBRARY = PRELUDE + f"""
 import jax
 from flax import nnx
 import hisparse_jax as hj
@@ -112,26 +93,6 @@ attempt("index_budget_pages above index_pages",
 print(json.dumps(results))
 """
 
-_CLI = _PRELUDE + """
-import jax
-from hisparse_jax.cli import main
-from hisparse_jax.train import data
-from hisparse_jax import checkpoints
-from hisparse_jax.config import ModelConfig
-
-jax.devices(), data.load_corpus(), ModelConfig.from_hf_config(checkpoints.resolve(checkpoints.DEFAULT))
-
-def cli(argv):
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        rc = main(argv)
-    return {"rc": rc, "stderr": err.getvalue()}
-
-for name, argv in json.loads(sys.argv[1]).items():
-    attempt(name, lambda: cli(argv))
-print(json.dumps(results))
-"""
-
 # (argv, the option the one error line names); demo cases on the default model and on demo-glm
 DEMO = {
     "hot_rows": (["--hot-rows", "100000000"], "--hot-rows 100000000 must be <= "),
@@ -157,25 +118,16 @@ CALC = {
 }
 
 
-def _child(script: str, *args: str, devices: int = 4, timeout: float = 300) -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    p = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout,
-                       env=env)
-    assert p.returncode == 0 and p.stdout.strip(), f"child failed ({p.returncode}): {p.stderr[-3000:]}"
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
 def library():
-    return _child(_LIBRARY)
+    return child(_LIBRARY, devices=4, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def cli():
     cases = {f"demo {k}": ["demo", "--plot", "", *argv] for k, (argv, _) in DEMO.items()}
     cases.update({f"calc {k}": ["calc", *argv] for k, (argv, _) in CALC.items()})
-    return _child(_CLI, json.dumps(cases), devices=1)
+    return child(CLI, json.dumps(cases), devices=1, timeout=300)
 
 
 def _quick(r: dict) -> None:

@@ -11,7 +11,6 @@ allocation (which the limit would turn into a MemoryError or an XLA error instea
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -25,36 +24,15 @@ import hisparse_jax as hj
 from hisparse_jax import config, demo
 from hisparse_jax.config import CacheConfig, ModelConfig
 from hisparse_jax.model.decoder import SparseMLAModel
+from limit_harness import CLI, PRELUDE, child, child_env
 
-LIMIT = 4 << 30  # RLIMIT_AS of the children: jax needs ~2 GiB of address space to start; a refusal needs no more
 FAST_S = 5.0  # a refusal takes well under this after the imports (an allocation of the refused size would not)
 GREW_MB = 256  # peak RSS growth allowed per refusal (an allocation of a refused size: gigabytes)
 # the counts `config.SIZE_LIMITS` bounds (per-layer and per-expert structures)
 COUNTS = ("num_hidden_layers", "num_nextn_predict_layers", "num_attention_heads", "index_n_heads", "n_routed_experts",
           "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group")
 
-_PRELUDE = f"""
-import contextlib, io, json, resource, sys, time
-resource.setrlimit(resource.RLIMIT_AS, ({LIMIT}, {LIMIT}))
-results = {{}}
-
-def peak_kb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-def attempt(name, fn):
-    kb, t0 = peak_kb(), time.perf_counter()
-    out = {{"error": None, "message": ""}}
-    try:
-        value = fn()
-        if isinstance(value, dict):
-            out.update(value)
-    except BaseException as e:
-        out = {{"error": type(e).__name__, "message": str(e)}}
-    out.update(seconds=time.perf_counter() - t0, grew_mb=(peak_kb() - kb) / 1024)
-    results[name] = out
-"""
-
-_LIBRARY = _PRELUDE + """
+_LIBRARY = PRELUDE + """
 import hisparse_jax as hj
 import jax
 from flax import nnx
@@ -87,27 +65,6 @@ attempt("export_long", lambda: export_prefill(model, [5] * 40000))
 print(json.dumps(results))
 """
 
-_CLI = _PRELUDE + """
-import jax
-from hisparse_jax import checkpoints
-from hisparse_jax.cli import main
-from hisparse_jax.config import ModelConfig
-from hisparse_jax.train import data
-
-# what every run starts with, outside the measured cases: jax's backend, the text, the default checkpoint's config
-jax.devices(), data.load_corpus(), ModelConfig.from_hf_config(checkpoints.resolve(checkpoints.DEFAULT))
-
-def cli(argv):
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        rc = main(argv)
-    return {"rc": rc, "stderr": err.getvalue()}
-
-for name, argv in json.loads(sys.argv[1]).items():
-    attempt(name, lambda: cli(argv))
-print(json.dumps(results))
-"""
-
 # (argv after `demo`, option, value): the default model (stdlib-dsa: 8192 positions, text prompts) and demo-glm
 DEMO_CASES = {
     "requests_text": (["--requests", "1000000000"], "--requests", "1000000000"),
@@ -120,15 +77,6 @@ DEMO_CASES = {
 }
 
 
-def _child(script: str, *args: str, timeout: float = 240) -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    p = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout,
-                       env=env)
-    assert p.returncode == 0 and p.stdout.strip(), f"child failed ({p.returncode}): {p.stderr[-3000:]}"
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
     folder = tmp_path_factory.mktemp("layers")
@@ -136,12 +84,12 @@ def library(tmp_path_factory):
     del d["mlp_layer_types"]  # as the released config.json: first_k_dense_replace, no per-layer list
     d["num_hidden_layers"] = 10 ** 9
     (folder / "config.json").write_text(json.dumps(d))
-    return _child(_LIBRARY, str(folder))
+    return child(_LIBRARY, str(folder))
 
 
 @pytest.fixture(scope="module")
 def cli():
-    return _child(_CLI, json.dumps({k: ["demo", "--plot", "", "--json", *argv] for k, (argv, _, _) in
+    return child(CLI, json.dumps({k: ["demo", "--plot", "", "--json", *argv] for k, (argv, _, _) in
                                     DEMO_CASES.items()}))
 
 
@@ -218,11 +166,9 @@ def test_demo_size_is_refused_up_front(cli, case):
 
 def test_demo_devices_beyond_what_xla_makes():
     """The real command: --devices 100000 used to make XLA create 100000 host devices (a segfault)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    p = subprocess.run([sys.executable, "-c", _PRELUDE + "from hisparse_jax.cli import main; sys.exit(main())",
+    p = subprocess.run([sys.executable, "-c", PRELUDE + "from hisparse_jax.cli import main; sys.exit(main())",
                         "demo", "--devices", "100000", "--plot", ""], capture_output=True, text=True, timeout=120,
-                       env=env)
+                       env=child_env())
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert p.stderr.splitlines()[-1] == (f"hisparse demo: error: argument --devices: must be <= {demo.MAX_DEVICES}, "
                                          "got '100000'"), p.stderr
