@@ -90,7 +90,7 @@ def predict(cfg, *, pages: int, requests: int, device_bytes: int, hot_rows: int,
     lay = calc.block_layout(cfg, "fp8", mla_fp8_layout="ds_mla", indexer_dtype=index_dtype)
     host_block = lay.host + (lay.indexer_page if index_tier == "host" else 0)
     return calc.capacity(calc.CalcInput(
-        preset=preset, tp=1, dp=1, ep=False, kv_dtype="fp8", seq=64 * pages, hot_rows=hot_rows,
+        preset=preset, tp=1, dp=1, ep=False, kv_dtype="fp8", seq=64 * pages, hot_rows=hot_rows, top_k=cfg.index_topk,
         retained=TAIL_PAGES, other=0, host_gib=host_pages * host_block / 2 ** 30, max_seqs=requests,
         kv_hbm_gib=device_bytes / 2 ** 30, index_dtype=index_dtype, layout=layout, index_tier=index_tier))
 
