@@ -19,7 +19,10 @@ resource.setrlimit(resource.RLIMIT_AS, ({LIMIT}, {LIMIT}))
 results = {{}}
 
 def peak_kb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # this process's own peak RSS (VmHWM): ru_maxrss would start at the parent's RSS, which Linux carries across
+    # fork and exec (a child of a large pytest process would report the parent's gigabytes)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
 
 def attempt(name, fn):
     kb, t0 = peak_kb(), time.perf_counter()
