@@ -126,9 +126,10 @@ def main(argv=None) -> int:
     import jax
 
     from hisparse_jax import checkpoints, demo
-    from hisparse_jax.config import ModelConfig, get_preset
+    from hisparse_jax.config import get_preset
+    from hisparse_jax.hf_config import from_hf_config
 
-    cfg = get_preset(a.preset) if a.preset else ModelConfig.from_hf_config(checkpoints.resolve(checkpoints.DEFAULT))
+    cfg = get_preset(a.preset) if a.preset else from_hf_config(checkpoints.resolve(checkpoints.DEFAULT))
     topk = cfg.index_topk
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "jax": jax.__version__,
            "backend": jax.default_backend(), "quick": a.quick, "model": a.preset or checkpoints.DEFAULT,

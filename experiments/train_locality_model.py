@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     import jax
     from flax import nnx
 
-    from hisparse_jax.config import ModelConfig
+    from hisparse_jax.hf_config import from_hf_config, to_hf_config
     from hisparse_jax.model.decoder import SparseMLAModel
     from hisparse_jax.model.weights import load_pretrained, save_pretrained
     from hisparse_jax.train import data, dsa
@@ -68,14 +68,14 @@ def main(argv=None) -> int:
     with_mtp = any(sc.stage in dsa.MTP_STAGES for sc in stages)
     model = SparseMLAModel(STDLIB_DSA, rngs=nnx.Rngs(a.seed), mtp=with_mtp)
     # the MTP layer starts fresh (its head a copy of the main model's, before its first stage) unless --init has one
-    fresh_mtp = with_mtp and not (a.init and ModelConfig.from_hf_config(a.init).num_nextn_predict_layers > 0)
+    fresh_mtp = with_mtp and not (a.init and from_hf_config(a.init).num_nextn_predict_layers > 0)
     if a.init:  # every parameter the checkpoint has
         nnx.update(model, nnx.state(load_pretrained(a.init, mtp=with_mtp and not fresh_mtp), nnx.Param))
     n_params = sum(int(x.size) for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
     print(f"corpus: {info.train_files} training files ({info.train_bytes:,} bytes), {info.held_out_files} held out "
           f"({info.held_out_bytes:,} bytes), Python {info.python}; model: {n_params:,} parameters", file=sys.stderr)
     log = {"recipe": a.recipe, "seed": a.seed, "corpus": info.to_json(), "parameters": n_params,
-           "config": STDLIB_DSA.to_hf_config(), "stages": [], "steps": [],
+           "config": to_hf_config(STDLIB_DSA), "stages": [], "steps": [],
            "jax": jax.__version__, "python": platform.python_version(), "machine": platform.platform(),
            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     if earlier:

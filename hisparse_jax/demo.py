@@ -36,6 +36,7 @@ from hisparse_jax.cli_args import (bounded_float, check_output_dir, check_output
 from hisparse_jax.config import (HOT_POLICIES, INDEX_DTYPES, INDEX_TIERS, MAX_SPECULATIVE_TOKENS, MISS_ATTENTION,
                                  PRESETS, CacheConfig, ModelConfig, get_preset)
 from hisparse_jax.engine.speculative import lookahead
+from hisparse_jax.hf_config import from_hf_config
 from hisparse_jax import parallel
 from hisparse_jax.engine import Engine, EngineConfig, MeshEngine, SamplingParams, device_budget
 from hisparse_jax.engine.request import SEED_RANGE
@@ -350,7 +351,7 @@ def _run(args: argparse.Namespace, on_setup=None) -> dict:
             cfg = cfg.replace(num_nextn_predict_layers=max(1, cfg.num_nextn_predict_layers))
     else:
         folder = checkpoints.resolve(args.model)
-        cfg = ModelConfig.from_hf_config(folder)
+        cfg = from_hf_config(folder)
         if k and cfg.num_nextn_predict_layers < 1:
             raise DemoSetupError(f"--speculative-tokens {k}: the checkpoint {args.model} has no MTP layer to draft "
                                  "with (use --preset demo-glm, whose MTP layer has random weights like the rest)")

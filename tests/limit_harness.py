@@ -41,11 +41,11 @@ CLI = PRELUDE + """
 import jax
 from hisparse_jax import checkpoints
 from hisparse_jax.cli import main
-from hisparse_jax.config import ModelConfig
+from hisparse_jax.hf_config import from_hf_config
 from hisparse_jax.train import data
 
 # what every run starts with, outside the measured cases: jax's backend, the text, the default checkpoint's config
-jax.devices(), data.load_corpus(), ModelConfig.from_hf_config(checkpoints.resolve(checkpoints.DEFAULT))
+jax.devices(), data.load_corpus(), from_hf_config(checkpoints.resolve(checkpoints.DEFAULT))
 
 def cli(argv):
     err = io.StringIO()

@@ -16,10 +16,11 @@ from flax import nnx
 
 import hisparse_jax as hj
 from hisparse_jax import integrity
-from hisparse_jax.config import CacheConfig, ModelConfig, RopeConfig
+from hisparse_jax.config import CacheConfig, RopeConfig
 from hisparse_jax.engine import Engine, EngineConfig, RequestState, SamplingParams
 from hisparse_jax.engine.engine import UnknownRequest
 from hisparse_jax.generate import generate, validate_prompts
+from hisparse_jax.hf_config import from_hf_config, to_hf_config
 from hisparse_jax.integrity import CheckpointError
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.budget import BudgetError
@@ -39,7 +40,7 @@ def model():
 # ----------------------------------------------------------------------------------------------------------
 
 def hf_config(**change):
-    d = model_cfg().to_hf_config()
+    d = to_hf_config(model_cfg())
     d.update(change)
     return d
 
@@ -71,7 +72,7 @@ def hf_config(**change):
 ])
 def test_bad_config_json_values_are_refused_naming_the_field(change, words):
     with pytest.raises(ValueError) as e:
-        ModelConfig.from_hf_config(hf_config(**change))
+        from_hf_config(hf_config(**change))
     assert re.search(words, str(e.value)), str(e.value)
 
 
@@ -84,7 +85,7 @@ def test_bad_config_json_values_are_refused_naming_the_field(change, words):
 def test_config_json_that_is_no_object_or_repeats_a_key_is_refused(tmp_path, text, words):
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(ValueError, match=words):
-        ModelConfig.from_hf_config(tmp_path)
+        from_hf_config(tmp_path)
 
 
 def test_eos_ids_the_model_never_samples_are_refused(model):
@@ -110,9 +111,9 @@ def test_unknown_letter_in_index_topk_pattern():
     d = hf_config(index_topk_pattern="FSXS")
     del d["indexer_types"]
     with pytest.raises(ValueError, match=r"index_topk_pattern 'FSXS' has letters other than F .* 'X'"):
-        ModelConfig.from_hf_config(d)
+        from_hf_config(d)
     d["index_topk_pattern"] = "FSFS"
-    assert ModelConfig.from_hf_config(d).indexer_types == ("full", "shared", "full", "shared")
+    assert from_hf_config(d).indexer_types == ("full", "shared", "full", "shared")
 
 
 @pytest.mark.parametrize("change, words", [

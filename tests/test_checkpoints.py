@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hisparse_jax import checkpoints
-from hisparse_jax.config import ModelConfig
+from hisparse_jax.hf_config import from_hf_config
 from hisparse_jax.model.mtp import mtp_forward
 from hisparse_jax.train import data
 from hisparse_jax.train.recipe import STDLIB_DSA
@@ -29,7 +29,7 @@ def test_resolve_names_and_folders(tmp_path):
 
 def test_shipped_checkpoint_is_the_recipes_model_and_fits_the_budget():
     folder = checkpoints.path()
-    assert ModelConfig.from_hf_config(folder) == STDLIB_DSA
+    assert from_hf_config(folder) == STDLIB_DSA
     size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
     assert size <= 25 * 2 ** 20, size
     model = checkpoints.load(mtp=True)

@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 import hisparse_jax
 from hisparse_jax import CheckpointError, ModelConfig, RopeConfig, SparseMLAModel, get_preset
 from hisparse_jax.generate import generate, validate_prompts
+from hisparse_jax.hf_config import from_hf_config, to_hf_config
 from hisparse_jax.model.weights import read_checkpoint_tensors
 
 SUPPORTED = ("deepseek_v32", "glm_moe_dsa")
@@ -98,16 +99,16 @@ def test_unknown_model_type_in_config_json(ckpt, bad):
     assert repr(bad) in str(e.value)
     assert_names_supported(str(e.value))
     with pytest.raises(ValueError, match=re.escape(repr(bad))):
-        ModelConfig.from_hf_config(d)
+        from_hf_config(d)
     with pytest.raises(ValueError, match=re.escape(repr(bad))):
-        ModelConfig.from_hf_config(os.path.join(d, "config.json"))
+        from_hf_config(os.path.join(d, "config.json"))
 
 
 def test_missing_model_type_key():
-    c = tiny_cfg().to_hf_config()
+    c = to_hf_config(tiny_cfg())
     del c["model_type"]
     with pytest.raises(ValueError, match="unknown model_type None") as e:
-        ModelConfig.from_hf_config(c)
+        from_hf_config(c)
     assert_names_supported(str(e.value))
 
 
@@ -142,23 +143,23 @@ def test_unknown_preset():
     (dict(dtype="float64"), "dtype"),
 ])
 def test_unsupported_config_json(change, words):
-    c = tiny_cfg().to_hf_config()
+    c = to_hf_config(tiny_cfg())
     c.update(change)
     with pytest.raises(ValueError, match=words):
-        ModelConfig.from_hf_config(c)
+        from_hf_config(c)
 
 
 def test_config_json_missing_required_field():
-    c = tiny_cfg().to_hf_config()
+    c = to_hf_config(tiny_cfg())
     del c["hidden_size"]
     with pytest.raises((KeyError, ValueError), match="hidden_size"):
-        ModelConfig.from_hf_config(c)
+        from_hf_config(c)
 
 
 def test_deepseek_cannot_save_shared_index_layers():
     cfg = tiny_cfg(indexer_types=("full", "shared"))  # a valid ModelConfig ...
     with pytest.raises(ValueError, match="glm_moe_dsa"):  # ... that config.json for deepseek_v32 cannot express
-        cfg.to_hf_config()
+        to_hf_config(cfg)
 
 
 # ----------------------------------------------------------------------------------------------------------

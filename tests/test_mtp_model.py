@@ -20,6 +20,7 @@ from safetensors.numpy import save_file
 
 import hisparse_jax as hj
 from hisparse_jax.config import ModelConfig, get_preset
+from hisparse_jax.hf_config import from_hf_config, to_hf_config
 from hisparse_jax.kv.dense import DenseKV, init_dense_kv
 from hisparse_jax.model.decoder import SparseMLAModel, decode_step
 from hisparse_jax.model.mtp import MTPLayer, mtp_decode_step, mtp_forward, mtp_input
@@ -58,15 +59,15 @@ def test_config_field_reads_writes_and_validates():
     for name in ("tiny-glm", "tiny-deepseek", "deepseek-v3.2", "glm-5"):
         assert get_preset(name).num_nextn_predict_layers == 0
     cfg = mtp_cfg("tiny-deepseek")
-    d = cfg.to_hf_config()
+    d = to_hf_config(cfg)
     assert d["num_nextn_predict_layers"] == 1
-    assert ModelConfig.from_hf_config(d) == cfg
-    assert ModelConfig.from_hf_config({**d, "num_nextn_predict_layers": None}).num_nextn_predict_layers == 0
+    assert from_hf_config(d) == cfg
+    assert from_hf_config({**d, "num_nextn_predict_layers": None}).num_nextn_predict_layers == 0
     absent = {k: v for k, v in d.items() if k != "num_nextn_predict_layers"}
-    assert ModelConfig.from_hf_config(absent).num_nextn_predict_layers == 0
+    assert from_hf_config(absent).num_nextn_predict_layers == 0
     for bad in (-1, 1.5, True, "1"):
         with pytest.raises(ValueError, match="num_nextn_predict_layers"):
-            ModelConfig.from_hf_config({**d, "num_nextn_predict_layers": bad})
+            from_hf_config({**d, "num_nextn_predict_layers": bad})
 
 
 def test_mtp_layers_are_built_only_when_asked():

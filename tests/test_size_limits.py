@@ -23,6 +23,7 @@ from flax import nnx
 import hisparse_jax as hj
 from hisparse_jax import config, demo
 from hisparse_jax.config import CacheConfig, ModelConfig
+from hisparse_jax.hf_config import to_hf_config
 from hisparse_jax.model.decoder import SparseMLAModel
 from limit_harness import CLI, PRELUDE, child, child_env
 
@@ -37,6 +38,7 @@ import hisparse_jax as hj
 import jax
 from flax import nnx
 from hisparse_jax.config import CacheConfig, ModelConfig
+from hisparse_jax.hf_config import from_hf_config
 
 folder = sys.argv[1]
 MICRO = ModelConfig(model_type="glm_moe_dsa", vocab_size=32, hidden_size=16, intermediate_size=16,
@@ -45,7 +47,7 @@ MICRO = ModelConfig(model_type="glm_moe_dsa", vocab_size=32, hidden_size=16, int
                     mlp_layer_types=("dense",), dtype="float32")
 # the control: a real (small) model is built under the same limit
 attempt("micro_model", lambda: jax.block_until_ready(nnx.state(hj.SparseMLAModel(MICRO, rngs=nnx.Rngs(0)))) and None)
-attempt("hf_layers", lambda: ModelConfig.from_hf_config(folder))
+attempt("hf_layers", lambda: from_hf_config(folder))
 tiny = hj.get_preset("tiny-glm")
 attempt("preset_experts", lambda: hj.SparseMLAModel(tiny.replace(n_routed_experts=10**8), rngs=nnx.Rngs(0)))
 huge = tiny.replace(n_routed_experts=8192, moe_intermediate_size=2**20)  # ~36 TiB of expert weights
@@ -80,7 +82,7 @@ DEMO_CASES = {
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
     folder = tmp_path_factory.mktemp("layers")
-    d = hj.get_preset("deepseek-v3.2").to_hf_config()
+    d = to_hf_config(hj.get_preset("deepseek-v3.2"))
     del d["mlp_layer_types"]  # as the released config.json: first_k_dense_replace, no per-layer list
     d["num_hidden_layers"] = 10 ** 9
     (folder / "config.json").write_text(json.dumps(d))

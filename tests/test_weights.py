@@ -22,6 +22,7 @@ from safetensors.numpy import load_file, save_file
 
 import hisparse_jax
 from hisparse_jax import ModelConfig, RopeConfig, SparseMLAModel
+from hisparse_jax.hf_config import from_hf_config
 from hisparse_jax.model.weights import (FP8_BLOCK, dequantize_fp8, model_to_hf_tensors, quantize_fp8,
                                         read_checkpoint_tensors)
 
@@ -174,7 +175,7 @@ def test_save_load_round_trip_is_exact(hf_ckpt, tmp_path):
     assert again.cfg == ours.cfg
     assert_same_params(ours, again)
     # the config.json we write is read back to the same config, and loads to the same model without dtype=
-    assert ModelConfig.from_hf_config(out) == ours.cfg
+    assert from_hf_config(out) == ours.cfg
     assert_same_params(ours, hisparse_jax.load_pretrained(out))
 
 
@@ -233,7 +234,7 @@ def test_round_trip_keeps_yarn_truncate(tmp_path):
     cfg = tiny_cfg(rope=RopeConfig(rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
                                    mscale=1.0, mscale_all_dim=1.0, truncate=False))
     hisparse_jax.save_pretrained(random_model(cfg), tmp_path)
-    assert ModelConfig.from_hf_config(tmp_path).rope == cfg.rope
+    assert from_hf_config(tmp_path).rope == cfg.rope
 
 
 def test_bfloat16_round_trip(tmp_path):

@@ -44,6 +44,7 @@ from flax import nnx
 
 from hisparse_jax import integrity
 from hisparse_jax.config import ModelConfig
+from hisparse_jax.hf_config import from_hf_config, to_hf_config
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.model.safetensors_io import (CHECKSUM_KEY, CheckpointError,  # noqa: F401
                                               read_checkpoint_tensors)
@@ -142,7 +143,7 @@ def load_pretrained(path: str | os.PathLike, dtype=None, *, mtp: bool = False, *
     embedding.
     """
     path = os.fspath(path)
-    cfg = ModelConfig.from_hf_config(path)
+    cfg = from_hf_config(path)
     if dtype is not None:
         cfg = cfg.replace(dtype=jnp.dtype(dtype).name)
     if mtp and cfg.num_nextn_predict_layers < 1:
@@ -315,7 +316,7 @@ def _write_hf(model: SparseMLAModel, path: str, max_shard_bytes: int) -> None:
 
     cfg = model.cfg.replace(dtype=jnp.dtype(model.dtype).name, num_nextn_predict_layers=_num_mtp(model))
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg.to_hf_config(), f, indent=2)
+        json.dump(to_hf_config(cfg), f, indent=2)
     tensors = model_to_hf_tensors(model)
     shards, cur, size = [], {}, 0
     for name in sorted(tensors):
