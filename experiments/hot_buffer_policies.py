@@ -96,72 +96,17 @@ def clock_sweep(blocked, ref, hand: int, n: int):
 
 
 def simulate(trace, hot_rows: int, policy: str = "lru", *, max_pos: int | None = None, return_state=False):
-    """Run `policy` over `trace`; returns per-step hit and miss counts (and the final slot contents)."""
+    """Run `policy` (one of POLICIES) over `trace` (per-step position arrays, every position offloaded); returns
+    per-step hit and miss counts (and, with `return_state`, the final slot contents and stamps)."""
     if policy not in POLICIES:
         raise ValueError(policy)
     if max_pos is None:
         max_pos = max(int(np.max(t)) for t in trace if len(t)) + 1
-    HR = hot_rows
-    tokens = np.full(HR, -1, np.int64)
-    stamp = np.full(HR, -1, np.int64)       # last use (lru/lfu/lru2), insertion (fifo)
-    prev = np.full(HR, -(1 << 40), np.int64)  # second-to-last use (lru2)
-    count = np.zeros(HR, np.int64)
-    ref = np.zeros(HR, bool)
-    nextuse = np.full(HR, -1, np.int64)     # opt: next use of the row in the slot (-1 empty: evict first)
-    hand = 0
-    where = np.full(max_pos, -1, np.int64)  # position -> slot
-    nu = _next_uses(trace) if policy == "opt" else None
-    hits, misses = np.zeros(len(trace), np.int64), np.zeros(len(trace), np.int64)
-    for clock, q in enumerate(trace):
-        q = np.asarray(q, np.int64)
-        if len(q) > HR:
-            raise ValueError(f"top-k {len(q)} > hot_rows {HR}")
-        slot = where[q]
-        hit = slot >= 0
-        hs = slot[hit]
-        m = q[~hit]
-        nm = len(m)
-        hits[clock], misses[clock] = hit.sum(), nm
-        protected = np.zeros(HR, bool)
-        protected[hs] = True
-        if policy == "lru":
-            stamp[hs] = 2 * clock + 1
-        if policy in ("lfu", "lru2"):
-            prev[hs] = stamp[hs]
-            stamp[hs] = clock
-            count[hs] += 1
-        elif policy == "clock":
-            ref[hs] = True
-        elif policy == "opt":
-            nextuse[hs] = nu[clock][hit]
-        if nm:
-            if policy in ("lru", "fifo"):
-                key = np.where(protected, 1 << 40, stamp)
-                victims = np.argsort(key, kind="stable")[:nm]
-                if policy == "lru":  # claimed in slot order
-                    victims = np.sort(victims)
-            elif policy == "lfu":
-                victims = np.lexsort((np.arange(HR), stamp, np.where(protected, 1 << 40, count)))[:nm]
-            elif policy == "lru2":
-                victims = np.lexsort((np.arange(HR), stamp, np.where(protected, 1 << 50, prev)))[:nm]
-            elif policy == "opt":
-                key = np.where(tokens < 0, -(1 << 40), -nextuse)  # empty, then farthest next use first
-                victims = np.lexsort((np.arange(HR), np.where(protected, 1 << 50, key)))[:nm]
-            else:  # clock
-                victims, hand = clock_sweep(protected, ref, hand, nm)
-            old = tokens[victims]
-            where[old[old >= 0]] = -1
-            tokens[victims] = m
-            where[m] = victims
-            stamp[victims] = 2 * clock if policy == "lru" else clock
-            prev[victims] = -(1 << 40)
-            count[victims] = 1
-            ref[victims] = True
-            if policy == "opt":
-                nextuse[victims] = nu[clock][~hit]
+    r = _simulate([np.asarray(q, np.int64) for q in trace], hot_rows, policy, max_pos=max_pos,
+                  return_state=return_state)
     if return_state:
-        return hits, misses, tokens.copy(), stamp.copy()
-    return hits, misses
+        return r["hits"], r["misses"], r["tokens"], r["stamp"]
+    return r["hits"], r["misses"]
 
 
 RANKED_POLICIES = ("lru", "clock", "score", "score_lru", "score_ema", "opt")
@@ -226,90 +171,139 @@ def simulate_ranked(rt: RankedTrace, hot_rows: int, policy: str = "lru", *, pref
     k = rt.k
     if prefetch < 0 or k + prefetch > rt.order.shape[1]:
         raise ValueError(f"prefetch {prefetch} outside 0..{rt.margin} (the recorded margin)")
-    keep = int(round(keep * k))
-    HR = hot_rows
-    T = rt.steps
-    max_pos = max(int(rt.order.max()) + 1, rt.scores.shape[1]) if T else 1
     first_res = resident_from(rt.positions, resident_pages, page_tokens)
-    tokens = np.full(HR, -1, np.int64)
-    stamp = np.full(HR, -1, np.int64)
-    ref = np.zeros(HR, bool)
-    pf = np.zeros(HR, bool)  # holds a prefetched row not hit yet
-    nextuse = np.full(HR, -1, np.int64)
-    where = np.full(max_pos, -1, np.int64)
-    rank_of = np.full(max_pos, _BIG, np.int64)
-    ema = np.full(rt.scores.shape[1], -np.inf, np.float32)
-    slot_ema = np.full(HR, np.nan, np.float32)  # ema_scope="slot": nan = no average yet (empty or fresh)
-    slot_scope = policy == "score_ema" and ema_scope == "slot"
-    width = min(k + max(prefetch, keep - k if policy == "score_lru" else 0), rt.order.shape[1])
     demand = []
-    for t in range(T):
+    for t in range(rt.steps):
         d = rt.order[t, :k]
         demand.append(np.sort(d[(d >= 0) & (d < first_res[t])]).astype(np.int64))  # `sets` order
+    max_pos = max(int(rt.order.max()) + 1, rt.scores.shape[1]) if rt.steps else 1
+    return _simulate(demand, hot_rows, policy, max_pos=max_pos, rt=rt, first_res=first_res, prefetch=prefetch,
+                     keep=int(round(keep * k)), beta=beta, admit=admit, ema_scope=ema_scope,
+                     return_state=return_state, return_missed=return_missed)
+
+
+class _Buffer:
+    """The hot buffer's slots under one replacement policy: each policy's bookkeeping at a hit and at a fill, and
+    its victim order, written once for `simulate` and `simulate_ranked`.
+
+    tokens  int64[hot_rows]: the position each slot holds (-1 empty); `where` int64[max_pos] the inverse.
+    stamp   int64[hot_rows]: 2t at a fill of step t; at a hit 2t + 1 (lru, clock, score*, opt: the store's order),
+            2t (lfu, lru2: a hit and a fill of one step tie) or unchanged (fifo: insertion order).
+    prev    the stamp before the last hit (lru2; -2^40 for a row used once); count: uses since the fill (lfu);
+    ref     CLOCK's reference bits; nextuse: the step the slot's row is used next (opt); pf: holds a prefetched
+            row not hit yet; slot_ema: score_ema's per-slot average (nan: none yet).
+    """
+
+    def __init__(self, hot_rows: int, policy: str, max_pos: int, keep: int, rank_of: np.ndarray):
+        self.policy, self.keep, self.rank_of = policy, keep, rank_of
+        self.tokens = np.full(hot_rows, -1, np.int64)
+        self.stamp = np.full(hot_rows, -1, np.int64)
+        self.prev = np.full(hot_rows, -_BIG, np.int64)
+        self.count = np.zeros(hot_rows, np.int64)
+        self.ref = np.zeros(hot_rows, bool)
+        self.nextuse = np.full(hot_rows, -1, np.int64)
+        self.pf = np.zeros(hot_rows, bool)
+        self.slot_ema = np.full(hot_rows, np.nan, np.float32)
+        self.where = np.full(max_pos, -1, np.int64)
+        self.slots = np.arange(hot_rows)
+        self.hand = 0
+        self.wasted = 0
+
+    def hit(self, hs: np.ndarray, t: int) -> int:
+        """Record step t's hits in slots `hs`; returns how many of them held a prefetched row not hit before."""
+        if self.policy in ("lfu", "lru2"):
+            self.prev[hs] = self.stamp[hs]
+            self.stamp[hs] = 2 * t
+            self.count[hs] += 1
+        elif self.policy != "fifo":
+            self.stamp[hs] = 2 * t + 1
+        self.ref[hs] = True
+        used = int(self.pf[hs].sum())
+        self.pf[hs] = False
+        return used
+
+    def fill(self, v: np.ndarray, rows: np.ndarray, t: int) -> None:
+        """Copy `rows` into victim slots `v` at step t (a prefetched row left unused counts as wasted)."""
+        old = self.tokens[v]
+        self.where[old[old >= 0]] = -1
+        self.wasted += int(self.pf[v].sum())
+        self.pf[v] = False
+        self.tokens[v] = rows
+        self.where[rows] = v
+        self.stamp[v] = 2 * t
+        self.prev[v] = -_BIG
+        self.count[v] = 1
+        self.ref[v] = True
+        self.slot_ema[v] = np.nan
+
+    def victims(self, n: int, eligible: np.ndarray, value: np.ndarray | None) -> np.ndarray:
+        """n victims among the `eligible` slots, the first in the policy's order first (`value`: the score
+        policies' per-slot value, -inf for an empty slot)."""
+        p, stamp, slots = self.policy, self.stamp, self.slots
+        if p in ("lru", "fifo"):
+            return np.argsort(np.where(eligible, stamp, _BIG), kind="stable")[:n]
+        if p == "lfu":
+            return np.lexsort((slots, stamp, np.where(eligible, self.count, _BIG)))[:n]
+        if p == "lru2":
+            return np.lexsort((slots, stamp, np.where(eligible, self.prev, _BIG)))[:n]
+        if p == "opt":
+            key = np.where(self.tokens < 0, -_BIG, -self.nextuse)  # empty, then the farthest next use first
+            return np.lexsort((slots, np.where(eligible, key, _BIG)))[:n]
+        if p in ("score", "score_ema"):
+            return np.lexsort((slots, stamp, np.where(eligible, value, np.inf)))[:n]
+        if p == "score_lru":
+            inside = self.rank_of[np.maximum(self.tokens, 0)] < self.keep
+            group = np.where(self.tokens < 0, 0, np.where(inside, 2, 1))
+            sec = np.where(group == 2, value, stamp.astype(np.float64))
+            return np.lexsort((slots, stamp, sec, np.where(eligible, group, 3)))[:n]
+        v, self.hand = clock_sweep(~eligible, self.ref, self.hand, n)  # clock
+        return v
+
+
+def _simulate(demand, hot_rows: int, policy: str, *, max_pos: int, rt: RankedTrace | None = None,
+              first_res=None, prefetch: int = 0, keep: int = 0, beta: float = 0.9, admit: str = "rank",
+              ema_scope: str = "position", return_state: bool = False, return_missed: bool = False) -> dict:
+    """The one simulator: `demand[t]` (sorted int64 positions) through a `_Buffer` of `hot_rows` slots; with a
+    ranked trace `rt` also its scores (score policies), ranks (score_lru, prefetch) and resident rows
+    (`first_res`). Rules and return value: `simulate_ranked`'s docstring."""
+    HR, T = hot_rows, len(demand)
+    rank_of = np.full(max_pos, _BIG, np.int64)
+    buf = _Buffer(HR, policy, max_pos, keep, rank_of)
+    ema = np.full(rt.scores.shape[1], -np.inf, np.float32) if rt is not None else None
+    slot_scope = policy == "score_ema" and ema_scope == "slot"
+    width = 0
+    if rt is not None:
+        width = min(rt.k + max(prefetch, keep - rt.k if policy == "score_lru" else 0), rt.order.shape[1])
     nu = _next_uses(demand) if policy == "opt" else None
     hits, misses = np.zeros(T, np.int64), np.zeros(T, np.int64)
     prefetched, resident = np.zeros(T, np.int64), np.zeros(T, np.int64)
-    used = wasted = 0
-    hand = 0
-    slots = np.arange(HR)
+    used = 0
     missed = []
-
-    def choose(n, eligible, value):
-        """n victims among the `eligible` slots in the policy's order."""
-        nonlocal hand
-        if policy == "lru":
-            return np.argsort(np.where(eligible, stamp, _BIG), kind="stable")[:n]
-        if policy == "opt":
-            key = np.where(tokens < 0, -_BIG, -nextuse)
-            return np.lexsort((slots, np.where(eligible, key, _BIG)))[:n]
-        if policy in ("score", "score_ema"):
-            return np.lexsort((slots, stamp, np.where(eligible, value, np.inf)))[:n]
-        if policy == "score_lru":
-            inside = rank_of[np.maximum(tokens, 0)] < keep
-            group = np.where(tokens < 0, 0, np.where(inside, 2, 1))
-            sec = np.where(group == 2, value, stamp.astype(np.float64))
-            return np.lexsort((slots, stamp, sec, np.where(eligible, group, 3)))[:n]
-        v, hand = clock_sweep(~eligible, ref, hand, n)  # clock
-        return v
-
-    def fill(v, rows):
-        nonlocal wasted
-        old = tokens[v]
-        where[old[old >= 0]] = -1
-        wasted += int(pf[v].sum())
-        pf[v] = False
-        tokens[v] = rows
-        where[rows] = v
-        ref[v] = True
-        slot_ema[v] = np.nan
-
-    for t in range(T):
-        row = rt.order[t, :width]
-        ok = row >= 0
-        rank_of[row[ok]] = np.flatnonzero(ok)
-        full = rt.order[t, :k]
-        resident[t] = int(((full >= 0) & (full >= first_res[t])).sum())
-        q = demand[t]
+    for t, q in enumerate(demand):
+        if rt is not None:
+            row = rt.order[t, :width]
+            ok = row >= 0
+            rank_of[row[ok]] = np.flatnonzero(ok)
+            full = rt.order[t, :rt.k]
+            resident[t] = int(((full >= 0) & (full >= first_res[t])).sum())
         if len(q) > HR:
             raise ValueError(f"top-k {len(q)} > hot_rows {HR}")
         pos_value = None
         if policy in SCORE_POLICIES:
             st = rt.scores[t].astype(np.float32)
             if slot_scope:
-                held = tokens >= 0
-                s_held = st[tokens[held]]
-                old = slot_ema[held]
-                slot_ema[held] = np.where(np.isnan(old), s_held, beta * old + (1 - beta) * s_held)
-                pos_value = None
+                held = buf.tokens >= 0
+                s_held = st[buf.tokens[held]]
+                old = buf.slot_ema[held]
+                buf.slot_ema[held] = np.where(np.isnan(old), s_held, beta * old + (1 - beta) * s_held)
             elif policy == "score_ema":
                 fin = np.isfinite(ema)
                 nxt = st.copy()
                 nxt[fin] = beta * ema[fin] + (1 - beta) * st[fin]
-                ema = nxt
-                pos_value = ema
+                ema = pos_value = nxt
             else:
                 pos_value = st
-        slot = where[q]
+        slot = buf.where[q]
         hit = slot >= 0
         hs = slot[hit]
         m = q[~hit]
@@ -317,56 +311,52 @@ def simulate_ranked(rt: RankedTrace, hot_rows: int, policy: str = "lru", *, pref
         hits[t], misses[t] = hit.sum(), nm
         if return_missed:
             missed.append(m)
-        used += int(pf[hs].sum())
-        pf[hs] = False
+        used += buf.hit(hs, t)
         protected = np.zeros(HR, bool)
         protected[hs] = True
-        stamp[hs] = 2 * t + 1
-        ref[hs] = True
         if policy == "opt":
-            nextuse[hs] = nu[t][hit]
+            buf.nextuse[hs] = nu[t][hit]
 
         def values():
             if slot_scope:
-                return np.where(tokens < 0, -np.inf, slot_ema)
+                return np.where(buf.tokens < 0, -np.inf, buf.slot_ema)
             if pos_value is None:
                 return None
-            return np.where(tokens < 0, -np.inf, pos_value[np.maximum(tokens, 0)])
+            return np.where(buf.tokens < 0, -np.inf, pos_value[np.maximum(buf.tokens, 0)])
 
         if nm:
-            v = choose(nm, ~protected, values())
+            v = buf.victims(nm, ~protected, values())
             if policy == "lru":
                 v = np.sort(v)  # claimed in slot order
-            fill(v, m)
-            stamp[v] = 2 * t
+            buf.fill(v, m, t)
             protected[v] = True
             if policy == "opt":
-                nextuse[v] = nu[t][~hit]
+                buf.nextuse[v] = nu[t][~hit]
         if prefetch:
-            c = rt.order[t, k:k + prefetch].astype(np.int64)
+            c = rt.order[t, rt.k:rt.k + prefetch].astype(np.int64)
             c = c[(c >= 0) & (c < first_res[t])]
-            c = c[where[c] < 0]
+            c = c[buf.where[c] < 0]
             if len(c):
-                eligible = ~protected & ((tokens < 0) | (rank_of[np.maximum(tokens, 0)] >= k + prefetch))
+                toks = np.maximum(buf.tokens, 0)
+                eligible = ~protected & ((buf.tokens < 0) | (rank_of[toks] >= rt.k + prefetch))
                 n = min(len(c), int(eligible.sum()))
                 if n:
                     val = values()
-                    v = choose(n, eligible, val)
+                    v = buf.victims(n, eligible, val)
                     if admit == "key":
-                        cv = pos_value[c]
-                        c = c[np.argsort(-cv, kind="stable")]
+                        c = c[np.argsort(-pos_value[c], kind="stable")]
                         n = int(np.cumprod(pos_value[c[:n]] > val[v]).sum())
                         v = v[:n]
                     if n:
-                        fill(v, c[:n])
-                        stamp[v] = 2 * t
-                        pf[v] = True
+                        buf.fill(v, c[:n], t)
+                        buf.pf[v] = True
                         prefetched[t] = n
-        rank_of[row[ok]] = _BIG
+        if rt is not None:
+            rank_of[row[ok]] = _BIG
     out = {"hits": hits, "misses": misses, "prefetched": prefetched, "resident": resident,
-           "prefetch_used": used, "prefetch_wasted": wasted}
+           "prefetch_used": used, "prefetch_wasted": buf.wasted}
     if return_state:
-        out["tokens"], out["stamp"] = tokens.copy(), stamp.copy()
+        out["tokens"], out["stamp"] = buf.tokens.copy(), buf.stamp.copy()
     if return_missed:
         out["missed"] = missed
     return out
