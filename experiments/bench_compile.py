@@ -19,7 +19,6 @@ apart from XLA's compile.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -28,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from experiments.report import save_json
 from hisparse_jax import deviceless as dl
 from hisparse_jax import gpu_build
 from hisparse_jax.config import CacheConfig, get_preset
@@ -122,10 +122,7 @@ def main(argv=None) -> dict:
         else:
             out["sm90_step"] = sm90_step(args.sm90_layers, "fp8", "pallas")
         print("sm_90:", out["sm90_step"], flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
-    print(f"wrote {args.out}")
+    save_json(args.out, out, indent=2)
     return out
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import platform
 import time
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments.report import save_json
 from hisparse_jax.config import CacheConfig, get_preset
 from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.engine import runner as programs
@@ -190,10 +190,7 @@ def main(argv=None) -> int:
            "cpus": os.cpu_count(), "target": "contiguous within 1.2x of paged at 1K and 4K",
            "within_target": all(r["ratio_contiguous_over_paged"] <= 1.2 for r in rows), "before": BEFORE,
            "notes": NOTES}
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {a.out}")
+    save_json(a.out, out)
     return 0
 
 

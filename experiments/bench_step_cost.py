@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -23,6 +22,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from experiments.report import save_json
 from hisparse_jax.config import CacheConfig, get_preset
 from hisparse_jax.engine.runner import Runner
 from hisparse_jax.kv import device as kv_device
@@ -142,10 +142,7 @@ def main(argv=None) -> int:
            "host_pool_rows": host_rows, "miss_attention_rows": split_rows,
            "jax": jax.__version__, "backend": jax.default_backend(), "machine": platform.machine(),
            "cpus": os.cpu_count()}
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {a.out}")
+    save_json(a.out, out)
     return 0
 
 

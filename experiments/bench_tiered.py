@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -34,6 +33,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from experiments.report import save_json
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_tiered.json")
 
@@ -210,11 +211,7 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    res = run(args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {args.out}", file=sys.stderr)
+    save_json(args.out, run(args))
     return 0
 
 

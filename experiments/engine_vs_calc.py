@@ -34,12 +34,11 @@ Writes engine_vs_calc[_quick].json and .png in --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 
+from experiments.report import grid_legend, pyplot, save_figure, save_json, stamp
 from hisparse_jax import calc
 
 SEQ = 81_920  # the calculator's published default case
@@ -119,7 +118,7 @@ def run(a) -> dict:
     from flax import nnx
 
     from hisparse_jax.config import CacheConfig
-    from hisparse_jax.demo import workload
+    from hisparse_jax.demo_workload import workload
     from hisparse_jax.engine import Engine, EngineConfig, SamplingParams, device_budget
     from hisparse_jax.kv.state import StoreSpec
     from hisparse_jax.model.decoder import SparseMLAModel
@@ -223,11 +222,7 @@ def run(a) -> dict:
 
 
 def plot(out: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     colors = {"offload-fp8": "tab:blue", "hisparse-fp8": "tab:green", "hisparse-int4": "tab:purple",
               "hisparse-fp8-host": "tab:red"}
@@ -242,11 +237,8 @@ def plot(out: dict, path: str) -> None:
     s = out["scaled"]
     ax.set_title(f"{out['requests']} requests of {s['pages_per_request']} pages; device = "
                  f"{s['device_requests']:.2f} requests' KV (dashed: calculator)", fontsize=10)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    grid_legend(ax, fontsize=8)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -271,10 +263,9 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     t0 = time.perf_counter()
     out = run(a)
-    out.update(date=time.strftime("%Y-%m-%d %H:%M:%S"), machine=platform.platform(), wall_s=time.perf_counter() - t0)
+    out.update(**stamp(), wall_s=time.perf_counter() - t0)
     tag = "_quick" if a.quick else ""
-    with open(os.path.join(a.out, f"engine_vs_calc{tag}.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    save_json(os.path.join(a.out, f"engine_vs_calc{tag}.json"), out)
     plot(out, os.path.join(a.out, f"engine_vs_calc{tag}.png"))
     print(f"{'run':>14}{'calculator':>11}{'sustained':>10}{'mean':>7}{'max':>5}{'within 1':>9}  first waits")
     for name, r in out["runs"].items():

@@ -44,12 +44,13 @@ import contextlib
 import dataclasses
 import json
 import os
-import platform
 import sys
 import time
 import traceback
 
 import numpy as np
+
+from experiments.report import stamp
 
 PAGE = 64
 TAIL = 2
@@ -862,7 +863,7 @@ def main(argv=None) -> int:
         from hisparse_jax.cpu_compile import request_fast_compile
 
         request_fast_compile()  # before any group starts: they inherit the flags and skip the probe
-    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "seed": a.seed,
+    out = {**stamp(), "seed": a.seed,
            "profile": "long" if a.long else "default", "first": a.first, "group_size": a.group_size,
            "index_dtype": a.index_dtype, "hot_policy": a.hot_policy, "index_tier": a.index_tier,
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "kinds": {}}

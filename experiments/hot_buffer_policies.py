@@ -7,7 +7,7 @@ indexer group. Every position is treated as offloaded (served by the hot buffer:
 copied from host); the resident tail pages of the real store are ignored.
 
 Policies (a slot hit or filled in the current step is never a victim of that step):
-  lru    the store's rule, identical to `hisparse_jax.kv.ops.resolve`: the misses take the least recently
+  lru    the store's rule, identical to `hisparse_jax.kv.resolve.resolve`: the misses take the least recently
          used slots not hit this step ((stamp, slot) order: never-used slots first, lower slot first among
          equal stamps), in slot order; a filled slot gets stamp := 2 * step, a hit one 2 * step + 1 (the
          published order's groups [untouched | filled | hit], each in slot order rather than claim / previous
@@ -45,11 +45,12 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import sys
 import time
 
 import numpy as np
+
+from experiments.report import grid_legend, pyplot, save_figure, save_json, stamp
 
 ROW_BYTES = 656
 LAYERS = 78
@@ -466,7 +467,7 @@ def record_demo_traces(n_requests: int = 2, prompt_len: int = 1536, start: int =
     from flax import nnx
 
     from hisparse_jax.config import get_preset
-    from hisparse_jax.demo import workload
+    from hisparse_jax.demo_workload import workload
     from hisparse_jax.model.decoder import SparseMLAModel
 
     cfg = get_preset("demo-glm")
@@ -943,11 +944,7 @@ def prefetch_predictability(rts, warmup: int, *, horizon: int = 4, recent: int =
 
 
 def plot(out: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = list(out["traces"])
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names):
@@ -961,11 +958,8 @@ def plot(out: dict, path: str) -> None:
         ax.set_title(f"{name}: top-k {t['k']}, {t['steps']} steps x {t['n_traces']} trace(s)")
         ax.set_xlabel("hot buffer rows / top-k")
         ax.set_ylabel("hit rate")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        grid_legend(ax, fontsize=8)
+    save_figure(fig, path)
 
 
 def _table(out: dict) -> str:
@@ -990,7 +984,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     t0 = time.perf_counter()
-    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "row_bytes": ROW_BYTES,
+    out = {**stamp(), "row_bytes": ROW_BYTES,
            "layers": LAYERS, "sizes": list(SIZES), "traces": {}}
     if not a.no_demo:
         n_req, plen, start = (1, 384, 64) if a.quick else (2, 1024, 128)
@@ -1010,8 +1004,7 @@ def main(argv=None) -> int:
                                   "results": study([tr], SYNTH_DEFAULTS["k"], warmup=32)}
     out["wall_s"] = time.perf_counter() - t0
     tag = "_quick" if a.quick else ""
-    with open(os.path.join(a.out, f"hot_buffer_policies{tag}.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    save_json(os.path.join(a.out, f"hot_buffer_policies{tag}.json"), out)
     plot(out, os.path.join(a.out, f"hot_buffer_policies{tag}.png"))
     print(_table(out))
     print(f"wall {out['wall_s']:.1f}s -> {a.out}/hot_buffer_policies{tag}.json/.png")

@@ -20,14 +20,14 @@ sparse perplexity within 1% of FP8's.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import sys
 import time
 
 import numpy as np
+
+from experiments.report import save_json, stamp
 
 FORMATS = {"exact": None, "fp8": "fp8", "int4": "int4"}  # name in the results -> SparseMLAModel(index_dtype=...)
 
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         per[name]["recall_vs_fp8_per_index_layer"] = recall(tops[name], tops["fp8"], k)
         per[name]["recall_vs_exact_per_index_layer"] = recall(tops[name], tops["exact"], k)
         per[name]["ppl_over_fp8"] = per[name]["ppl_sparse"] / per["fp8"]["ppl_sparse"]
-    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "jax": jax.__version__,
+    out = {**stamp(), "jax": jax.__version__,
            "model": held_out.model_name(a, folder), "corpus": info.to_json(),
            "settings": {key: getattr(a, key) for key in ("sequences", "seq_len", "trace_start", "warmup")},
            "index_topk": k, "index_head_dim": cfg.index_head_dim, "index_heads": cfg.index_n_heads,
@@ -120,8 +120,7 @@ def main(argv=None) -> int:
            "wall_s": time.perf_counter() - t0}
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, f"index_dtype_quality{'_quick' if a.quick else ''}.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+    save_json(path, out)
     print(f"{'format':7} {'bytes':>5} {'ppl':>7} {'/fp8':>6}  recall vs fp8 (per index layer)  vs exact  LRU 2x hit")
     for name, r in per.items():
         print(f"{name:7} {out['key_bytes_per_token_per_index_layer'][name]:5d} {r['ppl_sparse']:7.3f} "

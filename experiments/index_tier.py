@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import platform
 import sys
 import time
 
 import numpy as np
+
+from experiments.report import grid_legend, pyplot, save_figure, save_json, stamp
 
 FP8_ROW = 656  # bytes of one DeepSeek fp8 KV row (512 e4m3 + 4 scales + 64 bf16 rope)
 RANKS = ("bound", "mean")  # budgeted mode's block ranking (`reference.HOST_INDEX_RANKS`)
@@ -134,11 +134,7 @@ def summarize(res: dict, k: int, index_dim: int) -> dict:
 
 
 def plot(out: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for i, (bs, s) in enumerate(out["summary"].items()):
         for rank, style in zip(RANKS, ("o-", "s--")):
@@ -156,10 +152,8 @@ def plot(out: dict, path: str) -> None:
     ax.set_xlabel("fraction of the key history read per step and layer")
     ax.set_ylabel("recall of the exact top-k")
     ax.set_title(f"host-tier indexer keys, {out['model']} (top-{out['k']})")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    grid_legend(ax, loc="lower right")
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -189,7 +183,7 @@ def main(argv=None) -> int:
     print(f"recording {a.sequences} x {a.seq_len} tokens from position {a.trace_start}, blocks {blocks} ...",
           file=sys.stderr, flush=True)
     res = record(model, [list(w) for w in windows], a.trace_start, blocks)
-    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "jax": jax.__version__,
+    out = {**stamp(), "jax": jax.__version__,
            "model": held_out.model_name(a, folder), "corpus": info.to_json(),
            "k": model.cfg.index_topk, "index_heads": model.cfg.index_n_heads, "index_dim": model.cfg.index_head_dim,
            "settings": {"sequences": a.sequences, "seq_len": a.seq_len, "trace_start": a.trace_start,
@@ -198,9 +192,7 @@ def main(argv=None) -> int:
            "record_s": time.perf_counter() - t0, "per_block_size": res,
            "summary": summarize(res, model.cfg.index_topk, model.cfg.index_head_dim)}
     os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "index_tier.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+    save_json(os.path.join(a.out, "index_tier.json"), out)
     plot(out, os.path.join(a.out, "index_tier.png"))
     for bs, s in out["summary"].items():
         print(f"blocks of {bs:>3}: live {s['live_blocks']:.1f}, exact mode reads {s['exact_blocks_read']:.1f} "
@@ -209,7 +201,6 @@ def main(argv=None) -> int:
               f"{s['exact_key_bytes_vs_topk_kv_rows']:.2f}; recall at half the blocks "
               + ", ".join(f"{s[r]['recall_by_fraction_read']['0.5']:.3f} (by {r})" for r in RANKS)
               + "; recall 0.99 reading " + ", ".join(f"{s[r]['fraction_read_for_recall_0.99']} (by {r})" for r in RANKS))
-    print(f"wrote {path}")
     return 0
 
 

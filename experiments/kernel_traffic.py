@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import subprocess
@@ -34,6 +33,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from experiments.report import save_json  # noqa: E402
 from pallas_kernels import traffic  # noqa: E402
 from pallas_kernels.sparse_mla_decode.kernel import decode_blocks  # noqa: E402
 
@@ -157,11 +157,7 @@ def main(argv=None) -> int:
     print(table)
     for r in res["rows"]:
         print(f"{r['kernel']} {r['label']}: {r['traffic']['notes']}")
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(report, f, indent=1)
-        f.write("\n")
-    print(f"wrote {a.out}")
+    save_json(a.out, report)
     return 0
 
 

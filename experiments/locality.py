@@ -34,13 +34,13 @@ lab's hit rate against H2D rows per step and by decode position).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 
 import numpy as np
+
+from experiments.report import grid_legend, pyplot, save_figure, save_json, stamp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -247,11 +247,7 @@ def lab_tuning(model, sequences, start: int, warmup: int, margin: int) -> dict:
 
 
 def plot(out: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     lab = out.get("policy_lab")
     rows = 2 if lab else 1
     fig, axes = plt.subplots(rows, 3, figsize=(18, 4.4 * rows), squeeze=False)
@@ -266,8 +262,7 @@ def plot(out: dict, path: str) -> None:
         ax.set_title(f"{name} weights: top-k {tr['k']}, step-to-step overlap {ov:.2f}")
         ax.set_xlabel("hot buffer rows / top-k")
         ax.set_ylabel("hit rate (mean over index layers)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        grid_legend(ax, fontsize=8)
     ax = axes[0][2]
     if lab:
         for li, rr in enumerate(lab["reref"]):
@@ -278,8 +273,7 @@ def plot(out: dict, path: str) -> None:
         ax.set_xlabel("re-reference distance (decode steps between two uses of a row)")
         ax.set_ylabel("share of top-k uses")
         ax.set_title("trained: re-reference distance")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
+        grid_legend(ax, fontsize=8)
     else:
         ax.axis("off")
     if lab:
@@ -291,8 +285,7 @@ def plot(out: dict, path: str) -> None:
         ax.set_xlabel("hot buffer rows / top-k")
         ax.set_ylabel("critical-path hit rate (both index layers)")
         ax.set_title("trained: demand policies by buffer size")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        grid_legend(ax, fontsize=8)
         ax = axes[1][1]
         b = lab["bar"]
         lru_rows = b["lru_h2d_rows_per_step"]
@@ -309,8 +302,7 @@ def plot(out: dict, path: str) -> None:
                       f"{st['layers']} layers = bytes)")
         ax.set_ylabel("critical-path hit rate")
         ax.set_title(f"trained, {BAR_SIZE} top-k: hit rate vs H2D traffic (bar: green, above the dashed line)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
+        grid_legend(ax, fontsize=8, loc="lower right")
         ax = axes[1][2]
         for n, pts in lab["by_position_2x"].items():
             ax.plot([np.mean(p["positions"]) for p in pts], [p["hit_rate"] for p in pts], marker="o",
@@ -324,11 +316,8 @@ def plot(out: dict, path: str) -> None:
         ax.set_xlabel("decode position")
         ax.set_ylabel(f"critical-path hit rate at {BAR_SIZE} top-k")
         ax.set_title("trained: hit rate by context length")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        grid_legend(ax, fontsize=7)
+    save_figure(fig, path, dpi=110)
 
 
 def lab_table(lab: dict) -> str:
@@ -404,7 +393,7 @@ def main(argv=None) -> int:
     _, held, info = data.load_corpus()
     windows = data.fixed_windows(held, a.seq_len + 1, a.sequences)
     t0 = time.perf_counter()
-    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "jax": jax.__version__,
+    out = {**stamp(), "jax": jax.__version__,
            "model": a.model if a.model in checkpoints.SHIPPED else os.path.relpath(folder), "corpus": info.to_json(),
            "settings": {key: getattr(a, key) for key in ("sequences", "seq_len", "trace_start", "warmup", "long_len",
                                                          "long_sequences", "tune")} | {"margin": margin},
@@ -442,8 +431,7 @@ def main(argv=None) -> int:
     out["wall_s"] = time.perf_counter() - t0
     os.makedirs(a.out, exist_ok=True)
     tag = "_quick" if a.quick else ""
-    with open(os.path.join(a.out, f"locality{tag}.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    save_json(os.path.join(a.out, f"locality{tag}.json"), out)
     plot(out, os.path.join(a.out, f"locality{tag}.png"))
     q = out["quality"]
     print(f"ppl dense {q['ppl_dense']:.3f}, sparse {q['ppl_sparse']:.3f}; indexer recall "

@@ -13,11 +13,12 @@ nothing about a GPU; what carries over is running requests, preemptions / swaps,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import time
+
+from experiments.report import save_json, stamp
 
 
 def main(argv=None) -> int:
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
     policies = list(one["policies"])
     out = {
         "question": "mean running requests on N devices vs 1 at the same per-device budgets and load",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(),
+        **stamp(),
         "devices": a.devices, "settings": common, "backend": jax.default_backend(),
         "jax": jax.__version__, "python": platform.python_version(),
         "per_policy": {pol: {
@@ -65,9 +66,7 @@ def main(argv=None) -> int:
         "outputs_identical_across_policies": [one["outputs_identical"], many["outputs_identical"]],
         "wall_s": [one["wall_s"], many["wall_s"]],
     }
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
+    save_json(a.out, out)
     for pol, r in out["per_policy"].items():
         print(f"{pol:>9}: mean running {r['mean_running_1']:.2f} -> {r[f'mean_running_{a.devices}']:.2f} "
               f"({r['ratio']:.2f}x on {a.devices} devices)")

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
+
+from experiments.report import pyplot, save_figure, save_json, stamp
 
 
 def workload(vocab: int, n: int, shared_len: int, question_len: int, seed: int) -> list[list[int]]:
@@ -43,11 +44,7 @@ def run(eng, prompts, params, every: int) -> list[list[int]]:
 
 
 def plot(out: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     pols = list(out["policies"])
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, key, title in ((axes[0], "prefill_tokens", "prompt tokens computed"),
@@ -59,8 +56,7 @@ def plot(out: dict, path: str) -> None:
         ax.set_title(title)
     axes[0].legend()
     fig.suptitle(f"{out['requests']} requests sharing a {out['shared_len']}-token prefix ({out['preset']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv=None) -> int:
@@ -86,7 +82,7 @@ def main(argv=None) -> int:
     from flax import nnx
 
     from hisparse_jax.config import get_preset
-    from hisparse_jax.demo import budgets
+    from hisparse_jax.demo_workload import budgets
     from hisparse_jax.engine import Engine, EngineConfig, SamplingParams, device_budget
     from hisparse_jax.model.decoder import SparseMLAModel
 
@@ -119,13 +115,12 @@ def main(argv=None) -> int:
         identical[pol] = outs["on"] == outs["off"]
     import jax
 
-    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "jax": jax.__version__,
+    out = {**stamp(), "jax": jax.__version__,
            "preset": "demo-glm", "requests": a.requests, "shared_len": a.shared_len, "question_len": a.question_len,
            "new_tokens": a.new_tokens, "device_requests": a.device_requests, "prefill": a.prefill,
            "arrival_every": a.arrival_every,
            "policies": results, "outputs_identical": all(identical.values()), "outputs_identical_by_policy": identical}
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
+    save_json(a.out, out)
     if a.plot:
         plot(out, a.plot)
     print(json.dumps({"outputs_identical": out["outputs_identical"],

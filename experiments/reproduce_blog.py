@@ -20,13 +20,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 
 
+from experiments.report import grid_legend, pyplot, save_figure, save_json, stamp
 from hisparse_jax import calc
 
 SEQS = (74_160, 85_836, 142_000, 1_048_576)
@@ -67,7 +66,7 @@ def blog_device_requests() -> float:
 
 def workload(vocab: int, n: int, longest: int, seed: int, low: float = 74_160 / 85_836) -> list[list[int]]:
     """The demo's prompt generator with the blog's spread of context lengths (74K..86K, scaled)."""
-    from hisparse_jax.demo import workload as demo_workload
+    from hisparse_jax.demo_workload import workload as demo_workload
 
     return demo_workload(vocab, n, longest, seed, low)
 
@@ -141,11 +140,7 @@ def engine_run(a) -> dict:
 
 
 def plot(out: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     colors = {"preempt": "tab:red", "offload": "tab:blue", "hisparse": "tab:green"}
     for pol, r in out["policies"].items():
@@ -158,11 +153,8 @@ def plot(out: dict, path: str) -> None:
     ax.set_xlabel("engine step")
     ax.set_ylabel("running requests")
     ax.set_title(f"{out['preset']}: {out['requests']} requests, device = {out['device_requests']:.2f} requests' KV")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    grid_legend(ax, fontsize=8)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -188,19 +180,18 @@ def main(argv=None) -> int:
     a.policies = a.policies or "offload,hisparse"
     os.makedirs(a.out, exist_ok=True)
     tag = "_quick" if q else ""
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform()}
+    meta = stamp()
     rows = calculator_table()
-    with open(os.path.join(a.out, "blog_calculator.json"), "w") as f:
-        json.dump({**meta, "setup": "GLM-5.3 FP8, H200 141 GB, DP1 TP8 EP, util 0.92, reserve 15 GiB, default "
-                   "(non-limiting) host pool", "blog_measured": BLOG_MEASURED, "rows": rows}, f, indent=1)
+    save_json(os.path.join(a.out, "blog_calculator.json"), {
+        **meta, "setup": "GLM-5.3 FP8, H200 141 GB, DP1 TP8 EP, util 0.92, reserve 15 GiB, default (non-limiting) "
+        "host pool", "blog_measured": BLOG_MEASURED, "rows": rows})
     print_calculator(rows)
     if a.no_engine:
         return 0
     t0 = time.perf_counter()
     out = engine_run(a)
     out.update(meta, wall_s=time.perf_counter() - t0)
-    with open(os.path.join(a.out, f"blog_engine{tag}.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    save_json(os.path.join(a.out, f"blog_engine{tag}.json"), out)
     plot(out, os.path.join(a.out, f"blog_engine{tag}.png"))
     pr = out["prediction"]
     print(f"\n(b) engine, {out['preset']}, {out['requests']} requests of {min(out['prompt_tokens'])}-"
