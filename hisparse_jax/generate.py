@@ -27,6 +27,7 @@ from hisparse_jax.engine.sampling import prompt_seeds
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.dense import DenseKV, init_dense_kv
 from hisparse_jax.kv.account import check_store_memory
+from hisparse_jax.kv.budget import check_batch_fits
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.tiered import check_backend, check_kernels, empty_stats, index_span, stats_bytes
@@ -197,7 +198,7 @@ def _generate_tiered(model, prompts, cache, kernels, run, return_stats):
     manager = TieredCache(cfg, cache)
     check_backend(manager.spec, kernels)
     # the last new token is sampled, never written: the store holds prompt + max_new_tokens - 1 positions
-    manager.check_batch_fits([len(p) + max_new_tokens - 1 for p in prompts])
+    check_batch_fits(manager.budget, [len(p) + max_new_tokens - 1 for p in prompts], releasable=manager.releasable)
     store = kv_device.new_store(manager)
     store, slots, first = runner.admit_prompts(store, manager, prompts)
     B = bucket_pow2(n)
@@ -236,7 +237,7 @@ def _generate_mesh(model, prompts, cache, kernels, mesh, run, return_stats):
     check_backend(spec, kernels)
     for c, idx in zip(managers, placed):  # the last new token is sampled, never written
         if idx:
-            c.check_batch_fits([len(prompts[i]) + max_new_tokens - 1 for i in idx])
+            check_batch_fits(c.budget, [len(prompts[i]) + max_new_tokens - 1 for i in idx], releasable=c.releasable)
     store = parallel.new_stacked_store(managers, mesh)
     slots = [[] for _ in range(N)]
     first = [None] * n

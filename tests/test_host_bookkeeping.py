@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 import hisparse_jax as hj
-from hisparse_jax.kv import device as kv_device, invariants
+from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.updates import ClearStamps, LoadPages, ReleasePages, SetTables
 
@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOAD = textwrap.dedent("""
     import hisparse_jax as hj
     from hisparse_jax.kv.manager import TieredCache
-    from hisparse_jax.kv.eviction import least_recently_selected
+    from hisparse_jax.kv.manager import least_recently_selected
     cfg = hj.get_preset("tiny-glm")
     tc = TieredCache(cfg, hj.CacheConfig(kv_dtype="float32", device_pages=34, host_pages=96, max_seqs=4,
                                          max_seq_len=1536), victim_order=least_recently_selected)
@@ -72,7 +72,7 @@ def test_updates_applied_give_the_tables_the_manager_describes():
     lengths = np.zeros(tc.spec.max_seqs, np.int32)
     lengths[list(tc.lengths)] = list(tc.lengths.values())
     tables = jax.device_get((store.block_table, store.host_table, store.index_table, store.hot_pages))
-    invariants.check_tables(tc, *tables, lengths)
+    tc.check_tables(*tables, lengths)
 
 
 def test_unapplied_updates_are_refused_where_they_would_be_lost(tmp_path):

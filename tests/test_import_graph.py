@@ -1,8 +1,10 @@
-"""The project's modules import each other without a cycle, imports inside functions included.
+"""The project's modules import each other without a cycle, imports inside functions and under `if TYPE_CHECKING:`
+included.
 
 A cycle hidden behind a function-level import still couples the two modules both ways (each needs the other to
-work) and breaks as soon as someone moves the import to the top. The graph is read from the source (ast), so the
-test needs no import of the project and no compile."""
+work) and breaks as soon as someone moves the import to the top; one hidden behind a `TYPE_CHECKING` import is a
+module written against the other's class (a class cut into files that import it back). The graph is read from the
+source (ast), so the test needs no import of the project and no compile."""
 
 from __future__ import annotations
 
@@ -28,15 +30,12 @@ def project_modules() -> dict[str, pathlib.Path]:
 def imported_modules(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
     """The project modules `name` imports anywhere in its file, functions included: `import a.b`, `from a import b`
     (b a module or a name of a), relative imports resolved; an imported name that is not a module counts as its
-    module. Imports under `if TYPE_CHECKING:` (annotations only, never run) are not edges."""
+    module. Imports under `if TYPE_CHECKING:` count too: a module that names another's class in its annotations
+    is written against it."""
     is_pkg = path.name == "__init__.py"
     out = set()
     tree = ast.parse(path.read_text(), str(path))
-    typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking_block(block)
-                   for stmt in block.body for n in ast.walk(stmt)}
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -49,15 +48,6 @@ def imported_modules(name: str, path: pathlib.Path, known: set[str]) -> set[str]
                 sub = f"{base}.{a.name}"
                 out.add(sub if sub in known else base)
     return {m for m in out if m in known and m != name}
-
-
-def _is_type_checking_block(node) -> bool:
-    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`): imports for annotations only, never executed."""
-    if not isinstance(node, ast.If):
-        return False
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -106,9 +96,18 @@ def test_the_cycle_finder_finds_cycles():
     """The finder itself: a cycle through a function-level import is one."""
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert cycles(graph) == [["a", "b", "c"]]
-    src = "def f():\n    from hisparse_jax.kv import ops\n"
-    tree = ast.parse(src)
-    assert any(isinstance(n, ast.ImportFrom) for n in ast.walk(tree))
+
+
+def test_type_checking_imports_are_edges(tmp_path):
+    """An import under `if TYPE_CHECKING:` and one inside a function are edges of the graph the cycle test reads."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import B\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg import a\n")
+    known = {"pkg", "pkg.a", "pkg.b"}
+    assert imported_modules("pkg.a", pkg / "a.py", known) == {"pkg.b"}
+    assert imported_modules("pkg.b", pkg / "b.py", known) == {"pkg.a"}
 
 
 def test_kernels_import_nothing_of_the_library():

@@ -201,9 +201,9 @@ def test_pressure_releases_shared_pages_from_every_holder():
     ra, rb = tc.requests[a], tc.requests[b]
     assert ra.device[:4] == rb.device[:4] and tc.evictable_pages(a) == tc.evictable_pages(b) == []
     tc.keep_resident(b)  # a holder that must stay resident blocks the release
-    assert tc.shared_release_candidates() == []
-    tc.allow_release(b)
-    assert [d for d, _ in tc.shared_release_candidates()] == ra.device[:3]  # page 3 is a tail page of both
+    assert tc.evictable_shared_pages() == []
+    tc.allow_eviction(b)
+    assert [d for d, _ in tc.evictable_shared_pages()] == ra.device[:3]  # page 3 is a tail page of both
     shared, free0 = ra.device[:3], tc.pool.num_free(Tier.DEVICE)
     tc.evict_until(free0 + 1)
     assert ra.hot and rb.hot and tc.pool.num_free(Tier.DEVICE) >= free0 + 1
@@ -304,7 +304,7 @@ def test_allocator_invariants_under_random_operations_with_shared_prefixes(seed)
             s = int(rng.choice(sorted(live.keys() - swapped)))
             r = tc.requests[s]
             cand = [i for i in range(max(r.num_pages - 2, 0)) if r.device[i] != INVALID and r.host[i] != INVALID]
-            if cand and (r.hot or tc.pool.num_free(Tier.DEVICE) >= tc.hot_pages_per_request):
+            if cand and (r.hot or tc.pool.num_free(Tier.DEVICE) >= tc.budget.hot_pages):
                 tc._ensure_hot(s)
                 k = int(rng.integers(1, len(cand) + 1))
                 tc.evict(s, sorted(rng.choice(cand, k, replace=False).tolist()))  # shared ones included

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import hisparse_jax as hj
 from store_pair import StorePair
 from hisparse_jax.config import CacheConfig, RopeConfig
-from hisparse_jax.kv.budget import BudgetError
+from hisparse_jax.kv.budget import BudgetError, check_batch_fits
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.pool import OutOfPages, PoolError, Tier
 from hisparse_jax.units import INVALID
@@ -242,7 +242,8 @@ def test_errors_are_clear_and_change_nothing():
     rng = np.random.default_rng(3)
     # budget too small for one request: needs 2 tail pages + 1 hot page
     with pytest.raises(BudgetError, match="device pages"):
-        StorePair(MODEL, cache_config(device_pages=2)).check_fits(64 * 5)
+        tc = StorePair(MODEL, cache_config(device_pages=2))
+        check_batch_fits(tc.budget, [64 * 5], releasable=tc.releasable)
     with pytest.raises(ValueError, match="hot_rows"):
         StorePair(MODEL, cache_config(hot_rows=4))
     # a full host pool: OutOfPages naming the host tier, the pool unchanged
@@ -293,15 +294,15 @@ def test_lone_request_grows_under_pressure():
 
 def test_recency_coldness_orders_by_last_selection():
     """The indexer-recency rule releases the pages selected least recently (never-selected first)."""
-    from hisparse_jax.kv.eviction import least_recently_selected, oldest_first
+    from hisparse_jax.kv.manager import least_recently_selected, oldest_first
 
     rng = np.random.default_rng(8)
     tc = StorePair(MODEL, cache_config(max_seqs=1))
     s = admit(tc, Reference(), rng, 64 * 6)  # pages 0..3 evictable
-    assert oldest_first(tc, s) == [0, 1, 2, 3]
+    assert oldest_first(tc.evictable_pages(s), tc.page_stamps[s]) == [0, 1, 2, 3]
     tc.gather([s], np.array([[0, 200, -1, -1, -1, -1, -1, -1]], np.int32))  # touches pages 0 and 3
     tc.gather([s], np.array([[70, -1, -1, -1, -1, -1, -1, -1]], np.int32))  # then page 1
-    assert least_recently_selected(tc, s) == [2, 0, 3, 1]
+    assert least_recently_selected(tc.evictable_pages(s), tc.page_stamps[s]) == [2, 0, 3, 1]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32])

@@ -31,9 +31,8 @@ from hisparse_jax.config import MAX_SPECULATIVE_TOKENS, CacheConfig
 from hisparse_jax.engine.pd import IMPORT_CHUNK, PrefillExport, check_export, load_export
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
 from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, check_admission, pages, policy_cache
-from hisparse_jax.kv.budget import BudgetError
-from hisparse_jax.kv.eviction import COLDNESS
-from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.budget import BudgetError, check_batch_fits
+from hisparse_jax.kv.manager import COLDNESS, TieredCache
 from hisparse_jax.kv import device as kv_device, tiered
 from hisparse_jax.kv.account import check_store_memory
 from hisparse_jax.kv.state import StoreSpec
@@ -267,7 +266,7 @@ class Engine:
         return r
 
     def _check_ever_fits(self, rid: str, kv_len: int, prompt_len: int, chunked: bool = True) -> None:
-        """Refuse (BudgetError) a request that could not run even alone: `check_fits` under this policy (all pages
+        """Refuse (BudgetError) a request that could not run even alone: `check_batch_fits` under this policy (all pages
         resident unless HiSparse may release them; indexer pages; host pages when pages are mirrored), and a
         prompt written through the store ("chunked" prefill) must be resident while it is written. An imported
         prompt (`chunked=False`) arrives whole: under HiSparse its older pages land in the host tier, and HiSparse
@@ -275,7 +274,7 @@ class Engine:
         holds every page resident anyway)."""
         c, spec = self.manager, self.manager.budget
         try:
-            c.check_fits(kv_len)
+            check_batch_fits(spec, [kv_len], releasable=c.releasable)
         except BudgetError as e:
             raise BudgetError(f"request {rid!r} can never be admitted under {self.config.policy!r}: {e}") from None
         self.scheduler.check_ever_fits(rid, kv_len)
@@ -402,7 +401,7 @@ class Engine:
                 r.computed = start + n
                 self.manager.set_length(r.slot, r.computed)
             for r in w.completed:
-                self.manager.allow_release(r.slot)
+                self.manager.allow_eviction(r.slot)
                 self.manager.register_prefix(r.slot, r.kv_tokens)
                 r.state = RequestState.RUNNING
             self.manager.advance([r.slot for r in plan.decode])

@@ -32,9 +32,8 @@ from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
 from hisparse_jax.engine.scheduler import (ADMISSIONS, POLICIES, PREFILL_MODES, Scheduler, StepPlan, pages,
                                            policy_cache)
-from hisparse_jax.kv.budget import BudgetError
-from hisparse_jax.kv.eviction import COLDNESS
-from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.budget import BudgetError, check_batch_fits
+from hisparse_jax.kv.manager import COLDNESS, TieredCache
 from hisparse_jax.kv.pool import OutOfPages, Tier
 
 
@@ -105,7 +104,7 @@ class FakeEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = SamplingParams(max_new_tokens=max_new_tokens, seed=seed, eos_token_id=eos_token_id)
         total = len(prompt) + max_new_tokens
-        c.check_fits(total - 1)  # the last new token is never written
+        check_batch_fits(c.budget, [total - 1], releasable=c.releasable)  # the last new token is never written
         self.scheduler.check_ever_fits(request_id, total - 1)
         if self.prefill == "chunked" and pages(len(prompt)) > c.budget.device_pages:
             raise BudgetError(f"request {request_id!r}: its prompt ({pages(len(prompt))} pages) is written through "
@@ -156,7 +155,7 @@ class FakeEngine:
             r.computed = start + n
             c.set_length(r.slot, r.computed)
         for r in completed:
-            c.allow_release(r.slot)
+            c.allow_eviction(r.slot)
             c.register_prefix(r.slot, r.kv_tokens)
             r.state = RequestState.RUNNING
         c.advance([r.slot for r in plan.decode])

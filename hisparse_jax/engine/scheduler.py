@@ -51,8 +51,8 @@ from collections import deque
 
 from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.engine.request import Request, RequestState
-from hisparse_jax.kv.budget import BudgetError
-from hisparse_jax.kv.manager import TAIL_PAGES, TieredCache
+from hisparse_jax.kv.budget import TAIL_PAGES, BudgetError, min_device_pages
+from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.pool import OutOfPages, Tier
 from hisparse_jax.units import INVALID
 
@@ -198,12 +198,13 @@ class Scheduler:
             n_max = max(pages(r.max_kv_len), rp.num_pages)
             if rp.hot:  # its tail and hot buffer; a shared tail page stays with its other holders when it moves on
                 keep = tail & shared
-                need = len(keep) + TAIL_PAGES + c.hot_pages_per_request
+                need = len(keep) + TAIL_PAGES + c.budget.hot_pages
             else:
                 writing = r.slot in c.resident_only  # a prompt being written: all its pages resident meanwhile
                 now = max(pages(len(r.kv_tokens)), rp.num_pages) if writing else len(resident)
                 need = self._least(now if writing else 0, n_max, len(shared), len(shared & tail), len(resident))
-                keep = set(resident) if writing or c.min_device_pages(n_max) >= n_max else shared
+                whole = min_device_pages(c.budget, n_max, releasable=c.releasable) >= n_max
+                keep = set(resident) if writing or whole else shared
             held.update(keep)
             extra += max(need - len(keep), 0)
         return len(held) + extra, held
@@ -218,8 +219,9 @@ class Scheduler:
         buffer). A longer one releases its own sealed pages once it has more than a hot buffer's worth of them
         (they pay for the buffer; before that it grows into free pages), and a shared one only after the pool has
         lent it the buffer: it needs at most its shared pages, its tail pages and a hot buffer's worth."""
-        nh = self.manager.hot_pages_per_request
-        if self.manager.min_device_pages(n_max) >= n_max:
+        c = self.manager
+        nh = c.budget.hot_pages
+        if min_device_pages(c.budget, n_max, releasable=c.releasable) >= n_max:
             need = max(n_max, n_resident)
             if n_shared > n_shared_tail:
                 need = max(need, n_shared_tail + TAIL_PAGES + nh)
@@ -277,7 +279,8 @@ class Scheduler:
                 return None, short
         # whole: under HiSparse it adds its tail pages and a hot buffer (or all its pages when it never needs to
         # release one) to the floor
-        fits = (self._device_floor()[0] + c.min_device_pages(n_max) <= c.budget.device_pages if hisparse
+        fits = (self._device_floor()[0] + min_device_pages(c.budget, n_max, releasable=c.releasable)
+                <= c.budget.device_pages if hisparse
                 else c.pool.num_free(Tier.DEVICE) >= prompt_pages)
         return ("whole", "") if fits else (None, "device_budget")
 

@@ -3,8 +3,8 @@
 Modules: `spec.py` (`StoreSpec`, the static geometry), `state.py` (`KVStore`, the arrays: device pools, pinned-host
 pools, tables), `ops.py` (the jitted store operations the decode step uses), `tiered.py` (the `TieredKV` backend
 and the decode-step entry points), `pool.py` (`PagePool`: page ids, refcounts, prefix registrations);
-the host bookkeeping `manager.py` (`TieredCache`) with `eviction.py` (coldness, what to release), `prefix.py`
-(prefix sharing) and `invariants.py` (checks) — NumPy only; `updates.py` (what the bookkeeping asks of the device
+the host bookkeeping `manager.py` (`TieredCache`, one class: admission, eviction and its coldness orders, swap,
+prefix sharing, checks) with `budget.py` (whether requests fit the limits at all, pure) — NumPy only; `updates.py` (what the bookkeeping asks of the device
 tables) and `device.py` (applying those updates to a `KVStore`; checked row writes and reads); `persist.py`
 (save / restore); `dense.py` (the contiguous all-resident KV arrays behind plain `generate`).
 
@@ -18,8 +18,8 @@ Glossary (one word, one thing; where the code still uses a word for two things, 
 - request slot (`slot` on the host, `req` in jitted code): a request's row in the store's tables, 0..max_seqs-1.
 - indexer layer (`index_layer`): a full-indexer layer's number among the full-indexer layers (its row of the
   indexer-key pool); not a slot.
-- resident: a logical page with a device copy. *released* (evicted): its device copy given back, the host copy
-  kept. *tail pages*: the last two pages of a request, never released (they are being written).
+- resident: a logical page with a device copy. *evicted*: its device copy given back, the host copy kept.
+  *released*: a whole request's pages freed. *tail pages*: the last two pages of a request, never evicted.
 - hot buffer: per request and indexer group, `hot_rows` *hot slots* on pages lent from the device pool, holding
   rows of released pages; *hit*: a selected row found there; *miss*: fetched from the host into the least
   recently used hot slot (the LRU order: `pallas_kernels/sparse_gather/reference.py`).
@@ -28,7 +28,7 @@ Glossary (one word, one thing; where the code still uses a word for two things, 
   page copies nothing.
 - updates (`TieredCache.updates`, `updates.py`): the host's decisions about the device tables, in order, applied by
   whoever holds the `KVStore` (`device.apply_updates`) before the next device call.
-- resident-only (`TieredCache.resident_only`, `keep_resident` / `allow_release`): request slots whose pages must all
+- resident-only (`TieredCache.resident_only`, `keep_resident` / `allow_eviction`): request slots whose pages must all
   stay resident (a prompt being written chunk by chunk). "Pinned" always means pinned host memory, the host tier.
 - plan: the resolver's per-row result (`ops.Plan`: page, row, valid, resident, miss, source); the engine's
   scheduler has its own `StepPlan`.

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax.kv import invariants, ops
+from hisparse_jax.kv import ops
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.state import KVStore, init_store
 from hisparse_jax.kv.updates import ClearStamps, LoadPages, ReleasePages, SetTables
@@ -220,5 +220,5 @@ def check_tables(store: KVStore, manager: TieredCache) -> None:
     if manager.updates:
         raise RuntimeError(f"{len(manager.updates)} table updates are not applied yet: apply_updates first")
     manager.check_invariants()
-    invariants.check_tables(manager, *jax.device_get((store.block_table, store.host_table, store.index_table,
-                                                    store.hot_pages, store.seq_lens)))
+    manager.check_tables(*jax.device_get((store.block_table, store.host_table, store.index_table,
+                                        store.hot_pages, store.seq_lens)))

@@ -1,37 +1,56 @@
-"""`TieredCache`: the host-side bookkeeping of a tiered KV store — admission, tail-page reservation, release
-under pressure, swap, prefix sharing. NumPy only: it never calls jit and never reads a device array.
+"""`TieredCache`: the host-side page bookkeeping of a tiered KV store, in one class: admission, tail-page
+reservation, eviction under pressure, whole-request swap, prefix sharing, consistency checks. NumPy only: it never
+calls jit and never reads a device array. It decides which pages exist where (`PagePool`) and records what the
+device tables must become as ordered `updates` (`kv.updates`), which the owner of the `KVStore` applies
+(`kv.device.apply_updates`) before the next device call.
 
-It decides which pages exist where (`PagePool`) and records what the device tables must become as ordered
-`updates` (`kv.updates`); the owner of the `KVStore` applies them (`kv.device.apply_updates`) before the next
-device call. Byte counts (host→device page loads, device→host prompt writes) follow from the page lists.
-
-Residency rule: a request's pages stay on the device until the pool runs low. Then sealed pages (never the last
-two, which are being written) whose host copy is current are released, coldest first (`kv.eviction`); a
-request with a released page first gets its hot buffer (`hot_rows` slots, lent from the same device pool).
-
-Prefix caching (`prefix_caching = True`, `kv.prefix`): full pages of prompt tokens are registered under the
-hash chain of their tokens and shared (refcounted) by later requests; a freed registered page stays cached until
-the pool needs it. Under pressure a device page held by several requests is released from all its holders at
-once (each reading it through its hot buffer).
+Residency: a request's pages stay on the device until the pool runs low; then sealed pages (never the last
+`TAIL_PAGES`) are evicted, coldest first (`COLDNESS`: pure orders over a read-only view of the indexer-recency
+stamps), and a request with an evicted page reads it through its hot buffer (lent from the same device pool).
+Prefix caching: full prompt pages are registered under the hash chain of their tokens (`pool.page_hash`) in every
+tier that holds them and shared (refcounted) by later requests; a page found only on the host is loaded into a
+fresh device page; under pressure a shared device page is evicted from all its holders at once.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
 from hisparse_jax.config import CacheConfig, ModelConfig
-from hisparse_jax.units import PAGE_SIZE
-from hisparse_jax.kv import budget, eviction, invariants, prefix, swap
-from hisparse_jax.kv.eviction import TAIL_PAGES, oldest_first
-from hisparse_jax.kv.pool import OutOfPages, PagePool, PoolError, RequestPages, Tier
-from hisparse_jax.units import INVALID
-from hisparse_jax.kv.prefix import PrefixHit
-from hisparse_jax.kv.spec import StoreSpec
+from hisparse_jax.kv import budget
 from hisparse_jax.kv.account import bookkeeping_costs
+from hisparse_jax.kv.budget import TAIL_PAGES
+from hisparse_jax.kv.pool import OutOfPages, PagePool, PoolError, RequestPages, Tier, owners_of, page_hash
+from hisparse_jax.kv.spec import StoreSpec
+from hisparse_jax.kv.updates import ClearStamps, LoadPages, ReleasePages, SetTables, Update, pad_pow2, table_row
 from hisparse_jax.memory import check_account
-from hisparse_jax.kv.updates import ClearStamps, ReleasePages, SetTables, Update, pad_pow2, table_row
+from hisparse_jax.units import INVALID, PAGE_SIZE
+
+
+def oldest_first(pages: list[int], stamps: np.ndarray) -> list[int]:
+    """Default coldness: a request's evictable logical pages, oldest first (vLLM's eviction order)."""
+    return list(pages)
+
+
+def least_recently_selected(pages: list[int], stamps: np.ndarray) -> list[int]:
+    """Indexer-recency coldness: `pages` ordered by the last step the indexer selected any of their positions
+    (`stamps`: int32[max_pages], -1 = never selected; never selected first, ties -> older page first)."""
+    return sorted(pages, key=lambda i: (int(stamps[i]), i))
+
+
+least_recently_selected.needs_page_stamps = True  # the store's owner refreshes `page_stamps` after each step
+COLDNESS = {"oldest": oldest_first, "recency": least_recently_selected}
+
+
+class PrefixHit(NamedTuple):
+    """One registered page a prompt can share: its hash and its page in each tier (INVALID where none)."""
+
+    hash: int
+    index: int
+    device: int
+    host: int
 
 
 class TieredCache:
@@ -41,10 +60,11 @@ class TieredCache:
     `.spec` is the store's geometry (its arrays' shapes: the `CacheConfig`'s capacity when it has one) and `.budget`
     the limits this bookkeeping enforces inside it (the `CacheConfig`'s own numbers): the pools hand out
     `budget.device_pages` / `host_pages` / `index_pages` pages, `budget.max_seqs` slots take requests of up to
-    `budget.max_pages` pages, and a hot buffer has `budget.hot_rows` slots. Without a capacity the two are equal."""
+    `budget.max_pages` pages, and a hot buffer has `budget.hot_rows` slots. Without a capacity the two are equal.
+    `victim_order(pages, stamps)`: the coldness (one of `COLDNESS`)."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, *,
-                 victim_order: Callable[["TieredCache", int], list[int]] = oldest_first):
+                 victim_order: Callable[[list[int], np.ndarray], list[int]] = oldest_first):
         """The bookkeeping's own arrays are checked against the RAM before they exist (`kv.account`); the store's
         device and host arrays, and the step's temporaries, are the caller's account (`generate`, the engines:
         `kv.account.check_store_memory`, before they make this)."""
@@ -65,7 +85,7 @@ class TieredCache:
         self.d2h_bytes = 0  # prompt rows written to the host (decode mirror bytes are in the step stats)
         self.resident_only: set[int] = set()  # slots that must stay fully resident (being prefilled, or policy says so)
         self.swapped: set[int] = set()  # slots swapped out whole (no device page until swap_in)
-        # release single cold pages under pressure (HiSparse); off = a request is resident whole or not at all
+        # evict single cold pages under pressure (HiSparse); off = a request is resident whole or not at all
         self.partial_eviction = True
         self.prefix_hashes: dict[int, list[int]] = {}  # slot -> hash chain of its registered / shared pages
         self.cached_tokens: dict[int, int] = {}  # slot -> prompt tokens shared at admission (not recomputed)
@@ -104,17 +124,14 @@ class TieredCache:
 
     # ----- sizes ---------------------------------------------------------------------------------
     @property
-    def hot_pages_per_request(self) -> int:
-        return self.budget.hot_pages
+    def releasable(self) -> bool:
+        """Whether single pages can be evicted (a host mirror, and partial eviction on): the `kv.budget` rule."""
+        return self.budget.mirror_to_host and self.partial_eviction
 
     @property
     def all_layers_page_bytes(self) -> int:
         """Bytes of one logical page's KV in every layer (what a whole-page copy between the tiers moves)."""
         return self.spec.num_layers * self.spec.page_bytes
-
-    def min_device_pages(self, num_pages: int) -> int:
-        """See `kv.budget.min_device_pages`."""
-        return budget.min_device_pages(self, num_pages)
 
     def free_slots(self) -> list[int]:
         return [s for s in range(self.budget.max_seqs) if s not in self.requests]
@@ -123,25 +140,19 @@ class TieredCache:
         """Pages a growth of `slot` in progress is about to add (0 outside `reserve` / `admit`)."""
         return self._growing[1] if self._growing and self._growing[0] == slot else 0
 
-    # ----- admission -----------------------------------------------------------------------------
-    def check_fits(self, num_tokens: int) -> None:
-        """See `kv.budget.check_fits`."""
-        budget.check_fits(self, num_tokens)
+    def resident_pages_needed(self, slot: int) -> int:
+        """Device pages `slot` would need to be fully resident."""
+        return len(self.requests[slot].host_only_pages())
 
-    def check_batch_fits(self, num_tokens: list[int]) -> None:
-        """See `kv.budget.check_batch_fits`."""
-        budget.check_batch_fits(self, num_tokens)
-
+    # ----- admission and lengths -----------------------------------------------------------------
     def admit(self, num_tokens: int, *, resident: bool = False, tokens=None) -> int:
         """Reserve a slot and pages for a prompt of `num_tokens` tokens; returns the slot. With `resident`, every
-        page is placed on the device (else older pages may start on the host when the device is short).
-
-        tokens: the prompt's token ids. With `prefix_caching` on, the longest run of registered full pages of
-        `tokens` is shared (made resident) instead of allocated; `cached_tokens[slot]` is the tokens it covers
-        and the slot's length is at least that. Without `tokens` nothing is shared.
-        Raises BudgetError (never fits), or OutOfPages / PoolError when it does not fit *now* (nothing changed).
-        """
-        self.check_fits(max(num_tokens, len(tokens) if tokens is not None else 0))
+        page is placed on the device (else older pages may start on the host when the device is short). With
+        `tokens` (the prompt's ids) and `prefix_caching` on, the longest run of registered full pages of `tokens`
+        is shared instead of allocated (`cached_tokens[slot]` tokens; the slot's length is at least that).
+        Raises BudgetError (never fits), or OutOfPages / PoolError when it does not fit *now* (nothing changed)."""
+        n = max(num_tokens, len(tokens) if tokens is not None else 0)
+        budget.check_batch_fits(self.budget, [n], releasable=self.releasable)
         slots = self.free_slots()
         if not slots:
             raise PoolError(f"all {self.budget.max_seqs} request slots are in use")
@@ -153,7 +164,7 @@ class TieredCache:
             self.resident_only.add(slot)
         try:
             if tokens is not None and self.prefix_caching:
-                prefix.share_prefix(self, slot, prefix.match_prefix(self, tokens))
+                self._share_prefix(slot, self.match_prefix(tokens))
             num_tokens = max(num_tokens, self.cached_tokens[slot])
             self._grow(slot, num_tokens)
         except Exception:
@@ -165,14 +176,6 @@ class TieredCache:
         self.lengths[slot] = num_tokens
         self.record_tables(slot)
         return slot
-
-    def match_prefix(self, tokens) -> list[PrefixHit]:
-        """See `kv.prefix.match_prefix`."""
-        return prefix.match_prefix(self, tokens)
-
-    def register_prefix(self, slot: int, tokens) -> int:
-        """See `kv.prefix.register_prefix`."""
-        return prefix.register_prefix(self, slot, tokens)
 
     def record_prefill(self, slot: int, length: int, start: int = 0, rows: int | None = None,
                        offset: int = 0) -> None:
@@ -196,7 +199,7 @@ class TieredCache:
     def reserve(self, slot: int, num_tokens: int) -> None:
         """Make positions < num_tokens writable (tail pages resident; every page when `slot` is resident-only)
         before a step writes them."""
-        self.check_fits(num_tokens)
+        budget.check_batch_fits(self.budget, [num_tokens], releasable=self.releasable)
         self._grow(slot, num_tokens)
 
     def can_reserve(self, slot: int, num_tokens: int) -> bool:
@@ -207,27 +210,13 @@ class TieredCache:
                 and (not self.spec.mirror_to_host or self.pool.num_free(Tier.HOST) >= new))
 
     def keep_resident(self, slot: int) -> None:
-        """Keep every page of `slot` resident (a prompt being written chunk by chunk): none is released."""
+        """Mark `slot` resident-only (a prompt being written chunk by chunk): none of its pages is evicted."""
         self.resident_only.add(slot)
 
-    def allow_release(self, slot: int) -> None:
-        """Undo `keep_resident`: `slot`'s sealed pages may be released again."""
+    def allow_eviction(self, slot: int) -> None:
+        """Undo `keep_resident`: `slot`'s sealed pages may be evicted again."""
         self.resident_only.discard(slot)
 
-    # ----- swap ----------------------------------------------------------------------------------
-    def swap_out(self, slot: int) -> int:
-        """See `kv.swap.swap_out`."""
-        return swap.swap_out(self, slot)
-
-    def swap_in(self, slot: int) -> int:
-        """See `kv.swap.swap_in`."""
-        return swap.swap_in(self, slot)
-
-    def resident_pages_needed(self, slot: int) -> int:
-        """Device pages `slot` would need to be fully resident."""
-        return len(self.requests[slot].host_only_pages())
-
-    # ----- lengths and release -------------------------------------------------------------------
     def advance(self, slots, n: int = 1) -> None:
         """Record that a step (or `n` steps) appended one token to each of `slots`."""
         for s in slots:
@@ -255,7 +244,7 @@ class TieredCache:
         self.updates.append(ClearStamps(slot))
         self.page_stamps[slot] = -1
 
-    # ----- growth and eviction -------------------------------------------------------------------
+    # ----- growth --------------------------------------------------------------------------------
     def _grow(self, slot: int, num_tokens: int) -> None:
         r = self.requests[slot]
         n = -(-num_tokens // PAGE_SIZE)
@@ -279,7 +268,7 @@ class TieredCache:
         if free >= new:
             k = new  # all resident (a request with host-only pages already has its hot buffer)
         else:  # the oldest new pages start on the host; the request needs its hot buffer
-            k = min(new, free - (0 if r.hot else self.hot_pages_per_request))
+            k = min(new, free - (0 if r.hot else self.budget.hot_pages))
             if k < must or not mirror:
                 raise OutOfPages(Tier.DEVICE, new, free, self.budget.device_pages)
         index = self.pool.allocate(Tier.INDEX, new)
@@ -298,51 +287,110 @@ class TieredCache:
         def need(goal):
             r = self.requests[slot]
             resident_after = len(r.resident_pages()) + goal
-            hot = 0 if r.hot or resident_after >= n_total else self.hot_pages_per_request
+            hot = 0 if r.hot or resident_after >= n_total else self.budget.hot_pages
             return goal + hot
 
         if self.partial_eviction and self.spec.mirror_to_host:
             for goal in (new, must):
                 if self.pool.num_free(Tier.DEVICE) >= need(goal):
                     break
-                eviction.evict_until(self, need(goal), exclude=slot if goal == new and goal != must else None)
+                self.evict_until(need(goal), exclude=slot if goal == new and goal != must else None)
         if self.pool.num_free(Tier.DEVICE) < min(need(new), need(must)):
             raise OutOfPages(Tier.DEVICE, need(must), self.pool.num_free(Tier.DEVICE), self.budget.device_pages)
-
-    def evictable_pages(self, slot: int) -> list[int]:
-        """See `kv.eviction.evictable_pages`."""
-        return eviction.evictable_pages(self, slot)
-
-    def evict_until(self, free_target: int, exclude: int | None = None) -> None:
-        """See `kv.eviction.evict_until`."""
-        eviction.evict_until(self, free_target, exclude)
-
-    def shared_release_candidates(self, exclude: int | None = None) -> list[tuple[int, list[tuple[int, int]]]]:
-        """See `kv.eviction.shared_release_candidates`."""
-        return eviction.shared_release_candidates(self, exclude)
 
     def _ensure_hot(self, slot: int) -> None:
         r = self.requests[slot]
         if r.hot:
             return
-        r.hot.extend(self.pool.allocate(Tier.DEVICE, self.hot_pages_per_request))
+        r.hot.extend(self.pool.allocate(Tier.DEVICE, self.budget.hot_pages))
         self.record_tables(slot)
 
+    # ----- eviction ------------------------------------------------------------------------------
+    def evictable_pages(self, slot: int) -> list[int]:
+        """Logical pages of `slot` that may be evicted now: resident, sealed (not among the last `TAIL_PAGES` —
+        counting the pages a growth in progress is about to add), with a current host copy, and held by this
+        request alone (evicting a shared page frees nothing). Oldest first."""
+        r = self.requests[slot]
+        limit = min(r.num_pages + self.growing(slot) - TAIL_PAGES, r.num_pages)  # pages being added are not there yet
+        rc = self.pool.refcounts(Tier.DEVICE)
+        return [i for i in range(max(limit, 0)) if r.device[i] != INVALID and r.host[i] != INVALID
+                and rc[r.device[i]] == 1]
+
+    def _coldest_first(self, slot: int) -> list[int]:
+        """`slot`'s evictable pages in the coldness's order, given a read-only view of its stamps."""
+        stamps = self.page_stamps[slot].view()
+        stamps.flags.writeable = False
+        return self.victim_order(self.evictable_pages(slot), stamps)
+
+    def evict_until(self, free_target: int, exclude: int | None = None) -> None:
+        """Evict cold pages until `free_target` device pages are free (or nothing more can be evicted).
+        Requests that already have a hot buffer give first (every eviction is a net gain); one without pays
+        for its hot buffer out of the pages it evicts, so it is used only when it has more than that."""
+        nh = self.budget.hot_pages
+        while self.pool.num_free(Tier.DEVICE) < free_target:
+            cands = []
+            for s in self.requests:
+                if s == exclude or s in self.resident_only:
+                    continue
+                n = len(self.evictable_pages(s))
+                has_hot = bool(self.requests[s].hot)
+                if n and (has_hot or n > nh):
+                    cands.append((has_hot, n, s))
+            if not cands:
+                if not self._evict_shared_page(exclude):
+                    return
+                continue
+            _, _, s = max(cands)
+            if not self.requests[s].hot:  # the hot buffer is lent from the pages being evicted (evict allocates it)
+                self.evict(s, self._coldest_first(s)[:nh])
+            missing = free_target - self.pool.num_free(Tier.DEVICE)
+            if missing > 0:
+                self.evict(s, self._coldest_first(s)[:missing])
+
+    def evictable_shared_pages(self, exclude: int | None = None) -> list[tuple[int, list[tuple[int, int]]]]:
+        """Device pages held by several requests that all of them may evict now: sealed for every holder, with
+        a host copy, no holder resident-only (or `exclude`). Returns [(page, [(slot, logical page)])], oldest
+        (lowest logical page) first."""
+        rc = self.pool.refcounts(Tier.DEVICE)
+        holders: dict[int, list[tuple[int, int, bool]]] = {}
+        for s, r in self.requests.items():
+            limit = r.num_pages + self.growing(s) - TAIL_PAGES
+            for i, d in enumerate(r.device):
+                if d != INVALID and rc[d] > 1:
+                    ok = i < limit and r.host[i] != INVALID and s not in self.resident_only and s != exclude
+                    holders.setdefault(d, []).append((s, i, ok))
+        out = [(d, [(s, i) for s, i, _ in hs]) for d, hs in holders.items()
+               if len(hs) == rc[d] and all(ok for _, _, ok in hs)]
+        return sorted(out, key=lambda x: (min(i for _, i in x[1]), x[0]))
+
+    def _evict_shared_page(self, exclude: int | None) -> bool:
+        """Evict one shared device page from every holder (HiSparse under pressure, once no request has a
+        page of its own left to give). Holders without a hot buffer get one first, when the pool can lend
+        it. Returns whether anything changed."""
+        for d, holders in self.evictable_shared_pages(exclude):
+            need = self.budget.hot_pages * sum(1 for s, _ in holders if not self.requests[s].hot)
+            if need > self.pool.num_free(Tier.DEVICE):
+                continue
+            for s, i in holders:
+                self.evict(s, [i])
+            return True
+        return False
+
     def evict(self, slot: int, logical_pages: list[int]) -> None:
-        """Release the device copies of `slot`'s logical pages (their host copies must be current). A page
+        """Evict the device copies of `slot`'s logical pages (their host copies must be current). A page
         shared with other requests loses only this request's reference (it stays resident for them).
 
-        A request reads released pages through its hot buffer, so one without a hot buffer gets it here, from
+        A request reads evicted pages through its hot buffer, so one without a hot buffer gets it here, from
         the device pages this frees or the free ones; if they cannot hold it, PoolError and nothing changes."""
         r = self.requests[slot]
         growing = self.growing(slot)
         if slot in self.swapped:
-            raise PoolError(f"slot {slot} is swapped out: it has no device pages to release")
+            raise PoolError(f"slot {slot} is swapped out: it has no device pages to evict")
         if len(set(logical_pages)) != len(logical_pages):
             raise PoolError(f"slot {slot}: repeated pages in {logical_pages}")
         for i in logical_pages:
             if not 0 <= i < r.num_pages + growing - TAIL_PAGES:
-                raise PoolError(f"slot {slot}: page {i} is not a released-able page (one of the last {TAIL_PAGES} "
+                raise PoolError(f"slot {slot}: page {i} is not an evictable page (one of the last {TAIL_PAGES} "
                                 f"pages being written, or past the request's {r.num_pages})")
             if r.device[i] == INVALID or r.host[i] == INVALID:
                 raise PoolError(f"slot {slot}: page {i} is not resident with a host copy")
@@ -351,15 +399,141 @@ class TieredCache:
         if not r.hot:
             freed = sum(self.pool.refcount(Tier.DEVICE, r.device[i]) == 1 for i in logical_pages)
             free = self.pool.num_free(Tier.DEVICE)
-            if free + freed < self.hot_pages_per_request:  # the hot buffer would not fit: change nothing
-                raise OutOfPages(Tier.DEVICE, self.hot_pages_per_request - freed, free, self.budget.device_pages)
-        # every released page has a current host copy (checked above): the device copy is dropped, nothing copied
+            if free + freed < self.budget.hot_pages:  # the hot buffer would not fit: change nothing
+                raise OutOfPages(Tier.DEVICE, self.budget.hot_pages - freed, free, self.budget.device_pages)
+        # every evicted page has a current host copy (checked above): the device copy is dropped, nothing copied
         self.updates.append(ReleasePages(pad_pow2([slot] * len(logical_pages)), pad_pow2(list(logical_pages))))
         for i in logical_pages:
             self.pool.free(Tier.DEVICE, [r.device[i]])
             r.device[i] = INVALID
         self.evicted_pages += len(logical_pages)
         self._ensure_hot(slot)  # also syncs the tables when the buffer is new
+
+    # ----- swap (the "offload" policy) -----------------------------------------------------------
+    def swap_out(self, slot: int) -> int:
+        """Evict every device page of `slot` and its hot buffer (host copies must be current: needs the eager
+        mirror); the request keeps its indexer pages and host pages. Returns the number of pages evicted."""
+        if not self.spec.mirror_to_host:
+            raise PoolError("swap_out needs mirror_to_host (host copies of every page)")
+        r = self.requests[slot]
+        pages = r.resident_pages()
+        self.pool.free(Tier.DEVICE, [r.device[i] for i in pages] + r.hot)
+        for i in pages:
+            r.device[i] = INVALID
+        r.hot.clear()
+        self.evicted_pages += len(pages)
+        self.swapped.add(slot)
+        self.record_tables(slot)
+        return len(pages)
+
+    def swap_in(self, slot: int) -> int:
+        """Bring every host-only page of `slot` back to the device (whole-page H2D copies); prefix pages still on
+        the device (another request's, or cached) are shared again instead of copied. Raises OutOfPages (nothing
+        changed) when the device pool cannot hold them. Returns the pages loaded or shared."""
+        r = self.requests[slot]
+        chain = self.prefix_hashes.get(slot, [])
+        shared = {}
+        for i in r.host_only_pages():
+            d = self.pool.lookup_prefix(Tier.DEVICE, chain[i]) if i < len(chain) else None
+            if d is not None:
+                shared[i] = d
+        missing = [i for i in r.host_only_pages() if i not in shared]
+        rc = self.pool.refcounts(Tier.DEVICE)
+        need = len(missing) + sum(1 for d in shared.values() if rc[d] == 0)
+        if not self.pool.can_allocate(Tier.DEVICE, need):
+            raise OutOfPages(Tier.DEVICE, need, self.pool.num_free(Tier.DEVICE), self.budget.device_pages)
+        self.swapped.discard(slot)
+        for i, d in shared.items():
+            self.pool.incref(Tier.DEVICE, d)
+            r.device[i] = d
+        if missing:
+            dev = self._load_pages([r.host[i] for i in missing])
+            for i, d in zip(missing, dev):
+                r.device[i] = d
+                if i < len(chain):
+                    self.pool.register_prefix(Tier.DEVICE, chain[i], d)
+        self.record_tables(slot)
+        return len(missing) + len(shared)
+
+    def _load_pages(self, host_pages: list[int]) -> list[int]:
+        """Fresh device pages for whole-page copies of `host_pages` (recorded as an update and counted)."""
+        dev = self.pool.allocate(Tier.DEVICE, len(host_pages))
+        if host_pages:
+            self.updates.append(LoadPages(pad_pow2(host_pages), pad_pow2(dev)))
+            self.h2d_bytes += len(host_pages) * self.all_layers_page_bytes
+        return dev
+
+    # ----- prefix sharing ------------------------------------------------------------------------
+    def match_prefix(self, tokens) -> list[PrefixHit]:
+        """The registered pages `tokens` could share: the longest run of full pages from the start whose hash
+        chain is registered with an indexer page and a KV copy (with the host mirror on: a host copy), never
+        the page holding the last token. One `PrefixHit` per page, in order. Read-only."""
+        tokens = np.asarray(tokens, np.int64).reshape(-1)
+        mirror = self.spec.mirror_to_host
+        out, h = [], None
+        for i in range(max(len(tokens) - 1, 0) // PAGE_SIZE):
+            h = page_hash(h, tokens[i * PAGE_SIZE:(i + 1) * PAGE_SIZE])
+            x = self.pool.lookup_prefix(Tier.INDEX, h)
+            d = self.pool.lookup_prefix(Tier.DEVICE, h)
+            hp = self.pool.lookup_prefix(Tier.HOST, h) if mirror else None
+            if x is None or (hp is None if mirror else d is None):
+                break
+            out.append(PrefixHit(h, x, INVALID if d is None else d, INVALID if hp is None else hp))
+        return out
+
+    def _share_prefix(self, slot: int, hits: list[PrefixHit]) -> None:
+        """Take one reference on each hit page (reviving cached free ones) for the empty request `slot`; load
+        host-only ones into fresh device pages (registered there)."""
+        pool, r = self.pool, self.requests[slot]
+        assert r.num_pages == 0, "prefix pages are shared into an empty request"
+        rc = pool.refcounts(Tier.DEVICE)
+
+        def free_after_revival():  # reviving cached device pages uses up free pages too
+            return pool.num_free(Tier.DEVICE) - sum(1 for x in hits if x.device != INVALID and rc[x.device] == 0)
+
+        loads = [i for i, x in enumerate(hits) if x.device == INVALID]
+        if loads and free_after_revival() < len(loads) and self.partial_eviction:
+            self.evict_until(pool.num_free(Tier.DEVICE) - free_after_revival() + len(loads), exclude=slot)
+            # an eviction may have freed a hit page (it stays cached, and registered, unless reclaimed)
+            hits = [x if x.device == INVALID or pool.lookup_prefix(Tier.DEVICE, x.hash) == x.device
+                    else x._replace(device=INVALID) for x in hits]
+            loads = [i for i, x in enumerate(hits) if x.device == INVALID]
+        # share as far as the pages that must be loaded can be had (a shorter prefix is still a prefix)
+        free = max(free_after_revival(), 0)
+        if len(loads) > free:
+            hits, loads = hits[:loads[free]], loads[:free]
+        for x in hits:  # references first: a cached page must be revived before anything is allocated
+            pool.incref(Tier.INDEX, x.index)
+            if x.host != INVALID:
+                pool.incref(Tier.HOST, x.host)
+            if x.device != INVALID:
+                pool.incref(Tier.DEVICE, x.device)
+        fresh = self._load_pages([hits[i].host for i in loads])
+        for i, d in zip(loads, fresh):
+            hits[i] = hits[i]._replace(device=d)
+            pool.register_prefix(Tier.DEVICE, hits[i].hash, d)
+        for x in hits:
+            r.append(index=x.index, device=x.device, host=x.host)
+        self.prefix_hashes[slot] = [x.hash for x in hits]
+        self.cached_tokens[slot] = len(hits) * PAGE_SIZE
+
+    def register_prefix(self, slot: int, tokens) -> int:
+        """Register `slot`'s full pages of `tokens` (whose rows must be written: positions < len(tokens)) as
+        prefix pages in every tier that holds them; a hash already naming a page keeps it (no churn). Returns
+        the number of pages registered. No-op unless `prefix_caching` is on."""
+        if not self.prefix_caching:
+            return 0
+        tokens = np.asarray(tokens, np.int64).reshape(-1)
+        r = self.requests[slot]
+        n = min(len(tokens) // PAGE_SIZE, r.num_pages)
+        chain = self.prefix_hashes.setdefault(slot, [])
+        for i in range(n):
+            if i == len(chain):
+                chain.append(page_hash(chain[-1] if chain else None, tokens[i * PAGE_SIZE:(i + 1) * PAGE_SIZE]))
+            for tier, page in ((Tier.INDEX, r.index[i]), (Tier.DEVICE, r.device[i]), (Tier.HOST, r.host[i])):
+                if page != INVALID and self.pool.lookup_prefix(tier, chain[i]) is None:
+                    self.pool.register_prefix(tier, chain[i], page)
+        return n
 
     # ----- device tables -------------------------------------------------------------------------
     def take_updates(self) -> list[Update]:
@@ -398,7 +572,7 @@ class TieredCache:
 
     def _hot_row(self, hot: list[int]) -> np.ndarray:
         """The device's hot-page row (the capacity's width) for lent pages `hot` (the budget's, or none): past them
-        the first lent page again. The slots there are past the hot-row budget: `ops.set_tables` stamps them so
+        the first lent page again. The slots there are past the hot-row budget: `paging.set_tables` stamps them so
         that no miss ever claims one and no position is ever found there, so that page is never written or read
         through them; the resolver sees every page of the capacity's slots lent."""
         row = table_row(hot, self.spec.hot_pages)
@@ -406,8 +580,55 @@ class TieredCache:
             row[len(hot):] = hot[0]
         return row
 
-    # ----- checks --------------------------------------------------------------------------------
+    # ----- checks (tests, debugging, `EngineConfig(check_invariants=True)`, restore) --------------
     def check_invariants(self) -> None:
-        """The host bookkeeping is consistent (`kv.invariants.check_manager`); the device tables are checked
-        against it by `kv.device.check_tables`."""
-        invariants.check_manager(self)
+        """Raise PoolError unless the bookkeeping is consistent: pool and requests agree (no leak, no double
+        ownership); every page has a copy somewhere; a request with evicted pages has a hot buffer (unless
+        swapped out whole); tail pages resident; prefix registrations name the pages' own hashes; lengths
+        covered by pages. The device tables are checked against it by `check_tables`."""
+        self.pool.check_invariants(owners_of(self.requests.values()))
+        for s, r in self.requests.items():
+            n = r.num_pages
+            evicted = r.host_only_pages()
+            if evicted and not r.hot and s not in self.swapped:
+                raise PoolError(f"slot {s}: pages {evicted[:8]} are released but the request has no hot buffer "
+                                "to read them through")
+            for i in evicted:
+                if r.host[i] == INVALID:
+                    raise PoolError(f"slot {s}: page {i} has no copy anywhere")
+            chain = self.prefix_hashes.get(s, [])
+            if len(chain) > n:
+                raise PoolError(f"slot {s}: {len(chain)} prefix hashes for {n} pages")
+            for i, h in enumerate(chain):  # a registered page holds the tokens its hash names
+                for tier, page in ((Tier.INDEX, r.index[i]), (Tier.DEVICE, r.device[i]), (Tier.HOST, r.host[i])):
+                    got = self.pool.prefix_hash(tier, page) if page != INVALID else None
+                    if got is not None and got != h:
+                        raise PoolError(f"slot {s}: {tier.value} page {page} (logical {i}) is registered under "
+                                        f"hash {got}, but the slot's page {i} has hash {h}")
+            length = self.lengths[s]
+            if n < -(-length // PAGE_SIZE):
+                raise PoolError(f"slot {s}: {length} tokens but only {n} pages")
+            for i in range(max(n - TAIL_PAGES, 0), n):
+                if length > i * PAGE_SIZE and r.device[i] == INVALID and s not in self.swapped:
+                    raise PoolError(f"slot {s}: tail page {i} is not resident")
+
+    def check_tables(self, block_table, host_table, index_table, hot_pages, seq_lens) -> None:
+        """Raise PoolError unless the device tables (NumPy copies read back from a `KVStore`: int32[max_seqs,
+        max_pages] page tables, int32[max_seqs, hot_pages], int32[max_seqs]) equal this bookkeeping."""
+        for s in range(self.spec.max_seqs):
+            r = self.requests.get(s)
+            n = r.num_pages if r else 0
+            for name, table, want in (("block", block_table, r.device if r else []),
+                                      ("host", host_table, r.host if r else []),
+                                      ("index", index_table, r.index if r else [])):
+                if list(table[s, :n]) != list(want) or np.any(table[s, n:] != -1):
+                    raise PoolError(f"slot {s}: device {name} table {table[s, :n + 1].tolist()} != host view {want}")
+            if r:
+                # the row is the capacity's width: the budget's lent pages, then (slots past the hot-row budget)
+                # the first lent page again, or -1 throughout while none is lent
+                row, k = hot_pages[s].tolist(), len(r.hot)
+                past = r.hot[0] if r.hot else INVALID
+                if sorted(row[:k]) != sorted(r.hot) or any(x != past for x in row[k:]):
+                    raise PoolError(f"slot {s}: hot pages {row} != {r.hot} (then {past} past the budget's)")
+                if seq_lens[s] != self.lengths[s]:
+                    raise PoolError(f"slot {s}: store seq_len {seq_lens[s]} != {self.lengths[s]}")
