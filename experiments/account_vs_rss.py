@@ -1,6 +1,6 @@
 """Does the memory account predict what a run takes? `hisparse demo`'s small workload at the largest --hot-rows,
 --devices and --requests its memory check accepts, each run's peak RSS against the account
-(`demo.workload_costs`, the account `memory.check_account` refuses with), on a CPU where the devices' memory is RAM.
+(`demo_checks.workload_costs`, the account `memory.check_account` refuses with), on a CPU where the devices' memory is RAM.
 
     PYTHONPATH=. python experiments/account_vs_rss.py [--limit-gib 3] [--out experiments/results]
 
@@ -37,14 +37,14 @@ _CHILD = """
 import io, contextlib, json, resource, sys
 import hisparse_jax.memory as memory
 memory.host_memory_bytes = lambda: int(float(sys.argv[1]) * 2 ** 30)  # the RAM the check sees
-from hisparse_jax import demo
+from hisparse_jax import demo, demo_checks
 from hisparse_jax.cli import main
 from hisparse_jax.config import get_preset
 from hisparse_jax.memory import account_bytes
 argv = json.loads(sys.argv[2])
 args = demo.parse_args(argv[1:])
 cfg = get_preset(args.preset)
-costs = demo.workload_costs(args, cfg, args.prompt_len)
+costs = demo_checks.workload_costs(args, cfg, args.prompt_len)
 err = io.StringIO()
 with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
     rc = main(argv)

@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     from flax import nnx
 
     from hisparse_jax.config import get_preset
-    from hisparse_jax.demo import budgets, workload
+    from hisparse_jax.demo_workload import budgets, workload
     from hisparse_jax.engine import Engine, EngineConfig, SamplingParams, device_budget
     from hisparse_jax.model.decoder import SparseMLAModel
 

@@ -94,14 +94,14 @@ def demo_schedule(devices: int, repeat: bool, policy: str = "hisparse", admissio
 
     from hisparse_jax import checkpoints
     from hisparse_jax.hf_config import from_hf_config
-    from hisparse_jax.demo import PROMPT_TOPKS, budgets
+    from hisparse_jax.demo_workload import PROMPT_TOPKS, budgets
     from hisparse_jax.engine.engine import device_budget
     from hisparse_jax.engine.fake_compute import FakeEngine
     from hisparse_jax.train import data
 
     cfg = from_hf_config(checkpoints.resolve("stdlib-dsa"))
     requests, new_tokens, seed, longest = 16, 160, 0, PROMPT_TOPKS * cfg.index_topk
-    rng = np.random.default_rng(seed)  # as `demo.text_workload`
+    rng = np.random.default_rng(seed)  # as `demo_workload.text_workload`
     lens = np.linspace(longest * 0.55, longest, requests * devices).astype(int)
     rng.shuffle(lens)
     prompts = data.document_prompts(data.load_corpus()[1], lens, seed, repeat=repeat)

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from hisparse_jax import calc, checkpoints, cli, demo
+from hisparse_jax import calc, checkpoints, cli, demo, demo_run
 from hisparse_jax.engine.scheduler import POLICIES
 
 # {file}: a regular file; {dir}: an existing writable directory (both under tmp_path).
@@ -111,8 +111,8 @@ def test_demo_model_cannot_run_the_workload(capsys, argv, needle, monkeypatch, t
     assert config["num_nextn_predict_layers"] == 1  # the shipped checkpoint drafts
     (tmp_path / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=0)))
     argv = [a.replace("{no_mtp}", str(tmp_path)) for a in argv]
-    monkeypatch.setattr(demo, "SparseMLAModel", refuse)
-    monkeypatch.setattr(demo.checkpoints, "load", refuse)
+    monkeypatch.setattr(demo_run, "SparseMLAModel", refuse)
+    monkeypatch.setattr(checkpoints, "load", refuse)
     assert cli.main(["demo", *argv, "--plot", ""]) == 2
     err = capsys.readouterr().err
     assert "hisparse demo: error: " in err and needle in err and "Traceback" not in err, err

@@ -1,6 +1,6 @@
 """`hisparse demo --hot-rows N`: the hot buffer's size for every policy's store. A bad value is a usage error naming
 the option before any work; a value below the rows one step can miss ((K + 1) x the model's top-k) is the demo's
-own error before any model is built; a real run reports the effective size, and the outputs do not depend on it.
+store's own error (said once) before any model is built; a real run reports the effective size, and the outputs do not depend on it.
 Also experiments/speculative_sizing.py, which sweeps it against the speculative tokens, end to end (--quick)."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 
-from hisparse_jax import cli, demo
+from hisparse_jax import checkpoints, cli, demo, demo_run, demo_workload
 from hisparse_jax.config import get_preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,8 +24,8 @@ def no_model(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a model was built")
 
-    monkeypatch.setattr(demo, "SparseMLAModel", refuse)
-    monkeypatch.setattr(demo.checkpoints, "load", refuse)
+    monkeypatch.setattr(demo_run, "SparseMLAModel", refuse)
+    monkeypatch.setattr(checkpoints, "load", refuse)
 
 
 @pytest.mark.parametrize("value", ["-1", "x", "1.5", "", "nan", str(demo.MAX_HOT_ROWS + 1)])
@@ -33,7 +34,7 @@ def test_bad_value_is_a_usage_error(monkeypatch, capsys, value):
         raise AssertionError("work started despite a bad argument")
 
     monkeypatch.setattr(demo, "run", refuse)
-    monkeypatch.setattr(demo, "_run", refuse)
+    monkeypatch.setattr(demo, "run_policies", refuse)
     assert cli.main(["demo", f"--hot-rows={value}"]) == 2
     err = capsys.readouterr().err
     assert "usage: hisparse" in err and "error: argument --hot-rows: " in err, err
@@ -56,9 +57,10 @@ def test_keyword_api_checks_like_the_command():
 def test_too_few_rows_is_the_demos_error_before_any_model(no_model, capsys, argv, need):
     assert cli.main(["demo", *argv, "--plot", ""]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("hisparse demo: error: --hot-rows ") and f"must be >= {need}" in err, err
+    # the store's own check (`CacheConfig.hot_rows_for`), said once
+    assert err.startswith(f"hisparse demo: error: hot_rows ({argv[-1]}) must be >= ") and f"index_topk ({need})" in err
     assert "usage:" not in err and "Traceback" not in err, err
-    with pytest.raises(demo.DemoSetupError, match=f"--hot-rows {argv[-1]} must be >= {need}"):
+    with pytest.raises(demo_workload.DemoSetupError, match=re.escape(f"hot_rows ({argv[-1]}) must be >= ")):
         demo.run(**{a.lstrip("-").replace("-", "_"): (int(b) if b.isdigit() else b) for a, b in zip(argv[::2], argv[1::2])},
                  plot="")
 
@@ -72,8 +74,8 @@ def test_too_many_rows_for_the_machine_is_the_demos_error(no_model, capsys):
 
 def test_budgets_carry_the_hot_rows():
     cfg = get_preset("demo-glm")
-    base, dev = demo.budgets(cfg, 4, 1000, 2.0)
-    sized, dev2 = demo.budgets(cfg, 4, 1000, 2.0, hot_rows=320)
+    base, dev = demo_workload.budgets(cfg, 4, 1000, 2.0)
+    sized, dev2 = demo_workload.budgets(cfg, 4, 1000, 2.0, hot_rows=320)
     assert base.hot_rows is None and base.hot_rows_for(cfg) == 2 * cfg.index_topk
     assert sized.hot_rows == 320 and dev2 == dev  # the device bytes do not depend on it
 

@@ -12,20 +12,21 @@ import types
 
 import pytest
 
-from hisparse_jax import demo
+from hisparse_jax import demo, demo_progress, demo_report
+from hisparse_jax.engine.runner import TRACE_COUNTS
 from hisparse_jax.results import StepMetrics
 
 
 @pytest.mark.slow
 def test_demo_prints_header_steps_caveat_and_why_preempt_does_not_preempt(capsys, monkeypatch):
     seen = {}
-    table = demo._table
+    table = demo_report.table
 
     def keep(out):
         seen["out"] = out
         return table(out)
 
-    monkeypatch.setattr(demo, "_table", keep)
+    monkeypatch.setattr(demo, "table", keep)
     assert demo.main(["--requests", "2", "--prompt-len", "64", "--new-tokens", "2", "--plot", ""]) == 0
     cap = capsys.readouterr()
     out, lines = seen["out"], cap.out.splitlines()
@@ -77,12 +78,12 @@ def _engine(step: int, running: int, waiting: int, finished: int, n: int, compil
 
 
 def test_plain_progress_lines_and_compile_notice_without_a_terminal(monkeypatch):
-    monkeypatch.setattr(demo, "_PLAIN_EVERY_S", 0.3)
-    monkeypatch.setitem(demo._STEP_TRACES, "decode_step", demo._STEP_TRACES["decode_step"])
+    monkeypatch.setattr(demo_progress, "_PLAIN_EVERY_S", 0.3)
+    monkeypatch.setitem(TRACE_COUNTS, "decode_step", TRACE_COUNTS["decode_step"])
     err = io.StringIO()
-    p = demo._Progress("offload", 4, stream=err)
+    p = demo_progress.Progress("offload", 4, stream=err)
     try:
-        demo._STEP_TRACES["decode_step"] += 1  # a step starts compiling
+        TRACE_COUNTS["decode_step"] += 1  # a step starts compiling
         time.sleep(0.7)
         p(_engine(1, 3, 1, 0, 4, compiled=True, bucket=16))
         time.sleep(0.7)  # a quiet stretch: still a line every _PLAIN_EVERY_S
@@ -103,7 +104,7 @@ def test_progress_is_a_tqdm_bar_on_a_terminal():
             return True
 
     err = Terminal()
-    p = demo._Progress("hisparse", 4, stream=err)
+    p = demo_progress.Progress("hisparse", 4, stream=err)
     try:
         p(_engine(3, 4, 0, 1, 4))
     finally:
@@ -122,10 +123,10 @@ def test_plot_keeps_overlapping_series_apart(tmp_path):
                "offload": {"running_over_time": list(same), "mean_running": 2.4},
                "hisparse": {"running_over_time": [min(v * 3, 16) for v in same], "mean_running": 6.9}}
     path = str(tmp_path / "running.png")
-    assert demo.plot(results, path) == path
+    assert demo_report.plot(results, path) == path
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    fig = demo._figure(results)
+    fig = demo_report.figure(results)
     try:
         lines = fig.axes[0].get_lines()
         assert [ln.get_label().split()[0] for ln in lines] == list(results)

@@ -15,7 +15,7 @@ def held():
 
 
 def _lengths(n: int, longest: int) -> list[int]:
-    lens = np.linspace(longest * 0.55, longest, n).astype(int)  # as `demo.text_workload`
+    lens = np.linspace(longest * 0.55, longest, n).astype(int)  # as `demo_workload.text_workload`
     np.random.default_rng(0).shuffle(lens)
     return lens.tolist()
 

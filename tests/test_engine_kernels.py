@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import hisparse_jax as hj
-from hisparse_jax import cli, demo
+from hisparse_jax import cli, demo_run
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine import Engine, EngineConfig, SamplingParams
 from tiny import model_cfg
@@ -63,7 +63,7 @@ def test_demo_kernels_flag(monkeypatch, capsys):
         seen["kernels"] = config.kernels
         raise Reached
 
-    monkeypatch.setattr(demo, "Engine", engine)
+    monkeypatch.setattr(demo_run, "Engine", engine)
     with pytest.raises(Reached):
         cli.main(["demo", "--kernels", "pallas_interpret", "--requests", "1", "--prompt-len", "64", "--new-tokens", "1",
                   "--policies", "hisparse", "--plot", ""])

@@ -302,12 +302,12 @@ def test_trace_replay_refuses_score_ema(model):
 
 # ----- hisparse demo --hot-policy --------------------------------------------------------------------------------
 def test_demo_option_is_checked_like_the_others(monkeypatch, capsys):
-    from hisparse_jax import cli, demo
+    from hisparse_jax import cli, demo, demo_workload
 
     def refuse(*a, **k):
         raise AssertionError("work started despite a bad argument")
 
-    monkeypatch.setattr(demo, "_run", refuse)
+    monkeypatch.setattr(demo, "run_policies", refuse)
     assert cli.main(["demo", "--hot-policy", "lfu"]) == 2
     err = capsys.readouterr().err
     assert "argument --hot-policy: invalid choice: 'lfu'" in err and "score_ema" in err and "Traceback" not in err
@@ -315,7 +315,7 @@ def test_demo_option_is_checked_like_the_others(monkeypatch, capsys):
         demo.run(hot_policy="lfu")
     assert demo.parse_args([]).hot_policy == "lru"
     cfg = model_cfg()
-    assert demo.budgets(cfg, 2, 500, 2.0, hot_policy="score_ema")[0].hot_policy == "score_ema"
+    assert demo_workload.budgets(cfg, 2, 500, 2.0, hot_policy="score_ema")[0].hot_policy == "score_ema"
 
 
 @pytest.mark.slow

@@ -299,29 +299,29 @@ def test_import_saved_store_and_mesh_carry_host_keys(tmp_path):
 
 # ----- hisparse demo --index-tier / --index-budget-pages ---------------------------------------------------------
 def test_demo_options_are_checked_before_any_work(monkeypatch, capsys):
-    from hisparse_jax import cli, demo
+    from hisparse_jax import checkpoints, cli, demo, demo_run, demo_workload
 
     def refuse(*a, **k):
         raise AssertionError("a model was built")
 
-    monkeypatch.setattr(demo, "SparseMLAModel", refuse)
-    monkeypatch.setattr(demo.checkpoints, "load", refuse)
+    monkeypatch.setattr(demo_run, "SparseMLAModel", refuse)
+    monkeypatch.setattr(checkpoints, "load", refuse)
     assert cli.main(["demo", "--index-tier", "disk"]) == 2
     err = capsys.readouterr().err
     assert "argument --index-tier: invalid choice: 'disk'" in err and "Traceback" not in err
     assert cli.main(["demo", "--index-budget-pages", "-1"]) == 2
     assert "argument --index-budget-pages" in capsys.readouterr().err
-    for argv, msg in ((["--index-budget-pages", "3"], "is the read budget of --index-tier host"),
-                      (["--index-tier", "host", "--kernels", "pallas_interpret"], "--index-tier host needs --kernels "
-                                                                                   "reference"),
-                      (["--index-tier", "host", "--hot-policy", "score_ema"], "--index-tier host needs")):
+    for argv, msg in ((["--index-budget-pages", "3"], "index_budget_pages is the read budget of index_tier='host'"),
+                      (["--index-tier", "host", "--kernels", "pallas_interpret"], "index_tier='host' needs "
+                                                                                   "kernels='reference'"),
+                      (["--index-tier", "host", "--hot-policy", "score_ema"], "index_tier='host' needs hot_policy")):
         assert cli.main(["demo", *argv, "--plot", ""]) == 2
         err = capsys.readouterr().err
         assert err.startswith("hisparse demo: error: ") and msg in err and "Traceback" not in err, err
     assert demo.parse_args([]).index_tier == "device" and demo.parse_args([]).index_budget_pages == 0
-    base, dev_bytes = demo.budgets(CFG, 2, 500, 2.0, index_tier="host", index_budget_pages=3)
+    base, dev_bytes = demo_workload.budgets(CFG, 2, 500, 2.0, index_tier="host", index_budget_pages=3)
     assert (base.index_tier, base.index_budget_pages) == ("host", 3)
-    assert demo.budgets(CFG, 2, 500, 2.0)[1] == dev_bytes  # the device budget counts device keys whatever the tier
+    assert demo_workload.budgets(CFG, 2, 500, 2.0)[1] == dev_bytes  # the device budget counts device keys whatever the tier
 
 
 @pytest.mark.slow

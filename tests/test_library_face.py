@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import hisparse_jax as hj
-from hisparse_jax import demo
+from hisparse_jax import checkpoints, demo, demo_workload
 from hisparse_jax.model.weights import PARAMS_MANIFEST
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -226,8 +226,8 @@ def test_demo_run_refuses_bad_keywords_before_any_work(kw, error, message, monke
     def refuse(*a, **k):
         raise AssertionError("work started despite a bad keyword")
 
-    monkeypatch.setattr(demo, "get_preset", refuse)
-    monkeypatch.setattr(demo.checkpoints, "load", refuse)
+    monkeypatch.setattr(demo_workload, "get_preset", refuse)
+    monkeypatch.setattr(checkpoints, "load", refuse)
     with pytest.raises(error, match=re.escape(message)):
         demo.run(**kw)
 

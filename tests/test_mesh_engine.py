@@ -210,9 +210,9 @@ def test_demo_runs_on_the_mesh(result):
 def test_demo_devices_beyond_what_jax_sees_is_refused():
     import jax
 
-    from hisparse_jax import demo
+    from hisparse_jax import demo, demo_workload
 
-    with pytest.raises(demo.DemoSetupError, match="xla_force_host_platform_device_count"):
+    with pytest.raises(demo_workload.DemoSetupError, match="xla_force_host_platform_device_count"):
         demo.run(devices=len(jax.devices()) + 1, requests=1, prompt_len=64, new_tokens=1, plot="")
 
 
