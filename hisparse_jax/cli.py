@@ -7,7 +7,7 @@ import sys
 
 COMMANDS = {
     "demo": ("hisparse_jax.demo", "sparse-MLA decoding on an embedded tiny model (no downloads)"),
-    "calc": ("hisparse_jax.calc", "running-request capacity: baseline vs HiSparse (the published calculator)"),
+    "calc": ("hisparse_jax.calc_cli", "running-request capacity: baseline vs HiSparse (the published calculator)"),
 }
 
 

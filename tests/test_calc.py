@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hisparse_jax import calc
+from hisparse_jax import calc, calc_cli
 
 GLM = calc.PRESETS["glm-5.3-blog"]
 
@@ -135,30 +135,30 @@ def test_sweep_and_plot(tmp_path):
         assert b["hisparse_running"] <= a["hisparse_running"] and b["baseline_running"] <= a["baseline_running"]
     assert next(r for r in rows if r["seq"] == 142_000)["hisparse_running"] == 29
     pytest.importorskip("matplotlib")
-    calc.plot_sweep(rows, str(tmp_path / "sweep.png"))
+    calc_cli.plot_sweep(rows, str(tmp_path / "sweep.png"))
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize("text, tokens", [("81920", 81_920), ("80k", 81_920), ("1m", 2 ** 20), ("81_920", 81_920)])
 def test_parse_tokens(text, tokens):
-    assert calc.parse_tokens(text) == tokens
+    assert calc_cli.parse_tokens(text) == tokens
 
 
 def test_cli_json(capsys):
-    assert calc.main(["--seq", "80k", "--json"]) == 0
+    assert calc_cli.main(["--seq", "80k", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     for key in ("baseline_running", "hisparse_running", "hisparse_gpu_limit", "hisparse_host_limit",
                 "min_host_gib", "kv_hbm_gib", "inputs"):
         assert key in out
     assert (out["baseline_running"], out["hisparse_running"], out["inputs"]["seq"]) == (4, 39, 81_920)
-    assert calc.main(["--hot-rows", "10240", "--json"]) == 0
+    assert calc_cli.main(["--hot-rows", "10240", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["hisparse_running"] == 22
 
 
 def test_cli_text_and_sweep(capsys, tmp_path):
-    assert calc.main([]) == 0
+    assert calc_cli.main([]) == 0
     assert "17.8 GiB" in capsys.readouterr().out
-    assert calc.main(["--sweep"]) == 0
+    assert calc_cli.main(["--sweep"]) == 0
     assert "142,000" in capsys.readouterr().out
 
 
@@ -168,7 +168,7 @@ def test_cli_text_and_sweep(capsys, tmp_path):
     (["--host-gib", "-1"], "host_gib"), (["--hot-rows", "0"], "hot_rows"),
 ])
 def test_cli_bad_input(capsys, argv, needle):
-    assert calc.main(argv) == 2
+    assert calc_cli.main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
 
@@ -278,14 +278,14 @@ def test_host_tier_index_keys_at_1m():
 
 
 def test_calc_cli_host_tier_json(capsys):
-    assert calc.main(["--seq", "1m", "--index-tier", "host", "--json"]) == 0
+    assert calc_cli.main(["--seq", "1m", "--index-tier", "host", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert (d["hisparse_running"], d["index_tier"], d["index_read_fraction"]) == (51, "host", 1.0)
     assert d["inputs"]["index_tier"] == "host" and d["h2d_ms_per_step"] > 1000
-    assert calc.main(["--seq", "1m", "--index-tier", "host", "--index-read-fraction", "0.03"]) == 0
+    assert calc_cli.main(["--seq", "1m", "--index-tier", "host", "--index-read-fraction", "0.03"]) == 0
     out = capsys.readouterr().out
     assert "host-tier keys" in out and "of which indexer keys" in out and "GPU summary 168 B / token" in out
-    assert calc.main(["--index-read-fraction", "-0.5"]) == 2
+    assert calc_cli.main(["--index-read-fraction", "-0.5"]) == 2
 
 
 def test_split_layout_int4_at_1m():
@@ -371,9 +371,9 @@ def test_default_hit_rate_is_the_measured_one():
 
 
 def test_cli_index_dtype_json(capsys):
-    assert calc.main(["--seq", "1m", "--json"]) == 0
+    assert calc_cli.main(["--seq", "1m", "--json"]) == 0
     fp8 = json.loads(capsys.readouterr().out)
-    assert calc.main(["--seq", "1m", "--index-dtype", "int4", "--json", "--hit-rate", "0.75",
+    assert calc_cli.main(["--seq", "1m", "--index-dtype", "int4", "--json", "--hit-rate", "0.75",
                       "--link-gb-per-s", "25", "--top-k", "2048"]) == 0
     int4 = json.loads(capsys.readouterr().out)
     assert (fp8["index_dtype"], fp8["indexer_bytes_per_token_layer"], fp8["hisparse_running"]) == ("fp8", 132, 5)
@@ -384,26 +384,26 @@ def test_cli_index_dtype_json(capsys):
     assert (int4["hit_rate"], int4["hit_rate_source"], int4["link_gb_per_s"]) == (0.75, "input", 25.0)
     assert int4["h2d_bytes_per_step"] == 7 * 23_003_136
     assert int4["h2d_ms_per_step"] == pytest.approx(7 * 23_003_136 / 25e9 * 1e3)
-    assert calc.main(["--index-dtype", "int4", "--sweep", "--json"]) == 0
+    assert calc_cli.main(["--index-dtype", "int4", "--sweep", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["sweep"]
     assert all(r["index_dtype"] == "int4" and "h2d_ms_per_step" in r for r in rows)
     assert rows[-1]["hisparse_running"] == 7
 
 
 def test_cli_index_dtype_text_sweep_and_plot(capsys, tmp_path):
-    assert calc.main(["--index-dtype", "int4", "--hit-rate", "0.75"]) == 0
+    assert calc_cli.main(["--index-dtype", "int4", "--hit-rate", "0.75"]) == 0
     out = capsys.readouterr().out
     # 49 requests x 23,003,136 B = 1,127,153,664 B; / 50 GB/s = 22.54 ms
     assert calc.capacity(calc.CalcInput(index_dtype="int4")).hisparse_running == 49
     assert "indexer int4" in out and "68 B / token" in out and "1,127.2 MB" in out and "22.54 ms" in out
-    assert calc.main(["--sweep", "--index-dtype", "int4"]) == 0
+    assert calc_cli.main(["--sweep", "--index-dtype", "int4"]) == 0
     out = capsys.readouterr().out
     assert "indexer int4" in out and "H2D ms/step" in out
     pytest.importorskip("matplotlib")
     rows, other = (calc.sweep(calc.CalcInput(index_dtype=d)) for d in ("fp8", "int4"))
-    calc.plot_sweep(rows, str(tmp_path / "both.png"), other)
+    calc_cli.plot_sweep(rows, str(tmp_path / "both.png"), other)
     assert (tmp_path / "both.png").read_bytes()[:4] == b"\x89PNG"
-    assert calc.main(["--sweep", "--plot", str(tmp_path / "cli.png")]) == 0
+    assert calc_cli.main(["--sweep", "--plot", str(tmp_path / "cli.png")]) == 0
     assert (tmp_path / "cli.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -418,7 +418,7 @@ def test_cli_bad_index_dtype_and_h2d_options(capsys, monkeypatch, option, value)
     def refuse(*a, **k):
         raise AssertionError("work started despite a bad argument")
 
-    monkeypatch.setattr(calc, "capacity", refuse)
+    monkeypatch.setattr(calc_cli, "capacity", refuse)
     assert cli.main(["calc", f"{option}={value}"]) == 2
     err = capsys.readouterr().err
     assert "usage: hisparse calc" in err and f"error: argument {option}: " in err and "Traceback" not in err, err

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from hisparse_jax import calc, checkpoints, cli, demo, demo_run
+from hisparse_jax import calc_cli, checkpoints, cli, demo, demo_run
 from hisparse_jax.engine.scheduler import POLICIES
 
 # {file}: a regular file; {dir}: an existing writable directory (both under tmp_path).
@@ -50,7 +50,7 @@ def no_work(monkeypatch):
         raise AssertionError("work started despite a bad argument")
 
     monkeypatch.setattr(demo, "run", refuse)
-    monkeypatch.setattr(calc, "capacity", refuse)
+    monkeypatch.setattr(calc_cli, "capacity", refuse)
 
 
 @pytest.fixture
@@ -153,11 +153,11 @@ def test_valid_arguments_parse(tmp_path):
     assert logs.is_dir() and not png.exists() and list(tmp_path.iterdir()) == [tmp_path / "logs"]
     assert demo.parse_args(["--plot", ""]).plot == ""
 
-    c = calc._parser().parse_args(["--seq", "1.5k", "--host-gib", "inf", "--retained", "0", "--other", "0",
+    c = calc_cli._parser().parse_args(["--seq", "1.5k", "--host-gib", "inf", "--retained", "0", "--other", "0",
                                    "--reserve-gib", "0", "--gpu-memory-utilization", "1", "--kv-hbm-gib", "30"])
     assert (c.seq, c.host_gib, c.retained, c.reserve_gib, c.gpu_memory_utilization, c.kv_hbm_gib) == (
         1536, math.inf, 0, 0.0, 1.0, 30.0)
-    c = calc._parser().parse_args([])
+    c = calc_cli._parser().parse_args([])
     assert (c.preset, c.seq, c.dp, c.tp, c.host_gib, c.kv_hbm_gib, c.groups) == ("glm-5.3-blog", 81_920, 1, 8, None,
                                                                                  None, None)
 
