@@ -809,7 +809,8 @@ def run_group(kind: str, first: int, count: int, seed: int, index_dtype: str = "
 
 
 def main(argv=None) -> int:
-    from hisparse_jax.config import HOT_POLICIES, INDEX_TIERS
+    from hisparse_jax.config import HOT_POLICIES
+    from hisparse_jax.formats import INDEX_TIERS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--long", action="store_true",

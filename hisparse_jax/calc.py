@@ -88,21 +88,17 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Sequence
 
+from hisparse_jax.formats import INDEX_TIERS, QUANTIZED_INDEX_DTYPES, glm_indexer_types
 from hisparse_jax.units import PAGE_SIZE
 GPU_MEMORY_GB = {"h200": 141, "b200": 180, "b300": 288}  # decimal GB per GPU, as published
 HOST_SLIDER_GIB = (16, 4096)  # the calculator's host-pool slider range (GiB per DP replica)
 # Sweep points: powers of two 8K..1M plus the blog's 74,160-token first turn, the ~86K context
 # after 12 more turns of 753 + 220 tokens (74,160 + 12*973 = 85,836), and the 142,000 admission limit.
 SWEEP_SEQS = tuple(sorted({2 ** k for k in range(13, 21)} | {74_160, 85_836, 142_000}))
-INDEX_DTYPES = ("fp8", "int4")  # indexer key storage (see the module docstring; fp8 = the published constants)
 # "unified": one GPU block size for indexer pages and hot pages (vLLM's shared pool, the published calculator);
 # "split": the indexer keys in a pool of their own and the hot / tail KV pages (all layers) in another, as this
 # project's store keeps them (`index_pages` apart from `device_pages`)
 LAYOUTS = ("unified", "split")
-# "device": the indexer-key history on the GPU (every published HiSparse); "host": in the host tier beside the KV, the
-# GPU keeping a summary per 64-token page of each full layer (`reference.key_block_bounds`: per-dimension min / max)
-# and reading a fraction of the pages' keys each step (see the module docstring)
-INDEX_TIERS = ("device", "host")
 DEFAULT_TOP_K = 2048            # DSA / GLM-5.x index_topk
 DEFAULT_LINK_GB_PER_S = 50.0    # host -> GPU link per GPU (GB/s, 1e9 B): ~ a pinned copy on PCIe Gen5 x16
 # The hot-buffer hit rate `hisparse demo` measured (experiments/results/demo.json, policies.hisparse.hit_rate,
@@ -135,11 +131,6 @@ def indexer_row_bytes(index_head_dim: int, index_dtype: str = "fp8") -> int:
     if index_dtype == "bf16":
         return 2 * d
     raise CalcError(f"index dtype must be one of fp8, int4, bf16, got {index_dtype!r}")
-
-
-def glm_indexer_types(num_layers: int, freq: int = 4, offset: int = 3) -> tuple[str, ...]:
-    """IndexShare pattern: layer i is "full" iff max(i - offset + 1, 0) % freq == 0."""
-    return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers))
 
 
 @dataclass(frozen=True)
@@ -261,8 +252,8 @@ class ModelPreset:
         """(block bytes, hot groups, the derived layout or None for the fp8 constants of a shapeless preset)."""
         if kv_dtype not in ("fp8", "bf16"):
             raise CalcError(f"kv_dtype must be 'fp8' or 'bf16', got {kv_dtype!r}")
-        if index_dtype not in INDEX_DTYPES:
-            raise CalcError(f"index_dtype must be one of {', '.join(INDEX_DTYPES)}, got {index_dtype!r}")
+        if index_dtype not in QUANTIZED_INDEX_DTYPES:
+            raise CalcError(f"index_dtype must be one of {', '.join(QUANTIZED_INDEX_DTYPES)}, got {index_dtype!r}")
         if index_dtype == "fp8":
             lay = None if self.kv_shape is None else block_layout(self.kv_shape, kv_dtype,
                                                                   mla_fp8_layout=self.mla_fp8_layout)
@@ -451,8 +442,8 @@ def _check(inp: CalcInput, model: ModelPreset) -> None:
         raise CalcError(f"gpu_memory_utilization must be in (0, 1], got {inp.gpu_memory_utilization}")
     if model.num_attention_heads % inp.tp:
         raise CalcError(f"tp={inp.tp} does not divide the {model.num_attention_heads} attention heads")
-    if inp.index_dtype not in INDEX_DTYPES:
-        raise CalcError(f"index_dtype must be one of {', '.join(INDEX_DTYPES)}, got {inp.index_dtype!r}")
+    if inp.index_dtype not in QUANTIZED_INDEX_DTYPES:
+        raise CalcError(f"index_dtype must be one of {', '.join(QUANTIZED_INDEX_DTYPES)}, got {inp.index_dtype!r}")
     if inp.hit_rate is not None and not 0 <= inp.hit_rate <= 1:
         raise CalcError(f"hit_rate must be in [0, 1], got {inp.hit_rate}")
     if inp.top_k < 1:

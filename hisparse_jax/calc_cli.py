@@ -11,10 +11,10 @@ from fractions import Fraction
 from typing import Any, Sequence
 
 from hisparse_jax import calc
-from hisparse_jax.calc import (DEFAULT_HIT_RATE, DEFAULT_LINK_GB_PER_S, DEFAULT_TOP_K, GPU_MEMORY_GB, INDEX_DTYPES,
-                               INDEX_TIERS, LAYOUTS, LIMITS, PRESETS, CalcError, CalcInput, CalcResult, capacity,
-                               get_preset, sweep)
+from hisparse_jax.calc import (DEFAULT_HIT_RATE, DEFAULT_LINK_GB_PER_S, DEFAULT_TOP_K, GPU_MEMORY_GB, LAYOUTS,
+                               LIMITS, PRESETS, CalcError, CalcInput, CalcResult, capacity, get_preset, sweep)
 from hisparse_jax.cli_args import bounded_float, check_output_file, choice, int_at_least
+from hisparse_jax.formats import INDEX_TIERS, QUANTIZED_INDEX_DTYPES
 
 
 def plot_sweep(rows: Sequence[dict[str, Any]], path: str,
@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int_at_least(1, "tp", high=LIMITS["tp"]), default=8)
     p.add_argument("--ep", action=argparse.BooleanOptionalAction, default=True, help="expert parallel over DP*TP")
     p.add_argument("--kv-dtype", choices=("fp8", "bf16"), default="fp8")
-    p.add_argument("--index-dtype", type=choice(INDEX_DTYPES, "index dtype"), default="fp8", metavar="{fp8,int4}",
+    p.add_argument("--index-dtype", type=choice(QUANTIZED_INDEX_DTYPES, "index dtype"), default="fp8", metavar="{fp8,int4}",
                    help="indexer key storage: fp8 (128 B + fp32 scale = 132 B/token/layer) or int4 (4-bit values "
                         "+ UE8M0 block-32 scales = 68 B, the MXFP4 layout of vLLM #48558 / SGLang #30546)")
     p.add_argument("--layout", type=choice(LAYOUTS, "layout"), default="unified", metavar="{unified,split}",
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         result = capacity(inp)
         rows = sweep(inp) if a.sweep or a.plot else None
         if a.plot:  # a comparison plot: both indexer dtypes
-            other = next(d for d in INDEX_DTYPES if d != inp.index_dtype)
+            other = next(d for d in QUANTIZED_INDEX_DTYPES if d != inp.index_dtype)
             plot_sweep(rows, a.plot, sweep(replace(inp, index_dtype=other)))
     except (CalcError, ImportError, OSError) as e:
         print(f"hisparse calc: error: {e}", file=sys.stderr)

@@ -19,6 +19,7 @@ import functools
 import math
 from typing import Any
 
+from hisparse_jax.formats import INDEX_TIERS, QUANTIZED_INDEX_DTYPES, glm_indexer_types
 from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.validation import check_float, check_int, check_optional_float, check_token_list
 
@@ -300,12 +301,6 @@ class ModelConfig:
         return dataclasses.replace(self, **kw)
 
 
-def glm_indexer_types(num_layers: int, freq: int = 4, offset: int = 3) -> tuple[str, ...]:
-    """GLM-5's IndexShare pattern (`index_topk_freq`, `index_skip_topk_offset`): layer i has a "full" indexer iff
-    max(i - offset + 1, 0) % freq == 0, else "shared" (default: GLM-5's 4 and 3)."""
-    return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers))
-
-
 PRESETS: dict[str, ModelConfig] = {
     "deepseek-v3.2": ModelConfig(
         model_type="deepseek_v32",
@@ -356,11 +351,10 @@ def get_preset(name: str) -> ModelConfig:
 
 
 KV_DTYPES = ("auto", "bf16", "fp8", "float32")
-INDEX_DTYPES = ("auto", "fp8", "int4")
+INDEX_DTYPES = ("auto", *QUANTIZED_INDEX_DTYPES)
 FETCH_MECHANISMS = ("row", "page")
 MISS_ATTENTION = ("single", "split")
 HOT_POLICIES = ("lru", "score_ema")
-INDEX_TIERS = ("device", "host")
 MAX_SPECULATIVE_TOKENS = 8
 DEFAULT_HOT_EMA_BETA = 0.9  # score_ema's weight of the past, tuned on held-out traces (`experiments/locality.py`)
 

@@ -32,13 +32,13 @@ import jax
 from hisparse_jax import checkpoints
 from hisparse_jax.cli_args import (bounded_float, check_output_dir, check_output_file, choice, int_at_least,
                                    name_list, positive_int)
-from hisparse_jax.config import (HOT_POLICIES, INDEX_DTYPES, INDEX_TIERS, MAX_SPECULATIVE_TOKENS, MISS_ATTENTION,
-                                 PRESETS)
+from hisparse_jax.config import HOT_POLICIES, INDEX_DTYPES, MAX_SPECULATIVE_TOKENS, MISS_ATTENTION, PRESETS
 from hisparse_jax.demo_report import header, table
 from hisparse_jax.demo_run import run_policies
 from hisparse_jax.demo_workload import PROMPT_TOPKS, WORKLOADS, DemoSetupError
 from hisparse_jax.engine.request import SEED_RANGE
 from hisparse_jax.engine.scheduler import ADMISSIONS, POLICIES
+from hisparse_jax.formats import INDEX_TIERS
 from hisparse_jax.kv.tiered import KERNELS, check_kernels
 
 

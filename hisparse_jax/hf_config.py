@@ -11,7 +11,8 @@ import json
 import os
 from typing import Any, Mapping
 
-from hisparse_jax.config import (SUPPORTED_MODEL_TYPES, ModelConfig, RopeConfig, check_count, glm_indexer_types)
+from hisparse_jax.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeConfig, check_count
+from hisparse_jax.formats import glm_indexer_types
 from hisparse_jax.validation import check_int, check_token_list
 
 

@@ -7,20 +7,25 @@ from types import SimpleNamespace
 import pytest
 
 from hisparse_jax import calc, calc_cli
+from hisparse_jax.config import get_preset
+from hisparse_jax.formats import glm_indexer_types
 
 GLM = calc.PRESETS["glm-5.3-blog"]
 
 
-def glm_types(n=78, freq=4, offset=3):
-    return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n))
-
-
-# Stand-in for GLM-5.3's KV-relevant config (the real ModelConfig lives elsewhere).
-GLM_CFG = SimpleNamespace(num_hidden_layers=78, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128,
-                          indexer_types=glm_types(), num_attention_heads=64)
+# GLM-5.3's KV-relevant config: GLM-5's (the library's preset; the calculator, which imports no numpy, states the
+# same shape as calc.GLM53_KV_SHAPE, checked equal below).
+GLM_CFG = get_preset("glm-5")
 # Tiny demo: layers 0,1,2,6 are full -> units {0},{1},{2..5},{6,7}.
 DEMO_CFG = SimpleNamespace(num_hidden_layers=8, kv_lora_rank=64, qk_rope_head_dim=16, index_head_dim=64,
-                           indexer_types=glm_types(8))
+                           indexer_types=("full", "full", "full", "shared", "shared", "shared", "full", "shared"))
+
+
+def test_calc_glm53_kv_shape_is_the_glm5_presets():
+    for name in ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim", "index_head_dim", "indexer_types"):
+        assert getattr(calc.GLM53_KV_SHAPE, name) == getattr(GLM_CFG, name), name
+    assert GLM.num_attention_heads == GLM_CFG.num_attention_heads == 64
+    assert glm_indexer_types(8) == DEMO_CFG.indexer_types
 
 
 # --- published numbers (hand-computed: KV = 17.8 GiB -> 6,260 baseline / 103,692 HiSparse blocks) ---
@@ -96,7 +101,7 @@ def test_published_constants_decompose():
         assert bb.hisparse_gpu % (64 * row) == 0            # whole per-layer MLA pages
     assert GLM.fp8.hisparse_gpu == 5 * 64 * 576 == 184_320  # 177,408 indexer page rounded up to 5 pages
     assert GLM.bf16.hisparse_gpu == 4 * 64 * 1152           # largest hot group: 4 layers
-    assert sum(t == "full" for t in glm_types()) == 21
+    assert sum(t == "full" for t in GLM_CFG.indexer_types) == 21
 
 
 def test_block_bytes_from_config_reproduce_preset():

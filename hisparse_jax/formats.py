@@ -1,0 +1,25 @@
+"""Names the library and the pure-Python capacity calculator share, stated once (this module imports nothing, so
+`hisparse_jax.calc` uses it where numpy and jax are not installed; `config` imports numpy through its checks).
+
+The indexer keys' quantized storage formats and where the keys live (`CacheConfig.index_dtype` / `index_tier`, the
+calculator's `--index-dtype` / `--index-tier`), and GLM-5's IndexShare pattern of "full" and "shared" indexer
+layers (the `glm-5` preset, a GLM `config.json` without per-layer types, the calculator's GLM-5.3 KV shape).
+"""
+
+from __future__ import annotations
+
+# Quantized indexer-key formats: "fp8" (e4m3 of the Hadamard-rotated key + one fp32 scale: 132 bytes per key of
+# 128) and "int4" (MXFP4: E2M1 codes two per byte + one UE8M0 scale per 32 values: 68 bytes per key of 128).
+# `CacheConfig.index_dtype` also takes "auto" (as its kv_dtype stores the keys).
+QUANTIZED_INDEX_DTYPES = ("fp8", "int4")
+
+# Where the indexer-key history lives: "device" (every published HiSparse) or "host" (the pinned-host tier beside
+# the KV, the device keeping a min / max summary per key page and reading the keys each step needs).
+INDEX_TIERS = ("device", "host")
+
+
+def glm_indexer_types(num_layers: int, freq: int = 4, offset: int = 3) -> tuple[str, ...]:
+    """GLM-5's IndexShare pattern (`index_topk_freq`, `index_skip_topk_offset`): layer i has a "full" indexer iff
+    max(i - offset + 1, 0) % freq == 0, else "shared" (it reuses the last full layer's top-k); default: GLM-5's
+    4 and 3 (78 layers: 21 full)."""
+    return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers))
