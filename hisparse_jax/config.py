@@ -446,21 +446,14 @@ class CacheConfig:
     speculative_tokens: int = 0
     capacity: "CacheConfig | None" = None
 
+    # the fields that name one of a few choices, and those choices
+    CHOICES = {"kv_dtype": KV_DTYPES, "index_dtype": INDEX_DTYPES, "fetch": FETCH_MECHANISMS,
+               "miss_attention": MISS_ATTENTION, "hot_policy": HOT_POLICIES, "index_tier": INDEX_TIERS}
+
     def __post_init__(self):
-        problems = []
-        if self.kv_dtype not in KV_DTYPES:
-            problems.append(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
-        if self.index_dtype not in INDEX_DTYPES:
-            problems.append(f"index_dtype must be one of {INDEX_DTYPES}, got {self.index_dtype!r}")
-        if self.fetch not in FETCH_MECHANISMS:
-            problems.append(f"fetch must be one of {FETCH_MECHANISMS}, got {self.fetch!r}")
-        if self.miss_attention not in MISS_ATTENTION:
-            problems.append(f"miss_attention must be one of {MISS_ATTENTION}, got {self.miss_attention!r}")
-        if self.hot_policy not in HOT_POLICIES:
-            problems.append(f"hot_policy must be one of {HOT_POLICIES}, got {self.hot_policy!r}")
-        if self.index_tier not in INDEX_TIERS:
-            problems.append(f"index_tier must be one of {INDEX_TIERS}, got {self.index_tier!r}")
-        elif self.index_tier == "host" and self.hot_policy != "lru":
+        problems = [f"{name} must be one of {allowed}, got {getattr(self, name)!r}"
+                    for name, allowed in self.CHOICES.items() if getattr(self, name) not in allowed]
+        if self.index_tier == "host" and self.hot_policy != "lru":
             problems.append(f"index_tier='host' needs hot_policy='lru' (score_ema keeps every position's average "
                             f"score, which needs every key scored each step), got {self.hot_policy!r}")
         elif self.index_tier == "device" and self.index_budget_pages is not None:

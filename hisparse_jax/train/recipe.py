@@ -11,6 +11,8 @@ tiny context, for tests.
 
 from __future__ import annotations
 
+import dataclasses
+
 from hisparse_jax.config import ModelConfig, RopeConfig
 from hisparse_jax.train.data import BOS_ID, VOCAB_SIZE
 from hisparse_jax.train.dsa import StageConfig
@@ -25,20 +27,20 @@ STDLIB_DSA = ModelConfig(
     eos_token_id=(BOS_ID,), dtype="float32", num_nextn_predict_layers=1,
 )
 
+_DEFAULT = (
+    StageConfig("dense", steps=600, lr=2e-3, batch=8, seq_len=512, warmup_steps=60),
+    StageConfig("dense", steps=100, lr=1e-3, batch=2, seq_len=2048, warmup_steps=10),
+    StageConfig("warmup", steps=100, lr=3e-3, batch=2, seq_len=2048, warmup_steps=10),
+    StageConfig("sparse", steps=60, lr=3e-4, batch=2, seq_len=2048, warmup_steps=5),
+    StageConfig("mtp_dense", steps=800, lr=2e-3, batch=8, seq_len=512, warmup_steps=50),
+    StageConfig("mtp_sparse", steps=100, lr=5e-4, batch=2, seq_len=2048, warmup_steps=10),
+)
+# The smoke recipe: the default's stages but its second (long-context) dense one, with their learning rates, a few
+# steps each at a 256-token context: stage -> (steps, batch).
+_SMOKE = {"dense": (4, 2), "warmup": (3, 1), "sparse": (3, 1), "mtp_dense": (3, 2), "mtp_sparse": (2, 1)}
+
 RECIPES: dict[str, tuple[StageConfig, ...]] = {
-    "default": (
-        StageConfig("dense", steps=600, lr=2e-3, batch=8, seq_len=512, warmup_steps=60),
-        StageConfig("dense", steps=100, lr=1e-3, batch=2, seq_len=2048, warmup_steps=10),
-        StageConfig("warmup", steps=100, lr=3e-3, batch=2, seq_len=2048, warmup_steps=10),
-        StageConfig("sparse", steps=60, lr=3e-4, batch=2, seq_len=2048, warmup_steps=5),
-        StageConfig("mtp_dense", steps=800, lr=2e-3, batch=8, seq_len=512, warmup_steps=50),
-        StageConfig("mtp_sparse", steps=100, lr=5e-4, batch=2, seq_len=2048, warmup_steps=10),
-    ),
-    "smoke": (
-        StageConfig("dense", steps=4, lr=2e-3, batch=2, seq_len=256, warmup_steps=1),
-        StageConfig("warmup", steps=3, lr=3e-3, batch=1, seq_len=256, warmup_steps=1),
-        StageConfig("sparse", steps=3, lr=3e-4, batch=1, seq_len=256, warmup_steps=1),
-        StageConfig("mtp_dense", steps=3, lr=2e-3, batch=2, seq_len=256, warmup_steps=1),
-        StageConfig("mtp_sparse", steps=2, lr=5e-4, batch=1, seq_len=256, warmup_steps=1),
-    ),
+    "default": _DEFAULT,
+    "smoke": tuple(dataclasses.replace(s, steps=_SMOKE[s.stage][0], batch=_SMOKE[s.stage][1], seq_len=256,
+                                       warmup_steps=1) for i, s in enumerate(_DEFAULT) if i != 1),
 }
