@@ -336,7 +336,7 @@ class Scheduler:
             rp = c.requests[r.slot]
             growth = 1 if pages(r.max_kv_len) > rp.num_pages else 0
             keys_fit = not self.swaps_keys or self._keys_on_device() + rp.num_pages + growth <= self.device_keys
-            if keys_fit and c.pool.num_free(Tier.DEVICE) >= c.resident_pages_needed(r.slot) + growth:
+            if keys_fit and c.pool.num_free(Tier.DEVICE) >= len(c.requests[r.slot].host_only_pages()) + growth:
                 before = c.h2d_bytes
                 c.swap_in(r.slot)  # (prefix pages still cached on the device are shared again, not copied)
                 plan.swap_in_pages += (c.h2d_bytes - before) // c.all_layers_page_bytes

@@ -61,13 +61,11 @@ class TieredCache:
     the limits this bookkeeping enforces inside it (the `CacheConfig`'s own numbers): the pools hand out
     `budget.device_pages` / `host_pages` / `index_pages` pages, `budget.max_seqs` slots take requests of up to
     `budget.max_pages` pages, and a hot buffer has `budget.hot_rows` slots. Without a capacity the two are equal.
-    `victim_order(pages, stamps)`: the coldness (one of `COLDNESS`)."""
+    `victim_order(pages, stamps)`: the coldness (one of `COLDNESS`). Its own arrays are checked against the RAM
+    before they exist (`kv.account`); the store's arrays are the caller's account (`check_store_memory`)."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, *,
                  victim_order: Callable[[list[int], np.ndarray], list[int]] = oldest_first):
-        """The bookkeeping's own arrays are checked against the RAM before they exist (`kv.account`); the store's
-        device and host arrays, and the step's temporaries, are the caller's account (`generate`, the engines:
-        `kv.account.check_store_memory`, before they make this)."""
         if not isinstance(model, ModelConfig):
             raise TypeError(f"model must be a ModelConfig, got {type(model).__name__}")
         if not isinstance(cache, CacheConfig):
@@ -95,27 +93,9 @@ class TieredCache:
         self._growing: tuple[int, int] | None = None  # (slot, pages being added) during _grow
         self._synced_hot: dict[int, tuple[int, ...]] = {}  # slot -> hot pages last sent to the device
 
-    @classmethod
-    def restore(cls, model: ModelConfig, cache: CacheConfig, *, pool: PagePool, requests: dict[int, RequestPages],
-                lengths: dict[int, int], evicted_pages: int = 0, d2h_bytes: int = 0, prefix_caching: bool = False,
-                swapped=(), prefix_hashes: dict | None = None, cached_tokens: dict | None = None) -> "TieredCache":
-        """A manager in a saved state (`kv.persist`) whose tables are already on the device: no updates pending.
-        Raises PoolError when the state is inconsistent."""
-        c = cls(model, cache)
-        c.pool, c.requests, c.lengths = pool, dict(requests), dict(lengths)
-        c.evicted_pages, c.d2h_bytes = evicted_pages, d2h_bytes
-        c.prefix_caching = prefix_caching
-        c.swapped = set(swapped)
-        c.prefix_hashes = {s: list(h) for s, h in (prefix_hashes or {}).items()}
-        c.cached_tokens = dict(cached_tokens or {})
-        c._synced_hot = {s: tuple(r.hot) for s, r in c.requests.items()}
-        c.check_invariants()
-        return c
-
     @property
     def prefix_caching(self) -> bool:
-        """Register written full pages and share them at admission (`admit(..., tokens=...)`); freed registered
-        pages stay cached (reclaimed last) so a later request can still find them."""
+        """Register written full pages and share them at admission; freed registered pages stay cached."""
         return self.pool.retain_prefix
 
     @prefix_caching.setter
@@ -139,10 +119,6 @@ class TieredCache:
     def growing(self, slot: int) -> int:
         """Pages a growth of `slot` in progress is about to add (0 outside `reserve` / `admit`)."""
         return self._growing[1] if self._growing and self._growing[0] == slot else 0
-
-    def resident_pages_needed(self, slot: int) -> int:
-        """Device pages `slot` would need to be fully resident."""
-        return len(self.requests[slot].host_only_pages())
 
     # ----- admission and lengths -----------------------------------------------------------------
     def admit(self, num_tokens: int, *, resident: bool = False, tokens=None) -> int:
@@ -214,7 +190,7 @@ class TieredCache:
         self.resident_only.add(slot)
 
     def allow_eviction(self, slot: int) -> None:
-        """Undo `keep_resident`: `slot`'s sealed pages may be evicted again."""
+        """Undo `keep_resident`."""
         self.resident_only.discard(slot)
 
     def advance(self, slots, n: int = 1) -> None:
@@ -318,8 +294,7 @@ class TieredCache:
 
     def _coldest_first(self, slot: int) -> list[int]:
         """`slot`'s evictable pages in the coldness's order, given a read-only view of its stamps."""
-        stamps = self.page_stamps[slot].view()
-        stamps.flags.writeable = False
+        (stamps := self.page_stamps[slot].view()).flags.writeable = False
         return self.victim_order(self.evictable_pages(slot), stamps)
 
     def evict_until(self, free_target: int, exclude: int | None = None) -> None:
@@ -377,11 +352,9 @@ class TieredCache:
         return False
 
     def evict(self, slot: int, logical_pages: list[int]) -> None:
-        """Evict the device copies of `slot`'s logical pages (their host copies must be current). A page
-        shared with other requests loses only this request's reference (it stays resident for them).
-
-        A request reads evicted pages through its hot buffer, so one without a hot buffer gets it here, from
-        the device pages this frees or the free ones; if they cannot hold it, PoolError and nothing changes."""
+        """Evict the device copies of `slot`'s logical pages (their host copies must be current). A page shared
+        with other requests loses only this request's reference. A request reads evicted pages through its hot
+        buffer: one without gets it here, from the pages this frees or free ones (else PoolError, nothing changed)."""
         r = self.requests[slot]
         growing = self.growing(slot)
         if slot in self.swapped:
@@ -432,11 +405,8 @@ class TieredCache:
         changed) when the device pool cannot hold them. Returns the pages loaded or shared."""
         r = self.requests[slot]
         chain = self.prefix_hashes.get(slot, [])
-        shared = {}
-        for i in r.host_only_pages():
-            d = self.pool.lookup_prefix(Tier.DEVICE, chain[i]) if i < len(chain) else None
-            if d is not None:
-                shared[i] = d
+        found = {i: self.pool.lookup_prefix(Tier.DEVICE, chain[i]) for i in r.host_only_pages() if i < len(chain)}
+        shared = {i: d for i, d in found.items() if d is not None}
         missing = [i for i in r.host_only_pages() if i not in shared]
         rc = self.pool.refcounts(Tier.DEVICE)
         need = len(missing) + sum(1 for d in shared.values() if rc[d] == 0)
@@ -468,13 +438,11 @@ class TieredCache:
         """The registered pages `tokens` could share: the longest run of full pages from the start whose hash
         chain is registered with an indexer page and a KV copy (with the host mirror on: a host copy), never
         the page holding the last token. One `PrefixHit` per page, in order. Read-only."""
-        tokens = np.asarray(tokens, np.int64).reshape(-1)
-        mirror = self.spec.mirror_to_host
+        tokens, mirror = np.asarray(tokens, np.int64).reshape(-1), self.spec.mirror_to_host
         out, h = [], None
         for i in range(max(len(tokens) - 1, 0) // PAGE_SIZE):
             h = page_hash(h, tokens[i * PAGE_SIZE:(i + 1) * PAGE_SIZE])
-            x = self.pool.lookup_prefix(Tier.INDEX, h)
-            d = self.pool.lookup_prefix(Tier.DEVICE, h)
+            x, d = self.pool.lookup_prefix(Tier.INDEX, h), self.pool.lookup_prefix(Tier.DEVICE, h)
             hp = self.pool.lookup_prefix(Tier.HOST, h) if mirror else None
             if x is None or (hp is None if mirror else d is None):
                 break
@@ -561,9 +529,7 @@ class TieredCache:
 
     def record_tables(self, slot: int) -> None:
         """Record a table update for `slot` (its current pages, length and hot buffer)."""
-        r = self.requests[slot]
-        mp = self.spec.max_pages
-        hot = None
+        r, mp, hot = self.requests[slot], self.spec.max_pages, None
         if self._synced_hot.get(slot) != tuple(r.hot):  # new hot pages: their slots' tags are cleared too
             hot = self._hot_row(r.hot)
             self._synced_hot[slot] = tuple(r.hot)
@@ -572,9 +538,8 @@ class TieredCache:
 
     def _hot_row(self, hot: list[int]) -> np.ndarray:
         """The device's hot-page row (the capacity's width) for lent pages `hot` (the budget's, or none): past them
-        the first lent page again. The slots there are past the hot-row budget: `paging.set_tables` stamps them so
-        that no miss ever claims one and no position is ever found there, so that page is never written or read
-        through them; the resolver sees every page of the capacity's slots lent."""
+        the first lent page again, in slots past the hot-row budget that `paging.set_tables` stamps so that no miss
+        claims one and no position is found there; the resolver sees every page of the capacity's slots lent."""
         row = table_row(hot, self.spec.hot_pages)
         if hot:
             row[len(hot):] = hot[0]
@@ -588,8 +553,7 @@ class TieredCache:
         covered by pages. The device tables are checked against it by `check_tables`."""
         self.pool.check_invariants(owners_of(self.requests.values()))
         for s, r in self.requests.items():
-            n = r.num_pages
-            evicted = r.host_only_pages()
+            n, evicted = r.num_pages, r.host_only_pages()
             if evicted and not r.hot and s not in self.swapped:
                 raise PoolError(f"slot {s}: pages {evicted[:8]} are released but the request has no hot buffer "
                                 "to read them through")

@@ -84,6 +84,25 @@ def _write_manager(manager: TieredCache, arrays: dict, path: str) -> None:
         json.dump(meta, f)
 
 
+def _read_manager(model_cfg: ModelConfig, cache: CacheConfig, meta: dict) -> TieredCache:
+    """The bookkeeping `_write_manager` saved, whose tables are already on the device: no updates pending. Raises
+    PoolError when it is inconsistent."""
+    c = TieredCache(model_cfg, cache)
+    c.pool = PagePool.from_snapshot(meta["pool"])
+    c.requests = {int(s): RequestPages(**r) for s, r in meta["requests"].items()}
+    c.lengths = {int(s): n for s, n in meta["lengths"].items()}
+    c.evicted_pages, c.d2h_bytes = meta["evicted_pages"], meta["d2h_bytes"]
+    c.prefix_caching = meta.get("prefix_caching", False)
+    c.swapped = set(meta.get("swapped", []))
+    c.prefix_hashes = {int(s): list(h) for s, h in meta.get("prefix_hashes", {}).items()}
+    c.cached_tokens = {int(s): n for s, n in meta.get("cached_tokens", {}).items()}
+    for s in c.requests:  # the manager learns which hot pages the device's tables hold; the updates are dropped,
+        c.record_tables(s)  # the tables being on the device already
+    c.take_updates()
+    c.check_invariants()
+    return c
+
+
 def _model_from_dict(d: dict) -> ModelConfig:
     d = dict(d)
     d["rope"] = RopeConfig(**d["rope"])
@@ -132,14 +151,7 @@ def load_tiered(path: str | os.PathLike, device=None) -> tuple[TieredCache, KVSt
     integrity.verify(meta["arrays"], arrays, os.path.join(path, "store"))
     store = KVStore(spec=spec, **{f.name: arrays.get(f.name) for f in dataclasses.fields(KVStore) if f.name != "spec"})
     try:
-        manager = TieredCache.restore(
-            model_cfg, cache, pool=PagePool.from_snapshot(meta["pool"]),
-            requests={int(s): RequestPages(**r) for s, r in meta["requests"].items()},
-            lengths={int(s): n for s, n in meta["lengths"].items()},
-            evicted_pages=meta["evicted_pages"], d2h_bytes=meta["d2h_bytes"],
-            prefix_caching=meta.get("prefix_caching", False), swapped=meta.get("swapped", []),
-            prefix_hashes={int(s): h for s, h in meta.get("prefix_hashes", {}).items()},
-            cached_tokens={int(s): n for s, n in meta.get("cached_tokens", {}).items()})
+        manager = _read_manager(model_cfg, cache, meta)
         kv_device.check_tables(store, manager)
     except PoolError as e:
         raise CheckpointError(f"{fn}: the saved bookkeeping is inconsistent ({e})") from None

@@ -1,27 +1,21 @@
-"""Host-side bookkeeping of the tiered paged KV store: which page of which pool belongs to whom.
+"""Host-side page allocation of the tiered paged KV store: which page of which pool belongs to whom. Pure NumPy /
+stdlib, no JAX; decided on the host between jitted steps.
 
-The device-side store holds three page pools, every page `PAGE_SIZE` (64) tokens long:
+Three pools (`Tier`), every page `PAGE_SIZE` (64) tokens long, a page id naming the same page in every layer:
+`DEVICE` (the device KV pool: latent + rope rows of every layer), `INDEX` (the indexer-key pool, on the device or
+pinned host with index_tier="host"; never evicted) and `HOST` (the pinned-host KV pool).
 
-* `Tier.DEVICE`: the device KV pool (latent + rope rows of every layer),
-* `Tier.INDEX`:  the indexer-key pool (on the device, or pinned host with index_tier="host"; never released),
-* `Tier.HOST`:   the pinned-host KV pool.
+`PagePool` follows nano-vllm's `BlockManager`: `can_allocate` / `allocate` hand out pages with refcount 1 (lowest
+free id first, so runs are reproducible), `incref` / `decref` / `free` share and release them, and full pages can
+be registered under a hash chain of their tokens (`page_hash`) so that a later request with the same prefix can
+reuse them (`lookup_prefix`, then `incref`). Without `retain_prefix` a registration lives exactly as long as its
+page. With it (vLLM's prefix caching), a registered page whose last owner lets go stays registered as a *cached
+free* page: it counts as free, `lookup_prefix` still finds it and `incref` revives it with its contents;
+`allocate` hands out never-registered free pages first and only then reclaims cached ones, least recently freed
+first (dropping their registration).
 
-A page id names the same page in every layer. Allocation is decided here, on the host, between jitted
-steps; nothing in this module touches an array on the device (pure NumPy / stdlib, no JAX).
-
-`PagePool` follows nano-vllm's `BlockManager`: `can_allocate` / `allocate` hand out pages with refcount 1
-(lowest free id first, so runs are reproducible), `incref` / `decref` / `free` share and release them,
-and full pages can be registered under a hash chain of their tokens (`page_hash`) so that a later
-request with the same prefix can reuse them (`lookup_prefix`, then `incref`). Without `retain_prefix` a
-registration lives exactly as long as its page: it is dropped when the refcount reaches 0. With it (vLLM's
-prefix caching), a registered page whose last owner lets go stays registered as a *cached free* page: it
-counts as free, `lookup_prefix` still finds it and `incref` revives it with its contents; `allocate` hands
-out never-registered free pages first and only then reclaims cached ones, least recently freed first
-(dropping their registration).
-
-`RequestPages` is one request's view: per logical page index its device, host and indexer page (or
-`INVALID`), plus the device pages lent to its hot buffer. `owners_of(requests)` turns a batch of them into
-the `owners` argument of `PagePool.check_invariants`.
+`RequestPages` is one request's view: per logical page its device, host and indexer page (or `INVALID`), plus the
+device pages lent to its hot buffer; `owners_of(requests)` is the `owners` argument of `PagePool.check_invariants`.
 """
 
 from __future__ import annotations
@@ -37,7 +31,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from hisparse_jax.memory import Cost, check_account
-from hisparse_jax.units import INVALID, PAGE_SIZE
+from hisparse_jax.units import INVALID
 
 
 _SNAPSHOT_FORMAT = "hisparse_jax.kv.PagePool"
@@ -64,11 +58,6 @@ class Tier(enum.Enum):
     DEVICE = "device"
     INDEX = "index"
     HOST = "host"
-
-
-# A shared prefix page is one page in each tier registered under the same hash: its indexer keys (INDEX),
-# and its KV on the device (DEVICE) and/or the host (HOST).
-PREFIX_TIERS = (Tier.DEVICE, Tier.INDEX, Tier.HOST)
 
 
 def _as_tier(tier: Tier | str) -> Tier:
@@ -132,12 +121,9 @@ class _TierState:
                  "cached")
 
     def __init__(self, tier: Tier, capacity: int):
-        self.tier = tier
-        self.capacity = capacity
-        self.refcount = np.zeros(capacity, np.int32)
+        self.tier, self.capacity, self.refcount = tier, capacity, np.zeros(capacity, np.int32)
         self.returned: list[int] = []
-        self.next_fresh = 0
-        self.used = 0
+        self.next_fresh = self.used = 0
         self.hash_to_page: dict[int, int] = {}
         self.page_to_hash: dict[int, int] = {}
         self.cached: dict[int, None] = {}  # free pages still registered (retain_prefix), least recently freed first
@@ -316,9 +302,6 @@ class PagePool:
                 self._release(s, p)
 
     # -------------------------------------------------------------------------------- prefix caching
-    def _prefix_state(self, tier: Tier | str) -> _TierState:
-        return self._t[_as_tier(tier)]
-
     def register_prefix(self, tier: Tier | str, h: int, page: int) -> None:
         """Register the full, in-use `page` as holding the tokens whose hash chain ends in `h`.
 
@@ -327,7 +310,7 @@ class PagePool:
         hash raises PoolError (a full page's content does not change). Registration holds no reference: it
         is dropped when the page is freed.
         """
-        s = self._prefix_state(tier)
+        s = self._t[_as_tier(tier)]
         p = self._check_page(s, page)
         h = _as_int(h, "prefix hash")
         if s.refcount[p] == 0:
@@ -347,11 +330,11 @@ class PagePool:
     def lookup_prefix(self, tier: Tier | str, h: int) -> int | None:
         """The page registered under hash `h` (in use, or cached free with `retain_prefix`), or None. On a hit
         the caller must `incref` it before anything is allocated."""
-        return self._prefix_state(tier).hash_to_page.get(_as_int(h, "prefix hash"))
+        return self._t[_as_tier(tier)].hash_to_page.get(_as_int(h, "prefix hash"))
 
     def prefix_hash(self, tier: Tier | str, page: int) -> int | None:
         """The hash `page` is registered under, or None."""
-        s = self._prefix_state(tier)
+        s = self._t[_as_tier(tier)]
         return s.page_to_hash.get(self._check_page(s, page))
 
     # ------------------------------------------------------------------------------------ invariants
@@ -566,10 +549,6 @@ class RequestPages:
         """Logical pages."""
         return len(self.device)
 
-    def num_tokens_capacity(self, page_size: int = PAGE_SIZE) -> int:
-        """Tokens the logical pages can hold."""
-        return self.num_pages * page_size
-
     def append(self, *, index: int, device: int = INVALID, host: int = INVALID) -> int:
         """Add one logical page; returns its logical index."""
         self.device.append(device)
@@ -603,11 +582,11 @@ class RequestPages:
         """Free every page the request holds in every tier and clear its lists."""
         owned = {t: self.owned(t) for t in Tier}
         for t in Tier:  # validate all tiers before freeing any: all-or-nothing per call of free, tier by tier
-            s = pool._t[t]
+            rc = pool.refcounts(t)
             for p, k in collections.Counter(owned[t]).items():
-                if not 0 <= p < s.capacity or k > s.refcount[p]:
+                if not 0 <= p < rc.size or k > rc[p]:
                     raise PoolError(f"request holds {t.value} page {p} x{k}, but the pool does not agree "
-                                    f"(capacity {s.capacity})")
+                                    f"(capacity {rc.size})")
         for t in Tier:
             pool.free(t, owned[t])
         self.device.clear(), self.host.clear(), self.index.clear(), self.hot.clear()
