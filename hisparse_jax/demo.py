@@ -50,6 +50,48 @@ MAX_DEVICES = 256
 MAX_HOT_ROWS = 2**31 - 1
 
 
+# The options that pick one of a few named modes (the workload, every policy's store formats and engine modes):
+# option -> (default, choices, help).
+_MODES = {
+    "--workload": (None, WORKLOADS,
+        "prompts: documents of the held-out stdlib text (bytes; the default for a byte-level "
+        "checkpoint) or random token walks (the default for a preset)"),
+    "--kv-dtype": ("float32", ("bf16", "fp8", "float32"),
+        "KV format (default float32: XLA:CPU converts bf16/fp8 pools around every scatter, "
+        "which is slow on a CPU; use bf16 or fp8 on a GPU)"),
+    "--index-dtype": ("auto", INDEX_DTYPES,
+        "indexer keys: as --kv-dtype stores them (auto, the default), fp8 (132 bytes per key of 128) "
+        "or int4 (MXFP4, 68 bytes). --device-requests counts the default format's bytes, so a "
+        "smaller key format leaves more of the same device budget to HiSparse"),
+    "--index-tier": ("device", INDEX_TIERS,
+        "where every policy's indexer keys live (`CacheConfig.index_tier`): device (the default, as "
+        "every published HiSparse) or host (pinned host memory; the device keeps a min / max "
+        "summary per key page and each step reads the keys it needs, best bound first). "
+        "--device-requests counts device keys, so host keys leave the device to the KV; outputs "
+        "are the same (exact mode) unless --index-budget-pages is set"),
+    "--admission": ("vllm", ADMISSIONS,
+        "how preempt and offload admit: 'vllm' (default: on the prompt's pages, grown page by page, "
+        "preempting or swapping out the newest request when one cannot grow) or 'reserve' (only "
+        "when the indexer pages of the whole length fit: never preempts or swaps); HiSparse keeps "
+        "its own rule"),
+    "--prefill": ("whole", ("whole", "chunked"),
+        "prompt prefill for every policy: one causal forward per prompt written into the store "
+        "(default), or chunks through the store within the decode batch"),
+    "--kernels": ("reference", KERNELS,
+        "decode step: jnp references (default), the Pallas GPU kernels (needs a GPU; pallas_mosaic: "
+        "the sparse MLA decode and the indexer's scores on the Mosaic GPU backend, jax >= 0.11), or "
+        "the same kernels interpreted (any backend; slow)"),
+    "--miss-attention": ("single", MISS_ATTENTION,
+        "attention over the selected rows in one pass after the misses are fetched (default), or "
+        "split: rows already on the device and fetched misses apart, merged by log-sum-exp (the "
+        "first part need not wait for the host copy; needs --kernels reference)"),
+    "--hot-policy": ("lru", HOT_POLICIES,
+        "which hot-buffer slot a HiSparse miss takes over (`CacheConfig.hot_policy`): lru (the "
+        "default: the least recently used) or score_ema (the lowest moving average of the indexer's "
+        "scores of the slot's row); outputs are the same under every choice"),
+}
+
+
 def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
     p = parser_class(prog="hisparse demo", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, metavar="NAME|DIR",
@@ -57,9 +99,8 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
                         f"folder (default {checkpoints.DEFAULT}, trained on the Python standard library)")
     p.add_argument("--preset", type=choice(sorted(PRESETS), "preset"), default=None,
                    help="a random-weight model preset instead of --model (e.g. demo-glm)")
-    p.add_argument("--workload", default=None, choices=WORKLOADS,
-                   help="prompts: documents of the held-out stdlib text (bytes; the default for a byte-level "
-                        "checkpoint) or random token walks (the default for a preset)")
+    for option, (default, choices, text) in _MODES.items():
+        p.add_argument(option, default=default, choices=choices, help=text)
     p.add_argument("--requests", type=positive_int, default=16,
                    help="concurrent requests per device (default 16; the workload has requests x devices)")
     p.add_argument("--prompt-len", type=int_at_least(64), default=0,
@@ -69,41 +110,12 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
     p.add_argument("--device-requests", type=bounded_float(0, low_inclusive=False), default=3.5,
                    help="device budget, in whole-request KV footprints (KV + indexer keys) of the longest "
                         "request (default 3.5)")
-    p.add_argument("--kv-dtype", default="float32", choices=("bf16", "fp8", "float32"),
-                   help="KV format (default float32: XLA:CPU converts bf16/fp8 pools around every scatter, "
-                        "which is slow on a CPU; use bf16 or fp8 on a GPU)")
-    p.add_argument("--index-dtype", default="auto", choices=INDEX_DTYPES,
-                   help="indexer keys: as --kv-dtype stores them (auto, the default), fp8 (132 bytes per key of 128) "
-                        "or int4 (MXFP4, 68 bytes). --device-requests counts the default format's bytes, so a "
-                        "smaller key format leaves more of the same device budget to HiSparse")
-    p.add_argument("--index-tier", default="device", choices=INDEX_TIERS,
-                   help="where every policy's indexer keys live (`CacheConfig.index_tier`): device (the default, as "
-                        "every published HiSparse) or host (pinned host memory; the device keeps a min / max "
-                        "summary per key page and each step reads the keys it needs, best bound first). "
-                        "--device-requests counts device keys, so host keys leave the device to the KV; outputs "
-                        "are the same (exact mode) unless --index-budget-pages is set")
     p.add_argument("--index-budget-pages", type=int_at_least(0), default=0, metavar="N",
                    help="with --index-tier host: read at most N key pages per step, request and index layer "
                         "(budgeted mode: the top-k among the N best-bounded pages; default 0: exact mode)")
     p.add_argument("--policies", type=name_list(POLICIES, "policy"), default=",".join(POLICIES),
                    help="comma-separated subset of " + ",".join(POLICIES))
-    p.add_argument("--admission", default="vllm", choices=ADMISSIONS,
-                   help="how preempt and offload admit: 'vllm' (default: on the prompt's pages, grown page by page, "
-                        "preempting or swapping out the newest request when one cannot grow) or 'reserve' (only "
-                        "when the indexer pages of the whole length fit: never preempts or swaps); HiSparse keeps "
-                        "its own rule")
-    p.add_argument("--prefill", default="whole", choices=("whole", "chunked"),
-                   help="prompt prefill for every policy: one causal forward per prompt written into the store "
-                        "(default), or chunks through the store within the decode batch")
     p.add_argument("--prefill-chunk", type=positive_int, default=240, help="prompt tokens per step when chunked (240)")
-    p.add_argument("--kernels", default="reference", choices=KERNELS,
-                   help="decode step: jnp references (default), the Pallas GPU kernels (needs a GPU; pallas_mosaic: "
-                        "the sparse MLA decode and the indexer's scores on the Mosaic GPU backend, jax >= 0.11), or "
-                        "the same kernels interpreted (any backend; slow)")
-    p.add_argument("--miss-attention", default="single", choices=MISS_ATTENTION,
-                   help="attention over the selected rows in one pass after the misses are fetched (default), or "
-                        "split: rows already on the device and fetched misses apart, merged by log-sum-exp (the "
-                        "first part need not wait for the host copy; needs --kernels reference)")
     p.add_argument("--speculative-tokens", type=int_at_least(0, high=MAX_SPECULATIVE_TOKENS), default=0, metavar="K",
                    help="MTP speculative decoding: verify K draft tokens per request and step, drafted by the "
                         "model's MTP layer (default 0: none); outputs stay identical; acceptance rate and tokens per "
@@ -113,10 +125,6 @@ def _parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParse
                         "store's default, (K + 2) x the model's top-k with --speculative-tokens K, 2 x top-k "
                         "without); at least (K + 1) x top-k, the rows one step can miss. HiSparse's device budget "
                         "lends each running request its hot buffer, so more rows leave room for fewer requests")
-    p.add_argument("--hot-policy", default="lru", choices=HOT_POLICIES,
-                   help="which hot-buffer slot a HiSparse miss takes over (`CacheConfig.hot_policy`): lru (the "
-                        "default: the least recently used) or score_ema (the lowest moving average of the indexer's "
-                        "scores of the slot's row); outputs are the same under every choice")
     p.add_argument("--devices", type=int_at_least(1, high=MAX_DEVICES), default=1, metavar="N",
                    help="attention data parallelism over N devices (default 1, at most "
                         f"{MAX_DEVICES}): each device serves its own "
