@@ -10,18 +10,18 @@ misses (random positions of a `--ctx`-token context in random host pages, distin
 fp8 rows (656 bytes: 512 e4m3 + 4 fp32 scales + 64 bf16 rope) and bf16 rows (1152 bytes). Side by side, each
 jitted with the store donated, on NaN-poisoned device pools:
 
-* "chunked": the row fetch before the packed one (a standalone copy of `kv.ops._fetch_rows` at commit 6210d22,
+* "chunked": the row fetch before the packed one (a standalone copy of kv/ops.py's `_fetch_rows` at commit 6210d22,
   kept here only for this comparison): a `fori_loop` over chunks of 256 misses, each chunk one host computation
   and one host -> device copy per host pool (latent, rope, scales), then one scatter per pool;
-* "packed": `kv.ops.fetch_misses` with fetch="row" (the store's): one host computation gathers every miss's row
-  of every pool into one buffer (`ops.gather_packed`), one copy, one scatter per pool, at the smallest of the
-  static sizes `ops.fetch_sizes(--min-rows, B x K)` that holds the misses (a `lax.switch`);
+* "packed": `kv.fetch.fetch_misses` with fetch="row" (the store's): one host computation gathers every miss's row
+  of every pool into one buffer (`fetch.gather_packed`), one copy, one scatter per pool, at the smallest of the
+  static sizes `fetch.fetch_sizes(--min-rows, B x K)` that holds the misses (a `lax.switch`);
 * "static": the same at the one size B x K (fetch_min_rows = B x K: the size the issue first asked for);
 * "page": fetch="page" (each distinct host page sliced and copied once, its needed rows kept).
 
 Per mechanism and miss fraction: median seconds per fetch, payload GB/s (misses x layers x row bytes / time),
 the bytes it moved, and its host computations and copies per group and step. Also the host-side gather's own
-rate (`ops.gather_packed` under `compute_on("device_host")` alone), every mechanism's fetched rows checked equal
+rate (`fetch.gather_packed` under `compute_on("device_host")` alone), every mechanism's fetched rows checked equal
 to the host pools' rows (bits; the device pools start NaN), and a bytes model at the GPU geometry (B 32, top-k
 2048, 4 layers).
 
@@ -91,7 +91,7 @@ def chunked_fetch(spec, store, lo, nl, plan, chunk=OLD_CHUNK):
     import dataclasses
 
     from hisparse_jax.compat import DEVICE, HOST, on_host
-    from hisparse_jax.kv.ops import set_rows
+    from hisparse_jax.kv.codec import set_rows
     from hisparse_jax.kv.state import from_host_bits
 
     miss = (plan.miss & plan.valid & (plan.src_page >= 0)).reshape(-1)
@@ -143,7 +143,7 @@ def make_spec(args, kv_dtype: str, fetch: str, min_rows: int):
 def make_plan(spec, frac: float, rng):
     """A Plan of B rows x K slots, `frac` of each row's slots misses (random positions of the context, host pages
     a random permutation), each miss to a distinct hot slot; the other slots resident hits (no copy)."""
-    from hisparse_jax.kv.ops import Plan
+    from hisparse_jax.kv.resolve import Plan
     from hisparse_jax.units import PAGE_SIZE
 
     B, K, HR, NH = spec.max_seqs, spec.topk, spec.hot_rows, spec.hot_pages
@@ -194,10 +194,10 @@ def fetch_program(name: str, spec):
     donated: the fetch writes them in place, and the host pools are neither copied nor returned."""
     import dataclasses
 
-    from hisparse_jax.kv import ops
+    from hisparse_jax.kv.fetch import fetch_misses
 
     nl = spec.num_layers
-    fn = functools.partial(chunked_fetch if name == "chunked" else ops.fetch_misses, spec)
+    fn = functools.partial(chunked_fetch, spec) if name == "chunked" else fetch_misses
 
     def prog(pools, rest, plan):
         store, payload, moved = fn(dataclasses.replace(rest, **pools), 0, nl, plan)
@@ -243,7 +243,7 @@ def ops_per_step(mech: str, n: int, pools: int, pages: int) -> dict:
 
 def bytes_model(row_bytes: int, fracs, geometry: dict) -> dict:
     """Rows moved per group and step at `geometry` by each row-fetch design (payload, chunked, packed, static)."""
-    from hisparse_jax.kv.ops import fetch_sizes
+    from hisparse_jax.kv.fetch import fetch_sizes
 
     BK, L = geometry["requests"] * geometry["topk"], geometry["layers"]
     sizes = fetch_sizes(OLD_CHUNK, BK)
@@ -277,7 +277,7 @@ def time_fetches(progs: dict, stores: dict, plan, repeats: int):
 def time_host_gather(spec, store, plan, repeats: int):
     """The packed fetch's host-side gather alone: (seconds, bytes) for the plan's misses at their exact count."""
     from hisparse_jax.compat import HOST, on_host
-    from hisparse_jax.kv.ops import gather_packed
+    from hisparse_jax.kv.fetch import gather_packed
 
     m = np.asarray(plan.miss).reshape(-1)
     index = np.concatenate([np.arange(spec.num_layers), np.asarray(plan.src_page).reshape(-1)[m],

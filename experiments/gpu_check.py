@@ -28,7 +28,7 @@ one's timeout to what remains; a section skips a check that would end past its s
   inside jit whole / in chunks / page-sized blocks) plus device -> pinned_host; median after warm-up.
 * kernel_mla (60 s): the public `sparse_mla_decode` (the library's default variant; its keyword defaults are
   recorded) at H 128 with fp8 then bf16 pools, then the other shapes while the budget lasts.
-* fetch (55 s): `ops.fetch_misses` per mechanism (`config.FETCH_MECHANISMS`) and row format (bf16, fp8) at
+* fetch (55 s): `kv.fetch.fetch_misses` per mechanism (`config.FETCH_MECHANISMS`) and row format (bf16, fp8) at
   10/20/30 % misses on a store with the real cache geometry, verified byte for byte against the host pool (every
   other device row must keep its NaN poison); the `fetch*` options recorded; HLO facts (DIR/hlo_fetch.txt).
 * kernel_indexer (50 s): indexer_topk against its reference and against the host's float64 top-k of the same
@@ -1444,7 +1444,6 @@ def _verify(spec, store_np: dict, host_np: dict, f, miss, layers) -> dict:
 
 def section_fetch(ctx: Ctx) -> dict:
     from hisparse_jax.config import CacheConfig
-    from hisparse_jax.kv import ops
     from hisparse_jax.kv.state import StoreSpec
 
     sz = ctx.sz
@@ -1480,7 +1479,7 @@ def section_fetch(ctx: Ctx) -> dict:
                 continue
             spec = dataclasses.replace(spec0, fetch=mech)
             try:
-                out["runs"].extend(_fetch_one(ctx, ops, spec, layers, kvd, mech, ceiling, sz["fetch_fracs"]))
+                out["runs"].extend(_fetch_one(ctx, spec, layers, kvd, mech, ceiling, sz["fetch_fracs"]))
                 ctx.partial(**out)
             except Exception:  # noqa: BLE001
                 out["runs"].append({"kv_dtype": kvd, "mechanism": mech, "status": "error",
@@ -1496,7 +1495,7 @@ def section_fetch(ctx: Ctx) -> dict:
                                       device_pages=spec.device_pages * POOL_SCALE,
                                       index_pages=spec.index_pages * POOL_SCALE)
             try:
-                (r,) = _fetch_one(ctx, ops, big, layers, kvd, mech, ceiling, sz["fetch_fracs"][:1])
+                (r,) = _fetch_one(ctx, big, layers, kvd, mech, ceiling, sz["fetch_fracs"][:1])
                 r["pool_scale"] = POOL_SCALE
                 r["base_time_s"] = base["time_s"]
                 r["time_ratio_vs_base"] = r["time_s"] / base["time_s"] if r.get("time_s") else None
@@ -1515,7 +1514,10 @@ def section_fetch(ctx: Ctx) -> dict:
     return out
 
 
-def _fetch_one(ctx, ops, spec, layers, kvd, mech, ceiling, fracs) -> list[dict]:
+def _fetch_one(ctx, spec, layers, kvd, mech, ceiling, fracs) -> list[dict]:
+    from hisparse_jax.kv.fetch import fetch_misses
+    from hisparse_jax.kv.resolve import Plan
+
     sz = ctx.sz
     store = _fill_store(ctx, spec, seed=1)
     dev_s = ctx.sharding("device")
@@ -1530,7 +1532,7 @@ def _fetch_one(ctx, ops, spec, layers, kvd, mech, ceiling, fracs) -> list[dict]:
     assert tuple(layers) == tuple(range(lo, lo + nl)), layers  # an indexer group: a contiguous layer range
 
     def fn(s, plan):
-        return ops.fetch_misses(s.spec, s, lo, nl, plan)
+        return fetch_misses(s, lo, nl, plan)
 
     runs = []
     compiled = None
@@ -1540,8 +1542,8 @@ def _fetch_one(ctx, ops, spec, layers, kvd, mech, ceiling, fracs) -> list[dict]:
                          "reason": "budget"})
             continue
         f, miss, valid = _build_plan(spec, sz, frac, seed=int(frac * 1000) + 7)
-        plan = ops.Plan(page=f["page"], row=f["row"], valid=valid, resident=np.zeros_like(valid), miss=miss,
-                        src_page=f["src_page"], src_row=f["src_row"])
+        plan = Plan(page=f["page"], row=f["row"], valid=valid, resident=np.zeros_like(valid), miss=miss,
+                    src_page=f["src_page"], src_row=f["src_row"])
         plan = jax.device_put(plan, dev_s)
         store = _poison_device_pools(ctx, spec, store)
         rec = {"kv_dtype": kvd, "mechanism": mech, "miss_fraction": frac, "status": "ok",

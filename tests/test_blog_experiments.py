@@ -73,30 +73,28 @@ def test_sustained_running_counts_steps_with_a_queue():
 
 
 def _resolve_reference(trace, HR, K):
-    """Run hisparse_jax.kv.ops.resolve on a one-request, all-offloaded store over `trace`."""
+    """Run hisparse_jax.kv.resolve.resolve on a one-request, all-offloaded store over `trace` (a `KVStore` holding
+    only the tables the resolver reads: no pools)."""
     from types import SimpleNamespace
 
-    from hisparse_jax.kv import ops
+    from hisparse_jax.kv.resolve import resolve
+    from hisparse_jax.kv.state import KVStore
 
     spec = SimpleNamespace(hot_rows=HR, max_seqs=1, max_pages=64, hot_policy="lru")
-    fields = dict(block_table=-jnp.ones((1, 64), jnp.int32), host_table=jnp.arange(64, dtype=jnp.int32)[None],
+    tables = dict(block_table=-jnp.ones((1, 64), jnp.int32), host_table=jnp.arange(64, dtype=jnp.int32)[None],
                   hot_pages=jnp.arange(-(-HR // 64), dtype=jnp.int32)[None],
                   hot_token=-jnp.ones((1, 1, HR), jnp.int32), hot_stamp=-jnp.ones((1, 1, HR), jnp.int32),
                   page_stamp=-jnp.ones((1, 64), jnp.int32))
-    store = SimpleNamespace(**fields, clock=jnp.int32(0))
-    orig = ops._replace
-    ops._replace = lambda s, **kw: SimpleNamespace(**{**vars(s), **kw})
-    try:
-        hits, misses = [], []
-        for t, q in enumerate(trace):
-            store.clock = jnp.int32(t)
-            topk = jnp.asarray(np.asarray(q, np.int32)[None])
-            plan, store = ops.resolve(spec, store, 0, jnp.asarray([0], jnp.int32), topk)
-            m = int(np.asarray(plan.miss).sum())
-            misses.append(m)
-            hits.append(len(q) - m)
-    finally:
-        ops._replace = orig
+    pools = dict.fromkeys(("latent", "rope", "index_k", "h_latent", "h_rope", "index_table", "seq_lens"))
+    store = KVStore(**tables, **pools, clock=jnp.int32(0), spec=spec)
+    hits, misses = [], []
+    for t, q in enumerate(trace):
+        store.clock = jnp.int32(t)
+        topk = jnp.asarray(np.asarray(q, np.int32)[None])
+        plan, store = resolve(store, 0, jnp.asarray([0], jnp.int32), topk)
+        m = int(np.asarray(plan.miss).sum())
+        misses.append(m)
+        hits.append(len(q) - m)
     return np.array(hits), np.array(misses), np.asarray(store.hot_token)[0, 0], np.asarray(store.hot_stamp)[0, 0]
 
 

@@ -101,8 +101,9 @@ def test_the_store_knows_no_model():
     engine module (the model-driving steps live in `engine.runner`; old names in `kv.tiered` resolve lazily)."""
     code = textwrap.dedent("""
         import sys
-        import hisparse_jax.kv.device, hisparse_jax.kv.dense, hisparse_jax.kv.manager, hisparse_jax.kv.ops
-        import hisparse_jax.kv.persist, hisparse_jax.kv.tiered
+        import hisparse_jax.kv.device, hisparse_jax.kv.dense, hisparse_jax.kv.manager, hisparse_jax.kv.persist
+        import hisparse_jax.kv.codec, hisparse_jax.kv.fetch, hisparse_jax.kv.paging, hisparse_jax.kv.resolve
+        import hisparse_jax.kv.scoring, hisparse_jax.kv.tiered, hisparse_jax.kv.writes
         print(sorted(m for m in sys.modules if m.startswith(("hisparse_jax.model", "hisparse_jax.engine"))))
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -20,7 +20,10 @@ from flax import nnx
 import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.generate import generate
-from hisparse_jax.kv import ops
+from hisparse_jax.kv.fetch import fetch_misses
+from hisparse_jax.kv.paging import evict_pages, load_pages
+from hisparse_jax.kv.resolve import Plan
+from hisparse_jax.kv.writes import append_rows, mirror_rows, write_prefill
 from hisparse_jax.kv.state import StoreSpec, from_host_bits, host_dtype, init_store, to_host_bits
 from tiny import BIG, model_cfg
 
@@ -107,9 +110,9 @@ def _prefilled(spec, rng, start_split=100):
     lat_b, rope_b = random_bf16_bits(rng, (L, T, C)), random_bf16_bits(rng, (L, T, R))
     lat, rope = jnp.asarray(lat_b.view(ml_dtypes.bfloat16)), jnp.asarray(rope_b.view(ml_dtypes.bfloat16))
     idx = jnp.zeros((1, T, spec.index_dim), jnp.float32)
-    write = jax.jit(ops.write_prefill, static_argnums=0)
-    store, _ = write(spec, store, 0, lat, rope, idx, start_split)
-    store, _ = write(spec, store, 0, lat, rope, idx, T, start_split)
+    write = jax.jit(write_prefill)
+    store, _ = write(store, 0, lat, rope, idx, start_split)
+    store, _ = write(store, 0, lat, rope, idx, T, start_split)
     return store, lat_b, rope_b
 
 
@@ -126,8 +129,7 @@ def test_prefill_then_load_pages_is_bit_exact():
     spec = spec_for("bf16")
     store, lat_b, rope_b = _prefilled(spec, np.random.default_rng(0))
     _check_host(store, lat_b, rope_b, [2, 0])
-    store, rows = jax.jit(ops.load_pages, static_argnums=0)(spec, store, jnp.asarray([2, 0, -1], jnp.int32),
-                                                            jnp.asarray([5, 3, -1], jnp.int32))
+    store, rows = jax.jit(load_pages)(store, jnp.asarray([2, 0, -1], jnp.int32), jnp.asarray([5, 3, -1], jnp.int32))
     assert int(rows) == 2 * L * 64
     assert_device_bits(bits_of(np.asarray(store.latent)[:, [5, 3]]).reshape(lat_b.shape), lat_b)
     assert_device_bits(bits_of(np.asarray(store.rope)[:, [5, 3]]).reshape(rope_b.shape), rope_b)
@@ -144,11 +146,11 @@ def test_prefill_then_fetch_misses_is_bit_exact(fetch):
     pos[:2] = [0, 1]  # rows holding the specials
     slot = rng.permutation(128)[:K]  # destination hot slots on device pages 6, 7
     host_of = np.array([2, 0])
-    plan = ops.Plan(page=jnp.asarray(6 + slot // 64)[None], row=jnp.asarray(slot % 64)[None],
-                    valid=jnp.ones((1, K), bool), resident=jnp.zeros((1, K), bool), miss=jnp.ones((1, K), bool),
-                    src_page=jnp.asarray(host_of[pos // 64], jnp.int32)[None],
-                    src_row=jnp.asarray(pos % 64, jnp.int32)[None])
-    store, payload, _ = jax.jit(ops.fetch_misses, static_argnums=(0, 3))(spec, store, 0, 2, plan)
+    plan = Plan(page=jnp.asarray(6 + slot // 64)[None], row=jnp.asarray(slot % 64)[None],
+                valid=jnp.ones((1, K), bool), resident=jnp.zeros((1, K), bool), miss=jnp.ones((1, K), bool),
+                src_page=jnp.asarray(host_of[pos // 64], jnp.int32)[None],
+                src_row=jnp.asarray(pos % 64, jnp.int32)[None])
+    store, payload, _ = jax.jit(fetch_misses, static_argnums=(2,))(store, 0, 2, plan)
     assert int(payload) == K * L
     for dev, want in ((store.latent, lat_b), (store.rope, rope_b)):
         assert_device_bits(bits_of(np.asarray(dev)[:, 6 + slot // 64, slot % 64]), want[:, pos])
@@ -170,10 +172,10 @@ def test_device_rows_to_host_and_back_are_bit_exact(mirror):
         lat = jax.lax.dynamic_slice_in_dim(jnp.asarray(lat_b.view(ml_dtypes.bfloat16)), t, 1, axis=1)
         rope = jax.lax.dynamic_slice_in_dim(jnp.asarray(rope_b.view(ml_dtypes.bfloat16)), t, 1, axis=1)
         for layer in range(L):
-            store, _ = ops.append_rows(spec, store, layer, 0 if layer == 0 else None, req, pos, lat[layer],
-                                       rope[layer], jnp.zeros((1, spec.index_dim), jnp.float32))
+            store, _ = append_rows(store, layer, 0 if layer == 0 else None, req, pos, lat[layer], rope[layer],
+                                   jnp.zeros((1, spec.index_dim), jnp.float32))
         if spec.mirror_to_host:
-            store, _ = ops.mirror_rows(spec, store, req, pos)
+            store, _ = mirror_rows(store, req, pos)
         return store
 
     for t in range(T):
@@ -184,12 +186,10 @@ def test_device_rows_to_host_and_back_are_bit_exact(mirror):
     assert_device_bits(dev_rope, rope_b)
     if not mirror:
         assert not np.asarray(store.h_latent).any()  # nothing reached the host yet
-        store, d2h = jax.jit(ops.evict_pages, static_argnums=0)(spec, store, jnp.asarray([0, 0], jnp.int32),
-                                                                jnp.asarray([0, 1], jnp.int32))
+        store, d2h = jax.jit(evict_pages)(store, jnp.asarray([0, 0], jnp.int32), jnp.asarray([0, 1], jnp.int32))
         assert int(d2h) == 2 * L * 64
     _check_host(store, dev_lat, dev_rope, [3, 1])  # the host copy is the device copy, bit for bit
-    store, _ = jax.jit(ops.load_pages, static_argnums=0)(spec, store, jnp.asarray([3, 1], jnp.int32),
-                                                         jnp.asarray([6, 7], jnp.int32))
+    store, _ = jax.jit(load_pages)(store, jnp.asarray([3, 1], jnp.int32), jnp.asarray([6, 7], jnp.int32))
     np.testing.assert_array_equal(bits_of(np.asarray(store.latent)[:, [6, 7]]).reshape(lat_b.shape), dev_lat)
     np.testing.assert_array_equal(bits_of(np.asarray(store.rope)[:, [6, 7]]).reshape(rope_b.shape), dev_rope)
 

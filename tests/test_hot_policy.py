@@ -16,7 +16,8 @@ from flax import nnx
 
 import hisparse_jax as hj
 from hisparse_jax.generate import generate
-from hisparse_jax.kv import ops
+from hisparse_jax.kv.resolve import SCORE_KEY_MAX, encode_score, resolve, update_index_ema
+from hisparse_jax.kv.scoring import index_scores_paged
 from hisparse_jax.kv.state import StoreSpec, init_store
 from pallas_kernels.sparse_gather import sparse_gather, sparse_gather_reference
 from pallas_kernels.sparse_gather.reference import UNUSED_STAMP
@@ -31,10 +32,10 @@ def test_encode_score_keeps_the_float_order():
     x = np.concatenate([rng.standard_normal(4000) * 10.0 ** rng.integers(-30, 30, 4000),
                         [0.0, -0.0, np.inf, -np.inf, 1e-45, -1e-45, 3.4e38, -3.4e38, 1.0, 1.0 + 2**-23, 1.0 + 2**-22]])
     x = np.sort(x.astype(np.float32))
-    k = np.asarray(ops.encode_score(jnp.asarray(x)))
-    assert k.dtype == np.int32 and k.min() >= 0 and k.max() <= ops.SCORE_KEY_MAX < UNUSED_STAMP
+    k = np.asarray(encode_score(jnp.asarray(x)))
+    assert k.dtype == np.int32 and k.min() >= 0 and k.max() <= SCORE_KEY_MAX < UNUSED_STAMP
     assert np.all(np.diff(k.astype(np.int64)) >= 0)  # non-decreasing: the integer order is the float order
-    one = np.asarray(ops.encode_score(jnp.asarray(np.float32([1.0, 1.0 + 2**-22, -1.0, -1.0 - 2**-22]))))
+    one = np.asarray(encode_score(jnp.asarray(np.float32([1.0, 1.0 + 2**-22, -1.0, -1.0 - 2**-22]))))
     assert one[0] < one[1] and one[2] > one[3]  # only the lowest mantissa bit is dropped
 
 
@@ -46,7 +47,7 @@ def score_key_case(seed, **kw):
     tok = case["hot_token"]
     x = (rng.standard_normal(tok.shape) * 10.0 ** rng.integers(-3, 4, tok.shape)).astype(np.float32)
     x[:, 1::5] = x[:, ::5][:, :x[:, 1::5].shape[1]]  # ties: slot 5i + 1 averages what slot 5i does
-    keys = np.asarray(ops.encode_score(jnp.asarray(x)))
+    keys = np.asarray(encode_score(jnp.asarray(x)))
     keys = np.where(tok < 0, -1, keys)
     HR = tok.shape[1]
     keys[:, HR - max(1, HR // 8):] = np.where(tok[:, HR - max(1, HR // 8):] < 0, UNUSED_STAMP,
@@ -114,7 +115,7 @@ def _oracle(c, group=1):
         pos = np.maximum(held, 0)
         avg = c["index_ema"][group, c["index_table"][r, pos // 64], pos % 64]
         keys = np.where(c["hot_stamp"][r] == UNUSED_STAMP, UNUSED_STAMP,
-                        np.where(held < 0, -1, np.asarray(ops.encode_score(jnp.asarray(avg)))))
+                        np.where(held < 0, -1, np.asarray(encode_score(jnp.asarray(avg)))))
         hit_slots, misses = set(), []
         for i, t in enumerate(c["topk"][b]):
             if t < 0 or c["block_table"][r, t // 64] >= 0:
@@ -152,7 +153,7 @@ def test_score_ema_resolve_matches_the_oracle(kernel):
         spec = _spec(Rq, c["block_table"].shape[1], HR, c["topk"].shape[1], c["index_ema"].shape[1])
         store, junk = _store(c, spec)
         resolver = functools.partial(sparse_gather, interpret=True) if kernel else None
-        fn = jax.jit(functools.partial(ops.resolve, spec, resolver=resolver), static_argnums=(1,))
+        fn = jax.jit(functools.partial(resolve, resolver=resolver), static_argnums=(1,))
         plan, out = fn(store, 1, jnp.asarray(c["req"]), jnp.asarray(c["topk"]))
         want_tok, want_miss, want_hit = _oracle(c)
         np.testing.assert_array_equal(np.asarray(out.hot_token)[:, 1], want_tok)
@@ -184,9 +185,9 @@ def test_update_index_ema_folds_each_scored_position_once(rows_per_request):
     positions = np.array([150, 151, 100, 101, 0, 0, 200, -1] if S == 2 else [150, 100, 0, 200], np.int32)
     P = 4
     scores = rng.standard_normal((len(req), P * 64)).astype(np.float32)
-    _, valid, pages = ops.index_scores_paged(spec, store, 1, jnp.asarray(req), jnp.asarray(positions),
-                                             jnp.zeros((len(req), 1, 16)), jnp.zeros((len(req), 1)), P)
-    out = jax.jit(functools.partial(ops.update_index_ema, spec, rows_per_request=S), static_argnums=(1,))(
+    _, valid, pages = index_scores_paged(store, 1, jnp.asarray(req), jnp.asarray(positions),
+                                         jnp.zeros((len(req), 1, 16)), jnp.zeros((len(req), 1)), P)
+    out = jax.jit(functools.partial(update_index_ema, rows_per_request=S), static_argnums=(1,))(
         store, 1, jnp.asarray(req), jnp.asarray(scores), valid, pages)
     want = ema0.copy()
     new = {}

@@ -1,5 +1,5 @@
 """Indexer keys in the host tier (`CacheConfig(index_tier="host")`): the keys in pinned-host pools, a min / max
-summary per page on the device, and each step's key pages read best bound first (`ops.index_scores_host`).
+summary per page on the device, and each step's key pages read best bound first (`scoring.index_scores_host`).
 
 Exact mode must select what device keys select, bit for bit: driven with arbitrary prompt lengths, appends across
 page boundaries, negative head weights and every key format against the device tier (the oracle), with every
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.kv import device as kv_device
-from hisparse_jax.kv import ops
+from hisparse_jax.kv.scoring import index_select_read
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.state import host_sharding, init_store
@@ -103,9 +103,9 @@ def _fill(cache, prompt_lens, appends, keys, seed):
     return tc, store, slots
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _select(spec, store, index_layer, req, positions, q, w):
-    return ops.index_select_read(spec, store, index_layer, req, positions, q, w)
+@functools.partial(jax.jit, static_argnums=(1,))
+def _select(store, index_layer, req, positions, q, w):
+    return index_select_read(store, index_layer, req, positions, q, w)
 
 
 def _keys(rng, n, kind):
@@ -133,12 +133,12 @@ def test_exact_mode_selects_the_device_keys_top_k(seed, fmt, kind, lens, appends
     for li in range(LI):
         q = jnp.asarray(rng.standard_normal((2, CFG.index_n_heads, DI)), jnp.float32)
         w = jnp.asarray(rng.standard_normal((2, CFG.index_n_heads)), jnp.float32)  # negative weights too
-        want, none = _select(dev_tc.spec, dev, li, req, pos, q, w)
-        got, read = _select(host_tc.spec, hst, li, req, pos, q, w)
+        want, none = _select(dev, li, req, pos, q, w)
+        got, read = _select(hst, li, req, pos, q, w)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         assert int(none) == 0 and 1 <= int(read) <= live_pages
-        part, n_part = _select(bud_tc.spec, bud, li, req, pos, q, w)
-        whole, n_whole = _select(full_tc.spec, full, li, req, pos, q, w)  # 8 pages: all of a 512-token request
+        part, n_part = _select(bud, li, req, pos, q, w)
+        whole, n_whole = _select(full, li, req, pos, q, w)  # 8 pages: all of a 512-token request
         np.testing.assert_array_equal(np.asarray(whole), np.asarray(want))
         assert int(n_whole) == live_pages and int(n_part) == sum(min(budget, -(-(n + appends) // 64)) for n in lens)
         part = np.asarray(part)
@@ -159,11 +159,11 @@ def test_budgeted_recall_grows_with_the_budget():
     pos = jnp.asarray([n + appends - 1 for n in lens], jnp.int32)
     q = jnp.asarray(rng.standard_normal((2, CFG.index_n_heads, DI)), jnp.float32)
     w = jnp.asarray(np.abs(rng.standard_normal((2, CFG.index_n_heads))), jnp.float32)
-    want = np.asarray(_select(StoreSpec.create(CFG, SMALL), dev, 0, req, pos, q, w)[0])
+    want = np.asarray(_select(dev, 0, req, pos, q, w)[0])
     prev = -1.0
     for budget in (1, 2, 3, 5, 7):
         tc, st_, _ = _fill(host(SMALL, index_budget_pages=budget), lens, appends, keys, 0)
-        got = np.asarray(_select(tc.spec, st_, 0, req, pos, q, w)[0])
+        got = np.asarray(_select(st_, 0, req, pos, q, w)[0])
         recall = np.mean([len(set(got[b]) & set(want[b])) / K for b in range(2)])
         assert recall >= prev
         prev = recall

@@ -1,4 +1,4 @@
-"""The fused HiSparse resolver: reference == `ops.resolve` (bit for bit) and Pallas (interpret) == reference.
+"""The fused HiSparse resolver: reference == `kv.resolve.resolve` (bit for bit) and Pallas (interpret) == reference.
 
 States cover empty buffers, all-hit, all-miss, mixed, -1 padding, idle rows, ties of stamps, stamps at or
 past the clock, duplicate tags and duplicate top-k positions, and multi-step LRU trajectories. The CUDA
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from hisparse_jax.compat import gpu_lowering_target
-from hisparse_jax.kv import ops
+from hisparse_jax.kernel_cases import gather_case
+from hisparse_jax.kv.resolve import Plan, resolve
 from hisparse_jax.kv.state import StoreSpec, init_store
 from pallas_kernels.sparse_gather import sparse_gather, sparse_gather_reference
 
@@ -85,7 +86,7 @@ def assert_same(a, b):
 
 
 def resolve_via_store(case, group=1, groups=2):
-    """`ops.resolve` on a tiny KVStore whose group `group` holds the case's hot state (others hold junk).
+    """`resolve` on a tiny KVStore whose group `group` holds the case's hot state (others hold junk).
 
     Returns the plan and that group's hot state (resolve's other store updates are not this kernel's job)."""
     Rq, HR = case["hot_token"].shape
@@ -101,7 +102,7 @@ def resolve_via_store(case, group=1, groups=2):
         init_store(spec), block_table=jnp.asarray(case["block_table"]), host_table=jnp.asarray(case["host_table"]),
         hot_pages=jnp.asarray(case["hot_pages"]), hot_token=jnp.asarray(tok), hot_stamp=jnp.asarray(st),
         clock=jnp.asarray(case["clock"]))
-    plan, out = jax.jit(functools.partial(ops.resolve, spec), static_argnums=(1,))(
+    plan, out = jax.jit(resolve, static_argnums=(1,))(
         store, group, jnp.asarray(case["req"]), jnp.asarray(case["topk"]))
     others = [g for g in range(groups) if g != group]
     np.testing.assert_array_equal(np.asarray(out.hot_token)[:, others], junk[:, others])
@@ -124,6 +125,17 @@ def test_kernel_matches_reference(scenario):
     for seed, clock in ((0, 7), (1, 2**30), (2, 3)):  # a large clock spreads stamps: ~30 bisection steps
         case = make_case(seed, scenario=scenario, clock=clock)
         assert_same(run(sparse_gather, case, interpret=True), run(sparse_gather_reference, case))
+
+
+def test_kernel_matches_reference_on_the_gpu_checks_case():
+    """`kernel_cases.gather_case`, the GPU check's resolver input (resident pages, about half of the other top-k
+    positions held, buffers 3/4 full, two idle request slots), at this file's shapes: kernel == reference, and the
+    case has resident rows, hits and misses."""
+    args = gather_case(4, B=3, K=20, hot_rows=48, context=6 * 64)
+    want = [np.asarray(x) for x in sparse_gather_reference(*args, hot_rows=48)]
+    assert_same([np.asarray(x) for x in sparse_gather(*args, hot_rows=48, interpret=True)], want)
+    out = dict(zip(FIELDS, want))
+    assert out["resident"].any() and out["miss"].any() and (out["valid"] & ~out["resident"] & ~out["miss"]).any()
 
 
 def test_scenarios_exercise_every_path():
@@ -198,4 +210,4 @@ def test_lowers_for_cuda(HR):
 
 
 def test_plan_fields_match_dataclass():
-    assert FIELDS[:7] == ops.Plan._fields
+    assert FIELDS[:7] == Plan._fields

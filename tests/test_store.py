@@ -197,9 +197,10 @@ def test_exact_accounting_and_lru_by_hand():
 
 
 def test_transfer_bytes_per_mechanism():
-    """Row mechanism moves the smallest staging size that holds the misses (`ops.fetch_sizes`); page mechanism
+    """Row mechanism moves the smallest staging size that holds the misses (`fetch.fetch_sizes`); page mechanism
     each distinct host page once."""
-    from hisparse_jax.kv import ops
+    from hisparse_jax.kv.fetch import fetch_misses
+    from hisparse_jax.kv.resolve import resolve
     rng = np.random.default_rng(1)
     for fetch in ("row", "page"):
         tc = StorePair(MODEL, cache_config(fetch=fetch, max_seqs=1, fetch_min_rows=4))
@@ -207,15 +208,15 @@ def test_transfer_bytes_per_mechanism():
         tc._ensure_hot(s)
         tc.evict(s, [0])
         topk = jnp.asarray([[0, 1, 2, 63, 64, 100, 130, -1]], jnp.int32)
-        plan, store = ops.resolve(tc.spec, tc.sync(), 0, jnp.asarray([s], jnp.int32), topk)
-        _, payload, transfer = ops.fetch_misses(tc.spec, store, 0, 2, plan)
+        plan, store = resolve(tc.sync(), 0, jnp.asarray([s], jnp.int32), topk)
+        _, payload, transfer = fetch_misses(store, 0, 2, plan)
         assert int(payload) * ROW_BYTES == 4 * 2 * ROW_BYTES  # layer-rows; bytes = rows x row_bytes
         assert int(transfer) * ROW_BYTES == (1 * 4 * 2 * ROW_BYTES if fetch == "row" else 1 * 2 * 64 * ROW_BYTES)
 
 
 def test_fetch_sizes_and_their_option():
     """The row fetch's static staging sizes: fetch_min_rows doubling, capped at and ending with B x K."""
-    from hisparse_jax.kv.ops import fetch_sizes
+    from hisparse_jax.kv.fetch import fetch_sizes
     assert fetch_sizes(256, 65536) == (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
     assert fetch_sizes(256, 1000) == (256, 512, 1000)
     assert fetch_sizes(256, 100) == (100,)  # fewer slots than the smallest size: one size
@@ -307,12 +308,12 @@ def test_recency_coldness_orders_by_last_selection():
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32])
 def test_set_rows_writes_in_place_without_a_pool_sized_conversion(dtype):
-    """`kv.ops.set_rows` (every pool write of the store) equals `.at[].set(mode="drop")`, out-of-range rows dropped,
+    """`kv.codec.set_rows` (every pool write of the store) equals `.at[].set(mode="drop")`, out-of-range rows dropped,
     and its compiled program converts nothing pool-sized: XLA:CPU scattered into an fp8 / bf16 pool by converting
     the whole pool to a wider float and back, a pool-sized copy on every decode step."""
     import jax
 
-    from hisparse_jax.kv.ops import set_rows
+    from hisparse_jax.kv.codec import set_rows
 
     pool = jnp.asarray(np.random.default_rng(0).normal(size=(2, 300, 64, 32)), dtype)
     vals = jnp.asarray(np.random.default_rng(1).normal(size=(3, 32)), dtype)

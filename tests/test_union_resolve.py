@@ -1,5 +1,5 @@
 """Several query rows per request in one step (speculative verification): each request's rows are resolved once,
-over the union of their top-k (`TieredKV(rows_per_request=S)`, `ops.union_topk` / `ops.row_plan`). Each distinct
+over the union of their top-k (`TieredKV(rows_per_request=S)`, `resolve.union_topk` / `resolve.row_plan`). Each distinct
 missing row is fetched once, and every row attends over exactly its own top-k: the logits are bit-identical to
 the same batch through an all-resident store."""
 
@@ -17,7 +17,7 @@ import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine import runner
 from hisparse_jax.kv import device as kv_device
-from hisparse_jax.kv import ops
+from hisparse_jax.kv.resolve import Plan, check_groups, group_req, row_plan, union_topk
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.state import StoreSpec
 from hisparse_jax.kv.tiered import TieredKV, empty_stats, stats_bytes
@@ -34,34 +34,34 @@ def test_union_topk_sorts_dedupes_and_pads():
                         [2, -1, -1, -1],
                         [-1, -1, -1, -1],  # group 2: idle
                         [-1, -1, -1, -1]], jnp.int32)
-    u = np.asarray(ops.union_topk(topk, 2))
+    u = np.asarray(union_topk(topk, 2))
     np.testing.assert_array_equal(u, [[3, 5, 7, 9, -1, -1, -1, -1],
                                       [2, -1, -1, -1, -1, -1, -1, -1],
                                       [-1] * 8])
     assert u.dtype == np.int32
     # S = 1: each row's positions, sorted
-    np.testing.assert_array_equal(np.asarray(ops.union_topk(topk[:2], 1)), [[3, 5, 9, -1], [3, 5, 7, -1]])
+    np.testing.assert_array_equal(np.asarray(union_topk(topk[:2], 1)), [[3, 5, 9, -1], [3, 5, 7, -1]])
     # S = 3 over the same positions repeated in every row: one copy
     same = jnp.asarray([[4, 8, 1]] * 3, jnp.int32)
-    np.testing.assert_array_equal(np.asarray(ops.union_topk(same, 3)), [[1, 4, 8] + [-1] * 6])
+    np.testing.assert_array_equal(np.asarray(union_topk(same, 3)), [[1, 4, 8] + [-1] * 6])
     with pytest.raises(ValueError, match="rows_per_request=4"):
-        ops.union_topk(topk, 4)
+        union_topk(topk, 4)
 
 
 def test_group_req_and_host_check():
-    np.testing.assert_array_equal(np.asarray(ops.group_req(jnp.asarray([1, 1, -1, 0, -1, -1]), 2)), [1, 0, -1])
-    ops.check_groups(np.asarray([1, 1, -1, 0, -1, -1]), 2)
+    np.testing.assert_array_equal(np.asarray(group_req(jnp.asarray([1, 1, -1, 0, -1, -1]), 2)), [1, 0, -1])
+    check_groups(np.asarray([1, 1, -1, 0, -1, -1]), 2)
     with pytest.raises(ValueError, match="different requests"):
-        ops.check_groups(np.asarray([1, 0, 2, 2]), 2)
+        check_groups(np.asarray([1, 0, 2, 2]), 2)
     with pytest.raises(ValueError, match="request 1 is in row groups 0 and 1"):
-        ops.check_groups(np.asarray([1, 1, 1, -1]), 2)
+        check_groups(np.asarray([1, 1, 1, -1]), 2)
     with pytest.raises(ValueError, match="not groups"):
-        ops.check_groups(np.asarray([1, 1, 1]), 2)
+        check_groups(np.asarray([1, 1, 1]), 2)
 
 
 def test_row_plan_reads_each_rows_topk_from_the_union():
     topk = jnp.asarray([[5, 3, -1, 9], [3, 7, 5, -1], [-1, -1, -1, -1], [2, -1, -1, -1]], jnp.int32)
-    union = ops.union_topk(topk, 2)  # [[3, 5, 7, 9, -1...], [2, -1, ...]]
+    union = union_topk(topk, 2)  # [[3, 5, 7, 9, -1...], [2, -1, ...]]
     G, U = union.shape
     # a made-up union plan: 3 resident (page 10), 5 a hit (page 20 row 1), 7 a miss (page 20 row 2, host 4/7),
     # 9 invalid (no copy), 2 a miss (page 21 row 0, host 0/2)
@@ -72,8 +72,8 @@ def test_row_plan_reads_each_rows_topk_from_the_union():
     valid[0, :3], resident[0, 0], miss[0, 2] = True, True, True
     src_page[0, 2], src_row[0, :4] = 4, [3, 5, 7, 9]
     page[1, 0], row[1, 0], valid[1, 0], miss[1, 0], src_page[1, 0], src_row[1, 0] = 21, 0, True, True, 0, 2
-    up = ops.Plan(*(jnp.asarray(a) for a in (page, row, valid, resident, miss, src_page, src_row)))
-    p = ops.row_plan(up, union, topk, 2)
+    up = Plan(*(jnp.asarray(a) for a in (page, row, valid, resident, miss, src_page, src_row)))
+    p = row_plan(up, union, topk, 2)
     np.testing.assert_array_equal(np.asarray(p.valid), [[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]])
     np.testing.assert_array_equal(np.asarray(p.page), [[20, 10, 0, 0], [10, 20, 20, 0], [0] * 4, [21, 0, 0, 0]])
     np.testing.assert_array_equal(np.asarray(p.row), [[1, 3, 0, 0], [3, 2, 1, 0], [0] * 4, [0, 0, 0, 0]])
@@ -100,9 +100,9 @@ def test_union_resolve_matches_the_resolver_on_distinct_rows():
     from pallas_kernels.sparse_gather.reference import resolve_positions
 
     direct = resolve_positions(jnp.asarray(topk), req, *args, hot_rows=HR)
-    union = ops.union_topk(jnp.asarray(topk), 1)
+    union = union_topk(jnp.asarray(topk), 1)
     via = resolve_positions(union, req, *args, hot_rows=HR)
-    rp = ops.row_plan(ops.Plan(*via[:7]), union, jnp.asarray(topk), 1)
+    rp = row_plan(Plan(*via[:7]), union, jnp.asarray(topk), 1)
     for a, b in zip(direct[:7], rp):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -176,7 +176,7 @@ def _run(model, prefilled, cc, S, kernels="reference", steps=STEPS):
             tc.reserve(s, tc.lengths[s] + S)
         store = kv_device.apply_updates(store, tc)
         batch, wrote = _batch(tc, slots, S, rng)
-        ops.check_groups(np.asarray(batch["req"]), S)
+        check_groups(np.asarray(batch["req"]), S)
         lg, store, st = step(state, store, batch)
         for s, n in wrote.items():
             tc.advance([s], n)

@@ -1,12 +1,15 @@
 """The tiered paged KV store.
 
 Modules: `spec.py` (`StoreSpec`, the static geometry), `state.py` (`KVStore`, the arrays: device pools, pinned-host
-pools, tables), `ops.py` (the jitted store operations the decode step uses), `tiered.py` (the `TieredKV` backend
-and the decode-step entry points), `pool.py` (`PagePool`: page ids, refcounts, prefix registrations);
-the host bookkeeping `manager.py` (`TieredCache`, one class: admission, eviction and its coldness orders, swap,
-prefix sharing, checks) with `budget.py` (whether requests fit the limits at all, pure) — NumPy only; `updates.py` (what the bookkeeping asks of the device
-tables) and `device.py` (applying those updates to a `KVStore`; checked row writes and reads); `persist.py`
-(save / restore); `dense.py` (the contiguous all-resident KV arrays behind plain `generate`).
+pools, tables), the jitted store operations the decode step uses, one idea each: `codec.py` (value formats, host
+memory moves), `writes.py` (row writes), `scoring.py` (the indexer's top-k), `resolve.py` (top-k -> `Plan`, the
+hot buffer's victim order), `fetch.py` (misses host -> device, reads), `paging.py` (table changes, write-back,
+swap-in); `tiered.py` (the `TieredKV` backend and the decode-step entry points), `pool.py` (`PagePool`: page ids,
+refcounts, prefix registrations); the host bookkeeping `manager.py` (`TieredCache`, one class: admission,
+eviction and its coldness orders, swap, prefix sharing, checks) and `budget.py` (whether requests fit) — NumPy
+only; `updates.py` (what the bookkeeping asks of the device tables) and `device.py` (applying those updates to a
+`KVStore`; checked row writes and reads); `persist.py` (save / restore); `dense.py` (the contiguous all-resident KV
+arrays behind plain `generate`).
 
 Glossary (one word, one thing; where the code still uses a word for two things, the second meaning is named):
 
@@ -30,7 +33,7 @@ Glossary (one word, one thing; where the code still uses a word for two things, 
   whoever holds the `KVStore` (`device.apply_updates`) before the next device call.
 - resident-only (`TieredCache.resident_only`, `keep_resident` / `allow_eviction`): request slots whose pages must all
   stay resident (a prompt being written chunk by chunk). "Pinned" always means pinned host memory, the host tier.
-- plan: the resolver's per-row result (`ops.Plan`: page, row, valid, resident, miss, source); the engine's
+- plan: the resolver's per-row result (`resolve.Plan`: page, row, valid, resident, miss, source); the engine's
   scheduler has its own `StepPlan`.
 - coldness: which pages a request releases first ("oldest" or indexer-"recency").
 """

@@ -19,8 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax.kv import ops
+from hisparse_jax.kv import writes
+from hisparse_jax.kv.fetch import fetch_misses, gather_rows
 from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.paging import evict_pages, load_pages, set_tables
+from hisparse_jax.kv.resolve import resolve
 from hisparse_jax.kv.state import KVStore, init_store
 from hisparse_jax.kv.updates import ClearStamps, LoadPages, ReleasePages, SetTables
 
@@ -32,30 +35,30 @@ def new_store(manager: TieredCache, device=None) -> KVStore:
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _set_tables(store, req, block_row, host_row, index_row, seq_len, hot_row, hot_rows):
-    return ops.set_tables(store, req, block_row, host_row, index_row, seq_len, hot_row, hot_rows)
+    return set_tables(store, req, block_row, host_row, index_row, seq_len, hot_row, hot_rows)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _set_rows(store, slot, block_row, host_row, index_row, seq_len):
-    return ops._replace(store, block_table=store.block_table.at[slot].set(block_row),
-                        host_table=store.host_table.at[slot].set(host_row),
-                        index_table=store.index_table.at[slot].set(index_row),
-                        seq_lens=store.seq_lens.at[slot].set(seq_len))
+    return store.replace(block_table=store.block_table.at[slot].set(block_row),
+                         host_table=store.host_table.at[slot].set(host_row),
+                         index_table=store.index_table.at[slot].set(index_row),
+                         seq_lens=store.seq_lens.at[slot].set(seq_len))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _clear_page_stamps(store, req):
-    return ops._replace(store, page_stamp=store.page_stamp.at[req].set(-1))
+    return store.replace(page_stamp=store.page_stamp.at[req].set(-1))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _release(store, req, page_idx):
-    return ops.evict_pages(store.spec, store, req, page_idx)[0]
+    return evict_pages(store, req, page_idx)[0]
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _load_pages(store, hpages, dpages):
-    return ops.load_pages(store.spec, store, hpages, dpages)[0]
+    return load_pages(store, hpages, dpages)[0]
 
 
 def update_call(u) -> tuple[str, list]:
@@ -95,11 +98,11 @@ def reserve_next(store: KVStore, manager: TieredCache, slots, n: int = 1) -> KVS
 # ----- prompt rows ------------------------------------------------------------------------------
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _write_prefill(store, req, latent, rope, index_k, length, start, offset):
-    return ops.write_prefill(store.spec, store, req, latent, rope, index_k, length, start, offset)[0]
+    return writes.write_prefill(store, req, latent, rope, index_k, length, start, offset)[0]
 
 
 # The jitted one-store programs (store donated) by kind: the table updates (`update_call`) and "prefill"
-# (store, slot, latent, rope, index_k, length, start, offset), the rows of a prompt (`write_prefill`).
+# (store, slot, latent, rope, index_k, length, start, offset), the rows of a prompt (`writes.write_prefill`).
 STORE_PROGRAMS = {"rows": _set_rows, "tables": _set_tables, "stamps": _clear_page_stamps, "release": _release,
                   "load": _load_pages, "prefill": _write_prefill}
 
@@ -144,13 +147,13 @@ def _append_all(store, req, latent, rope, index_k):
     index_layer = 0
     for layer, kind in enumerate(_indexer_kinds(spec)):
         k = index_k[index_layer] if kind else None
-        store, _ = ops.append_rows(spec, store, layer, index_layer if kind else None, req, positions, latent[layer],
-                                   rope[layer], k)
+        store, _ = writes.append_rows(store, layer, index_layer if kind else None, req, positions, latent[layer],
+                                      rope[layer], k)
         index_layer += kind
     if spec.mirror_to_host:
-        store, _ = ops.mirror_rows(spec, store, req, positions)
+        store, _ = writes.mirror_rows(store, req, positions)
     seq_lens = store.seq_lens.at[jnp.where(req >= 0, req, spec.max_seqs)].add(1, mode="drop")
-    return ops._replace(store, seq_lens=seq_lens)
+    return store.replace(seq_lens=seq_lens)
 
 
 def append(store: KVStore, manager: TieredCache, slots, latent, rope, index_k) -> KVStore:
@@ -169,15 +172,15 @@ def _gather_all(store, req, topk):
     spec = store.spec
     lats, ropes, valid, total = [None] * spec.num_layers, [None] * spec.num_layers, None, 0
     for g, layers in enumerate(spec.groups):
-        plan, store = ops.resolve(spec, store, g, req, topk)
-        store, payload, _ = ops.fetch_misses(spec, store, layers[0], len(layers), plan)
+        plan, store = resolve(store, g, req, topk)
+        store, payload, _ = fetch_misses(store, layers[0], len(layers), plan)
         total = total + payload
         for layer in layers:
-            lats[layer], ropes[layer] = ops.gather_rows(spec, store, layer, plan)
+            lats[layer], ropes[layer] = gather_rows(store, layer, plan)
         # the next group's fetch updates the pools in place: its reads must come first, or XLA copies the pools
         store, lats, ropes = jax.lax.optimization_barrier((store, lats, ropes))
         valid = plan.valid
-    store = ops._replace(store, clock=store.clock + 1)
+    store = store.replace(clock=store.clock + 1)
     return store, jnp.stack(lats), jnp.stack(ropes), valid, total
 
 

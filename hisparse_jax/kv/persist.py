@@ -34,7 +34,7 @@ from hisparse_jax.config import CacheConfig, ModelConfig, RopeConfig
 from hisparse_jax.integrity import CheckpointError
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.manager import TieredCache
-from hisparse_jax.kv.ops import scored_keys
+from hisparse_jax.kv.codec import scored_keys
 from hisparse_jax.kv.pool import PagePool, PoolError, RequestPages
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.state import KVStore, from_host_bits, init_store, store_shardings
@@ -244,7 +244,7 @@ def written_rows(manager: TieredCache) -> dict[int, int]:
 
 def check_summaries(store: KVStore, manager: TieredCache, where: str, chunk_bytes: int = 64 << 20) -> None:
     """Refuse (`CheckpointError`, naming the first (layer, page)) a host-tier store whose page summaries
-    (`index_lo` / `index_hi`, bf16[LI, PI, dI]) do not bound, in every dimension, the scored keys (`ops.scored_keys`)
+    (`index_lo` / `index_hi`, bf16[LI, PI, dI]) do not bound, in every dimension, the scored keys (`codec.scored_keys`)
     of the rows written to the page (`written_rows`): exact mode would skip a page holding a top-k key. A NaN
     summary bound is accepted (the reader treats it as unbounded: the page is always read). No-op for device keys.
     Reads the key pool once, `chunk_bytes` of scored keys at a time."""

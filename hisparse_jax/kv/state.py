@@ -27,7 +27,7 @@ MP pages per request, G indexer groups, HR hot rows):
                                the key is written); the hot buffer's victims are its slots' lowest averages
     index_lo    bf16[LI, PI, dI] index_tier="host" only (else None): index_k / index_scale then live in pinned-host
     index_hi    bf16[LI, PI, dI] memory (as host-pool bits, `host_dtype`), and the device keeps per indexer page
-                               each dimension's min / max of the scored keys written to it (`ops.scored_keys`,
+                               each dimension's min / max of the scored keys written to it (`codec.scored_keys`,
                                rounded outward to `SUMMARY_DTYPE`), the summary `index_scores_host` bounds the
                                page's scores with
 
@@ -49,7 +49,7 @@ from jax.sharding import SingleDeviceSharding
 from hisparse_jax.memory import abstract
 
 from hisparse_jax.kv.account import check_store_memory, store_layout
-from hisparse_jax.kv.spec import FP8_BLOCK, MXFP4_BLOCK, SUMMARY_DTYPE, StoreSpec  # noqa: F401  (re-exported)
+from hisparse_jax.kv.spec import StoreSpec
 
 
 # ----- host pool storage: floats narrower than 32 bits are kept as their bit patterns ------------------------
@@ -110,6 +110,26 @@ class KVStore:
     index_lo: jax.Array | None = None
     index_hi: jax.Array | None = None
     spec: StoreSpec | None = dataclasses.field(default=None, metadata={"static": True})
+
+    def replace(self, **fields) -> "KVStore":
+        """This store with `fields` replaced (a new pytree; the arrays not named are shared)."""
+        return dataclasses.replace(self, **fields)
+
+    def device_pools(self) -> tuple:
+        """The device KV pools that exist, in one order: (latent, rope[, latent_scale])."""
+        return tuple(p for p in (self.latent, self.rope, self.latent_scale) if p is not None)
+
+    def host_pools(self) -> tuple:
+        """The pinned-host KV pools that exist, in `device_pools`' order: (h_latent, h_rope[, h_latent_scale])."""
+        return tuple(p for p in (self.h_latent, self.h_rope, self.h_latent_scale) if p is not None)
+
+    def with_device_pools(self, pools) -> "KVStore":
+        """This store with its device KV pools replaced by `pools` (`device_pools`' order)."""
+        return self.replace(**dict(zip(("latent", "rope", "latent_scale"), pools)))
+
+    def with_host_pools(self, hosts) -> "KVStore":
+        """This store with its pinned-host KV pools replaced by `hosts` (`host_pools`' order)."""
+        return self.replace(**dict(zip(("h_latent", "h_rope", "h_latent_scale"), hosts)))
 
 
 def host_sharding(device=None) -> SingleDeviceSharding:

@@ -11,7 +11,7 @@ Shared-index layers replay their leader's plan. The host must have reserved the 
 
 Several query rows per request (speculative verification, `TieredKV(rows_per_request=S)`): the batch is groups of S
 consecutive rows of one request (or idle), and each indexer group resolves once per request over the union of
-its rows' top-k (`ops.union_topk` / `ops.row_plan`): each distinct missing row is fetched once, no row evicts a
+its rows' top-k (`resolve.union_topk` / `resolve.row_plan`): each distinct missing row is fetched once, no row evicts a
 hot slot another row of the step reads, and each row attends over its own top-k, in its own order.
 
 Stats (per step, int32 arrays): resident / hits / misses [L] (distinct rows read per layer and request by each
@@ -32,7 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax.kv import ops
+from hisparse_jax.kv.fetch import fetch_misses, gather_rows
+from hisparse_jax.kv.resolve import Plan, group_req, resolve, row_plan, union_topk, update_index_ema
+from hisparse_jax.kv.scoring import index_scores_paged, index_select_read, pad_topk, topk_of_scores
+from hisparse_jax.kv.writes import append_rows
 from hisparse_jax.kv.state import StoreSpec
 from hisparse_jax.units import PAGE_SIZE
 from pallas_kernels.sparse_mla_decode.reference import (merge_partial_attention, sparse_mla_decode_rows,
@@ -142,10 +145,10 @@ def check_backend(spec: StoreSpec, kernels: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class TieredKV:
     """`KVBackend` over a `KVStore`. The carry threaded through the model (`kv`) is `init_kv(store, req)`:
-    {"store": KVStore, "req": int32[B], "plan": ops.Plan, "plan_counts": 4 x int32[], "stats": dict}; a group's
+    {"store": KVStore, "req": int32[B], "plan": resolve.Plan, "plan_counts": 4 x int32[], "stats": dict}; a group's
     leader writes its plan and its resident / hit / miss / row-miss counts there, which the group's shared-index
     layers read (and count again). With hot_policy="score_ema" a leader's `select` also folds its scores into the
-    store's `index_ema` (`ops.update_index_ema`), which its `attend`'s resolve orders the hot slots by.
+    store's `index_ema` (`resolve.update_index_ema`), which its `attend`'s resolve orders the hot slots by.
 
     kernels: "reference" (jnp ops), or one of the Pallas choices of `check_kernels`: the indexer top-k, the fused
     resolver and the sparse MLA decode run as Pallas kernels (`pallas_kernels`), the decode and the indexer's scores
@@ -154,10 +157,10 @@ class TieredKV:
     rows_per_request: S, the query rows of one request in a step (speculative verification: k + 1). The batch's
     B rows are then B/S groups of S consecutive rows, each group's rows at the positions of one request (n..n+k)
     or idle (req -1); a group's request is that of its live rows. Rows of one group naming different live
-    requests, or a request in two groups, are a caller bug (not detected inside jit; `ops.check_groups` checks a
-    batch on the host). Each indexer group's leader resolves the union of a group's top-k once (`ops.union_topk`,
+    requests, or a request in two groups, are a caller bug (not detected inside jit; `resolve.check_groups` checks a
+    batch on the host). Each indexer group's leader resolves the union of a group's top-k once (`resolve.union_topk`,
     one resolver call over [B/S, S*K]), fetches its distinct misses once, and gives each row its own plan
-    (`ops.row_plan`), so every attention path reads exactly that row's top-k, in its order. Needs
+    (`resolve.row_plan`), so every attention path reads exactly that row's top-k, in its order. Needs
     hot_rows >= S * K (a step may miss every row of the union)."""
 
     spec: StoreSpec
@@ -170,7 +173,7 @@ class TieredKV:
         S = self.rows_per_request
         if not isinstance(S, int) or isinstance(S, bool) or S < 1:
             raise ValueError(f"rows_per_request must be an int >= 1, got {S!r}")
-        K = min(self.spec.topk, self.spec.max_pages * 64)  # the step's top-k width (`ops.pad_topk`)
+        K = min(self.spec.topk, self.spec.max_pages * 64)  # the step's top-k width (`scoring.pad_topk`)
         if self.spec.hot_rows < S * K:
             raise ValueError(f"hot_rows ({self.spec.hot_rows}) must be >= rows_per_request ({S}) x topk ({K}) = "
                              f"{S * K}: one step resolves the union of a request's {S} rows' top-k and may miss "
@@ -189,14 +192,14 @@ class TieredKV:
         B, K = req.shape[0], min(self.spec.topk, self.spec.max_pages * 64)
         zeros = jnp.zeros((B, K), jnp.int32)
         no = jnp.zeros((B, K), bool)
-        plan = ops.Plan(page=zeros, row=zeros, valid=no, resident=no, miss=no, src_page=zeros, src_row=zeros)
+        plan = Plan(page=zeros, row=zeros, valid=no, resident=no, miss=no, src_page=zeros, src_row=zeros)
         count = jnp.zeros((), jnp.int32)
         return {"store": store, "req": req, "plan": plan, "plan_counts": (count,) * 4,
                 "stats": empty_stats(self.spec)}
 
     def append(self, kv, ids, positions, c, k_rope, k_index):
-        store, dropped = ops.append_rows(self.spec, kv["store"], ids.layer, ids.index if ids.owns_index else None,
-                                         kv["req"], positions, c, k_rope, k_index)
+        store, dropped = append_rows(kv["store"], ids.layer, ids.index if ids.owns_index else None, kv["req"],
+                                     positions, c, k_rope, k_index)
         stats = dict(kv["stats"], append_dropped=kv["stats"]["append_dropped"] + dropped)
         return dict(kv, store=store, stats=stats)
 
@@ -205,15 +208,15 @@ class TieredKV:
         if self.spec.hot_policy == "score_ema":
             # every position's score, for its moving average (the Pallas indexer keeps its scores to itself: with
             # it this is one more scoring pass over the keys)
-            scores, valid, pages = ops.index_scores_paged(self.spec, kv["store"], index_layer, kv["req"], positions,
-                                                          q_index, w, self.index_pages)
-            kv = dict(kv, store=ops.update_index_ema(self.spec, kv["store"], index_layer, kv["req"], scores, valid,
-                                                     pages, self.rows_per_request))
+            scores, valid, pages = index_scores_paged(kv["store"], index_layer, kv["req"], positions, q_index, w,
+                                                      self.index_pages)
+            kv = dict(kv, store=update_index_ema(kv["store"], index_layer, kv["req"], scores, valid, pages,
+                                                 self.rows_per_request))
             if not self._pallas:
-                return ops.topk_of_scores(self.spec, scores, valid), kv
+                return topk_of_scores(self.spec, scores, valid), kv
         if not self._pallas:
-            topk, read = ops.index_select_read(self.spec, kv["store"], index_layer, kv["req"], positions, q_index, w,
-                                               self.index_pages)
+            topk, read = index_select_read(kv["store"], index_layer, kv["req"], positions, q_index, w,
+                                           self.index_pages)
             return topk, dict(kv, stats=dict(kv["stats"], index_h2d_pages=kv["stats"]["index_h2d_pages"] + read))
         from pallas_kernels import indexer_topk
 
@@ -232,7 +235,7 @@ class TieredKV:
             topk = _outside_this_program(select, out, *args)
         else:
             topk = select(*args)
-        return ops.pad_topk(spec, topk[:, :min(spec.topk, table.shape[1] * 64)]), kv
+        return pad_topk(spec, topk[:, :min(spec.topk, table.shape[1] * 64)]), kv
 
     def attend(self, kv, ids, topk, q_lat, q_rope, tau):
         spec = self.spec
@@ -243,7 +246,7 @@ class TieredKV:
             plan, fetch_plan, store = self._resolve(store, g, kv["req"], topk)
             if split:  # the rows already on the device, read before the fetch: nothing waits for the copy
                 on_device = self._attend_part(store, layer, plan, plan.valid & ~plan.miss, q_lat, q_rope, tau)
-            store, payload, transfer = ops.fetch_misses(spec, store, layer, ids.group_size, fetch_plan)
+            store, payload, transfer = fetch_misses(store, layer, ids.group_size, fetch_plan)
             stats["h2d_rows"] = stats["h2d_rows"] + payload
             stats["h2d_transfer_rows"] = stats["h2d_transfer_rows"] + transfer
             count = lambda m: jnp.sum(m).astype(jnp.int32)  # noqa: E731
@@ -279,7 +282,7 @@ class TieredKV:
                 o_lat = decode(*args)
             o_lat = o_lat.astype(jnp.float32)
         else:
-            rows_c, rows_r = jax.lax.optimization_barrier(ops.gather_rows(spec, store, layer, plan))
+            rows_c, rows_r = jax.lax.optimization_barrier(gather_rows(store, layer, plan))
             o_lat = sparse_mla_decode_rows(q_lat, q_rope, rows_c, rows_r, plan.valid, tau)
         for name, n in zip(("resident", "hits", "misses", "row_misses"), counts):
             stats[name] = stats[name].at[layer].add(n)
@@ -289,24 +292,24 @@ class TieredKV:
         """Resolve indexer group g's top-k [B, K]: (each row's plan [B, K], the plan to fetch, store). One row per
         request: both are the resolver's plan. S rows per request: the fetch plan is the union's ([B/S, S*K], each
         distinct position of a request once) and each row's plan is looked up in it."""
-        spec, S = self.spec, self.rows_per_request
+        S = self.rows_per_request
         if S == 1:
-            plan, store = ops.resolve(spec, store, g, req, topk, resolver=self._resolver())
+            plan, store = resolve(store, g, req, topk, resolver=self._resolver())
             return plan, plan, store
         if req.shape[0] % S:
             raise ValueError(f"a batch of {req.shape[0]} rows is not groups of rows_per_request={S} rows")
         topk = jnp.where((req >= 0)[:, None], topk, -1)  # idle rows of a live group select nothing
-        union = ops.union_topk(topk, S)
-        union_plan, store = ops.resolve(spec, store, g, ops.group_req(req, S), union, resolver=self._resolver())
-        return ops.row_plan(union_plan, union, topk, S), union_plan, store
+        union = union_topk(topk, S)
+        union_plan, store = resolve(store, g, group_req(req, S), union, resolver=self._resolver())
+        return row_plan(union_plan, union, topk, S), union_plan, store
 
     def _attend_part(self, store, layer, plan, valid, q_lat, q_rope, tau):
         """(o_lat, lse) of the attention over the selected rows in `valid` (a subset of `plan.valid`)."""
-        rows_c, rows_r = jax.lax.optimization_barrier(ops.gather_rows(self.spec, store, layer, plan))
+        rows_c, rows_r = jax.lax.optimization_barrier(gather_rows(store, layer, plan))
         return sparse_mla_decode_rows_lse(q_lat, q_rope, rows_c, rows_r, valid, tau)
 
     def _resolver(self):
-        """The resolver rule's implementation for `ops.resolve`: None (its jnp spec) or the Pallas kernel."""
+        """The resolver rule's implementation for `resolve.resolve`: None (its jnp spec) or the Pallas kernel."""
         if not self._pallas:
             return None
         from pallas_kernels import sparse_gather

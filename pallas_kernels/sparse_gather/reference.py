@@ -1,7 +1,7 @@
 """The spec of the fused HiSparse resolver for one indexer group (pure jnp): the one resolver rule.
 
 `resolve_positions` is the rule; `sparse_gather_reference` is it behind the kernel's checked, jitted
-signature; the Pallas kernel reproduces it bit for bit; `hisparse_jax.kv.ops.resolve` calls it (or the
+signature; the Pallas kernel reproduces it bit for bit; `hisparse_jax.kv.resolve.resolve` calls it (or the
 kernel) and records the result in the store.
 
 Shapes: B decode rows, K top-k slots, Rq request slots, MP pages per request, NH hot pages per request,
@@ -12,7 +12,7 @@ A request has a hot buffer when every page its HR slots live on is lent: hot_pag
 
 LRU state. hot_stamp[r, j] records the step that last touched slot j: 2 * clock when a miss of that step
 claimed it, 2 * clock + 1 when the step hit it (-1 = never since the request was admitted: `init_store`,
-`ops.set_tables`). The order a step reads (the "previous order", least recent first) is the (key, slot)
+`kv.paging.set_tables`). The order a step reads (the "previous order", least recent first) is the (key, slot)
 order with key = max(hot_stamp, -1): never-used slots first, then older steps, within a step the claimed
 slots before the hit ones, ties in slot order. Only the touched slots are written, so a step writes O(K)
 stamps whatever HR is, and the values never need renormalizing: the store's clock counts decode steps and
@@ -49,8 +49,9 @@ writes per request); the stamps write O(K) and give the same hit rates on the pr
 Other victim orders. The rule reads hot_stamp only as the key of the (key, slot) order and writes it only at the
 touched slots, so a caller may pass any int32 keys in [-1, STAMP_MARK) instead of stamps (and discard the stamps
 written): the victims are then the m lowest (key, slot) among the slots not hit, as above. The store's
-hot_policy="score_ema" does this with the held positions' averaged indexer scores (`hisparse_jax.kv.ops.resolve`); the
-kernel's selection is exact for any such keys (radix passes beyond the steady-state window).
+hot_policy="score_ema" does this with the held positions' averaged indexer scores
+(`hisparse_jax.kv.resolve.resolve`); the kernel's selection is exact for any such keys (radix passes beyond the
+steady-state window).
 
 Live rows must name distinct requests. hot_rows >= K, so every miss finds a slot.
 """
