@@ -95,7 +95,7 @@ def demo_schedule(devices: int, repeat: bool, policy: str = "hisparse", admissio
     from hisparse_jax import checkpoints
     from hisparse_jax.hf_config import from_hf_config
     from hisparse_jax.demo_workload import PROMPT_TOPKS, budgets
-    from hisparse_jax.engine.engine import device_budget
+    from hisparse_jax.engine import EngineConfig, SamplingParams, device_budget
     from hisparse_jax.engine.fake_compute import FakeEngine
     from hisparse_jax.train import data
 
@@ -108,8 +108,8 @@ def demo_schedule(devices: int, repeat: bool, policy: str = "hisparse", admissio
     max_len = max(len(p) for p in prompts) + new_tokens
     base, device_bytes = budgets(cfg, requests, max_len, 3.5)
     cc = device_budget(cfg, base, device_bytes, policy, max_running=requests, max_len=max_len, prefill="whole")
-    ranks = [FakeEngine(cfg, cc, policy=policy, prefill="whole", max_running=requests, prefill_chunk=240,
-                        admission=admission) for _ in range(devices)]
+    config = EngineConfig(policy=policy, prefill="whole", max_running=requests, prefill_chunk=240, admission=admission)
+    ranks = [FakeEngine(cfg, cc, config) for _ in range(devices)]
 
     def place(prompt):  # `MeshEngine.place`, "balanced"
         def key(r):
@@ -119,7 +119,7 @@ def demo_schedule(devices: int, repeat: bool, policy: str = "hisparse", admissio
         return min(range(devices), key=key)
 
     for i, p in enumerate(prompts):
-        ranks[place(p)].add_request(f"r{i}", p, new_tokens)
+        ranks[place(p)].add_request(f"r{i}", p, SamplingParams(max_new_tokens=new_tokens))
     running = [[] for _ in ranks]
     longest_stall, streak, raised = [0] * devices, [{} for _ in ranks], [0] * devices
     preemptions = swaps = 0

@@ -21,7 +21,8 @@ from flax import nnx
 
 from hisparse_jax import parallel
 from hisparse_jax.config import CacheConfig
-from hisparse_jax.engine.runner import (Runner, bucket_pow2, check_prefill_memory, jitted_dense_decode,
+from hisparse_jax.engine.batch import bucket_pow2, pad
+from hisparse_jax.engine.runner import (Runner, check_prefill_memory, jitted_dense_decode,
                                         jitted_prefill, jitted_sharded_step, sampler)
 from hisparse_jax.engine.sampling import prompt_seeds
 from hisparse_jax.kv import device as kv_device
@@ -202,7 +203,7 @@ def _generate_tiered(model, prompts, cache, kernels, run, return_stats):
     store = kv_device.new_store(manager)
     store, slots, first = runner.admit_prompts(store, manager, prompts)
     B = bucket_pow2(n)
-    req = jnp.asarray(slots + [-1] * (B - n), jnp.int32)
+    req = jnp.asarray(pad({"req": slots}, B)["req"])  # idle rows past the n prompts
     totals = None
 
     def decode(tokens, pos):
@@ -252,11 +253,11 @@ def _generate_mesh(model, prompts, cache, kernels, mesh, run, return_stats):
         for r, s in got.items():
             slots[r].append(s)
     B = bucket_pow2(n)
-    req = np.full((N, Bl), -1, np.int32)
+    req = np.stack([pad({"req": ss}, Bl)["req"] for ss in slots])  # each rank's slots, then idle rows
     where = np.zeros(n, np.int64)  # prompt i's row in the flattened [N * Bl] step batch
     for r, idx in enumerate(placed):
         for k, i in enumerate(idx):
-            req[r, k], where[i] = slots[r][k], r * Bl + k
+            where[i] = r * Bl + k
     step = jitted_sharded_step(runner.graphdef, mesh, kernels)
     state = parallel.replicate(runner.state, mesh)
     totals = None

@@ -96,20 +96,18 @@ def test_offload_refuses_a_request_whose_keys_never_fit_the_device():
     """Under "vllm" offload's key pool grows to hold the swapped requests' keys; the device's share stays the
     CacheConfig's index_pages, and a request longer than that is refused at the door, not left waiting."""
     cc = CacheConfig(kv_dtype="float32", device_pages=8, index_pages=3, host_pages=16, max_seq_len=512)
-    eng = FakeEngine(liveness_model(), cc, policy="offload", max_running=2, admission="vllm")
+    eng = FakeEngine(liveness_model(), cc, EngineConfig(policy="offload", max_running=2, admission="vllm"))
     assert eng.manager.budget.index_pages == 16 and eng.scheduler.device_keys == 3
     with pytest.raises(BudgetError, match="index_pages is too small.* 4 indexer pages .*index_pages is 3, 1 short"):
-        eng.add_request("a", [1] * 200, 40)
-    eng.add_request("b", [1] * 100, 40)
+        eng.add_request("a", [1] * 200, SamplingParams(max_new_tokens=40))
+    eng.add_request("b", [1] * 100, SamplingParams(max_new_tokens=40))
 
 
 def _schedule(w):
     """Each step's plan of `w` on a FakeEngine, as comparable tuples, and the outputs."""
-    eng = FakeEngine(liveness_model(), w.cache_config(), policy=w.policy, prefill=w.prefill,
-                     max_running=w.max_running, prefill_chunk=w.prefill_chunk, prefix_caching=w.prefix_caching,
-                     admission=w.admission)
+    eng = FakeEngine(liveness_model(), w.cache_config(), w.engine_config())
     for i, (_, p, n, _) in enumerate(w.requests):
-        eng.add_request(f"r{i}", list(p), n, seed=i)
+        eng.add_request(f"r{i}", list(p), SamplingParams(max_new_tokens=n, seed=i))
     plans = []
     while eng.has_unfinished():
         s = eng.step()

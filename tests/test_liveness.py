@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from hisparse_jax.config import CacheConfig
-from hisparse_jax.engine.engine import summarize
-from hisparse_jax.engine.fake_compute import FakeEngine, Workload, liveness_model, run_workload
-from hisparse_jax.engine.mesh import combine_steps
-from hisparse_jax.engine.request import RequestState
+from hisparse_jax.engine.fake_compute import FakeEngine, Workload, fake_token, liveness_model, run_workload
+from hisparse_jax.engine.metrics import combine_steps, summarize
+from hisparse_jax.engine.engine import Engine, EngineConfig
+from hisparse_jax.engine.request import RequestState, SamplingParams
 from hisparse_jax.engine import scheduler
 from hisparse_jax.engine.scheduler import ADMISSIONS, POLICIES, PREFILL_MODES
 from hisparse_jax.results import StepMetrics
@@ -35,12 +35,13 @@ def starvation_case(device_pages: int = 20):
     doc = rng.integers(1, VOCAB, 1024).tolist()
     eng = FakeEngine(liveness_model(), CacheConfig(kv_dtype="float32", device_pages=device_pages, host_pages=200,
                                                    max_seq_len=1024, hot_rows=64),
-                     policy="hisparse", prefill="whole", max_running=8, prefill_chunk=64)
-    eng.add_request("first", doc[:300], 100)
+                     EngineConfig(policy="hisparse", prefill="whole", max_running=8, prefill_chunk=64))
+    new = SamplingParams(max_new_tokens=100)
+    eng.add_request("first", doc[:300], new)
     eng.step()  # `first` written and registered: its 4 full pages can be shared
-    eng.add_request("shares", doc[:700], 100)
+    eng.add_request("shares", doc[:700], new)
     for i in range(5):
-        eng.add_request(f"other{i}", rng.integers(1, VOCAB, 250).tolist(), 100)
+        eng.add_request(f"other{i}", rng.integers(1, VOCAB, 250).tolist(), new)
     return eng
 
 
@@ -88,6 +89,19 @@ def test_wait_reasons_are_named_and_counted():
         for k, v in s.plan.wait_reasons().items():
             seen[k] = seen.get(k, 0) + v
     assert seen.get("device_budget") and seen.get("queued")
+
+
+def test_the_fake_engine_runs_the_engines_own_step():
+    """Only the model call is replaced: schedule, batch and commit are `Engine`'s methods, not copies, and a step's
+    tokens are the (seed, position) function at the positions the engine's batch gives."""
+    for name in ("begin_step", "call_model", "finish_step", "add_request", "_commit_tokens", "_prefill_whole"):
+        assert getattr(FakeEngine, name) is getattr(Engine, name), name
+    eng = starvation_case()
+    while eng.has_unfinished():
+        eng.step()
+    r = eng.requests["first"]
+    assert r.output == [fake_token(0, len(r.prompt) + i, VOCAB) for i in range(100)]
+    assert eng.metrics().tokens == 700 and eng.pool_empty()
 
 
 def _step_metrics(step: int, waits: dict) -> StepMetrics:

@@ -24,9 +24,9 @@ Glossary:
   arrives as a file; written into the store at admission instead of computed.
 """
 
-from hisparse_jax.engine.engine import Engine, EngineConfig, device_budget
+from hisparse_jax.engine.engine import Engine, EngineConfig
 from hisparse_jax.engine.mesh import MeshEngine
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
-from hisparse_jax.engine.scheduler import POLICIES
+from hisparse_jax.engine.scheduler import POLICIES, device_budget
 
 __all__ = ["Engine", "EngineConfig", "MeshEngine", "device_budget", "Request", "RequestState", "SamplingParams", "POLICIES"]

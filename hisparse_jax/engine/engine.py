@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax.config import MAX_SPECULATIVE_TOKENS, CacheConfig
+from hisparse_jax.engine.batch import SAMPLING_PAD, StepRows, pad
+from hisparse_jax.engine.metrics import step_metrics, summarize
 from hisparse_jax.engine.pd import IMPORT_CHUNK, PrefillExport, check_export, load_export
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
 from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, check_admission, pages, policy_cache
@@ -36,11 +38,10 @@ from hisparse_jax.kv.manager import COLDNESS, TieredCache
 from hisparse_jax.kv import device as kv_device, tiered
 from hisparse_jax.kv.account import check_store_memory
 from hisparse_jax.kv.state import StoreSpec
-from hisparse_jax.engine.runner import TRACE_COUNTS, Runner, sampler
+from hisparse_jax.engine.runner import TRACE_COUNTS, Runner
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.results import EngineMetrics, StepMetrics
 from hisparse_jax.engine import speculative
-from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.validation import check_eos, check_int, check_prompt
 
 
@@ -194,19 +195,26 @@ class Engine:
         """store_owner(manager) -> the object that holds this engine's KVStore (`OneStore`, or a rank of a
         `MeshEngine`'s stacked store)."""
         check_engine_args(model, cache, config)
-        self.model, self.config = model, config
         # the device side: the model split once, the kernels ("pallas" needs a GPU backend: refused here, never a
         # silent fallback), one jitted decode-and-sample call per step
-        self.runner = Runner(model, kernels=config.kernels)
-        self.k = config.speculative_tokens
-        if self.k and not len(getattr(model, "mtp", None) or ()):
-            raise ValueError(f"speculative_tokens={self.k} needs the model's MTP layer: build it with "
+        runner = Runner(model, kernels=config.kernels)
+        k = config.speculative_tokens
+        if k and not len(getattr(model, "mtp", None) or ()):
+            raise ValueError(f"speculative_tokens={k} needs the model's MTP layer: build it with "
                              "SparseMLAModel(cfg, mtp=True) or load_pretrained(path, mtp=True)")
+        # the store, its bookkeeping and the largest step's temporaries, before any of them exists
+        shape = policy_cache(cache, config.policy, config.max_running, k, config.admission)
+        check_store_memory(StoreSpec.create(model.cfg, shape), step_rows=config.max_step_rows)
+        self.model = model
+        self._build(runner, cache, config, store_owner)
+
+    def _build(self, runner, cache: CacheConfig, config: EngineConfig, store_owner) -> None:
+        """The engine's parts around `runner` (what runs the model: a `Runner`, or `fake_compute.FakeRunner`):
+        the bookkeeping sized by `cache` under the policy, the store seam, the scheduler, the request table."""
+        self.runner, self.config, self.k = runner, config, config.speculative_tokens
         device_keys = cache.num_index_pages  # the device's key budget (offload under "vllm" grows the pool)
         cache = policy_cache(cache, config.policy, config.max_running, self.k, config.admission)
-        # the store, its bookkeeping and the largest step's temporaries, before any of them exists
-        check_store_memory(StoreSpec.create(model.cfg, cache), step_rows=config.max_step_rows)
-        self.manager = TieredCache(model.cfg, cache, victim_order=COLDNESS[config.coldness])
+        self.manager = TieredCache(runner.cfg, cache, victim_order=COLDNESS[config.coldness])
         tiered.check_backend(self.manager.spec, config.kernels)
         self.manager.partial_eviction = config.policy == "hisparse"
         self.manager.prefix_caching = config.prefix_caching
@@ -244,7 +252,7 @@ class Engine:
         return self._add(request_id, prompt, params)
 
     def _add(self, request_id: str, prompt, params: SamplingParams, imported=None) -> Request:
-        cfg = self.model.cfg
+        cfg = self.runner.cfg
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
@@ -313,10 +321,13 @@ class Engine:
         step. If the batched call (or the sampling after it) raises, nothing of it is committed: lengths,
         outputs and prompt progress are as before, the exception propagates and `step()` can be called again —
         unless the call consumed the store it was given (donated buffers), after which every step refuses."""
-        work = self.begin_step()
-        if work.batch is not None:
-            work.out = self._device_call(self.runner.step, work.batch, work.sampling, work.n_emit)
-        return self.finish_step(work)
+        return self.finish_step(self.call_model(self.begin_step()))
+
+    def call_model(self, w: StepWork) -> StepWork:
+        """The step's one batched call on `w.batch` (none: nothing to run), its `StepOutput` into `w.out`."""
+        if w.batch is not None:
+            w.out = self._device_call(self.runner.step, w.batch, w.sampling, w.n_emit)
+        return w
 
     def begin_step(self) -> StepWork:
         """The host half of a step before its batched call: schedule, each request's own checks, whole-prompt
@@ -352,43 +363,33 @@ class Engine:
                 emit_logits.append((lg, r))
         if emit_logits:
             rs = [r for _, r in emit_logits]
-            w.new_tokens += self._commit_tokens(rs, self._sample(jnp.stack([lg for lg, _ in emit_logits]), rs))
+            w.new_tokens += self._commit_tokens(rs, self._sample([lg for lg, _ in emit_logits], rs))
         if self.k and plan.decode:  # speculative: verify + accept + draft (prompts are prefilled whole)
             w.speculative = True
             return w
         # 3. the batch of one call: every decode row and this step's prompt chunks
-        rows_tok, rows_req, rows_pos, emit = [], [], [], w.emit
+        rows = StepRows()
         for r in plan.decode:
-            emit.append((len(rows_tok), r))
-            rows_tok.append(r.output[-1])
-            rows_req.append(r.slot)
-            rows_pos.append(len(r.prompt) + len(r.output) - 1)
+            rows.add(r.slot, [r.output[-1]], len(r.prompt) + len(r.output) - 1, emit=self._sampling_row(r))
+            w.emit.append(r)
         for r, start, n in plan.prefill:
-            rows_tok += r.kv_tokens[start:start + n]
-            rows_req += [r.slot] * n
-            rows_pos += list(range(start, start + n))
             w.prefill_tokens += n
             w.recomputed_tokens += n if r.preemptions else 0  # (a victim is always running: its KV was computed)
-            if start + n == len(r.kv_tokens):
-                w.completed.append(r)  # its last chunk is in this batch
-                if not r.output:
-                    emit.append((len(rows_tok) - 1, r))
-        if rows_tok:
-            B = max(self.config.min_bucket, 1 << (len(rows_tok) - 1).bit_length())
-            pad = B - len(rows_tok)
-            w.batch = {"tokens": np.asarray(rows_tok + [0] * pad, np.int32),
-                       "req": np.asarray(rows_req + [-1] * pad, np.int32),
-                       "pos": np.asarray(rows_pos + [-1] * pad, np.int32),
-                       # the indexer scores pages up to the batch's longest sequence (a power-of-two bucket)
-                       "index_span": tiered.index_span(self.manager.spec, max(rows_pos) + 1)}
-            w.sampling, w.n_emit = self._sampling(emit, B), len(emit)
+            last = start + n == len(r.kv_tokens)  # its last chunk is in this batch
+            if last:
+                w.completed.append(r)
+            emit = self._sampling_row(r) if last and not r.output else None
+            rows.add(r.slot, r.kv_tokens[start:start + n], start, emit=emit)
+            if emit is not None:
+                w.emit.append(r)
+        if len(rows):
+            w.batch, w.sampling, w.n_emit = rows.build(self.manager.spec, self.config.min_bucket)
         return w
 
     def finish_step(self, w: StepWork) -> StepMetrics:
         """The host half of a step after its batched call (`w.out`): commit lengths, prompt progress and tokens,
         apply the releases decided at commit, record the step's metrics."""
-        plan, sched = w.plan, self.scheduler
-        new_tokens, prefill_tokens = w.new_tokens, w.prefill_tokens
+        plan, new_tokens = w.plan, w.new_tokens
         stats, B, index_pages, drafted, accepted, decode_tokens = {}, 0, 0, 0, 0, 0
         if w.speculative:
             B, index_pages, stats, decode_tokens, drafted, accepted = self._speculative_step(plan.decode)
@@ -406,33 +407,13 @@ class Engine:
                 r.state = RequestState.RUNNING
             self.manager.advance([r.slot for r in plan.decode])
             decode_tokens = len(plan.decode)
-            new_tokens += self._commit_tokens([r for _, r in w.emit], toks)
+            new_tokens += self._commit_tokens(w.emit, toks)
         if self.manager.updates:  # releases decided at commit: the store matches the manager between steps
             self.stores.apply_updates(self.manager)
         if self.config.check_invariants:
             self.stores.check_tables(self.manager)
-        dt = time.perf_counter() - w.t0
-        st = stats
-        m = StepMetrics(**{
-            "step": self.step_count, "running": len(plan.decode),
-            "admitted": len(sched.active), "prefilling": sum(r.state is RequestState.PREFILLING for r in sched.active),
-            "swapped": sum(r.state is RequestState.SWAPPED for r in sched.active), "waiting": len(sched.waiting),
-            "preemptions": len(plan.preempted), "swaps_out": len(plan.swapped_out),
-            "swaps_in": len(plan.swapped_in), "tokens": new_tokens, "prefill_tokens": prefill_tokens,
-            "cached_tokens": plan.cached_tokens, "failed": len(w.failed), "bucket": B,
-            "index_pages": index_pages, "decode_tokens": decode_tokens, "drafted": drafted, "accepted": accepted,
-            "duplicate_misses": st.get("row_misses", 0) - st.get("misses", 0),
-            "hits": st.get("hits", 0), "misses": st.get("misses", 0), "resident": st.get("resident", 0),
-            "h2d_bytes": st.get("h2d_bytes", 0), "d2h_bytes": st.get("d2h_bytes", 0),
-            "index_h2d_bytes": st.get("index_h2d_bytes", 0),
-            "device_pages_used": self.manager.pool.num_used("device"), "step_time_s": dt,
-            "compiled": TRACE_COUNTS["decode_step"] > w.traces, "wait_reasons": plan.wait_reasons(),
-            "recomputed_tokens": w.recomputed_tokens,
-            "preempted_waiting": sum(1 for r in sched.waiting if r.preemptions),
-            "swap_out_pages": plan.swap_out_pages, "swap_in_pages": plan.swap_in_pages,
-            "swap_out_bytes": self._swap_bytes(plan.swap_out_pages, plan.swap_out_keys),
-            "swap_in_bytes": self._swap_bytes(plan.swap_in_pages, plan.swap_in_keys),
-        })
+        m = step_metrics(self, w, bucket=B, index_pages=index_pages, stats=stats, new_tokens=new_tokens,
+                         decode_tokens=decode_tokens, drafted=drafted, accepted=accepted)
         self.history.append(m)
         if self._log:
             self._log.write(json.dumps(m.to_json()) + "\n")
@@ -440,19 +421,14 @@ class Engine:
         self.step_count += 1
         return m
 
-    def _swap_bytes(self, kv_pages: int, key_pages: int) -> int:
-        """Bytes of `kv_pages` KV pages (every layer) and `key_pages` indexer pages (every indexer layer)."""
-        spec = self.manager.spec
-        key_page = int(PAGE_SIZE * spec.num_index_layers * spec.index_row_bytes)
-        return kv_pages * self.manager.all_layers_page_bytes + key_pages * key_page
-
     def _device_call(self, fn, *args):
         """The step's one batched call `fn(spec, store, *args, read_page_stamps=...)` (`Runner.step` or
         `Runner.speculative_step`) on the store with this step's table decisions applied; its output's store becomes
         the engine's. If it raises, nothing is committed (a consumed, donated store is remembered)."""
         store = self.store
         try:
-            store = self.store = kv_device.apply_updates(store, self.manager)  # this step's table decisions
+            self.stores.apply_updates(self.manager)  # this step's table decisions
+            store = self.store
             out = fn(self.manager.spec, store, *args, read_page_stamps=self.manager.needs_page_stamps)
         except Exception:
             self._store_lost = any(x.is_deleted() for x in jax.tree.leaves(store))
@@ -467,23 +443,24 @@ class Engine:
         becomes n + accepted + 1 and it emits its accepted drafts and the token after them. Returns (batch rows,
         indexer pages scored, stats, new tokens, drafts verified, drafts accepted)."""
         k, spec = self.k, self.manager.spec
-        groups = [(r.slot, len(r.prompt) + len(r.output) - 1, r.output[-1], r.drafts or [-1] * k) for r in decode]
-        batch, G = speculative.verify_batch(groups, k, self.config.min_bucket)
+        rows = StepRows()
+        for r in decode:
+            n, drafts = len(r.prompt) + len(r.output) - 1, r.drafts or [-1] * k
+            rows.add(r.slot, [r.output[-1]] + [max(d, 0) for d in drafts], n,
+                     draft_ok=[1] + [int(d >= 0) for d in drafts])
         # the indexer scores pages up to the longest position the step writes (n + 2k - 1)
-        batch["index_span"] = tiered.index_span(spec, max(n for _, n, _, _ in groups) + 2 * k)
-        rows = [self._sampling_row(r) for r in decode]
-        sampling = {"seed": np.zeros(G, np.uint32), "temperature": np.zeros(G, np.float32),
-                    "top_p": np.ones(G, np.float32)}
-        for g, (seed, _, t, p) in enumerate(rows):
-            sampling["seed"][g], sampling["temperature"][g], sampling["top_p"][g] = seed, t, p
+        batch, _, _ = rows.build(spec, self.config.min_bucket, group=k + 1, span_to=max(rows.columns["pos"]) + k)
+        G = len(batch["tokens"]) // (k + 1)
+        seed, _, t, p = zip(*(self._sampling_row(r) for r in decode))
+        sampling = pad({"seed": seed, "temperature": t, "top_p": p}, G, SAMPLING_PAD)
         out = self._device_call(self.runner.speculative_step, batch, sampling, k, self.config.speculative_acceptance)
         new = drafted = accepted = 0
         for g, r in enumerate(decode):
             a = int(out.accepted[g])
-            offered = sum(d >= 0 for d in groups[g][3])
+            offered = int(batch["draft_ok"][g * (k + 1) + 1:(g + 1) * (k + 1)].sum())
             r.drafted, r.accepted = r.drafted + offered, r.accepted + a
             drafted, accepted = drafted + offered, accepted + a
-            self.manager.set_length(r.slot, groups[g][1] + a + 1)
+            self.manager.set_length(r.slot, len(r.prompt) + len(r.output) + a)
             r.drafts = out.drafts[g].tolist()
             for tok in out.target[g, :a + 1].tolist():  # stops early at eos / max_new_tokens
                 if r.finished:
@@ -510,19 +487,10 @@ class Engine:
         return (np.uint32(p.seed), np.int32(len(r.prompt) + len(r.output)), np.float32(p.temperature),
                 np.float32(p.top_p))
 
-    def _sample(self, logits, rs: list[Request]) -> list[int]:
-        """One token per request from logits [n, V] (checked by `_sampling_row` earlier in the step)."""
+    def _sample(self, logits: list, rs: list[Request]) -> list[int]:
+        """One token per request from its logits [V] (checked by `_sampling_row` earlier in the step)."""
         seeds, pos, temps, top_ps = (np.asarray(c) for c in zip(*(self._sampling_row(r) for r in rs)))
-        return np.asarray(sampler()(logits, seeds, pos, temps, top_ps)).tolist()
-
-    def _sampling(self, emit: list[tuple[int, Request]], B: int) -> dict:
-        """The runner's sampling arrays for the emitting (batch row, request) pairs, padded to the bucket B."""
-        out = {"rows": np.zeros(B, np.int32), "seed": np.zeros(B, np.uint32), "pos": np.zeros(B, np.int32),
-               "temperature": np.zeros(B, np.float32), "top_p": np.ones(B, np.float32)}
-        for k, (i, r) in enumerate(emit):
-            out["rows"][k] = i
-            out["seed"][k], out["pos"][k], out["temperature"][k], out["top_p"][k] = self._sampling_row(r)
-        return out
+        return self.runner.sample(logits, seeds, pos, temps, top_ps)
 
     def _commit_tokens(self, rs: list[Request], toks: list[int]) -> int:
         """Append each request's new token; finish those that are done."""
@@ -545,7 +513,7 @@ class Engine:
             last, latent, rope, index_k = self.runner.prefill_rows(toks)
         else:  # and the MTP layer's rows: it reads each position's hidden state and the token after it
             last, latent, rope, index_k, hidden = self.runner.prefill_rows(toks, with_hidden=True)
-            nxt = r.output[-1] if r.output else self._sample(last[None], [r])[0]  # (seed, position): same draw later
+            nxt = r.output[-1] if r.output else self._sample([last], [r])[0]  # (seed, position): same draw later
             mtp = self.runner.mtp_prefill_rows(hidden, list(toks[1:]) + [nxt])
             latent, rope, index_k = (jnp.concatenate([a, b.astype(a.dtype)]) for a, b in
                                      zip((latent, rope, index_k), mtp[:3]))
@@ -573,12 +541,12 @@ class Engine:
         of computed; everything else (budgets, sampling, policies) is as `add_request`. Refused like
         `add_request`, and with `CheckpointError` for a damaged or mismatched export."""
         if isinstance(export, PrefillExport):
-            check_export(export, self.model.cfg)
+            check_export(export, self.runner.cfg)
         elif not isinstance(export, (str, os.PathLike)):
             raise ValueError(f"request {request_id!r}: export must be a pd.PrefillExport or the path of one, got "
                              f"{type(export).__name__}")
         else:  # load_export applies the same check
-            export = load_export(export, self.model.cfg)
+            export = load_export(export, self.runner.cfg)
         return self._add(request_id, list(export.tokens), params, imported=export)
 
     def run(self, progress=None) -> None:
@@ -623,96 +591,3 @@ def run_prompts(engine, prompts: list[list[int]], params: SamplingParams) -> lis
     engine.run()
     reqs = engine.requests
     return [reqs[rid].output for rid in ids]
-
-
-def summarize(h: list, requests: list, *, policy: str, admission: str = "vllm", speculative_tokens: int = 0,
-              extra_h2d_bytes: int = 0,
-              extra_d2h_bytes: int = 0, evicted_pages: int = 0, import_bytes: int = 0, ranks=()) -> EngineMetrics:
-    """`EngineMetrics` of a run from its per-step history `h` and its `requests`; extra_h2d/d2h_bytes: bytes moved
-    outside the steps (page loads, prompt writes); ranks: per-rank metrics (a `MeshEngine`)."""
-    decode_steps = [m for m in h if m.running]
-    total_time = sum(m.step_time_s for m in h)
-    warm = [m for m in h if not m.compiled]
-    warm_time = sum(m.step_time_s for m in warm)
-    hits, misses = sum(m.hits for m in h), sum(m.misses for m in h)
-    tokens = sum(m.tokens for m in h)
-    cached, prefill = sum(m.cached_tokens for m in h), sum(m.prefill_tokens for m in h)
-    done = [r for r in requests if r.state is RequestState.FINISHED]
-    return EngineMetrics(**{
-        "policy": policy, "steps": len(h),
-        "mean_running": float(np.mean([m.running for m in decode_steps])) if decode_steps else 0.0,
-        "max_running": max((m.running for m in h), default=0),
-        "preemptions": sum(m.preemptions for m in h), "swaps": sum(m.swaps_out for m in h),
-        "failed": sum(r.state is RequestState.FAILED for r in requests),
-        "tokens": tokens, "prefill_tokens": sum(m.prefill_tokens for m in h),
-        # prompt tokens served by prefix caching, and their share of all prompt tokens admitted
-        "cached_tokens": cached, "prefix_hit_rate": cached / (cached + prefill) if cached + prefill else 0.0,
-        "time_s": total_time, "compile_steps": len(h) - len(warm), "compile_time_s": total_time - warm_time,
-        # throughput over the steps that did not compile (the step compiles once per batch bucket)
-        "tokens_per_s": sum(m.tokens for m in warm) / warm_time if warm_time else 0.0,
-        "hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 1.0,
-        "resident": sum(m.resident for m in h),
-        "h2d_bytes": sum(m.h2d_bytes for m in h) + extra_h2d_bytes,
-        "d2h_bytes": sum(m.d2h_bytes for m in h) + extra_d2h_bytes,
-        "index_h2d_bytes": sum(m.index_h2d_bytes for m in h),
-        "evicted_pages": evicted_pages, "import_bytes": import_bytes,
-        # speculative decoding: drafts accepted / verified, and tokens a running request gains per decode step
-        "speculative_tokens": speculative_tokens,
-        "acceptance_rate": _ratio(sum(m.accepted for m in h), sum(m.drafted for m in h)),
-        "duplicate_misses": sum(m.duplicate_misses for m in h),
-        "tokens_per_step": _ratio(sum(m.decode_tokens for m in h), sum(m.running for m in h)),
-        # in engine steps, from arrival (add_request) to the first token / to the last, finished requests only
-        "mean_ttft_steps": _mean(r.first_token_step - r.arrival for r in done if r.first_token_step is not None),
-        "mean_latency_steps": _mean(r.finish_step - r.arrival for r in done),
-        "history": list(h), "ranks": list(ranks), "wait_reasons": sum_counts(m.wait_reasons for m in h),
-        # what preempt / offload cost: tokens prefilled again after a preemption, request-steps spent preempted
-        # (back in the queue) or swapped out, pages and bytes swapped each way
-        "admission": admission if policy != "hisparse" else "hisparse",
-        "recomputed_tokens": sum(m.recomputed_tokens for m in h),
-        "preempted_steps": sum(m.preempted_waiting for m in h), "swapped_steps": sum(m.swapped for m in h),
-        "swap_out_pages": sum(m.swap_out_pages for m in h), "swap_in_pages": sum(m.swap_in_pages for m in h),
-        "swap_out_bytes": sum(m.swap_out_bytes for m in h), "swap_in_bytes": sum(m.swap_in_bytes for m in h),
-    })
-
-
-def sum_counts(dicts) -> dict[str, int]:
-    """Counts per key summed over `dicts`, keys sorted."""
-    out: dict[str, int] = {}
-    for d in dicts:
-        for k, v in d.items():
-            out[k] = out.get(k, 0) + v
-    return dict(sorted(out.items()))
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b else 0.0
-
-
-def _mean(xs) -> float:
-    xs = list(xs)
-    return float(np.mean(xs)) if xs else 0.0
-
-
-def device_budget(model_cfg, cache: CacheConfig, device_bytes: int, policy: str, *, max_running: int,
-                  max_len: int, prefill: str = "chunked") -> CacheConfig:
-    """Split one device byte budget into KV pages and indexer pages, as a shared pool would for `policy`.
-
-    preempt / offload keep every page whole on the device: one KV page + one indexer page per 64 tokens.
-    hisparse keeps every request's indexer keys resident, plus two tail pages and a hot buffer per running
-    request, plus (chunked prefill) one prompt resident while it is prefilled: the indexer pool is sized for
-    as many requests
-    as that leaves room for (at most `max_running`), the KV pool gets the rest.
-    """
-    spec = StoreSpec.create(model_cfg, cache.replace(device_pages=1, index_pages=1, capacity=None))
-    kv_page = spec.page_bytes * spec.num_layers
-    idx_page = 64 * spec.num_index_layers * spec.index_row_bytes
-    n = pages(max_len)
-    if policy != "hisparse":
-        p = device_bytes // (kv_page + idx_page)
-        return cache.replace(device_pages=int(p), index_pages=int(p))
-    per_request = n * idx_page + (2 + spec.hot_pages) * kv_page
-    reserve = (n + 1) * kv_page if prefill == "chunked" else 0
-    c = max(1, min(max_running, (device_bytes - reserve) // per_request))
-    index_pages = c * n
-    return cache.replace(device_pages=int((device_bytes - index_pages * idx_page) // kv_page),
-                         index_pages=int(index_pages))

@@ -1,15 +1,15 @@
-"""The engine's host half with the model replaced by a fake: the real `Scheduler` over the real `TieredCache`
-bookkeeping (NumPy only: nothing is compiled, no device array exists), committed each step as `Engine.begin_step`
-/ `Engine.finish_step` commit a step — whole prompts written and registered, prompt chunks advanced, decode rows
-appended, one token per emitting request — with each token a function of (seed, position) instead of a model's.
+"""`FakeEngine`: the `Engine` with only the model call replaced — `FakeRunner` produces each token as a function
+of (seed, position) instead of a model's, and `HostOnly` stands in for the device store. The scheduling, the
+batch and the commit are the engine's own (`Engine.begin_step` / `call_model` / `finish_step`) over the real
+`TieredCache` bookkeeping; NumPy only: nothing is compiled, no device array exists.
 
 What it is for: checking the scheduler's liveness (`tests/test_liveness.py`, `experiments/liveness.py`). Each
 `FakeEngine.step` returns which admitted requests progressed (a decode row, prompt rows, a whole prompt) and, for
 those that did not, the reason the step's plan states (`StepPlan.waits`; None: none stated), and counts every
 `OutOfPages` the manager raised inside `schedule` (caught there or not).
 
-    eng = FakeEngine(model_cfg, CacheConfig(device_pages=24, ...), policy="hisparse", max_running=4)
-    eng.add_request("a", prompt, max_new_tokens=16)
+    eng = FakeEngine(model_cfg, CacheConfig(device_pages=24, ...), EngineConfig(policy="hisparse", max_running=4))
+    eng.add_request("a", prompt, SamplingParams(max_new_tokens=16))
     while eng.has_unfinished():
         s = eng.step()
         assert not s.unexplained and not s.out_of_pages
@@ -29,11 +29,11 @@ import numpy as np
 
 from hisparse_jax.config import CacheConfig, ModelConfig, get_preset
 from hisparse_jax.units import PAGE_SIZE
-from hisparse_jax.engine.request import Request, RequestState, SamplingParams
-from hisparse_jax.engine.scheduler import (ADMISSIONS, POLICIES, PREFILL_MODES, Scheduler, StepPlan, pages,
-                                           policy_cache)
-from hisparse_jax.kv.budget import BudgetError, check_batch_fits
-from hisparse_jax.kv.manager import COLDNESS, TieredCache
+from hisparse_jax.engine.engine import Engine, EngineConfig
+from hisparse_jax.engine.request import SamplingParams
+from hisparse_jax.engine.runner import StepOutput
+from hisparse_jax.engine.scheduler import ADMISSIONS, POLICIES, PREFILL_MODES, StepPlan, pages
+from hisparse_jax.kv.budget import BudgetError
 from hisparse_jax.kv.pool import OutOfPages, Tier
 
 
@@ -41,6 +41,46 @@ def fake_token(seed: int, position: int, vocab: int) -> int:
     """The fake model's token at `position` of a request with `seed` (depends on nothing else, as the engine's
     sampling depends only on (seed, position))."""
     return (seed * 1_000_003 + position * 7_919 + 17) % vocab
+
+
+class FakeRunner:
+    """`Runner`'s interface without a model: a prompt's rows are empty arrays [0, T, 0] (T its length), and every
+    token drawn — after a whole prefill or for a step's emitting rows — is `fake_token(seed, position)`."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+
+    def prefill_rows(self, tokens, *, with_hidden: bool = False):
+        rows = np.zeros((0, len(tokens), 0), np.float32)
+        return None, rows, rows, rows
+
+    def sample(self, logits: list, seeds, positions, temperatures, top_ps) -> list[int]:
+        return [fake_token(int(s), int(p), self.cfg.vocab_size) for s, p in zip(seeds, positions)]
+
+    def step(self, spec, store, batch: dict, sampling: dict, n_emit: int, *,
+             read_page_stamps: bool = False) -> StepOutput:
+        return StepOutput(self.sample(None, sampling["seed"][:n_emit], sampling["pos"][:n_emit], None, None),
+                          store, {})
+
+
+class HostOnly:
+    """The engine's store seam with no store: each table update the manager decides is taken and dropped, a
+    prompt write is only checked and counted by the manager (`record_prefill`), there are no tables to check."""
+
+    store = None
+
+    def __init__(self, manager):
+        pass
+
+    def apply_updates(self, manager) -> None:
+        manager.take_updates()
+
+    def write_prefill(self, manager, slot: int, latent, rope, index_k, length: int, offset: int = 0) -> None:
+        manager.record_prefill(slot, length, 0, rows=latent.shape[1], offset=offset)
+        manager.take_updates()
+
+    def check_tables(self, manager) -> None:
+        pass
 
 
 @dataclasses.dataclass
@@ -62,120 +102,59 @@ class FakeStep:
         return [rid for rid, why in self.stalled.items() if why is None]
 
 
-class FakeEngine:
-    """`Engine`'s host half (schedule and commit) over a `TieredCache` sized by `cache` for `model`, the policy,
-    prefill mode and budgets as in `EngineConfig`, with `fake_token` for the model."""
+class FakeEngine(Engine):
+    """`Engine` over a `TieredCache` sized by `cache` for `model` (a `ModelConfig`: no parameters), with
+    `FakeRunner` for the model and `HostOnly` for the store. `config` as the engine's; speculative decoding and
+    kernels other than "reference" are refused (there is no model to draft with, nothing to run kernels on)."""
 
-    def __init__(self, model: ModelConfig, cache: CacheConfig, *, policy: str = "hisparse", prefill: str = "chunked",
-                 max_running: int = 8, prefill_chunk: int = 256, prefix_caching: bool = True,
-                 coldness: str = "oldest", admission: str = "vllm"):
-        device_keys = cache.num_index_pages  # as `Engine`: the device's key budget before `policy_cache`
-        cache = policy_cache(cache, policy, max_running, cache.speculative_tokens, admission)  # (speculative
-        # rows kept: they size the hot buffer)
-        self.model_cfg = model
-        self.manager = TieredCache(model, cache, victim_order=COLDNESS[coldness])
-        self.manager.partial_eviction = policy == "hisparse"
-        self.manager.prefix_caching = prefix_caching
-        self.policy, self.prefill = policy, prefill
-        self.scheduler = Scheduler(self.manager, policy, max_running=max_running, prefill_chunk=prefill_chunk,
-                                   prefill=prefill, admission=admission, device_keys=device_keys)
-        self.requests: dict[str, Request] = {}
-        self.step_count = 0
+    def __init__(self, model: ModelConfig, cache: CacheConfig, config: EngineConfig = EngineConfig()):
+        if config.speculative_tokens or config.kernels != "reference":
+            raise ValueError("FakeEngine runs no model: speculative_tokens must be 0 and kernels 'reference'")
+        self._build(FakeRunner(model), cache, config, HostOnly)
         self.out_of_pages = 0  # OutOfPages raised inside the manager during schedule (all steps)
-        self._raised = 0
+        self._raised: int | None = None  # counting: inside `schedule`
+        self._raised_last = 0
         for name in ("admit", "reserve", "swap_in", "evict"):  # count what the manager raises, caught or not
             setattr(self.manager, name, self._counting(getattr(self.manager, name)))
+        schedule = self.scheduler.schedule
+
+        def counted(step: int):
+            self._raised = 0
+            try:
+                return schedule(step)
+            finally:
+                self._raised_last, self._raised = self._raised, None
+
+        self.scheduler.schedule = counted
 
     def _counting(self, fn):
         def wrapped(*args, **kwargs):
             try:
                 return fn(*args, **kwargs)
             except OutOfPages:
-                self._raised += 1
+                if self._raised is not None:
+                    self._raised += 1
                 raise
         return wrapped
 
-    # ----- requests ------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: list[int], max_new_tokens: int, *, seed: int = 0,
-                    eos_token_id=()) -> Request:
-        """Queue a request; BudgetError when it could never run alone (as `Engine.add_request` refuses it)."""
-        c = self.manager
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        params = SamplingParams(max_new_tokens=max_new_tokens, seed=seed, eos_token_id=eos_token_id)
-        total = len(prompt) + max_new_tokens
-        check_batch_fits(c.budget, [total - 1], releasable=c.releasable)  # the last new token is never written
-        self.scheduler.check_ever_fits(request_id, total - 1)
-        if self.prefill == "chunked" and pages(len(prompt)) > c.budget.device_pages:
-            raise BudgetError(f"request {request_id!r}: its prompt ({pages(len(prompt))} pages) is written through "
-                              f"the store and must be resident; device_pages is {c.budget.device_pages}")
-        r = Request(request_id, list(prompt), params, arrival=self.step_count)
-        self.requests[request_id] = r
-        self.scheduler.waiting.append(r)
-        return r
-
-    def has_unfinished(self) -> bool:
-        return any(not r.finished for r in self.requests.values())
-
-    # ----- one step ------------------------------------------------------------------------------
     def step(self) -> FakeStep:
-        """Schedule, commit as the engine would after a step with the fake model's tokens, and report."""
-        c, sched = self.manager, self.scheduler
-        self._raised = 0
-        plan = sched.schedule(self.step_count)
-        raised = self._raised
-        self.out_of_pages += raised
+        """`Engine.step` (schedule, batch, the fake model's tokens, commit), reported as a `FakeStep`."""
+        w = self.begin_step()
+        self.finish_step(self.call_model(w))
+        plan = w.plan
+        self.out_of_pages += self._raised_last
         waits = dict(getattr(plan, "waits", {}) or {})
-        progressed: dict[str, str] = {}
-        # whole prompts: written and registered, each committing on its own (its first token at once)
-        for r in plan.whole:
-            c.record_prefill(r.slot, len(r.kv_tokens))
-            c.register_prefix(r.slot, r.kv_tokens)
-            r.computed = len(r.kv_tokens)
-            r.state = RequestState.RUNNING
-            progressed[r.request_id] = "whole"
-            if not r.output:
-                self._commit([r])
-        # the batch: decode rows and prompt chunks
-        emit = list(plan.decode)
-        completed = []
-        for r, start, n in plan.prefill:
-            progressed[r.request_id] = "prefill"
-            if start + n == len(r.kv_tokens):
-                completed.append(r)
-                if not r.output:
-                    emit.append(r)
-        for r in plan.decode:
-            progressed[r.request_id] = "decode"
-        stalled = {r.request_id: waits.get(r.request_id) for r in sched.active if r.request_id not in progressed}
+        progressed = {r.request_id: "whole" for r in plan.whole}
+        progressed.update((r.request_id, "prefill") for r, _, _ in plan.prefill)
+        progressed.update((r.request_id, "decode") for r in plan.decode)
+        # (a request the commit finished progressed: those still admitted are those admitted before it)
+        stalled = {r.request_id: waits.get(r.request_id) for r in self.scheduler.active
+                   if r.request_id not in progressed}
         for r in plan.preempted:  # back in the queue (unless readmitted at once)
             if r.request_id not in progressed:
                 stalled.setdefault(r.request_id, waits.get(r.request_id))
-        for r, start, n in plan.prefill:
-            r.computed = start + n
-            c.set_length(r.slot, r.computed)
-        for r in completed:
-            c.allow_eviction(r.slot)
-            c.register_prefix(r.slot, r.kv_tokens)
-            r.state = RequestState.RUNNING
-        c.advance([r.slot for r in plan.decode])
-        self._commit(emit)
-        c.take_updates()  # (the engine applies them to its store; nothing to apply here)
-        out = FakeStep(self.step_count, plan, progressed, stalled, raised)
-        self.step_count += 1
-        return out
+        return FakeStep(self.step_count - 1, plan, progressed, stalled, self._raised_last)
 
-    def _commit(self, rs: list[Request]) -> None:
-        vocab = self.model_cfg.vocab_size
-        for r in rs:
-            r.output.append(fake_token(r.params.seed, len(r.prompt) + len(r.output), vocab))
-            if r.first_token_step is None:
-                r.first_token_step = self.step_count
-            if r.done_generating():
-                self.scheduler.finish(r, RequestState.FINISHED)
-                r.finish_step = self.step_count
-
-    # ----- checks --------------------------------------------------------------------------------
     def pool_empty(self) -> bool:
         """No page of any tier in use (cached prefix pages are free) and no request slot held."""
         c = self.manager
@@ -203,6 +182,16 @@ class Workload:
     hot_rows: int
     requests: tuple[tuple[int, tuple[int, ...], int, int], ...]
     admission: str = "vllm"
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(policy=self.policy, prefill=self.prefill, max_running=self.max_running,
+                            prefill_chunk=self.prefill_chunk, prefix_caching=self.prefix_caching,
+                            admission=self.admission)
+
+    def params(self, i: int) -> SamplingParams:
+        """Request i's parameters: its new tokens and eos, seed i."""
+        _, _, n, eos = self.requests[i]
+        return SamplingParams(max_new_tokens=n, seed=i, eos_token_id=() if eos < 0 else (eos,))
 
     def cache_config(self) -> CacheConfig:
         longest = max((len(p) + n for _, p, n, _ in self.requests), default=1)
@@ -245,8 +234,7 @@ def run_workload(w: Workload, model: ModelConfig | None = None, check_every: int
     """Run `w` on a `FakeEngine` and check the liveness properties (see the module docstring); the allocator's
     invariants every `check_every` steps. Never raises for a property: each broken one is a line in `failures`."""
     model = model or liveness_model()
-    eng = FakeEngine(model, w.cache_config(), policy=w.policy, prefill=w.prefill, max_running=w.max_running,
-                     prefill_chunk=w.prefill_chunk, prefix_caching=w.prefix_caching, admission=w.admission)
+    eng = FakeEngine(model, w.cache_config(), w.engine_config())
     bound = step_bound(w)
     failures: list[str] = []
     counts = {"prefix_shared": 0, "prefix_tokens": 0, "chunk_steps": 0, "preemptions": 0, "swaps": 0,
@@ -258,7 +246,7 @@ def run_workload(w: Workload, model: ModelConfig | None = None, check_every: int
         while pending and pending[0][1][0] <= eng.step_count:
             i, (_, prompt, n, eos) = pending.pop(0)
             try:
-                eng.add_request(f"r{i}", list(prompt), n, seed=i, eos_token_id=() if eos < 0 else (eos,))
+                eng.add_request(f"r{i}", list(prompt), w.params(i))
             except BudgetError:
                 refused += 1
         if eng.step_count >= bound:

@@ -32,8 +32,8 @@ from flax import nnx
 
 from hisparse_jax import parallel
 from hisparse_jax.config import CacheConfig
-from hisparse_jax.engine.engine import (Engine, EngineConfig, UnknownRequest, check_engine_args, run_prompts,
-                                       sum_counts, summarize)
+from hisparse_jax.engine.engine import Engine, EngineConfig, UnknownRequest, check_engine_args, run_prompts
+from hisparse_jax.engine.metrics import combine_steps, summarize
 from hisparse_jax.engine.request import Request, SamplingParams
 from hisparse_jax.engine.runner import TRACE_COUNTS, MeshRunner
 from hisparse_jax.engine.scheduler import policy_cache
@@ -42,9 +42,6 @@ from hisparse_jax.kv.account import check_store_memory
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.results import EngineMetrics, StepMetrics
-
-# step fields that are not counts summed over ranks: how they combine
-_MAX_FIELDS = ("index_pages",)
 
 
 class RankStore:
@@ -279,25 +276,4 @@ class MeshEngine:
             self._log = None
 
 
-def combine_steps(ms: list[StepMetrics], step_time_s: float, compiled: bool) -> StepMetrics:
-    """One mesh step's metrics from its ranks' (same step): counts summed (wait reasons per reason), `index_pages`
-    the largest, the mesh step's wall time and whether it compiled."""
-    out = {}
-    for f in dataclasses.fields(StepMetrics):
-        vals = [getattr(m, f.name) for m in ms]
-        if f.name == "step":
-            out[f.name] = vals[0]
-        elif f.name in _MAX_FIELDS:
-            out[f.name] = max(vals)
-        elif f.name == "step_time_s":
-            out[f.name] = step_time_s
-        elif f.name == "compiled":
-            out[f.name] = compiled
-        elif f.name == "wait_reasons":
-            out[f.name] = sum_counts(vals)
-        else:
-            out[f.name] = sum(vals)
-    return StepMetrics(**out)
-
-
-__all__ = ["MeshEngine", "RankStore", "combine_steps"]
+__all__ = ["MeshEngine", "RankStore"]

@@ -43,12 +43,13 @@ from jax.sharding import PartitionSpec as P
 
 from hisparse_jax import parallel
 from hisparse_jax.engine import speculative
+from hisparse_jax.engine.batch import SAMPLING_PAD, bucket_pow2, pad
 from hisparse_jax.engine.sampling import sample_rows
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv import tiered
 from hisparse_jax.kv.state import KVStore, StoreSpec
-from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.kv.writes import finish_step
+from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.model.decoder import decode_step as model_decode_step
 from hisparse_jax.model.mtp import mtp_forward
 
@@ -56,10 +57,6 @@ COUNTS: collections.Counter = collections.Counter()  # "split": model splits; "s
 # traces of each program: "prefill", "decode" (the contiguous step), "decode_step" (a store step: plain, sampled,
 # speculative or sharded), "decode_loop"
 TRACE_COUNTS: collections.Counter = collections.Counter()
-
-
-def bucket_pow2(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
 # ----- the causal forward, and the contiguous arrays' step -----------------------------------------------
@@ -310,6 +307,11 @@ class Runner:
         """The MTP layer's rows over a prompt and its first draft: `mtp_prefill_rows`."""
         return mtp_prefill_rows(self.graphdef, self.state, hidden, next_tokens)
 
+    def sample(self, logits: list, seeds, positions, temperatures, top_ps) -> list[int]:
+        """One token per row from logits[i] f32[V] (those that do not come from a step: whole-prompt prefills),
+        drawn by `sample_rows` (jitted: `sampler`); seeds / positions / temperatures / top_ps [n] in its dtypes."""
+        return np.asarray(sampler()(jnp.stack(logits), seeds, positions, temperatures, top_ps)).tolist()
+
     def admit_prompts(self, store: KVStore, manager, prompts) -> tuple[KVStore, list[int], list]:
         """Prefill each prompt (one causal forward) and admit it with its rows into `manager` (a `TieredCache`) and
         `store`: (store, slots, the logits each prompt's first new token is drawn from)."""
@@ -421,12 +423,6 @@ def jitted_sharded_step_and_sample(graphdef, mesh: Mesh, kernels: str = "referen
     return _jitted_sharded(graphdef, mesh, tiered.check_kernels(kernels), expert_parallel, True)
 
 
-# what a rank's rows past its own batch hold (idle rows), in the step's dtypes
-_PAD_ROWS = {"tokens": (0, np.int32), "req": (-1, np.int32), "pos": (-1, np.int32)}
-_PAD_SAMPLING = {"rows": (0, np.int32), "seed": (0, np.uint32), "pos": (0, np.int32), "temperature": (0, np.float32),
-                 "top_p": (1, np.float32)}
-
-
 class MeshRunner:
     """A `Runner`'s model over a one-axis mesh, one data-parallel rank per device (`MeshEngine`'s device side): the
     parameters placed once (replicated, or with expert_parallel the routed experts split over the axis:
@@ -448,15 +444,10 @@ class MeshRunner:
         live = [b for b in batches if b is not None]
         B = max(len(b["tokens"]) for b in live)
         span = max(len(b["index_span"]) for b in live)
-        batch = {k: np.full((self.n, B), v, d) for k, (v, d) in _PAD_ROWS.items()}
-        sampling = {k: np.full((self.n, B), v, d) for k, (v, d) in _PAD_SAMPLING.items()}
-        for r, (b, smp) in enumerate(zip(batches, samplings)):
-            if b is None:
-                continue
-            for k in batch:
-                batch[k][r, :len(b[k])] = b[k]
-            for k in sampling:
-                sampling[k][r, :len(smp[k])] = smp[k]
+        rows = [pad({k: () if b is None else b[k] for k in ("tokens", "req", "pos")}, B) for b in batches]
+        draws = [pad(dict.fromkeys(SAMPLING_PAD, ()) if b is None else smp, B, SAMPLING_PAD)
+                 for b, smp in zip(batches, samplings)]
+        batch, sampling = ({k: np.stack([x[k] for x in xs]) for k in xs[0]} for xs in (rows, draws))
         batch["index_span"] = np.zeros((self.n, span), np.int32)  # (its shape is what the step reads)
         tokens, store, stats = self._step(self.params, store, parallel.put_batch(self.mesh, batch),
                                           parallel.put_batch(self.mesh, sampling))

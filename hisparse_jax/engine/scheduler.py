@@ -49,11 +49,13 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
+from hisparse_jax.config import CacheConfig
 from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.engine.request import Request, RequestState
 from hisparse_jax.kv.budget import TAIL_PAGES, BudgetError, min_device_pages
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.pool import OutOfPages, Tier
+from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.units import INVALID
 
 POLICIES = ("preempt", "offload", "hisparse")
@@ -113,6 +115,31 @@ def policy_cache(cache, policy: str, max_running: int, speculative_tokens: int =
 
 def pages(n_tokens: int) -> int:
     return -(-n_tokens // PAGE_SIZE)
+
+
+def device_budget(model_cfg, cache: CacheConfig, device_bytes: int, policy: str, *, max_running: int,
+                  max_len: int, prefill: str = "chunked") -> CacheConfig:
+    """Split one device byte budget into KV pages and indexer pages, as a shared pool would for `policy`.
+
+    preempt / offload keep every page whole on the device: one KV page + one indexer page per 64 tokens.
+    hisparse keeps every request's indexer keys resident, plus two tail pages and a hot buffer per running
+    request, plus (chunked prefill) one prompt resident while it is prefilled: the indexer pool is sized for
+    as many requests
+    as that leaves room for (at most `max_running`), the KV pool gets the rest.
+    """
+    spec = StoreSpec.create(model_cfg, cache.replace(device_pages=1, index_pages=1, capacity=None))
+    kv_page = spec.page_bytes * spec.num_layers
+    idx_page = 64 * spec.num_index_layers * spec.index_row_bytes
+    n = pages(max_len)
+    if policy != "hisparse":
+        p = device_bytes // (kv_page + idx_page)
+        return cache.replace(device_pages=int(p), index_pages=int(p))
+    per_request = n * idx_page + (2 + spec.hot_pages) * kv_page
+    reserve = (n + 1) * kv_page if prefill == "chunked" else 0
+    c = max(1, min(max_running, (device_bytes - reserve) // per_request))
+    index_pages = c * n
+    return cache.replace(device_pages=int((device_bytes - index_pages * idx_page) // kv_page),
+                         index_pages=int(index_pages))
 
 
 @dataclasses.dataclass

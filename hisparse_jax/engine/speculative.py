@@ -32,12 +32,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from hisparse_jax.engine.sampling import nucleus_logits, sample_rows, token_key
 from hisparse_jax.kv import tiered
-from hisparse_jax.kv.writes import finish_step
 from hisparse_jax.kv.state import KVStore
+from hisparse_jax.kv.writes import finish_step
 from hisparse_jax.model.decoder import decode_step as model_decode_step
 from hisparse_jax.model.mtp import mtp_decode_step
 
@@ -131,20 +130,3 @@ def speculative_step_impl(model, store: KVStore, batch: dict, sampling: dict, ke
     wpos = jnp.where(wreq >= 0, (pos.reshape(G, S)[:, :1] + jnp.arange(span)[None]).reshape(-1), -1)
     store, stats = finish_step(kv["store"], kv["stats"], (wreq, wpos), (greq, base + 1))
     return target, accepted, jnp.stack(drafts, axis=1), store, stats
-
-
-def verify_batch(groups: list[tuple[int, int, int, list[int]]], k: int, min_bucket: int):
-    """The step's rows for `groups` of (slot, n, pending token, drafts; -1 = no draft): tokens / req / pos /
-    draft_ok int32[G*S] with G a power-of-two bucket >= min_bucket (idle groups: req -1)."""
-    S = k + 1
-    G = max(min_bucket, 1 << max(len(groups) - 1, 0).bit_length())
-    tokens, req, pos = np.zeros(G * S, np.int32), np.full(G * S, -1, np.int32), np.full(G * S, -1, np.int32)
-    ok = np.zeros(G * S, np.int32)
-    for g, (slot, n, tok, drafts) in enumerate(groups):
-        rows = slice(g * S, (g + 1) * S)
-        d = np.asarray(list(drafts), np.int64)
-        tokens[rows] = [tok] + np.maximum(d, 0).tolist()
-        ok[rows] = [1] + (d >= 0).astype(np.int32).tolist()
-        req[rows] = slot
-        pos[rows] = n + np.arange(S)
-    return {"tokens": tokens, "req": req, "pos": pos, "draft_ok": ok}, G
