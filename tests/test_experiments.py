@@ -39,19 +39,20 @@ def _gpu_check():
 def test_gpu_check_locates_a_wrong_decode():
     """A wrong decode output is located: per 128-column chunk, per 16 heads, per sequence, with norms and cosines
     (the Mosaic decode was wrong on an H200 with no more said than its largest error)."""
-    g = _gpu_check()
+    from experiments.gpu_sections.checks import error_pattern
+
     want = np.random.default_rng(0).standard_normal((2, 32, 256)).astype(np.float32)
     got = want.copy()
     got[:, :, 128:] *= 2  # the second warpgroup's half scaled
     got[1, 20] = 0  # one head of one sequence never written
-    p = g._error_pattern(got, want)
+    p = error_pattern(got, want)
     assert p["rel_err_by_128_columns"][0] < p["rel_err_by_128_columns"][1]
     assert p["zero_rows"] == 1 and p["nan_outputs"] == 0 and p["cosine_min"] == 0.0 and 1 < p["norm_ratio_median"] < 2
     heads = want.copy()
     heads[:, 16:] += 1  # the second group of 16 heads off
-    h = g._error_pattern(heads, want)["rel_err_by_16_heads"]
+    h = error_pattern(heads, want)["rel_err_by_16_heads"]
     assert h[0] == 0.0 < h[1]
-    assert g._error_pattern(want, want)["rel_err_by_sequence"] == [0.0, 0.0]
+    assert error_pattern(want, want)["rel_err_by_sequence"] == [0.0, 0.0]
 
 
 def _section_names():
@@ -123,44 +124,44 @@ def test_gpu_check_mosaic_matrix_verdict():
     assert {16, 128} <= {c[0] for c in cells}
 
 
-def test_gpu_check_host_top_k_counts_only_beyond_near_ties():
+def test_gpu_check_host_top_k_counts_only_beyond_near_ties(monkeypatch):
     """The indexer's top-k is judged against the host's float64 top-k of the same dequantized inputs: the
     reference's own picks pass; a swap at the k-th score is a near tie; the lowest-scoring position picked is
     counted."""
+    from experiments.gpu_sections import kernel_indexer as ki
     from pallas_kernels.indexer_topk import indexer_topk_reference
 
-    g = _gpu_check()
     for kd in ("bf16", "fp8"):
-        args, kw, seq_lens, _ = g._indexer_case(1, 2, 16, 128, 256, kd)
+        args, kw, seq_lens, _ = ki.section_case(1, 2, 16, 128, 256, kd)
         want = np.asarray(indexer_topk_reference(*args, topk=32, **kw))
-        assert g._host_topk_check(args, kw, seq_lens, want, kd)["mismatches_beyond_tie_tol"] == 0, kd
-        scores = g._host_scores_f64(args, kw, kd)
+        assert ki.host_topk_check(args, kw, seq_lens, want, kd)["mismatches_beyond_tie_tol"] == 0, kd
+        scores = ki.host_scores_f64(args, kw, kd)
         n = int(seq_lens[0])
         order = np.lexsort((np.arange(n), -scores[0, :n]))
         kth, nxt = scores[0, order[31]], scores[0, order[32]]
-        g.TIE_RTOL = 1.01 * abs(kth - nxt) / abs(kth)  # a tolerance that makes the 33rd position a near tie
+        monkeypatch.setattr(ki, "TIE_RTOL", 1.01 * abs(kth - nxt) / abs(kth))  # the 33rd position: a near tie
         got = want.copy()
         got[0, 31] = order[32]  # the k-th pick replaced by the next one
-        row = g._host_topk_check(args, kw, seq_lens, got, kd)["rows"][0]
+        row = ki.host_topk_check(args, kw, seq_lens, got, kd)["rows"][0]
         assert row["beyond_tie_tol"] == 0 and row["within_tie_tol"] == 2, row
         got[0, 0] = int(order[-1])  # and the best pick replaced by the lowest-scoring position
-        row = g._host_topk_check(args, kw, seq_lens, got, kd)["rows"][0]
-        assert row["beyond_tie_tol"] == 2 and row["max_rel_distance_beyond"] > g.TIE_RTOL, row
+        row = ki.host_topk_check(args, kw, seq_lens, got, kd)["rows"][0]
+        assert row["beyond_tie_tol"] == 2 and row["max_rel_distance_beyond"] > ki.TIE_RTOL, row
 
 
 def test_gpu_check_explains_a_wrong_top_k():
     """A mismatch of the indexer top-k is classified by the reference's scores (on the device and on the host
     CPU): a swap of two picks is a tie-break-free reorder, a pick outside the reference's top-k falls below its
     k-th score. (On an H200 the fp8 top-k differed from the reference in ~10% of slots: this says how.)"""
+    from experiments.gpu_sections import kernel_indexer as ki
     from pallas_kernels.indexer_topk import indexer_topk_reference
 
-    g = _gpu_check()
-    args, kw, seq_lens, _ = g._indexer_case(1, 2, 16, 32, 256, "fp8")
+    args, kw, seq_lens, _ = ki.section_case(1, 2, 16, 32, 256, "fp8")
     want = np.asarray(indexer_topk_reference(*args, topk=32, **kw))
     got = want.copy()
     got[0, [3, 4]] = got[0, [4, 3]]  # reordered
     got[1, 5] = next(p for p in range(int(seq_lens[1])) if p not in set(want[1].tolist()))  # a position not picked
-    m = g._indexer_mismatch(args, kw, seq_lens, got, want)
+    m = ki.indexer_mismatch(args, kw, seq_lens, got, want)
     r0, r1 = m["rows"]
     assert m["gpu_vs_cpu_reference_max_abs"] == 0.0 and not m["tie_break_only"]
     assert r0["slots_differing"] == 2 and r0["picks_below_reference_kth"] == 0 and r0["reference_sorted"]

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hisparse_jax.compat import gpu_lowering_target
+from hisparse_jax.kernel_cases import INDEX_FORMATS, indexer_case
 from pallas_kernels.common import hadamard
-from pallas_kernels.indexer_topk.reference import (index_scores, quantize_index_keys, quantize_index_keys_int4,
-                                                   select_topk)
+from pallas_kernels.indexer_topk.reference import index_scores, select_topk
 from pallas_kernels.indexer_topk import MAX_TOPK, indexer_topk, indexer_topk_reference, paged_index_scores
 from pallas_kernels.common import float_to_key as _float_to_key
 from pallas_kernels.indexer_topk.kernel import RADIX_BITS, indexer_topk_chunked
@@ -31,68 +31,17 @@ S = MP * PAGE
 TOPK = 128
 CHUNK = 128  # small selection chunks: 3 per row, so the cross-chunk offsets are exercised
 
-DTYPES = {  # name -> (q dtype, key dtype)
-    "bf16": (jnp.float32, jnp.bfloat16),
-    "bf16q": (jnp.bfloat16, jnp.bfloat16),
-    "f32": (jnp.float32, jnp.float32),
-    "fp8": (jnp.float32, jnp.float8_e4m3fn),
-    "int4": (jnp.float32, jnp.uint8),  # MXFP4 codes + UE8M0 scales (`CacheConfig(index_dtype="int4")`)
-}
-
 
 def make_case(seed, seq_lens, dtype, *, integer=True, topk=TOPK, mp=MP, pool=P, heads=I, dim=D):
-    """A paged case and its contiguous twin.
+    """A paged case (`kernel_cases.indexer_case`, format `dtype`) and its contiguous twin.
 
     Returns (args, kwargs) for the kernel / reference, and (q, w, keys, index_dtype) for the contiguous
     `index_scores` path: keys [B, S, dI] as stored (bf16 / f32) or raw (FP8 / MXFP4: `index_scores(index_dtype=...)`
     quantizes them per key exactly as the pool does). Unread pool rows are NaN; for MXFP4, codes 0xFF with scale
     bytes 255 (inf: every product NaN or inf).
     """
-    rng = np.random.default_rng(seed)
-    qd, kd = DTYPES[dtype]
-    fp8, int4 = kd == jnp.float8_e4m3fn, kd == jnp.uint8
-    s = mp * PAGE
-    nb = len(seq_lens)
-    if integer:
-        q = rng.integers(-3, 4, (nb, heads, dim)).astype(np.float32)
-        k = rng.integers(-3, 4, (nb, s, dim)).astype(np.float32)
-        w = rng.integers(-4, 9, (nb, heads)).astype(np.float32) / 8  # some negative: negative scores too
-        if fp8 or int4:  # rotation is an involution: the quantized operands come back as exact small integers
-            q, k = np.asarray(hadamard(jnp.asarray(q))), np.asarray(hadamard(jnp.asarray(k)))
-    else:
-        q = rng.standard_normal((nb, heads, dim)).astype(np.float32)
-        k = rng.standard_normal((nb, s, dim)).astype(np.float32)
-        w = rng.standard_normal((nb, heads)).astype(np.float32) / np.sqrt(heads * dim)
-    q = jnp.asarray(q, qd)
-    if fp8 or int4:
-        quantize = quantize_index_keys if fp8 else quantize_index_keys_int4
-        stored, scale = (np.asarray(x) for x in quantize(jnp.asarray(k)))
-        keys = jnp.asarray(k)
-    else:
-        stored, scale = np.asarray(jnp.asarray(k, kd)), None
-        keys = jnp.asarray(stored)
-    # permuted block tables; every pool row that no valid position reads is NaN
-    pages = rng.permutation(pool)[: nb * mp].reshape(nb, mp)
-    if int4:
-        k_pages = np.full((pool, PAGE, dim // 2), 0xFF, np.uint8)
-        k_scale = np.full((pool, PAGE, dim // 32), 255, np.uint8)
-    else:
-        k_pages = np.full((pool, PAGE, dim), np.nan, np.float32).astype(stored.dtype)
-        k_scale = np.full((pool, PAGE), np.nan, np.float32)
-    block_table = pages.copy()
-    for b, n in enumerate(seq_lens):
-        for j in range(mp):
-            rows = min(max(n - j * PAGE, 0), PAGE)
-            if rows:
-                k_pages[pages[b, j], :rows] = stored[b, j * PAGE: j * PAGE + rows]
-                if fp8 or int4:
-                    k_scale[pages[b, j], :rows] = scale[b, j * PAGE: j * PAGE + rows]
-            elif j % 2:
-                block_table[b, j] = -1  # unused entries: -1, or a NaN page
-    kwargs = dict(topk=topk, k_scale=jnp.asarray(k_scale) if fp8 or int4 else None)
-    args = (q, jnp.asarray(w), jnp.asarray(k_pages), jnp.asarray(block_table, jnp.int32),
-            jnp.asarray(seq_lens, jnp.int32))
-    return args, kwargs, (q, jnp.asarray(w), keys, "fp8" if fp8 else "int4" if int4 else None)
+    c = indexer_case(seed, seq_lens, dtype, heads=heads, dim=dim, pages_per_seq=mp, pool=pool, integer=integer)
+    return c.args, dict(topk=topk, k_scale=c.k_scale), (c.args[0], c.args[1], c.keys, c.index_dtype)
 
 
 def contiguous_topk(q, w, keys, index_dtype, seq_lens, topk):
@@ -142,7 +91,7 @@ SWEEP = [  # each a batch; seq_len 0 is an idle row
 ]
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", list(INDEX_FORMATS))
 def test_kernel_equals_reference_equals_select_topk(dtype):
     for i, seq_lens in enumerate(SWEEP):
         args, kw, contig = make_case(i, seq_lens, dtype)

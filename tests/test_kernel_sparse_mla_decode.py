@@ -1,7 +1,7 @@
 """Sparse absorbed-MLA decode over paged rows: Pallas (interpret) == reference == library math.
 
-Pools are NaN-poisoned everywhere except the rows a sequence really owns, pages come through a permuted
-block table, and invalid top-k slots point at poisoned rows, so any stray read shows up as NaN. The CUDA
+Pools are NaN-poisoned everywhere except the rows the top-k selects, pages come through a permuted block table,
+and invalid top-k slots point at poisoned rows, so any stray read shows up as NaN. The CUDA
 lowering test runs the Pallas -> Triton lowering at production shapes on the CPU.
 """
 
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from hisparse_jax.compat import gpu_lowering_target
+from hisparse_jax.kernel_cases import mla_case
 from pallas_kernels.sparse_mla_decode.reference import sparse_mla_decode_rows as rows_reference
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_reference
 from pallas_kernels.sparse_mla_decode.kernel import decode_blocks
@@ -23,36 +24,11 @@ TAU = 0.13523378
 
 
 def make_case(seed, *, B=3, H=4, C=128, R=64, K=40, P=12, seq_lens=None, kv="float32", q_dtype=jnp.float32):
-    """Random paged pools + addresses. Sequence b owns positions 0..seq_lens[b]-1 through a permuted block
-    table; its top-k is min(K, seq_len) of them (the rest -1 padding, addressed at poisoned rows)."""
-    rng = np.random.default_rng(seed)
-    seq_lens = [K + 7] * B if seq_lens is None else seq_lens
-    lat = np.full((P, 64, C), np.nan, np.float32)
-    rope = np.full((P, 64, R), np.nan, np.float32)
-    scale = np.full((P, 64, C // 128 or 1), np.nan, np.float32)
-    page = rng.integers(0, P, (B, K)).astype(np.int32)  # junk addresses for the padding slots
-    row = rng.integers(0, 64, (B, K)).astype(np.int32)
-    valid = np.zeros((B, K), bool)
-    free = list(rng.permutation(P))
-    for b, n in enumerate(seq_lens):
-        table = [free.pop() for _ in range(-(-n // 64))]  # permuted block table of sequence b
-        pos = np.arange(n)
-        lat[np.array(table)[pos // 64], pos % 64] = rng.standard_normal((n, C))
-        rope[np.array(table)[pos // 64], pos % 64] = rng.standard_normal((n, R))
-        scale[np.array(table)[pos // 64], pos % 64] = 2.0 ** rng.integers(-4, 2, (n, scale.shape[-1]))
-        sel = rng.permutation(n)[:min(n, K)]
-        slots = rng.permutation(K)[:sel.size]  # valid slots scattered among the padding
-        page[b, slots], row[b, slots], valid[b, slots] = np.array(table)[sel // 64], sel % 64, True
-    if kv == "fp8":
-        latent = jnp.asarray(lat).astype(jnp.float8_e4m3fn)
-        kw = dict(latent_scale=jnp.asarray(scale))
-    else:
-        latent, kw = jnp.asarray(lat, kv), {}
-    rope_dt = jnp.float32 if kv == "float32" else jnp.bfloat16
-    q_lat = jnp.asarray(rng.standard_normal((B, H, C)), q_dtype)
-    q_rope = jnp.asarray(rng.standard_normal((B, H, R)), q_dtype)
-    args = (q_lat, q_rope, latent, jnp.asarray(rope, rope_dt), jnp.asarray(page), jnp.asarray(row), jnp.asarray(valid))
-    return args, kw
+    """`kernel_cases.mla_case` on a pool of P pages: sequence b owns positions 0..seq_lens[b]-1 (default K + 7)
+    through a permuted block table; its top-k is min(K, seq_len) of them (the rest -1 padding, addressed at
+    poisoned rows); every row no valid slot selects is NaN."""
+    return mla_case(seed, B=B, H=H, C=C, R=R, K=K, seq_lens=[K + 7] * B if seq_lens is None else seq_lens, pages=P,
+                    kv=kv, q_dtype=q_dtype)
 
 
 def check(args, kw, rtol=2e-6):

@@ -1,1 +1,1 @@
-"""Sections of experiments/gpu_check.py that are an idea of their own (one module each)."""
+"""The sections of experiments/gpu_check.py and what they share, one idea per module."""
