@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.report import save_json
+from experiments.report import run_to_json
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_tiered.json")
 
@@ -210,9 +210,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    save_json(args.out, run(args))
-    return 0
+    return run_to_json(parse_args, run, argv)
 
 
 if __name__ == "__main__":

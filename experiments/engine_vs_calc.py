@@ -38,7 +38,7 @@ import os
 import sys
 import time
 
-from experiments.report import grid_legend, pyplot, save_figure, save_json, stamp
+from experiments.report import finish_axes, pyplot, save_figure, save_json, stamp
 from hisparse_jax import calc
 
 SEQ = 81_920  # the calculator's published default case
@@ -232,12 +232,10 @@ def plot(out: dict, path: str) -> None:
                 label=f"{name}: sustained {r['sustained_running']:.1f}, calculator {r['predicted']}")
         ax.axhline(r["predicted"], color=c, ls="--", lw=1)
     ax.set_xscale("symlog", linthresh=50)
-    ax.set_xlabel("engine step")
-    ax.set_ylabel("running requests")
     s = out["scaled"]
+    finish_axes(ax, xlabel="engine step", ylabel="running requests", fontsize=8)
     ax.set_title(f"{out['requests']} requests of {s['pages_per_request']} pages; device = "
                  f"{s['device_requests']:.2f} requests' KV (dashed: calculator)", fontsize=10)
-    grid_legend(ax, fontsize=8)
     save_figure(fig, path)
 
 

@@ -50,7 +50,7 @@ import time
 
 import numpy as np
 
-from experiments.report import grid_legend, pyplot, save_figure, save_json, stamp
+from experiments.report import finish_axes, pyplot, save_figure, save_json, stamp
 
 ROW_BYTES = 656
 LAYERS = 78
@@ -958,7 +958,7 @@ def plot(out: dict, path: str) -> None:
         ax.set_title(f"{name}: top-k {t['k']}, {t['steps']} steps x {t['n_traces']} trace(s)")
         ax.set_xlabel("hot buffer rows / top-k")
         ax.set_ylabel("hit rate")
-        grid_legend(ax, fontsize=8)
+        finish_axes(ax, fontsize=8)
     save_figure(fig, path)
 
 

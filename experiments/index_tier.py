@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from experiments.report import grid_legend, pyplot, save_figure, save_json, stamp
+from experiments.report import finish_axes, pyplot, save_figure, save_json, stamp
 
 FP8_ROW = 656  # bytes of one DeepSeek fp8 KV row (512 e4m3 + 4 scales + 64 bf16 rope)
 RANKS = ("bound", "mean")  # budgeted mode's block ranking (`reference.HOST_INDEX_RANKS`)
@@ -152,7 +152,7 @@ def plot(out: dict, path: str) -> None:
     ax.set_xlabel("fraction of the key history read per step and layer")
     ax.set_ylabel("recall of the exact top-k")
     ax.set_title(f"host-tier indexer keys, {out['model']} (top-{out['k']})")
-    grid_legend(ax, loc="lower right")
+    finish_axes(ax, loc="lower right")
     save_figure(fig, path)
 
 

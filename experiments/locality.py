@@ -40,7 +40,7 @@ import time
 
 import numpy as np
 
-from experiments.report import grid_legend, pyplot, save_figure, save_json, stamp
+from experiments.report import finish_axes, pyplot, save_figure, save_json, stamp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -262,7 +262,7 @@ def plot(out: dict, path: str) -> None:
         ax.set_title(f"{name} weights: top-k {tr['k']}, step-to-step overlap {ov:.2f}")
         ax.set_xlabel("hot buffer rows / top-k")
         ax.set_ylabel("hit rate (mean over index layers)")
-        grid_legend(ax, fontsize=8)
+        finish_axes(ax, fontsize=8)
     ax = axes[0][2]
     if lab:
         for li, rr in enumerate(lab["reref"]):
@@ -273,7 +273,7 @@ def plot(out: dict, path: str) -> None:
         ax.set_xlabel("re-reference distance (decode steps between two uses of a row)")
         ax.set_ylabel("share of top-k uses")
         ax.set_title("trained: re-reference distance")
-        grid_legend(ax, fontsize=8)
+        finish_axes(ax, fontsize=8)
     else:
         ax.axis("off")
     if lab:
@@ -285,7 +285,7 @@ def plot(out: dict, path: str) -> None:
         ax.set_xlabel("hot buffer rows / top-k")
         ax.set_ylabel("critical-path hit rate (both index layers)")
         ax.set_title("trained: demand policies by buffer size")
-        grid_legend(ax, fontsize=8)
+        finish_axes(ax, fontsize=8)
         ax = axes[1][1]
         b = lab["bar"]
         lru_rows = b["lru_h2d_rows_per_step"]
@@ -302,7 +302,7 @@ def plot(out: dict, path: str) -> None:
                       f"{st['layers']} layers = bytes)")
         ax.set_ylabel("critical-path hit rate")
         ax.set_title(f"trained, {BAR_SIZE} top-k: hit rate vs H2D traffic (bar: green, above the dashed line)")
-        grid_legend(ax, fontsize=8, loc="lower right")
+        finish_axes(ax, fontsize=8, loc="lower right")
         ax = axes[1][2]
         for n, pts in lab["by_position_2x"].items():
             ax.plot([np.mean(p["positions"]) for p in pts], [p["hit_rate"] for p in pts], marker="o",
@@ -316,7 +316,7 @@ def plot(out: dict, path: str) -> None:
         ax.set_xlabel("decode position")
         ax.set_ylabel(f"critical-path hit rate at {BAR_SIZE} top-k")
         ax.set_title("trained: hit rate by context length")
-        grid_legend(ax, fontsize=7)
+        finish_axes(ax, fontsize=7)
     save_figure(fig, path, dpi=110)
 
 

@@ -1,4 +1,4 @@
-"""How an experiment leaves its results: the run's stamp, one JSON file, one figure.
+"""How an experiment leaves its results: the run's stamp, one JSON file, one figure, a benchmark's command.
 
 Every script under experiments/ ends the same way (stamp the record with when and where it ran, write it as JSON
 under experiments/results/, draw its figure off-screen); these helpers are that ending, written once.
@@ -39,10 +39,22 @@ def pyplot():
     return plt
 
 
-def grid_legend(ax, **legend) -> None:
-    """The experiments' axes finish: a light grid and a legend (`legend`: its keywords, e.g. fontsize=8)."""
+def finish_axes(ax, *, xlabel: str | None = None, ylabel: str | None = None, title: str | None = None,
+                **legend) -> None:
+    """The experiments' axes finish: the labels and title given, a light grid and a legend (`legend`: its keywords,
+    e.g. fontsize=8)."""
+    for set_text, text in ((ax.set_xlabel, xlabel), (ax.set_ylabel, ylabel), (ax.set_title, title)):
+        if text is not None:
+            set_text(text)
     ax.grid(alpha=0.3)
     ax.legend(**legend)
+
+
+def run_to_json(parse_args, run, argv=None) -> int:
+    """A benchmark's command: `run(parse_args(argv))`, its result written to the parsed `--out`; exit status 0."""
+    args = parse_args(argv)
+    save_json(args.out, run(args))
+    return 0
 
 
 def save_figure(fig, path: str, dpi: int = 120) -> str:

@@ -25,7 +25,7 @@ import sys
 import time
 
 
-from experiments.report import grid_legend, pyplot, save_figure, save_json, stamp
+from experiments.report import finish_axes, pyplot, save_figure, save_json, stamp
 from hisparse_jax import calc
 
 SEQS = (74_160, 85_836, 142_000, 1_048_576)
@@ -150,10 +150,9 @@ def plot(out: dict, path: str) -> None:
     ax.axhline(pr["baseline"], color="tab:blue", ls="--", lw=1, label=f"calc baseline {pr['baseline']}")
     ax.axhline(pr["hisparse"], color="tab:green", ls="--", lw=1,
                label=f"calc hisparse {pr['hisparse']} (uncapped {pr['hisparse_uncapped']})")
-    ax.set_xlabel("engine step")
-    ax.set_ylabel("running requests")
-    ax.set_title(f"{out['preset']}: {out['requests']} requests, device = {out['device_requests']:.2f} requests' KV")
-    grid_legend(ax, fontsize=8)
+    finish_axes(ax, xlabel="engine step", ylabel="running requests", fontsize=8,
+                title=f"{out['preset']}: {out['requests']} requests, device = {out['device_requests']:.2f} "
+                "requests' KV")
     save_figure(fig, path)
 
 
