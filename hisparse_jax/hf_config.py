@@ -17,78 +17,12 @@ from hisparse_jax.validation import check_int, check_token_list
 
 
 def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any], **overrides) -> ModelConfig:
-    """Build from a Hugging Face `config.json` (a dict, the file, or its directory)."""
-    if isinstance(path_or_dict, Mapping):
-        d = dict(path_or_dict)
-    else:
-        p = os.fspath(path_or_dict)
-        if os.path.isdir(p):
-            p = os.path.join(p, "config.json")
-        if not os.path.exists(p):
-            raise FileNotFoundError(f"no config.json at {p}")
-        with open(p) as f:
-            try:
-                d = json.load(f, object_pairs_hook=_unique_keys(p))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p} is not valid JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"{p} must hold a JSON object (the model's config), got {type(d).__name__}")
-    mt = d.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unknown model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if d.get("attention_bias"):
-        raise ValueError("attention_bias=True is not supported (neither DeepSeek-V3.2 nor GLM-5 uses it)")
-    if d.get("q_lora_rank") in (None, 0):
-        raise ValueError("q_lora_rank is required (the indexer reads the q-LoRA latent)")
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {d.get('hidden_act')!r} is not supported (only 'silu')")
-    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings")
-    absent = [k for k in required if k not in d]
-    if absent:
-        raise ValueError(f"config.json lacks required field(s): {', '.join(absent)}")
+    """Build from a Hugging Face `config.json` (a dict, the file, or its directory); `overrides` replace fields."""
+    d = _read(path_or_dict)
+    mt = _check_supported(d)
     L = check_count("num_hidden_layers", d["num_hidden_layers"], lo=1)  # bounded before the per-layer lists
-    mlp_types = d.get("mlp_layer_types")
-    if not mlp_types:
-        n_dense = min(check_int("first_k_dense_replace", d.get("first_k_dense_replace", 3), lo=0), L)
-        mlp_types = ["dense"] * n_dense + ["sparse"] * (L - n_dense)
-    idx_types = d.get("indexer_types")
-    if not idx_types:
-        pattern = d.get("index_topk_pattern")
-        if isinstance(pattern, str):
-            unknown = sorted(set(pattern) - set("FS"))
-            if unknown:
-                raise ValueError(f"index_topk_pattern {pattern!r} has letters other than F (full) and S (shared): "
-                                 f"{', '.join(map(repr, unknown))}")
-            idx_types = [{"F": "full", "S": "shared"}[c] for c in pattern]
-        elif pattern is not None:
-            idx_types = pattern
-        elif mt == "glm_moe_dsa":
-            freq = check_int("index_topk_freq", d.get("index_topk_freq", 1), lo=1)
-            offset = check_int("index_skip_topk_offset", d.get("index_skip_topk_offset", 2), lo=0)
-            idx_types = glm_indexer_types(L, freq, offset)
-        else:
-            idx_types = ["full"] * L
-    rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    if not isinstance(rp, Mapping):
-        raise ValueError(f"rope_parameters must be an object, got {rp!r}")
-    rp = dict(rp)
-    rope_type = rp.get("rope_type", rp.get("type", "default")) or "default"
-    theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
-    if rope_type == "yarn":
-        orig = rp.get("original_max_position_embeddings", d.get("max_position_embeddings"))
-        orig = check_int("rope_parameters.original_max_position_embeddings", orig, lo=1)
-        factor = rp.get("factor")
-        if factor is None:
-            factor = check_int("max_position_embeddings", d["max_position_embeddings"], lo=1) / orig
-        rope = RopeConfig(theta=theta, rope_type="yarn", factor=factor, original_max_position_embeddings=orig,
-                          beta_fast=rp.get("beta_fast") or 32, beta_slow=rp.get("beta_slow") or 1,
-                          mscale=rp.get("mscale"), mscale_all_dim=rp.get("mscale_all_dim"),
-                          attention_factor=rp.get("attention_factor"), truncate=_json_bool(rp, "truncate", True))
-    elif rope_type == "default":
-        rope = RopeConfig(theta=theta)
-    else:
-        raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, yarn")
+    mlp_types, idx_types = _layer_types(d, mt, L)
+    rope = _rope(d)
     eos = check_token_list("eos_token_id", d.get("eos_token_id", 1))
     dtype = d.get("dtype") or d.get("torch_dtype") or "bfloat16"
     kw = dict(
@@ -113,6 +47,95 @@ def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any], **overri
     )
     kw.update(overrides)
     return ModelConfig(**kw)
+
+
+def _read(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dict:
+    """The config as a dict: a copy of a mapping, or the JSON object in the file (or in the folder's config.json),
+    refusing invalid JSON, a key given twice and anything but an object."""
+    if isinstance(path_or_dict, Mapping):
+        return dict(path_or_dict)
+    p = os.fspath(path_or_dict)
+    if os.path.isdir(p):
+        p = os.path.join(p, "config.json")
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"no config.json at {p}")
+    with open(p) as f:
+        try:
+            d = json.load(f, object_pairs_hook=_unique_keys(p))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{p} must hold a JSON object (the model's config), got {type(d).__name__}")
+    return d
+
+
+def _check_supported(d: dict) -> str:
+    """The model_type, after refusing what this package does not implement and a config lacking a required size."""
+    mt = d.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unknown model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if d.get("attention_bias"):
+        raise ValueError("attention_bias=True is not supported (neither DeepSeek-V3.2 nor GLM-5 uses it)")
+    if d.get("q_lora_rank") in (None, 0):
+        raise ValueError("q_lora_rank is required (the indexer reads the q-LoRA latent)")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {d.get('hidden_act')!r} is not supported (only 'silu')")
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings")
+    absent = [k for k in required if k not in d]
+    if absent:
+        raise ValueError(f"config.json lacks required field(s): {', '.join(absent)}")
+    return mt
+
+
+def _layer_types(d: dict, mt: str, L: int) -> tuple[list | tuple, list | tuple]:
+    """(MLP types, indexer types) of the L layers: the per-layer lists, else from first_k_dense_replace, and from
+    index_topk_pattern ("FS..." or a list), GLM's IndexShare frequency and offset, or every layer full."""
+    mlp_types = d.get("mlp_layer_types")
+    if not mlp_types:
+        n_dense = min(check_int("first_k_dense_replace", d.get("first_k_dense_replace", 3), lo=0), L)
+        mlp_types = ["dense"] * n_dense + ["sparse"] * (L - n_dense)
+    idx_types = d.get("indexer_types")
+    if not idx_types:
+        pattern = d.get("index_topk_pattern")
+        if isinstance(pattern, str):
+            unknown = sorted(set(pattern) - set("FS"))
+            if unknown:
+                raise ValueError(f"index_topk_pattern {pattern!r} has letters other than F (full) and S (shared): "
+                                 f"{', '.join(map(repr, unknown))}")
+            idx_types = [{"F": "full", "S": "shared"}[c] for c in pattern]
+        elif pattern is not None:
+            idx_types = pattern
+        elif mt == "glm_moe_dsa":
+            freq = check_int("index_topk_freq", d.get("index_topk_freq", 1), lo=1)
+            offset = check_int("index_skip_topk_offset", d.get("index_skip_topk_offset", 2), lo=0)
+            idx_types = glm_indexer_types(L, freq, offset)
+        else:
+            idx_types = ["full"] * L
+    return mlp_types, idx_types
+
+
+def _rope(d: dict) -> RopeConfig:
+    """The RoPE parameters (`rope_parameters`, or the older `rope_scaling`): default, or YaRN."""
+    rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(rp, Mapping):
+        raise ValueError(f"rope_parameters must be an object, got {rp!r}")
+    rp = dict(rp)
+    rope_type = rp.get("rope_type", rp.get("type", "default")) or "default"
+    theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
+    if rope_type == "yarn":
+        orig = rp.get("original_max_position_embeddings", d.get("max_position_embeddings"))
+        orig = check_int("rope_parameters.original_max_position_embeddings", orig, lo=1)
+        factor = rp.get("factor")
+        if factor is None:
+            factor = check_int("max_position_embeddings", d["max_position_embeddings"], lo=1) / orig
+        return RopeConfig(theta=theta, rope_type="yarn", factor=factor, original_max_position_embeddings=orig,
+                          beta_fast=rp.get("beta_fast") or 32, beta_slow=rp.get("beta_slow") or 1,
+                          mscale=rp.get("mscale"), mscale_all_dim=rp.get("mscale_all_dim"),
+                          attention_factor=rp.get("attention_factor"), truncate=_json_bool(rp, "truncate", True))
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, yarn")
 
 
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
