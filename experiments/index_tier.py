@@ -46,7 +46,7 @@ def record(model, sequences, start: int, blocks: list[int]) -> dict:
     """Per block size: live, exact-mode reads and budgeted recall at every traced step, per index layer."""
     import jax.numpy as jnp
 
-    from experiments.hot_buffer_policies import run_decode
+    from experiments.hot_buffer_traces import run_decode
     from hisparse_jax.kv.dense import DenseKV
     from hisparse_jax.kv.dense import index_select_reference
     from pallas_kernels.indexer_topk.reference import host_index_select_reference

@@ -4,7 +4,7 @@
   indexer layer the recall of the main attention's top-k by the indexer's top-k (`hisparse_jax.train.dsa.evaluate`);
 * decode traces: every full indexer's top-k at each step, teacher-forced over the sequences with `decode_step`
   (contiguous cache); per layer the step-to-step top-k overlap (the write-up reports ~44%) and the hot-buffer hit
-  rate at 1x/1.5x/2x/3x/4x top-k for every policy of `hot_buffer_policies.py`, OPT (Belady) as the bound;
+  rate at 1x/1.5x/2x/3x/4x top-k for every policy of `hot_buffer_sim.py`, OPT (Belady) as the bound;
 * the same traces from the same architecture with random weights, side by side: what every earlier hit rate in
   this project was measured on.
 
@@ -22,7 +22,7 @@
   within 4 steps that the last 6 steps' top-k do not hold), next to the precision the bar's byte budget needs
   (`prefetch_need`, in the bar).
   `--tune` also records held-out windows that are not the evaluation ones and sweeps score_ema's beta and
-  score_lru's keep there (the constants in `hot_buffer_policies.py` were chosen that way).
+  score_lru's keep there (the constants in `policy_lab.py` were chosen that way).
 
 Writes JSON and a PNG (hit rate against hot-buffer size, trained vs random; re-reference distances; the policy
 lab's hit rate against H2D rows per step and by decode position).
@@ -48,7 +48,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def trace_study(model, sequences, start: int, warmup: int, *, traces=None, record_s: float | None = None) -> dict:
     """Per index layer the adjacent top-k overlap and `study`'s hit rates; `traces` (traces[layer][seq], lists of
     top-k sets) when already recorded, else recorded here."""
-    from experiments.hot_buffer_policies import adjacent_overlap, record_traces, study
+    from experiments.hot_buffer_policies import study
+    from experiments.hot_buffer_traces import adjacent_overlap, record_traces
 
     t0 = time.perf_counter()
     if traces is None:
@@ -166,7 +167,7 @@ def prefetch_need(overall: dict, predictability: list, size: str = BAR_SIZE, fac
 
 def policy_lab(ranked, warmup: int, nll=None, position_bin: int = 512) -> dict:
     """The policy lab on ranked traces[index_layer][seq] (see the module docstring)."""
-    from experiments import hot_buffer_policies as hb
+    from experiments import policy_lab as pl
 
     t0 = time.perf_counter()
     k = ranked[0][0].k
@@ -174,31 +175,31 @@ def policy_lab(ranked, warmup: int, nll=None, position_bin: int = 512) -> dict:
     L = int(max(rt.positions[-1] for per_seq in ranked for rt in per_seq)) + 1
     edges = list(range(int(ranked[0][0].positions[0]) // position_bin * position_bin, L + position_bin,
                        position_bin))
-    sweep = hb.lab_sweep(ranked, warmup)
+    sweep = pl.lab_sweep(ranked, warmup)
     steps = sweep.pop("steps")
-    lab = {"settings": {"k": k, "recorded_margin": width - k, "warmup": warmup, "sizes": list(hb.LAB_SIZES),
-                        "variants": {n: [p, kw] for n, (p, kw) in hb.LAB_VARIANTS.items()},
-                        "score_ema_beta": hb.EMA_BETA, "score_lru_keep_x_k": hb.SCORE_LRU_KEEP,
-                        "row_bytes": hb.ROW_BYTES, "layers": hb.LAYERS, "score_dtype": "float16 (over the step's max)"},
+    lab = {"settings": {"k": k, "recorded_margin": width - k, "warmup": warmup, "sizes": list(pl.LAB_SIZES),
+                        "variants": {n: [p, kw] for n, (p, kw) in pl.LAB_VARIANTS.items()},
+                        "score_ema_beta": pl.EMA_BETA, "score_lru_keep_x_k": pl.SCORE_LRU_KEEP,
+                        "row_bytes": pl.ROW_BYTES, "layers": pl.LAYERS, "score_dtype": "float16 (over the step's max)"},
            "sweep": sweep, "bar": bar_check(sweep["overall"]),
-           "by_position_2x": {n: hb.by_position(st, edges) for n, st in steps.items()},
-           "reref": [hb.reref_stats([rt.sets for rt in per_seq], warmup) for per_seq in ranked],
-           "entry_ranks": [hb.entry_rank_stats(per_seq, warmup) for per_seq in ranked],
-           "predictability": [hb.prefetch_predictability(per_seq, warmup) for per_seq in ranked],
+           "by_position_2x": {n: pl.by_position(st, edges) for n, st in steps.items()},
+           "reref": [pl.reref_stats([rt.sets for rt in per_seq], warmup) for per_seq in ranked],
+           "entry_ranks": [pl.entry_rank_stats(per_seq, warmup) for per_seq in ranked],
+           "predictability": [pl.prefetch_predictability(per_seq, warmup) for per_seq in ranked],
            "topk": {}}  # per top-k: lru / score_ema / opt at 1x (= the adjacent overlap), 2x, 4x
     lab["bar"].update(prefetch_need(sweep["overall"], lab["predictability"]))
     if nll is not None:
         lab["nll_by_position"] = nll_by_position(nll, [0] + edges)
-    small = {n: hb.LAB_VARIANTS[n] for n in ("lru", "score_ema", "opt")}
+    small = {n: pl.LAB_VARIANTS[n] for n in ("lru", "score_ema", "opt")}
     for kk in TOPK_SWEEP:
         if kk <= width:
-            lab["topk"][str(kk)] = _compact(hb.lab_sweep(ranked, warmup, small, (1.0, 2.0, 4.0), k=kk))
+            lab["topk"][str(kk)] = _compact(pl.lab_sweep(ranked, warmup, small, (1.0, 2.0, 4.0), k=kk))
     lab["resident_tail"] = {
         "pages": 2, "page_tokens": 64, "overall_is": "on_device_rate: (hits + resident rows) / top-k",
-        **_compact(hb.lab_sweep(ranked, warmup, {n: hb.LAB_VARIANTS[n] for n in (
+        **_compact(pl.lab_sweep(ranked, warmup, {n: pl.LAB_VARIANTS[n] for n in (
             "lru", "score_ema", "score_ema+pf16", "opt")}, (1.0, 2.0, 4.0), resident_pages=2,
                                 keep_steps=()), "on_device_rate"),
-        "hit_rate_offloaded": _compact(hb.lab_sweep(ranked, warmup, small, (2.0,), resident_pages=2,
+        "hit_rate_offloaded": _compact(pl.lab_sweep(ranked, warmup, small, (2.0,), resident_pages=2,
                                                     keep_steps=()))["overall"]}
     lab["wall_s"] = time.perf_counter() - t0
     return lab
@@ -207,34 +208,36 @@ def policy_lab(ranked, warmup: int, nll=None, position_bin: int = 512) -> dict:
 def long_study(model, sequences, start: int, warmup: int, position_bin: int = 512) -> dict:
     """Hit rates by decode position on sequences longer than the training length (lru, score_ema, opt at 2x and
     4x), with the model's next-token loss by position: does the model, and its locality, generalize?"""
-    from experiments import hot_buffer_policies as hb
+    from experiments import policy_lab as pl
+    from experiments.hot_buffer_traces import record_ranked_traces
 
     t0 = time.perf_counter()
-    ranked, nll = hb.record_ranked_traces(model, sequences, start, 0, with_nll=True)
+    ranked, nll = record_ranked_traces(model, sequences, start, 0, with_nll=True)
     rec = time.perf_counter() - t0
     L = max(len(s) for s in sequences)
     edges = list(range(start // position_bin * position_bin, L + position_bin, position_bin))
-    small = {n: hb.LAB_VARIANTS[n] for n in ("lru", "score_ema", "opt")}
-    sw = hb.lab_sweep(ranked, warmup, small, (2.0, 4.0))
+    small = {n: pl.LAB_VARIANTS[n] for n in ("lru", "score_ema", "opt")}
+    sw = pl.lab_sweep(ranked, warmup, small, (2.0, 4.0))
     steps = sw.pop("steps")
     return {"sequences": len(sequences), "seq_len": L, "trace_start": start, "record_s": rec,
             "nll_by_position": nll_by_position(nll, [0] + edges),
-            "by_position_2x": {n: hb.by_position(st, edges) for n, st in steps.items()},
-            "hit_rate": _compact(sw), "reref": [hb.reref_stats([rt.sets for rt in per_seq], warmup)
+            "by_position_2x": {n: pl.by_position(st, edges) for n, st in steps.items()},
+            "hit_rate": _compact(sw), "reref": [pl.reref_stats([rt.sets for rt in per_seq], warmup)
                                                 for per_seq in ranked],
             "wall_s": time.perf_counter() - t0}
 
 
 def lab_tuning(model, sequences, start: int, warmup: int, margin: int) -> dict:
     """score_ema's beta and score_lru's keep on windows that are not evaluation ones (at 2x)."""
-    from experiments import hot_buffer_policies as hb
+    from experiments import policy_lab as pl
+    from experiments.hot_buffer_traces import record_ranked_traces
 
     t0 = time.perf_counter()
-    ranked = hb.record_ranked_traces(model, sequences, start, margin)
+    ranked = record_ranked_traces(model, sequences, start, margin)
     grid = {"lru": ("lru", {}), "opt": ("opt", {})}
     grid.update({f"score_ema/beta={b:g}": ("score_ema", {"beta": b}) for b in (0.8, 0.9, 0.95, 0.97)})
     grid.update({f"score_lru/keep={f:g}k": ("score_lru", {"keep": f}) for f in (1.25, 1.5, 2, 3)})
-    ov = hb.lab_sweep(ranked, warmup, grid, (2.0,), keep_steps=())["overall"]
+    ov = pl.lab_sweep(ranked, warmup, grid, (2.0,), keep_steps=())["overall"]
     table = {n: {"hit_rate": r["2x"]["hit_rate"], "h2d_over_lru": r["2x"]["h2d_over_lru"]} for n, r in ov.items()}
 
     def best(prefix):
@@ -242,7 +245,7 @@ def lab_tuning(model, sequences, start: int, warmup: int, margin: int) -> dict:
     return {"sequences": len(sequences), "seq_len": max(len(s) for s in sequences),
             "windows": "halfway between consecutive evaluation windows", "size": "2x", "table": table,
             "best_score_ema": best("score_ema/"), "best_score_lru": best("score_lru/"),
-            "used": {"score_ema_beta": hb.EMA_BETA, "score_lru_keep": f"{hb.SCORE_LRU_KEEP:g}k"},
+            "used": {"score_ema_beta": pl.EMA_BETA, "score_lru_keep": f"{pl.SCORE_LRU_KEEP:g}k"},
             "wall_s": time.perf_counter() - t0}
 
 
@@ -378,7 +381,7 @@ def main(argv=None) -> int:
     from flax import nnx
 
     import hisparse_jax as hj
-    from experiments import hot_buffer_policies as hb
+    from experiments.hot_buffer_traces import record_ranked_traces
     from hisparse_jax import checkpoints
     from hisparse_jax.train import data, dsa
 
@@ -405,7 +408,7 @@ def main(argv=None) -> int:
     out["traces"] = {}
     print("decode traces, trained weights (with the indexer's ranking) ...", file=sys.stderr, flush=True)
     t1 = time.perf_counter()
-    ranked, nll = hb.record_ranked_traces(model, seqs, a.trace_start, margin, with_nll=True)
+    ranked, nll = record_ranked_traces(model, seqs, a.trace_start, margin, with_nll=True)
     out["traces"]["trained"] = trace_study(model, seqs, a.trace_start, a.warmup,
                                            traces=[[rt.sets for rt in per_seq] for per_seq in ranked],
                                            record_s=time.perf_counter() - t1)

@@ -8,6 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import hot_buffer_sim as sim
+from experiments.hot_buffer_traces import SYNTH_DEFAULTS, synthetic_trace
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -110,29 +113,29 @@ def test_lru_matches_ops_resolve():
         rng.shuffle(q)  # resolve takes misses in top-k order
         trace.append(q)
     h_ref, m_ref, tok_ref, stamp_ref = _resolve_reference(trace, HR, K)
-    h, m, tok, stamp = hb.simulate(trace, HR, "lru", return_state=True)
+    h, m, tok, stamp = sim.simulate(trace, HR, "lru", return_state=True)
     np.testing.assert_array_equal(h, h_ref)
     np.testing.assert_array_equal(m, m_ref)
     np.testing.assert_array_equal(tok, tok_ref)
     np.testing.assert_array_equal(stamp, stamp_ref)
 
 
-@pytest.mark.parametrize("policy", hb.POLICIES)
+@pytest.mark.parametrize("policy", sim.POLICIES)
 def test_policies_sane(policy):
     rng = np.random.default_rng(1)
     trace = [rng.choice(200, 32, replace=False) for _ in range(30)]
-    h, m = hb.simulate(trace, 64, policy)
+    h, m = sim.simulate(trace, 64, policy)
     assert (h + m == 32).all() and m[0] == 32
-    big_h, big_m = hb.simulate(trace, 256, policy)  # everything fits: only compulsory misses
+    big_h, big_m = sim.simulate(trace, 256, policy)  # everything fits: only compulsory misses
     assert big_m.sum() == len(np.unique(np.concatenate(trace)))
-    opt_m = hb.simulate(trace, 64, "opt")[1].sum()
+    opt_m = sim.simulate(trace, 64, "opt")[1].sum()
     assert opt_m <= m.sum()
 
 
 def test_synthetic_calibration():
-    tr = hb.synthetic_trace(128, seed=0, **hb.SYNTH_DEFAULTS)
-    assert all(len(np.unique(t)) == hb.SYNTH_DEFAULTS["k"] for t in tr)
-    c = hb.calibration(tr, hb.SYNTH_DEFAULTS["k"])
+    tr = synthetic_trace(128, seed=0, **SYNTH_DEFAULTS)
+    assert all(len(np.unique(t)) == SYNTH_DEFAULTS["k"] for t in tr)
+    c = hb.calibration(tr, SYNTH_DEFAULTS["k"])
     assert c["adjacent_overlap"] == pytest.approx(0.44, abs=0.05)
     assert c["lru_hit_rate_2x"] == pytest.approx(0.94, abs=0.02)
 

@@ -1,12 +1,15 @@
-"""The hot-buffer policy lab on ranked traces (experiments/hot_buffer_policies.py: `RankedTrace`, `simulate_ranked`,
-`lab_sweep`, the trace statistics; experiments/locality.py: the acceptance bar). Pure NumPy, no model."""
+"""The hot-buffer policy lab on ranked traces (experiments/hot_buffer_traces.py: `RankedTrace`; hot_buffer_sim.py:
+`simulate_ranked`; policy_lab.py: `lab_sweep`, the trace statistics; experiments/locality.py: the acceptance bar).
+Pure NumPy, no model."""
 import numpy as np
 import pytest
 
-from experiments import hot_buffer_policies as hb
+from experiments import hot_buffer_sim as sim
+from experiments import policy_lab as pl
+from experiments.hot_buffer_traces import RankedTrace
 from experiments import locality as loc
 
-DEMAND = [p for p in hb.RANKED_POLICIES if p != "opt"]
+DEMAND = [p for p in sim.RANKED_POLICIES if p != "opt"]
 
 
 def _random_rt(seed=0, steps=60, S=96, k=8, margin=16, drift=0.3):
@@ -17,11 +20,11 @@ def _random_rt(seed=0, steps=60, S=96, k=8, margin=16, drift=0.3):
     for _ in range(steps):
         base = (1 - drift) * base + drift * rng.normal(size=S)
         rows.append(base + 0.3 * rng.normal(size=S))
-    return hb.RankedTrace.from_scores(np.array(rows), k, margin)
+    return RankedTrace.from_scores(np.array(rows), k, margin)
 
 
 def _rt(score_rows, k, margin=0):
-    return hb.RankedTrace.from_scores(np.array(score_rows, np.float64), k, margin)
+    return RankedTrace.from_scores(np.array(score_rows, np.float64), k, margin)
 
 
 def test_from_scores_ranks_like_select_topk():
@@ -40,13 +43,13 @@ def test_demand_policies_equal_simulate(policy, hot_rows):
     """Without prefetch, lru / clock / opt on a ranked trace are `simulate`'s on its top-k sets (whose lru is the
     store's rule, tests/test_blog_experiments.py::test_lru_matches_ops_resolve)."""
     rt = _random_rt(1)
-    r = hb.simulate_ranked(rt, hot_rows, policy, return_state=True)
+    r = sim.simulate_ranked(rt, hot_rows, policy, return_state=True)
     if policy == "lru":
-        h, m, tok, stamp = hb.simulate(rt.sets, hot_rows, "lru", return_state=True)
+        h, m, tok, stamp = sim.simulate(rt.sets, hot_rows, "lru", return_state=True)
         np.testing.assert_array_equal(r["tokens"], tok)
         np.testing.assert_array_equal(r["stamp"], stamp)
     else:
-        h, m = hb.simulate(rt.sets, hot_rows, policy)
+        h, m = sim.simulate(rt.sets, hot_rows, policy)
     np.testing.assert_array_equal(r["hits"], h)
     np.testing.assert_array_equal(r["misses"], m)
     assert not r["prefetched"].any() and r["prefetch_used"] == r["prefetch_wasted"] == 0
@@ -58,12 +61,12 @@ def test_score_evicts_the_lowest_scored_row():
     and 2 again: two hits for score, one for lru."""
     ninf = -np.inf
     rt = _rt([[5, 4, 1, 0, ninf, ninf], [3, 0.5, 9, 8, 1, 0], [9, 0, 8, 1, 0.5, 0]], k=2, margin=2)
-    s = hb.simulate_ranked(rt, 3, "score", return_state=True)
-    lru = hb.simulate_ranked(rt, 3, "lru", return_state=True)
+    s = sim.simulate_ranked(rt, 3, "score", return_state=True)
+    lru = sim.simulate_ranked(rt, 3, "lru", return_state=True)
     assert s["hits"].tolist() == [0, 0, 2] and lru["hits"].tolist() == [0, 0, 1]
     assert sorted(s["tokens"].tolist()) == [0, 2, 3]
     for pol in ("score_lru", "score_ema"):
-        assert hb.simulate_ranked(rt, 3, pol, keep=2.0, beta=0.0)["hits"].tolist() == [0, 0, 2]
+        assert sim.simulate_ranked(rt, 3, pol, keep=2.0, beta=0.0)["hits"].tolist() == [0, 0, 2]
 
 
 def test_score_ema_remembers_what_one_step_forgets():
@@ -71,8 +74,8 @@ def test_score_ema_remembers_what_one_step_forgets():
     where row 0 scores just below row 1: `score` evicts row 0 and misses it when it comes back, `score_ema` (its
     average is still high, row 1's low) evicts row 1 and hits."""
     rt = _rt([[9, 0, 0]] * 5 + [[5, 9, 0], [1, 2, 9], [9, 0, 8]], k=1)
-    s = hb.simulate_ranked(rt, 2, "score")
-    e = hb.simulate_ranked(rt, 2, "score_ema", beta=0.9)
+    s = sim.simulate_ranked(rt, 2, "score")
+    e = sim.simulate_ranked(rt, 2, "score_ema", beta=0.9)
     assert s["misses"][6] == e["misses"][6] == 1
     assert s["hits"][7] == 0 and e["hits"][7] == 1
 
@@ -83,12 +86,12 @@ def test_score_ema_per_slot_forgets_the_history_before_the_fill():
     keeps, `index_ema`) still ranks row 1 above row 0 and evicts row 0; the per-slot one knows row 1 only from its
     fill on (1) and evicts it, and misses it at step 7."""
     rt = _rt([[9, 8.5, 0, 0]] * 5 + [[0, 9, 0, 0], [2, 1, 0, 9], [0, 9, 0, 0]], k=1)
-    pos = hb.simulate_ranked(rt, 2, "score_ema", beta=0.9)
-    slot = hb.simulate_ranked(rt, 2, "score_ema", beta=0.9, ema_scope="slot")
+    pos = sim.simulate_ranked(rt, 2, "score_ema", beta=0.9)
+    slot = sim.simulate_ranked(rt, 2, "score_ema", beta=0.9, ema_scope="slot")
     assert pos["misses"].tolist()[:7] == slot["misses"].tolist()[:7] == [1, 0, 0, 0, 0, 1, 1]
     assert pos["hits"][7] == 1 and slot["hits"][7] == 0
     with pytest.raises(ValueError, match="ema_scope"):
-        hb.simulate_ranked(rt, 2, "score_ema", ema_scope="slot", admit="key")
+        sim.simulate_ranked(rt, 2, "score_ema", ema_scope="slot", admit="key")
 
 
 @pytest.mark.parametrize("policy", DEMAND)
@@ -98,10 +101,10 @@ def test_no_future_information(policy, prefetch):
     rt = _random_rt(2)
     t0 = 30
     other = _random_rt(3)
-    mixed = hb.RankedTrace(np.concatenate([rt.order[:t0 + 1], other.order[t0 + 1:]]),
+    mixed = RankedTrace(np.concatenate([rt.order[:t0 + 1], other.order[t0 + 1:]]),
                            np.concatenate([rt.scores[:t0 + 1], other.scores[t0 + 1:]]), rt.positions, rt.k)
-    a = hb.simulate_ranked(rt, 16, policy, prefetch=prefetch)
-    b = hb.simulate_ranked(mixed, 16, policy, prefetch=prefetch)
+    a = sim.simulate_ranked(rt, 16, policy, prefetch=prefetch)
+    b = sim.simulate_ranked(mixed, 16, policy, prefetch=prefetch)
     for key in ("hits", "misses", "prefetched"):
         np.testing.assert_array_equal(a[key][:t0 + 1], b[key][:t0 + 1])
 
@@ -112,7 +115,7 @@ def test_prefetch_counts_by_hand():
     replace a row outside the top-3, i.e. 2, an unused prefetch (wasted)."""
     ninf = -np.inf
     rt = _rt([[3, 2, 1, ninf], [1, 3, 0, 2]], k=1, margin=2)
-    r = hb.simulate_ranked(rt, 3, "lru", prefetch=2, return_state=True)
+    r = sim.simulate_ranked(rt, 3, "lru", prefetch=2, return_state=True)
     assert r["hits"].tolist() == [0, 1] and r["misses"].tolist() == [1, 0]
     assert r["prefetched"].tolist() == [2, 1]
     assert r["prefetch_used"] == 1 and r["prefetch_wasted"] == 1
@@ -124,7 +127,7 @@ def test_prefetch_counts_by_hand():
 def test_invariants_with_prefetch(policy, hot_rows):
     rt = _random_rt(4)
     m = 8
-    r = hb.simulate_ranked(rt, hot_rows, policy, prefetch=m, return_state=True)
+    r = sim.simulate_ranked(rt, hot_rows, policy, prefetch=m, return_state=True)
     assert (r["hits"] + r["misses"] == rt.k).all()  # nothing resident: every top-k row is a hit or a miss
     assert (r["prefetched"] <= m).all()
     if hot_rows == rt.k:
@@ -137,7 +140,7 @@ def test_invariants_with_prefetch(policy, hot_rows):
 
 def test_no_prefetch_at_1x():
     rt = _random_rt(5)
-    r = hb.simulate_ranked(rt, rt.k, "score_ema", prefetch=16)
+    r = sim.simulate_ranked(rt, rt.k, "score_ema", prefetch=16)
     assert not r["prefetched"].any()
 
 
@@ -146,9 +149,9 @@ def test_demand_policies_within_opt(hot_rows):
     """Under demand caching (no prefetch) no policy's critical-path hits exceed Belady's."""
     for seed in range(3):
         rt = _random_rt(seed)
-        opt = hb.simulate_ranked(rt, hot_rows, "opt")["hits"].sum()
+        opt = sim.simulate_ranked(rt, hot_rows, "opt")["hits"].sum()
         for pol in DEMAND:
-            assert hb.simulate_ranked(rt, hot_rows, pol)["hits"].sum() <= opt
+            assert sim.simulate_ranked(rt, hot_rows, pol)["hits"].sum() <= opt
 
 
 def test_prefetch_can_beat_demand_opt():
@@ -159,47 +162,47 @@ def test_prefetch_can_beat_demand_opt():
     for t in range(T):
         sc[t, t], sc[t, t + 1] = 2.0, 1.0
     rt = _rt(sc, k=1, margin=1)
-    assert hb.simulate_ranked(rt, 2, "opt")["hits"].sum() == 0
-    r = hb.simulate_ranked(rt, 2, "lru", prefetch=1)
+    assert sim.simulate_ranked(rt, 2, "opt")["hits"].sum() == 0
+    r = sim.simulate_ranked(rt, 2, "lru", prefetch=1)
     assert r["hits"].sum() == T - 1 and r["prefetched"].sum() == T
 
 
 def test_opt_refuses_prefetch_and_bad_margin():
     rt = _random_rt(0)
     with pytest.raises(ValueError):
-        hb.simulate_ranked(rt, 16, "opt", prefetch=2)
+        sim.simulate_ranked(rt, 16, "opt", prefetch=2)
     with pytest.raises(ValueError):
-        hb.simulate_ranked(rt, 16, "lru", prefetch=rt.margin + 1)
+        sim.simulate_ranked(rt, 16, "lru", prefetch=rt.margin + 1)
     with pytest.raises(ValueError):
-        hb.simulate_ranked(rt, 16, "lru", admit="key")
+        sim.simulate_ranked(rt, 16, "lru", admit="key")
 
 
 def test_resident_tail():
-    assert hb.resident_from([130, 63, 200], 2).tolist() == [64, 0, 128]
-    assert hb.resident_from([130], 1).tolist() == [128]
+    assert sim.resident_from([130, 63, 200], 2).tolist() == [64, 0, 128]
+    assert sim.resident_from([130], 1).tolist() == [128]
     rt = _random_rt(6)
-    rt = hb.RankedTrace(rt.order, rt.scores, np.arange(rt.steps) + 128, rt.k)  # at 128..187 rows >= 64 resident
-    r = hb.simulate_ranked(rt, 12, "score_ema", prefetch=4, resident_pages=2)
+    rt = RankedTrace(rt.order, rt.scores, np.arange(rt.steps) + 128, rt.k)  # at 128..187 rows >= 64 resident
+    r = sim.simulate_ranked(rt, 12, "score_ema", prefetch=4, resident_pages=2)
     assert (r["hits"] + r["misses"] + r["resident"] == rt.k).all() and r["resident"].sum() > 0
-    full = hb.simulate_ranked(rt, 12, "score_ema", prefetch=4)
+    full = sim.simulate_ranked(rt, 12, "score_ema", prefetch=4)
     assert r["misses"].sum() < full["misses"].sum()
 
 
 def test_lab_sweep_bytes_and_bar():
     layers = [[_random_rt(s), _random_rt(s + 10)] for s in (0, 1)]
-    variants = {n: hb.LAB_VARIANTS[n] for n in ("lru", "score_ema", "score_ema+pf16", "opt")}
+    variants = {n: pl.LAB_VARIANTS[n] for n in ("lru", "score_ema", "score_ema+pf16", "opt")}
     variants["score_ema+pf16"] = ("score_ema", {"prefetch": 8})
-    sw = hb.lab_sweep(layers, 4, variants, (1.0, 2.0))
+    sw = pl.lab_sweep(layers, 4, variants, (1.0, 2.0))
     ov = sw["overall"]
     for size in ("1x", "2x"):
         assert ov["lru"][size]["h2d_over_lru"] == 1.0
         for n, rows in ov.items():
             st = rows[size]
             assert st["h2d_rows_per_step"] == pytest.approx(st["misses_per_step"] + st["prefetched_per_step"])
-            assert st["h2d_bytes_per_step"] == pytest.approx(st["h2d_rows_per_step"] * hb.ROW_BYTES * hb.LAYERS)
+            assert st["h2d_bytes_per_step"] == pytest.approx(st["h2d_rows_per_step"] * pl.ROW_BYTES * pl.LAYERS)
     assert ov["opt"]["1x"]["hit_rate"] == ov["lru"]["1x"]["hit_rate"]  # one buffer of top-k: the previous set
     assert ov["score_ema+pf16"]["2x"]["prefetched_per_step"] > 0
-    pos = hb.by_position(sw["steps"]["lru"], [96, 120, 200])  # from_scores: positions S + t
+    pos = pl.by_position(sw["steps"]["lru"], [96, 120, 200])  # from_scores: positions S + t
     assert len(pos) == 2 and all(0 <= p["hit_rate"] <= 1 for p in pos)
     bar = loc.bar_check(ov)
     assert bar["met"] == bool(bar["met_by"]) and bar["best_within_bytes"] != "opt"
@@ -214,13 +217,13 @@ def test_lab_sweep_bytes_and_bar():
 
 
 def test_reref_and_entry_ranks():
-    st = hb.reref_stats([[np.array([1]), np.array([1]), np.array([2]), np.array([1])]], 0)
+    st = pl.reref_stats([[np.array([1]), np.array([1]), np.array([2]), np.array([1])]], 0)
     assert st["uses"] == 4 and st["first_use_frac"] == 0.5
     assert st["hist"]["1"] == 0.25 and st["hist"]["2"] == 0.25
     ninf = -np.inf
     # step 1's top-1 (row 2) ranked 3rd at step 0 (k = 1: bin 2k-3k); row 3 is written at step 2 ("new")
     rt = _rt([[3, 2, 1, ninf], [1, 0, 3, ninf], [0, 0, 0, 5]], k=1)
-    er = hb.entry_rank_stats([rt], 0)
+    er = pl.entry_rank_stats([rt], 0)
     assert er["entry_rank_share"]["2k-3k"] == 0.5 and er["entry_rank_share"]["new"] == 0.5
 
 
@@ -277,7 +280,7 @@ def _predictability_oracle(rts, warmup, horizon, recent, sizes, min_step=32, bet
 
 
 def _check_against_oracle(rts, warmup, **kw):
-    got = hb.prefetch_predictability(rts, warmup, **kw)
+    got = pl.prefetch_predictability(rts, warmup, **kw)
     steps, target_n, acc = _predictability_oracle(rts, warmup, kw["horizon"], kw["recent"], kw["sizes"],
                                                   kw.get("min_step", 32))
     assert got["steps"] == steps > 0 and got["target_per_step"] == pytest.approx(target_n / steps)
