@@ -96,6 +96,13 @@ def measure_host(model, runner, context: int, requests: int, host_scale: int, st
             "step_ms": float(np.median(times[2:])) * 1e3, "misses": misses}
 
 
+def ratio_vs_smallest(rows: list[dict], key: str) -> None:
+    """Each row's step time over the first (smallest) row's with the same `key` value: "ratio_vs_smallest"."""
+    for r in rows:
+        first = next(x for x in rows if x[key] == r[key])
+        r["ratio_vs_smallest"] = r["step_ms"] / first["step_ms"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny-glm")
@@ -119,18 +126,14 @@ def main(argv=None) -> int:
             rows.append(r)
             print(f"max_seq_len {r['max_seq_len']:>6} ({scale:>2}x)  {'bounded' if bounded else 'all pages'}: "
                   f"{r['step_ms']:.2f} ms/step ({r['index_pages_scored']} pages scored)", flush=True)
-    for r in rows:
-        first = next(x for x in rows if x["bounded"] == r["bounded"])
-        r["ratio_vs_smallest"] = r["step_ms"] / first["step_ms"]
+    ratio_vs_smallest(rows, "bounded")
     for kv_dtype in ("bf16", "float32") if a.what in ("all", "host_pool") else ():
         for hs in (int(x) for x in a.host_scales.split(",")):
             r = measure_host(model, runner, a.context, a.requests, hs, a.steps, kv_dtype)
             host_rows.append(r)
             print(f"{kv_dtype:>7} host pool x{hs:<3} ({r['host_pages']} pages): {r['step_ms']:.2f} ms/step, "
                   f"{r['misses']} misses", flush=True)
-    for r in host_rows:
-        first = next(x for x in host_rows if x["kv_dtype"] == r["kv_dtype"])
-        r["ratio_vs_smallest"] = r["step_ms"] / first["step_ms"]
+    ratio_vs_smallest(host_rows, "kv_dtype")
     split_rows = []
     for ma in ("single", "split") if a.what in ("all", "miss_attention") else ():
         r = measure_host(model, runner, a.context, a.requests, 1, a.steps, "float32", ma)
