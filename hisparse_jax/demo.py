@@ -257,3 +257,4 @@ def main(argv: list[str] | None = None) -> int:
         print(table(out))
         if out.get("plot"):
             print(f"plot: {out['plot']}")
+    return 0
