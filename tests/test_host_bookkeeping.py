@@ -10,10 +10,12 @@ import textwrap
 
 import jax
 import numpy as np
+import pytest
 
 import hisparse_jax as hj
 from hisparse_jax.kv import device as kv_device
-from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.manager import TieredCache, least_recently_selected
+from hisparse_jax.kv.pool import Tier
 from hisparse_jax.kv.updates import ClearStamps, LoadPages, ReleasePages, SetTables
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,6 +75,34 @@ def test_updates_applied_give_the_tables_the_manager_describes():
     lengths[list(tc.lengths)] = list(tc.lengths.values())
     tables = jax.device_get((store.block_table, store.host_table, store.index_table, store.hot_pages))
     tc.check_tables(*tables, lengths)
+
+
+def test_coldness_is_a_plug_in_over_a_read_only_view():
+    """Eviction takes a request's pages in the order its coldness returns, given the evictable pages and a read-only
+    view of the request's stamps: newest-first evicts the newest sealed pages, and a coldness cannot write."""
+    views = []
+
+    def newest_first(pages, stamps):
+        views.append(stamps.flags.writeable)
+        return pages[::-1]
+
+    def writes(pages, stamps):
+        stamps[0] = 7
+        return pages
+
+    cache = hj.CacheConfig(kv_dtype="float32", device_pages=20, host_pages=32, max_seqs=2, max_seq_len=1024)
+    assert TieredCache(hj.get_preset("tiny-glm"), cache).budget.hot_pages == 8
+    for coldness, evicted in ((newest_first, [5, 6, 7, 8, 9, 10, 11, 12, 13]),
+                              (least_recently_selected, [0, 1, 2, 3, 4, 5, 6, 7, 8])):  # no page selected yet: oldest
+        tc = TieredCache(hj.get_preset("tiny-glm"), cache, victim_order=coldness)
+        s = tc.admit(64 * 16)  # 16 resident pages, 0..13 sealed; its 8 hot pages are paid for by the first 8 evicted
+        tc.evict_until(tc.pool.num_free(Tier.DEVICE) + 1)
+        assert tc.requests[s].host_only_pages() == evicted
+    assert views and not any(views)
+    tc = TieredCache(hj.get_preset("tiny-glm"), cache, victim_order=writes)
+    tc.admit(64 * 16)
+    with pytest.raises(ValueError, match="read-only"):
+        tc.evict_until(tc.pool.num_free(Tier.DEVICE) + 1)
 
 
 def test_unapplied_updates_are_refused_where_they_would_be_lost(tmp_path):
