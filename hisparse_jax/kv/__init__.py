@@ -24,10 +24,10 @@ Glossary (one word, one thing; where the code still uses a word for two things, 
 - resident: a logical page with a device copy. *evicted*: its device copy given back, the host copy kept.
   *released*: a whole request's pages freed. *tail pages*: the last two pages of a request, never evicted.
 - hot buffer: per request and indexer group, `hot_rows` *hot slots* on pages lent from the device pool, holding
-  rows of released pages; *hit*: a selected row found there; *miss*: fetched from the host into the least
+  rows of evicted pages; *hit*: a selected row found there; *miss*: fetched from the host into the least
   recently used hot slot (the LRU order: `pallas_kernels/sparse_gather/reference.py`).
 - indexer group: a full indexer layer and the shared-index layers after it; they read the same top-k rows.
-- mirror: every appended row is written to its host page in the same step (`mirror_to_host`), so releasing a
+- mirror: every appended row is written to its host page in the same step (`mirror_to_host`), so evicting a
   page copies nothing.
 - updates (`TieredCache.updates`, `updates.py`): the host's decisions about the device tables, in order, applied by
   whoever holds the `KVStore` (`device.apply_updates`) before the next device call.
@@ -35,5 +35,6 @@ Glossary (one word, one thing; where the code still uses a word for two things, 
   stay resident (a prompt being written chunk by chunk). "Pinned" always means pinned host memory, the host tier.
 - plan: the resolver's per-row result (`resolve.Plan`: page, row, valid, resident, miss, source); the engine's
   scheduler has its own `StepPlan`.
-- coldness: which pages a request releases first ("oldest" or indexer-"recency").
+- coldness: which pages a request evicts first (`manager.COLDNESS`: "oldest" or indexer-"recency"), a pure order
+  of its evictable pages given a read-only view of its indexer-recency stamps.
 """
