@@ -128,7 +128,7 @@ def demo_schedule(devices: int, repeat: bool, policy: str = "hisparse", admissio
         for k, e in enumerate(ranks):
             if not e.has_unfinished():
                 continue
-            s = e.step()
+            s = e.step_report()
             raised[k] += s.out_of_pages
             preemptions, swaps = preemptions + len(s.plan.preempted), swaps + len(s.plan.swapped_out)
             if s.plan.decode:

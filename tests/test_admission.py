@@ -110,7 +110,7 @@ def _schedule(w):
         eng.add_request(f"r{i}", list(p), SamplingParams(max_new_tokens=n, seed=i))
     plans = []
     while eng.has_unfinished():
-        s = eng.step()
+        s = eng.step_report()
         plans.append(([r.request_id for r in s.plan.decode], [(r.request_id, a, n) for r, a, n in s.plan.prefill],
                       [r.request_id for r in s.plan.whole], dict(s.plan.waits)))
     return plans, {rid: r.output for rid, r in eng.requests.items()}

@@ -50,7 +50,7 @@ def test_a_prompt_written_through_the_store_is_never_starved():
     shares = eng.requests["shares"]
     chunks = 0
     while eng.has_unfinished():
-        s = eng.step()
+        s = eng.step_report()
         assert s.step < 400, "not finished in 400 steps"
         assert not s.unexplained, f"step {s.step}: {s.unexplained} admitted, no progress, no reason stated"
         assert not s.out_of_pages, f"step {s.step}: OutOfPages raised inside schedule"
@@ -72,7 +72,7 @@ def test_starvation_case_under_tighter_and_looser_devices(device_pages):
     a hot buffer first, lent by the pool.)"""
     eng = starvation_case(device_pages)
     while eng.has_unfinished():
-        s = eng.step()
+        s = eng.step_report()
         assert s.step < 1000 and not s.unexplained and not s.out_of_pages, (s.step, s.stalled)
     assert eng.pool_empty()
 
@@ -81,7 +81,7 @@ def test_wait_reasons_are_named_and_counted():
     eng = starvation_case(14)
     seen: dict[str, int] = {}
     while eng.has_unfinished():
-        s = eng.step()
+        s = eng.step_report()
         assert set(s.plan.waits) >= {r.request_id for r in eng.scheduler.waiting}
         for why in s.plan.waits.values():
             assert why in scheduler.WAIT_REASONS
@@ -94,7 +94,8 @@ def test_wait_reasons_are_named_and_counted():
 def test_the_fake_engine_runs_the_engines_own_step():
     """Only the model call is replaced: schedule, batch and commit are `Engine`'s methods, not copies, and a step's
     tokens are the (seed, position) function at the positions the engine's batch gives."""
-    for name in ("begin_step", "call_model", "finish_step", "add_request", "_commit_tokens", "_prefill_whole"):
+    for name in ("step", "begin_step", "call_model", "finish_step", "add_request", "_commit_tokens", "_prefill_whole",
+                 "run", "generate"):
         assert getattr(FakeEngine, name) is getattr(Engine, name), name
     eng = starvation_case()
     while eng.has_unfinished():

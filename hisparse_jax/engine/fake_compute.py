@@ -4,14 +4,14 @@ batch and the commit are the engine's own (`Engine.begin_step` / `call_model` / 
 `TieredCache` bookkeeping; NumPy only: nothing is compiled, no device array exists.
 
 What it is for: checking the scheduler's liveness (`tests/test_liveness.py`, `experiments/liveness.py`). Each
-`FakeEngine.step` returns which admitted requests progressed (a decode row, prompt rows, a whole prompt) and, for
-those that did not, the reason the step's plan states (`StepPlan.waits`; None: none stated), and counts every
-`OutOfPages` the manager raised inside `schedule` (caught there or not).
+`FakeEngine.step_report` (a step, as `Engine.step`) returns which admitted requests progressed (a decode row, prompt
+rows, a whole prompt) and, for those that did not, the reason the step's plan states (`StepPlan.waits`; None: none
+stated), and counts every `OutOfPages` the manager raised inside `schedule` (caught there or not).
 
     eng = FakeEngine(model_cfg, CacheConfig(device_pages=24, ...), EngineConfig(policy="hisparse", max_running=4))
     eng.add_request("a", prompt, SamplingParams(max_new_tokens=16))
     while eng.has_unfinished():
-        s = eng.step()
+        s = eng.step_report()
         assert not s.unexplained and not s.out_of_pages
 
 `run_workload(Workload(...))` runs a whole workload (requests arriving at given steps, under given budgets) and
@@ -85,7 +85,7 @@ class HostOnly:
 
 @dataclasses.dataclass
 class FakeStep:
-    """One `FakeEngine.step`: its plan; progressed: request id -> "decode" | "prefill" | "whole" (prompt rows
+    """One `FakeEngine.step_report`: its plan; progressed: request id -> "decode" | "prefill" | "whole" (prompt rows
     computed or a token decoded this step); stalled: id of an admitted request (or one preempted this step) that did
     not progress -> the reason the plan states (None: no reason stated); out_of_pages: `OutOfPages` raised inside
     the manager during `schedule` (the plan lists the policy's actions: preempted, swapped out, swapped in)."""
@@ -137,7 +137,7 @@ class FakeEngine(Engine):
                 raise
         return wrapped
 
-    def step(self) -> FakeStep:
+    def step_report(self) -> FakeStep:
         """`Engine.step` (schedule, batch, the fake model's tokens, commit), reported as a `FakeStep`."""
         w = self.begin_step()
         self.finish_step(self.call_model(w))
@@ -254,7 +254,7 @@ def run_workload(w: Workload, model: ModelConfig | None = None, check_every: int
             failures.append(f"(c) {len(left)} requests unfinished after {bound} steps: {left[:8]}")
             break
         try:
-            s = eng.step()
+            s = eng.step_report()
         except OutOfPages as e:
             failures.append(f"(b) OutOfPages escaped schedule at step {eng.step_count}: {e}")
             break
