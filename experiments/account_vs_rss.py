@@ -27,6 +27,8 @@ import re
 import subprocess
 import sys
 
+from experiments.report import save_json
+
 # the demo's small workload: demo-glm, short prompts, a few new tokens, HiSparse only
 WORKLOAD = ["demo", "--preset", "demo-glm", "--requests", "2", "--prompt-len", "128", "--new-tokens", "4",
             "--policies", "hisparse", "--plot", "", "--json"]
@@ -85,11 +87,8 @@ def main() -> None:
                      "peak_rss_small": base["peak_rss_bytes"], "peak_rss_largest": top["peak_rss_bytes"],
                      "rss_growth": grew, "account_growth": predicted, "growth_ratio": grew / predicted})
         print(json.dumps(rows[-1]), flush=True)
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "account_vs_rss.json")
-    with open(path, "w") as f:
-        json.dump({"limit_gib": a.limit_gib, "workload": WORKLOAD, "rows": rows}, f, indent=1)
-    print(f"wrote {path}")
+    save_json(os.path.join(a.out, "account_vs_rss.json"),
+              {"limit_gib": a.limit_gib, "workload": WORKLOAD, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import os
 import platform
 import statistics
@@ -44,6 +43,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from experiments.report import run_to_json
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_fetch.json")
 MECHANISMS = ("chunked", "packed", "static", "page")
@@ -362,13 +363,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    res = run(args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0
+    return run_to_json(parse_args, run, argv)
 
 
 if __name__ == "__main__":

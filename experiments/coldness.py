@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
+
+from experiments.report import save_json, stamp
 
 
 def main(argv=None) -> int:
@@ -61,12 +62,11 @@ def main(argv=None) -> int:
         print(f"{rule:>8}: hit rate {m.hit_rate:.3f}  misses {m.misses}  H2D/step "
               f"{results[rule]['h2d_bytes_per_decode_step'] / 2**20:.2f} MiB  released {m.evicted_pages}",
               file=sys.stderr)
-    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "preset": "demo-glm",
+    out = {**stamp(), "preset": "demo-glm",
            "requests": a.requests, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
            "device_requests": a.device_requests, "device_pages": cc.device_pages, "rules": results,
            "outputs_identical": outputs["oldest"] == outputs["recency"]}
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
+    save_json(a.out, out)
     print(json.dumps({k: out[k] for k in ("rules", "outputs_identical")}))
     return 0
 
