@@ -68,9 +68,10 @@ def resolve(store: KVStore, group: int, req, topk, *, resolver=None):
     lp = jnp.where(plan.valid, jnp.maximum(topk, 0) // PAGE_SIZE, spec.max_pages)
     page_stamp = store.page_stamp.at[rw[:, None], lp].max(store.clock, mode="drop")
     return plan, store.replace(hot_token=store.hot_token.at[:, group].set(out[7]),
-                          hot_stamp=store.hot_stamp.at[:, group].set(new_stamps), page_stamp=page_stamp)
+                               hot_stamp=store.hot_stamp.at[:, group].set(new_stamps), page_stamp=page_stamp)
 
 
+# ----- hot_policy="score_ema": a moving average of every position's scores, beside its key ----------------------
 SCORE_KEY_MAX = UNUSED_STAMP - 1  # the largest key of an average (+inf and NaN are clamped to it)
 
 
@@ -126,6 +127,12 @@ def update_index_ema(store: KVStore, index_layer: int, req, scores, valid, pages
     return store.replace(index_ema=store.index_ema.at[index_layer, ip, row].set(new, mode="drop"))
 
 
+# ----- several query rows per request: one resolve over the union of their top-k -----------------
+# Speculative (MTP) verification puts S = k + 1 rows of one request, at consecutive positions, in one step. The
+# resolver rule needs distinct requests per row, and resolving each row on its own would let one row evict a hot
+# slot another row of the step reads, and fetch a row missed by two rows twice. So the S rows of a group are
+# resolved once, over the union of their top-k (`union_topk`, `group_req`), each distinct missing row fetched
+# once, and each row then reads its own top-k through the union's plan (`row_plan`).
 _NONE = jnp.iinfo(jnp.int32).max  # sorts after every position
 
 

@@ -76,6 +76,7 @@ def index_scores_paged(store: KVStore, index_layer: int, req, positions, q_index
     return scores, valid, pages
 
 
+# ----- index_tier="host": the keys in pinned-host memory, page summaries on the device --------------------------
 def index_scores_host(store: KVStore, index_layer: int, req, positions, q_index, w, num_pages: int | None = None):
     """`index_scores_paged` with index_tier="host": each row's pages ranked by their summary's bound
     (`block_score_bound` of `index_lo` / `index_hi`, an upper bound of every score in the page) and read from the
