@@ -27,9 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
+
+from experiments.report import pyplot, save_figure, save_json, stamp
 
 DEFAULT_OUT = "experiments/results/speculative_sizing.json"
 QUICK = dict(requests=2, prompt_len=192, new_tokens=8)  # --quick: a few short requests
@@ -66,11 +67,7 @@ def record(out: dict, k: int, mult: int, topk: int) -> dict:
 
 
 def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     for ax, key, title in ((axes[0], "hit_rate", "hot-buffer hit rate"),
                            (axes[1], "h2d_bytes_per_decode_step", "H2D KiB per decode step"),
@@ -89,9 +86,7 @@ def plot(res: dict, path: str) -> None:
     axes[0].legend()
     fig.suptitle(f"MTP speculative decoding, hot-buffer size: {res['model']}, {res['requests']} requests, "
                  f"{res['new_tokens']} new tokens")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv=None) -> int:
@@ -131,7 +126,7 @@ def main(argv=None) -> int:
 
     cfg = get_preset(a.preset) if a.preset else from_hf_config(checkpoints.resolve(checkpoints.DEFAULT))
     topk = cfg.index_topk
-    res = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "jax": jax.__version__,
+    res = {**stamp(), "jax": jax.__version__,
            "backend": jax.default_backend(), "quick": a.quick, "model": a.preset or checkpoints.DEFAULT,
            "preset": a.preset, "index_topk": topk, "speculative_tokens": ks, "policy": "hisparse",
            "options": opts, "runs": []}
@@ -157,13 +152,11 @@ def main(argv=None) -> int:
                   f"{(row['h2d_bytes_per_decode_step'] or 0) / 1024:.1f} KiB, mean running {row['mean_running']:.2f}, "
                   f"steps {row['steps']}, outputs equal k=0: {row['outputs_equal_k0']}, {row['wall_s']:.0f} s",
                   file=sys.stderr, flush=True)
-            with open(a.out, "w") as f:  # after every run: a run cut short keeps what it measured
-                json.dump(res, f, indent=1)
+            save_json(a.out, res)  # after every run: a run cut short keeps what it measured
     if plot_path:
         plot(res, plot_path)
         res["plot"] = plot_path
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        save_json(a.out, res)
     print(json.dumps({"outputs_identical": res["outputs_identical"],
                       "runs": [{key: r[key] for key in ("k", "hot_rows_x_topk", "acceptance_rate", "hit_rate",
                                                          "h2d_bytes_per_decode_step")} for r in res["runs"]]}))
