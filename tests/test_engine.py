@@ -77,6 +77,24 @@ def test_hisparse_runs_more_requests_without_preemption(runs):
 
 
 @pytest.mark.slow
+def test_the_fake_engine_schedules_as_the_engine(model, prompts, runs):
+    """`FakeEngine` (the engine with its model call replaced, no eos: lengths do not depend on the tokens) steps
+    through the same schedule as the real engine under each policy: per step the same rows, bucket, indexer pages,
+    admissions, preemptions and swaps."""
+    from hisparse_jax.engine.fake_compute import FakeEngine
+
+    def schedule(history):
+        return [(m.running, m.admitted, m.waiting, m.preemptions, m.swaps_out, m.swaps_in, m.prefill_tokens,
+                 m.tokens, m.bucket, m.index_pages, m.swap_out_pages, m.swap_in_pages) for m in history]
+
+    for pol, (_, metrics, eng) in runs.items():
+        fake = FakeEngine(model.cfg, cache_for(pol, model), eng.config)
+        fake.generate(prompts, SamplingParams(max_new_tokens=NEW))
+        assert schedule(fake.history) == schedule(metrics.history), pol
+        assert any(m.waiting for m in metrics.history)  # (under pressure: the device holds three of the six)
+
+
+@pytest.mark.slow
 def test_pools_empty_after_the_run(runs):
     for pol, (_, _, eng) in runs.items():
         assert all(eng.manager.pool.num_used(t) == 0 for t in Tier), pol
