@@ -85,15 +85,14 @@ import jax
 
 from experiments.gpu_sections import mosaic_matrix
 from experiments.gpu_sections.ceilings import section_ceilings
-from experiments.gpu_sections.checks import error_pattern
 from experiments.gpu_sections.decode import section_compile, section_decode, section_decode_kernels
 from experiments.gpu_sections.engine import section_engine
 from experiments.gpu_sections.fetch import section_fetch
 from experiments.gpu_sections.harness import Ctx, device_env, parent_env, read_section_files, section_path, write_json
 from experiments.gpu_sections.kernel_gather import section_kernel_gather
 from experiments.gpu_sections.kernel_indexer import section_kernel_indexer
-from experiments.gpu_sections.kernel_mla import (section_case, section_kernel_mla, section_kernel_mla_mosaic,
-                                                 section_mla_big_pool, section_mosaic_probes)
+from experiments.gpu_sections.kernel_mla import (section_kernel_mla, section_kernel_mla_mosaic, section_mla_big_pool,
+                                                 section_mosaic_probes)
 from experiments.gpu_sections.sizes import SIZES, TINY
 from experiments.gpu_sections.summary import summary_table
 
@@ -377,8 +376,7 @@ def main(argv=None) -> int:
             jax.config.update("jax_platforms", "cpu")
         interpret = jax.default_backend() != "gpu"
         return mosaic_matrix.worker([int(i) for i in args.matrix_cells.split(",")], args.matrix_out,
-                                    mosaic_matrix.SHAPES["smoke" if interpret else "full"], interpret, section_case,
-                                    error_pattern)
+                                    mosaic_matrix.SHAPES["smoke" if interpret else "full"], interpret)
     if args.section:
         if args.section not in SECTIONS:
             p.error(f"unknown section {args.section!r}")

@@ -30,6 +30,9 @@ import traceback
 
 import numpy as np
 
+from experiments.gpu_sections.checks import error_pattern
+from experiments.gpu_sections.kernel_mla import section_case
+
 # (heads, pool, cluster, splits): splits None is the kernel's default. bf16 before fp8, and run2's illegal
 # instruction (fp8, 16 heads) last but one: a fault costs only a new worker, but the cheap cells come first
 CELLS = (
@@ -54,9 +57,9 @@ def cell_name(cell) -> str:
     return f"H{H} {pool} cluster={cluster} splits={'default' if splits is None else splits}"
 
 
-def run_cell(cell, shapes: dict, interpret: bool, seed: int, mla_case, error_pattern) -> dict:
-    """One cell: the Mosaic decode with these options against the reference on `mla_case` inputs (NaN-poisoned
-    unused rows, ~1/32 invalid slots)."""
+def run_cell(cell, shapes: dict, interpret: bool, seed: int) -> dict:
+    """One cell: the Mosaic decode with these options against the reference on the decode sections' case
+    (`kernel_mla.section_case`: NaN-poisoned unused rows, ~1/32 invalid slots)."""
     from functools import partial
 
     import jax
@@ -73,7 +76,7 @@ def run_cell(cell, shapes: dict, interpret: bool, seed: int, mla_case, error_pat
     from pallas_kernels.sparse_mla_decode.kernel_mosaic import decode_grid, sparse_mla_decode_mosaic
 
     B, C, R, K = (shapes[k] for k in ("B", "C", "R", "K"))
-    args, kw, n_valid, _, _ = mla_case(seed, B, H, C, R, K, pool, jnp.bfloat16)
+    args, kw, n_valid, _, _ = section_case(seed, B, H, C, R, K, pool, jnp.bfloat16)
     tau = float(1 / np.sqrt(192))
     hp, nsplit, steps = decode_grid(B, H, K, splits)
     rec.update(B=B, C=C, R=R, K=K, padded_heads=hp, grid_splits=nsplit, steps_per_split=steps, valid_rows=n_valid,
@@ -90,13 +93,13 @@ def run_cell(cell, shapes: dict, interpret: bool, seed: int, mla_case, error_pat
     return rec
 
 
-def worker(indices: list[int], out_path: str, shapes: dict, interpret: bool, mla_case, error_pattern) -> int:
+def worker(indices: list[int], out_path: str, shapes: dict, interpret: bool) -> int:
     """Run CELLS[i] for i in indices, appending each record to out_path; stop after the first that raises (its
     CUDA context may be poisoned)."""
     for i in indices:
         t = time.perf_counter()
         try:
-            rec = run_cell(CELLS[i], shapes, interpret, 500 + i, mla_case, error_pattern)
+            rec = run_cell(CELLS[i], shapes, interpret, 500 + i)
             rec["status"] = "ok"
         except Exception:  # noqa: BLE001
             rec = {"name": cell_name(CELLS[i]), "status": "error", "error": traceback.format_exc(limit=6),
