@@ -82,7 +82,9 @@ def workload_costs(args: argparse.Namespace, cfg: ModelConfig, longest: int) -> 
                         speculative_tokens=k, prefix_caching=not k)
     model = Cost("the model's parameters", sum(cfg.parameter_bytes(mtp=bool(k)).values()), "device",
                  f"--devices {args.devices} (one copy each)")
-    costs = [store_costs(spec, step_rows=step.max_step_rows) + [model] for spec in stores]
+    cpu = jax.default_backend() == "cpu"  # XLA:CPU's step copies the store (`kv.account.store_costs`)
+    costs = [store_costs(spec, step_rows=step.max_step_rows, index_heads=cfg.index_n_heads, cpu=cpu) + [model]
+             for spec in stores]
     return max(costs, key=lambda c: sum(x.nbytes for x in c))
 
 
@@ -92,7 +94,7 @@ def culprit(args: argparse.Namespace, part: str) -> str:
         return "--hot-rows"
     if "step rows" in part and args.prefill == "chunked" and args.prefill_chunk > args.requests:
         return "--prefill-chunk"
-    if any(f"store's {n}" in part for n in ("latent", "rope", "index_")):
+    if any(f"store's {n}" in part for n in ("latent", "rope", "index_")) or "sized by device_pages=" in part:
         return "--device-requests"
     if "parameters" in part and args.devices > 1:
         return "--devices"

@@ -195,7 +195,8 @@ def _generate_tiered(model, prompts, cache, kernels, run, return_stats):
     cfg = model.cfg
     runner = Runner(model, kernels=kernels)  # the model split once for the whole run
     n, max_new_tokens = len(prompts), run.max_new_tokens
-    check_store_memory(StoreSpec.create(cfg, cache), step_rows=bucket_pow2(n))  # before any of it exists
+    check_store_memory(StoreSpec.create(cfg, cache), step_rows=bucket_pow2(n),  # before any of it exists
+                       index_heads=cfg.index_n_heads)
     manager = TieredCache(cfg, cache)
     check_backend(manager.spec, kernels)
     # the last new token is sampled, never written: the store holds prompt + max_new_tokens - 1 positions
@@ -231,7 +232,7 @@ def _generate_mesh(model, prompts, cache, kernels, mesh, run, return_stats):
     placed = parallel.place_round_robin(n, N)  # placed[r]: the prompts rank r serves
     Bl = bucket_pow2(max(len(idx) for idx in placed))  # each rank's step rows
     # every device's store, step and model copy, checked before any rank's bookkeeping or store exists
-    check_store_memory(StoreSpec.create(cfg, cache), step_rows=Bl, ranks=N,
+    check_store_memory(StoreSpec.create(cfg, cache), step_rows=Bl, index_heads=cfg.index_n_heads, ranks=N,
                        also=(parallel.replica_cost(runner.state, mesh),))
     managers = [TieredCache(cfg, cache) for _ in range(N)]
     spec = managers[0].spec

@@ -30,7 +30,7 @@ from hisparse_jax.config import CacheConfig, ModelConfig
 from hisparse_jax.engine import EngineConfig
 from hisparse_jax.engine.runner import _jitted_step_and_sample
 from hisparse_jax.kv.spec import StoreSpec
-from hisparse_jax.kv.account import RESOLVE_BYTES_PER_ROW_SLOT
+from hisparse_jax.kv.account import RESOLVE_BYTES_PER_ROW_SLOT, index_bytes_per_row_position
 from hisparse_jax.kv.state import init_store
 from hisparse_jax.model.decoder import SparseMLAModel
 from limit_harness import CLI, PRELUDE, child
@@ -260,6 +260,30 @@ def test_step_temporaries_formula():
         temps[hr] = stats.temp_size_in_bytes
     per = (temps[16384] - temps[1024]) / (B * (16384 - 1024))
     assert RESOLVE_BYTES_PER_ROW_SLOT / 2 < per <= RESOLVE_BYTES_PER_ROW_SLOT, (per, temps)
+
+
+def test_step_index_temporaries_formula():
+    """`index_bytes_per_row_position` against XLA's memory analysis of the compiled engine step (micro model with
+    the keys and heads of demo-glm's indexer): what grows with the indexer's span, per step row and position, is at
+    most the formula and more than half of it."""
+    cfg = ModelConfig(**{**MICRO, "index_head_dim": 128, "index_n_heads": 4})
+    g, state = nnx.split(SparseMLAModel(cfg, rngs=nnx.Rngs(0)))
+    step = _jitted_step_and_sample(g, "reference")
+    store = init_store(StoreSpec.create(cfg, CacheConfig(device_pages=8, host_pages=8, max_seqs=4, max_seq_len=2048,
+                                                         hot_rows=128)))
+    B, temps = 16, {}
+    for pages in (4, 32):
+        i32 = np.zeros(B, np.int32)
+        batch = {"tokens": i32, "req": i32, "pos": i32, "index_span": np.zeros(pages, np.int32)}
+        sampling = {"rows": i32, "seed": np.zeros(B, np.uint32), "pos": i32,
+                    "temperature": np.zeros(B, np.float32), "top_p": np.ones(B, np.float32)}
+        stats = step.lower(state, store, batch, sampling).compile().memory_analysis()
+        if stats is None:
+            pytest.skip("this backend gives no memory analysis")
+        temps[pages] = stats.temp_size_in_bytes
+    per = (temps[32] - temps[4]) / (B * 28 * 64)
+    bound = index_bytes_per_row_position(128, 4)
+    assert bound / 2 < per <= bound, (per, bound, temps)
 
 
 @pytest.mark.parametrize("name", sorted(ENGINE_COUNTS))

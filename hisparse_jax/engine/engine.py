@@ -204,7 +204,8 @@ class Engine:
                              "SparseMLAModel(cfg, mtp=True) or load_pretrained(path, mtp=True)")
         # the store, its bookkeeping and the largest step's temporaries, before any of them exists
         shape = policy_cache(cache, config.policy, config.max_running, k, config.admission)
-        check_store_memory(StoreSpec.create(model.cfg, shape), step_rows=config.max_step_rows)
+        check_store_memory(StoreSpec.create(model.cfg, shape), step_rows=config.max_step_rows,
+                           index_heads=model.cfg.index_n_heads)
         self.model = model
         self._build(runner, cache, config, store_owner)
 

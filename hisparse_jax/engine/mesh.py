@@ -95,7 +95,7 @@ class MeshEngine:
         # every device's store, step and model copy, checked before any rank's bookkeeping or store exists
         shape = policy_cache(cache, config.policy, config.max_running, admission=config.admission)
         check_store_memory(StoreSpec.create(model.cfg, shape),
-                           step_rows=config.max_step_rows, ranks=self.n,
+                           step_rows=config.max_step_rows, index_heads=model.cfg.index_n_heads, ranks=self.n,
                            also=(parallel.replica_cost(nnx.state(model), mesh,
                                                        expert_parallel=config.expert_parallel),))
         rank_config = dataclasses.replace(config, log_path=None)  # the mesh logs one line per step, ranks inside

@@ -22,6 +22,22 @@ from hisparse_jax.units import PAGE_SIZE
 # `tests/test_red_team.py::test_step_temporaries_formula`, which keeps the bound honest).
 RESOLVE_BYTES_PER_ROW_SLOT = 64
 
+# Temporaries of the step's indexer per (step row x position of its span): the reference indexer gathers each row's
+# keys over the span (`kv.tiered.index_span`, at most max_seq_len positions) as float32 and scores them per index
+# head, [rows, span, dI] and [rows, span, heads] float32, then takes the top-k of the scores (values and positions).
+# XLA's memory analysis (CPU) of demo-glm's engine step, 32 rows at a span of 1024 against 4096 positions, per row
+# and position: 512 bytes at dI 128 with 4 index heads (the formula: 560), 255 at dI 64 (304), 597 with 16 heads
+# (656), 512 with a latent of 256 instead of 512 (560): keys and heads, not the latent, set it.
+INDEX_BYTES_PER_HEAD = 8
+INDEX_BYTES_PER_DIM = 4
+INDEX_BYTES_PER_POSITION = 16
+
+
+def index_bytes_per_row_position(index_dim: int, index_heads: int) -> int:
+    """Bytes of the step's indexer temporaries per batch row and position of its span (see above)."""
+    return INDEX_BYTES_PER_DIM * index_dim + INDEX_BYTES_PER_HEAD * index_heads + INDEX_BYTES_PER_POSITION
+
+
 # the CacheConfig sizes each array's size follows (named when an account does not fit)
 _SIZED_BY = {"latent": ("device_pages",), "rope": ("device_pages",), "latent_scale": ("device_pages",),
              "index_k": ("index_pages",), "index_scale": ("index_pages",), "index_ema": ("index_pages",),
@@ -76,19 +92,38 @@ def _sizes(spec: StoreSpec, names: tuple[str, ...]) -> str:
     return " x ".join(f"{n}={values.get(n, getattr(spec, n, None)):,}" for n in names)
 
 
-def store_costs(spec: StoreSpec, *, step_rows: int = 0) -> list[Cost]:
+def store_costs(spec: StoreSpec, *, step_rows: int = 0, index_heads: int = 0, cpu: bool = False) -> list[Cost]:
     """The memory account of a store of geometry `spec`: its arrays (`store_layout`), the host bookkeeping
     `kv.manager.TieredCache` keeps (`PagePool`'s per-page counts, the per-page recency stamps), and with
-    `step_rows` > 0 the temporaries a step of that many batch rows makes in resolving them against the hot
-    buffers (`RESOLVE_BYTES_PER_ROW_SLOT`)."""
-    out = [Cost(f"the store's {name}", int(np.prod(shape, dtype=object)) * np.dtype(dt).itemsize, where,
-                _sizes(spec, _SIZED_BY.get(name, ("max_seqs", "max_seq_len"))))
-           for name, (shape, dt, where) in store_layout(spec).items()]
+    `step_rows` > 0 the temporaries of a step of that many batch rows: the hot-buffer resolve's
+    (`RESOLVE_BYTES_PER_ROW_SLOT`), the indexer's over the longest span (`index_bytes_per_row_position`, with the
+    model's `index_heads`), and on a CPU (`cpu`) the copy of the store XLA:CPU makes around the fetch's
+    `lax.switch` (its memory analysis of the step: temporaries of the store's size at any batch; the sm_90 build
+    makes none, `tests/test_gpu_build_fetch.py`)."""
+    layout = store_layout(spec)
+    out = [Cost(f"the store's {name}", _nbytes(shape, dt), where, _sizes(spec, _SIZED_BY.get(name, ("max_seqs",
+                                                                                                  "max_seq_len"))))
+           for name, (shape, dt, where) in layout.items()]
     out += bookkeeping_costs(spec)
     if step_rows:
+        if index_heads < 1:
+            raise ValueError("the step's account needs index_heads >= 1 (the model's index_n_heads)")
+        rows = f"{step_rows:,} step rows"
         out.append(Cost("the step's hot-buffer resolve temporaries", RESOLVE_BYTES_PER_ROW_SLOT * step_rows *
-                        spec.hot_rows, "device", f"{_sizes(spec, ('hot_rows',))} x {step_rows} step rows"))
+                        spec.hot_rows, "device", f"{_sizes(spec, ('hot_rows',))} x {rows}"))
+        out.append(Cost("the step's indexer temporaries", index_bytes_per_row_position(spec.index_dim, index_heads)
+                        * step_rows * spec.max_pages * PAGE_SIZE, "device",
+                        f"{_sizes(spec, ('max_seq_len',))} x {rows}"))
+        if cpu:
+            sizes = {name: _nbytes(shape, dt) for name, (shape, dt, _) in layout.items()}
+            largest = max(sizes, key=sizes.get)  # the copy is sized by what sizes the store's largest array
+            out.append(Cost("XLA:CPU's copy of the store around the step's fetch", sum(sizes.values()), "device",
+                            _sizes(spec, _SIZED_BY.get(largest, ("max_seqs", "max_seq_len")))))
     return out
+
+
+def _nbytes(shape: tuple[int, ...], dtype) -> int:
+    return int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
 
 
 def bookkeeping_costs(spec: StoreSpec) -> list[Cost]:
@@ -101,10 +136,16 @@ def bookkeeping_costs(spec: StoreSpec) -> list[Cost]:
                  _sizes(spec, ("max_seqs", "max_seq_len")))]
 
 
-def check_store_memory(spec: StoreSpec, *, step_rows: int = 0, ranks: int = 1, also: tuple[Cost, ...] = (),
-                       device=None) -> None:
-    """Refuse (ValueError), before any of it exists, a store whose account (`store_costs`, plus `also`: e.g. the
-    model's copies on a mesh) does not fit: per device against the device's memory, `ranks` stores' host parts
-    against this machine's RAM (`memory.check_account`), naming the bytes, the limit, the largest part and the
-    CacheConfig sizes it follows."""
-    check_account("the KV store", store_costs(spec, step_rows=step_rows) + list(also), device=device, ranks=ranks)
+def check_store_memory(spec: StoreSpec, *, step_rows: int = 0, index_heads: int = 0, ranks: int = 1,
+                       also: tuple[Cost, ...] = (), device=None) -> None:
+    """Refuse (ValueError), before any of it exists, a store whose account (`store_costs`, with the temporaries of
+    a step of `step_rows` rows, plus `also`: e.g. the model's copies on a mesh) does not fit: per device against the
+    device's memory, `ranks` stores' host parts against this machine's RAM (`memory.check_account`), naming the
+    bytes, the limit, the largest part and the CacheConfig sizes it follows."""
+    cpu = False
+    if step_rows:
+        import jax
+
+        cpu = (device if device is not None else jax.devices()[0]).platform == "cpu"
+    check_account("the KV store", store_costs(spec, step_rows=step_rows, index_heads=index_heads, cpu=cpu)
+                  + list(also), device=device, ranks=ranks)
