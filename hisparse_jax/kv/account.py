@@ -1,7 +1,7 @@
 """The memory account of a tiered store, before any of it exists: every array's shape, value dtype and memory
 (`store_layout`), their bytes with the host bookkeeping's and the step's temporaries (`store_costs`), and the
-refusal of a store that cannot fit (`check_store_memory`). Pure arithmetic on a `StoreSpec` (NumPy dtypes, no
-jax): `generate` and the engines check it before the host bookkeeping (`kv.manager.TieredCache`, which checks its
+refusal of a store that cannot fit (`check_store_memory`). Arithmetic on a `StoreSpec` (NumPy dtypes; jax only
+asked which backend runs a step): `generate` and the engines check it before the host bookkeeping (`kv.manager.TieredCache`, which checks its
 own part) or the store exist, and `kv.state.init_store` builds exactly this layout."""
 
 from __future__ import annotations
