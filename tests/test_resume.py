@@ -3,9 +3,9 @@
 `runner.decode_step`) and the engine's decode-and-sample program (`Runner.step`) continue from it in a fresh
 process with exactly the uninterrupted run's tokens: float32, bf16 and fp8 KV, int4 indexer keys, host-tier keys.
 
-(`generate` takes no store and the engine has no save / resume of its own — its requests and scheduler are not
-saved —, so the engine's part is its step program driven over the restored store.) The pytest process saves
-every format and continues; one subprocess restores them all and continues the same way."""
+(A whole engine — requests, queues, store — is saved and resumed by `engine.snapshot`, tested in
+tests/test_engine_resume.py.) The pytest process saves every format and continues; one subprocess restores them
+all and continues the same way."""
 
 from __future__ import annotations
 

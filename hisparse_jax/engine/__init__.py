@@ -22,11 +22,15 @@ Glossary:
   scheduler and budgets over its slice of one stacked store; placement picks a new request's rank.
 - import (`pd.py`, `Engine.import_request`): a request whose prompt KV was computed by another (prefill) run and
   arrives as a file; written into the store at admission instead of computed.
+- snapshot (`snapshot.py`, `save_engine` / `load_engine`): an engine saved between steps (its store, bookkeeping,
+  requests and queues) and resumed in any process with the uninterrupted run's tokens.
 """
 
 from hisparse_jax.engine.engine import Engine, EngineConfig
 from hisparse_jax.engine.mesh import MeshEngine
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
 from hisparse_jax.engine.scheduler import POLICIES, device_budget
+from hisparse_jax.engine.snapshot import load_engine, save_engine
 
-__all__ = ["Engine", "EngineConfig", "MeshEngine", "device_budget", "Request", "RequestState", "SamplingParams", "POLICIES"]
+__all__ = ["Engine", "EngineConfig", "MeshEngine", "device_budget", "Request", "RequestState", "SamplingParams", "POLICIES",
+           "load_engine", "save_engine"]

@@ -139,8 +139,9 @@ class OneStore:
     """The engine's store seam on one device: owns the `KVStore` and applies the engine's host decisions to it
     (`kv.device`). `engine.mesh` puts a rank of a stacked store behind the same four methods."""
 
-    def __init__(self, manager: TieredCache):
-        self.store = kv_device.new_store(manager)  # the manager's KVStore: device pools + pinned-host pools
+    def __init__(self, manager: TieredCache, store=None):
+        # the manager's KVStore (device pools + pinned-host pools): a new one, or a restored one (`engine.snapshot`)
+        self.store = kv_device.new_store(manager) if store is None else store
 
     def apply_updates(self, manager: TieredCache) -> None:
         self.store = kv_device.apply_updates(self.store, manager)
@@ -191,9 +192,10 @@ def check_engine_args(model, cache, config) -> None:
 
 class Engine:
     def __init__(self, model: SparseMLAModel, cache: CacheConfig, config: EngineConfig = EngineConfig(), *,
-                 store_owner=OneStore):
+                 store_owner=OneStore, restored=None):
         """store_owner(manager) -> the object that holds this engine's KVStore (`OneStore`, or a rank of a
-        `MeshEngine`'s stacked store)."""
+        `MeshEngine`'s stacked store); restored: a saved engine's (TieredCache, KVStore) in place of new ones
+        (`engine.snapshot.load_engine`)."""
         check_engine_args(model, cache, config)
         # the device side: the model split once, the kernels ("pallas" needs a GPU backend: refused here, never a
         # silent fallback), one jitted decode-and-sample call per step
@@ -207,19 +209,23 @@ class Engine:
         check_store_memory(StoreSpec.create(model.cfg, shape), step_rows=config.max_step_rows,
                            index_heads=model.cfg.index_n_heads)
         self.model = model
-        self._build(runner, cache, config, store_owner)
+        self._build(runner, cache, config, store_owner, restored)
 
-    def _build(self, runner, cache: CacheConfig, config: EngineConfig, store_owner) -> None:
+    def _build(self, runner, cache: CacheConfig, config: EngineConfig, store_owner, restored=None) -> None:
         """The engine's parts around `runner` (what runs the model: a `Runner`, or `fake_compute.FakeRunner`):
         the bookkeeping sized by `cache` under the policy, the store seam, the scheduler, the request table."""
-        self.runner, self.config, self.k = runner, config, config.speculative_tokens
+        self.runner, self.config, self.k, self.cache = runner, config, config.speculative_tokens, cache
         device_keys = cache.num_index_pages  # the device's key budget (offload under "vllm" grows the pool)
         cache = policy_cache(cache, config.policy, config.max_running, self.k, config.admission)
-        self.manager = TieredCache(runner.cfg, cache, victim_order=COLDNESS[config.coldness])
+        self.manager = TieredCache(runner.cfg, cache, victim_order=COLDNESS[config.coldness]) if restored is None \
+            else restored[0]
+        if self.manager.cache != cache:
+            raise ValueError("the restored store was not made for this CacheConfig and EngineConfig")
+        self.manager.victim_order = COLDNESS[config.coldness]
         tiered.check_backend(self.manager.spec, config.kernels)
         self.manager.partial_eviction = config.policy == "hisparse"
         self.manager.prefix_caching = config.prefix_caching
-        self.stores = store_owner(self.manager)
+        self.stores = store_owner(self.manager) if restored is None else OneStore(self.manager, restored[1])
         self.scheduler = Scheduler(self.manager, config.policy, max_running=config.max_running,
                                    prefill_chunk=config.prefill_chunk, prefill=config.prefill,
                                    admission=config.admission, device_keys=device_keys)
@@ -227,7 +233,7 @@ class Engine:
         self.step_count = 0
         self.history: list[StepMetrics] = []
         self._log = open(config.log_path, "a") if config.log_path else None
-        self._store_lost = False
+        self.store_lost = False
         self.import_bytes = 0  # KV bytes of imported prompts moved to the device (`import_request`)
 
     @property
@@ -335,7 +341,7 @@ class Engine:
         prefills (each committed on its own) and the batch of decode rows and prompt chunks (`StepWork.batch`,
         None when there is none). `step()` runs the call and `finish_step`; a `MeshEngine` runs one call for
         all its ranks' batches."""
-        if self._store_lost:
+        if self.store_lost:
             raise RuntimeError("a failed decode step consumed the KV store; this engine cannot continue "
                                "(its requests' outputs so far are in outputs())")
         sched = self.scheduler
@@ -432,7 +438,7 @@ class Engine:
             store = self.store
             out = fn(self.manager.spec, store, *args, read_page_stamps=self.manager.needs_page_stamps)
         except Exception:
-            self._store_lost = any(x.is_deleted() for x in jax.tree.leaves(store))
+            self.store_lost = any(x.is_deleted() for x in jax.tree.leaves(store))
             raise
         self.store = out.store
         if out.page_stamps is not None:

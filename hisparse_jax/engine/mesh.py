@@ -109,7 +109,7 @@ class MeshEngine:
         self.runner = MeshRunner(self.engines[0].runner, mesh, expert_parallel=config.expert_parallel)
         self._placed = 0  # requests the mesh has placed (round-robin's counter)
         self.history: list[StepMetrics] = []
-        self._store_lost = False
+        self.store_lost = False
         self._log = open(config.log_path, "a") if config.log_path else None
 
     @property
@@ -207,7 +207,7 @@ class MeshEngine:
         """One mesh step: every rank's host half, one sharded decode-and-sample call, every rank's commit.
         Returns the step's metrics summed over ranks (each rank's are in `engines[r].history`). As on one device:
         a failing request fails alone; a failing call commits nothing (and a consumed store stops the engine)."""
-        if self._store_lost:
+        if self.store_lost:
             raise RuntimeError("a failed decode step consumed the stacked KV store; this engine cannot continue "
                                "(its requests' outputs so far are in outputs())")
         t0, traces = time.perf_counter(), TRACE_COUNTS["decode_step"]
@@ -233,7 +233,7 @@ class MeshEngine:
                                            [w.n_emit for w in works],
                                            read_page_stamps=any(c.needs_page_stamps for c in self.managers))
         except Exception:
-            self._store_lost = any(x.is_deleted() for x in jax.tree.leaves(store))
+            self.store_lost = any(x.is_deleted() for x in jax.tree.leaves(store))
             raise
         self.store = store
         for manager, w, out in zip(self.managers, works, outs):

@@ -74,7 +74,9 @@ def _write_manager(manager: TieredCache, arrays: dict, path: str) -> None:
         "pool": manager.pool.snapshot(),
         "requests": {str(s): dataclasses.asdict(r) for s, r in manager.requests.items()},
         "lengths": {str(s): n for s, n in manager.lengths.items()},
-        "evicted_pages": manager.evicted_pages, "d2h_bytes": manager.d2h_bytes,
+        "evicted_pages": manager.evicted_pages, "d2h_bytes": manager.d2h_bytes, "h2d_bytes": manager.h2d_bytes,
+        "resident_only": sorted(manager.resident_only),
+        "page_stamps": {str(s): manager.page_stamps[s].tolist() for s in manager.requests},
         "prefix_caching": manager.prefix_caching, "swapped": sorted(manager.swapped),
         "prefix_hashes": {str(s): h for s, h in manager.prefix_hashes.items()},
         "cached_tokens": {str(s): n for s, n in manager.cached_tokens.items()},
@@ -91,7 +93,10 @@ def _read_manager(model_cfg: ModelConfig, cache: CacheConfig, meta: dict) -> Tie
     c.pool = PagePool.from_snapshot(meta["pool"])
     c.requests = {int(s): RequestPages(**r) for s, r in meta["requests"].items()}
     c.lengths = {int(s): n for s, n in meta["lengths"].items()}
-    c.evicted_pages, c.d2h_bytes = meta["evicted_pages"], meta["d2h_bytes"]
+    c.evicted_pages, c.d2h_bytes, c.h2d_bytes = meta["evicted_pages"], meta["d2h_bytes"], meta.get("h2d_bytes", 0)
+    c.resident_only = set(meta.get("resident_only", []))  # being prefilled: no page of theirs may be evicted
+    for s, stamps in meta.get("page_stamps", {}).items():  # the recency coldness's view of the device's stamps
+        c.page_stamps[int(s)] = stamps
     c.prefix_caching = meta.get("prefix_caching", False)
     c.swapped = set(meta.get("swapped", []))
     c.prefix_hashes = {int(s): list(h) for s, h in meta.get("prefix_hashes", {}).items()}
