@@ -79,6 +79,7 @@ def run_policies(args: argparse.Namespace, on_setup=None) -> dict:
     for pol in policies:  # every policy's budgets are checked before any runs
         eng, cc = engine(pol)
         eng.close()
+        del eng  # its store is freed before the next engine makes one
         spec = StoreSpec.create(cfg, cc.replace(capacity=None))  # the budgets' geometry (per device)
         split[pol] = {"device_pages": cc.device_pages, "index_pages": cc.num_index_pages,
                       "host_pages": cc.host_pages if pol != "preempt" else 0,
@@ -137,6 +138,7 @@ def run_policies(args: argparse.Namespace, on_setup=None) -> dict:
             "ranks_mean_running": [r.mean_running for r in m.ranks] or [m.mean_running],
         }
         eng.close()
+        del eng
     first = outputs[policies[0]]
     out = {**setup, "policies": results, "outputs_identical": all(outputs[p] == first for p in policies)}
     if "hisparse" in results and "offload" in results and results["offload"]["mean_running"]:

@@ -32,11 +32,12 @@ import contextlib
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hisparse_jax.kv import device as kv_device
-from hisparse_jax.kv.state import KVStore, StoreSpec, init_store, store_shardings
+from hisparse_jax.kv.state import KVStore, StoreSpec, empty_arrays, store_shardings
 from hisparse_jax.memory import Cost
 from hisparse_jax.model import moe
 
@@ -105,15 +106,10 @@ def expand_rank(tree):
     return jax.tree_util.tree_map(lambda x: x[None], tree)
 
 
-@functools.lru_cache(maxsize=64)
-def _as_slice(sharding):
-    # a one-store leaf -> the [1, ...] slice of the stacked leaf, on the same device and memory kind
-    return jax.jit(lambda x: x[None], out_shardings=sharding)
-
-
 def new_stacked_store(managers, mesh: Mesh) -> KVStore:
-    """The stacked store of `managers` (one `TieredCache` per rank, all with one `StoreSpec`): rank r's empty store
-    (`state.init_store`) built on device r and placed as slice r; then each rank's pending updates applied."""
+    """The stacked store of `managers` (one `TieredCache` per rank, all with one `StoreSpec`): every rank's empty
+    store (`state.empty_arrays`) made where it lives, each device filling only its own slice (no rank's store is
+    made whole and then copied into place); then each rank's pending updates applied."""
     n = num_ranks(mesh)
     check_mesh(mesh)
     if len(managers) != n:
@@ -122,18 +118,14 @@ def new_stacked_store(managers, mesh: Mesh) -> KVStore:
     if any(c.spec != spec for c in managers):
         raise ValueError("every rank's TieredCache must have the same StoreSpec")
     shardings = stacked_shardings(spec, mesh)
-    per_rank = []
-    me = jax.process_index()
-    for dev in mesh.devices.flat:  # this process's ranks only (all of them in one process)
-        if dev.process_index != me:
-            continue
-        one = init_store(spec, dev)
-        per_rank.append(jax.tree_util.tree_map(lambda x: _as_slice(x.sharding)(x), one))
-    leaves = [jax.tree_util.tree_leaves(s) for s in per_rank]
-    treedef = jax.tree_util.tree_structure(per_rank[0])
-    out = [jax.make_array_from_single_device_arrays((n,) + parts[0].shape[1:], sh, list(parts))
-           for parts, sh in zip(zip(*leaves), jax.tree_util.tree_leaves(shardings))]
-    return apply_rank_updates(jax.tree_util.tree_unflatten(treedef, out), managers)
+    out = {name: _filled((n,) + tuple(shape), fill, dt, getattr(shardings, name))
+           for name, (shape, fill, dt) in empty_arrays(spec).items()}
+    return apply_rank_updates(KVStore(spec=spec, **out), managers)
+
+
+def _filled(shape: tuple[int, ...], fill, dtype, sharding) -> jax.Array:
+    """jnp.full(shape, fill, dtype) placed by `sharding`, each device making only its own part."""
+    return jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=sharding)()
 
 
 # ----- the one-store functions, run per rank -------------------------------------------------------------

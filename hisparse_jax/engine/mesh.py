@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import weakref
 
 import jax
 from flax import nnx
@@ -50,7 +51,9 @@ class RankStore:
     the mesh."""
 
     def __init__(self, mesh_engine: "MeshEngine", rank: int):
-        self._mesh, self.rank = mesh_engine, rank
+        # a weak reference: the mesh owns its ranks, and a closed mesh's stacked store is freed as soon as the
+        # caller drops it (no cycle left for the garbage collector while the next engine allocates its own)
+        self._mesh, self.rank = weakref.proxy(mesh_engine), rank
 
     @property
     def store(self):

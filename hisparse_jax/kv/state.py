@@ -155,14 +155,20 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
     if not abstract():
         check_store_memory(spec, device=device)
     shardings = store_shardings(spec, device)
+    return KVStore(spec=spec, **{name: jax.device_put(jnp.full(shape, fill, dt), getattr(shardings, name))
+                                 for name, (shape, fill, dt) in empty_arrays(spec).items()})
+
+
+def empty_arrays(spec: StoreSpec) -> dict[str, tuple[tuple[int, ...], float, np.dtype]]:
+    """name -> (shape, fill value, stored dtype) of each array of an empty store (`kv.account.store_layout`):
+    tables and hot buffers -1, pools 0 (a host pool's bits: 0 too), score EMAs NaN, empty summaries (+inf, -inf)."""
     minus_one = {"block_table", "host_table", "index_table", "hot_pages", "hot_token", "hot_stamp", "page_stamp"}
     out = {}
     for name, (shape, dt, where) in store_layout(spec).items():
-        fill = (-1 if name in minus_one else jnp.nan if name == "index_ema" else
-                jnp.inf if name == "index_lo" else -jnp.inf if name == "index_hi" else 0)
-        stored = host_dtype(dt) if where == "host" else dt  # (a host array's fill is 0: its bits are 0 too)
-        out[name] = jax.device_put(jnp.full(shape, fill, stored), getattr(shardings, name))
-    return KVStore(spec=spec, **out)
+        fill = (-1 if name in minus_one else np.nan if name == "index_ema" else
+                np.inf if name == "index_lo" else -np.inf if name == "index_hi" else 0)
+        out[name] = (shape, fill, host_dtype(dt) if where == "host" else dt)
+    return out
 
 
 def store_nbytes(store: KVStore) -> dict[str, int]:
