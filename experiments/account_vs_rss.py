@@ -21,6 +21,7 @@ further step row at a 4096-token span), held on every device and grown with the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -36,7 +37,7 @@ WORKLOAD = ["demo", "--preset", "demo-glm", "--requests", "2", "--prompt-len", "
 OPTIONS = [("--hot-rows", "128", "2000000000"), ("--devices", "1", "256"), ("--requests", "2", "1000000000")]
 
 _CHILD = """
-import io, contextlib, json, resource, sys
+import io, contextlib, json, sys
 import hisparse_jax.memory as memory
 memory.host_memory_bytes = lambda: int(float(sys.argv[1]) * 2 ** 30)  # the RAM the check sees
 from hisparse_jax import demo, demo_checks
@@ -46,13 +47,15 @@ from hisparse_jax.memory import account_bytes
 argv = json.loads(sys.argv[2])
 args = demo.parse_args(argv[1:])
 cfg = get_preset(args.preset)
-costs = demo_checks.workload_costs(args, cfg, args.prompt_len)
 err = io.StringIO()
 with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-    rc = main(argv)
+    rc = main(argv)  # first: the command sets the CPU's device count before jax starts
+costs = demo_checks.workload_costs(args, cfg, args.prompt_len)
 totals = account_bytes(costs, ranks=args.devices)
+# this process's own peak (VmHWM: ru_maxrss would carry the parent's across fork + exec)
+hwm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
 print(json.dumps({"rc": rc, "stderr": err.getvalue()[-2000:], "account_bytes": totals["device"] * args.devices
-                  + totals["host"], "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  + totals["host"], "peak_rss_bytes": hwm}))
 """
 
 
@@ -85,10 +88,16 @@ def main() -> None:
         rows.append({"option": option, "small": int(small), "largest_accepted": int(largest),
                      "account_small": base["account_bytes"], "account_largest": top["account_bytes"],
                      "peak_rss_small": base["peak_rss_bytes"], "peak_rss_largest": top["peak_rss_bytes"],
-                     "rss_growth": grew, "account_growth": predicted, "growth_ratio": grew / predicted})
+                     "rss_growth": grew, "account_growth": predicted, "growth_ratio": grew / predicted,
+                     # the peak the check predicts: the small run's plus what the account adds
+                     "peak_vs_predicted": top["peak_rss_bytes"] / (base["peak_rss_bytes"] + predicted)})
         print(json.dumps(rows[-1]), flush=True)
-    save_json(os.path.join(a.out, "account_vs_rss.json"),
-              {"limit_gib": a.limit_gib, "workload": WORKLOAD, "rows": rows})
+    path = os.path.join(a.out, "account_vs_rss.json")
+    with open(path) if os.path.exists(path) else contextlib.nullcontext() as f:
+        old = json.load(f) if f else {}  # earlier runs (and what was found in them) are kept
+    code = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    run = {"limit_gib": a.limit_gib, "code": code, "rows": rows}
+    save_json(path, {**old, "workload": WORKLOAD, "runs": old.get("runs", []) + [run]})
 
 
 if __name__ == "__main__":
