@@ -34,7 +34,7 @@ def _checks() -> dict:
     from hisparse_jax import parallel
     from hisparse_jax.config import CacheConfig
     from hisparse_jax.engine import EngineConfig, MeshEngine, SamplingParams
-    from hisparse_jax.engine.runner import jitted_sharded_step_and_sample
+    from hisparse_jax.engine.runner import jitted_sharded_step
     from hisparse_jax.generate import generate
     from hisparse_jax.model.decoder import layer_runs
     from tiny import model_cfg
@@ -92,7 +92,7 @@ def _checks() -> dict:
     out["round_robin"] = [rr.rank_of(f"r{i}") for i in range(11)]
     # the compiled mesh step (decode + sample) moves nothing between devices
     graphdef, state = nnx.split(model)
-    step = jitted_sharded_step_and_sample(graphdef, mesh)
+    step = jitted_sharded_step(graphdef, mesh, sample=True)
     B = 2
     batch = parallel.put_batch(mesh, {"tokens": np.ones((N, B), np.int32), "req": np.full((N, B), -1, np.int32),
                                       "pos": np.full((N, B), -1, np.int32), "index_span": np.zeros((N, 4), np.int32)})
@@ -117,7 +117,7 @@ def _checks() -> dict:
         params[name] = {"shape": list(leaf.shape), "shards": sorted({tuple(x.data.shape) for x in leaf.addressable_shards}),
                         "devices": len({x.device.id for x in leaf.addressable_shards})}
     out["ep"]["params"] = params
-    ep_step = jitted_sharded_step_and_sample(nnx.split(ep_model)[0], mesh, "reference", True)
+    ep_step = jitted_sharded_step(nnx.split(ep_model)[0], mesh, "reference", True, sample=True)
     hlo = ep_step.lower(eng.runner.params, eng.store, batch, sampling).compile().as_text()
     out["ep"]["collectives"] = [line.split(" = ", 1)[1].split("(")[0] for line in hlo.splitlines()
                                 if any(f" {c}(" in line or f" {c}-start(" in line for c in COLLECTIVES) and " = " in line]
@@ -308,6 +308,55 @@ def test_mesh_engine_refusals_and_log(small_model, tmp_path):
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert len(lines) == eng.metrics().steps and all(len(x["ranks"]) == 1 for x in lines)
     assert sum(x["tokens"] for x in lines) == 3
+
+
+def test_a_failed_mesh_call_commits_nothing_and_a_consumed_store_stops_the_mesh(small_model, monkeypatch):
+    """As `Engine` (tests/test_bad_input.py), through the same `runner.call_on_store`: a sharded call that raises
+    commits nothing and the mesh goes on to the uninterrupted run's tokens; one that consumed the donated stacked
+    store stops every later step."""
+    import jax
+
+    from hisparse_jax import parallel
+    from hisparse_jax.config import CacheConfig
+    from hisparse_jax.engine import EngineConfig, MeshEngine, SamplingParams
+
+    cc = CacheConfig(kv_dtype="float32", device_pages=16, host_pages=32, max_seq_len=256)
+    reference = MeshEngine(small_model, cc, EngineConfig(max_running=2), mesh=parallel.data_mesh(1))
+    want = reference.generate([[1, 2, 3], [7, 8]], SamplingParams(max_new_tokens=3))
+    eng = MeshEngine(small_model, cc, EngineConfig(max_running=2), mesh=parallel.data_mesh(1))
+    for i, p in enumerate([[1, 2, 3], [7, 8]]):
+        eng.add_request(f"r{i}", p, SamplingParams(max_new_tokens=3))
+    real = eng.runner.step
+    for _ in range(2):  # both admitted
+        eng.step()
+
+    def fault(*a, **k):
+        raise RuntimeError("injected device fault")
+
+    monkeypatch.setattr(eng.runner, "step", fault)
+    def state():
+        return eng.outputs(), dict(eng.managers[0].lengths), {k: r.computed for k, r in eng.requests.items()}
+
+    before = state()
+    with pytest.raises(RuntimeError, match="injected device fault"):
+        eng.step()
+    assert before == state() and not eng.store_lost and not eng.engines[0].store_lost
+    monkeypatch.setattr(eng.runner, "step", real)
+    eng.run()
+    assert [eng.outputs()[f"r{i}"] for i in range(2)] == want
+
+    def consume(spec, store, *a, **k):
+        for x in jax.tree.leaves(store):
+            x.delete()
+        raise RuntimeError("injected failure after donation")
+
+    eng.add_request("r2", [4, 5, 6], SamplingParams(max_new_tokens=2))
+    monkeypatch.setattr(eng.runner, "step", consume)
+    with pytest.raises(RuntimeError, match="after donation"):
+        eng.step()
+    assert eng.store_lost
+    with pytest.raises(RuntimeError, match="consumed the stacked KV store"):
+        eng.step()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import json
 import os
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -38,7 +37,7 @@ from hisparse_jax.kv.manager import COLDNESS, TieredCache
 from hisparse_jax.kv import device as kv_device, tiered
 from hisparse_jax.kv.account import check_store_memory
 from hisparse_jax.kv.state import StoreSpec
-from hisparse_jax.engine.runner import TRACE_COUNTS, Runner
+from hisparse_jax.engine.runner import TRACE_COUNTS, Runner, call_on_store
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.results import EngineMetrics, StepMetrics
 from hisparse_jax.engine import speculative
@@ -430,18 +429,17 @@ class Engine:
 
     def _device_call(self, fn, *args):
         """The step's one batched call `fn(spec, store, *args, read_page_stamps=...)` (`Runner.step` or
-        `Runner.speculative_step`) on the store with this step's table decisions applied; its output's store becomes
-        the engine's. If it raises, nothing is committed (a consumed, donated store is remembered)."""
-        store = self.store
-        try:
-            self.stores.apply_updates(self.manager)  # this step's table decisions
-            store = self.store
+        `Runner.speculative_step`) through `runner.call_on_store`: this step's table decisions applied first, its
+        output's store the engine's; if it raises, nothing is committed."""
+        def call(store):
             out = fn(self.manager.spec, store, *args, read_page_stamps=self.manager.needs_page_stamps)
-        except Exception:
-            self.store_lost = any(x.is_deleted() for x in jax.tree.leaves(store))
-            raise
-        self.store = out.store
-        if out.page_stamps is not None:
+            return out.store, out
+
+        return self.observe_output(call_on_store(self, lambda: self.stores.apply_updates(self.manager), call))
+
+    def observe_output(self, out):
+        """`out` (a step's `StepOutput`), its page stamps (when read with it) handed to the manager."""
+        if out.page_stamps is not None and self.manager.needs_page_stamps:
             self.manager.observe_page_stamps(out.page_stamps)
         return out
 

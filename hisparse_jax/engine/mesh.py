@@ -36,7 +36,7 @@ from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine.engine import Engine, EngineConfig, UnknownRequest, check_engine_args, run_prompts
 from hisparse_jax.engine.metrics import combine_steps, summarize
 from hisparse_jax.engine.request import Request, SamplingParams
-from hisparse_jax.engine.runner import TRACE_COUNTS, MeshRunner
+from hisparse_jax.engine.runner import TRACE_COUNTS, MeshRunner, call_on_store
 from hisparse_jax.engine.scheduler import policy_cache
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.account import check_store_memory
@@ -227,24 +227,18 @@ class MeshEngine:
         return m  # (every rank's finish_step advanced its step_count)
 
     def _call(self, works) -> None:
-        """Every rank's batch in one sharded call (`MeshRunner.step`); each rank's `StepOutput` into its work."""
-        store = self.store
-        try:
-            self.flush()  # this step's table decisions, every rank
-            store = self.store
-            store, outs = self.runner.step(self.spec, store, [w.batch for w in works], [w.sampling for w in works],
-                                           [w.n_emit for w in works],
-                                           read_page_stamps=any(c.needs_page_stamps for c in self.managers))
-        except Exception:
-            self.store_lost = any(x.is_deleted() for x in jax.tree.leaves(store))
-            raise
-        self.store = store
-        for manager, w, out in zip(self.managers, works, outs):
-            if out is None:
-                continue
-            w.out = out
-            if out.page_stamps is not None and manager.needs_page_stamps:
-                manager.observe_page_stamps(out.page_stamps)
+        """Every rank's batch in one sharded call (`MeshRunner.step`) through `runner.call_on_store`, as
+        `Engine`'s call: every rank's table decisions applied first, a consumed stacked store remembered; each
+        rank's `StepOutput` into its work (`Engine.observe_output`)."""
+        def call(store):
+            return self.runner.step(self.spec, store, [w.batch for w in works], [w.sampling for w in works],
+                                    [w.n_emit for w in works],
+                                    read_page_stamps=any(c.needs_page_stamps for c in self.managers))
+
+        outs = call_on_store(self, self.flush, call)
+        for e, w, out in zip(self.engines, works, outs):
+            if out is not None:
+                w.out = e.observe_output(out)
 
     def run(self, progress=None) -> None:
         """Step until every request has finished. `progress(engine)` is called after each step."""
