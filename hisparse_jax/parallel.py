@@ -14,8 +14,10 @@ pools with the pinned-host memory kind — so each device holds exactly its rank
 rank has its own `TieredCache` (its own page ids, request slots and budgets: the `CacheConfig`'s budgets are per
 device). Everything that touches the store runs as one `shard_map` over the data axis: each device runs the
 one-store program (`kv.device`'s jitted updates, `runner.step_impl` in `runner.jitted_sharded_step`) on its own
-slice with its own arguments, so no KV crosses devices. Ranks with nothing to do in a call get no-op arguments (an out-of-range slot, -1
-page lists, a zero-length prompt write), which the one-store functions already skip.
+slice with its own arguments, so no KV crosses devices. Ranks with nothing to do in a call get no-op arguments (an
+out-of-range slot, -1 page lists, a zero-length prompt write), which the one-store functions already skip. This
+module builds the per-rank form of `kv.device`'s store programs (`apply_rank_updates`, `write_prompt_rows`) and
+the stacked store in place; the mesh step that runs the model is built in `engine.runner`.
 
 Multi-controller (`jax.distributed.initialize`, one process per host): the mesh spans every process's devices
 (`data_mesh` takes `jax.devices()`), every process runs the same program with the same host bookkeeping for all

@@ -223,7 +223,7 @@ def built_step(request, build_log):
     cache = CacheConfig(kv_dtype=kv, device_pages=4096, host_pages=16384, max_seqs=32, max_seq_len=131072,
                         fetch=fetch, hot_policy=hot_policy, index_tier=index_tier)
     graphdef, params, store, batch = abstract_step_args(cfg, cache)
-    # The jitted function decode_step / make_decode_step call (donate_argnums=(1,): the store). Taken from the
+    # The jitted function decode_step / Runner.decode call (donate_argnums=(1,): the store). Taken from the
     # cache directly because kv.tiered.check_kernels refuses kernels="pallas" on a CPU backend, rightly.
     step = runner._jitted_step(graphdef, kernels)
     case = (f"tiered decode_step glm-5[{cfg.num_hidden_layers} layers] kv={kv} fetch={fetch} kernels={kernels} "

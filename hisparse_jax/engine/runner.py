@@ -1,5 +1,12 @@
-"""The device side: the one module that builds jitted programs. `generate`, `Engine`, `MeshEngine`, speculation, the
+"""The device side: every jitted program that runs the model. `generate`, `Engine`, `MeshEngine`, speculation, the
 experiments and the benchmarks are its clients and build none of their own.
+
+Who builds the other jitted programs, and why not here: the store's own programs (`kv.device.STORE_PROGRAMS`:
+table updates and prompt writes; its checked appends and gathers) are built in `kv.device`, because the kv package
+imports no model and no engine (this module reaches them through `kv.device`); their per-rank form over a mesh (a
+`shard_map` of a `STORE_PROGRAMS` entry) and the stacked store made in place are built in `hisparse_jax.parallel`,
+which this module imports for the mesh step. Outside these three: the kernels' own wrappers (`pallas_kernels/`),
+training (`train/dsa.py`) and the kernel test cases' input preparation (`kernel_cases.py`).
 
 * the tiered decode step: `step_impl` (un-jitted: the model through the store as its `KVBackend`, then the step's
   last writes to the store, `kv.writes.finish_step`), `decode_step` / `decode_loop` (jitted, store donated);
@@ -10,7 +17,7 @@ experiments and the benchmarks are its clients and build none of their own.
   that do not come from a sampling step: whole-prompt prefills, `generate`'s tiered and mesh paths);
 * speculative decoding's step and MTP prefill (`jitted_speculative_step`, `mtp_prefill_rows`; the math in
   `engine.speculative`);
-* the per-rank step over a mesh (`jitted_sharded_step[_and_sample]`; placement in `hisparse_jax.parallel`) and
+* the per-rank step over a mesh (`jitted_sharded_step`; placement in `hisparse_jax.parallel`) and
   `MeshRunner`, `MeshEngine`'s device side: every rank's batch padded to one bucket, decoded and sampled in one
   sharded call, read back in one transfer.
 
@@ -214,23 +221,6 @@ def decode_step(model: SparseMLAModel, store: KVStore, batch: dict, *, kernels: 
     return _jitted_step(graphdef, tiered.check_kernels(kernels))(state, store, _commit(store, batch))
 
 
-def decode_step_split(graphdef, state, store: KVStore, batch: dict, *, kernels: str = "reference"):
-    """`decode_step` for a model already split (`nnx.split`): a caller that keeps it split splits it once."""
-    return _jitted_step(graphdef, tiered.check_kernels(kernels))(state, store, _commit(store, batch))
-
-
-def make_decode_step(model: SparseMLAModel, *, kernels: str = "reference"):
-    """`decode_step` bound to `model` with the model split once: step(store, batch) -> (logits, store, stats).
-    Saves the per-call `nnx.split` (milliseconds of host time) in tight loops; do not mutate `model` after."""
-    graphdef, state = nnx.split(model)
-    jitted = _jitted_step(graphdef, tiered.check_kernels(kernels))
-
-    def step(store: KVStore, batch: dict):
-        return jitted(state, store, _commit(store, batch))
-
-    return step
-
-
 def decode_loop(model: SparseMLAModel, store: KVStore, batch: dict, num_steps: int, *,
                 kernels: str = "reference"):
     """`num_steps` greedy decode steps in one `lax.scan` (each step feeds its argmax to the next).
@@ -262,6 +252,23 @@ def sampler():
         return sample_rows(logits, seeds, positions, temperatures, top_ps)
 
     return sample
+
+
+def call_on_store(owner, apply_updates, call):
+    """The step's one batched call on a store that its call donates: `apply_updates()` (this step's table
+    decisions) then `call(owner.store) -> (store, out)`; the returned store becomes `owner.store` and `out` is
+    returned. If either raises, `owner.store` is left as it was and `owner.store_lost` says whether the call
+    consumed it (donated buffers deleted: the owner cannot step again). `Engine` and `MeshEngine` step through it."""
+    store = owner.store
+    try:
+        apply_updates()
+        store = owner.store
+        store, out = call(store)
+    except Exception:
+        owner.store_lost = any(x.is_deleted() for x in jax.tree.leaves(store))
+        raise
+    owner.store = store
+    return out
 
 
 @dataclasses.dataclass
@@ -325,8 +332,8 @@ class Runner:
 
     def decode(self, store: KVStore, batch: dict):
         """One decode step without sampling (the caller samples): (logits f32[B, V], store, stats), as
-        `decode_step` but with this runner's split parameters."""
-        return decode_step_split(self.graphdef, self.state, store, batch, kernels=self.kernels)
+        `decode_step` but with this runner's parameters split once (no per-call `nnx.split`)."""
+        return _jitted_step(self.graphdef, self.kernels)(self.state, store, _commit(store, batch))
 
     def step(self, spec: StoreSpec, store: KVStore, batch: dict, sampling: dict, n_emit: int, *,
              read_page_stamps: bool = False) -> StepOutput:
@@ -404,23 +411,20 @@ def mtp_prefill_rows(graphdef, state, hidden, next_tokens):
 
 
 # ----- data parallelism: one step per rank over a mesh (`hisparse_jax.parallel`) ----------------------------------
-def jitted_sharded_step(graphdef, mesh: Mesh, kernels: str = "reference", expert_parallel: bool = False):
+def jitted_sharded_step(graphdef, mesh: Mesh, kernels: str = "reference", expert_parallel: bool = False, *,
+                        sample: bool = False):
     """`step_impl` per rank as one jitted shard_map over the mesh's axis:
-    step(state, store, batch) -> (logits f32[N, B, V], store, stats with a leading [N]).
+    step(state, store, batch) -> (logits f32[N, B, V], store, stats with a leading [N]); with `sample`, each rank's
+    emitting rows sampled as `Runner.step` does on one device: step(state, store, batch, sampling) -> (tokens
+    int32[N, B], store, stats), sampling's leaves ("rows", "seed", "pos", "temperature", "top_p") [N, B], rank r's
+    rows indexing its own batch.
 
     state: the model's parameters (`nnx.split`), replicated (`P()`), or with expert_parallel the routed experts
     split over the axis (`parallel.place_params(..., expert_parallel=True)`; each MoE layer then gathers the ranks'
     tokens and scatters the sums back: `model.moe.expert_parallel`); store: the stacked store (donated);
     batch: {"tokens", "req"} int32[N, B] and optionally "index_span" int32[N, P], sharded on the axis — rank r
     decodes rows batch[.][r] against its own slice."""
-    return _jitted_sharded(graphdef, mesh, tiered.check_kernels(kernels), expert_parallel, False)
-
-
-def jitted_sharded_step_and_sample(graphdef, mesh: Mesh, kernels: str = "reference", expert_parallel: bool = False):
-    """`jitted_sharded_step` that also samples each rank's emitting rows, as `Runner.step` does on one device:
-    step(state, store, batch, sampling) -> (tokens int32[N, B], store, stats with a leading [N]); sampling's
-    leaves ("rows", "seed", "pos", "temperature", "top_p") are [N, B], rank r's rows index its own batch."""
-    return _jitted_sharded(graphdef, mesh, tiered.check_kernels(kernels), expert_parallel, True)
+    return _jitted_sharded(graphdef, mesh, tiered.check_kernels(kernels), expert_parallel, bool(sample))
 
 
 class MeshRunner:
@@ -432,7 +436,7 @@ class MeshRunner:
     def __init__(self, runner: Runner, mesh: Mesh, *, expert_parallel: bool = False):
         self.mesh, self.n = mesh, parallel.num_ranks(mesh)
         self.params = parallel.place_params(runner.state, mesh, expert_parallel=expert_parallel)
-        self._step = jitted_sharded_step_and_sample(runner.graphdef, mesh, runner.kernels, expert_parallel)
+        self._step = jitted_sharded_step(runner.graphdef, mesh, runner.kernels, expert_parallel, sample=True)
 
     def step(self, spec: StoreSpec, store: KVStore, batches: list, samplings: list, n_emits: list, *,
              read_page_stamps: bool = False) -> tuple[KVStore, list]:

@@ -8,7 +8,10 @@ row-level writes and reads that need both (prompt writes, appends, gathers: trac
     store = apply_updates(store, manager)               # ... applied before the next device call
 
 Every function takes the store (donated: use the returned one) and returns the new one. The updates are small
-jitted calls, each compiled once per size bucket.
+jitted calls, each compiled once per size bucket. This module builds the store's own jitted programs (the table
+updates and prompt writes in `STORE_PROGRAMS`, the checked append and gather): the kv package imports no model
+and no engine, so `engine.runner`, which builds every program that runs the model, reaches these through here;
+`hisparse_jax.parallel` builds their per-rank form over a mesh.
 """
 
 from __future__ import annotations
