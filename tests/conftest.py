@@ -79,49 +79,15 @@ def need_reference(name: str):
     return pytest.importorskip(name, reason=REFERENCE_SKIP_REASON)
 
 
-def tiny_hf_kwargs(**over):
-    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=32,
-              q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=24, qk_nope_head_dim=16, num_experts_per_tok=2,
-              first_k_dense_replace=1, index_topk=8, index_head_dim=32, index_n_heads=16,
-              max_position_embeddings=256)
-    kw.update(over)
-    return kw
-
-
-def build_hf(kind: str, seed: int = 0, **over):
-    """A tiny random transformers model. kind: 'deepseek' (YaRN, group-limited routing) or 'glm' (shared-index
-    layers). The router correction bias is randomized so that it matters."""
-    torch, transformers = need_reference("torch"), need_reference("transformers")
-    torch.manual_seed(seed)
-    if kind == "deepseek":
-        kw = tiny_hf_kwargs(n_group=2, topk_group=1, rope_parameters={
-            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
-            "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
-        kw.update(over)
-        model = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(**kw))
-    elif kind == "glm":
-        kw = tiny_hf_kwargs(num_hidden_layers=5, n_group=1, topk_group=1, index_topk_freq=2,
-                            index_skip_topk_offset=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-        kw.update(over)
-        model = transformers.GlmMoeDsaForCausalLM(transformers.GlmMoeDsaConfig(**kw))
-    else:
-        raise ValueError(kind)
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                buf.normal_(0, 0.1)
-    return model.eval()
-
-
 @pytest.fixture(scope="session", params=["deepseek", "glm"])
 def hf_pair(request, tmp_path_factory):
     """(kind, transformers model, our model loaded from its saved checkpoint)."""
     import jax.numpy as jnp
 
     import hisparse_jax as hj
+    from tiny import hf_model
 
-    model = build_hf(request.param)
+    model = hf_model(request.param)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return request.param, model, hj.load_pretrained(path, dtype=jnp.float32)

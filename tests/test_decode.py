@@ -15,28 +15,22 @@ from hisparse_jax.generate import _kv_from_prefill, generate
 from hisparse_jax.kv.dense import DenseKV
 from hisparse_jax.model.decoder import decode_step
 from pallas_kernels.sparse_mla_decode.reference import sparse_mla_decode_rows as sparse_mla_decode_reference
+from tiny import model_cfg
 
 
-def tiny(**over):
-    base = dict(model_type="glm_moe_dsa", vocab_size=97, hidden_size=48, intermediate_size=64, moe_intermediate_size=24,
-                num_hidden_layers=5, num_attention_heads=3, q_lora_rank=40, kv_lora_rank=32, qk_nope_head_dim=8,
-                qk_rope_head_dim=16, v_head_dim=12, n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2,
-                n_group=1, topk_group=1, mlp_layer_types=("dense", "sparse", "dense", "sparse", "sparse"),
-                max_position_embeddings=512, rope=RopeConfig(theta=10000.0), index_n_heads=16, index_head_dim=32,
-                index_topk=8, indexer_rope_interleaved=True,
-                indexer_types=("full", "shared", "shared", "full", "shared"), dtype="float32")
-    base.update(over)
-    return hj.ModelConfig(**base)
+# tiny.py's base at 5 layers (an irregular full / shared indexer pattern) and top-8
+FIVE = dict(num_hidden_layers=5, mlp_layer_types=("dense", "sparse", "dense", "sparse", "sparse"),
+            max_position_embeddings=512, index_topk=8, indexer_types=("full", "shared", "shared", "full", "shared"))
 
 
 CONFIGS = {
     # dense MLP and MoE layers, full and shared indexers, interleaved indexer RoPE
-    "glm-mixed": tiny(),
+    "glm-mixed": model_cfg(FIVE),
     # every layer its own indexer, half-split indexer RoPE, YaRN, group-limited routing
-    "deepseek-yarn": tiny(model_type="deepseek_v32", indexer_types=("full",) * 5, indexer_rope_interleaved=False,
-                          n_group=3, topk_group=2, rope=RopeConfig(theta=10000.0, rope_type="yarn", factor=8.0,
-                                                                   original_max_position_embeddings=64, mscale=1.0,
-                                                                   mscale_all_dim=1.0)),
+    "deepseek-yarn": model_cfg(FIVE, model_type="deepseek_v32", indexer_types=("full",) * 5,
+                               indexer_rope_interleaved=False, n_group=3, topk_group=2,
+                               rope=RopeConfig(theta=10000.0, rope_type="yarn", factor=8.0,
+                                               original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=1.0)),
 }
 
 

@@ -20,10 +20,11 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 import hisparse_jax
-from hisparse_jax import CheckpointError, ModelConfig, RopeConfig, SparseMLAModel, get_preset
+from hisparse_jax import CheckpointError, RopeConfig, SparseMLAModel, get_preset
 from hisparse_jax.generate import generate, validate_prompts
 from hisparse_jax.hf_config import from_hf_config, to_hf_config
 from hisparse_jax.model.weights import read_checkpoint_tensors
+from tiny import DEEPSEEK_MICRO, model_cfg
 
 SUPPORTED = ("deepseek_v32", "glm_moe_dsa")
 
@@ -32,23 +33,9 @@ SUPPORTED = ("deepseek_v32", "glm_moe_dsa")
 # helpers
 # ----------------------------------------------------------------------------------------------------------
 
-def tiny_kwargs(**over) -> dict:
-    kw = dict(model_type="deepseek_v32", vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-              num_hidden_layers=2, num_attention_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
-              qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-              n_group=2, topk_group=1, mlp_layer_types=("dense", "sparse"), index_topk=4, index_head_dim=16,
-              index_n_heads=2, max_position_embeddings=128, dtype="float32")
-    kw.update(over)
-    return kw
-
-
-def tiny_cfg(**over) -> ModelConfig:
-    return ModelConfig(**tiny_kwargs(**over))
-
-
 def tiny_model(**over) -> SparseMLAModel:
     """A model with zero parameters, built abstractly (no eager jax.random): enough for I/O and validation."""
-    model = nnx.eval_shape(lambda: SparseMLAModel(tiny_cfg(**over), rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: SparseMLAModel(model_cfg(DEEPSEEK_MICRO, **over), rngs=nnx.Rngs(0)))
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     for p, v in flat.items():
         sds = v.get_value()
@@ -105,7 +92,7 @@ def test_unknown_model_type_in_config_json(ckpt, bad):
 
 
 def test_missing_model_type_key():
-    c = to_hf_config(tiny_cfg())
+    c = to_hf_config(model_cfg(DEEPSEEK_MICRO))
     del c["model_type"]
     with pytest.raises(ValueError, match="unknown model_type None") as e:
         from_hf_config(c)
@@ -114,10 +101,10 @@ def test_missing_model_type_key():
 
 def test_unknown_model_type_in_model_config():
     with pytest.raises(ValueError, match="'qwen3_moe'") as e:
-        tiny_cfg(model_type="qwen3_moe")
+        model_cfg(DEEPSEEK_MICRO, model_type="qwen3_moe")
     assert_names_supported(str(e.value))
     with pytest.raises(ValueError, match="'gpt2'"):
-        tiny_cfg().replace(model_type="gpt2")
+        model_cfg(DEEPSEEK_MICRO).replace(model_type="gpt2")
 
 
 def test_unknown_preset():
@@ -143,21 +130,21 @@ def test_unknown_preset():
     (dict(dtype="float64"), "dtype"),
 ])
 def test_unsupported_config_json(change, words):
-    c = to_hf_config(tiny_cfg())
+    c = to_hf_config(model_cfg(DEEPSEEK_MICRO))
     c.update(change)
     with pytest.raises(ValueError, match=words):
         from_hf_config(c)
 
 
 def test_config_json_missing_required_field():
-    c = to_hf_config(tiny_cfg())
+    c = to_hf_config(model_cfg(DEEPSEEK_MICRO))
     del c["hidden_size"]
     with pytest.raises((KeyError, ValueError), match="hidden_size"):
         from_hf_config(c)
 
 
 def test_deepseek_cannot_save_shared_index_layers():
-    cfg = tiny_cfg(indexer_types=("full", "shared"))  # a valid ModelConfig ...
+    cfg = model_cfg(DEEPSEEK_MICRO, indexer_types=("full", "shared"))  # a valid ModelConfig ...
     with pytest.raises(ValueError, match="glm_moe_dsa"):  # ... that config.json for deepseek_v32 cannot express
         to_hf_config(cfg)
 
@@ -387,26 +374,27 @@ def test_validate_prompts_accepts_arrays(gen_model):
 ])
 def test_invalid_model_config(change, words):
     with pytest.raises(ValueError, match="invalid ModelConfig") as e:
-        tiny_cfg(**change)
+        model_cfg(DEEPSEEK_MICRO, **change)
     assert re.search(words, str(e.value)), str(e.value)
 
 
 def test_invalid_model_config_lists_every_problem():
     with pytest.raises(ValueError) as e:
-        tiny_cfg(n_routed_experts=6, n_group=4, mlp_layer_types=("dense",), indexer_types=("shared", "full"),
-                 dtype="int8")
+        model_cfg(DEEPSEEK_MICRO, n_routed_experts=6, n_group=4, mlp_layer_types=("dense",),
+                  indexer_types=("shared", "full"), dtype="int8")
     msg = str(e.value)
     for words in ("mlp_layer_types", "first layer", "dtype"):
         assert words in msg
     # with mlp_layer_types invalid the MoE checks may or may not run; a valid pattern shows the expert problem
     with pytest.raises(ValueError) as e:
-        tiny_cfg(n_routed_experts=6, n_group=4, indexer_types=("shared", "full"), dtype="int8")
+        model_cfg(DEEPSEEK_MICRO, n_routed_experts=6, n_group=4, indexer_types=("shared", "full"), dtype="int8")
     for words in ("n_routed_experts (6)", "first layer", "dtype"):
         assert words in str(e.value)
 
 
 def test_moe_checks_only_apply_with_sparse_layers():
-    cfg = tiny_cfg(mlp_layer_types=("dense", "dense"), n_routed_experts=6, n_group=4)  # no MoE: nothing to check
+    # no MoE: nothing to check
+    cfg = model_cfg(DEEPSEEK_MICRO, mlp_layer_types=("dense", "dense"), n_routed_experts=6, n_group=4)
     assert cfg.mlp_layer_types == ("dense", "dense")
 
 

@@ -25,6 +25,7 @@ from hisparse_jax.kv.dense import DenseKV, init_dense_kv
 from hisparse_jax.model.decoder import SparseMLAModel, decode_step
 from hisparse_jax.model.mtp import MTPLayer, mtp_decode_step, mtp_forward, mtp_input
 from hisparse_jax.model.weights import CheckpointError, read_checkpoint_tensors
+from tiny import model_cfg
 
 TOL = dict(rtol=2e-5, atol=2e-5)  # as tests/test_decode.py's decode-vs-prefill checks
 
@@ -97,11 +98,11 @@ def _rms(x, w, eps):
 
 def test_combine_follows_vllm():
     """eh_proj(concat([enorm(embedding, zeroed at position 0), hnorm(previous hidden)])), on explicit arrays."""
-    cfg = ModelConfig(model_type="deepseek_v32", vocab_size=32, hidden_size=8, intermediate_size=16,
-                      num_hidden_layers=1, num_attention_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4,
-                      qk_rope_head_dim=4, v_head_dim=4, mlp_layer_types=("dense",), index_n_heads=2,
-                      index_head_dim=8, index_topk=4, max_position_embeddings=64, rms_norm_eps=1e-5,
-                      num_nextn_predict_layers=1, dtype="float32")
+    cfg = model_cfg(model_type="deepseek_v32", vocab_size=32, hidden_size=8, intermediate_size=16,
+                    num_hidden_layers=1, num_attention_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4,
+                    qk_rope_head_dim=4, v_head_dim=4, mlp_layer_types=("dense",), index_n_heads=2,
+                    index_head_dim=8, index_topk=4, max_position_embeddings=64, rms_norm_eps=1e-5,
+                    num_nextn_predict_layers=1, indexer_types=(), indexer_rope_interleaved=False)
     layer = SparseMLAModel(cfg, rngs=nnx.Rngs(0), mtp=True).mtp[0]
     rng = np.random.default_rng(0)
     D = cfg.hidden_size

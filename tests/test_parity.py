@@ -73,9 +73,9 @@ def test_attention_math_with_reference_topk():
     import jax.numpy as jnp
 
     import hisparse_jax as hj
-    from conftest import build_hf
+    from tiny import hf_model
 
-    hf = build_hf("glm", seed=3, index_n_heads=2)
+    hf = hf_model("glm", seed=3, index_n_heads=2)
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)

@@ -34,14 +34,10 @@ from hisparse_jax.kv.account import RESOLVE_BYTES_PER_ROW_SLOT, index_bytes_per_
 from hisparse_jax.kv.state import init_store
 from hisparse_jax.model.decoder import SparseMLAModel
 from limit_harness import CLI, PRELUDE, child
+from tiny import MICRO
 
 FAST_S = 10.0  # seconds a refusal may take
 PEAK_MB = 2500  # the child's peak RSS, jax and a micro model included
-
-MICRO = dict(model_type="glm_moe_dsa", vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
-             num_attention_heads=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-             v_head_dim=8, index_n_heads=1, index_head_dim=8, index_topk=8, mlp_layer_types=("dense",),
-             dtype="float32")
 
 # sizes of 10^9 and more, each through generate and the engine (the engine's request slots are its max_running)
 SIZES = {"max_seq_len": 64 * 10**9, "index_pages": 10**10, "host_pages": 2 * 10**9, "max_seqs": 10**9,

@@ -26,6 +26,7 @@ from hisparse_jax.config import CacheConfig, ModelConfig
 from hisparse_jax.hf_config import to_hf_config
 from hisparse_jax.model.decoder import SparseMLAModel
 from limit_harness import CLI, PRELUDE, child, child_env
+from tiny import MICRO
 
 FAST_S = 5.0  # a refusal takes well under this after the imports (an allocation of the refused size would not)
 GREW_MB = 256  # peak RSS growth allowed per refusal (an allocation of a refused size: gigabytes)
@@ -41,10 +42,7 @@ from hisparse_jax.config import CacheConfig, ModelConfig
 from hisparse_jax.hf_config import from_hf_config
 
 folder = sys.argv[1]
-MICRO = ModelConfig(model_type="glm_moe_dsa", vocab_size=32, hidden_size=16, intermediate_size=16,
-                    num_hidden_layers=1, num_attention_heads=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-                    qk_rope_head_dim=8, v_head_dim=8, index_n_heads=1, index_head_dim=8, index_topk=8,
-                    mlp_layer_types=("dense",), dtype="float32")
+MICRO = ModelConfig(**""" + repr(MICRO) + """)
 # the control: a real (small) model is built under the same limit
 attempt("micro_model", lambda: jax.block_until_ready(nnx.state(hj.SparseMLAModel(MICRO, rngs=nnx.Rngs(0)))) and None)
 attempt("hf_layers", lambda: from_hf_config(folder))

@@ -10,21 +10,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import hisparse_jax as hj
 from store_pair import StorePair
-from hisparse_jax.config import CacheConfig, RopeConfig
+from hisparse_jax.config import CacheConfig
 from hisparse_jax.kv.budget import BudgetError, check_batch_fits
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.pool import OutOfPages, PoolError, Tier
 from hisparse_jax.units import INVALID
+from tiny import model_cfg
 
-MODEL = hj.ModelConfig(
-    model_type="glm_moe_dsa", vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
-    num_hidden_layers=4, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-    qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-    mlp_layer_types=("dense",) * 4, max_position_embeddings=1024, rope=RopeConfig(theta=10000.0),
-    index_n_heads=2, index_head_dim=16, index_topk=8, indexer_rope_interleaved=True,
-    indexer_types=("full", "shared", "full", "shared"), dtype="float32")
+# tiny.py's base at the sizes L, LI, C, R, DI below: all-dense, 2 of 4 layers with their own indexer
+MODEL = model_cfg(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_attention_heads=2,
+                  q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+                  mlp_layer_types=("dense",) * 4, max_position_embeddings=1024, index_n_heads=2, index_head_dim=16,
+                  index_topk=8)
 L, LI, C, R, DI = 4, 2, 16, 8, 16
 ROW_BYTES = (C + R) * 4
 

@@ -14,19 +14,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hisparse_jax.config import ModelConfig
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.model.mtp import mtp_forward
 from hisparse_jax.train import data, dsa
+from tiny import model_cfg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-TINY = ModelConfig(
-    model_type="glm_moe_dsa", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-    num_attention_heads=2, q_lora_rank=16, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-    mlp_layer_types=("dense",) * 3, index_n_heads=2, index_head_dim=16, index_topk=8, indexer_rope_interleaved=True,
-    indexer_types=("full", "shared", "full"), dtype="float32", bos_token_id=0, eos_token_id=(0,),
-    max_position_embeddings=4096, num_nextn_predict_layers=1)
+# tiny.py's base, all-dense, at 3 layers with one MTP layer
+TINY = model_cfg(vocab_size=256, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, q_lora_rank=16,
+                 qk_rope_head_dim=8, v_head_dim=8, mlp_layer_types=("dense",) * 3, index_n_heads=2, index_head_dim=16,
+                 index_topk=8, indexer_types=("full", "shared", "full"), eos_token_id=(0,), num_nextn_predict_layers=1)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """Checkpoint I/O: Hugging Face safetensors <-> SparseMLAModel, FP8 block dequantization, Orbax.
 
-Everything is CPU / float32 / tiny. The transformers reference models are built here (tiny configs) so the
-file does not depend on other test modules.
+Everything is CPU / float32 / tiny: the models are tests/tiny.py's, at its DEEPSEEK_MICRO / HF_MICRO sizes.
 """
 
 from __future__ import annotations
@@ -25,56 +24,26 @@ from hisparse_jax import ModelConfig, RopeConfig, SparseMLAModel
 from hisparse_jax.hf_config import from_hf_config
 from hisparse_jax.model.weights import (FP8_BLOCK, dequantize_fp8, model_to_hf_tensors, quantize_fp8,
                                         read_checkpoint_tensors)
+from tiny import DEEPSEEK_MICRO, HF_MICRO, hf_model, model_cfg
 
 F8 = ml_dtypes.float8_e4m3fn
-REFERENCE_SKIP_REASON = "needs torch + transformers (the numerical references; installed by the 'test' extra)"
 
 
 # ----------------------------------------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------------------------------------
 
-def tiny_hf_kwargs(**over):
-    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
-              num_attention_heads=2, num_key_value_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
-              qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-              first_k_dense_replace=1, index_topk=4, index_head_dim=16, index_n_heads=2,
-              max_position_embeddings=128)
-    kw.update(over)
-    return kw
-
-
 def build_hf_model(arch: str, seed: int = 0):
-    """A tiny random transformers model: 'deepseek_v32' (YaRN, group routing) or 'glm_moe_dsa' (shared layers)."""
-    torch = pytest.importorskip("torch", reason=REFERENCE_SKIP_REASON)
-    transformers = pytest.importorskip("transformers", reason=REFERENCE_SKIP_REASON)
-    torch.manual_seed(seed)
+    """A tiny random transformers model of HF_MICRO's size: 'deepseek_v32' (YaRN, group routing) or
+    'glm_moe_dsa' (shared layers). Returns (its class, the model)."""
     if arch == "deepseek_v32":
-        kw = tiny_hf_kwargs(n_group=2, topk_group=1, rope_parameters={
+        model = hf_model("deepseek", seed, **HF_MICRO, rope_parameters={
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
             "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
-        cls = transformers.DeepseekV32ForCausalLM
-        model = cls(transformers.DeepseekV32Config(**kw))
     else:
-        kw = tiny_hf_kwargs(n_group=1, topk_group=1, index_topk_freq=2, index_skip_topk_offset=1)
-        cls = transformers.GlmMoeDsaForCausalLM
-        model = cls(transformers.GlmMoeDsaConfig(**kw))
+        model = hf_model("glm", seed, **HF_MICRO)
         assert list(model.config.indexer_types) == ["full", "shared", "full"]
-    with torch.no_grad():  # a non-zero router bias, so a mis-mapped bias would show
-        for name, buf in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                buf.normal_(0, 0.1)
-    return cls, model.eval()
-
-
-def tiny_cfg(**over) -> ModelConfig:
-    kw = dict(model_type="deepseek_v32", vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-              num_hidden_layers=2, num_attention_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
-              qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-              n_group=2, topk_group=1, mlp_layer_types=("dense", "sparse"), index_topk=4, index_head_dim=16,
-              index_n_heads=2, max_position_embeddings=128, dtype="float32")
-    kw.update(over)
-    return ModelConfig(**kw)
+    return type(model), model
 
 
 def random_model(cfg: ModelConfig, seed: int = 0, **model_kwargs) -> SparseMLAModel:
@@ -209,12 +178,13 @@ def test_transformers_loads_our_checkpoint(hf_ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("cfg", [
-    tiny_cfg(tie_word_embeddings=True, eos_token_id=(1, 2), bos_token_id=None,
-             rope=RopeConfig(theta=5e4, rope_type="yarn", factor=8.0, original_max_position_embeddings=16,
-                             beta_fast=16.0, beta_slow=2.0, mscale=0.707, mscale_all_dim=1.0, attention_factor=1.1)),
-    tiny_cfg(model_type="glm_moe_dsa", num_hidden_layers=4, mlp_layer_types=("dense", "sparse", "dense", "sparse"),
-             indexer_types=("full", "shared", "shared", "full"), n_group=1, topk_group=1, n_shared_experts=0,
-             indexer_rope_interleaved=True, norm_topk_prob=False, routed_scaling_factor=1.5, rms_norm_eps=1e-5),
+    model_cfg(DEEPSEEK_MICRO, tie_word_embeddings=True, eos_token_id=(1, 2), bos_token_id=None,
+              rope=RopeConfig(theta=5e4, rope_type="yarn", factor=8.0, original_max_position_embeddings=16,
+                              beta_fast=16.0, beta_slow=2.0, mscale=0.707, mscale_all_dim=1.0, attention_factor=1.1)),
+    model_cfg(DEEPSEEK_MICRO, model_type="glm_moe_dsa", num_hidden_layers=4,
+              mlp_layer_types=("dense", "sparse", "dense", "sparse"),
+              indexer_types=("full", "shared", "shared", "full"), n_group=1, topk_group=1, n_shared_experts=0,
+              indexer_rope_interleaved=True, norm_topk_prob=False, routed_scaling_factor=1.5, rms_norm_eps=1e-5),
 ], ids=["deepseek-tied-yarn", "glm-shared"])
 def test_round_trip_of_our_own_models(cfg, tmp_path):
     """Configs transformers' tiny defaults do not reach: tied embeddings, several EOS ids, full YaRN parameters,
@@ -231,15 +201,15 @@ def test_round_trip_of_our_own_models(cfg, tmp_path):
 
 
 def test_round_trip_keeps_yarn_truncate(tmp_path):
-    cfg = tiny_cfg(rope=RopeConfig(rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
-                                   mscale=1.0, mscale_all_dim=1.0, truncate=False))
+    cfg = model_cfg(DEEPSEEK_MICRO, rope=RopeConfig(rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
+                                                    mscale=1.0, mscale_all_dim=1.0, truncate=False))
     hisparse_jax.save_pretrained(random_model(cfg), tmp_path)
     assert from_hf_config(tmp_path).rope == cfg.rope
 
 
 def test_bfloat16_round_trip(tmp_path):
     """Default dtype bf16: the checkpoint stores BF16 (router / indexer weights_proj stay F32) and reloads exactly."""
-    cfg = tiny_cfg(dtype="bfloat16")
+    cfg = model_cfg(DEEPSEEK_MICRO, dtype="bfloat16")
     model = random_model(cfg)
     hisparse_jax.save_pretrained(model, tmp_path)
     t = read_checkpoint_tensors(str(tmp_path))
@@ -290,7 +260,7 @@ def test_sharded_checkpoint(hf_ckpt, tmp_path):
 
 def test_resharding_into_the_same_directory(tmp_path):
     """Saving a sharded checkpoint over a single-file one (and back) leaves one consistent checkpoint."""
-    model = random_model(tiny_cfg())
+    model = random_model(model_cfg(DEEPSEEK_MICRO))
     hisparse_jax.save_pretrained(model, tmp_path)
     hisparse_jax.save_pretrained(model, tmp_path, max_shard_bytes=8 * 1024)
     assert not (tmp_path / "model.safetensors").exists()
@@ -298,7 +268,7 @@ def test_resharding_into_the_same_directory(tmp_path):
 
 
 def test_unsharded_save_over_sharded_directory(tmp_path):
-    model = random_model(tiny_cfg())
+    model = random_model(model_cfg(DEEPSEEK_MICRO))
     hisparse_jax.save_pretrained(model, tmp_path, max_shard_bytes=8 * 1024)
     hisparse_jax.save_pretrained(model, tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
@@ -339,7 +309,7 @@ def test_fused_expert_layout_loads_the_same(hf_ckpt, tmp_path):
 
 def test_fused_expert_halves_are_gate_then_up(tmp_path):
     """gate_up_proj[e, :F] is the gate, [F:] the up projection: hand-made values, checked element-wise."""
-    cfg = tiny_cfg()
+    cfg = model_cfg(DEEPSEEK_MICRO)
     src = tmp_path / "src"
     hisparse_jax.save_pretrained(random_model(cfg), src)
     E, F, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
@@ -436,8 +406,8 @@ def fp8_names(tensors) -> list[str]:
 @pytest.fixture(scope="module")
 def fp8_ckpt(tmp_path_factory):
     """(float32 original tensors, fp8 checkpoint dir, {name: (q, scale_inv)}) for a model with hidden 160."""
-    cfg = tiny_cfg(hidden_size=160, intermediate_size=136, moe_intermediate_size=128, q_lora_rank=136,
-                   num_attention_heads=2)
+    cfg = model_cfg(DEEPSEEK_MICRO, hidden_size=160, intermediate_size=136, moe_intermediate_size=128,
+                    q_lora_rank=136, num_attention_heads=2)
     model = random_model(cfg)
     orig = {k: np.array(v) for k, v in model_to_hf_tensors(model).items()}
     rng = np.random.default_rng(0)
@@ -502,8 +472,9 @@ def test_fp8_checkpoint_equals_dequantized_float32_checkpoint(fp8_ckpt, tmp_path
 # 5. Orbax
 # ----------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("cfg", [tiny_cfg(), tiny_cfg(dtype="bfloat16", model_type="glm_moe_dsa", n_group=1,
-                                                         indexer_types=("full", "shared"), tie_word_embeddings=True)],
+@pytest.mark.parametrize("cfg", [model_cfg(DEEPSEEK_MICRO),
+                                 model_cfg(DEEPSEEK_MICRO, dtype="bfloat16", model_type="glm_moe_dsa", n_group=1,
+                                           indexer_types=("full", "shared"), tie_word_embeddings=True)],
                          ids=["deepseek-f32", "glm-bf16-tied"])
 def test_orbax_save_restore(cfg, tmp_path):
     model = random_model(cfg, 7)
@@ -517,7 +488,7 @@ def test_orbax_save_restore(cfg, tmp_path):
 
 
 def test_orbax_restore_passes_model_options(tmp_path):
-    model = random_model(tiny_cfg(), 3, moe_impl="dense")
+    model = random_model(model_cfg(DEEPSEEK_MICRO), 3, moe_impl="dense")
     hisparse_jax.save_params(model, tmp_path / "ckpt")
     restored = hisparse_jax.restore_params(str(tmp_path / "ckpt"), model.cfg, moe_impl="dense")
     assert restored.moe_impl == "dense"
