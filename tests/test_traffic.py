@@ -22,6 +22,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from hisparse_jax.kernel_cases import indexer_case, mla_case
 from pallas_kernels import traffic
 from pallas_kernels.backends import mosaic_unavailable_reason
 from pallas_kernels.indexer_topk.kernel import indexer_topk_chunked
@@ -208,28 +209,8 @@ INDEXER_NAMES = {"scores": "indexer_scores", "radix count": "indexer_topk_count"
                  "compact": "indexer_topk_compact", "rank": "indexer_topk_rank"}
 
 
-def _indexer_case(seed, B, I, D, MP, lens, kd):
-    from pallas_kernels.common import fp8_quantize, hadamard
-    from pallas_kernels.indexer_topk.reference import quantize_index_keys_int4
-
-    rng = np.random.default_rng(seed)
-    P = B * MP + 3
-    q = rng.integers(-3, 4, (B, I, D)).astype(np.float32)
-    k = rng.integers(-3, 4, (P, 64, D)).astype(np.float32)
-    w = rng.integers(-4, 9, (B, I)).astype(np.float32) / 8
-    bt = rng.permutation(P)[:B * MP].reshape(B, MP).astype(np.int32)
-    for b, n in enumerate(lens):  # some unused entries -1
-        bt[b, [j for j in range(MP) if j * 64 >= n and j % 2]] = -1
-    kw = {}
-    if kd == "fp8":
-        kq, ks = fp8_quantize(hadamard(jnp.asarray(k)), block=D)
-        k_pages, kw["k_scale"] = kq, ks
-    elif kd == "int4":
-        k_pages, kw["k_scale"] = quantize_index_keys_int4(jnp.asarray(k))
-    else:
-        k_pages = jnp.asarray(k, {"bf16": jnp.bfloat16, "float32": jnp.float32}[kd])
-    qd = jnp.float32 if kd != "bf16" else jnp.bfloat16
-    return (jnp.asarray(q, qd), jnp.asarray(w), k_pages, jnp.asarray(bt), jnp.asarray(lens, jnp.int32)), kw
+# the traffic model's key dtype names -> `kernel_cases.INDEX_FORMATS` (bf16 keys: bf16 queries too)
+CASE_FORMAT = {"fp8": "fp8", "bf16": "bf16q", "float32": "f32", "int4": "int4"}
 
 
 @pytest.mark.parametrize("kd,I,D,MP,lens,topk,chunk", [
@@ -240,7 +221,8 @@ def _indexer_case(seed, B, I, D, MP, lens, kd):
 ])
 def test_indexer_model_matches_the_kernel(emulate, kd, I, D, MP, lens, topk, chunk):
     B = len(lens)
-    args, kw = _indexer_case(3, B, I, D, MP, lens, kd)
+    case = indexer_case(3, lens, CASE_FORMAT[kd], heads=I, dim=D, pages_per_seq=MP, pool=B * MP + 3)
+    args, kw = case.args, {} if case.k_scale is None else {"k_scale": case.k_scale}
     got, counted = emulate(indexer_topk_chunked, *args, topk=topk, max_chunk=chunk, interpret=True, **kw)
     want = indexer_topk_reference(*args, topk=topk, **kw)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # the emulation is the kernel
@@ -258,7 +240,9 @@ GATHER_NAMES = {"lookup": "hisparse_lookup", "assign": "hisparse_assign"}
 def _gather_case(seed, B, K, HR, MP, *, stamps="window", hot_for=None, idle=()):
     """Resolver inputs: mixed resident / hit / miss positions, an optional request without a hot buffer, an
     idle row; stamps in the selection window ending at the clock ("window"), or spread over the past (the
-    extremes pass and radix passes: "spread")."""
+    extremes pass and radix passes: "spread"). Not `kernel_cases.gather_case`: the model's counts need what that
+    case never has (invalid top-k slots, idle rows, a page with no copy anywhere, a request without a hot buffer,
+    stamps placed for each selection path)."""
     rng = np.random.default_rng(seed)
     S, Rq = MP * 64, B + 1
     NH = -(-HR // 64)
@@ -340,24 +324,6 @@ def test_gather_model_matches_the_kernel(emulate, B, K, HR, MP, case):
 
 
 # ----- sparse MLA decode -----------------------------------------------------------------------------------
-def _mla_case(seed, B, H, C, R, K, pool, qd):
-    rng = np.random.default_rng(seed)
-    P = 2 * B * max(K // 64, 1) + 3
-    page = rng.integers(0, P, (B, K)).astype(np.int32)
-    row = rng.integers(0, 64, (B, K)).astype(np.int32)
-    valid = rng.random((B, K)) >= 0.2
-    lat_dtype = jnp.float8_e4m3fn if pool == "fp8" else jnp.bfloat16
-    latent = rng.standard_normal((P, 64, C)).astype(np.float32).astype(lat_dtype)
-    rope = rng.standard_normal((P, 64, R)).astype(np.float32).astype(jnp.bfloat16)
-    kw = {}
-    if pool == "fp8":
-        kw["latent_scale"] = jnp.asarray(2.0 ** rng.integers(-2, 2, (P, 64, C // 128)), jnp.float32)
-    q_lat = jnp.asarray(rng.standard_normal((B, H, C)), qd)
-    q_rope = jnp.asarray(rng.standard_normal((B, H, R)), qd)
-    return (q_lat, q_rope, jnp.asarray(latent), jnp.asarray(rope), jnp.asarray(page), jnp.asarray(row),
-            jnp.asarray(valid)), kw, int(valid.sum())
-
-
 @pytest.mark.parametrize("B,H,C,R,K,pool,qd,out", [
     (2, 16, 128, 16, 40, "fp8", jnp.float32, jnp.float32),  # K padded to the split blocks, one head block, 2 splits
     (1, 40, 256, 32, 64, "bf16", jnp.bfloat16, jnp.float32),  # one head block of 64 (24 heads masked), 2 splits
@@ -365,7 +331,9 @@ def _mla_case(seed, B, H, C, R, K, pool, qd):
     # kernel normalizes and writes bf16 itself
 ])
 def test_mla_model_matches_the_kernel(emulate, B, H, C, R, K, pool, qd, out):
-    args, kw, n_valid = _mla_case(7, B, H, C, R, K, pool, qd)
+    args, kw = mla_case(7, B=B, H=H, C=C, R=R, K=K, kv={"fp8": "fp8", "bf16": "bfloat16"}[pool], q_dtype=qd,
+                        invalid=0.2)
+    n_valid = int(np.asarray(args[6]).sum())
     tau = 0.1
     got, counted = emulate(sparse_mla_decode, *args, tau=tau, interpret=True, out_dtype=out, **kw)
     want = sparse_mla_decode_reference(*args, tau=tau, **kw)
