@@ -234,9 +234,10 @@ def decode_loop(model: SparseMLAModel, store: KVStore, batch: dict, num_steps: i
 
 
 def _commit(store: KVStore, batch: dict) -> dict:
-    """Put the batch on the store's device: committed and uncommitted arguments compile separately."""
+    """Put the batch (arrays, or host sequences) on the store's device: committed and uncommitted arguments compile
+    separately."""
     dev = store.seq_lens.sharding
-    return {k: jax.device_put(v, dev) for k, v in batch.items()}
+    return {k: jax.device_put(v if isinstance(v, jax.Array) else np.asarray(v), dev) for k, v in batch.items()}
 
 
 # ----- the runner: the model split once, decode + sample in one call ---------------------------------------
@@ -339,10 +340,7 @@ class Runner:
              read_page_stamps: bool = False) -> StepOutput:
         """Decode `batch` through `store` (donated) and sample the emitting rows; one device→host read (with
         `read_page_stamps`, the store's per-page indexer-recency stamps come back in the same read)."""
-        dev = store.seq_lens.sharding
-        batch = {k: jax.device_put(np.asarray(v), dev) for k, v in batch.items()}
-        sampling = {k: jax.device_put(np.asarray(v), dev) for k, v in sampling.items()}
-        tokens, store, stats = self._step(self.state, store, batch, sampling)
+        tokens, store, stats = self._step(self.state, store, _commit(store, batch), _commit(store, sampling))
         stamps = store.page_stamp if read_page_stamps else None
         tokens, stats, stamps = jax.device_get((tokens, stats, stamps))  # the step's one device→host transfer
         return StepOutput(np.asarray(tokens)[:n_emit].tolist(), store, tiered.stats_bytes(spec, stats), stamps)
@@ -351,11 +349,8 @@ class Runner:
                   acceptance: str = "match", *, read_page_stamps: bool = False) -> "SpeculativeStepOutput":
         """One speculative step (`speculative.speculative_step_impl`: verify k + 1 rows per request, accept, draft k)
         through `store` (donated); one device→host read."""
-        dev = store.seq_lens.sharding
-        batch = {key: jax.device_put(np.asarray(v), dev) for key, v in batch.items()}
-        sampling = {key: jax.device_put(np.asarray(v), dev) for key, v in sampling.items()}
-        out = jitted_speculative_step(self.graphdef, self.kernels, int(k), acceptance)(self.state, store, batch,
-                                                                                        sampling)
+        step = jitted_speculative_step(self.graphdef, self.kernels, int(k), acceptance)
+        out = step(self.state, store, _commit(store, batch), _commit(store, sampling))
         target, accepted, drafts, store, stats = out
         stamps = store.page_stamp if read_page_stamps else None
         target, accepted, drafts, stats, stamps = jax.device_get((target, accepted, drafts, stats, stamps))
