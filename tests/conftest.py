@@ -79,6 +79,16 @@ def need_reference(name: str):
     return pytest.importorskip(name, reason=REFERENCE_SKIP_REASON)
 
 
+@pytest.fixture(scope="module")
+def tiny_glm():
+    """The library's "tiny-glm" preset as a random-weight model (what the README's snippets build)."""
+    from flax import nnx
+
+    import hisparse_jax as hj
+
+    return hj.SparseMLAModel(hj.get_preset("tiny-glm"), rngs=nnx.Rngs(0))
+
+
 @pytest.fixture(scope="session", params=["deepseek", "glm"])
 def hf_pair(request, tmp_path_factory):
     """(kind, transformers model, our model loaded from its saved checkpoint)."""

@@ -25,11 +25,6 @@ from hisparse_jax.kv.budget import BudgetError
 EXAMPLES = int(os.environ.get("HISPARSE_FUZZ_EXAMPLES", "0"))
 
 
-@pytest.fixture(scope="module")
-def tiny_glm():
-    return hj.SparseMLAModel(hj.get_preset("tiny-glm"), rngs=nnx.Rngs(0))
-
-
 def _numbers_add_up(msg: str) -> None:
     """'... need a + b = s ...; X is h, d short': the terms sum to s and s - h = d."""
     m = re.search(r"need[s]? ((?:\d+ \+ )*\d+)(?: = (\d+))? .*?; \w+ is (\d+), (\d+) short", msg)

@@ -8,11 +8,10 @@ import re
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 import hisparse_jax as hj
-from hisparse_jax.config import CacheConfig, get_preset
+from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine import runner
 from hisparse_jax.kv.dense import DenseKV, init_dense_kv
 from tiny import model_cfg
@@ -63,11 +62,6 @@ def compiled_step(model, B: int, S: int):
     sampling = {"seed": jnp.zeros((B,), jnp.uint32), "temperature": jnp.zeros((B,)), "top_p": jnp.ones((B,))}
     args = (state, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32), kv, sampling)
     return step.lower(*args).compile(), kv
-
-
-@pytest.fixture(scope="module")
-def tiny_glm():
-    return hj.SparseMLAModel(get_preset("tiny-glm"), rngs=nnx.Rngs(0))
 
 
 def test_decode_step_updates_the_kv_in_place(tiny_glm):
