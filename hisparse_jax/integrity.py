@@ -110,3 +110,34 @@ def writing(what: str, path: str | os.PathLike) -> Iterator[str]:
         except Exception:  # a subclass with a constructor of its own
             err = OSError(e.errno, msg)
         raise err from e
+
+
+def write_description(fn: str, meta: dict) -> None:
+    """Write the JSON description `meta` of a saved object to `fn` under its SHA-256 (`meta_sha256`, which
+    `read_description` checks)."""
+    with open(fn, "w") as f:
+        json.dump({**meta, "meta_sha256": json_digest(meta)}, f)
+
+
+def read_description(fn: str, what: str, fmt: str, version: int, *, holds: str, versions: str = "") -> dict:
+    """The JSON description at `fn` of a saved `what` (e.g. "TieredCache"), refused unless it exists
+    (FileNotFoundError), is readable JSON of format `fmt` and `version`, and its checksum (`write_description`)
+    matches: a `CheckpointError` naming the file, what it `holds` when edited, and `versions` (what older versions
+    lacked) when another version wrote it."""
+    path = os.path.dirname(fn)
+    if not os.path.exists(fn):
+        raise FileNotFoundError(f"no saved {what} at {path} (no {os.path.basename(fn)})")
+    try:
+        with open(fn) as f:
+            meta = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{fn}: not readable JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != fmt:
+        raise CheckpointError(f"{path} is not a saved {what} (format "
+                              f"{meta.get('format') if isinstance(meta, dict) else None!r})")
+    if meta.get("version") != version:
+        raise CheckpointError(f"{fn}: saved by format version {meta.get('version')!r}; this version reads {version}"
+                              + (f" ({versions})" if versions else ""))
+    if meta.get("meta_sha256") != json_digest({k: v for k, v in meta.items() if k != "meta_sha256"}):
+        raise CheckpointError(f"{fn}: checksum mismatch — the description ({holds}) was edited or damaged")
+    return meta

@@ -61,10 +61,8 @@ def save_engine(engine: Engine, path: str | os.PathLike) -> None:
             "waiting": [r.request_id for r in sched.waiting], "active": [r.request_id for r in sched.active],
             "admission_out_of_pages": sched.admission_out_of_pages, "step_count": engine.step_count,
             "import_bytes": engine.import_bytes, "history": [dataclasses.asdict(m) for m in engine.history]}
-    meta["meta_sha256"] = integrity.json_digest(meta)
     with integrity.writing("an engine snapshot", os.path.join(path, "engine.json")) as fn:
-        with open(fn, "w") as f:
-            json.dump(meta, f)
+        integrity.write_description(fn, meta)
 
 
 def load_engine(path: str | os.PathLike, model: SparseMLAModel) -> Engine:
@@ -72,18 +70,7 @@ def load_engine(path: str | os.PathLike, model: SparseMLAModel) -> Engine:
     match), ready to `step` / `run` from where it stopped."""
     path = os.path.abspath(os.fspath(path))
     fn = os.path.join(path, "engine.json")
-    if not os.path.exists(fn):
-        raise FileNotFoundError(f"no saved engine at {path} (no engine.json)")
-    try:
-        with open(fn) as f:
-            meta = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{fn}: not readable JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise CheckpointError(f"{fn}: not an engine snapshot of format {FORMAT!r} version {VERSION}")
-    if meta.get("meta_sha256") != integrity.json_digest({k: v for k, v in meta.items() if k != "meta_sha256"}):
-        raise CheckpointError(f"{fn}: checksum mismatch — the description (configs, requests, queues) was edited "
-                              "or damaged")
+    meta = integrity.read_description(fn, "engine", FORMAT, VERSION, holds="configs, requests, queues")
     if meta["model"] != json.loads(json.dumps(dataclasses.asdict(model.cfg))):
         diff = sorted(k for k, v in dataclasses.asdict(model.cfg).items()
                       if json.loads(json.dumps(v)) != meta["model"].get(k))

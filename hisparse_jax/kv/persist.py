@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -81,9 +80,7 @@ def _write_manager(manager: TieredCache, arrays: dict, path: str) -> None:
         "prefix_hashes": {str(s): h for s, h in manager.prefix_hashes.items()},
         "cached_tokens": {str(s): n for s, n in manager.cached_tokens.items()},
     }
-    meta["meta_sha256"] = integrity.json_digest(meta)
-    with open(os.path.join(path, "manager.json"), "w") as f:
-        json.dump(meta, f)
+    integrity.write_description(os.path.join(path, "manager.json"), meta)
 
 
 def _read_manager(model_cfg: ModelConfig, cache: CacheConfig, meta: dict) -> TieredCache:
@@ -122,23 +119,9 @@ def load_tiered(path: str | os.PathLike, device=None) -> tuple[TieredCache, KVSt
     mismatched one with `CheckpointError` (see the module docstring)."""
     path = os.path.abspath(os.fspath(path))
     fn = os.path.join(path, "manager.json")
-    if not os.path.exists(fn):
-        raise FileNotFoundError(f"no saved TieredCache at {path} (no manager.json)")
-    try:
-        with open(fn) as f:
-            meta = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{fn}: not readable JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a saved TieredCache (format "
-                              f"{meta.get('format') if isinstance(meta, dict) else None!r})")
-    if meta.get("version") != VERSION:
-        raise CheckpointError(f"{fn}: saved by format version {meta.get('version')!r}; this version reads {VERSION} "
-                              "(version 1 carried no checksums: save it again with the version that wrote it)")
-    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
-    if meta.get("meta_sha256") != integrity.json_digest(body):
-        raise CheckpointError(f"{fn}: checksum mismatch — the description (configs, page tables, lengths) was "
-                              "edited or damaged")
+    meta = integrity.read_description(fn, "TieredCache", FORMAT, VERSION, holds="configs, page tables, lengths",
+                                      versions="version 1 carried no checksums: save it again with the version "
+                                               "that wrote it")
     try:
         model_cfg, cache = _model_from_dict(meta["model"]), _cache_from_dict(meta["cache"])
         spec = StoreSpec.create(model_cfg, cache)
