@@ -136,7 +136,10 @@ def check_memory(args: argparse.Namespace, cfg: ModelConfig, longest: int) -> No
     why = refusal()
     if why is None:
         return
-    option = culprit(args, why.split("the largest part is ", 1)[1])
+    if args.devices > 1 and refusal(devices=1) is None:  # one device's share fits: the devices' count does not
+        option = "--devices"
+    else:
+        option = culprit(args, why.split("the largest part is ", 1)[1])
     bound = largest(option)
     if bound is None and args.devices > 1:  # not even the least of it fits next to the other devices' shares
         option, bound = "--devices", largest("--devices")
