@@ -12,11 +12,12 @@ compiled programs, the model's activations), so the comparison is of growths: (p
 value) against (account at M - account at the small value), for each option; the workload is the same otherwise.
 Writes account_vs_rss.json.
 
-Measured (results/account_vs_rss.json, 2 CPU cores shared): --hot-rows at 3 GiB: 5,885,923 rows accepted, peak RSS
-grew 3.77 GB for an account growth of 3.20 GB (1.18x). --devices and --requests at 2 GiB: 113 devices and 1194
-requests accepted, peak RSS grew 6.2 and 6.5 GB for 2.1 GB of account (2.9x, 3.0x): the account does not count the
-step's temporaries that do not scale with hot_rows (XLA's analysis of demo-glm's step: ~44 MB at 8 rows, ~2.9 MB per
-further step row at a 4096-token span), held on every device and grown with the step rows max_running gives."""
+Measured (results/account_vs_rss.json, 2 CPU cores shared, 2 GiB): --hot-rows 3,675,004 / --devices 71 /
+--requests 566 accepted; peak RSS grew 1.07x / 1.07x / 1.31x the account's growth, and the peak is 1.05x / 1.05x /
+1.23x what the check predicts (the small run's peak plus the account's growth). At --requests the account misses
+~0.65 GB: a device-memory array of the host pool's shape lives beside the pinned-host pool during the first steps
+(on a CPU both are RAM). Before the account counted the step's indexer temporaries and XLA:CPU's copy of the store,
+and before the mesh made its stacked store in place, devices and requests grew 2.9x and 3.0x the account."""
 
 from __future__ import annotations
 
