@@ -74,3 +74,13 @@ def child(script: str, *args: str, devices: int | None = None, timeout: float = 
                        env=child_env(devices))
     assert p.returncode == 0 and p.stdout.strip(), f"child failed ({p.returncode}): {p.stderr[-3000:]}"
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def fresh_process(module: str, call: str, timeout: float = 900):
+    """`module.call` (a test module under tests/, a call expression returning JSON-able data) run in a new Python
+    process, nothing shared with this one (no compiled program, no live array): its decoded result."""
+    code = f"import sys, json; sys.path.insert(0, 'tests'); import {module}; print(json.dumps({module}.{call}))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])

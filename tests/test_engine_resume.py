@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ from hisparse_jax.engine import Engine, EngineConfig, SamplingParams
 from hisparse_jax.engine.request import RequestState
 from hisparse_jax.engine.snapshot import load_engine, save_engine
 from hisparse_jax.integrity import CheckpointError
+from limit_harness import fresh_process
 from tiny import model_cfg
 
 # HiSparse under pressure (tests/test_engine.py's budget at four requests): three decode while the fourth waits and
@@ -94,12 +93,7 @@ def test_an_engine_resumes_in_a_fresh_process(tmp_path):
         assert "waiting" in states[name] and "prefilling" in states[name], states
     assert "swapped" in states["float32-offload"], states
     assert all(want[name][1] > 0 for name in RUNS if name != "float32-offload"), want  # the continuations miss
-    code = ("import sys, json; sys.path.insert(0, 'tests'); import test_engine_resume as t; "
-            f"print(json.dumps(t.resume_all({str(tmp_path)!r})))")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert res.returncode == 0, res.stderr[-4000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
+    got = fresh_process("test_engine_resume", f"resume_all({str(tmp_path)!r})")
     for name in RUNS:
         assert got[name] == want[name], name
 

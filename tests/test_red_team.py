@@ -235,6 +235,18 @@ def test_demo_devices_256_is_refused_before_any_engine():
     assert seconds < 60, seconds  # jax making 256 host devices takes a few seconds
 
 
+def _step_temporaries(step, state, store, rows: int, *, index_pages: int) -> int:
+    """XLA's temporaries (bytes) of the compiled engine step at `rows` batch rows scoring `index_pages` pages."""
+    i32 = np.zeros(rows, np.int32)
+    batch = {"tokens": i32, "req": i32, "pos": i32, "index_span": np.zeros(index_pages, np.int32)}
+    sampling = {"rows": i32, "seed": np.zeros(rows, np.uint32), "pos": i32,
+                "temperature": np.zeros(rows, np.float32), "top_p": np.ones(rows, np.float32)}
+    stats = step.lower(state, store, batch, sampling).compile().memory_analysis()
+    if stats is None:
+        pytest.skip("this backend gives no memory analysis")
+    return stats.temp_size_in_bytes
+
+
 def test_step_temporaries_formula():
     """`RESOLVE_BYTES_PER_ROW_SLOT` against XLA's memory analysis of the compiled engine step (micro model, one
     indexer group): the temporaries that grow with hot_rows, per step row and hot slot, are at most the constant
@@ -246,14 +258,7 @@ def test_step_temporaries_formula():
     for hr in (1024, 16384):
         store = init_store(StoreSpec.create(cfg, CacheConfig(device_pages=8, host_pages=8, max_seqs=4,
                                                              max_seq_len=512, hot_rows=hr)))
-        i32 = np.zeros(B, np.int32)
-        batch = {"tokens": i32, "req": i32, "pos": i32, "index_span": np.zeros(8, np.int32)}
-        sampling = {"rows": i32, "seed": np.zeros(B, np.uint32), "pos": i32,
-                    "temperature": np.zeros(B, np.float32), "top_p": np.ones(B, np.float32)}
-        stats = step.lower(state, store, batch, sampling).compile().memory_analysis()
-        if stats is None:
-            pytest.skip("this backend gives no memory analysis")
-        temps[hr] = stats.temp_size_in_bytes
+        temps[hr] = _step_temporaries(step, state, store, B, index_pages=8)
     per = (temps[16384] - temps[1024]) / (B * (16384 - 1024))
     assert RESOLVE_BYTES_PER_ROW_SLOT / 2 < per <= RESOLVE_BYTES_PER_ROW_SLOT, (per, temps)
 
@@ -267,16 +272,8 @@ def test_step_index_temporaries_formula():
     step = _jitted_step_and_sample(g, "reference")
     store = init_store(StoreSpec.create(cfg, CacheConfig(device_pages=8, host_pages=8, max_seqs=4, max_seq_len=2048,
                                                          hot_rows=128)))
-    B, temps = 16, {}
-    for pages in (4, 32):
-        i32 = np.zeros(B, np.int32)
-        batch = {"tokens": i32, "req": i32, "pos": i32, "index_span": np.zeros(pages, np.int32)}
-        sampling = {"rows": i32, "seed": np.zeros(B, np.uint32), "pos": i32,
-                    "temperature": np.zeros(B, np.float32), "top_p": np.ones(B, np.float32)}
-        stats = step.lower(state, store, batch, sampling).compile().memory_analysis()
-        if stats is None:
-            pytest.skip("this backend gives no memory analysis")
-        temps[pages] = stats.temp_size_in_bytes
+    B = 16
+    temps = {pages: _step_temporaries(step, state, store, B, index_pages=pages) for pages in (4, 32)}
     per = (temps[32] - temps[4]) / (B * 28 * 64)
     bound = index_bytes_per_row_position(128, 4)
     assert bound / 2 < per <= bound, (per, bound, temps)

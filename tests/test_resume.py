@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +24,7 @@ from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv import tiered
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.persist import load_tiered, save_tiered
+from limit_harness import fresh_process
 from tiny import BIG, model_cfg
 
 # name -> (model config overrides, CacheConfig): every KV dtype, both key tiers, every quantized key format
@@ -107,11 +106,6 @@ def test_a_saved_store_resumes_in_a_fresh_process(tmp_path):
             json.dump([slots, np.asarray(tok).tolist()], f)
         _, _, want[name], misses = continue_decoding(model, tc, store, slots, tok, DECODE, ENGINE)
         assert misses > 0, name  # the continuation reads the host pools
-    code = ("import sys, json; sys.path.insert(0, 'tests'); import test_resume; "
-            f"print(json.dumps(test_resume.resume({str(tmp_path)!r})))")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert res.returncode == 0, res.stderr[-4000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
+    got = fresh_process("test_resume", f"resume({str(tmp_path)!r})")
     for name in FORMATS:
         assert got[name] == want[name], name
