@@ -538,7 +538,7 @@ class TieredCache:
 
     def _hot_row(self, hot: list[int]) -> np.ndarray:
         """The device's hot-page row (the capacity's width) for lent pages `hot` (the budget's, or none): past them
-        the first lent page again, in slots past the hot-row budget that `paging.set_tables` stamps so that no miss
+        the first lent page again, in slots past the hot-row budget that `device.set_tables` stamps so that no miss
         claims one and no position is found there; the resolver sees every page of the capacity's slots lent."""
         row = table_row(hot, self.spec.hot_pages)
         if hot:

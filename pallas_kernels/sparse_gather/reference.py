@@ -12,7 +12,7 @@ A request has a hot buffer when every page its HR slots live on is lent: hot_pag
 
 LRU state. hot_stamp[r, j] records the step that last touched slot j: 2 * clock when a miss of that step
 claimed it, 2 * clock + 1 when the step hit it (-1 = never since the request was admitted: `init_store`,
-`kv.paging.set_tables`). The order a step reads (the "previous order", least recent first) is the (key, slot)
+`kv.device.set_tables`). The order a step reads (the "previous order", least recent first) is the (key, slot)
 order with key = max(hot_stamp, -1): never-used slots first, then older steps, within a step the claimed
 slots before the hit ones, ties in slot order. Only the touched slots are written, so a step writes O(K)
 stamps whatever HR is, and the values never need renormalizing: the store's clock counts decode steps and
