@@ -13,15 +13,15 @@ jitted with the store donated, on NaN-poisoned device pools:
 * "chunked": the row fetch before the packed one (a standalone copy of kv/ops.py's `_fetch_rows` at commit 6210d22,
   kept here only for this comparison): a `fori_loop` over chunks of 256 misses, each chunk one host computation
   and one host -> device copy per host pool (latent, rope, scales), then one scatter per pool;
-* "packed": `kv.fetch.fetch_misses` with fetch="row" (the store's): one host computation gathers every miss's row
-  of every pool into one buffer (`fetch.gather_packed`), one copy, one scatter per pool, at the smallest of the
-  static sizes `fetch.fetch_sizes(--min-rows, B x K)` that holds the misses (a `lax.switch`);
+* "packed": `kv.resolve.fetch_misses` with fetch="row" (the store's): one host computation gathers every miss's row
+  of every pool into one buffer (`resolve.gather_packed`), one copy, one scatter per pool, at the smallest of the
+  static sizes `resolve.fetch_sizes(--min-rows, B x K)` that holds the misses (a `lax.switch`);
 * "static": the same at the one size B x K (fetch_min_rows = B x K: the size the issue first asked for);
 * "page": fetch="page" (each distinct host page sliced and copied once, its needed rows kept).
 
 Per mechanism and miss fraction: median seconds per fetch, payload GB/s (misses x layers x row bytes / time),
 the bytes it moved, and its host computations and copies per group and step. Also the host-side gather's own
-rate (`fetch.gather_packed` under `compute_on("device_host")` alone), every mechanism's fetched rows checked equal
+rate (`resolve.gather_packed` under `compute_on("device_host")` alone), every mechanism's fetched rows checked equal
 to the host pools' rows (bits; the device pools start NaN), and a bytes model at the GPU geometry (B 32, top-k
 2048, 4 layers).
 
@@ -195,7 +195,7 @@ def fetch_program(name: str, spec):
     donated: the fetch writes them in place, and the host pools are neither copied nor returned."""
     import dataclasses
 
-    from hisparse_jax.kv.fetch import fetch_misses
+    from hisparse_jax.kv.resolve import fetch_misses
 
     nl = spec.num_layers
     fn = functools.partial(chunked_fetch, spec) if name == "chunked" else fetch_misses
@@ -244,7 +244,7 @@ def ops_per_step(mech: str, n: int, pools: int, pages: int) -> dict:
 
 def bytes_model(row_bytes: int, fracs, geometry: dict) -> dict:
     """Rows moved per group and step at `geometry` by each row-fetch design (payload, chunked, packed, static)."""
-    from hisparse_jax.kv.fetch import fetch_sizes
+    from hisparse_jax.kv.resolve import fetch_sizes
 
     BK, L = geometry["requests"] * geometry["topk"], geometry["layers"]
     sizes = fetch_sizes(OLD_CHUNK, BK)
@@ -278,7 +278,7 @@ def time_fetches(progs: dict, stores: dict, plan, repeats: int):
 def time_host_gather(spec, store, plan, repeats: int):
     """The packed fetch's host-side gather alone: (seconds, bytes) for the plan's misses at their exact count."""
     from hisparse_jax.compat import HOST, on_host
-    from hisparse_jax.kv.fetch import gather_packed
+    from hisparse_jax.kv.resolve import gather_packed
 
     m = np.asarray(plan.miss).reshape(-1)
     index = np.concatenate([np.arange(spec.num_layers), np.asarray(plan.src_page).reshape(-1)[m],

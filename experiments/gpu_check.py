@@ -28,7 +28,7 @@ one's timeout to what remains; a section skips a check that would end past its s
   inside jit whole / in chunks / page-sized blocks) plus device -> pinned_host; median after warm-up.
 * kernel_mla (60 s): the public `sparse_mla_decode` (the library's default variant; its keyword defaults are
   recorded) at H 128 with fp8 then bf16 pools, then the other shapes while the budget lasts.
-* fetch (55 s): `kv.fetch.fetch_misses` per mechanism (`config.FETCH_MECHANISMS`) and row format (bf16, fp8) at
+* fetch (55 s): `kv.resolve.fetch_misses` per mechanism (`config.FETCH_MECHANISMS`) and row format (bf16, fp8) at
   10/20/30 % misses on a store with the real cache geometry, verified byte for byte against the host pool (every
   other device row must keep its NaN poison); the `fetch*` options recorded; HLO facts (DIR/hlo_fetch.txt).
 * kernel_indexer (50 s): indexer_topk against its reference and against the host's float64 top-k of the same

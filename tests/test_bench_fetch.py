@@ -8,7 +8,7 @@ import json
 import pytest
 
 from experiments import bench_fetch
-from hisparse_jax.kv.fetch import fetch_sizes
+from hisparse_jax.kv.resolve import fetch_sizes
 
 # 128 top-k slots; the packed fetch's staging sizes 16, 32, 64, 128: the two fractions (12 and 76 misses) take
 # different branches of its switch

@@ -3,8 +3,8 @@ one host computation and one host -> device copy, and no pool-sized temporary.
 
 The step is `engine.runner._jitted_step`, built without a GPU by XLA's deviceless AOT compiler
 (`hisparse_jax.deviceless`; skips, with the reason, without the CUDA plugin / ptxas / libdevice, e.g. on jax 0.10).
-The row fetch (`kv.fetch.fetch_misses` with fetch="row") is a `lax.switch` on the group's miss count over its static staging sizes
-(`fetch.fetch_sizes`): branch 0 (no misses) does nothing, each other branch makes exactly one host computation (an
+The row fetch (`kv.resolve.fetch_misses` with fetch="row") is a `lax.switch` on the group's miss count over its static staging sizes
+(`resolve.fetch_sizes`): branch 0 (no misses) does nothing, each other branch makes exactly one host computation (an
 XLA:GPU "HostExecute" call: the host-side gather of every miss's row, all layers of the group and all three host
 pools, packed as `spec.row_bytes` bytes per row in 32-bit words) whose one result is written to device memory
 (its host -> device copy), after one device -> host copy of the rows' addresses. Every host computation of the step is in such a
@@ -48,7 +48,7 @@ def built():
 
 
 def test_one_host_computation_and_one_copy_per_group(built):
-    from hisparse_jax.kv.fetch import fetch_sizes
+    from hisparse_jax.kv.resolve import fetch_sizes
     from hisparse_jax.model.decoder import layer_runs
 
     cfg, spec, _, text, _ = built

@@ -132,7 +132,7 @@ def test_the_store_knows_no_model():
     code = textwrap.dedent("""
         import sys
         import hisparse_jax.kv.device, hisparse_jax.kv.dense, hisparse_jax.kv.manager, hisparse_jax.kv.persist
-        import hisparse_jax.kv.codec, hisparse_jax.kv.fetch, hisparse_jax.kv.resolve
+        import hisparse_jax.kv.codec, hisparse_jax.kv.resolve
         import hisparse_jax.kv.scoring, hisparse_jax.kv.tiered, hisparse_jax.kv.writes
         print(sorted(m for m in sys.modules if m.startswith(("hisparse_jax.model", "hisparse_jax.engine"))))
     """)

@@ -20,9 +20,8 @@ from flax import nnx
 import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.generate import generate
-from hisparse_jax.kv.fetch import fetch_misses
 from hisparse_jax.kv.device import evict_pages, load_pages
-from hisparse_jax.kv.resolve import Plan
+from hisparse_jax.kv.resolve import Plan, fetch_misses
 from hisparse_jax.kv.writes import append_rows, mirror_rows, write_prefill
 from hisparse_jax.kv.state import StoreSpec, from_host_bits, host_dtype, init_store, to_host_bits
 from tiny import BIG, model_cfg

@@ -195,10 +195,9 @@ def test_exact_accounting_and_lru_by_hand():
 
 
 def test_transfer_bytes_per_mechanism():
-    """Row mechanism moves the smallest staging size that holds the misses (`fetch.fetch_sizes`); page mechanism
+    """Row mechanism moves the smallest staging size that holds the misses (`resolve.fetch_sizes`); page mechanism
     each distinct host page once."""
-    from hisparse_jax.kv.fetch import fetch_misses
-    from hisparse_jax.kv.resolve import resolve
+    from hisparse_jax.kv.resolve import fetch_misses, resolve
     rng = np.random.default_rng(1)
     for fetch in ("row", "page"):
         tc = StorePair(MODEL, cache_config(fetch=fetch, max_seqs=1, fetch_min_rows=4))
@@ -214,7 +213,7 @@ def test_transfer_bytes_per_mechanism():
 
 def test_fetch_sizes_and_their_option():
     """The row fetch's static staging sizes: fetch_min_rows doubling, capped at and ending with B x K."""
-    from hisparse_jax.kv.fetch import fetch_sizes
+    from hisparse_jax.kv.resolve import fetch_sizes
     assert fetch_sizes(256, 65536) == (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
     assert fetch_sizes(256, 1000) == (256, 512, 1000)
     assert fetch_sizes(256, 100) == (100,)  # fewer slots than the smallest size: one size

@@ -206,8 +206,7 @@ def section_fetch(ctx: Ctx) -> dict:
 
 
 def _fetch_one(ctx, spec, layers, kvd, mech, ceiling, fracs) -> list[dict]:
-    from hisparse_jax.kv.fetch import fetch_misses
-    from hisparse_jax.kv.resolve import Plan
+    from hisparse_jax.kv.resolve import Plan, fetch_misses
 
     sz = ctx.sz
     store = _fill_store(ctx, spec, seed=1)

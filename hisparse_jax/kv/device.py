@@ -29,9 +29,8 @@ import numpy as np
 
 from hisparse_jax.kv import writes
 from hisparse_jax.kv.codec import from_host_memory, set_rows, to_host_memory
-from hisparse_jax.kv.fetch import fetch_misses, gather_rows
 from hisparse_jax.kv.manager import TieredCache
-from hisparse_jax.kv.resolve import resolve
+from hisparse_jax.kv.resolve import fetch_misses, gather_rows, resolve
 from hisparse_jax.kv.state import KVStore, init_store
 from hisparse_jax.kv.updates import ClearStamps, LoadPages, ReleasePages, SetTables
 from hisparse_jax.units import PAGE_SIZE

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hisparse_jax.kv.fetch import fetch_misses, gather_rows
-from hisparse_jax.kv.resolve import Plan, group_req, resolve, row_plan, union_topk, update_index_ema
+from hisparse_jax.kv.resolve import (Plan, fetch_misses, gather_rows, group_req, resolve, row_plan, union_topk,
+                                     update_index_ema)
 from hisparse_jax.kv.scoring import index_scores_paged, index_select_read, pad_topk, topk_of_scores
 from hisparse_jax.kv.writes import append_rows
 from hisparse_jax.kv.state import StoreSpec
