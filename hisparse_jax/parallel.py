@@ -34,12 +34,11 @@ import contextlib
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hisparse_jax.kv import device as kv_device
-from hisparse_jax.kv.state import KVStore, StoreSpec, empty_arrays, store_shardings
+from hisparse_jax.kv.state import KVStore, StoreSpec, empty_arrays, filled, store_shardings
 from hisparse_jax.memory import Cost
 from hisparse_jax.model import moe
 
@@ -120,14 +119,9 @@ def new_stacked_store(managers, mesh: Mesh) -> KVStore:
     if any(c.spec != spec for c in managers):
         raise ValueError("every rank's TieredCache must have the same StoreSpec")
     shardings = stacked_shardings(spec, mesh)
-    out = {name: _filled((n,) + tuple(shape), fill, dt, getattr(shardings, name))
+    out = {name: filled((n,) + tuple(shape), fill, dt, getattr(shardings, name))
            for name, (shape, fill, dt) in empty_arrays(spec).items()}
     return apply_rank_updates(KVStore(spec=spec, **out), managers)
-
-
-def _filled(shape: tuple[int, ...], fill, dtype, sharding) -> jax.Array:
-    """jnp.full(shape, fill, dtype) placed by `sharding`, each device making only its own part."""
-    return jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=sharding)()
 
 
 # ----- the one-store functions, run per rank -------------------------------------------------------------

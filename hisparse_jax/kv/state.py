@@ -155,8 +155,19 @@ def init_store(spec: StoreSpec, device=None) -> KVStore:
     if not abstract():
         check_store_memory(spec, device=device)
     shardings = store_shardings(spec, device)
-    return KVStore(spec=spec, **{name: jax.device_put(jnp.full(shape, fill, dt), getattr(shardings, name))
+    return KVStore(spec=spec, **{name: filled(shape, fill, dt, getattr(shardings, name))
                                  for name, (shape, fill, dt) in empty_arrays(spec).items()})
+
+
+def filled(shape: tuple[int, ...], fill, dtype, sharding) -> jax.Array:
+    """jnp.full(shape, fill, dtype) made where `sharding` places it, never whole anywhere else first (each device
+    makes only its own part): a host-memory array is copied from NumPy (zeros take no RAM until written), a device
+    one is filled by a program whose output is placed. A host pool filled on the device and then moved would hold
+    its size twice while it moves: in device memory (on a GPU, where the host pool is the large tier) and on the
+    host."""
+    if sharding.memory_kind == "pinned_host":
+        return jax.device_put(np.full(shape, fill, dtype) if fill else np.zeros(shape, dtype), sharding)
+    return jnp.full(shape, fill, dtype, device=sharding)
 
 
 def empty_arrays(spec: StoreSpec) -> dict[str, tuple[tuple[int, ...], float, np.dtype]]:
