@@ -3,10 +3,11 @@
 host-tier keys, and offload with a request swapped out at the save. Each is saved mid-run with requests in every
 state (prefilling in chunks, running, waiting in the queue, sampled at temperature > 0), continued here, and
 restored and run to the end in one subprocess. Plus the refusals: a MeshEngine, a changed model, an edited
-description."""
+description, a store restored under other limits than its engine's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -20,6 +21,7 @@ from hisparse_jax.engine import Engine, EngineConfig, SamplingParams
 from hisparse_jax.engine.request import RequestState
 from hisparse_jax.engine.snapshot import load_engine, save_engine
 from hisparse_jax.integrity import CheckpointError
+from hisparse_jax.kv.persist import load_tiered
 from limit_harness import fresh_process
 from tiny import model_cfg
 
@@ -117,3 +119,9 @@ def test_refusals(tmp_path):
         load_engine(tmp_path / "nothing", other)
     with pytest.raises(TypeError, match="one-device Engine"):
         save_engine(object(), tmp_path / "x")
+    model, cc, ec = build("float32-hisparse")  # a store restored under other limits than its engine's
+    manager, store = load_tiered(tmp_path / "e" / "store")
+    with pytest.raises(ValueError, match="not made for this CacheConfig and EngineConfig"):
+        Engine(model, cc.replace(host_pages=cc.host_pages + 1), ec, restored=(manager, store))
+    with pytest.raises(ValueError, match="not made for this CacheConfig and EngineConfig"):
+        Engine(model, cc, dataclasses.replace(ec, policy="offload"), restored=(manager, store))

@@ -10,6 +10,7 @@ allocation (which the limit would turn into a MemoryError or an XLA error instea
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
@@ -205,3 +206,20 @@ def test_a_hot_buffer_larger_than_the_device_pool_is_not_refused_by_itself():
     """The fuzzer's generate case 414 (seed 2026): 1 device page, 192 hot rows and a one-page request, which never
     tiers, ran; preempt and offload use no hot buffer. Only a store past the machine's memory is refused."""
     assert CacheConfig(device_pages=1, host_pages=2, hot_rows=192, max_seq_len=128).hot_rows == 192
+
+
+def test_demo_names_devices_when_one_devices_share_fits(monkeypatch):
+    """The demo's refusal names --devices (with the largest count that fits) when one device's share of the
+    workload fits the memory and the devices' count is what does not, whichever part of it is the largest."""
+    from hisparse_jax import demo_checks, memory
+    from hisparse_jax.config import get_preset
+
+    args = demo.parse_args(["--preset", "demo-glm", "--devices", "4", "--plot", ""])
+    cfg = get_preset(args.preset)
+    costs = demo_checks.workload_costs(argparse.Namespace(**{**vars(args), "devices": 1}), cfg, args.prompt_len)
+    one = sum(memory.account_bytes(costs).values())
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: int(2.5 * one))  # two devices' shares fit, not three
+    with pytest.raises(demo.DemoSetupError, match=r"^--devices 4 must be <= 2 on this machine: the workload needs"):
+        demo_checks.check_memory(args, cfg, args.prompt_len)
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: int(4.5 * one))
+    demo_checks.check_memory(args, cfg, args.prompt_len)  # four fit: no refusal
