@@ -21,9 +21,8 @@ from flax import nnx
 
 from hisparse_jax import parallel
 from hisparse_jax.config import CacheConfig
-from hisparse_jax.engine.batch import bucket_pow2, pad
-from hisparse_jax.engine.runner import (Runner, check_prefill_memory, jitted_dense_decode,
-                                        jitted_prefill, jitted_sharded_step, sampler)
+from hisparse_jax.engine.runner import (Runner, bucket_pow2, check_prefill_memory, jitted_dense_decode,
+                                        jitted_prefill, jitted_sharded_step, pad, sampler)
 from hisparse_jax.engine.sampling import prompt_seeds
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.dense import DenseKV, init_dense_kv

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax.config import MAX_SPECULATIVE_TOKENS, CacheConfig
-from hisparse_jax.engine.batch import SAMPLING_PAD, StepRows, pad
 from hisparse_jax.engine.metrics import step_metrics, summarize
 from hisparse_jax.engine.pd import IMPORT_CHUNK, PrefillExport, check_export, load_export
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
@@ -37,7 +36,7 @@ from hisparse_jax.kv.manager import COLDNESS, TieredCache
 from hisparse_jax.kv import device as kv_device, tiered
 from hisparse_jax.kv.account import check_store_memory
 from hisparse_jax.kv.state import StoreSpec
-from hisparse_jax.engine.runner import TRACE_COUNTS, Runner, call_on_store
+from hisparse_jax.engine.runner import SAMPLING_PAD, TRACE_COUNTS, Runner, StepRows, call_on_store, pad
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.results import EngineMetrics, StepMetrics
 from hisparse_jax.engine import speculative
