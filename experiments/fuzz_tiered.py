@@ -277,7 +277,7 @@ def _reference_tokens(model, case: GenerateCase):
 def run_generate_case(case: GenerateCase, model=None) -> dict:
     """Run one case and check it against the oracle; raises AssertionError on any disagreement."""
     from hisparse_jax.generate import generate
-    from hisparse_jax.kv.budget import BudgetError
+    from hisparse_jax.kv.manager import BudgetError
 
     model = model or fuzz_model()
     expect = case.expected_refusal()
@@ -431,7 +431,7 @@ def _drive(eng, case: EngineCase, admit, max_steps: int = 2000, add=None,
     refused) request indices (refusals are checked against the oracle, `case.expected_refusal` unless
     `expected_refusal` is given). `add(eng, i, params)` adds request i (default: `add_request` of its prompt)."""
     from hisparse_jax.engine.request import SamplingParams
-    from hisparse_jax.kv.budget import BudgetError
+    from hisparse_jax.kv.manager import BudgetError
 
     add = add or (lambda e, i, params: e.add_request(f"r{i}", case.prompts[i], params))
     expected_refusal = expected_refusal or case.expected_refusal

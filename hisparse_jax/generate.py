@@ -27,8 +27,7 @@ from hisparse_jax.engine.sampling import prompt_seeds
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.dense import DenseKV, init_dense_kv
 from hisparse_jax.kv.account import check_store_memory
-from hisparse_jax.kv.budget import check_batch_fits
-from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.manager import TieredCache, check_batch_fits
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.tiered import check_backend, check_kernels, empty_stats, index_span, stats_bytes
 from hisparse_jax.model.decoder import SparseMLAModel

@@ -16,7 +16,7 @@ from hisparse_jax.engine import Engine, EngineConfig, SamplingParams
 from hisparse_jax.engine.fake_compute import FakeEngine, liveness_model, random_workload, run_workload
 from hisparse_jax.engine.scheduler import ADMISSIONS, Scheduler
 from hisparse_jax.generate import generate
-from hisparse_jax.kv.budget import BudgetError
+from hisparse_jax.kv.manager import BudgetError
 from hisparse_jax.kv.manager import TieredCache
 from hisparse_jax.kv.pool import Tier
 from tiny import model_cfg

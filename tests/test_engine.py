@@ -10,7 +10,7 @@ import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine import Engine, EngineConfig, RequestState, SamplingParams, device_budget
 from hisparse_jax.generate import generate
-from hisparse_jax.kv.budget import BudgetError
+from hisparse_jax.kv.manager import BudgetError
 from hisparse_jax.kv.pool import Tier
 from tiny import model_cfg
 

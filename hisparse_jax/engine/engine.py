@@ -31,8 +31,7 @@ from hisparse_jax.engine.metrics import step_metrics, summarize
 from hisparse_jax.engine.pd import IMPORT_CHUNK, PrefillExport, check_export, load_export
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
 from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, check_admission, pages, policy_cache
-from hisparse_jax.kv.budget import BudgetError, check_batch_fits
-from hisparse_jax.kv.manager import COLDNESS, TieredCache
+from hisparse_jax.kv.manager import COLDNESS, BudgetError, TieredCache, check_batch_fits
 from hisparse_jax.kv import device as kv_device, tiered
 from hisparse_jax.kv.account import check_store_memory
 from hisparse_jax.kv.state import StoreSpec

@@ -33,7 +33,7 @@ from hisparse_jax.engine.engine import Engine, EngineConfig
 from hisparse_jax.engine.request import SamplingParams
 from hisparse_jax.engine.runner import StepOutput
 from hisparse_jax.engine.scheduler import ADMISSIONS, POLICIES, PREFILL_MODES, StepPlan, pages
-from hisparse_jax.kv.budget import BudgetError
+from hisparse_jax.kv.manager import BudgetError
 from hisparse_jax.kv.pool import OutOfPages, Tier
 
 

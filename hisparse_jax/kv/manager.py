@@ -1,16 +1,14 @@
 """`TieredCache`: the host-side page bookkeeping of a tiered KV store, in one class: admission, tail-page
-reservation, eviction under pressure, whole-request swap, prefix sharing, consistency checks. NumPy only: it never
-calls jit and never reads a device array. It decides which pages exist where (`PagePool`) and records what the
-device tables must become as ordered `updates` (`kv.updates`), which the owner of the `KVStore` applies
-(`kv.device.apply_updates`) before the next device call.
+reservation, eviction under pressure, whole-request swap, prefix sharing, consistency checks; and `check_batch_fits`,
+whether requests fit its limits at all. NumPy only: it never calls jit and never reads a device array. It decides
+which pages exist where (`PagePool`) and records what the device tables must become as ordered `updates`
+(`kv.updates`), which the owner of the `KVStore` applies (`kv.device.apply_updates`) before the next device call.
 
 Residency: a request's pages stay on the device until the pool runs low; then sealed pages (never the last
-`TAIL_PAGES`) are evicted, coldest first (`COLDNESS`: pure orders over a read-only view of the indexer-recency
-stamps), and a request with an evicted page reads it through its hot buffer (lent from the same device pool).
-Prefix caching: full prompt pages are registered under the hash chain of their tokens (`pool.page_hash`) in every
-tier that holds them and shared (refcounted) by later requests; a page found only on the host is loaded into a
-fresh device page; under pressure a shared device page is evicted from all its holders at once.
-"""
+`TAIL_PAGES`) are evicted, coldest first (`COLDNESS`), and a request with an evicted page reads it through its hot
+buffer (lent from the same device pool). Prefix caching: full prompt pages are registered under the hash chain of
+their tokens in every tier that holds them and shared (refcounted) by later requests; a page found only on the host
+is loaded into a fresh device page; under pressure a shared device page is evicted from all its holders at once."""
 
 from __future__ import annotations
 
@@ -19,14 +17,57 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from hisparse_jax.config import CacheConfig, ModelConfig
-from hisparse_jax.kv import budget
 from hisparse_jax.kv.account import bookkeeping_costs
-from hisparse_jax.kv.budget import TAIL_PAGES
 from hisparse_jax.kv.pool import OutOfPages, PagePool, PoolError, RequestPages, Tier, owners_of, page_hash
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.updates import ClearStamps, LoadPages, ReleasePages, SetTables, Update, pad_pow2, table_row
 from hisparse_jax.memory import check_account
 from hisparse_jax.units import INVALID, PAGE_SIZE
+
+TAIL_PAGES = 2  # a request's last pages (being written) are never evicted
+
+
+class BudgetError(ValueError):
+    """A request can never fit the configured budgets (raised before anything is changed)."""
+
+
+def min_device_pages(limits: StoreSpec, num_pages: int, *, releasable: bool) -> int:
+    """Device pages a request of `num_pages` logical pages needs at the least: all of them, or (when pages
+    can be evicted to the host) its last `TAIL_PAGES` plus its hot buffer, whichever is fewer."""
+    return min(num_pages, TAIL_PAGES + limits.hot_pages) if releasable else num_pages
+
+
+def check_batch_fits(limits: StoreSpec, num_tokens: list[int], *, releasable: bool) -> None:
+    """Raise BudgetError (naming the budget, what is needed and by how much it falls short) unless requests holding
+    `num_tokens` KV positions each at their longest (prompt + new tokens - 1: the last sampled token is never
+    written) fit at once the request slots, `max_seq_len`, the indexer pool, the host pool (every page mirrored) and
+    the device pool (all pages, or tail pages + a hot buffer when pages are `releasable`). A pure function of the
+    `limits` (`TieredCache.budget`), checked before anything changes. Exact: every smaller budget of that tier
+    fails, and a batch that passes decodes to the end (pages are only ever added, and the cheapest way to hold a
+    request never grows by more than the page it adds)."""
+    n = [-(-t // PAGE_SIZE) for t in num_tokens]
+    if len(n) > limits.max_seqs:
+        raise BudgetError(f"max_seqs is too small: {len(n)} requests need {len(n)} request slots; max_seqs is "
+                          f"{limits.max_seqs}, {len(n) - limits.max_seqs} short")
+    if too_long := [t for t in num_tokens if t > limits.max_pages * PAGE_SIZE]:
+        raise BudgetError(f"max_seq_len is too small: a request needs {too_long[0]} KV positions; the store "
+                          f"holds {limits.max_pages * PAGE_SIZE} per request")
+    dev = [min_device_pages(limits, k, releasable=releasable) for k in n]
+    for name, have, need, how in (
+            ("index_pages", limits.index_pages, n, "indexer pages (every page's keys are kept, " +
+             ("in the host tier)" if limits.index_tier == "host" else "on the device)")),
+            ("host_pages", limits.host_pages, n if limits.mirror_to_host else [],
+             "host pages (every page is mirrored to the host)"),
+            ("device_pages", limits.device_pages, dev,
+             "device pages (no page can be released)" if dev == n and not releasable else
+             f"device pages at the least (all pages, or {TAIL_PAGES} tail pages + {limits.hot_pages} hot-buffer "
+             "pages, whichever is fewer)")):
+        if sum(need) > have:
+            what = (f"a {num_tokens[0]}-token request ({n[0]} pages)" if len(n) == 1 else
+                    f"{len(n)} requests of {num_tokens} tokens ({n} pages)")
+            parts = " + ".join(str(x) for x in need) + " = " if len(need) > 1 else ""
+            raise BudgetError(f"{name} is too small: {what} need{'s' if len(n) == 1 else ''} {parts}{sum(need)} "
+                              f"{how}; {name} is {have}, {sum(need) - have} short")
 
 
 def oldest_first(pages: list[int], stamps: np.ndarray) -> list[int]:
@@ -55,14 +96,11 @@ class PrefixHit(NamedTuple):
 
 class TieredCache:
     """The page bookkeeping of one tiered store: its `PagePool` (`.pool`), each request slot's pages (`.requests`)
-    and length (`.lengths`), and the device-table `updates` not yet applied.
-
-    `.spec` is the store's geometry (its arrays' shapes: the `CacheConfig`'s capacity when it has one) and `.budget`
-    the limits this bookkeeping enforces inside it (the `CacheConfig`'s own numbers): the pools hand out
-    `budget.device_pages` / `host_pages` / `index_pages` pages, `budget.max_seqs` slots take requests of up to
-    `budget.max_pages` pages, and a hot buffer has `budget.hot_rows` slots. Without a capacity the two are equal.
-    `victim_order(pages, stamps)`: the coldness (one of `COLDNESS`). Its own arrays are checked against the RAM
-    before they exist (`kv.account`); the store's arrays are the caller's account (`check_store_memory`)."""
+    and length (`.lengths`), and the device-table `updates` not yet applied. `.spec` is the store's geometry (its
+    arrays' shapes: the `CacheConfig`'s capacity when it has one), `.budget` the limits enforced inside it (the
+    `CacheConfig`'s own numbers: pool pages, `max_seqs` slots of up to `max_pages` pages, `hot_rows`; without a
+    capacity the two are equal). `victim_order(pages, stamps)`: the coldness (one of `COLDNESS`). Its own arrays are
+    checked against the RAM before they exist (`kv.account`); the store's are the caller's (`check_store_memory`)."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, *,
                  victim_order: Callable[[list[int], np.ndarray], list[int]] = oldest_first):
@@ -77,10 +115,10 @@ class TieredCache:
         self.pool = PagePool(self.budget.device_pages, self.budget.index_pages, self.budget.host_pages)
         self.requests: dict[int, RequestPages] = {}
         self.lengths: dict[int, int] = {}
-        self.victim_order = victim_order
-        self.evicted_pages = 0
-        self.h2d_bytes = 0  # page loads (swap-ins, host-only prefix pages); decode misses are in the step stats
-        self.d2h_bytes = 0  # prompt rows written to the host (decode mirror bytes are in the step stats)
+        self.victim_order, self.evicted_pages = victim_order, 0
+        # page loads (swap-ins, host-only prefix pages) and prompt rows written to the host; a step's decode misses
+        # and mirror bytes are in the step stats
+        self.h2d_bytes = self.d2h_bytes = 0
         self.resident_only: set[int] = set()  # slots that must stay fully resident (being prefilled, or policy says so)
         self.swapped: set[int] = set()  # slots swapped out whole (no device page until swap_in)
         # evict single cold pages under pressure (HiSparse); off = a request is resident whole or not at all
@@ -102,10 +140,9 @@ class TieredCache:
     def prefix_caching(self, on: bool) -> None:
         self.pool.set_retain_prefix(on)
 
-    # ----- sizes ---------------------------------------------------------------------------------
     @property
     def releasable(self) -> bool:
-        """Whether single pages can be evicted (a host mirror, and partial eviction on): the `kv.budget` rule."""
+        """Whether single pages can be evicted (a host mirror, and partial eviction on): `check_batch_fits`'s rule."""
         return self.budget.mirror_to_host and self.partial_eviction
 
     @property
@@ -120,22 +157,18 @@ class TieredCache:
         """Pages a growth of `slot` in progress is about to add (0 outside `reserve` / `admit`)."""
         return self._growing[1] if self._growing and self._growing[0] == slot else 0
 
-    # ----- admission and lengths -----------------------------------------------------------------
     def admit(self, num_tokens: int, *, resident: bool = False, tokens=None) -> int:
         """Reserve a slot and pages for a prompt of `num_tokens` tokens; returns the slot. With `resident`, every
-        page is placed on the device (else older pages may start on the host when the device is short). With
-        `tokens` (the prompt's ids) and `prefix_caching` on, the longest run of registered full pages of `tokens`
-        is shared instead of allocated (`cached_tokens[slot]` tokens; the slot's length is at least that).
-        Raises BudgetError (never fits), or OutOfPages / PoolError when it does not fit *now* (nothing changed)."""
-        n = max(num_tokens, len(tokens) if tokens is not None else 0)
-        budget.check_batch_fits(self.budget, [n], releasable=self.releasable)
-        slots = self.free_slots()
-        if not slots:
+        page is placed on the device (else older pages may start on the host when the device is short). With `tokens`
+        (the prompt's ids) and `prefix_caching` on, the longest run of registered full pages of `tokens` is shared
+        instead of allocated (`cached_tokens[slot]` tokens; the slot's length is at least that). Raises BudgetError
+        (never fits), or OutOfPages / PoolError when it does not fit *now* (nothing changed)."""
+        check_batch_fits(self.budget, [max(num_tokens, 0 if tokens is None else len(tokens))],
+                         releasable=self.releasable)
+        if not (slots := self.free_slots()):
             raise PoolError(f"all {self.budget.max_seqs} request slots are in use")
         slot = slots[0]
-        self.requests[slot] = RequestPages()
-        self.lengths[slot] = 0
-        self.cached_tokens[slot] = 0
+        self.requests[slot], self.lengths[slot], self.cached_tokens[slot] = RequestPages(), 0, 0
         if resident:
             self.resident_only.add(slot)
         try:
@@ -175,15 +208,14 @@ class TieredCache:
     def reserve(self, slot: int, num_tokens: int) -> None:
         """Make positions < num_tokens writable (tail pages resident; every page when `slot` is resident-only)
         before a step writes them."""
-        budget.check_batch_fits(self.budget, [num_tokens], releasable=self.releasable)
+        check_batch_fits(self.budget, [num_tokens], releasable=self.releasable)
         self._grow(slot, num_tokens)
 
     def can_reserve(self, slot: int, num_tokens: int) -> bool:
         """Whether `reserve` would succeed now without evicting anything."""
-        r = self.requests[slot]
-        new = max(-(-num_tokens // PAGE_SIZE) - r.num_pages, 0)
-        return (self.pool.num_free(Tier.DEVICE) >= new and self.pool.num_free(Tier.INDEX) >= new
-                and (not self.spec.mirror_to_host or self.pool.num_free(Tier.HOST) >= new))
+        new = max(-(-num_tokens // PAGE_SIZE) - self.requests[slot].num_pages, 0)
+        return all(self.pool.num_free(t) >= new for t in (Tier.DEVICE, Tier.INDEX)
+                   + ((Tier.HOST,) if self.spec.mirror_to_host else ()))
 
     def keep_resident(self, slot: int) -> None:
         """Mark `slot` resident-only (a prompt being written chunk by chunk): none of its pages is evicted."""
@@ -210,28 +242,21 @@ class TieredCache:
         self.resident_only.discard(slot)
         self.swapped.discard(slot)
         r.release(self.pool)
-        self.lengths.pop(slot, None)
-        self._synced_hot.pop(slot, None)
-        self.prefix_hashes.pop(slot, None)
-        self.cached_tokens.pop(slot, None)
+        for d in (self.lengths, self._synced_hot, self.prefix_hashes, self.cached_tokens):
+            d.pop(slot, None)
         mp = self.spec.max_pages
         self.updates.append(SetTables(slot, table_row([], mp), table_row([], mp), table_row([], mp), 0,
                                       table_row([], self.spec.hot_pages), 0))
         self.updates.append(ClearStamps(slot))
         self.page_stamps[slot] = -1
 
-    # ----- growth --------------------------------------------------------------------------------
     def _grow(self, slot: int, num_tokens: int) -> None:
-        r = self.requests[slot]
-        n = -(-num_tokens // PAGE_SIZE)
-        new = n - r.num_pages
-        if new <= 0:
+        r, n, mirror = self.requests[slot], -(-num_tokens // PAGE_SIZE), self.spec.mirror_to_host
+        if (new := n - r.num_pages) <= 0:
             return
-        mirror = self.spec.mirror_to_host
-        if not self.pool.can_allocate(Tier.INDEX, new):
-            raise OutOfPages(Tier.INDEX, new, self.pool.num_free(Tier.INDEX), self.pool.capacity(Tier.INDEX))
-        if mirror and not self.pool.can_allocate(Tier.HOST, new):
-            raise OutOfPages(Tier.HOST, new, self.pool.num_free(Tier.HOST), self.pool.capacity(Tier.HOST))
+        for t in (Tier.INDEX, Tier.HOST) if mirror else (Tier.INDEX,):
+            if not self.pool.can_allocate(t, new):
+                raise OutOfPages(t, new, self.pool.num_free(t), self.pool.capacity(t))
         # device pages for the new pages: at most the last TAIL_PAGES must be resident; older ones may start
         # on the host (as if written and evicted) when the device is short — unless the slot is resident-only
         must = new if slot in self.resident_only else min(new, TAIL_PAGES)
@@ -240,20 +265,19 @@ class TieredCache:
             self._make_room(slot, new, must, n)
         finally:
             self._growing = None
+        # all resident when the pool has room (a request with host-only pages already has its hot buffer); else
+        # the oldest new pages start on the host and the request needs its hot buffer
         free = self.pool.num_free(Tier.DEVICE)
-        if free >= new:
-            k = new  # all resident (a request with host-only pages already has its hot buffer)
-        else:  # the oldest new pages start on the host; the request needs its hot buffer
-            k = min(new, free - (0 if r.hot else self.budget.hot_pages))
-            if k < must or not mirror:
-                raise OutOfPages(Tier.DEVICE, new, free, self.budget.device_pages)
+        k = new if free >= new else min(new, free - (0 if r.hot else self.budget.hot_pages))
+        if k < must or (k < new and not mirror):
+            raise OutOfPages(Tier.DEVICE, new, free, self.budget.device_pages)
         index = self.pool.allocate(Tier.INDEX, new)
         host = self.pool.allocate(Tier.HOST, new) if mirror else [INVALID] * new
         if k < new:
             self._ensure_hot(slot)
         device = [INVALID] * (new - k) + self.pool.allocate(Tier.DEVICE, k)
-        for i in range(new):
-            r.append(index=index[i], device=device[i], host=host[i])
+        for x, d, h in zip(index, device, host):
+            r.append(index=x, device=d, host=h)
         self.record_tables(slot)
 
     def _make_room(self, slot: int, new: int, must: int, n_total: int) -> None:
@@ -262,8 +286,7 @@ class TieredCache:
         nothing, when even `must` cannot be had (or partial eviction is off and the pool is short)."""
         def need(goal):
             r = self.requests[slot]
-            resident_after = len(r.resident_pages()) + goal
-            hot = 0 if r.hot or resident_after >= n_total else self.budget.hot_pages
+            hot = 0 if r.hot or len(r.resident_pages()) + goal >= n_total else self.budget.hot_pages
             return goal + hot
 
         if self.partial_eviction and self.spec.mirror_to_host:
@@ -275,22 +298,22 @@ class TieredCache:
             raise OutOfPages(Tier.DEVICE, need(must), self.pool.num_free(Tier.DEVICE), self.budget.device_pages)
 
     def _ensure_hot(self, slot: int) -> None:
-        r = self.requests[slot]
-        if r.hot:
-            return
-        r.hot.extend(self.pool.allocate(Tier.DEVICE, self.budget.hot_pages))
-        self.record_tables(slot)
+        if not (r := self.requests[slot]).hot:
+            r.hot.extend(self.pool.allocate(Tier.DEVICE, self.budget.hot_pages))
+            self.record_tables(slot)
 
-    # ----- eviction ------------------------------------------------------------------------------
-    def evictable_pages(self, slot: int) -> list[int]:
-        """Logical pages of `slot` that may be evicted now: resident, sealed (not among the last `TAIL_PAGES` —
-        counting the pages a growth in progress is about to add), with a current host copy, and held by this
-        request alone (evicting a shared page frees nothing). Oldest first."""
+    def _sealed(self, slot: int) -> list[int]:
+        """`slot`'s logical pages that are resident, sealed (not among the last `TAIL_PAGES`, counting the pages a
+        growth in progress is about to add, which are not there yet) and have a host copy."""
         r = self.requests[slot]
-        limit = min(r.num_pages + self.growing(slot) - TAIL_PAGES, r.num_pages)  # pages being added are not there yet
-        rc = self.pool.refcounts(Tier.DEVICE)
-        return [i for i in range(max(limit, 0)) if r.device[i] != INVALID and r.host[i] != INVALID
-                and rc[r.device[i]] == 1]
+        limit = min(r.num_pages + self.growing(slot) - TAIL_PAGES, r.num_pages)
+        return [i for i in range(max(limit, 0)) if r.device[i] != INVALID and r.host[i] != INVALID]
+
+    def evictable_pages(self, slot: int) -> list[int]:
+        """Logical pages of `slot` that may be evicted now: resident, sealed, with a current host copy (`_sealed`),
+        and held by this request alone (evicting a shared page frees nothing). Oldest first."""
+        rc, device = self.pool.refcounts(Tier.DEVICE), self.requests[slot].device
+        return [i for i in self._sealed(slot) if rc[device[i]] == 1]
 
     def _coldest_first(self, slot: int) -> list[int]:
         """`slot`'s evictable pages in the coldness's order, given a read-only view of its stamps."""
@@ -304,13 +327,10 @@ class TieredCache:
         nh = self.budget.hot_pages
         while self.pool.num_free(Tier.DEVICE) < free_target:
             cands = []
-            for s in self.requests:
-                if s == exclude or s in self.resident_only:
-                    continue
-                n = len(self.evictable_pages(s))
-                has_hot = bool(self.requests[s].hot)
-                if n and (has_hot or n > nh):
-                    cands.append((has_hot, n, s))
+            for s, r in self.requests.items():
+                n = 0 if s == exclude or s in self.resident_only else len(self.evictable_pages(s))
+                if n and (r.hot or n > nh):
+                    cands.append((bool(r.hot), n, s))
             if not cands:
                 if not self._evict_shared_page(exclude):
                     return
@@ -318,8 +338,7 @@ class TieredCache:
             _, _, s = max(cands)
             if not self.requests[s].hot:  # the hot buffer is lent from the pages being evicted (evict allocates it)
                 self.evict(s, self._coldest_first(s)[:nh])
-            missing = free_target - self.pool.num_free(Tier.DEVICE)
-            if missing > 0:
+            if (missing := free_target - self.pool.num_free(Tier.DEVICE)) > 0:
                 self.evict(s, self._coldest_first(s)[:missing])
 
     def evictable_shared_pages(self, exclude: int | None = None) -> list[tuple[int, list[tuple[int, int]]]]:
@@ -329,11 +348,10 @@ class TieredCache:
         rc = self.pool.refcounts(Tier.DEVICE)
         holders: dict[int, list[tuple[int, int, bool]]] = {}
         for s, r in self.requests.items():
-            limit = r.num_pages + self.growing(s) - TAIL_PAGES
+            ok = set(self._sealed(s)) if s not in self.resident_only and s != exclude else set()
             for i, d in enumerate(r.device):
                 if d != INVALID and rc[d] > 1:
-                    ok = i < limit and r.host[i] != INVALID and s not in self.resident_only and s != exclude
-                    holders.setdefault(d, []).append((s, i, ok))
+                    holders.setdefault(d, []).append((s, i, i in ok))
         out = [(d, [(s, i) for s, i, _ in hs]) for d, hs in holders.items()
                if len(hs) == rc[d] and all(ok for _, _, ok in hs)]
         return sorted(out, key=lambda x: (min(i for _, i in x[1]), x[0]))
@@ -355,8 +373,7 @@ class TieredCache:
         """Evict the device copies of `slot`'s logical pages (their host copies must be current). A page shared
         with other requests loses only this request's reference. A request reads evicted pages through its hot
         buffer: one without gets it here, from the pages this frees or free ones (else PoolError, nothing changed)."""
-        r = self.requests[slot]
-        growing = self.growing(slot)
+        r, growing = self.requests[slot], self.growing(slot)
         if slot in self.swapped:
             raise PoolError(f"slot {slot} is swapped out: it has no device pages to evict")
         if len(set(logical_pages)) != len(logical_pages):
@@ -382,7 +399,6 @@ class TieredCache:
         self.evicted_pages += len(logical_pages)
         self._ensure_hot(slot)  # also syncs the tables when the buffer is new
 
-    # ----- swap (the "offload" policy) -----------------------------------------------------------
     def swap_out(self, slot: int) -> int:
         """Evict every device page of `slot` and its hot buffer (host copies must be current: needs the eager
         mirror); the request keeps its indexer pages and host pages. Returns the number of pages evicted."""
@@ -403,8 +419,7 @@ class TieredCache:
         """Bring every host-only page of `slot` back to the device (whole-page H2D copies); prefix pages still on
         the device (another request's, or cached) are shared again instead of copied. Raises OutOfPages (nothing
         changed) when the device pool cannot hold them. Returns the pages loaded or shared."""
-        r = self.requests[slot]
-        chain = self.prefix_hashes.get(slot, [])
+        r, chain = self.requests[slot], self.prefix_hashes.get(slot, [])
         found = {i: self.pool.lookup_prefix(Tier.DEVICE, chain[i]) for i in r.host_only_pages() if i < len(chain)}
         shared = {i: d for i, d in found.items() if d is not None}
         missing = [i for i in r.host_only_pages() if i not in shared]
@@ -416,12 +431,10 @@ class TieredCache:
         for i, d in shared.items():
             self.pool.incref(Tier.DEVICE, d)
             r.device[i] = d
-        if missing:
-            dev = self._load_pages([r.host[i] for i in missing])
-            for i, d in zip(missing, dev):
-                r.device[i] = d
-                if i < len(chain):
-                    self.pool.register_prefix(Tier.DEVICE, chain[i], d)
+        for i, d in zip(missing, self._load_pages([r.host[i] for i in missing])):
+            r.device[i] = d
+            if i < len(chain):
+                self.pool.register_prefix(Tier.DEVICE, chain[i], d)
         self.record_tables(slot)
         return len(missing) + len(shared)
 
@@ -433,7 +446,6 @@ class TieredCache:
             self.h2d_bytes += len(host_pages) * self.all_layers_page_bytes
         return dev
 
-    # ----- prefix sharing ------------------------------------------------------------------------
     def match_prefix(self, tokens) -> list[PrefixHit]:
         """The registered pages `tokens` could share: the longest run of full pages from the start whose hash
         chain is registered with an indexer page and a KV copy (with the host mirror on: a host copy), never
@@ -467,17 +479,13 @@ class TieredCache:
                     else x._replace(device=INVALID) for x in hits]
             loads = [i for i, x in enumerate(hits) if x.device == INVALID]
         # share as far as the pages that must be loaded can be had (a shorter prefix is still a prefix)
-        free = max(free_after_revival(), 0)
-        if len(loads) > free:
+        if len(loads) > (free := max(free_after_revival(), 0)):
             hits, loads = hits[:loads[free]], loads[:free]
         for x in hits:  # references first: a cached page must be revived before anything is allocated
-            pool.incref(Tier.INDEX, x.index)
-            if x.host != INVALID:
-                pool.incref(Tier.HOST, x.host)
-            if x.device != INVALID:
-                pool.incref(Tier.DEVICE, x.device)
-        fresh = self._load_pages([hits[i].host for i in loads])
-        for i, d in zip(loads, fresh):
+            for tier, page in ((Tier.INDEX, x.index), (Tier.HOST, x.host), (Tier.DEVICE, x.device)):
+                if page != INVALID:
+                    pool.incref(tier, page)
+        for i, d in zip(loads, self._load_pages([hits[i].host for i in loads])):
             hits[i] = hits[i]._replace(device=d)
             pool.register_prefix(Tier.DEVICE, hits[i].hash, d)
         for x in hits:
@@ -491,8 +499,7 @@ class TieredCache:
         the number of pages registered. No-op unless `prefix_caching` is on."""
         if not self.prefix_caching:
             return 0
-        tokens = np.asarray(tokens, np.int64).reshape(-1)
-        r = self.requests[slot]
+        tokens, r = np.asarray(tokens, np.int64).reshape(-1), self.requests[slot]
         n = min(len(tokens) // PAGE_SIZE, r.num_pages)
         chain = self.prefix_hashes.setdefault(slot, [])
         for i in range(n):
@@ -503,7 +510,6 @@ class TieredCache:
                     self.pool.register_prefix(tier, chain[i], page)
         return n
 
-    # ----- device tables -------------------------------------------------------------------------
     def take_updates(self) -> list[Update]:
         """The device-table updates decided since the last call, in order (the caller applies them)."""
         out, self.updates = self.updates, []
@@ -522,8 +528,7 @@ class TieredCache:
         """`slots` as ints, refused (ValueError) unless distinct live request slots or -1 (padding)."""
         slots = [int(x) for x in slots]
         live = [x for x in slots if x >= 0]
-        unknown = [x for x in slots if x != -1 and x not in self.requests]
-        if unknown or len(set(live)) != len(live):
+        if any(x != -1 and x not in self.requests for x in slots) or len(set(live)) != len(live):
             raise ValueError(f"request slots must be distinct live slots (or -1); unknown or repeated: {slots}")
         return slots
 
@@ -545,12 +550,11 @@ class TieredCache:
             row[len(hot):] = hot[0]
         return row
 
-    # ----- checks (tests, debugging, `EngineConfig(check_invariants=True)`, restore) --------------
     def check_invariants(self) -> None:
-        """Raise PoolError unless the bookkeeping is consistent: pool and requests agree (no leak, no double
-        ownership); every page has a copy somewhere; a request with evicted pages has a hot buffer (unless
-        swapped out whole); tail pages resident; prefix registrations name the pages' own hashes; lengths
-        covered by pages. The device tables are checked against it by `check_tables`."""
+        """Raise PoolError unless the bookkeeping is consistent (for tests, debugging, `EngineConfig(check_invariants=
+        True)` and restore): pool and requests agree (no leak, no double ownership); every page has a copy somewhere;
+        a request with evicted pages has a hot buffer (unless swapped out whole); tail pages resident; prefix
+        registrations name the pages' own hashes; lengths covered by pages. `check_tables` checks the device's."""
         self.pool.check_invariants(owners_of(self.requests.values()))
         for s, r in self.requests.items():
             n, evicted = r.num_pages, r.host_only_pages()
@@ -569,8 +573,7 @@ class TieredCache:
                     if got is not None and got != h:
                         raise PoolError(f"slot {s}: {tier.value} page {page} (logical {i}) is registered under "
                                         f"hash {got}, but the slot's page {i} has hash {h}")
-            length = self.lengths[s]
-            if n < -(-length // PAGE_SIZE):
+            if n < -(-(length := self.lengths[s]) // PAGE_SIZE):
                 raise PoolError(f"slot {s}: {length} tokens but only {n} pages")
             for i in range(max(n - TAIL_PAGES, 0), n):
                 if length > i * PAGE_SIZE and r.device[i] == INVALID and s not in self.swapped:
@@ -580,14 +583,13 @@ class TieredCache:
         """Raise PoolError unless the device tables (NumPy copies read back from a `KVStore`: int32[max_seqs,
         max_pages] page tables, int32[max_seqs, hot_pages], int32[max_seqs]) equal this bookkeeping."""
         for s in range(self.spec.max_seqs):
-            r = self.requests.get(s)
-            n = r.num_pages if r else 0
-            for name, table, want in (("block", block_table, r.device if r else []),
-                                      ("host", host_table, r.host if r else []),
-                                      ("index", index_table, r.index if r else [])):
+            r = self.requests.get(s, RequestPages())
+            n = r.num_pages
+            for name, table, want in (("block", block_table, r.device), ("host", host_table, r.host),
+                                      ("index", index_table, r.index)):
                 if list(table[s, :n]) != list(want) or np.any(table[s, n:] != -1):
                     raise PoolError(f"slot {s}: device {name} table {table[s, :n + 1].tolist()} != host view {want}")
-            if r:
+            if s in self.requests:
                 # the row is the capacity's width: the budget's lent pages, then (slots past the hot-row budget)
                 # the first lent page again, or -1 throughout while none is lent
                 row, k = hot_pages[s].tolist(), len(r.hot)

@@ -1,22 +1,9 @@
 """Host-side page allocation of the tiered paged KV store: which page of which pool belongs to whom. Pure NumPy /
-stdlib, no JAX; decided on the host between jitted steps.
-
-Three pools (`Tier`), every page `PAGE_SIZE` (64) tokens long, a page id naming the same page in every layer:
-`DEVICE` (the device KV pool: latent + rope rows of every layer), `INDEX` (the indexer-key pool, on the device or
-pinned host with index_tier="host"; never evicted) and `HOST` (the pinned-host KV pool).
-
-`PagePool` follows nano-vllm's `BlockManager`: `can_allocate` / `allocate` hand out pages with refcount 1 (lowest
-free id first, so runs are reproducible), `incref` / `decref` / `free` share and release them, and full pages can
-be registered under a hash chain of their tokens (`page_hash`) so that a later request with the same prefix can
-reuse them (`lookup_prefix`, then `incref`). Without `retain_prefix` a registration lives exactly as long as its
-page. With it (vLLM's prefix caching), a registered page whose last owner lets go stays registered as a *cached
-free* page: it counts as free, `lookup_prefix` still finds it and `incref` revives it with its contents;
-`allocate` hands out never-registered free pages first and only then reclaims cached ones, least recently freed
-first (dropping their registration).
-
-`RequestPages` is one request's view: per logical page its device, host and indexer page (or `INVALID`), plus the
-device pages lent to its hot buffer; `owners_of(requests)` is the `owners` argument of `PagePool.check_invariants`.
-"""
+stdlib, no JAX; decided on the host between jitted steps. Three pools (`Tier`), every page `PAGE_SIZE` (64) tokens
+long, a page id naming the same page in every layer: `DEVICE` (the device KV pool: latent + rope rows of every
+layer), `INDEX` (the indexer-key pool, on the device or pinned host with index_tier="host"; never evicted) and
+`HOST` (the pinned-host KV pool). `PagePool` hands out, shares and frees their pages and registers full pages under
+the hash chain of their tokens (`page_hash`); `RequestPages` is one request's view of its pages."""
 
 from __future__ import annotations
 
@@ -33,10 +20,11 @@ import numpy as np
 from hisparse_jax.memory import Cost, check_account
 from hisparse_jax.units import INVALID
 
-
 _SNAPSHOT_FORMAT = "hisparse_jax.kv.PagePool"
 _SNAPSHOT_VERSION = 1
 _HASH_BITS = 63   # page hashes are non-negative and fit an int64 (and JSON) exactly
+# host bytes per page of each pool: an int32 refcount, and an int64 count while the invariants are checked
+POOL_BYTES_PER_PAGE = 4 + 8
 
 
 class PoolError(RuntimeError):
@@ -61,8 +49,6 @@ class Tier(enum.Enum):
 
 
 def _as_tier(tier: Tier | str) -> Tier:
-    if isinstance(tier, Tier):
-        return tier
     try:
         return Tier(tier)
     except ValueError:
@@ -79,46 +65,32 @@ def _as_int(x: Any, what: str) -> int:
 
 
 def page_hash(prev_hash: int | None, tokens: Sequence[int]) -> int:
-    """Hash of one page of tokens chained onto the hash of everything before it.
-
-    prev_hash: the previous page's `page_hash` (None for the first page of a sequence).
-    tokens: the page's token ids (int32 range; normally exactly `PAGE_SIZE` of them).
-    Returns a 63-bit non-negative int. Deterministic across processes and machines (blake2b over the
-    previous hash and the little-endian int32 token bytes; Python's salted `hash` is never used), and
-    different for a different prefix, a different token order or a different first-page marker.
-    """
+    """Hash of one page of `tokens` (int32 ids, normally exactly `PAGE_SIZE` of them) chained onto `prev_hash`, the
+    previous page's `page_hash` (None for the first page of a sequence). A 63-bit non-negative int, deterministic
+    across processes and machines (blake2b over the previous hash and the little-endian int32 token bytes; Python's
+    salted `hash` is never used), and different for a different prefix, token order or first-page marker."""
     toks = np.asarray(tokens)
     if toks.ndim != 1 or toks.size == 0:
         raise ValueError(f"tokens must be a non-empty 1-D sequence of ints, got shape {toks.shape}")
     if not np.issubdtype(toks.dtype, np.integer):
         raise TypeError(f"tokens must be integers, got dtype {toks.dtype}")
-    info = np.iinfo(np.int32)
-    if toks.min() < info.min or toks.max() > info.max:
+    if toks.min() < -2 ** 31 or toks.max() >= 2 ** 31:
         raise ValueError(f"token ids must fit int32, got range [{toks.min()}, {toks.max()}]")
     h = hashlib.blake2b(digest_size=8, person=b"hisparse-page")
-    if prev_hash is None:
-        h.update(b"\x00")
-    else:
-        prev = _as_int(prev_hash, "prev_hash")
-        if not 0 <= prev < 2 ** 64:
-            raise ValueError(f"prev_hash must be a page_hash value (0 <= h < 2**64), got {prev}")
-        h.update(b"\x01" + prev.to_bytes(8, "little"))
+    prev = None if prev_hash is None else _as_int(prev_hash, "prev_hash")
+    if prev is not None and not 0 <= prev < 2 ** 64:
+        raise ValueError(f"prev_hash must be a page_hash value (0 <= h < 2**64), got {prev}")
+    h.update(b"\x00" if prev is None else b"\x01" + prev.to_bytes(8, "little"))
     h.update(toks.astype("<i4").tobytes())
     return int.from_bytes(h.digest(), "little") >> (64 - _HASH_BITS)
 
 
-# host bytes per page of each pool: an int32 refcount, and an int64 count while the invariants are checked
-POOL_BYTES_PER_PAGE = 4 + 8
-
-
 class _TierState:
-    """One pool. Pages >= `next_fresh` have never been handed out (all free); freed pages below it wait
-    in the min-heap `returned`. So "lowest free id first" costs O(log n) and the free list grows only with the
-    pages ever touched, not with the capacity (a host pool may hold millions of pages); the refcounts are one
-    int32 per page of capacity (`POOL_BYTES_PER_PAGE`, checked before they exist)."""
-
-    __slots__ = ("tier", "capacity", "refcount", "returned", "next_fresh", "used", "hash_to_page", "page_to_hash",
-                 "cached")
+    """One pool. Pages >= `next_fresh` have never been handed out (all free); freed pages below it wait in the
+    min-heap `returned`, or in `cached` (free pages still registered, least recently freed first). So "lowest free
+    id first" costs O(log n) and the free list grows only with the pages ever touched, not with the capacity (a host
+    pool may hold millions of pages); the refcounts are one int32 per page of capacity (`POOL_BYTES_PER_PAGE`,
+    checked before they exist)."""
 
     def __init__(self, tier: Tier, capacity: int):
         self.tier, self.capacity, self.refcount = tier, capacity, np.zeros(capacity, np.int32)
@@ -126,35 +98,59 @@ class _TierState:
         self.next_fresh = self.used = 0
         self.hash_to_page: dict[int, int] = {}
         self.page_to_hash: dict[int, int] = {}
-        self.cached: dict[int, None] = {}  # free pages still registered (retain_prefix), least recently freed first
+        self.cached: dict[int, None] = {}
 
     @property
     def free(self) -> int:
         return self.capacity - self.used
 
+    def page(self, page: Any) -> int:
+        """`page` as an int, refused (PoolError) outside the pool."""
+        p = _as_int(page, "page id")
+        if not 0 <= p < self.capacity:
+            what = "INVALID (-1)" if p == INVALID else str(p)
+            raise PoolError(f"{self.tier.value} page {what} is out of range [0, {self.capacity})")
+        return p
+
+    def unregister(self, p: int) -> None:
+        h = self.page_to_hash.pop(p, None)
+        if h is not None:
+            del self.hash_to_page[h]
+
+    def drop_cached(self, p: int) -> None:
+        del self.cached[p]
+        self.unregister(p)
+        heapq.heappush(self.returned, p)
+
 
 class PagePool:
-    """Refcounted page allocator for the three pools of the tiered KV store (host-side, no JAX).
+    """Refcounted page allocator for the three pools, after nano-vllm's `BlockManager`: `allocate` hands out pages
+    with refcount 1 (lowest free id first, so runs are reproducible), `incref` / `decref` / `free` share and release
+    them, and a full page registered under the hash chain of its tokens can be reused by a later request with the
+    same prefix (`lookup_prefix`, then `incref`). Capacities (`device_pages` / `index_pages` / `host_pages`) are in
+    pages; the device and index pools need at least one, the host pool may be empty (a device-only store). Every
+    method taking a `tier` accepts a `Tier` or its string value ("device", "index", "host").
 
-    device_pages / index_pages / host_pages: pool capacities in pages of `PAGE_SIZE` tokens. The device
-    and index pools need at least one page; the host pool may be empty (a device-only store).
-    retain_prefix: keep freed registered pages as cached free pages (see the module docstring); turning it
-    off later (`set_retain_prefix(False)`) drops them.
-    Every method taking a `tier` accepts a `Tier` or its string value ("device", "index", "host").
-    """
+    Without `retain_prefix` a registration lives exactly as long as its page. With it (vLLM's prefix caching), a
+    registered page whose last owner lets go stays registered as a *cached free* page: it counts as free,
+    `lookup_prefix` still finds it and `incref` revives it with its contents; `allocate` hands out never-registered
+    free pages first and only then reclaims cached ones, least recently freed first (dropping their registration).
+    Turning it off (`set_retain_prefix(False)`) drops them."""
 
     def __init__(self, device_pages: int, index_pages: int, host_pages: int, *, retain_prefix: bool = False):
         caps = {}
         for tier, n, lo in ((Tier.DEVICE, device_pages, 1), (Tier.INDEX, index_pages, 1), (Tier.HOST, host_pages, 0)):
-            n = _as_int(n, f"{tier.value}_pages")
-            if n < lo:
-                raise ValueError(f"{tier.value}_pages must be >= {lo}, got {n}")
-            caps[tier] = n
+            caps[tier] = _as_int(n, f"{tier.value}_pages")
+            if caps[tier] < lo:
+                raise ValueError(f"{tier.value}_pages must be >= {lo}, got {caps[tier]}")
         pages = ", ".join(f"{t.value}_pages={n:,}" for t, n in caps.items())
         check_account("the page pools' bookkeeping", [Cost("the page pools' bookkeeping",
                                                             POOL_BYTES_PER_PAGE * sum(caps.values()), "host", pages)])
         self._t = {tier: _TierState(tier, n) for tier, n in caps.items()}
         self.retain_prefix = bool(retain_prefix)
+
+    def _s(self, tier: Tier | str) -> _TierState:
+        return self._t[_as_tier(tier)]
 
     def set_retain_prefix(self, retain: bool) -> None:
         """Switch retention of freed prefix pages; switching it off frees every cached page for good."""
@@ -162,20 +158,23 @@ class PagePool:
         if not retain:
             for s in self._t.values():
                 for p in list(s.cached):
-                    self._drop_cached(s, p)
+                    s.drop_cached(p)
 
-    # ----------------------------------------------------------------------------------------- sizes
     def capacity(self, tier: Tier | str) -> int:
         """Pages in the tier's pool."""
-        return self._t[_as_tier(tier)].capacity
+        return self._s(tier).capacity
 
     def num_used(self, tier: Tier | str) -> int:
         """Pages with refcount >= 1."""
-        return self._t[_as_tier(tier)].used
+        return self._s(tier).used
 
     def num_free(self, tier: Tier | str) -> int:
         """Pages with refcount 0."""
-        return self._t[_as_tier(tier)].free
+        return self._s(tier).free
+
+    def num_cached(self, tier: Tier | str) -> int:
+        """Free pages kept registered for their prefix (reclaimed by `allocate` when nothing else is free)."""
+        return len(self._s(tier).cached)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """{tier value: {"capacity", "used", "free", "prefix", "cached"}} in pages ("prefix": registered pages,
@@ -183,71 +182,50 @@ class PagePool:
         return {t.value: {"capacity": s.capacity, "used": s.used, "free": s.free, "prefix": len(s.page_to_hash),
                           "cached": len(s.cached)} for t, s in self._t.items()}
 
-    def num_cached(self, tier: Tier | str) -> int:
-        """Free pages kept registered for their prefix (reclaimed by `allocate` when nothing else is free)."""
-        return len(self._t[_as_tier(tier)].cached)
-
     def __repr__(self) -> str:
-        parts = ", ".join(f"{t.value}={s.used}/{s.capacity}" for t, s in self._t.items())
-        return f"PagePool(used/capacity: {parts})"
+        return f"PagePool(used/capacity: {', '.join(f'{t.value}={s.used}/{s.capacity}' for t, s in self._t.items())})"
 
-    # ------------------------------------------------------------------------------------ allocation
     def can_allocate(self, tier: Tier | str, n: int) -> bool:
         """Whether `allocate(tier, n)` would succeed."""
-        n = _as_int(n, "n")
-        if n < 0:
+        if (n := _as_int(n, "n")) < 0:
             raise ValueError(f"cannot allocate a negative number of pages ({n})")
-        return n <= self._t[_as_tier(tier)].free
+        return n <= self._s(tier).free
 
     def allocate(self, tier: Tier | str, n: int) -> list[int]:
         """`n` free pages of `tier`, lowest id first (cached prefix pages last, least recently freed first, their
-        registration dropped), each with refcount 1.
-
-        Raises OutOfPages (naming the tier, `n` and the free count) and changes nothing when fewer than
-        `n` pages are free.
-        """
-        s = self._t[_as_tier(tier)]
+        registration dropped), each with refcount 1. Raises OutOfPages (naming the tier, `n` and the free count)
+        and changes nothing when fewer than `n` pages are free."""
+        s = self._s(tier)
         if not self.can_allocate(s.tier, n):
             raise OutOfPages(s.tier, int(n), s.free, s.capacity)
         n = int(n)
-        pages = []
-        while len(pages) < n and s.returned:
-            pages.append(heapq.heappop(s.returned))
+        pages = [heapq.heappop(s.returned) for _ in range(min(n, len(s.returned)))]
         k = min(n - len(pages), s.capacity - s.next_fresh)
         pages.extend(range(s.next_fresh, s.next_fresh + k))
         s.next_fresh += k
         while len(pages) < n:  # reclaim cached prefix pages, least recently freed first
-            p = next(iter(s.cached))
+            pages.append(p := next(iter(s.cached)))
             del s.cached[p]
-            self._unregister(s, p)
-            pages.append(p)
+            s.unregister(p)
         s.refcount[pages] = 1
         s.used += n
         return pages
 
-    def _check_page(self, s: _TierState, page: Any) -> int:
-        p = _as_int(page, "page id")
-        if not 0 <= p < s.capacity:
-            what = "INVALID (-1)" if p == INVALID else str(p)
-            raise PoolError(f"{s.tier.value} page {what} is out of range [0, {s.capacity})")
-        return p
-
     def refcount(self, tier: Tier | str, page: int) -> int:
         """Owners of `page` (0 when free)."""
-        s = self._t[_as_tier(tier)]
-        return int(s.refcount[self._check_page(s, page)])
+        s = self._s(tier)
+        return int(s.refcount[s.page(page)])
 
     def refcounts(self, tier: Tier | str) -> np.ndarray:
         """Every page's refcount in `tier` (a read-only view: int32[capacity])."""
-        rc = self._t[_as_tier(tier)].refcount.view()
-        rc.flags.writeable = False
+        (rc := self._s(tier).refcount.view()).flags.writeable = False
         return rc
 
     def incref(self, tier: Tier | str, page: int) -> None:
         """One more owner of an in-use page (prefix sharing), or the first owner of a cached free prefix page
         (revived with its contents). Any other free page must be allocated instead."""
-        s = self._t[_as_tier(tier)]
-        p = self._check_page(s, page)
+        s = self._s(tier)
+        p = s.page(page)
         if s.refcount[p] == 0:
             if p not in s.cached:
                 raise PoolError(f"incref of free {s.tier.value} page {p}; allocate it instead")
@@ -258,180 +236,120 @@ class PagePool:
     def decref(self, tier: Tier | str, page: int) -> bool:
         """One owner fewer. Returns True when the page became free (its prefix registration is dropped).
         Raises PoolError for a page that is already free (double free) or out of range."""
-        s = self._t[_as_tier(tier)]
-        p = self._check_page(s, page)
-        if s.refcount[p] == 0:
+        s = self._s(tier)
+        if s.refcount[p := s.page(page)] == 0:
             raise PoolError(f"double free: {s.tier.value} page {p} is already free")
-        s.refcount[p] -= 1
-        if s.refcount[p]:
-            return False
-        self._release(s, p)
-        return True
-
-    def _release(self, s: _TierState, p: int) -> None:
-        s.used -= 1
-        if self.retain_prefix and p in s.page_to_hash:
-            s.cached[p] = None  # most recently freed last
-            return
-        heapq.heappush(s.returned, p)
-        self._unregister(s, p)
-
-    def _unregister(self, s: _TierState, p: int) -> None:
-        h = s.page_to_hash.pop(p, None)
-        if h is not None:
-            del s.hash_to_page[h]
-
-    def _drop_cached(self, s: _TierState, p: int) -> None:
-        del s.cached[p]
-        self._unregister(s, p)
-        heapq.heappush(s.returned, p)
+        self.free(s.tier, [p])
+        return bool(s.refcount[p] == 0)
 
     def free(self, tier: Tier | str, pages: Iterable[int]) -> None:
         """`decref` every page in `pages` (a page listed twice loses two references). All-or-nothing: if any
         id is out of range (INVALID included) or would be freed more often than it is referenced, raises
         PoolError before changing anything."""
-        s = self._t[_as_tier(tier)]
-        counts = collections.Counter(self._check_page(s, p) for p in pages)
+        s = self._s(tier)
+        counts = collections.Counter(s.page(p) for p in pages)
         for p, k in counts.items():
             if k > s.refcount[p]:
                 state = "already free" if s.refcount[p] == 0 else f"refcount {s.refcount[p]}"
                 raise PoolError(f"double free: {s.tier.value} page {p} freed {k} time(s) but {state}")
         for p, k in counts.items():
             s.refcount[p] -= k
-            if s.refcount[p] == 0:
-                self._release(s, p)
+            if s.refcount[p]:
+                continue
+            s.used -= 1
+            if self.retain_prefix and p in s.page_to_hash:
+                s.cached[p] = None  # most recently freed last
+            else:
+                heapq.heappush(s.returned, p)
+                s.unregister(p)
 
-    # -------------------------------------------------------------------------------- prefix caching
     def register_prefix(self, tier: Tier | str, h: int, page: int) -> None:
-        """Register the full, in-use `page` as holding the tokens whose hash chain ends in `h`.
-
-        Re-registering the same (h, page) is a no-op. If `h` already names another page, the newer page
-        takes it (the old page stays allocated, unregistered). A page already registered under a different
-        hash raises PoolError (a full page's content does not change). Registration holds no reference: it
-        is dropped when the page is freed.
-        """
-        s = self._t[_as_tier(tier)]
-        p = self._check_page(s, page)
-        h = _as_int(h, "prefix hash")
+        """Register the full, in-use `page` as holding the tokens whose hash chain ends in `h` (again: a no-op). If
+        `h` already names another page, the newer page takes it (the old page stays allocated, unregistered). A page
+        registered under another hash raises PoolError (a full page's content does not change). Registration holds
+        no reference: it is dropped when the page is freed."""
+        s = self._s(tier)
+        p, h = s.page(page), _as_int(h, "prefix hash")
         if s.refcount[p] == 0:
             raise PoolError(f"cannot register free {s.tier.value} page {p} as a prefix page")
-        old_h = s.page_to_hash.get(p)
-        if old_h is not None and old_h != h:
-            raise PoolError(f"{s.tier.value} page {p} is already registered under hash {old_h}, not {h}")
-        old_p = s.hash_to_page.get(h)
-        if old_p is not None and old_p != p:
-            if old_p in s.cached:
-                self._drop_cached(s, old_p)
-            else:
-                del s.page_to_hash[old_p]
-        s.hash_to_page[h] = p
-        s.page_to_hash[p] = h
+        if s.page_to_hash.get(p, h) != h:
+            raise PoolError(f"{s.tier.value} page {p} is already registered under hash {s.page_to_hash[p]}, not {h}")
+        old_p = s.hash_to_page.get(h, p)
+        if old_p in s.cached:
+            s.drop_cached(old_p)
+        elif old_p != p:
+            del s.page_to_hash[old_p]
+        s.hash_to_page[h], s.page_to_hash[p] = p, h
 
     def lookup_prefix(self, tier: Tier | str, h: int) -> int | None:
         """The page registered under hash `h` (in use, or cached free with `retain_prefix`), or None. On a hit
         the caller must `incref` it before anything is allocated."""
-        return self._t[_as_tier(tier)].hash_to_page.get(_as_int(h, "prefix hash"))
+        return self._s(tier).hash_to_page.get(_as_int(h, "prefix hash"))
 
     def prefix_hash(self, tier: Tier | str, page: int) -> int | None:
         """The hash `page` is registered under, or None."""
-        s = self._t[_as_tier(tier)]
-        return s.page_to_hash.get(self._check_page(s, page))
+        s = self._s(tier)
+        return s.page_to_hash.get(s.page(page))
 
-    # ------------------------------------------------------------------------------------ invariants
     def check_invariants(self, owners: Mapping[Tier | str, Iterable[Iterable[int]]] | None = None) -> None:
-        """Raise PoolError (with the tier, the page and the numbers) if the bookkeeping is inconsistent.
+        """Raise PoolError (with the tier, the page and the numbers) if the bookkeeping is inconsistent. Always
+        checked, per tier: refcounts >= 0; a page is free iff its refcount is 0; the free list has no duplicates and
+        no out-of-range ids; used + free == capacity; prefix registrations are one-to-one, on in-use pages.
 
-        Always checked, per tier: refcounts >= 0; a page is free iff its refcount is 0; the free list has
-        no duplicates and no out-of-range ids; used + free == capacity; prefix registrations are one-to-one,
-        on in-use pages.
-
-        owners: for some or all tiers, an iterable of per-owner page lists (per-request block tables, hot
-        buffers...; INVALID entries are skipped). For each tier given, every page's refcount must equal the
-        number of times the owners reference it: a page referenced k times (prefix sharing: k > 1) has
-        refcount k; fewer references than the refcount is a leak, more is double ownership, and a
-        referenced page must not be free.
-        """
+        owners: for some or all tiers, an iterable of per-owner page lists (per-request block tables, hot buffers...;
+        INVALID entries are skipped). For each tier given, every page's refcount must equal the number of times the
+        owners reference it (prefix sharing: k > 1): fewer is a leak, more is double ownership, and a referenced
+        page must not be free."""
         for s in self._t.values():
             self._check_tier(s)
-        if owners is None:
-            return
-        for tier, lists in owners.items():
-            s = self._t[_as_tier(tier)]
+        for tier, lists in (owners or {}).items():
+            s = self._s(tier)
             refs = np.zeros(s.capacity, np.int64)
             for i, lst in enumerate(lists):
-                arr = np.asarray(list(lst) if not isinstance(lst, np.ndarray) else lst).reshape(-1)
-                if arr.size == 0:
-                    continue
-                if not np.issubdtype(arr.dtype, np.integer):
+                arr = np.asarray(lst if isinstance(lst, np.ndarray) else list(lst)).reshape(-1)
+                if arr.size and not np.issubdtype(arr.dtype, np.integer):
                     raise PoolError(f"owner {i} of tier {s.tier.value} holds non-integer page ids ({arr.dtype})")
-                arr = arr[arr != INVALID]
-                bad = arr[(arr < 0) | (arr >= s.capacity)]
-                if bad.size:
+                arr = arr[arr != INVALID].astype(np.int64)
+                if (bad := arr[(arr < 0) | (arr >= s.capacity)]).size:
                     raise PoolError(f"owner {i} references {s.tier.value} page {int(bad[0])}, out of range "
                                     f"[0, {s.capacity})")
                 np.add.at(refs, arr, 1)
-            rc = s.refcount.astype(np.int64)
-            bad = np.flatnonzero(refs != rc)
-            if bad.size == 0:
+            if (bad := np.flatnonzero(refs != s.refcount)).size == 0:
                 continue
-            msgs = []
-            for p in bad[:5]:
-                k, r = int(refs[p]), int(rc[p])
-                if r == 0:
-                    msgs.append(f"page {p} is referenced by {k} owner(s) but is free")
-                elif k > r:
-                    msgs.append(f"page {p} is referenced {k} times but has refcount {r} (double ownership)")
-                else:
-                    msgs.append(f"page {p} has refcount {r} but only {k} owner reference(s) (leaked)")
+            msgs = [f"page {p} is referenced by {k} owner(s) but is free" if r == 0 else
+                    f"page {p} is referenced {k} times but has refcount {r} (double ownership)" if k > r else
+                    f"page {p} has refcount {r} but only {k} owner reference(s) (leaked)"
+                    for p, k, r in zip(bad[:5].tolist(), refs[bad[:5]].tolist(), s.refcount[bad[:5]].tolist())]
             more = f" (+{bad.size - 5} more)" if bad.size > 5 else ""
             raise PoolError(f"{s.tier.value} pool disagrees with its owners: " + "; ".join(msgs) + more)
 
     def _check_tier(self, s: _TierState) -> None:
-        name, rc = s.tier.value, s.refcount
+        name, rc, nf = s.tier.value, s.refcount, s.next_fresh
         if rc.shape != (s.capacity,):
             raise PoolError(f"{name}: refcount table has shape {rc.shape}, capacity is {s.capacity}")
         if (rc < 0).any():
-            p = int(np.flatnonzero(rc < 0)[0])
-            raise PoolError(f"{name}: page {p} has negative refcount {int(rc[p])}")
-        if not 0 <= s.next_fresh <= s.capacity:
-            raise PoolError(f"{name}: fresh-page watermark {s.next_fresh} outside [0, {s.capacity}]")
-        ret = np.asarray(s.returned, np.int64)
-        if ret.size:
-            if ret.min() < 0 or ret.max() >= s.next_fresh:
-                raise PoolError(f"{name}: free list holds page ids outside [0, {s.next_fresh}): "
-                                f"{sorted(int(x) for x in ret[(ret < 0) | (ret >= s.next_fresh)])[:5]}")
-            uniq, counts = np.unique(ret, return_counts=True)
-            if (counts > 1).any():
-                raise PoolError(f"{name}: page {int(uniq[counts > 1][0])} is in the free list more than once")
-            if (rc[ret] != 0).any():
-                p = int(ret[rc[ret] != 0][0])
-                raise PoolError(f"{name}: page {p} is in the free list but has refcount {int(rc[p])}")
-        if (rc[s.next_fresh:] != 0).any():
-            p = s.next_fresh + int(np.flatnonzero(rc[s.next_fresh:])[0])
-            raise PoolError(f"{name}: never-allocated page {p} has refcount {int(rc[p])}")
-        cached = np.asarray(list(s.cached), np.int64)
-        if cached.size:
-            if not self.retain_prefix:
-                raise PoolError(f"{name}: {cached.size} cached free pages but retain_prefix is off")
-            if cached.min() < 0 or cached.max() >= s.next_fresh or (rc[cached] != 0).any():
-                raise PoolError(f"{name}: cached free pages must be free pages below {s.next_fresh}, got "
-                                f"{[(int(p), int(rc[p]) if 0 <= p < s.capacity else None) for p in cached[:5]]}")
-            if np.intersect1d(cached, ret).size:
-                raise PoolError(f"{name}: page {int(np.intersect1d(cached, ret)[0])} is both cached and in the free list")
-            unreg = [int(p) for p in cached if int(p) not in s.page_to_hash]
-            if unreg:
-                raise PoolError(f"{name}: cached free page {unreg[0]} has no prefix registration")
-        zero_below = int(np.count_nonzero(rc[:s.next_fresh] == 0))
-        if zero_below != ret.size + cached.size:
-            in_free = np.zeros(s.next_fresh, bool)
-            in_free[ret] = True
-            in_free[cached] = True
-            p = int(np.flatnonzero((rc[:s.next_fresh] == 0) & ~in_free)[0])
-            raise PoolError(f"{name}: page {p} has refcount 0 but is not in the free list (lost page)")
-        used = int(np.count_nonzero(rc))
-        free = ret.size + cached.size + (s.capacity - s.next_fresh)
-        if used != s.used or used + free != s.capacity:
-            raise PoolError(f"{name}: used {used} (counter {s.used}) + free {free} != capacity {s.capacity}")
+            raise PoolError(f"{name}: page {(p := int(np.argmax(rc < 0)))} has negative refcount {int(rc[p])}")
+        if not 0 <= nf <= s.capacity:
+            raise PoolError(f"{name}: fresh-page watermark {nf} outside [0, {s.capacity}]")
+        if (rc[nf:] != 0).any():
+            raise PoolError(f"{name}: never-allocated page {(p := nf + int(np.argmax(rc[nf:] != 0)))} has refcount "
+                            f"{int(rc[p])}")
+        # the free pages below the watermark: each once in the free list, either returned or cached
+        free = np.asarray(s.returned + list(s.cached), np.int64)
+        if (out := free[(free < 0) | (free >= nf)]).size:
+            raise PoolError(f"{name}: free list holds page ids outside [0, {nf}): {sorted(out.tolist())[:5]}")
+        if (bad := np.flatnonzero((times := np.bincount(free, minlength=nf)) != (rc[:nf] == 0))).size:
+            p = int(bad[0])
+            raise PoolError(f"{name}: page {p} " + ("is in the free list more than once" if times[p] > 1 else
+                                                   f"is in the free list but has refcount {int(rc[p])}" if times[p]
+                                                   else "has refcount 0 but is not in the free list (lost page)"))
+        if s.cached and not self.retain_prefix:
+            raise PoolError(f"{name}: {len(s.cached)} cached free pages but retain_prefix is off")
+        if unreg := [p for p in s.cached if p not in s.page_to_hash]:
+            raise PoolError(f"{name}: cached free page {unreg[0]} has no prefix registration")
+        used, nfree = int(np.count_nonzero(rc)), free.size + (s.capacity - nf)
+        if used != s.used or used + nfree != s.capacity:
+            raise PoolError(f"{name}: used {used} (counter {s.used}) + free {nfree} != capacity {s.capacity}")
         if len(s.hash_to_page) != len(s.page_to_hash):
             raise PoolError(f"{name}: prefix maps disagree ({len(s.hash_to_page)} hashes, "
                             f"{len(s.page_to_hash)} pages)")
@@ -441,23 +359,14 @@ class PagePool:
             if not 0 <= p < s.capacity or (rc[p] == 0 and p not in s.cached):
                 raise PoolError(f"{name}: prefix hash {h} names page {p}, which is free (not cached) or out of range")
 
-    # -------------------------------------------------------------------------------------- snapshot
     def snapshot(self) -> dict:
-        """JSON-serializable state: capacities, in-use pages with refcounts, prefix registrations, cached free
-        pages in their reclaim order.
-
-        The free list is not stored: it is "every other page with refcount 0", handed out lowest first, so a
-        restored pool allocates exactly as the original would have.
-        """
-        tiers = {}
-        for t, s in self._t.items():
-            used = np.flatnonzero(s.refcount)
-            tiers[t.value] = {
-                "capacity": s.capacity,
-                "used": [[int(p), int(s.refcount[p])] for p in used],
-                "prefix": [[int(h), int(p)] for p, h in sorted(s.page_to_hash.items())],
-                "cached": [int(p) for p in s.cached],
-            }
+        """JSON-serializable state: capacities, in-use pages with refcounts, prefix registrations, cached free pages
+        in their reclaim order. Not the free list: "every other page with refcount 0", handed out lowest first, so a
+        restored pool allocates exactly as the original would have."""
+        tiers = {t.value: {"capacity": s.capacity,
+                           "used": [[p, int(s.refcount[p])] for p in np.flatnonzero(s.refcount).tolist()],
+                           "prefix": [[int(h), int(p)] for p, h in sorted(s.page_to_hash.items())],
+                           "cached": [int(p) for p in s.cached]} for t, s in self._t.items()}
         return {"format": _SNAPSHOT_FORMAT, "version": _SNAPSHOT_VERSION, "retain_prefix": self.retain_prefix,
                 "tiers": tiers}
 
@@ -475,49 +384,39 @@ class PagePool:
             raise PoolError(f"snapshot tiers must be exactly {[t.value for t in Tier]}, "
                             f"got {list(tiers) if isinstance(tiers, Mapping) else tiers!r}")
         try:
-            pool = cls(tiers["device"]["capacity"], tiers["index"]["capacity"], tiers["host"]["capacity"],
-                       retain_prefix=bool(d.get("retain_prefix", False)))
+            pool = cls(*(tiers[t.value]["capacity"] for t in Tier), retain_prefix=bool(d.get("retain_prefix", False)))
         except (TypeError, ValueError, KeyError) as e:
             raise PoolError(f"bad capacities in snapshot: {e}") from e
         for t, s in pool._t.items():
             td = tiers[t.value]
             for entry in td.get("used", []):
-                p, r = (pool._check_page(s, entry[0]), _as_int(entry[1], "refcount"))
+                p, r = s.page(entry[0]), _as_int(entry[1], "refcount")
                 if r < 1 or s.refcount[p]:
                     raise PoolError(f"snapshot {t.value}: bad or repeated used entry {entry!r}")
                 s.refcount[p] = r
-            cached = [pool._check_page(s, p) for p in td.get("cached", [])]
+            cached = [s.page(p) for p in td.get("cached", [])]
             if len(set(cached)) != len(cached) or any(s.refcount[p] for p in cached):
                 raise PoolError(f"snapshot {t.value}: cached pages must be distinct free pages, got {cached[:5]}")
             used = np.flatnonzero(s.refcount)
-            s.used = int(used.size)
+            s.used, s.cached = int(used.size), dict.fromkeys(cached)
             s.next_fresh = max([int(used[-1]) if used.size else -1] + cached) + 1
-            s.cached = dict.fromkeys(cached)
-            s.returned = [int(p) for p in np.flatnonzero(s.refcount[:s.next_fresh] == 0)
-                          if int(p) not in s.cached]  # sorted: a valid heap
+            s.returned = [p for p in np.flatnonzero(s.refcount[:s.next_fresh] == 0).tolist()
+                          if p not in s.cached]  # sorted: a valid heap
             for h, p in td.get("prefix", []):
-                h, p = _as_int(h, "prefix hash"), pool._check_page(s, p)
+                h, p = _as_int(h, "prefix hash"), s.page(p)
                 if h in s.hash_to_page or p in s.page_to_hash:
                     raise PoolError(f"snapshot {t.value}: repeated prefix entry ({h}, {p})")
-                if p in s.cached:
-                    s.hash_to_page[h], s.page_to_hash[p] = p, h
-                else:
-                    pool.register_prefix(t, h, p)
-        pool.check_invariants()
+                s.hash_to_page[h], s.page_to_hash[p] = p, h
+        pool.check_invariants()  # registrations on in-use or cached pages only, among the rest
         return pool
 
 
 @dataclasses.dataclass
 class RequestPages:
-    """One request's pages. Index i of `device` / `host` / `index` is logical page i (tokens
-    [i * PAGE_SIZE, (i + 1) * PAGE_SIZE)):
-
-    device: the device KV page holding it, or INVALID when it lives only on the host.
-    host:   the pinned-host KV page holding it, or INVALID.
-    index:  the indexer-key page (device, or pinned host with index_tier="host"; never released).
-    hot:    device KV pages lent to the request's hot buffer (where host pages selected by top-k are
-            loaded); not tied to a logical page.
-    """
+    """One request's pages. Index i of `device` / `host` / `index` is logical page i (tokens [i * PAGE_SIZE,
+    (i + 1) * PAGE_SIZE)): `device` the device KV page holding it (INVALID when it lives only on the host), `host`
+    the pinned-host KV page holding it (or INVALID), `index` its indexer-key page (never released). `hot`: device
+    KV pages lent to the request's hot buffer (where host pages selected by top-k are loaded), of no logical page."""
 
     device: list[int] = dataclasses.field(default_factory=list)
     host: list[int] = dataclasses.field(default_factory=list)
@@ -530,8 +429,7 @@ class RequestPages:
     def validate(self) -> None:
         """Raise PoolError unless device/host/index have one entry per logical page and every logical page has
         an indexer page and at least one KV copy (device or host)."""
-        n = len(self.device)
-        if len(self.host) != n or len(self.index) != n:
+        if not len(self.device) == len(self.host) == len(self.index):
             raise PoolError(f"RequestPages lists differ in length: device {len(self.device)}, "
                             f"host {len(self.host)}, index {len(self.index)}")
         for i, (d, h, x) in enumerate(zip(self.device, self.host, self.index)):
@@ -551,9 +449,7 @@ class RequestPages:
 
     def append(self, *, index: int, device: int = INVALID, host: int = INVALID) -> int:
         """Add one logical page; returns its logical index."""
-        self.device.append(device)
-        self.host.append(host)
-        self.index.append(index)
+        self.device.append(device), self.host.append(host), self.index.append(index)
         try:
             self.validate()
         except PoolError:
@@ -573,10 +469,8 @@ class RequestPages:
         """The valid page ids this request holds in `tier` (DEVICE: KV pages then hot-buffer pages), one entry
         per reference: what to pass to `PagePool.free` when the request finishes."""
         t = _as_tier(tier)
-        if t is Tier.DEVICE:
-            return [p for p in self.device if p != INVALID] + list(self.hot)
-        src = self.host if t is Tier.HOST else self.index
-        return [p for p in src if p != INVALID]
+        pages = {Tier.DEVICE: self.device, Tier.HOST: self.host, Tier.INDEX: self.index}[t]
+        return [p for p in pages if p != INVALID] + (list(self.hot) if t is Tier.DEVICE else [])
 
     def release(self, pool: PagePool) -> None:
         """Free every page the request holds in every tier and clear its lists."""
