@@ -13,11 +13,12 @@ value) against (account at M - account at the small value), for each option; the
 Writes account_vs_rss.json.
 
 Measured (results/account_vs_rss.json, 2 CPU cores shared, 2 GiB): --hot-rows 3,675,004 / --devices 71 /
---requests 566 accepted; peak RSS grew 1.07x / 1.07x / 1.31x the account's growth, and the peak is 1.05x / 1.05x /
-1.23x what the check predicts (the small run's peak plus the account's growth). At --requests the account misses
-~0.65 GB: a device-memory array of the host pool's shape lives beside the pinned-host pool during the first steps
-(on a CPU both are RAM). Before the account counted the step's indexer temporaries and XLA:CPU's copy of the store,
-and before the mesh made its stacked store in place, devices and requests grew 2.9x and 3.0x the account."""
+--requests 566 accepted; peak RSS grew 1.12x / 1.13x / 0.76x the account's growth, and the peak is 1.09x / 1.10x /
+0.83x what the check predicts (the small run's peak plus the account's growth). At --requests the host pool is
+sized for all requests at once, and its pages take RAM only once written. Before init_store made the host pools
+from NumPy zeros (it filled them in device memory and moved them: twice their size meanwhile), --requests grew
+1.31x; before the account counted the step's indexer temporaries and XLA:CPU's copy of the store, and before the
+mesh made its stacked store in place, devices and requests grew 2.9x and 3.0x the account."""
 
 from __future__ import annotations
 
