@@ -561,9 +561,8 @@ class TieredCache:
             if evicted and not r.hot and s not in self.swapped:
                 raise PoolError(f"slot {s}: pages {evicted[:8]} are released but the request has no hot buffer "
                                 "to read them through")
-            for i in evicted:
-                if r.host[i] == INVALID:
-                    raise PoolError(f"slot {s}: page {i} has no copy anywhere")
+            if lost := [i for i in evicted if r.host[i] == INVALID]:
+                raise PoolError(f"slot {s}: page {lost[0]} has no copy anywhere")
             chain = self.prefix_hashes.get(s, [])
             if len(chain) > n:
                 raise PoolError(f"slot {s}: {len(chain)} prefix hashes for {n} pages")
@@ -584,10 +583,9 @@ class TieredCache:
         max_pages] page tables, int32[max_seqs, hot_pages], int32[max_seqs]) equal this bookkeeping."""
         for s in range(self.spec.max_seqs):
             r = self.requests.get(s, RequestPages())
-            n = r.num_pages
             for name, table, want in (("block", block_table, r.device), ("host", host_table, r.host),
                                       ("index", index_table, r.index)):
-                if list(table[s, :n]) != list(want) or np.any(table[s, n:] != -1):
+                if list(table[s, :(n := len(want))]) != want or np.any(table[s, n:] != -1):
                     raise PoolError(f"slot {s}: device {name} table {table[s, :n + 1].tolist()} != host view {want}")
             if s in self.requests:
                 # the row is the capacity's width: the budget's lent pages, then (slots past the hot-row budget)
