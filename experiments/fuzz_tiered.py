@@ -260,6 +260,28 @@ def same_tokens(what: str, out: list[int], ref: list[int], ref_logits=None) -> b
     raise AssertionError(f"{what}: tokens differ\n got {out}\n ref {ref}")
 
 
+def same_tokens_or_alone(model, what: str, out: list[int], prompt: list[int], n: int, ref: list[int],
+                         ref_logits) -> bool:
+    """`same_tokens` against the float32 reference of the whole batch; where that fails, against the prompt's
+    contiguous run alone. Rounding that differs with the batch's rows can break a near tie of the INDEXER (two
+    positions' scores at the top-k boundary of one prompt position) either way, and the hidden states after it
+    differ by far more than a logits tie: seen in seed 0's generate case 24 under `cpu_compile`'s flags, a
+    prefill boundary 1.2e-8 apart (about 4 ulp) gave logits 2.6e-3 apart, while the same prompt alone, or the batch
+    compiled with XLA's default flags, gives the tiered run's tokens. Output equal to that second reference is
+    counted as a near tie (False); a difference from both raises the batch's AssertionError."""
+    try:
+        return same_tokens(what, out, ref, ref_logits)
+    except AssertionError as batched:
+        from hisparse_jax.generate import generate
+
+        alone, logits = generate(model, [prompt], n, return_logits=True)
+        try:
+            same_tokens(what, out, alone[0], np.asarray(logits[0]))
+        except AssertionError:
+            raise batched from None
+        return False
+
+
 def _reference_tokens(model, case: GenerateCase):
     """(tokens, logits or None): float32, the contiguous path's; bf16 / fp8 or int4 indexer keys, the same formats
     all resident, the indexer keys on the device (a host-tier case's exact mode must give their tokens)."""
@@ -293,6 +315,8 @@ def run_generate_case(case: GenerateCase, model=None) -> dict:
     assert_pools_empty(managers)
     ref, ref_logits = _reference_tokens(model, case)
     exact = all([same_tokens(f"prompt {i}", t, r, None if ref_logits is None else ref_logits[i])
+                 if ref_logits is None else same_tokens_or_alone(model, f"prompt {i}", t, case.prompts[i],
+                                                                 case.max_new_tokens, r, ref_logits[i])
                  for i, (t, r) in enumerate(zip(toks, ref))])
     if case.fetch == "row":
         row_bytes = managers[0].spec.row_bytes
@@ -763,8 +787,9 @@ def merge(into: dict, part: dict) -> dict:
     """Add one group's results to a kind's."""
     into["cases"] = into.get("cases", 0) + part["cases"]
     for key in ("outcomes", "totals", "cases_with_nonzero"):
+        into.setdefault(key, {})  # (a group whose every case failed has none)
         for name, v in part[key].items():
-            into.setdefault(key, {})[name] = into.get(key, {}).get(name, 0) + v
+            into[key][name] = into[key].get(name, 0) + v
     for key in ("failures", "crashes"):
         into.setdefault(key, []).extend(part[key])
     into["seconds"] = round(into.get("seconds", 0) + part["seconds"], 1)
