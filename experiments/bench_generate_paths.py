@@ -30,7 +30,7 @@ from hisparse_jax.engine import runner as programs
 from hisparse_jax.engine.runner import Runner
 from hisparse_jax.kv.dense import DenseKV
 from hisparse_jax.kv import device as kv_device
-from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.tiered import index_span
 from hisparse_jax.model.decoder import SparseMLAModel
 
@@ -96,7 +96,7 @@ def paged_steps(model, prompts, steps: int, cache: CacheConfig, tokens_out: list
     """`generate`'s tiered path (`_generate_tiered`), greedy: yields each decode step's seconds (host
     bookkeeping, decode and sampling, as `generate` does them)."""
     runner = Runner(model)
-    manager = TieredCache(model.cfg, cache)
+    manager = PageManager(model.cfg, cache)
     store, slots, first = runner.admit_prompts(kv_device.new_store(manager), manager, prompts)
     n = len(prompts)
     B = programs.bucket_pow2(n)

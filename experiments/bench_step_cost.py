@@ -26,7 +26,7 @@ from experiments.report import save_json
 from hisparse_jax.config import CacheConfig, get_preset
 from hisparse_jax.engine.runner import Runner
 from hisparse_jax.kv import device as kv_device
-from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.tiered import index_span
 from hisparse_jax.model.decoder import SparseMLAModel
 
@@ -40,7 +40,7 @@ def prefill_random(runner, tc, rng, requests: int, context: int):
 
 def measure(model, runner, context: int, requests: int, max_seq_len: int, steps: int, bounded: bool) -> dict:
     pages = -(-(context + steps + 8) // 64)
-    tc = TieredCache(model.cfg, CacheConfig(kv_dtype="float32", device_pages=requests * (pages + 2),
+    tc = PageManager(model.cfg, CacheConfig(kv_dtype="float32", device_pages=requests * (pages + 2),
                                             host_pages=requests * pages, max_seqs=requests,
                                             max_seq_len=max_seq_len))
     rng = np.random.default_rng(0)
@@ -71,7 +71,7 @@ def measure_host(model, runner, context: int, requests: int, host_scale: int, st
     probe = CacheConfig(kv_dtype=kv_dtype, device_pages=1, max_seqs=requests, max_seq_len=pages * 64,
                         miss_attention=miss_attention)
     hot = -(-probe.hot_rows_for(model.cfg) // 64)
-    tc = TieredCache(model.cfg, probe.replace(device_pages=requests * (2 + hot) + 2,
+    tc = PageManager(model.cfg, probe.replace(device_pages=requests * (2 + hot) + 2,
                                               host_pages=host_scale * requests * pages,
                                               index_pages=requests * pages))
     rng = np.random.default_rng(1)

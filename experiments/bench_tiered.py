@@ -11,7 +11,7 @@ seeded random weights and prompts:
    per fetch mechanism ("row", "page") under a small device budget: hits / misses / resident rows and the
    host -> device bytes per decode step (payload and what the mechanism moved), plus whether the greedy
    tokens equal the all-resident run's.
-2. Per-step timing: three `TieredCache` stores built as `generate` builds them (prefill, `admit`,
+2. Per-step timing: three `PageManager` stores built as `generate` builds them (prefill, `admit`,
    `write_prefill`), then `hisparse_jax.engine.runner.decode_step` stepped side by side (one step of each store
    per round), `--warmup` rounds first, median of `--steps` rounds; ratio tiered / resident per mechanism.
 
@@ -69,7 +69,7 @@ def run(args) -> dict:
     from hisparse_jax.units import PAGE_SIZE
     from hisparse_jax.generate import generate
     from hisparse_jax.kv import device as kv_device
-    from hisparse_jax.kv.manager import TieredCache
+    from hisparse_jax.kv.manager import PageManager
     from hisparse_jax.engine.runner import decode_step
     from hisparse_jax.kv.tiered import stats_bytes
     from hisparse_jax.model.decoder import SparseMLAModel
@@ -135,7 +135,7 @@ def run(args) -> dict:
         first.append(int(jnp.argmax(last)))
     runs = {}
     for name, cc in configs.items():
-        tc = TieredCache(cfg, cc)
+        tc = PageManager(cfg, cc)
         store = kv_device.new_store(tc)
         slots = []
         for p, (lat, rope, ik) in zip(prompts, rows):

@@ -210,12 +210,12 @@ def draw_index_dtype(rng) -> str:
 
 @contextlib.contextmanager
 def watch_managers():
-    """Check the allocator invariants after every `TieredCache.advance` (once per decode step) and record every
-    `TieredCache` built meanwhile, so the caller can check that its pools end empty."""
-    from hisparse_jax.kv.manager import TieredCache
+    """Check the allocator invariants after every `PageManager.advance` (once per decode step) and record every
+    `PageManager` built meanwhile, so the caller can check that its pools end empty."""
+    from hisparse_jax.kv.manager import PageManager
 
     made: list = []
-    init, advance = TieredCache.__init__, TieredCache.advance
+    init, advance = PageManager.__init__, PageManager.advance
 
     def init_watch(self, *a, **kw):
         init(self, *a, **kw)
@@ -225,11 +225,11 @@ def watch_managers():
         advance(self, slots, n)
         self.check_invariants()
 
-    TieredCache.__init__, TieredCache.advance = init_watch, advance_watch
+    PageManager.__init__, PageManager.advance = init_watch, advance_watch
     try:
         yield made
     finally:
-        TieredCache.__init__, TieredCache.advance = init, advance
+        PageManager.__init__, PageManager.advance = init, advance
 
 
 def assert_pools_empty(managers) -> None:

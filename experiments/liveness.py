@@ -9,7 +9,7 @@ in all and per rule (`by_admission`). Each run draws a workload (`engine.fake_co
 prefill mode, prefix caching,
 max_running, prompt chunk, hot-buffer size, 2-10 requests sharing documents' first pages or not, arrivals, and
 device / indexer / host budgets, half of them within a few pages of the least) and drives the real `Scheduler`
-over the real `TieredCache` bookkeeping with a fake model (`run_workload`: NumPy only, nothing compiled). It
+over the real `PageManager` bookkeeping with a fake model (`run_workload`: NumPy only, nothing compiled). It
 checks, every step, that every admitted request progressed (a decode row, prompt rows, a whole prefill) or the
 plan states why not, and that no `OutOfPages` escaped `schedule` or was raised inside it; at the end, that every
 request finished within `step_bound(workload)` and the pools are empty (allocator invariants every 8 steps and at

@@ -27,7 +27,7 @@ from hisparse_jax.engine.sampling import prompt_seeds
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.dense import DenseKV, init_dense_kv
 from hisparse_jax.kv.account import check_store_memory
-from hisparse_jax.kv.manager import TieredCache, check_batch_fits
+from hisparse_jax.kv.manager import PageManager, check_batch_fits
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.tiered import check_backend, check_kernels, empty_stats, index_span, stats_bytes
 from hisparse_jax.model.decoder import SparseMLAModel
@@ -195,7 +195,7 @@ def _generate_tiered(model, prompts, cache, kernels, run, return_stats):
     n, max_new_tokens = len(prompts), run.max_new_tokens
     check_store_memory(StoreSpec.create(cfg, cache), step_rows=bucket_pow2(n),  # before any of it exists
                        index_heads=cfg.index_n_heads)
-    manager = TieredCache(cfg, cache)
+    manager = PageManager(cfg, cache)
     check_backend(manager.spec, kernels)
     # the last new token is sampled, never written: the store holds prompt + max_new_tokens - 1 positions
     check_batch_fits(manager.budget, [len(p) + max_new_tokens - 1 for p in prompts], releasable=manager.releasable)
@@ -222,7 +222,7 @@ def _generate_tiered(model, prompts, cache, kernels, run, return_stats):
 
 
 def _generate_mesh(model, prompts, cache, kernels, mesh, run, return_stats):
-    """`_generate_tiered` with one store slice and one `TieredCache` per data-parallel rank (`parallel`)."""
+    """`_generate_tiered` with one store slice and one `PageManager` per data-parallel rank (`parallel`)."""
     parallel.check_mesh(mesh)
     cfg = model.cfg
     N, n, max_new_tokens = parallel.num_ranks(mesh), len(prompts), run.max_new_tokens
@@ -232,7 +232,7 @@ def _generate_mesh(model, prompts, cache, kernels, mesh, run, return_stats):
     # every device's store, step and model copy, checked before any rank's bookkeeping or store exists
     check_store_memory(StoreSpec.create(cfg, cache), step_rows=Bl, index_heads=cfg.index_n_heads, ranks=N,
                        also=(parallel.replica_cost(runner.state, mesh),))
-    managers = [TieredCache(cfg, cache) for _ in range(N)]
+    managers = [PageManager(cfg, cache) for _ in range(N)]
     spec = managers[0].spec
     check_backend(spec, kernels)
     for c, idx in zip(managers, placed):  # the last new token is sampled, never written

@@ -120,7 +120,7 @@ def write_description(fn: str, meta: dict) -> None:
 
 
 def read_description(fn: str, what: str, fmt: str, version: int, *, holds: str, versions: str = "") -> dict:
-    """The JSON description at `fn` of a saved `what` (e.g. "TieredCache"), refused unless it exists
+    """The JSON description at `fn` of a saved `what` (e.g. "PageManager"), refused unless it exists
     (FileNotFoundError), is readable JSON of format `fmt` and `version`, and its checksum (`write_description`)
     matches: a `CheckpointError` naming the file, what it `holds` when edited, and `versions` (what older versions
     lacked) when another version wrote it."""

@@ -1,7 +1,7 @@
 """Attention data parallelism over a device mesh: one tiered store per data-parallel rank, stacked.
 
     mesh = data_mesh(8)                                   # the first 8 devices, axis "data"
-    managers = [TieredCache(model_cfg, cache) for _ in range(8)]   # host bookkeeping, one per rank
+    managers = [PageManager(model_cfg, cache) for _ in range(8)]   # host bookkeeping, one per rank
     store = new_stacked_store(managers, mesh)             # every leaf [N, ...], rank r's slice on device r
     store, slots = admit_prefilled_ranks(store, managers, {r: (latent, rope, index_k, length), ...})
     store = reserve_next_ranks(store, managers, slots_per_rank)
@@ -11,7 +11,7 @@
 Layout: the N ranks' stores have one `StoreSpec` and are stacked on a new leading axis, placed with
 `NamedSharding(mesh, P("data"))` — device pools, indexer pools, tables and hot buffers in device memory, the host
 pools with the pinned-host memory kind — so each device holds exactly its rank's slice: 1/N of every leaf. Each
-rank has its own `TieredCache` (its own page ids, request slots and budgets: the `CacheConfig`'s budgets are per
+rank has its own `PageManager` (its own page ids, request slots and budgets: the `CacheConfig`'s budgets are per
 device). Everything that touches the store runs as one `shard_map` over the data axis: each device runs the
 one-store program (`kv.device`'s jitted updates, `runner.step_impl` in `runner.jitted_sharded_step`) on its own
 slice with its own arguments, so no KV crosses devices. Ranks with nothing to do in a call get no-op arguments (an
@@ -108,16 +108,16 @@ def expand_rank(tree):
 
 
 def new_stacked_store(managers, mesh: Mesh) -> KVStore:
-    """The stacked store of `managers` (one `TieredCache` per rank, all with one `StoreSpec`): every rank's empty
+    """The stacked store of `managers` (one `PageManager` per rank, all with one `StoreSpec`): every rank's empty
     store (`state.empty_arrays`) made where it lives, each device filling only its own slice (no rank's store is
     made whole and then copied into place); then each rank's pending updates applied."""
     n = num_ranks(mesh)
     check_mesh(mesh)
     if len(managers) != n:
-        raise ValueError(f"need one TieredCache per rank: {n} ranks, {len(managers)} managers")
+        raise ValueError(f"need one PageManager per rank: {n} ranks, {len(managers)} managers")
     spec = managers[0].spec
     if any(c.spec != spec for c in managers):
-        raise ValueError("every rank's TieredCache must have the same StoreSpec")
+        raise ValueError("every rank's PageManager must have the same StoreSpec")
     shardings = stacked_shardings(spec, mesh)
     out = {name: filled((n,) + tuple(shape), fill, dt, getattr(shardings, name))
            for name, (shape, fill, dt) in empty_arrays(spec).items()}

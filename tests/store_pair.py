@@ -1,18 +1,18 @@
-"""Tests' shorthand: a `TieredCache` (host bookkeeping) and its `KVStore` threaded together, so a test reads like
+"""Tests' shorthand: a `PageManager` (host bookkeeping) and its `KVStore` threaded together, so a test reads like
 the sequence of operations it checks. Bookkeeping calls and attributes go to the manager; row writes and reads go
 through `kv.device` with the pair's store."""
 
 from __future__ import annotations
 
 from hisparse_jax.kv import device as kv_device
-from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.manager import PageManager
 
 
 class StorePair:
     _own = ("manager", "store")
 
     def __init__(self, model_cfg, cache, **kw):
-        object.__setattr__(self, "manager", TieredCache(model_cfg, cache, **kw))
+        object.__setattr__(self, "manager", PageManager(model_cfg, cache, **kw))
         object.__setattr__(self, "store", kv_device.new_store(self.manager))
 
     def __getattr__(self, name):

@@ -17,7 +17,7 @@ from hisparse_jax.engine.fake_compute import FakeEngine, liveness_model, random_
 from hisparse_jax.engine.scheduler import ADMISSIONS, Scheduler
 from hisparse_jax.generate import generate
 from hisparse_jax.kv.manager import BudgetError
-from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.pool import Tier
 from tiny import model_cfg
 
@@ -86,7 +86,7 @@ def test_vllm_admits_more_at_first_then_preempts_or_swaps(model, prompts, refere
 def test_admission_is_checked():
     with pytest.raises(ValueError, match="unknown admission 'lazy'; choose one of vllm, reserve"):
         EngineConfig(policy="preempt", admission="lazy")
-    manager = TieredCache(liveness_model(), CacheConfig(kv_dtype="float32", device_pages=8, host_pages=8))
+    manager = PageManager(liveness_model(), CacheConfig(kv_dtype="float32", device_pages=8, host_pages=8))
     with pytest.raises(ValueError, match="unknown admission"):
         Scheduler(manager, "offload", max_running=2, prefill_chunk=64, admission="")
     assert ADMISSIONS == ("vllm", "reserve") and EngineConfig().admission == "vllm"

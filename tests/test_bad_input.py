@@ -24,7 +24,7 @@ from hisparse_jax.hf_config import from_hf_config, to_hf_config
 from hisparse_jax.integrity import CheckpointError
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.manager import BudgetError
-from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.persist import load_tiered, save_tiered
 from hisparse_jax.model.weights import restore_params, save_params
 from tiny import model_cfg
@@ -155,7 +155,7 @@ def flip_byte(directory: str, rel_from: float = 0.5) -> str:
 @pytest.fixture(scope="module")
 def saved_tiered(tmp_path_factory, model):
     cfg = model.cfg
-    tc = TieredCache(cfg, CacheConfig(kv_dtype="float32", device_pages=8, host_pages=16, max_seqs=2, max_seq_len=512))
+    tc = PageManager(cfg, CacheConfig(kv_dtype="float32", device_pages=8, host_pages=16, max_seqs=2, max_seq_len=512))
     rng = np.random.default_rng(0)
     store = kv_device.new_store(tc)
     slot = tc.admit(150)
@@ -220,7 +220,7 @@ def test_store_saved_as_float32_described_as_bf16_is_refused(saved_tiered, tmp_p
 
 @pytest.mark.parametrize("damage, words", [
     (lambda fn: open(fn, "w").write("{not json"), "not readable JSON"),
-    (lambda fn: open(fn, "w").write('{"format": "x"}'), "is not a saved TieredCache"),
+    (lambda fn: open(fn, "w").write('{"format": "x"}'), "is not a saved PageManager"),
     (lambda fn: json.dump({**json.load(open(fn)), "version": 1}, open(fn + ".tmp", "w")) or os.replace(fn + ".tmp", fn),
      "format version 1"),
 ])

@@ -15,7 +15,7 @@ from hisparse_jax.engine.engine import Engine, EngineConfig
 from hisparse_jax.engine.request import SamplingParams
 from hisparse_jax.engine.scheduler import POLICIES, policy_cache
 from hisparse_jax.generate import generate
-from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.manager import PageManager
 from tiny import model_cfg
 
 # the capacity: what the store's arrays are shaped by (index_topk 16: hot-row budgets from 16 up)
@@ -70,7 +70,7 @@ def test_engine_compiles_once_per_batch_shape_across_budgets(model, prompts):
 
 
 def test_budget_inside_capacity_is_enforced_and_checked():
-    tc = TieredCache(model_cfg(), budget(device_pages=10, host_pages=20, max_seqs=2, hot_rows=16))
+    tc = PageManager(model_cfg(), budget(device_pages=10, host_pages=20, max_seqs=2, hot_rows=16))
     assert (tc.spec.device_pages, tc.spec.max_seqs, tc.spec.hot_rows) == (64, 4, 64)  # shapes: the capacity's
     assert (tc.budget.device_pages, tc.budget.max_seqs, tc.budget.hot_rows) == (10, 2, 16)
     assert tc.pool.num_free(hj.kv.pool.Tier.DEVICE) == 10 and len(tc.free_slots()) == 2
@@ -79,7 +79,7 @@ def test_budget_inside_capacity_is_enforced_and_checked():
     with pytest.raises(ValueError, match="kv_dtype must be the capacity's"):
         CacheConfig(kv_dtype="bf16", capacity=CAP)
     with pytest.raises(ValueError, match=r"hot_rows \(128\) exceeds the capacity's \(64\)"):
-        TieredCache(model_cfg(), budget(hot_rows=128))
+        PageManager(model_cfg(), budget(hot_rows=128))
 
 
 def test_every_policy_runs_inside_one_capacity(model, prompts):

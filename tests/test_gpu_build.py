@@ -14,7 +14,7 @@ XLA's deviceless AOT compilation (`hisparse_jax/deviceless.py`) runs the whole X
    (b) the pinned-host pools (the store's pinned_host fields: with index_tier="host" the indexer keys too) stay in
        host memory (S(5)) as parameters and as results, the others on the device,
    (c) no instruction materializes a whole-pool-sized buffer besides the aliased parameter / result;
-   2b. the same (a)-(c) for the jitted store programs that apply `TieredCache`'s decisions (kv/device.py:
+   2b. the same (a)-(c) for the jitted store programs that apply `PageManager`'s decisions (kv/device.py:
    write_prefill bf16 / fp8, evict_pages with and without write-back, load_pages, the table updates,
    append_all; gather_all with HISPARSE_GPU_BUILD_ALL=1);
 3. a Pallas kernel whose block does not fit in shared memory fails to build (errors are real).
@@ -311,8 +311,8 @@ def test_step_copies_no_layer_of_the_index_pool(built_step):
     assert not new, f"{len(new)} buffers of one layer of the index pool, e.g. {new[0][3]}"
 
 
-# ----- 2b. the store programs TieredCache runs between decode steps ----------------------------
-# The jitted functions of hisparse_jax/kv/device.py, which apply TieredCache's decisions to the store (all donate
+# ----- 2b. the store programs PageManager runs between decode steps ----------------------------
+# The jitted functions of hisparse_jax/kv/device.py, which apply PageManager's decisions to the store (all donate
 # it): prompt admission (write_prefill),
 # eviction (with the write-back that runs when rows are not mirrored eagerly), swap-in / prefix loads
 # (load_pages), table updates, and the checked row-level append / gather. Same checks (a)-(c) as the step,
@@ -377,7 +377,7 @@ STORE_CASES = {
     f"write_prefill kv=fp8 index_tier=host (T={PREFILL_T})": ("write_prefill", "fp8", dict(index_tier="host")),
     f"append_all (+ mirror_rows) kv=fp8 index_tier=host (B={BATCH})": ("append_all", "fp8", dict(index_tier="host")),
 }
-# gather_all (TieredCache.gather: trace replays and tests, not the engine) takes ~20 s to build on 2 cores.
+# gather_all (PageManager.gather: trace replays and tests, not the engine) takes ~20 s to build on 2 cores.
 GATHER_CASE = f"gather_all kv=bf16 fetch=page (B={BATCH} K=2048)"
 if os.environ.get("HISPARSE_GPU_BUILD_ALL"):
     STORE_CASES[GATHER_CASE] = ("gather_all", "bf16", dict(fetch="page"))
@@ -388,10 +388,10 @@ KNOWN_POOL_COPIES: dict[str, str] = {}
 
 @pytest.fixture(scope="module", params=list(STORE_CASES))
 def built_store_program(request, build_log):
-    """(label, store, compiled HLO text, memory stats) of one of TieredCache's jitted store programs."""
+    """(label, store, compiled HLO text, memory stats) of one of PageManager's jitted store programs."""
     name, kv, kw = STORE_CASES[request.param]
     fn, args = _store_program(name, kv, **kw)
-    case = f"TieredCache {request.param} glm-5[{SLICE_LAYERS} layers]"
+    case = f"PageManager {request.param} glm-5[{SLICE_LAYERS} layers]"
     exe = timed_build(build_log, case, lambda: dl.compile_lowered(dl.lower_for_gpu(fn, *args)))
     return request.param, args[0], dl.hlo_text(exe), exe.get_compiled_memory_stats()
 

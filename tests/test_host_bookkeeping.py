@@ -1,4 +1,4 @@
-"""`TieredCache` is host-only bookkeeping: it runs in an interpreter where jax cannot be imported, its decisions
+"""`PageManager` is host-only bookkeeping: it runs in an interpreter where jax cannot be imported, its decisions
 reach the device only as ordered `updates`, and those updates, applied, give the tables the manager describes."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 import hisparse_jax as hj
 from hisparse_jax.kv import device as kv_device
-from hisparse_jax.kv.manager import TieredCache, least_recently_selected
+from hisparse_jax.kv.manager import PageManager, least_recently_selected
 from hisparse_jax.kv.pool import Tier
 from hisparse_jax.kv.updates import ClearStamps, LoadPages, ReleasePages, SetTables
 
@@ -22,10 +22,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORKLOAD = textwrap.dedent("""
     import hisparse_jax as hj
-    from hisparse_jax.kv.manager import TieredCache
+    from hisparse_jax.kv.manager import PageManager
     from hisparse_jax.kv.manager import least_recently_selected
     cfg = hj.get_preset("tiny-glm")
-    tc = TieredCache(cfg, hj.CacheConfig(kv_dtype="float32", device_pages=34, host_pages=96, max_seqs=4,
+    tc = PageManager(cfg, hj.CacheConfig(kv_dtype="float32", device_pages=34, host_pages=96, max_seqs=4,
                                          max_seq_len=1536), victim_order=least_recently_selected)
     slots = [tc.admit(300) for _ in range(2)]
     for step in range(700):  # decode growth under pressure: pages are released, hot buffers lent
@@ -62,7 +62,7 @@ def test_bookkeeping_runs_without_jax():
 def test_updates_applied_give_the_tables_the_manager_describes():
     ns: dict = {}
     exec(WORKLOAD.replace("tc.check_invariants()", ""), ns)
-    tc: TieredCache = ns["tc"]
+    tc: PageManager = ns["tc"]
     updates = list(tc.updates)
     assert {type(u) for u in updates} == {SetTables, ClearStamps, ReleasePages, LoadPages}
     for u in updates:  # plain host data: NumPy rows and Python ints, no device arrays
@@ -91,15 +91,15 @@ def test_coldness_is_a_plug_in_over_a_read_only_view():
         return pages
 
     cache = hj.CacheConfig(kv_dtype="float32", device_pages=20, host_pages=32, max_seqs=2, max_seq_len=1024)
-    assert TieredCache(hj.get_preset("tiny-glm"), cache).budget.hot_pages == 8
+    assert PageManager(hj.get_preset("tiny-glm"), cache).budget.hot_pages == 8
     for coldness, evicted in ((newest_first, [5, 6, 7, 8, 9, 10, 11, 12, 13]),
                               (least_recently_selected, [0, 1, 2, 3, 4, 5, 6, 7, 8])):  # no page selected yet: oldest
-        tc = TieredCache(hj.get_preset("tiny-glm"), cache, victim_order=coldness)
+        tc = PageManager(hj.get_preset("tiny-glm"), cache, victim_order=coldness)
         s = tc.admit(64 * 16)  # 16 resident pages, 0..13 sealed; its 8 hot pages are paid for by the first 8 evicted
         tc.evict_until(tc.pool.num_free(Tier.DEVICE) + 1)
         assert tc.requests[s].host_only_pages() == evicted
     assert views and not any(views)
-    tc = TieredCache(hj.get_preset("tiny-glm"), cache, victim_order=writes)
+    tc = PageManager(hj.get_preset("tiny-glm"), cache, victim_order=writes)
     tc.admit(64 * 16)
     with pytest.raises(ValueError, match="read-only"):
         tc.evict_until(tc.pool.num_free(Tier.DEVICE) + 1)
@@ -108,7 +108,7 @@ def test_coldness_is_a_plug_in_over_a_read_only_view():
 def test_unapplied_updates_are_refused_where_they_would_be_lost(tmp_path):
     from hisparse_jax.kv.persist import save_tiered
 
-    tc = TieredCache(hj.get_preset("tiny-glm"), hj.CacheConfig(kv_dtype="float32", device_pages=16, max_seqs=2,
+    tc = PageManager(hj.get_preset("tiny-glm"), hj.CacheConfig(kv_dtype="float32", device_pages=16, max_seqs=2,
                                                                 max_seq_len=512))
     store = kv_device.new_store(tc)
     tc.admit(100)

@@ -294,9 +294,9 @@ def test_fuzzer_option_applies_to_the_kinds_that_take_it(capsys):
 
 def test_trace_replay_refuses_score_ema(model):
     from hisparse_jax.kv.device import gather, new_store
-    from hisparse_jax.kv.manager import TieredCache
+    from hisparse_jax.kv.manager import PageManager
 
-    manager = TieredCache(model.cfg, TIGHT.replace(hot_policy="score_ema"))
+    manager = PageManager(model.cfg, TIGHT.replace(hot_policy="score_ema"))
     with pytest.raises(ValueError, match="gather replays top-k without the indexer's scores"):
         gather(new_store(manager), manager, [0], np.zeros((1, 16), np.int32))
 

@@ -24,7 +24,7 @@ import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.scoring import index_select_read
-from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.state import host_sharding, init_store
 from hisparse_jax.kv.tiered import check_backend
@@ -88,7 +88,7 @@ def _poisoned(spec):
 
 def _fill(cache, prompt_lens, appends, keys, seed):
     """A store of `cache` holding two requests: prompts of `prompt_lens` rows, then `appends` tokens each."""
-    tc = TieredCache(CFG, cache)
+    tc = PageManager(CFG, cache)
     store = kv_device.apply_updates(_poisoned(tc.spec), tc)
     rng = np.random.default_rng(seed)
     slots = []

@@ -1,4 +1,4 @@
-"""Liveness of the scheduler: the real `Scheduler` over the real `TieredCache` bookkeeping, the model replaced by a
+"""Liveness of the scheduler: the real `Scheduler` over the real `PageManager` bookkeeping, the model replaced by a
 fake (`engine.fake_compute`: NumPy only, nothing compiled). Every admitted request progresses each step (a decode
 row, prompt rows, a whole prefill) or the step's plan states why not; no `OutOfPages` escapes `schedule` or is
 swallowed inside it; every request finishes within a bound computed from the workload; the pools end empty.

@@ -32,7 +32,7 @@ def _checks() -> dict:
     from hisparse_jax.config import CacheConfig
     from hisparse_jax.engine.runner import jitted_sharded_step, prefill_rows
     from hisparse_jax.generate import generate
-    from hisparse_jax.kv.manager import TieredCache
+    from hisparse_jax.kv.manager import PageManager
     from tiny import model_cfg
 
     out: dict = {"devices": len(jax.devices())}
@@ -61,7 +61,7 @@ def _checks() -> dict:
                logits_max_diff=max(float(np.max(np.abs(a - b))) for a, b in zip(lg_mesh, lg_one)))
 
     # a stacked store with one prompt on some ranks, and the sharded decode step over it
-    managers = [TieredCache(cfg, small) for _ in range(N)]
+    managers = [PageManager(cfg, small) for _ in range(N)]
     store = parallel.new_stacked_store(managers, mesh)
     rows = {}
     for r in (0, 3, 7):

@@ -50,7 +50,7 @@ from flax import nnx
 import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig, ModelConfig
 from hisparse_jax.engine import Engine, EngineConfig, MeshEngine
-from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.pool import PagePool
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.account import check_store_memory
@@ -65,7 +65,7 @@ for name, value in {SIZES!r}.items():
     attempt("generate " + name, lambda: hj.generate(model, prompts, 2, cache=cache()))
     if name != "max_seqs":  # an engine's request slots are its max_running (below)
         attempt("engine " + name, lambda: Engine(model, cache()))
-attempt("manager max_seqs", lambda: TieredCache(cfg, CacheConfig(max_seqs=10**9)))
+attempt("manager max_seqs", lambda: PageManager(cfg, CacheConfig(max_seqs=10**9)))
 attempt("pool index_pages", lambda: PagePool(1, 10**10, 0))
 # the case: 10^7 hot rows pass a count of the store alone; the engine's step resolves each of its 512
 # batch rows against a request's whole hot buffer

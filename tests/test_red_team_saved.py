@@ -24,7 +24,7 @@ from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine import pd
 from hisparse_jax.integrity import CheckpointError
 from hisparse_jax.kv import device as kv_device
-from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.persist import load_tiered, save_tiered
 from tiny import model_cfg
 
@@ -37,7 +37,7 @@ N = 150  # tokens written: logical pages 0, 1 full, page 2 holds 22 rows
 def saved(tmp_path_factory):
     """A host-tier store with one request's rows written (random keys), its manager, and where it was saved."""
     cfg = model_cfg()
-    tc = TieredCache(cfg, HOST_KEYS)
+    tc = PageManager(cfg, HOST_KEYS)
     rng = np.random.default_rng(0)
     store = kv_device.new_store(tc)
     slot = tc.admit(N)
@@ -59,7 +59,7 @@ def test_restored_arrays_are_typed_and_placed_as_a_new_store_makes_them(saved):
     lets a fresh process compile the step for them (the regression: Orbax's arrays lacked the host memory space)."""
     tc, _, _, path = saved
     _, back = load_tiered(path)
-    fresh = kv_device.new_store(TieredCache(tc.model_cfg, tc.cache))
+    fresh = kv_device.new_store(PageManager(tc.model_cfg, tc.cache))
     for name in ("h_latent", "index_k", "index_lo", "latent", "block_table"):
         a, b = getattr(back, name), getattr(fresh, name)
         assert str(jax.typeof(a)) == str(jax.typeof(b)) and a.sharding == b.sharding, name

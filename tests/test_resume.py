@@ -22,7 +22,7 @@ import hisparse_jax as hj
 from hisparse_jax.engine.runner import Runner, decode_step
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv import tiered
-from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.persist import load_tiered, save_tiered
 from limit_harness import fresh_process
 from tiny import BIG, model_cfg
@@ -84,7 +84,7 @@ def resume(path):
             slots, tok = json.load(f)
         tc, store = load_tiered(os.path.join(path, name))
         store, _, got[name], _ = continue_decoding(model, tc, store, slots, jnp.asarray(tok, jnp.int32), DECODE, ENGINE)
-        fresh = kv_device.new_store(TieredCache(model.cfg, cc))
+        fresh = kv_device.new_store(PageManager(model.cfg, cc))
         restored = load_tiered(os.path.join(path, name))[1]
         for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(fresh)):
             assert str(jax.typeof(a)) == str(jax.typeof(b)) and a.sharding == b.sharding, (name, a, b)
@@ -96,7 +96,7 @@ def test_a_saved_store_resumes_in_a_fresh_process(tmp_path):
     want = {}
     for name in FORMATS:
         model, cc = build(name)
-        tc = TieredCache(model.cfg, cc)
+        tc = PageManager(model.cfg, cc)
         store, slots, logits = Runner(model).admit_prompts(kv_device.new_store(tc), tc, PROMPTS)
         tok = jnp.asarray([int(np.argmax(x)) for x in logits], jnp.int32)
         store, tok, _, _ = continue_decoding(model, tc, store, slots, tok, BEFORE, 0)

@@ -1,4 +1,4 @@
-"""Public `TieredCache` calls are safe in any order: random sequences of admit / write / append / release (abort) /
+"""Public `PageManager` calls are safe in any order: random sequences of admit / write / append / release (abort) /
 evict / swap / gather over 3 requests, and after every call each live request reads exactly its own rows.
 
 The calls are the public ones only (no `_ensure_hot` first, unlike the store's other tests): a request whose pages
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from store_pair import StorePair
-from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.pool import OutOfPages, Tier
 from test_store import DI, LI, MODEL, C, L, R, cache_config
 
@@ -40,7 +40,7 @@ def rows(rng, n):
             rng.standard_normal((LI, n, DI)).astype(np.float32))
 
 
-def read_back(tc: TieredCache, oracle: Oracle, slot: int) -> None:
+def read_back(tc: PageManager, oracle: Oracle, slot: int) -> None:
     n = tc.lengths[slot]
     for start in range(0, n, HOT):
         pos = np.full((1, HOT), -1, np.int32)

@@ -13,7 +13,7 @@ from hisparse_jax.config import CacheConfig
 from hisparse_jax.generate import generate
 from hisparse_jax.engine import runner
 from hisparse_jax.kv import device as kv_device
-from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.persist import load_tiered, save_tiered
 from tiny import BIG, model_cfg
 
@@ -72,10 +72,10 @@ def test_tiered_equals_all_resident_in_compressed_formats(kv_dtype):
 
 
 def _start(model, prompts, cc):
-    """A TieredCache and its store with `prompts` prefilled; returns (manager, store, slots, first tokens)."""
+    """A PageManager and its store with `prompts` prefilled; returns (manager, store, slots, first tokens)."""
     from hisparse_jax.engine.runner import prefill_rows
 
-    tc = TieredCache(model.cfg, cc)
+    tc = PageManager(model.cfg, cc)
     store = kv_device.new_store(tc)
     slots, toks = [], []
     for p in prompts:

@@ -18,7 +18,7 @@ from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine import runner
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.resolve import Plan, check_groups, group_req, row_plan, union_topk
-from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.state import StoreSpec
 from hisparse_jax.kv.tiered import TieredKV, empty_stats, stats_bytes
 from tiny import model_cfg
@@ -129,7 +129,7 @@ def prefilled(model):
 
 
 def _admit(prefilled, cc):
-    tc = TieredCache(CFG, cc)
+    tc = PageManager(CFG, cc)
     store = kv_device.new_store(tc)
     slots = []
     for n, (latent, rope, index_k) in prefilled:

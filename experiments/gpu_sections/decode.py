@@ -133,9 +133,9 @@ def _decode_setup(ctx: Ctx) -> dict:
 
 def _admit(ctx, d: dict, cc):
     from hisparse_jax.kv import device as kv_device
-    from hisparse_jax.kv.manager import TieredCache
+    from hisparse_jax.kv.manager import PageManager
 
-    tc = TieredCache(d["cfg"], cc)
+    tc = PageManager(d["cfg"], cc)
     store, slots = kv_device.new_store(tc, ctx.device), []
     for p, (lat, rope, ik) in zip(d["prompts"], d["rows"]):
         store, slot = kv_device.admit_prefilled(store, tc, lat, rope, ik, len(p))

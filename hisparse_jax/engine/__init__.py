@@ -3,7 +3,7 @@
 Glossary:
 
 - cache: a `CacheConfig` (the KV store's configuration: pages per tier, hot rows, fetch); only that.
-- manager: a `TieredCache`, the host bookkeeping of a tiered store (pages, tables, lengths, prefix hashes);
+- manager: a `PageManager`, the host bookkeeping of a tiered store (pages, tables, lengths, prefix hashes);
   `Engine.manager`, `MeshEngine.managers` (one per rank).
 - store: a `KVStore`, the device (and pinned-host) arrays a manager describes.
 - kv: the carry threaded through the model's layers in a decode step (`TieredKV.init_kv`, `kv.dense.init_dense_kv`).

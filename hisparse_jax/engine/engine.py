@@ -31,7 +31,7 @@ from hisparse_jax.engine.metrics import step_metrics, summarize
 from hisparse_jax.engine.pd import IMPORT_CHUNK, PrefillExport, check_export, load_export
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
 from hisparse_jax.engine.scheduler import POLICIES, PREFILL_MODES, Scheduler, check_admission, pages, policy_cache
-from hisparse_jax.kv.manager import COLDNESS, BudgetError, TieredCache, check_batch_fits
+from hisparse_jax.kv.manager import COLDNESS, BudgetError, PageManager, check_batch_fits
 from hisparse_jax.kv import device as kv_device, tiered
 from hisparse_jax.kv.account import check_store_memory
 from hisparse_jax.kv.state import StoreSpec
@@ -136,17 +136,17 @@ class OneStore:
     """The engine's store seam on one device: owns the `KVStore` and applies the engine's host decisions to it
     (`kv.device`). `engine.mesh` puts a rank of a stacked store behind the same four methods."""
 
-    def __init__(self, manager: TieredCache, store=None):
+    def __init__(self, manager: PageManager, store=None):
         # the manager's KVStore (device pools + pinned-host pools): a new one, or a restored one (`engine.snapshot`)
         self.store = kv_device.new_store(manager) if store is None else store
 
-    def apply_updates(self, manager: TieredCache) -> None:
+    def apply_updates(self, manager: PageManager) -> None:
         self.store = kv_device.apply_updates(self.store, manager)
 
-    def write_prefill(self, manager: TieredCache, slot: int, latent, rope, index_k, length: int, offset: int = 0):
+    def write_prefill(self, manager: PageManager, slot: int, latent, rope, index_k, length: int, offset: int = 0):
         self.store = kv_device.write_prefill(self.store, manager, slot, latent, rope, index_k, length, offset=offset)
 
-    def check_tables(self, manager: TieredCache) -> None:
+    def check_tables(self, manager: PageManager) -> None:
         kv_device.check_tables(self.store, manager)
 
 
@@ -191,7 +191,7 @@ class Engine:
     def __init__(self, model: SparseMLAModel, cache: CacheConfig, config: EngineConfig = EngineConfig(), *,
                  store_owner=OneStore, restored=None):
         """store_owner(manager) -> the object that holds this engine's KVStore (`OneStore`, or a rank of a
-        `MeshEngine`'s stacked store); restored: a saved engine's (TieredCache, KVStore) in place of new ones
+        `MeshEngine`'s stacked store); restored: a saved engine's (PageManager, KVStore) in place of new ones
         (`engine.snapshot.load_engine`)."""
         check_engine_args(model, cache, config)
         # the device side: the model split once, the kernels ("pallas" needs a GPU backend: refused here, never a
@@ -214,7 +214,7 @@ class Engine:
         self.runner, self.config, self.k, self.cache = runner, config, config.speculative_tokens, cache
         device_keys = cache.num_index_pages  # the device's key budget (offload under "vllm" grows the pool)
         cache = policy_cache(cache, config.policy, config.max_running, self.k, config.admission)
-        self.manager = TieredCache(runner.cfg, cache, victim_order=COLDNESS[config.coldness]) if restored is None \
+        self.manager = PageManager(runner.cfg, cache, victim_order=COLDNESS[config.coldness]) if restored is None \
             else restored[0]
         if self.manager.cache != cache:
             raise ValueError("the restored store was not made for this CacheConfig and EngineConfig")

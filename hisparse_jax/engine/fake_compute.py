@@ -1,7 +1,7 @@
 """`FakeEngine`: the `Engine` with only the model call replaced — `FakeRunner` produces each token as a function
 of (seed, position) instead of a model's, and `HostOnly` stands in for the device store. The scheduling, the
 batch and the commit are the engine's own (`Engine.begin_step` / `call_model` / `finish_step`) over the real
-`TieredCache` bookkeeping; NumPy only: nothing is compiled, no device array exists.
+`PageManager` bookkeeping; NumPy only: nothing is compiled, no device array exists.
 
 What it is for: checking the scheduler's liveness (`tests/test_liveness.py`, `experiments/liveness.py`). Each
 `FakeEngine.step_report` (a step, as `Engine.step`) returns which admitted requests progressed (a decode row, prompt
@@ -103,7 +103,7 @@ class FakeStep:
 
 
 class FakeEngine(Engine):
-    """`Engine` over a `TieredCache` sized by `cache` for `model` (a `ModelConfig`: no parameters), with
+    """`Engine` over a `PageManager` sized by `cache` for `model` (a `ModelConfig`: no parameters), with
     `FakeRunner` for the model and `HostOnly` for the store. `config` as the engine's; speculative decoding and
     kernels other than "reference" are refused (there is no model to draft with, nothing to run kernels on)."""
 

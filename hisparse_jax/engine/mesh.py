@@ -6,7 +6,7 @@
     engine.run()
     engine.outputs()["a"], engine.rank_of("a"), engine.metrics().ranks[r]
 
-One rank = one `Engine` (its own `TieredCache`, `Scheduler` and policy, the `CacheConfig`'s budgets per device)
+One rank = one `Engine` (its own `PageManager`, `Scheduler` and policy, the `CacheConfig`'s budgets per device)
 whose store is its slice of one stacked store (`hisparse_jax.parallel`: every leaf [N, ...] on
 `NamedSharding(mesh, P("data"))`, host pools pinned_host). A mesh step runs every rank's host half
 (`Engine.begin_step`: schedule, whole-prompt prefills, the batch), applies every rank's table updates, then one

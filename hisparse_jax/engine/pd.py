@@ -31,7 +31,7 @@ The decode engine admits an imported request like a whole-prompt prefill: under 
 resident when the device pool has room, otherwise its older pages go straight to the host tier (only the tail
 pages, the hot buffer and the indexer keys on the device); under "preempt" / "offload" all resident. Rows are
 written through a bounded device staging area of `IMPORT_CHUNK` tokens at a time. Host and device page ids are
-the store's own, allocated by `TieredCache` — the file carries positions, never page ids.
+the store's own, allocated by `PageManager` — the file carries positions, never page ids.
 """
 
 from __future__ import annotations

@@ -394,7 +394,7 @@ class Runner:
         return np.asarray(sampler()(jnp.stack(logits), seeds, positions, temperatures, top_ps)).tolist()
 
     def admit_prompts(self, store: KVStore, manager, prompts) -> tuple[KVStore, list[int], list]:
-        """Prefill each prompt (one causal forward) and admit it with its rows into `manager` (a `TieredCache`) and
+        """Prefill each prompt (one causal forward) and admit it with its rows into `manager` (a `PageManager`) and
         `store`: (store, slots, the logits each prompt's first new token is drawn from)."""
         slots, first = [], []
         for p in prompts:

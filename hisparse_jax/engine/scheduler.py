@@ -33,7 +33,7 @@ store's key pool (`policy_cache` gives it room for every host page's keys) and o
 (`Scheduler.device_keys`): the copy vLLM would make is counted (`StepPlan.swap_out_keys` / `swap_in_keys`),
 not performed.
 
-With prefix caching on (`TieredCache.prefix_caching`), a waiting request whose prompt starts with registered
+With prefix caching on (`PageManager.prefix_caching`), a waiting request whose prompt starts with registered
 full pages shares them at admission and prefills only the rest, through the store (even in "whole" mode: the
 shared rows are read back from the store, so the rest is written chunk by chunk with the prompt resident;
 when the device cannot hold the prompt now but a whole prefill fits, it is prefilled whole without sharing).
@@ -52,7 +52,7 @@ from collections import deque
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.engine.request import Request, RequestState
-from hisparse_jax.kv.manager import TAIL_PAGES, BudgetError, TieredCache, min_device_pages
+from hisparse_jax.kv.manager import TAIL_PAGES, BudgetError, PageManager, min_device_pages
 from hisparse_jax.kv.pool import OutOfPages, Tier
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.units import INVALID
@@ -169,7 +169,7 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, manager: TieredCache, policy: str, *, max_running: int, prefill_chunk: int,
+    def __init__(self, manager: PageManager, policy: str, *, max_running: int, prefill_chunk: int,
                  prefill: str = "chunked", admission: str = "vllm", device_keys: int | None = None):
         """admission: one of `ADMISSIONS` (preempt / offload; HiSparse keeps its own rule); device_keys: the
         indexer pages the device budget holds when swaps take keys off it (`swaps_keys`; default: the key pool's)."""

@@ -4,7 +4,7 @@ Modules: `spec.py` (`StoreSpec`, the static geometry), `state.py` (`KVStore`, th
 pools, tables), the jitted store operations the decode step uses, one idea each: `codec.py` (value formats, host memory
 moves), `writes.py` (row writes), `scoring.py` (the indexer's top-k), `resolve.py` (top-k -> `Plan`, the hot buffer's
 victim order, misses host -> device, reads); `tiered.py` (the `TieredKV` backend and the decode-step entry points),
-`pool.py` (`PagePool`: page ids, refcounts, prefix registrations); the host bookkeeping `manager.py` (`TieredCache`, one
+`pool.py` (`PagePool`: page ids, refcounts, prefix registrations); the host bookkeeping `manager.py` (`PageManager`, one
 class: admission, eviction and its coldness orders, swap, prefix sharing, checks, and whether requests fit at all)
 — NumPy only; `updates.py` (what the bookkeeping asks of the device tables) and `device.py` (carrying those updates out
 on a `KVStore`: table changes, write-back, swap-in; checked row writes and reads); `persist.py` (save / restore);
@@ -28,9 +28,9 @@ Glossary (one word, one thing; where the code still uses a word for two things, 
 - indexer group: a full indexer layer and the shared-index layers after it; they read the same top-k rows.
 - mirror: every appended row is written to its host page in the same step (`mirror_to_host`), so evicting a
   page copies nothing.
-- updates (`TieredCache.updates`, `updates.py`): the host's decisions about the device tables, in order, applied by
+- updates (`PageManager.updates`, `updates.py`): the host's decisions about the device tables, in order, applied by
   whoever holds the `KVStore` (`device.apply_updates`) before the next device call.
-- resident-only (`TieredCache.resident_only`, `keep_resident` / `allow_eviction`): request slots whose pages must all
+- resident-only (`PageManager.resident_only`, `keep_resident` / `allow_eviction`): request slots whose pages must all
   stay resident (a prompt being written chunk by chunk). "Pinned" always means pinned host memory, the host tier.
 - plan: the resolver's per-row result (`resolve.Plan`: page, row, valid, resident, miss, source); the engine's
   scheduler has its own `StepPlan`.

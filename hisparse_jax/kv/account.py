@@ -1,7 +1,7 @@
 """The memory account of a tiered store, before any of it exists: every array's shape, value dtype and memory
 (`store_layout`), their bytes with the host bookkeeping's and the step's temporaries (`store_costs`), and the
 refusal of a store that cannot fit (`check_store_memory`). Arithmetic on a `StoreSpec` (NumPy dtypes; jax only
-asked which backend runs a step): `generate` and the engines check it before the host bookkeeping (`kv.manager.TieredCache`, which checks its
+asked which backend runs a step): `generate` and the engines check it before the host bookkeeping (`kv.manager.PageManager`, which checks its
 own part) or the store exist, and `kv.state.init_store` builds exactly this layout."""
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def _sizes(spec: StoreSpec, names: tuple[str, ...]) -> str:
 
 def store_costs(spec: StoreSpec, *, step_rows: int = 0, index_heads: int = 0, cpu: bool = False) -> list[Cost]:
     """The memory account of a store of geometry `spec`: its arrays (`store_layout`), the host bookkeeping
-    `kv.manager.TieredCache` keeps (`PagePool`'s per-page counts, the per-page recency stamps), and with
+    `kv.manager.PageManager` keeps (`PagePool`'s per-page counts, the per-page recency stamps), and with
     `step_rows` > 0 the temporaries of a step of that many batch rows: the hot-buffer resolve's
     (`RESOLVE_BYTES_PER_ROW_SLOT`), the indexer's over the longest span (`index_bytes_per_row_position`, with the
     model's `index_heads`), and on a CPU (`cpu`) the copy of the store XLA:CPU makes around the fetch's
@@ -127,7 +127,7 @@ def _nbytes(shape: tuple[int, ...], dtype) -> int:
 
 
 def bookkeeping_costs(spec: StoreSpec) -> list[Cost]:
-    """What `kv.manager.TieredCache` allocates in host memory for `spec`: `PagePool`'s per-page counts and the
+    """What `kv.manager.PageManager` allocates in host memory for `spec`: `PagePool`'s per-page counts and the
     per-page recency stamps."""
     pages = spec.device_pages + spec.index_pages + spec.host_pages
     return [Cost("the page pools' bookkeeping", POOL_BYTES_PER_PAGE * pages, "host",

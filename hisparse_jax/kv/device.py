@@ -1,8 +1,8 @@
-"""The device half of the tiered store: the host's table decisions (`kv.updates`, recorded by `TieredCache`) carried
+"""The device half of the tiered store: the host's table decisions (`kv.updates`, recorded by `PageManager`) carried
 out on a `KVStore`, and the checked row-level writes and reads that need both (prompt writes, appends, gathers:
 trace replays, tests, benchmarks).
 
-    manager = TieredCache(model_cfg, cache)             # host bookkeeping (NumPy)
+    manager = PageManager(model_cfg, cache)             # host bookkeeping (NumPy)
     store = new_store(manager)                          # its KVStore (device pools + pinned-host pools)
     store, slot = admit_prefilled(store, manager, latent, rope, index_k, length)
     manager.reserve(slot, length + 1)                   # host decisions ...
@@ -29,7 +29,7 @@ import numpy as np
 
 from hisparse_jax.kv import writes
 from hisparse_jax.kv.codec import from_host_memory, set_rows, to_host_memory
-from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.resolve import fetch_misses, gather_rows, resolve
 from hisparse_jax.kv.state import KVStore, init_store
 from hisparse_jax.kv.updates import ClearStamps, LoadPages, ReleasePages, SetTables
@@ -37,7 +37,7 @@ from hisparse_jax.units import PAGE_SIZE
 from pallas_kernels.sparse_gather.reference import UNUSED_STAMP
 
 
-def new_store(manager: TieredCache, device=None) -> KVStore:
+def new_store(manager: PageManager, device=None) -> KVStore:
     """An empty `KVStore` for `manager` (host pools in pinned_host memory), with its pending updates applied."""
     return apply_updates(init_store(manager.spec, device), manager)
 
@@ -164,7 +164,7 @@ def update_call(u) -> tuple[str, list]:
     raise TypeError(f"unknown store update {u!r}")
 
 
-def apply_updates(store: KVStore, manager: TieredCache) -> KVStore:
+def apply_updates(store: KVStore, manager: PageManager) -> KVStore:
     """Apply (and clear) `manager`'s pending device-table updates to `store`, in the order they were decided."""
     for u in manager.take_updates():
         kind, args = update_call(u)
@@ -172,7 +172,7 @@ def apply_updates(store: KVStore, manager: TieredCache) -> KVStore:
     return store
 
 
-def reserve_next(store: KVStore, manager: TieredCache, slots, n: int = 1) -> KVStore:
+def reserve_next(store: KVStore, manager: PageManager, slots, n: int = 1) -> KVStore:
     """Before a decode call that appends `n` tokens to each of `slots` (-1: padding): reserve their pages (releasing
     cold pages if needed) and apply the resulting table updates."""
     for s in slots:
@@ -193,7 +193,7 @@ STORE_PROGRAMS = {"rows": _set_rows, "tables": _set_tables, "stamps": _clear_pag
                   "load": _load_pages, "prefill": _write_prefill}
 
 
-def write_prefill(store: KVStore, manager: TieredCache, slot: int, latent, rope, index_k, length: int,
+def write_prefill(store: KVStore, manager: PageManager, slot: int, latent, rope, index_k, length: int,
                   start: int = 0, offset: int = 0) -> KVStore:
     """Write a prompt's rows (latent [L, T, C], rope [L, T, R], index_k [LI, T, dI]; row t is position
     offset + t, `offset` a multiple of 64) for positions start..length-1 into `slot` (admitted for `length`
@@ -207,7 +207,7 @@ def write_prefill(store: KVStore, manager: TieredCache, slot: int, latent, rope,
                           jnp.int32(offset))
 
 
-def admit_prefilled(store: KVStore, manager: TieredCache, latent, rope, index_k, length: int, *,
+def admit_prefilled(store: KVStore, manager: PageManager, latent, rope, index_k, length: int, *,
                     tokens=None) -> tuple[KVStore, int]:
     """`manager.admit` a prompt of `length` tokens and write its rows computed outside the store (e.g. by
     `generate.prefill_rows`); with `tokens` (and `prefix_caching` on) its full pages are registered for later
@@ -242,7 +242,7 @@ def _append_all(store, req, latent, rope, index_k):
     return store.replace(seq_lens=seq_lens)
 
 
-def append(store: KVStore, manager: TieredCache, slots, latent, rope, index_k) -> KVStore:
+def append(store: KVStore, manager: PageManager, slots, latent, rope, index_k) -> KVStore:
     """Append one token to each of `slots` (-1: padding) in every layer: latent [L, B, C], rope [L, B, R],
     index_k [LI, B, dI]. Reserves tail pages (releasing cold pages if needed), writes the device pages and the
     host mirror."""
@@ -270,7 +270,7 @@ def _gather_all(store, req, topk):
     return store, jnp.stack(lats), jnp.stack(ropes), valid, total
 
 
-def gather(store: KVStore, manager: TieredCache, slots, topk):
+def gather(store: KVStore, manager: PageManager, slots, topk):
     """Resolve `topk` (int32[B, K]: positions, -1 padding) for each slot in every indexer group — resident
     reads, hot hits, misses fetched from host — and return the rows of every layer:
     (store, latent f32[L, B, K, C], rope f32[L, B, K, R], valid bool[B, K], payload_h2d_bytes).
@@ -303,7 +303,7 @@ def gather(store: KVStore, manager: TieredCache, slots, topk):
     return store, lat, rope, valid, int(rows) * manager.spec.row_bytes
 
 
-def check_tables(store: KVStore, manager: TieredCache) -> None:
+def check_tables(store: KVStore, manager: PageManager) -> None:
     """`manager.check_invariants()`, and the store's tables equal the manager's view (pending updates must have been
     applied). Reads the tables back: tests and debugging."""
     if manager.updates:

@@ -1,4 +1,4 @@
-"""`TieredCache`: the host-side page bookkeeping of a tiered KV store, in one class: admission, tail-page
+"""`PageManager`: the host-side page bookkeeping of a tiered KV store, in one class: admission, tail-page
 reservation, eviction under pressure, whole-request swap, prefix sharing, consistency checks; and `check_batch_fits`,
 whether requests fit its limits at all. NumPy only: it never calls jit and never reads a device array. It decides
 which pages exist where (`PagePool`) and records what the device tables must become as ordered `updates`
@@ -42,7 +42,7 @@ def check_batch_fits(limits: StoreSpec, num_tokens: list[int], *, releasable: bo
     `num_tokens` KV positions each at their longest (prompt + new tokens - 1: the last sampled token is never
     written) fit at once the request slots, `max_seq_len`, the indexer pool, the host pool (every page mirrored) and
     the device pool (all pages, or tail pages + a hot buffer when pages are `releasable`). A pure function of the
-    `limits` (`TieredCache.budget`), checked before anything changes. Exact: every smaller budget of that tier
+    `limits` (`PageManager.budget`), checked before anything changes. Exact: every smaller budget of that tier
     fails, and a batch that passes decodes to the end (pages are only ever added, and the cheapest way to hold a
     request never grows by more than the page it adds)."""
     n = [-(-t // PAGE_SIZE) for t in num_tokens]
@@ -94,7 +94,7 @@ class PrefixHit(NamedTuple):
     host: int
 
 
-class TieredCache:
+class PageManager:
     """The page bookkeeping of one tiered store: its `PagePool` (`.pool`), each request slot's pages (`.requests`)
     and length (`.lengths`), and the device-table `updates` not yet applied. `.spec` is the store's geometry (its
     arrays' shapes: the `CacheConfig`'s capacity when it has one), `.budget` the limits enforced inside it (the

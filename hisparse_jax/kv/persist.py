@@ -1,4 +1,4 @@
-"""Save and restore a whole tiered store (a `TieredCache` and its `KVStore`): device pools, pinned-host pools,
+"""Save and restore a whole tiered store (a `PageManager` and its `KVStore`): device pools, pinned-host pools,
 tables, hot buffers and the host-side bookkeeping, so decoding continues exactly where it stopped.
 
 Layout of `path`: `store/` (an Orbax checkpoint of the `KVStore` arrays) and `manager.json` (configs, the
@@ -32,14 +32,14 @@ from hisparse_jax import integrity
 from hisparse_jax.config import CacheConfig, ModelConfig, RopeConfig
 from hisparse_jax.integrity import CheckpointError
 from hisparse_jax.kv import device as kv_device
-from hisparse_jax.kv.manager import TieredCache
+from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.codec import scored_keys
 from hisparse_jax.kv.pool import PagePool, PoolError, RequestPages
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.state import KVStore, from_host_bits, init_store, store_shardings
 from hisparse_jax.units import PAGE_SIZE
 
-FORMAT = "hisparse_jax.TieredCache"
+FORMAT = "hisparse_jax.PageManager"
 VERSION = 2  # 2: array manifest + metadata checksum
 
 
@@ -48,7 +48,7 @@ def _arrays(store: KVStore) -> dict:
             if f.name != "spec" and getattr(store, f.name) is not None}
 
 
-def save_tiered(manager: TieredCache, store: KVStore, path: str | os.PathLike) -> None:
+def save_tiered(manager: PageManager, store: KVStore, path: str | os.PathLike) -> None:
     """Write `manager` and its `store` to the directory `path` (created; must not hold a previous checkpoint). The
     manager's pending table updates must have been applied to the store (`kv.device.apply_updates`). A write
     error names `path`."""
@@ -66,7 +66,7 @@ def save_tiered(manager: TieredCache, store: KVStore, path: str | os.PathLike) -
         _write_manager(manager, arrays, path)
 
 
-def _write_manager(manager: TieredCache, arrays: dict, path: str) -> None:
+def _write_manager(manager: PageManager, arrays: dict, path: str) -> None:
     meta = {
         "format": FORMAT, "version": VERSION, "arrays": integrity.manifest(arrays),
         "model": dataclasses.asdict(manager.model_cfg), "cache": dataclasses.asdict(manager.cache),
@@ -83,10 +83,10 @@ def _write_manager(manager: TieredCache, arrays: dict, path: str) -> None:
     integrity.write_description(os.path.join(path, "manager.json"), meta)
 
 
-def _read_manager(model_cfg: ModelConfig, cache: CacheConfig, meta: dict) -> TieredCache:
+def _read_manager(model_cfg: ModelConfig, cache: CacheConfig, meta: dict) -> PageManager:
     """The bookkeeping `_write_manager` saved, whose tables are already on the device: no updates pending. Raises
     PoolError when it is inconsistent."""
-    c = TieredCache(model_cfg, cache)
+    c = PageManager(model_cfg, cache)
     c.pool = PagePool.from_snapshot(meta["pool"])
     c.requests = {int(s): RequestPages(**r) for s, r in meta["requests"].items()}
     c.lengths = {int(s): n for s, n in meta["lengths"].items()}
@@ -113,13 +113,13 @@ def _model_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(**d)
 
 
-def load_tiered(path: str | os.PathLike, device=None) -> tuple[TieredCache, KVStore]:
-    """Restore a `TieredCache` and its `KVStore` written by `save_tiered`: arrays typed and placed as `init_store`
+def load_tiered(path: str | os.PathLike, device=None) -> tuple[PageManager, KVStore]:
+    """Restore a `PageManager` and its `KVStore` written by `save_tiered`: arrays typed and placed as `init_store`
     makes them (host pools in pinned_host memory), ready for the jitted step in any process. Refuses a damaged or
     mismatched one with `CheckpointError` (see the module docstring)."""
     path = os.path.abspath(os.fspath(path))
     fn = os.path.join(path, "manager.json")
-    meta = integrity.read_description(fn, "TieredCache", FORMAT, VERSION, holds="configs, page tables, lengths",
+    meta = integrity.read_description(fn, "PageManager", FORMAT, VERSION, holds="configs, page tables, lengths",
                                       versions="version 1 carried no checksums: save it again with the version "
                                                "that wrote it")
     try:
@@ -215,7 +215,7 @@ def _stderr_held(settle_s: float = 0.2, max_wait_s: float = 5.0):
                 sys.stderr.write(tmp.read().decode(errors="replace"))
 
 
-def written_rows(manager: TieredCache) -> dict[int, int]:
+def written_rows(manager: PageManager) -> dict[int, int]:
     """{indexer page: rows of it written} over the manager's requests (a logical page i of a request of length n
     holds min(64, n - 64 i) rows) and its registered prefix pages (full)."""
     rows: dict[int, int] = {}
@@ -230,7 +230,7 @@ def written_rows(manager: TieredCache) -> dict[int, int]:
     return rows
 
 
-def check_summaries(store: KVStore, manager: TieredCache, where: str, chunk_bytes: int = 64 << 20) -> None:
+def check_summaries(store: KVStore, manager: PageManager, where: str, chunk_bytes: int = 64 << 20) -> None:
     """Refuse (`CheckpointError`, naming the first (layer, page)) a host-tier store whose page summaries
     (`index_lo` / `index_hi`, bf16[LI, PI, dI]) do not bound, in every dimension, the scored keys (`codec.scored_keys`)
     of the rows written to the page (`written_rows`): exact mode would skip a page holding a top-k key. A NaN

@@ -1,7 +1,7 @@
-"""What the host's bookkeeping (`TieredCache`) asks of the device store, as plain records in the order decided.
+"""What the host's bookkeeping (`PageManager`) asks of the device store, as plain records in the order decided.
 
-`TieredCache` never touches a device array: each operation that changes which page holds what appends records
-here (`TieredCache.updates`); the owner of the `KVStore` applies them in order (`kv.device.apply_updates`)
+`PageManager` never touches a device array: each operation that changes which page holds what appends records
+here (`PageManager.updates`); the owner of the `KVStore` applies them in order (`kv.device.apply_updates`)
 before the next device call reads the tables. Order matters: a released device page may be handed to another
 request in the same scheduling pass and loaded from the host right after.
 

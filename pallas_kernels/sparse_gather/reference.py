@@ -8,7 +8,7 @@ Shapes: B decode rows, K top-k slots, Rq request slots, MP pages per request, NH
 HR hot rows (slots) per request; 64 tokens per page.
 
 A request has a hot buffer when every page its HR slots live on is lent: hot_pages[r, :ceil(HR / 64)] >= 0
-(`has_hot_buffer`; the manager, `TieredCache`, lends them all or none). Slot j lives at (hot_pages[r, j // 64], j % 64).
+(`has_hot_buffer`; the manager, `PageManager`, lends them all or none). Slot j lives at (hot_pages[r, j // 64], j % 64).
 
 LRU state. hot_stamp[r, j] records the step that last touched slot j: 2 * clock when a miss of that step
 claimed it, 2 * clock + 1 when the step hit it (-1 = never since the request was admitted: `init_store`,
