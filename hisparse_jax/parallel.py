@@ -189,7 +189,7 @@ def apply_rank_updates(store: KVStore, managers) -> KVStore:
         for kind in sorted(kinds):
             mine = {r: p[k][1] for r, p in enumerate(pending) if len(p) > k and p[k][0] == kind}
             like = next(iter(mine.values()))
-            if kind in ("release", "load"):  # page lists: pad every rank's to the longest
+            if kind in ("evict", "load"):  # page lists: pad every rank's to the longest
                 width = max(a[0].shape[0] for a in mine.values())
                 mine = {r: [_pad(a, width) for a in args] for r, args in mine.items()}
                 like = next(iter(mine.values()))

@@ -348,7 +348,7 @@ def _store_program(name, kv, **store_kw):
 
     return {
         "write_prefill": lambda: (m._write_prefill, (store, _i32(), *kv_rows(PREFILL_T), _i32(), _i32(), _i32())),
-        "evict_pages": lambda: (m._release, (store, _i32(NPAGES), _i32(NPAGES))),
+        "evict_pages": lambda: (m._evict, (store, _i32(NPAGES), _i32(NPAGES))),
         "load_pages": lambda: (m._load_pages, (store, _i32(NPAGES), _i32(NPAGES))),
         "set_tables": lambda: (m._set_tables, (store, _i32(), _i32(MP), _i32(MP), _i32(MP), _i32(),
                                                _i32(spec.hot_pages), _i32())),

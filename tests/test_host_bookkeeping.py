@@ -16,7 +16,7 @@ import hisparse_jax as hj
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.manager import PageManager, least_recently_selected
 from hisparse_jax.kv.pool import Tier
-from hisparse_jax.kv.updates import ClearStamps, LoadPages, ReleasePages, SetTables
+from hisparse_jax.kv.updates import ClearStamps, EvictPages, LoadPages, SetTables
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,7 +55,7 @@ def test_bookkeeping_runs_without_jax():
     assert out.returncode == 0, out.stderr[-3000:]
     evicted, kinds, loaded = out.stdout.strip().split(" ", 1)[0], *out.stdout.strip().split(" ", 1)[1].rsplit(" [", 1)
     assert int(evicted) > 0  # the workload did release pages under pressure
-    assert "ReleasePages" in kinds and "LoadPages" in kinds and "SetTables" in kinds and "ClearStamps" in kinds
+    assert "EvictPages" in kinds and "LoadPages" in kinds and "SetTables" in kinds and "ClearStamps" in kinds
     assert loaded == "]"  # no jax / flax module was imported
 
 
@@ -64,7 +64,7 @@ def test_updates_applied_give_the_tables_the_manager_describes():
     exec(WORKLOAD.replace("tc.check_invariants()", ""), ns)
     tc: PageManager = ns["tc"]
     updates = list(tc.updates)
-    assert {type(u) for u in updates} == {SetTables, ClearStamps, ReleasePages, LoadPages}
+    assert {type(u) for u in updates} == {SetTables, ClearStamps, EvictPages, LoadPages}
     for u in updates:  # plain host data: NumPy rows and Python ints, no device arrays
         for v in u:
             assert isinstance(v, (int, np.ndarray, type(None))), type(v)

@@ -32,7 +32,7 @@ from hisparse_jax.kv.codec import from_host_memory, set_rows, to_host_memory
 from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.resolve import fetch_misses, gather_rows, resolve
 from hisparse_jax.kv.state import KVStore, init_store
-from hisparse_jax.kv.updates import ClearStamps, LoadPages, ReleasePages, SetTables
+from hisparse_jax.kv.updates import ClearStamps, EvictPages, LoadPages, SetTables
 from hisparse_jax.units import PAGE_SIZE
 from pallas_kernels.sparse_gather.reference import UNUSED_STAMP
 
@@ -138,7 +138,7 @@ def _clear_page_stamps(store, req):
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _release(store, req, page_idx):
+def _evict(store, req, page_idx):
     return evict_pages(store, req, page_idx)[0]
 
 
@@ -157,8 +157,8 @@ def update_call(u) -> tuple[str, list]:
         return ("rows", rows) if u.hot_row is None else ("tables", rows + [np.asarray(u.hot_row), np.int32(u.hot_rows)])
     if isinstance(u, ClearStamps):
         return "stamps", [np.int32(u.slot)]
-    if isinstance(u, ReleasePages):
-        return "release", [np.asarray(u.req), np.asarray(u.page_idx)]
+    if isinstance(u, EvictPages):
+        return "evict", [np.asarray(u.req), np.asarray(u.page_idx)]
     if isinstance(u, LoadPages):
         return "load", [np.asarray(u.host_pages), np.asarray(u.device_pages)]
     raise TypeError(f"unknown store update {u!r}")
@@ -189,7 +189,7 @@ def _write_prefill(store, req, latent, rope, index_k, length, start, offset):
 
 # The jitted one-store programs (store donated) by kind: the table updates (`update_call`) and "prefill"
 # (store, slot, latent, rope, index_k, length, start, offset), the rows of a prompt (`writes.write_prefill`).
-STORE_PROGRAMS = {"rows": _set_rows, "tables": _set_tables, "stamps": _clear_page_stamps, "release": _release,
+STORE_PROGRAMS = {"rows": _set_rows, "tables": _set_tables, "stamps": _clear_page_stamps, "evict": _evict,
                   "load": _load_pages, "prefill": _write_prefill}
 
 

@@ -20,7 +20,7 @@ from hisparse_jax.config import CacheConfig, ModelConfig
 from hisparse_jax.kv.account import bookkeeping_costs
 from hisparse_jax.kv.pool import OutOfPages, PagePool, PoolError, RequestPages, Tier, owners_of, page_hash
 from hisparse_jax.kv.spec import StoreSpec
-from hisparse_jax.kv.updates import ClearStamps, LoadPages, ReleasePages, SetTables, Update, pad_pow2, table_row
+from hisparse_jax.kv.updates import ClearStamps, EvictPages, LoadPages, SetTables, Update, pad_pow2, table_row
 from hisparse_jax.memory import check_account
 from hisparse_jax.units import INVALID, PAGE_SIZE
 
@@ -392,7 +392,7 @@ class PageManager:
             if free + freed < self.budget.hot_pages:  # the hot buffer would not fit: change nothing
                 raise OutOfPages(Tier.DEVICE, self.budget.hot_pages - freed, free, self.budget.device_pages)
         # every evicted page has a current host copy (checked above): the device copy is dropped, nothing copied
-        self.updates.append(ReleasePages(pad_pow2([slot] * len(logical_pages)), pad_pow2(list(logical_pages))))
+        self.updates.append(EvictPages(pad_pow2([slot] * len(logical_pages)), pad_pow2(list(logical_pages))))
         for i in logical_pages:
             self.pool.free(Tier.DEVICE, [r.device[i]])
             r.device[i] = INVALID

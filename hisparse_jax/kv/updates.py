@@ -36,7 +36,7 @@ class ClearStamps(NamedTuple):
     slot: int
 
 
-class ReleasePages(NamedTuple):
+class EvictPages(NamedTuple):
     """Drop the device copies of logical pages (req[i], page_idx[i]); their host copies are current."""
 
     req: np.ndarray
@@ -50,7 +50,7 @@ class LoadPages(NamedTuple):
     device_pages: np.ndarray
 
 
-Update = SetTables | ClearStamps | ReleasePages | LoadPages
+Update = SetTables | ClearStamps | EvictPages | LoadPages
 
 
 def pad_pow2(values: list[int], fill: int = -1) -> np.ndarray:
