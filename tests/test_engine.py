@@ -134,7 +134,7 @@ def test_metrics_and_log(model, prompts, tmp_path):
     assert m.tokens == 8
     reqs = list(eng.requests.values())  # steps from arrival to the first / last token
     assert m.mean_ttft_steps == np.mean([r.first_token_step - r.arrival for r in reqs])
-    assert m.mean_latency_steps == np.mean([r.finish_step - r.arrival for r in reqs]) >= m.mean_ttft_steps + 3
+    assert m.mean_latency_steps == np.mean([r.finished_at - r.arrival for r in reqs]) >= m.mean_ttft_steps + 3
     lines = log.read_text().splitlines()
     assert len(lines) == m.steps
 

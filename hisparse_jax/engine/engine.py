@@ -301,7 +301,7 @@ class Engine:
         r = self._request(request_id)
         if not r.finished:
             self.scheduler.finish(r, RequestState.ABORTED)
-            r.finish_step = self.step_count
+            r.finished_at = self.step_count
 
     def _request(self, request_id: str) -> Request:
         try:
@@ -478,7 +478,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
             self.scheduler.finish(r, RequestState.FAILED)
             r.error = f"{type(e).__name__}: {e}"
-            r.finish_step = self.step_count
+            r.finished_at = self.step_count
             failed.append(r)
             return False, None
 
@@ -503,7 +503,7 @@ class Engine:
                 r.first_token_step = self.step_count
             if r.done_generating():
                 self.scheduler.finish(r, RequestState.FINISHED)
-                r.finish_step = self.step_count
+                r.finished_at = self.step_count
         return len(rs)
 
     def _prefill_whole(self, r: Request):

@@ -96,7 +96,7 @@ def summarize(h: list, requests: list, *, policy: str, admission: str = "vllm", 
         "tokens_per_step": _ratio(sum(m.decode_tokens for m in h), sum(m.running for m in h)),
         # in engine steps, from arrival (add_request) to the first token / to the last, finished requests only
         "mean_ttft_steps": _mean(r.first_token_step - r.arrival for r in done if r.first_token_step is not None),
-        "mean_latency_steps": _mean(r.finish_step - r.arrival for r in done),
+        "mean_latency_steps": _mean(r.finished_at - r.arrival for r in done),
         "history": list(h), "ranks": list(ranks), "wait_reasons": sum_counts(m.wait_reasons for m in h),
         # what preempt / offload cost: tokens prefilled again after a preemption, request-steps spent preempted
         # (back in the queue) or swapped out, pages and bytes swapped each way

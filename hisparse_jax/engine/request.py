@@ -59,7 +59,7 @@ class Request:
     preemptions: int = 0
     swaps: int = 0
     first_token_step: int | None = None
-    finish_step: int | None = None
+    finished_at: int | None = None
     error: str | None = None  # why it FAILED
     imported: object = None  # a `pd.PrefillExport` whose rows replace the prompt's prefill (until written)
     lookahead: int = 0  # positions past the pending token a speculative step writes (`speculative.lookahead`)

@@ -9,7 +9,7 @@ which this module imports for the mesh step. Outside these three: the kernels' o
 training (`train/dsa.py`) and the kernel test cases' input preparation (`kernel_cases.py`).
 
 * the tiered decode step: `step_impl` (un-jitted: the model through the store as its `KVBackend`, then the step's
-  last writes to the store, `kv.writes.finish_step`), `decode_step` / `decode_loop` (jitted, store donated);
+  last writes to the store, `kv.writes.end_step`), `decode_step` / `decode_loop` (jitted, store donated);
 * `Runner`: a model split once, the kernels choice, and one jitted call per step that decodes a batch through the
   store *and* samples its tokens, read back in one device->host transfer (the tokens and the step's counters);
 * the causal forward (`jitted_prefill`, `prefill_rows`) and the contiguous KV arrays' decode-and-sample step
@@ -68,7 +68,7 @@ from hisparse_jax.engine.sampling import sample_rows
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv import tiered
 from hisparse_jax.kv.state import KVStore, StoreSpec
-from hisparse_jax.kv.writes import finish_step
+from hisparse_jax.kv.writes import end_step
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.model.decoder import decode_step as model_decode_step
 from hisparse_jax.model.mtp import mtp_forward
@@ -254,7 +254,7 @@ def step_impl(model: SparseMLAModel, store: KVStore, batch: dict, kernels: str =
     backend = tiered.TieredKV(spec, kernels, index_pages, rows_per_request)
     logits, kv, _ = model_decode_step(model, batch["tokens"].astype(jnp.int32), positions,
                                       backend.init_kv(store, req), backend)
-    store, stats = finish_step(kv["store"], kv["stats"], (req, positions), (req, positions + 1))
+    store, stats = end_step(kv["store"], kv["stats"], (req, positions), (req, positions + 1))
     return logits, store, stats
 
 

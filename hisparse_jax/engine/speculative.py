@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from hisparse_jax.engine.sampling import nucleus_logits, sample_rows, token_key
 from hisparse_jax.kv import tiered
 from hisparse_jax.kv.state import KVStore
-from hisparse_jax.kv.writes import finish_step
+from hisparse_jax.kv.writes import end_step
 from hisparse_jax.model.decoder import decode_step as model_decode_step
 from hisparse_jax.model.mtp import mtp_decode_step
 
@@ -128,5 +128,5 @@ def speculative_step_impl(model, store: KVStore, batch: dict, sampling: dict, ke
     span = max(S, 2 * k)  # every row this step wrote, all layers: positions n .. n + 2k - 1
     wreq = jnp.repeat(greq, span)
     wpos = jnp.where(wreq >= 0, (pos.reshape(G, S)[:, :1] + jnp.arange(span)[None]).reshape(-1), -1)
-    store, stats = finish_step(kv["store"], kv["stats"], (wreq, wpos), (greq, base + 1))
+    store, stats = end_step(kv["store"], kv["stats"], (wreq, wpos), (greq, base + 1))
     return target, accepted, jnp.stack(drafts, axis=1), store, stats

@@ -7,7 +7,7 @@ T prompt rows, C latent, R rope, dI indexer dim, 64 tokens per page.
 * `append_rows`    one layer's new rows into the device pools (tail pages must be resident) and, for an indexer
                    layer, its keys (with index_tier="host": into pinned-host memory, widening the page summaries)
 * `mirror_rows`    the step's new rows of every layer into their host pages (the eager mirror)
-* `finish_step`    a decode step's last writes to the store: the mirror (if any), the new lengths, the clock
+* `end_step`       a decode step's last writes to the store: the mirror (if any), the new lengths, the clock
 * `write_prefill`  a prompt's rows (a chunk at a time), to every page they have: device, host, indexer
 """
 
@@ -111,7 +111,7 @@ def mirror_rows(store: KVStore, req, positions):
     return store.replace(**upd), n * spec.num_layers
 
 
-def finish_step(store: KVStore, stats: dict, written: tuple, lengths: tuple):
+def end_step(store: KVStore, stats: dict, written: tuple, lengths: tuple):
     """The store's end of a decode step, once the model has written its rows (every decode step ends here).
 
     written = (req, pos) int32[R]: the rows the step wrote (every layer; req -1 = none), mirrored to their host
