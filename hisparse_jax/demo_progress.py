@@ -75,7 +75,7 @@ class Progress:
             self.step, self.running, self.waiting = engine.step_count, m.running, m.waiting
             self.finished = sum(r.finished for r in engine.requests.values())
             if m.compiled:
-                span = f", indexer span {m.index_pages} pages" if m.index_pages else ""
+                span = f", indexer span {m.scored_pages} pages" if m.scored_pages else ""
                 self._line(f"{self.pol}: step {m.step}: compiling the decode step for batch bucket {m.bucket}"
                            f"{span} (the step took {m.step_time_s:.1f} s)")
             elif self.compiling:  # a whole-prompt prefill compiled

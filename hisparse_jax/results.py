@@ -66,7 +66,7 @@ class StepMetrics(Record):
     requests in those states after scheduling; preemptions / swaps_out / swaps_in: policy actions this step;
     tokens: new tokens; prefill_tokens: prompt tokens computed; cached_tokens: prompt tokens served by
     prefix caching; failed: requests whose own work raised; bucket: padded batch rows (0: no batched call);
-    index_pages: indexer pages scored; decode_tokens: tokens the running requests emitted (= running without
+    scored_pages: indexer pages scored; decode_tokens: tokens the running requests emitted (= running without
     speculation); drafted / accepted: speculative drafts verified / accepted; duplicate_misses: misses the rows of
     one request would have fetched twice had each resolved alone (speculative verification resolves their union
     once); hits / misses / resident / h2d_bytes / d2h_bytes / index_h2d_bytes: as in `GenerateStats`;
@@ -92,7 +92,7 @@ class StepMetrics(Record):
     cached_tokens: int
     failed: int
     bucket: int
-    index_pages: int
+    scored_pages: int
     decode_tokens: int
     drafted: int
     accepted: int

@@ -64,7 +64,7 @@ def test_engine_compiles_once_per_batch_shape_across_budgets(model, prompts):
             before = runner.TRACE_COUNTS["decode_step"]
             out = eng.generate(prompts, SamplingParams(max_new_tokens=12))
             traces += runner.TRACE_COUNTS["decode_step"] - before
-            seen |= {(m.bucket, m.index_pages) for m in eng.history if m.bucket}
+            seen |= {(m.bucket, m.scored_pages) for m in eng.history if m.bucket}
             assert [len(o) for o in out] == [12, 12, 12]
     assert traces == len(seen), (traces, sorted(seen))  # one compile per step shape, whatever the budget
 

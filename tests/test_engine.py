@@ -85,7 +85,7 @@ def test_the_fake_engine_schedules_as_the_engine(model, prompts, runs):
 
     def schedule(history):
         return [(m.running, m.admitted, m.waiting, m.preemptions, m.swaps_out, m.swaps_in, m.prefill_tokens,
-                 m.tokens, m.bucket, m.index_pages, m.swap_out_pages, m.swap_in_pages) for m in history]
+                 m.tokens, m.bucket, m.scored_pages, m.swap_out_pages, m.swap_in_pages) for m in history]
 
     for pol, (_, metrics, eng) in runs.items():
         fake = FakeEngine(model.cfg, cache_for(pol, model), eng.config)

@@ -223,7 +223,7 @@ def test_engine_exact_mode_gives_the_device_tier_tokens_without_recompiling():
         eng.close()
     assert out["host"] == out["device"]
     # the same compiles as device keys: one per batch bucket and index span the schedule meets, none per step
-    assert traces["host"] == traces["device"] <= 1 + len({(h.bucket, h.index_pages) for h in metrics["host"].history
+    assert traces["host"] == traces["device"] <= 1 + len({(h.bucket, h.scored_pages) for h in metrics["host"].history
                                                           if h.running})
     assert len(metrics["host"].history) > 2 * traces["host"]
     assert metrics["device"].cached_tokens > 0

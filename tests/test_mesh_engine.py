@@ -57,7 +57,7 @@ def _checks() -> dict:
         toks = eng.generate(prompts, SamplingParams(max_new_tokens=new))
         m = eng.metrics()
         hist = m.history
-        shapes = {(h.bucket, h.index_pages) for h in hist if h.bucket}
+        shapes = {(h.bucket, h.scored_pages) for h in hist if h.bucket}
         out["policies"][policy] = {
             "tokens": toks, "ranks": [eng.rank_of(f"gen-{i}") for i in range(len(prompts))],
             "totals": {k: getattr(m, k) for k in ("tokens", "hits", "misses", "evicted_pages", "preemptions",

@@ -82,7 +82,7 @@ def test_compiles_per_run_equal_the_batch_buckets_used():
     while eng.has_unfinished():
         m = eng.step()
         if m.running or m.prefill_tokens:
-            buckets.add((m.bucket, m.index_pages))
+            buckets.add((m.bucket, m.scored_pages))
     compiled = runner_mod.COUNTS["step"] - before.get("step", 0)
     assert compiled == len(buckets), (compiled, buckets)
     assert runner_mod.COUNTS["sampler"] == before.get("sampler", 0)  # chunked prefill: no separate sampler

@@ -217,7 +217,7 @@ def run_policy(model, cc, policy: str, prompts, sz: dict, deadline: float, log) 
         "steps": em.steps, "decode_steps": len(decode), "prefill_steps": sum(bool(x.prefill_tokens) for x in h),
         "compile_steps": em.compile_steps, "compile_time_s": em.compile_time_s,
         "buckets": sorted({x.bucket for x in h}),
-        "index_spans": sorted({x.index_pages for x in h}), "device_pages": cc.device_pages,
+        "index_spans": sorted({x.scored_pages for x in h}), "device_pages": cc.device_pages,
         "index_pages": cc.num_index_pages, "outputs_sha256": outputs_digest(outputs),
         "running_over_time": [x.running for x in h],
     }

@@ -394,12 +394,12 @@ class Engine:
         """The host half of a step after its batched call (`w.out`): commit lengths, prompt progress and tokens,
         apply the releases decided at commit, record the step's metrics."""
         plan, new_tokens = w.plan, w.new_tokens
-        stats, B, index_pages, drafted, accepted, decode_tokens = {}, 0, 0, 0, 0, 0
+        stats, B, scored_pages, drafted, accepted, decode_tokens = {}, 0, 0, 0, 0, 0
         if w.speculative:
-            B, index_pages, stats, decode_tokens, drafted, accepted = self._speculative_step(plan.decode)
+            B, scored_pages, stats, decode_tokens, drafted, accepted = self._speculative_step(plan.decode)
             new_tokens += decode_tokens
         elif w.batch is not None:
-            B, index_pages = len(w.batch["tokens"]), len(w.batch["index_span"])
+            B, scored_pages = len(w.batch["tokens"]), len(w.batch["index_span"])
             # 4. commit (host bookkeeping only)
             toks, stats = w.out.tokens, w.out.stats
             for r, start, n in plan.prefill:
@@ -416,7 +416,7 @@ class Engine:
             self.stores.apply_updates(self.manager)
         if self.config.check_invariants:
             self.stores.check_tables(self.manager)
-        m = step_metrics(self, w, bucket=B, index_pages=index_pages, stats=stats, new_tokens=new_tokens,
+        m = step_metrics(self, w, bucket=B, scored_pages=scored_pages, stats=stats, new_tokens=new_tokens,
                          decode_tokens=decode_tokens, drafted=drafted, accepted=accepted)
         self.history.append(m)
         if self._log:

@@ -1,7 +1,7 @@
 """What the engine reports: one step's `StepMetrics`, a run's `EngineMetrics` from its steps and requests, and a
 mesh step's metrics combined from its ranks'.
 
-    m = step_metrics(engine, work, bucket=B, index_pages=P, stats=out.stats, new_tokens=..., ...)
+    m = step_metrics(engine, work, bucket=B, scored_pages=P, stats=out.stats, new_tokens=..., ...)
     summarize(engine.history, list(engine.requests.values()), policy="hisparse")   # -> EngineMetrics
     combine_steps([rank_step_0, rank_step_1], step_time_s, compiled)                # -> StepMetrics
 """
@@ -19,10 +19,10 @@ from hisparse_jax.results import EngineMetrics, StepMetrics
 from hisparse_jax.units import PAGE_SIZE
 
 # step fields that are not counts summed over ranks: how they combine
-_MAX_FIELDS = ("index_pages",)
+_MAX_FIELDS = ("scored_pages",)
 
 
-def step_metrics(engine, w, *, bucket: int, index_pages: int, stats: dict, new_tokens: int, decode_tokens: int,
+def step_metrics(engine, w, *, bucket: int, scored_pages: int, stats: dict, new_tokens: int, decode_tokens: int,
                  drafted: int, accepted: int) -> StepMetrics:
     """The `StepMetrics` of `engine`'s step `w` (its `StepWork`), committed: the plan's actions, the scheduler's
     queues after it, the batched call's bucket, indexer pages and counters (`stats`, empty: no call), the tokens
@@ -35,7 +35,7 @@ def step_metrics(engine, w, *, bucket: int, index_pages: int, stats: dict, new_t
         "preemptions": len(plan.preempted), "swaps_out": len(plan.swapped_out),
         "swaps_in": len(plan.swapped_in), "tokens": new_tokens, "prefill_tokens": w.prefill_tokens,
         "cached_tokens": plan.cached_tokens, "failed": len(w.failed), "bucket": bucket,
-        "index_pages": index_pages, "decode_tokens": decode_tokens, "drafted": drafted, "accepted": accepted,
+        "scored_pages": scored_pages, "decode_tokens": decode_tokens, "drafted": drafted, "accepted": accepted,
         "duplicate_misses": st.get("row_misses", 0) - st.get("misses", 0),
         "hits": st.get("hits", 0), "misses": st.get("misses", 0), "resident": st.get("resident", 0),
         "h2d_bytes": st.get("h2d_bytes", 0), "d2h_bytes": st.get("d2h_bytes", 0),
@@ -127,7 +127,7 @@ def _mean(xs) -> float:
 
 
 def combine_steps(ms: list[StepMetrics], step_time_s: float, compiled: bool) -> StepMetrics:
-    """One mesh step's metrics from its ranks' (same step): counts summed (wait reasons per reason), `index_pages`
+    """One mesh step's metrics from its ranks' (same step): counts summed (wait reasons per reason), `scored_pages`
     the largest, the mesh step's wall time and whether it compiled."""
     out = {}
     for f in dataclasses.fields(StepMetrics):

@@ -248,10 +248,10 @@ def step_impl(model: SparseMLAModel, store: KVStore, batch: dict, kernels: str =
     groups of S consecutive rows of one request at consecutive `pos` (speculative verification), each group
     resolved once over the union of its rows' top-k (see `tiered.TieredKV`)."""
     spec = store.spec
-    index_pages = batch["index_span"].shape[0] if "index_span" in batch else None
+    scored_pages = batch["index_span"].shape[0] if "index_span" in batch else None
     req = batch["req"].astype(jnp.int32)
     positions = _positions(store, req) if "pos" not in batch else jnp.where(req >= 0, batch["pos"], -1)
-    backend = tiered.TieredKV(spec, kernels, index_pages, rows_per_request)
+    backend = tiered.TieredKV(spec, kernels, scored_pages, rows_per_request)
     logits, kv, _ = model_decode_step(model, batch["tokens"].astype(jnp.int32), positions,
                                       backend.init_kv(store, req), backend)
     store, stats = end_step(kv["store"], kv["stats"], (req, positions), (req, positions + 1))

@@ -94,11 +94,11 @@ def speculative_step_impl(model, store: KVStore, batch: dict, sampling: dict, ke
     int32[G], drafts int32[G, k], store, stats)."""
     spec = store.spec
     S = k + 1
-    index_pages = batch["index_span"].shape[0]
+    scored_pages = batch["index_span"].shape[0]
     req = batch["req"].astype(jnp.int32)
     G = req.shape[0] // S
     pos = jnp.where(req >= 0, batch["pos"], -1)
-    verify = tiered.TieredKV(spec, kernels, index_pages, rows_per_request=S)
+    verify = tiered.TieredKV(spec, kernels, scored_pages, rows_per_request=S)
     logits, kv, _, hidden = model_decode_step(model, batch["tokens"].astype(jnp.int32), pos,
                                               verify.init_kv(store, req), verify, return_hidden=True)
     target, accepted = verify_rows(logits.reshape(G, S, -1), batch["tokens"].reshape(G, S)[:, 1:],
@@ -120,7 +120,7 @@ def speculative_step_impl(model, store: KVStore, batch: dict, sampling: dict, ke
     h = last(mhidden)
     base = jnp.where(greq >= 0, pos.reshape(G, S)[:, 0] + accepted, -1)  # n + a: the last verified position
     drafts = [draft]
-    one = tiered.TieredKV(spec, kernels, index_pages)
+    one = tiered.TieredKV(spec, kernels, scored_pages)
     for i in range(1, k):  # recursive drafts, one row per request at n + a + i
         kv = dict(kv, req=greq, plan=None)
         lg, h, kv = mtp_decode_step(model, drafts[-1], jnp.where(greq >= 0, base + i, -1), h, kv, one)

@@ -165,7 +165,7 @@ class TieredKV:
 
     spec: StoreSpec
     kernels: str = "reference"
-    index_pages: int | None = None  # pages of each request the indexer scores (None: all MP)
+    scored_pages: int | None = None  # pages of each request the indexer scores (None: all MP)
     rows_per_request: int = 1
 
     def __post_init__(self):
@@ -209,20 +209,20 @@ class TieredKV:
             # every position's score, for its moving average (the Pallas indexer keeps its scores to itself: with
             # it this is one more scoring pass over the keys)
             scores, valid, pages = index_scores_paged(kv["store"], index_layer, kv["req"], positions, q_index, w,
-                                                      self.index_pages)
+                                                      self.scored_pages)
             kv = dict(kv, store=update_index_ema(kv["store"], index_layer, kv["req"], scores, valid, pages,
                                                  self.rows_per_request))
             if not self._pallas:
                 return topk_of_scores(self.spec, scores, valid), kv
         if not self._pallas:
             topk, read = index_select_read(kv["store"], index_layer, kv["req"], positions, q_index, w,
-                                           self.index_pages)
+                                           self.scored_pages)
             return topk, dict(kv, stats=dict(kv["stats"], index_h2d_pages=kv["stats"]["index_h2d_pages"] + read))
         from pallas_kernels import indexer_topk
 
         spec, store, req = self.spec, kv["store"], kv["req"]
         seq = jnp.where(req >= 0, positions + 1, 0)
-        table = store.index_table[jnp.maximum(req, 0)][:, :self.index_pages]
+        table = store.index_table[jnp.maximum(req, 0)][:, :self.scored_pages]
         backend = kernel_backend(self.kernels)
 
         def select(*a):  # the stacked pools read in place at the layer, an argument: it may be traced
