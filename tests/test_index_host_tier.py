@@ -87,15 +87,20 @@ def _poisoned(spec):
 
 
 def _fill(cache, prompt_lens, appends, keys, seed):
-    """A store of `cache` holding two requests: prompts of `prompt_lens` rows, then `appends` tokens each."""
+    """A store of `cache` holding two requests: prompts of `prompt_lens` rows, then `appends` tokens each. Each
+    prompt's rows are padded to the store's max_seq_len, as the engine pads a prompt to its bucket (the keys with
+    NaN: a padded row must never be written), so every prompt length writes through one compiled program."""
     tc = PageManager(CFG, cache)
     store = kv_device.apply_updates(_poisoned(tc.spec), tc)
     rng = np.random.default_rng(seed)
-    slots = []
+    slots, rows = [], cache.max_seq_len
     for n, k in zip(prompt_lens, keys):
-        lat = jnp.asarray(rng.standard_normal((L, n, C)), jnp.float32)
-        rope = jnp.asarray(rng.standard_normal((L, n, R)), jnp.float32)
-        store, s = kv_device.admit_prefilled(store, tc, lat, rope, jnp.asarray(k[:, :n]), n)
+        lat = np.zeros((L, rows, C), np.float32)
+        rope = np.zeros((L, rows, R), np.float32)
+        lat[:, :n], rope[:, :n] = rng.standard_normal((L, n, C)), rng.standard_normal((L, n, R))
+        idx = np.full((LI, rows, DI), np.nan, np.float32)
+        idx[:, :n] = k[:, :n]
+        store, s = kv_device.admit_prefilled(store, tc, jnp.asarray(lat), jnp.asarray(rope), jnp.asarray(idx), n)
         slots.append(s)
     for t in range(appends):
         idx = jnp.asarray(np.stack([keys[b][:, prompt_lens[b] + t] for b in range(2)], axis=1))
@@ -291,7 +296,9 @@ def test_import_saved_store_and_mesh_carry_host_keys(tmp_path):
         "hc = cc.replace(index_tier='host', capacity=BIG.replace(index_tier='host'))\n"
         f"print(hj.generate(m, P + P[:1], {NEW}, cache=hc, mesh=parallel.data_mesh(2)) == "
         f"hj.generate(m, P + P[:1], {NEW}, cache=cc))\n")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    # added to the suite's XLA_FLAGS (its fast-compile flags), not replacing them: XLA's defaults compile slowly
+    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    env = dict(os.environ, XLA_FLAGS=flags)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert res.returncode == 0 and res.stdout.strip().splitlines()[-1] == "True", res.stderr[-3000:]
