@@ -60,12 +60,16 @@ def append_tokens(tc, ref, rng, slots, n):
             ref.lat[:, s, p], ref.rope[:, s, p] = lat[:, b], rope[:, b]
 
 
+PROMPT_ROWS = 256  # a prompt's rows padded to this bucket (NaN), as the engine pads a prompt: one compiled write
+
+
 def admit(tc, ref, rng, n):
     slot = tc.admit(n)
     lat = rng.standard_normal((L, n, C)).astype(np.float32)
     rope = rng.standard_normal((L, n, R)).astype(np.float32)
-    tc.write_prefill(slot, jnp.asarray(lat), jnp.asarray(rope), jnp.asarray(rng.standard_normal((LI, n, DI)),
-                                                                             jnp.float32), n)
+    idx = rng.standard_normal((LI, n, DI)).astype(np.float32)
+    pad = [(0, 0), (0, max(n, PROMPT_ROWS) - n), (0, 0)]
+    tc.write_prefill(slot, *(jnp.asarray(np.pad(a, pad, constant_values=np.nan)) for a in (lat, rope, idx)), n)
     ref.lat[:, slot, :n], ref.rope[:, slot, :n] = lat, rope
     return slot
 
