@@ -12,7 +12,7 @@ seeded random weights and prompts:
    host -> device bytes per decode step (payload and what the mechanism moved), plus whether the greedy
    tokens equal the all-resident run's.
 2. Per-step timing: three `PageManager` stores built as `generate` builds them (prefill, `admit`,
-   `write_prefill`), then `hisparse_jax.engine.runner.decode_step` stepped side by side (one step of each store
+   `write_prefill`), then `hisparse_jax.engine.runner.store_decode_step` stepped side by side (one step of each store
    per round), `--warmup` rounds first, median of `--steps` rounds; ratio tiered / resident per mechanism.
 
 This is a benchmark, not a test: on a CPU the host and device pools are the same memory, so the ratio shows
@@ -70,7 +70,7 @@ def run(args) -> dict:
     from hisparse_jax.generate import generate
     from hisparse_jax.kv import device as kv_device
     from hisparse_jax.kv.manager import PageManager
-    from hisparse_jax.engine.runner import decode_step
+    from hisparse_jax.engine.runner import store_decode_step
     from hisparse_jax.kv.tiered import stats_bytes
     from hisparse_jax.model.decoder import SparseMLAModel
 
@@ -150,7 +150,7 @@ def run(args) -> dict:
         tc = r["tc"]
         store = kv_device.reserve_next(r["store"], tc, r["slots"])
         t = time.perf_counter()
-        logits, r["store"], stats = decode_step(model, store, {"tokens": r["tokens"], "req": r["req"]})
+        logits, r["store"], stats = store_decode_step(model, store, {"tokens": r["tokens"], "req": r["req"]})
         jax.block_until_ready(logits)
         dt = time.perf_counter() - t
         tc.advance(r["slots"])

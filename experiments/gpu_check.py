@@ -37,7 +37,7 @@ one's timeout to what remains; a section skips a check that would end past its s
   in a worker process.
 
 Behind --only (each with its reason in the table): compile (every kernel and the tiered decode step once at tiny
-shapes), decode (`runner.decode_step` on "tiny-glm", all resident vs under pressure), decode_kernels
+shapes), decode (`runner.store_decode_step` on "tiny-glm", all resident vs under pressure), decode_kernels
 (`decode_loop` with the references vs the Pallas kernels), kernel_gather, kernel_mla_mosaic, mla_big_pool
 (sparse_mla_decode on stacked fp8 pools of > 4 GiB read with `layer=`), mosaic_probes (the Mosaic decode on
 inputs that isolate its stages, `MOSAIC_PROBES`). A wrong top-k is explained by the reference's scores

@@ -17,7 +17,7 @@ _PLAIN_EVERY_S = 5.0  # a plain progress line at least this often when stderr is
 
 def _traces() -> tuple[int, int]:
     """(decode-step traces, whole-prompt prefill traces) so far: each new one is a compile under way."""
-    return TRACE_COUNTS["decode_step"], TRACE_COUNTS["prefill"]
+    return TRACE_COUNTS["store_decode_step"], TRACE_COUNTS["prefill"]
 
 
 def _terminal(stream) -> bool:

@@ -42,14 +42,14 @@ def budget(**kw) -> CacheConfig:
 
 def test_generate_compiles_one_step_for_every_budget(model, prompts):
     ref = generate(model, prompts, 20)
-    before = runner.TRACE_COUNTS["decode_step"]
+    before = runner.TRACE_COUNTS["store_decode_step"]
     misses = {}
     for dp in DEVICE_BUDGETS:
         for hr in HOT_BUDGETS:
             out, stats = generate(model, prompts, 20, cache=budget(device_pages=dp, hot_rows=hr), return_stats=True)
             assert out == ref, (dp, hr)
             misses[dp, hr] = stats.misses
-    assert runner.TRACE_COUNTS["decode_step"] - before == 1  # one batch bucket, one index span: one compile
+    assert runner.TRACE_COUNTS["store_decode_step"] - before == 1  # one batch bucket, one index span: one compile
     # the budgets are enforced, not only accepted: less device memory, more misses; a smaller hot buffer, more
     assert misses[9, 16] > misses[10, 16] > misses[11, 16] > misses[64, 16] == 0
     assert misses[9, 16] > misses[9, 32]
@@ -61,9 +61,9 @@ def test_engine_compiles_once_per_batch_shape_across_budgets(model, prompts):
         for hr in HOT_BUDGETS:
             eng = Engine(model, budget(device_pages=dp, hot_rows=hr, host_pages=48, max_seqs=3),
                          EngineConfig(policy="hisparse", max_running=3, prefill="whole", min_bucket=4))
-            before = runner.TRACE_COUNTS["decode_step"]
+            before = runner.TRACE_COUNTS["store_decode_step"]
             out = eng.generate(prompts, SamplingParams(max_new_tokens=12))
-            traces += runner.TRACE_COUNTS["decode_step"] - before
+            traces += runner.TRACE_COUNTS["store_decode_step"] - before
             seen |= {(m.bucket, m.scored_pages) for m in eng.history if m.bucket}
             assert [len(o) for o in out] == [12, 12, 12]
     assert traces == len(seen), (traces, sorted(seen))  # one compile per step shape, whatever the budget

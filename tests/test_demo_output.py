@@ -79,11 +79,11 @@ def _engine(step: int, running: int, waiting: int, finished: int, n: int, compil
 
 def test_plain_progress_lines_and_compile_notice_without_a_terminal(monkeypatch):
     monkeypatch.setattr(demo_progress, "_PLAIN_EVERY_S", 0.3)
-    monkeypatch.setitem(TRACE_COUNTS, "decode_step", TRACE_COUNTS["decode_step"])
+    monkeypatch.setitem(TRACE_COUNTS, "store_decode_step", TRACE_COUNTS["store_decode_step"])
     err = io.StringIO()
     p = demo_progress.Progress("offload", 4, stream=err)
     try:
-        TRACE_COUNTS["decode_step"] += 1  # a step starts compiling
+        TRACE_COUNTS["store_decode_step"] += 1  # a step starts compiling
         time.sleep(0.7)
         p(_engine(1, 3, 1, 0, 4, compiled=True, bucket=16))
         time.sleep(0.7)  # a quiet stretch: still a line every _PLAIN_EVERY_S

@@ -267,9 +267,9 @@ def test_gpu_check_cpu_smoke(runs):
     assert comp["all_correct"] is True and not comp["skipped"]
     cnames = [r["name"] for r in comp["runs"]]
     for want in ("indexer_topk bf16", "indexer_topk fp8", "sparse_gather", "sparse_mla_decode bf16",
-                 "sparse_mla_decode fp8", "sparse_mla_decode fp8 stacked layer=", "decode_step reference fetch=row",
-                 "indexer_topk fp8 mosaic", "sparse_mla_decode fp8 mosaic",
-                 "decode_step pallas_interpret fetch=row"):
+                 "sparse_mla_decode fp8", "sparse_mla_decode fp8 stacked layer=",
+                 "store_decode_step reference fetch=row", "indexer_topk fp8 mosaic", "sparse_mla_decode fp8 mosaic",
+                 "store_decode_step pallas_interpret fetch=row"):
         assert want in cnames, cnames
     for r in comp["runs"]:
         assert r["status"] == "ok" and r["passed"] is True and r.get("timed") is not True, r

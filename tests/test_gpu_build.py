@@ -6,7 +6,7 @@ XLA's deviceless AOT compilation (`hisparse_jax/deviceless.py`) runs the whole X
 
 1. every Pallas kernel variant at production shapes (DeepSeek-V3.2 / GLM-5 geometry) compiles;
 2. the whole jitted tiered decode step (`hisparse_jax.engine.runner._jitted_step`, the function
-   `decode_step` runs, store donated) of GLM-5 (all 78 layers for the fp8 row-fetch Pallas-Triton case, a 4-layer
+   `store_decode_step` runs, store donated) of GLM-5 (all 78 layers for the fp8 row-fetch Pallas-Triton case, a 4-layer
    slice for the others) compiles for both fetch mechanisms, bf16 and
    fp8 KV, reference and Pallas kernels, indexer keys on the device and in the host tier, and its compiled HLO
    shows that
@@ -214,7 +214,7 @@ if MOSAIC:  # the Mosaic decode inside the step (GLM-5: 64 heads, one block each
 
 @pytest.fixture(scope="module", params=STEP_CASES, ids=lambda c: "-".join(c))
 def built_step(request, build_log):
-    """(case, store, compiled HLO text, memory stats) of tiered decode_step's jitted function."""
+    """(case, store, compiled HLO text, memory stats) of store_decode_step's jitted function."""
     from hisparse_jax.config import CacheConfig
     from hisparse_jax.engine import runner
 
@@ -223,10 +223,10 @@ def built_step(request, build_log):
     cache = CacheConfig(kv_dtype=kv, device_pages=4096, host_pages=16384, max_seqs=32, max_seq_len=131072,
                         fetch=fetch, hot_policy=hot_policy, index_tier=index_tier)
     graphdef, params, store, batch = abstract_step_args(cfg, cache)
-    # The jitted function decode_step / Runner.decode call (donate_argnums=(1,): the store). Taken from the
+    # The jitted function store_decode_step / Runner.decode call (donate_argnums=(1,): the store). Taken from the
     # cache directly because kv.tiered.check_kernels refuses kernels="pallas" on a CPU backend, rightly.
     step = runner._jitted_step(graphdef, kernels)
-    case = (f"tiered decode_step glm-5[{cfg.num_hidden_layers} layers] kv={kv} fetch={fetch} kernels={kernels} "
+    case = (f"tiered store_decode_step glm-5[{cfg.num_hidden_layers} layers] kv={kv} fetch={fetch} kernels={kernels} "
             f"hot_policy={hot_policy} index_tier={index_tier} (B={BATCH})")
     exe = timed_build(build_log, case, lambda: dl.compile_lowered(dl.lower_for_gpu(step, params, store, batch)))
     text = dl.hlo_text(exe)

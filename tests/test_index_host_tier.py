@@ -216,14 +216,14 @@ def test_engine_exact_mode_gives_the_device_tier_tokens_without_recompiling():
         cc = BIG.replace(device_pages=11)
         cc = host(cc) if tier == "host" else cc
         eng = Engine(model, cc, EngineConfig(policy="hisparse", max_running=3, check_invariants=True))
-        before = runner.TRACE_COUNTS["decode_step"]
+        before = runner.TRACE_COUNTS["store_decode_step"]
         eng.add_request("r0", prompts[0], params)
         while not eng.requests["r0"].output:  # the others arrive once it decodes (its prefix pages are cached)
             eng.step()
         for i, p in enumerate(prompts[1:], 1):
             eng.add_request(f"r{i}", p, params)
         eng.run()
-        traces[tier] = runner.TRACE_COUNTS["decode_step"] - before
+        traces[tier] = runner.TRACE_COUNTS["store_decode_step"] - before
         out[tier], metrics[tier] = eng.outputs(), eng.metrics()
         eng.close()
     assert out["host"] == out["device"]

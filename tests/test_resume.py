@@ -1,6 +1,6 @@
 """A store saved in one process resumes in another: `load_tiered`'s arrays are typed and placed as a new store's
 (memory kinds in their types), so docs/store.md's path (`load_tiered`, `kv_device.reserve_next`,
-`runner.decode_step`) and the engine's decode-and-sample program (`Runner.step`) continue from it in a fresh
+`runner.store_decode_step`) and the engine's decode-and-sample program (`Runner.step`) continue from it in a fresh
 process with exactly the uninterrupted run's tokens: float32, bf16 and fp8 KV, int4 indexer keys, host-tier keys.
 
 (A whole engine — requests, queues, store — is saved and resumed by `engine.snapshot`, tested in
@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 import hisparse_jax as hj
-from hisparse_jax.engine.runner import Runner, decode_step
+from hisparse_jax.engine.runner import Runner, store_decode_step
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv import tiered
 from hisparse_jax.kv.manager import PageManager
@@ -35,7 +35,7 @@ FORMATS = {
                            BIG.replace(kv_dtype="fp8", index_dtype="int4", index_tier="host", device_pages=7)),
 }
 PROMPTS = [np.random.default_rng(4).integers(0, 97, n).tolist() for n in (300, 170)]
-BEFORE, DECODE, ENGINE = 4, 5, 5  # steps before the save; after it, through decode_step, then through Runner.step
+BEFORE, DECODE, ENGINE = 4, 5, 5  # steps before the save; after it, through store_decode_step, then through Runner.step
 
 
 def build(name):
@@ -47,12 +47,12 @@ def build(name):
 def continue_decoding(model, tc, store, slots, tok, n_decode, n_engine):
     """Greedy steps from (store, last tokens): `n_decode` through docs/store.md's path, then `n_engine` through the
     engine's program (`Runner.step`: its batch and sampling rows, one device read). Returns (store, the last
-    tokens, the tokens of every step [steps][B], the rows decode_step read from the host pools)."""
+    tokens, the tokens of every step [steps][B], the rows store_decode_step read from the host pools)."""
     req = jnp.asarray(slots, jnp.int32)
     out, misses = [], 0
     for _ in range(n_decode):
         store = kv_device.reserve_next(store, tc, slots)
-        logits, store, stats = decode_step(model, store, {"tokens": tok, "req": req})
+        logits, store, stats = store_decode_step(model, store, {"tokens": tok, "req": req})
         misses += int(np.sum(stats["misses"]))
         tc.advance(slots)
         tok = jnp.argmax(logits, -1).astype(jnp.int32)

@@ -108,10 +108,10 @@ def test_sampled_tokens_identical(model, prompts):
 
 
 def test_steps_compile_once_per_bucket(model, prompts):
-    before = TRACE_COUNTS["decode_step"]
+    before = TRACE_COUNTS["store_decode_step"]
     run(model, prompts, "hisparse", 1)
     run(model, prompts, "hisparse", 1)  # the same buckets: nothing new to trace
-    compiles = TRACE_COUNTS["decode_step"] - before
+    compiles = TRACE_COUNTS["store_decode_step"] - before
     assert compiles <= 3, compiles  # one per batch bucket seen (at most 1, 2, 4 requests; min_bucket 8 -> one)
 
 

@@ -93,19 +93,19 @@ def test_scan_equals_separate_steps_and_compiles_once(model):
     n = 110
     # separate calls
     tc, store, slots, tok = _start(model, prompts, cc)
-    before = runner.TRACE_COUNTS["decode_step"]
+    before = runner.TRACE_COUNTS["store_decode_step"]
     req = jnp.asarray(slots, jnp.int32)
     seq_tokens, seq_logits = [], []
     for i in range(n):
         store = kv_device.reserve_next(store, tc, slots)
-        logits, store, _ = runner.decode_step(model, store, {"tokens": tok, "req": req})
+        logits, store, _ = runner.store_decode_step(model, store, {"tokens": tok, "req": req})
         tc.advance(slots)
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
         seq_tokens.append(tok)
         seq_logits.append(logits)
         if i % 25 == 0:
             kv_device.check_tables(store, tc)
-    assert runner.TRACE_COUNTS["decode_step"] - before == 1  # no recompilation over 110 steps
+    assert runner.TRACE_COUNTS["store_decode_step"] - before == 1  # no recompilation over 110 steps
     # one scan: the host reserves the tail pages of all n positions first
     tc2, store2, slots2, tok2 = _start(model, prompts, cc)
     store2 = kv_device.reserve_next(store2, tc2, slots2, n)
@@ -127,7 +127,7 @@ def test_save_restore_resumes_exactly(model, tmp_path):
         out = []
         for _ in range(steps):
             store = kv_device.reserve_next(store, tc, slots)
-            logits, store, _ = runner.decode_step(model, store, {"tokens": tok, "req": req})
+            logits, store, _ = runner.store_decode_step(model, store, {"tokens": tok, "req": req})
             tc.advance(slots)
             tok = jnp.argmax(logits, -1).astype(jnp.int32)
             out.append(np.asarray(logits))

@@ -1,5 +1,5 @@
 """gpu_check's decode-step sections: `compile` (every kernel and the tiered decode step once at tiny shapes),
-`decode` (`runner.decode_step` on "tiny-glm", all resident vs under pressure per fetch mechanism) and
+`decode` (`runner.store_decode_step` on "tiny-glm", all resident vs under pressure per fetch mechanism) and
 `decode_kernels` (`decode_loop` with the references vs the Pallas kernels)."""
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ def section_compile(ctx: Ctx) -> dict:
         ("sparse_mla_decode fp8 stacked layer=", lambda c: stacked_pool(
             c, T["mla_layers"], 2 * T["mla_B"] * max(2 * T["mla_K"] // 64, 1), T["mla_H"], T["mla_B"], T["mla_K"],
             T["mla_C"], T["mla_R"], 6)),
-    ] + [(f"decode_step reference fetch={fetch}", lambda c, fetch=fetch: _tiny_decode(c, st, fetch, "reference"))
+    ] + [(f"store_decode_step reference fetch={fetch}", lambda c, fetch=fetch: _tiny_decode(c, st, fetch, "reference"))
          for fetch in ctx.sz["compile_decode_fetches"]] + [
-        (f"decode_step {pallas} fetch=row", lambda c: _tiny_decode(c, st, "row", pallas)),
+        (f"store_decode_step {pallas} fetch=row", lambda c: _tiny_decode(c, st, "row", pallas)),
         # the Mosaic GPU decode last: a fault in it poisons this process's CUDA context for every later check
         ("sparse_mla_decode bf16 mosaic", lambda c: kernel_mla(c, T["mla_H"], "bf16", "bf16", 10, "mosaic")),
         ("sparse_mla_decode fp8 mosaic", lambda c: kernel_mla(c, T["mla_H"], "fp8", "bf16", 7, "mosaic")),
@@ -145,7 +145,7 @@ def _admit(ctx, d: dict, cc):
 
 def section_decode(ctx: Ctx) -> dict:
     from hisparse_jax.kv import device as kv_device
-    from hisparse_jax.engine.runner import decode_step
+    from hisparse_jax.engine.runner import store_decode_step
 
     sz = ctx.sz
     d = _decode_setup(ctx)
@@ -166,7 +166,7 @@ def section_decode(ctx: Ctx) -> dict:
                       "build_s": time.perf_counter() - t}
 
     # Time the step as the engine and generate run it: through the `Runner` (the model split once). The public
-    # `decode_step(model, ...)` also splits the model (nnx.split) and hashes its graphdef on every call, host
+    # `store_decode_step(model, ...)` also splits the model (nnx.split) and hashes its graphdef on every call, host
     # time that would blur the device-side ratio; it is measured separately below ("public_decode_step").
     from hisparse_jax.engine.runner import Runner
 
@@ -197,13 +197,14 @@ def section_decode(ctx: Ctx) -> dict:
             dt, stats = one_step(r)
             r["times"].append(dt)
             r["stats"].append({k: np.asarray(v) for k, v in stats.items()})
-    public = [one_step(runs["resident"], lambda store, batch: decode_step(model, store, batch))[0]
+    public = [one_step(runs["resident"], lambda store, batch: store_decode_step(model, store, batch))[0]
               for _ in range(sz["decode_public_steps"])]
     out: dict = {"model": "tiny-glm" + (f" with {sz['decode_model']}" if sz["decode_model"] else ""), "layers": cfg.num_hidden_layers, "topk": cfg.index_topk, "requests": R,
                  "prompt_tokens": P, "kv_dtype": "bf16", "hot_rows": hot_rows, "prefill_s": prefill_s,
                  "timed_steps": len(runs["resident"]["times"]), "skipped_steps_budget": skipped, "stores": {},
                  "step_timed_as": step_how,
-                 "public_decode_step": {"how": "hisparse_jax.engine.runner.decode_step(model, store, batch), resident",
+                 "public_decode_step": {"how": "hisparse_jax.engine.runner.store_decode_step(model, store, batch), "
+                                               "resident",
                                         "step_median_s": statistics.median(public) if public else None,
                                         "steps": len(public)}}
     for name, r in runs.items():

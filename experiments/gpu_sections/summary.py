@@ -105,7 +105,7 @@ def summary_table(report: dict) -> str:
                          f"ms/step  misses/step {s['per_step_mean']['misses']:7.0f}  h2d/step "
                          f"{s['per_step_mean']['h2d_bytes'] / MIB:7.3f} MiB  device pages {s['device_pages']}")
         pub = de.get("public_decode_step", {}).get("step_median_s")
-        lines.append(f"decode   resident via public decode_step (splits the model per call) "
+        lines.append(f"decode   resident via public store_decode_step (splits the model per call) "
                      f"{f(pub * 1e3 if pub else None, '.3f')} ms/step")
         for name in [n for n in de["stores"] if n != "resident"]:
             lines.append(f"decode   ratio {name} / resident = {f(de.get(f'ratio_{name}_vs_resident'), '.2f')}")

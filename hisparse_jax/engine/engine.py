@@ -342,7 +342,7 @@ class Engine:
             raise RuntimeError("a failed decode step consumed the KV store; this engine cannot continue "
                                "(its requests' outputs so far are in outputs())")
         sched = self.scheduler
-        w = StepWork(plan=None, failed=[], t0=time.perf_counter(), traces=TRACE_COUNTS["decode_step"])
+        w = StepWork(plan=None, failed=[], t0=time.perf_counter(), traces=TRACE_COUNTS["store_decode_step"])
         plan = w.plan = sched.schedule(self.step_count)
         failed = w.failed
         # 1. each request's own checks: what would only fail inside the batched call fails here, for that request

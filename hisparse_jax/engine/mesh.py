@@ -213,13 +213,13 @@ class MeshEngine:
         if self.store_lost:
             raise RuntimeError("a failed decode step consumed the stacked KV store; this engine cannot continue "
                                "(its requests' outputs so far are in outputs())")
-        t0, traces = time.perf_counter(), TRACE_COUNTS["decode_step"]
+        t0, traces = time.perf_counter(), TRACE_COUNTS["store_decode_step"]
         works = [e.begin_step() for e in self.engines]
         if any(w.batch is not None for w in works):
             self._call(works)
         ms = [e.finish_step(w) for e, w in zip(self.engines, works)]
         self.flush()
-        m = combine_steps(ms, time.perf_counter() - t0, TRACE_COUNTS["decode_step"] > traces)
+        m = combine_steps(ms, time.perf_counter() - t0, TRACE_COUNTS["store_decode_step"] > traces)
         self.history.append(m)
         if self._log:
             self._log.write(json.dumps({**m.to_json(), "ranks": [x.to_json() for x in ms]}) + "\n")

@@ -41,7 +41,7 @@ def step_metrics(engine, w, *, bucket: int, scored_pages: int, stats: dict, new_
         "h2d_bytes": st.get("h2d_bytes", 0), "d2h_bytes": st.get("d2h_bytes", 0),
         "index_h2d_bytes": st.get("index_h2d_bytes", 0),
         "device_pages_used": manager.pool.num_used("device"), "step_time_s": time.perf_counter() - w.t0,
-        "compiled": TRACE_COUNTS["decode_step"] > w.traces, "wait_reasons": plan.wait_reasons(),
+        "compiled": TRACE_COUNTS["store_decode_step"] > w.traces, "wait_reasons": plan.wait_reasons(),
         "recomputed_tokens": w.recomputed_tokens,
         "preempted_waiting": sum(1 for r in sched.waiting if r.preemptions),
         "swap_out_pages": plan.swap_out_pages, "swap_in_pages": plan.swap_in_pages,

@@ -9,7 +9,7 @@ which this module imports for the mesh step. Outside these three: the kernels' o
 training (`train/dsa.py`) and the kernel test cases' input preparation (`kernel_cases.py`).
 
 * the tiered decode step: `step_impl` (un-jitted: the model through the store as its `KVBackend`, then the step's
-  last writes to the store, `kv.writes.end_step`), `decode_step` / `decode_loop` (jitted, store donated);
+  last writes to the store, `kv.writes.end_step`), `store_decode_step` / `decode_loop` (jitted, store donated);
 * `Runner`: a model split once, the kernels choice, and one jitted call per step that decodes a batch through the
   store *and* samples its tokens, read back in one device->host transfer (the tokens and the step's counters);
 * the causal forward (`jitted_prefill`, `prefill_rows`) and the contiguous KV arrays' decode-and-sample step
@@ -74,7 +74,7 @@ from hisparse_jax.model.decoder import decode_step as model_decode_step
 from hisparse_jax.model.mtp import mtp_forward
 
 COUNTS: collections.Counter = collections.Counter()  # "split": model splits; "step"/"sampler": traces
-# traces of each program: "prefill", "decode" (the contiguous step), "decode_step" (a store step: plain, sampled,
+# traces of each program: "prefill", "decode" (the contiguous step), "store_decode_step" (a store step: plain, sampled,
 # speculative or sharded), "decode_loop"
 TRACE_COUNTS: collections.Counter = collections.Counter()
 
@@ -262,7 +262,7 @@ def step_impl(model: SparseMLAModel, store: KVStore, batch: dict, kernels: str =
 def _jitted_step(graphdef, kernels: str):
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(state, store, batch):
-        TRACE_COUNTS["decode_step"] += 1
+        TRACE_COUNTS["store_decode_step"] += 1
         return step_impl(nnx.merge(graphdef, state), store, batch, kernels)
 
     return step
@@ -287,7 +287,7 @@ def _jitted_loop(graphdef, num_steps: int, kernels: str):
     return loop
 
 
-def decode_step(model: SparseMLAModel, store: KVStore, batch: dict, *, kernels: str = "reference"):
+def store_decode_step(model: SparseMLAModel, store: KVStore, batch: dict, *, kernels: str = "reference"):
     """One jitted decode step; the store is donated. Returns (logits f32[B, V], store, stats).
     kernels: one of `tiered.KERNELS` (see `tiered.check_kernels`)."""
     graphdef, state = nnx.split(model)
@@ -300,7 +300,7 @@ def decode_loop(model: SparseMLAModel, store: KVStore, batch: dict, num_steps: i
 
     The host must have reserved the tail pages of all `num_steps` positions first. Returns
     (tokens int32[num_steps, B] (the token *produced* by each step), logits f32[num_steps, B, V], store,
-    stats stacked over steps) — bit-identical to `num_steps` calls of `decode_step`.
+    stats stacked over steps) — bit-identical to `num_steps` calls of `store_decode_step`.
     """
     graphdef, state = nnx.split(model)
     return _jitted_loop(graphdef, int(num_steps), tiered.check_kernels(kernels))(state, store, _commit(store, batch))
@@ -358,7 +358,7 @@ def _jitted_step_and_sample(graphdef, kernels: str):
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(state, store, batch, sampling):
         COUNTS["step"] += 1
-        TRACE_COUNTS["decode_step"] += 1
+        TRACE_COUNTS["store_decode_step"] += 1
         logits, store, stats = step_impl(nnx.merge(graphdef, state), store, batch, kernels)
         tokens = sample_rows(logits[sampling["rows"]], sampling["seed"], sampling["pos"], sampling["temperature"],
                              sampling["top_p"])
@@ -406,7 +406,7 @@ class Runner:
 
     def decode(self, store: KVStore, batch: dict):
         """One decode step without sampling (the caller samples): (logits f32[B, V], store, stats), as
-        `decode_step` but with this runner's parameters split once (no per-call `nnx.split`)."""
+        `store_decode_step` but with this runner's parameters split once (no per-call `nnx.split`)."""
         return _jitted_step(self.graphdef, self.kernels)(self.state, store, _commit(store, batch))
 
     def step(self, spec: StoreSpec, store: KVStore, batch: dict, sampling: dict, n_emit: int, *,
@@ -448,7 +448,7 @@ def jitted_speculative_step(graphdef, kernels: str, k: int, acceptance: str = "m
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(state, store, batch, sampling):
         COUNTS["step"] += 1
-        TRACE_COUNTS["decode_step"] += 1
+        TRACE_COUNTS["store_decode_step"] += 1
         return speculative.speculative_step_impl(nnx.merge(graphdef, state), store, batch, sampling, kernels, k,
                                                  acceptance)
 
@@ -540,7 +540,7 @@ def _jitted_sharded(graphdef, mesh: Mesh, kernels: str, expert_parallel: bool, s
     one = parallel.squeeze_rank
 
     def body(state, store, batch, *sampling):
-        TRACE_COUNTS["decode_step"] += 1
+        TRACE_COUNTS["store_decode_step"] += 1
         with parallel.moe_context(ep):
             logits, store, stats = step_impl(nnx.merge(graphdef, state), one(store), one(batch), kernels)
         if sample:

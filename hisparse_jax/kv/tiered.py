@@ -1,12 +1,12 @@
 """The tiered store as the model's `KVBackend` (`TieredKV`), the step counters, and `index_span`.
 
 The model drives the store, never the other way round: the jitted steps that run a model through a store
-(`decode_step`, `decode_loop`, `step_impl`) live with the runner, `hisparse_jax.engine.runner` (still reachable
-here by their old names). `decode_step(model, store, batch) -> (logits, store, stats)` is one jitted step with
-the store donated and fixed shapes: `batch = {"tokens": int32[B], "req": int32[B]}` with B a bucket and req = -1
-for idle rows. Positions come from `store.seq_lens`. Per step it appends every layer's new rows (device tail page,
-then one host mirror write for all layers), runs each full indexer over the request's paged keys, resolves
-the top-k per indexer group (resident | hot hit | miss fetched from host), and attends over the rows.
+(`store_decode_step`, `decode_loop`, `step_impl`) live with the runner, `hisparse_jax.engine.runner`.
+`store_decode_step(model, store, batch) -> (logits, store, stats)` is one jitted step with the store donated and
+fixed shapes: `batch = {"tokens": int32[B], "req": int32[B]}` with B a bucket and req = -1 for idle rows.
+Positions come from `store.seq_lens`. Per step it appends every layer's new rows (device tail page, then one host
+mirror write for all layers), runs each full indexer over the request's paged keys, resolves the top-k per indexer
+group (resident | hot hit | miss fetched from host), and attends over the rows.
 Shared-index layers replay their leader's plan. The host must have reserved the tail pages first.
 
 Several query rows per request (speculative verification, `TieredKV(rows_per_request=S)`): the batch is groups of S
