@@ -4,6 +4,7 @@ only on its own earlier blocks). Relative links between them must point at files
 
 from __future__ import annotations
 
+import ast
 import glob
 import os
 import re
@@ -38,6 +39,17 @@ def test_readme_python_snippets_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ns = _run_page(readme, tmp_path)
     assert ns["outputs"] == ns["tokens"]  # the engine's example: the same tokens as generate
+    shown = _shown_values(readme)
+    assert shown, "the README shows its tiered example's hits, misses and mean running"
+    for expr, value in shown:  # what the README says an expression gives, it gives
+        assert eval(expr, ns) == ast.literal_eval(value), (expr, value)
+
+
+def _shown_values(path: str) -> list[tuple[str, str]]:
+    """The lines of a page's ```python blocks that are a bare expression followed by the value it gives as a
+    comment, e.g. `stats.hits, stats.misses   # (39222, 3962)`: [(expression, value)]."""
+    return [(m.group(1), m.group(2)) for block in _blocks(path) for line in block.splitlines()
+            if (m := re.fullmatch(r"([^=#]+?)\s+#\s*(\(.*\))", line))]
 
 
 @pytest.mark.slow
