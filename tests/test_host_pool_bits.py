@@ -193,17 +193,26 @@ def test_device_rows_to_host_and_back_are_bit_exact(mirror):
     np.testing.assert_array_equal(bits_of(np.asarray(store.rope)[:, [6, 7]]).reshape(rope_b.shape), dev_rope)
 
 
-@pytest.mark.parametrize("fetch", ["row", "page"])
-def test_tiered_bf16_decode_equals_all_resident(fetch):
-    """A bf16 store under a tiny device budget (misses fetched from the uint16 host pools every step) decodes
-    exactly as the all-resident one: same tokens, bit-identical logits."""
+@pytest.fixture(scope="module")
+def bf16_resident():
+    """(bf16 model, prompts, the all-resident bf16 store's tokens and logits): no miss, so one reference serves both
+    fetch mechanisms."""
     m = hj.SparseMLAModel(model_cfg(dtype="bfloat16"), rngs=nnx.Rngs(1))
     rng = np.random.default_rng(1)
     ps = [rng.integers(0, 97, n).tolist() for n in (260, 140)]
-    cc: CacheConfig = BIG.replace(kv_dtype="bf16", fetch=fetch)
-    a, sa, la = generate(m, ps, 24, cache=cc, return_stats=True, return_logits=True)
-    b, sb, lb = generate(m, ps, 24, cache=cc.replace(device_pages=7), return_stats=True, return_logits=True)
-    assert sa.misses == 0 and sb.misses > 0 and sb.evicted_pages > 0
+    a, sa, la = generate(m, ps, 24, cache=BIG.replace(kv_dtype="bf16"), return_stats=True, return_logits=True)
+    assert sa.misses == 0
+    return m, ps, a, la
+
+
+@pytest.mark.parametrize("fetch", ["row", "page"])
+def test_tiered_bf16_decode_equals_all_resident(bf16_resident, fetch):
+    """A bf16 store under a tiny device budget (misses fetched from the uint16 host pools every step) decodes
+    exactly as the all-resident one: same tokens, bit-identical logits."""
+    m, ps, a, la = bf16_resident
+    cc: CacheConfig = BIG.replace(kv_dtype="bf16", fetch=fetch, device_pages=7)
+    b, sb, lb = generate(m, ps, 24, cache=cc, return_stats=True, return_logits=True)
+    assert sb.misses > 0 and sb.evicted_pages > 0
     assert a == b
     for x, y in zip(la, lb):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
