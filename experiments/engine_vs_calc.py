@@ -23,7 +23,7 @@ The one ratio that cannot scale is the two tail pages every request keeps reside
 
 Every request is `--pages` pages long from its prompt on (prompt 64 * pages - 48 tokens, 16-48 new tokens, so
 finishes are staggered and the queue refills while requests decode), so the calculator's uniform sequence length
-is the workload's. The calculator (`hisparse_jax.calc.capacity`, layout "split": this project's store, with its
+is the workload's. The calculator (`hisparse_jax.calc.max_requests`, layout "split": this project's store, with its
 indexer pool apart from the KV pool) gets the model's block bytes (FP8 row 656 B), the same device bytes, hot rows,
 tail pages, host pool and request count. The engine gets the same device bytes split by `engine.device_budget`.
 
@@ -56,7 +56,7 @@ def variant_name(pol: str, dt: str, tier: str) -> str:
 def glm_ratios() -> dict:
     """The published case's ratios (GLM-5.3 FP8, H200 DP1 TP8 EP, 81,920 tokens, hot rows 4096, top-k 2048)."""
     inp = calc.CalcInput(seq=SEQ)
-    r = calc.capacity(inp)
+    r = calc.max_requests(inp)
     lay8 = calc.block_layout(calc.GLM53_KV_SHAPE, "fp8")
     lay4 = calc.block_layout(calc.GLM53_KV_SHAPE, "fp8", indexer_dtype="int4")
     n = r.baseline_blocks_per_request
@@ -64,7 +64,7 @@ def glm_ratios() -> dict:
             "hot_fraction": -(-inp.hot_rows // 64) / n, "topk_fraction": inp.top_k / SEQ,
             "indexer_over_kv": {"fp8": lay8.indexer_page / lay8.host, "int4": lay4.indexer_page / lay4.host},
             "tail_fraction": TAIL_PAGES / n, "baseline": r.baseline_running, "hisparse_unified": r.hisparse_running,
-            "hisparse_split": calc.capacity(calc.CalcInput(seq=SEQ, layout="split")).hisparse_running}
+            "hisparse_split": calc.max_requests(calc.CalcInput(seq=SEQ, layout="split")).hisparse_running}
 
 
 def model_config(layers: int, full_every: int, pages: int, glm: dict):
@@ -88,7 +88,7 @@ def predict(cfg, *, pages: int, requests: int, device_bytes: int, hot_rows: int,
     preset = calc.preset_from_config(cfg, "engine-vs-calc", 0.0, 0.0, mla_fp8_layout="ds_mla")
     lay = calc.block_layout(cfg, "fp8", mla_fp8_layout="ds_mla", indexer_dtype=index_dtype)
     host_block = lay.host + (lay.indexer_page if index_tier == "host" else 0)
-    return calc.capacity(calc.CalcInput(
+    return calc.max_requests(calc.CalcInput(
         preset=preset, tp=1, dp=1, ep=False, kv_dtype="fp8", seq=64 * pages, hot_rows=hot_rows, top_k=cfg.index_topk,
         retained=TAIL_PAGES, other=0, host_gib=host_pages * host_block / 2 ** 30, max_seqs=requests,
         kv_hbm_gib=device_bytes / 2 ** 30, index_dtype=index_dtype, layout=layout, index_tier=index_tier))

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python experiments/reproduce_blog.py [--out experiments/results] [--quick]
 
-(a) `hisparse_jax.calc.capacity` for the blog's setup (GLM-5.3, H200, DP1 TP8 EP, FP8; 74,160 / 85,836 /
+(a) `hisparse_jax.calc.max_requests` for the blog's setup (GLM-5.3, H200, DP1 TP8 EP, FP8; 74,160 / 85,836 /
     142,000 / 1,048,576 tokens; hot rows 4096 and 10240): baseline vs HiSparse running requests per replica,
     the limiting resource and the minimum non-limiting host pool. -> blog_calculator.json + printed table.
 (b) The engine on the embedded `demo-glm` model with the blog's *ratio* of device KV memory to one request's
@@ -37,7 +37,7 @@ def calculator_table() -> list[dict]:
     rows = []
     for hot in HOT_ROWS:
         for seq in SEQS:
-            r = calc.capacity(calc.CalcInput(preset="glm-5.3-blog", seq=seq, hot_rows=hot))
+            r = calc.max_requests(calc.CalcInput(preset="glm-5.3-blog", seq=seq, hot_rows=hot))
             rows.append({"seq": seq, "hot_rows": hot, "baseline_running": r.baseline_running,
                          "hisparse_running": r.hisparse_running, "hisparse_gpu_limit": r.hisparse_gpu_limit,
                          "limiting": r.limiting, "min_host_gib": r.min_host_gib,
@@ -60,7 +60,7 @@ def print_calculator(rows: list[dict]) -> None:
 
 
 def blog_device_requests() -> float:
-    r = calc.capacity(calc.CalcInput(seq=81_920))
+    r = calc.max_requests(calc.CalcInput(seq=81_920))
     return r.baseline_pool_blocks / r.baseline_blocks_per_request
 
 

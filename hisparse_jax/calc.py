@@ -469,7 +469,7 @@ def weights_per_gpu_gib(model: ModelPreset, dp: int, tp: int, ep: bool) -> float
     return model.shared_weights_gib / tp + model.routed_expert_weights_gib / (dp * tp if ep else tp)
 
 
-def capacity(inp: CalcInput) -> CalcResult:
+def max_requests(inp: CalcInput) -> CalcResult:
     """Baseline and HiSparse running requests per DP replica; raises CalcError on bad input."""
     model = get_preset(inp.preset)
     _check(inp, model)
@@ -564,6 +564,6 @@ def sweep(inp: CalcInput, seqs: Sequence[int] = SWEEP_SEQS) -> list[dict[str, An
             "h2d_bytes_per_step", "h2d_ms_per_step")
     rows = []
     for s in seqs:
-        d = capacity(replace(inp, seq=int(s))).to_dict()
+        d = max_requests(replace(inp, seq=int(s))).to_dict()
         rows.append({"seq": int(s), **{k: d[k] for k in keys}})
     return rows

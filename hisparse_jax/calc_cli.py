@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from hisparse_jax import calc
 from hisparse_jax.calc import (DEFAULT_HIT_RATE, DEFAULT_LINK_GB_PER_S, DEFAULT_TOP_K, GPU_MEMORY_GB, LAYOUTS,
-                               LIMITS, PRESETS, CalcError, CalcInput, CalcResult, capacity, get_preset, sweep)
+                               LIMITS, PRESETS, CalcError, CalcInput, CalcResult, get_preset, max_requests, sweep)
 from hisparse_jax.cli_args import bounded_float, check_output_file, choice, int_at_least
 from hisparse_jax.formats import INDEX_TIERS, QUANTIZED_INDEX_DTYPES
 
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                     index_tier=a.index_tier, index_read_fraction=a.index_read_fraction,
                     index_summary_bytes=a.index_summary_bytes)
     try:
-        result = capacity(inp)
+        result = max_requests(inp)
         rows = sweep(inp) if a.sweep or a.plot else None
         if a.plot:  # a comparison plot: both indexer dtypes
             other = next(d for d in QUANTIZED_INDEX_DTYPES if d != inp.index_dtype)

@@ -198,7 +198,7 @@ def _generate_tiered(model, prompts, cache, kernels, run, return_stats):
     manager = PageManager(cfg, cache)
     check_backend(manager.spec, kernels)
     # the last new token is sampled, never written: the store holds prompt + max_new_tokens - 1 positions
-    check_batch_fits(manager.budget, [len(p) + max_new_tokens - 1 for p in prompts], releasable=manager.releasable)
+    check_batch_fits(manager.budget_spec, [len(p) + max_new_tokens - 1 for p in prompts], releasable=manager.releasable)
     store = kv_device.new_store(manager)
     store, slots, first = runner.admit_prompts(store, manager, prompts)
     B = bucket_pow2(n)
@@ -237,7 +237,8 @@ def _generate_mesh(model, prompts, cache, kernels, mesh, run, return_stats):
     check_backend(spec, kernels)
     for c, idx in zip(managers, placed):  # the last new token is sampled, never written
         if idx:
-            check_batch_fits(c.budget, [len(prompts[i]) + max_new_tokens - 1 for i in idx], releasable=c.releasable)
+            check_batch_fits(c.budget_spec, [len(prompts[i]) + max_new_tokens - 1 for i in idx],
+                             releasable=c.releasable)
     store = parallel.new_stacked_store(managers, mesh)
     slots = [[] for _ in range(N)]
     first = [None] * n

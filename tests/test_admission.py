@@ -97,7 +97,7 @@ def test_offload_refuses_a_request_whose_keys_never_fit_the_device():
     CacheConfig's index_pages, and a request longer than that is refused at the door, not left waiting."""
     cc = CacheConfig(kv_dtype="float32", device_pages=8, index_pages=3, host_pages=16, max_seq_len=512)
     eng = FakeEngine(liveness_model(), cc, EngineConfig(policy="offload", max_running=2, admission="vllm"))
-    assert eng.manager.budget.index_pages == 16 and eng.scheduler.device_keys == 3
+    assert eng.manager.budget_spec.index_pages == 16 and eng.scheduler.device_keys == 3
     with pytest.raises(BudgetError, match="index_pages is too small.* 4 indexer pages .*index_pages is 3, 1 short"):
         eng.add_request("a", [1] * 200, SamplingParams(max_new_tokens=40))
     eng.add_request("b", [1] * 100, SamplingParams(max_new_tokens=40))

@@ -37,13 +37,13 @@ def test_calc_glm53_kv_shape_is_the_glm5_presets():
     (1_048_576, 4096, 0, 5),      # n = 16384: 6260//16384; 103692//17704
 ])
 def test_published_capacity(seq, hot_rows, baseline, hisparse):
-    r = calc.capacity(calc.CalcInput(seq=seq, hot_rows=hot_rows))
+    r = calc.max_requests(calc.CalcInput(seq=seq, hot_rows=hot_rows))
     assert (r.baseline_running, r.hisparse_running) == (baseline, hisparse)
     assert r.hisparse_gpu_limit == hisparse and r.limiting == "gpu"
 
 
 def test_defaults_match_calculator():
-    r = calc.capacity(calc.CalcInput())
+    r = calc.max_requests(calc.CalcInput())
     assert r.kv_hbm_gib == pytest.approx(17.8, abs=1e-9)
     assert (r.baseline_pool_blocks, r.hisparse_pool_blocks) == (6260, 103_692)
     assert (r.baseline_blocks_per_request, r.hisparse_gpu_blocks_per_request) == (1280, 2600)
@@ -55,40 +55,40 @@ def test_defaults_match_calculator():
 def test_kv_hbm_estimate():
     budget = 141e9 / 2 ** 30 * 0.92
     exact = budget - (19.556 / 8 + 684.167 / 8) - 15
-    r = calc.capacity(calc.CalcInput(round_kv_hbm=False))
+    r = calc.max_requests(calc.CalcInput(round_kv_hbm=False))
     assert r.kv_hbm_gib == pytest.approx(exact) and r.kv_hbm_gib == pytest.approx(17.8, abs=0.1)
-    dp8 = calc.capacity(calc.CalcInput(dp=8))  # routed experts over 64 GPUs
+    dp8 = calc.max_requests(calc.CalcInput(dp=8))  # routed experts over 64 GPUs
     assert dp8.kv_hbm_gib == pytest.approx(round(budget - 19.556 / 8 - 684.167 / 64 - 15, 1))
-    assert calc.capacity(calc.CalcInput(dp=8, ep=False)).kv_hbm_gib == pytest.approx(17.8)
-    assert calc.capacity(calc.CalcInput(kv_hbm_gib=30.0)).kv_hbm_gib == 30.0
+    assert calc.max_requests(calc.CalcInput(dp=8, ep=False)).kv_hbm_gib == pytest.approx(17.8)
+    assert calc.max_requests(calc.CalcInput(kv_hbm_gib=30.0)).kv_hbm_gib == 30.0
 
 
 def test_bf16_and_totals():
-    r = calc.capacity(calc.CalcInput(kv_dtype="bf16"))  # 3224//1280; 64807//2600
+    r = calc.max_requests(calc.CalcInput(kv_dtype="bf16"))  # 3224//1280; 64807//2600
     assert (r.baseline_running, r.hisparse_running) == (2, 24)
-    r = calc.capacity(calc.CalcInput(dp=8, ep=False))
+    r = calc.max_requests(calc.CalcInput(dp=8, ep=False))
     assert (r.baseline_total, r.hisparse_total) == (32, 312)
 
 
 def test_limiting_labels():
-    assert calc.capacity(calc.CalcInput(max_seqs=16)).limiting == "max_seqs"
-    short = calc.capacity(calc.CalcInput(seq=1024, hot_rows=8192))  # full residency beats hot buffers
+    assert calc.max_requests(calc.CalcInput(max_seqs=16)).limiting == "max_seqs"
+    short = calc.max_requests(calc.CalcInput(seq=1024, hot_rows=8192))  # full residency beats hot buffers
     assert short.limiting == "baseline" and short.hisparse_running == short.baseline_running == 391
     assert short.min_host_gib == 0
-    small = calc.capacity(calc.CalcInput(host_gib=133))  # 49,665 host blocks // 1280 = 38
+    small = calc.max_requests(calc.CalcInput(host_gib=133))  # 49,665 host blocks // 1280 = 38
     assert (small.hisparse_running, small.limiting) == (38, "host")
-    assert calc.capacity(calc.CalcInput(host_gib=math.inf)).hisparse_host_limit is None
+    assert calc.max_requests(calc.CalcInput(host_gib=math.inf)).hisparse_host_limit is None
 
 
 @pytest.mark.parametrize("kw", [{}, {"hot_rows": 10_240}, {"seq": 142_000}, {"seq": 1_048_576},
                                 {"seq": 8192}, {"kv_dtype": "bf16"}, {"gpu": "b300"}, {"max_seqs": 16}])
 def test_min_host_is_the_threshold(kw):
-    free = calc.capacity(calc.CalcInput(host_gib=math.inf, **kw))
-    at = calc.capacity(calc.CalcInput(host_gib=free.min_host_gib, **kw))
+    free = calc.max_requests(calc.CalcInput(host_gib=math.inf, **kw))
+    at = calc.max_requests(calc.CalcInput(host_gib=free.min_host_gib, **kw))
     assert at.limiting != "host" and at.hisparse_running == free.hisparse_running
-    below = calc.capacity(calc.CalcInput(host_gib=free.min_host_gib * (1 - 1e-9), **kw))
+    below = calc.max_requests(calc.CalcInput(host_gib=free.min_host_gib * (1 - 1e-9), **kw))
     assert below.limiting == "host" and below.hisparse_running < free.hisparse_running
-    shown = calc.capacity(calc.CalcInput(host_gib=free.min_host_gib_published, **kw))
+    shown = calc.max_requests(calc.CalcInput(host_gib=free.min_host_gib_published, **kw))
     assert shown.hisparse_running == free.hisparse_running
 
 
@@ -111,8 +111,8 @@ def test_block_bytes_from_config_reproduce_preset():
         assert lay.hot_group_layers == (2,) + (4,) * 19 and lay.hot_groups == 20
     derived = calc.preset_from_config(GLM_CFG, "glm-5.3-derived", 19.556, 684.167)
     for seq in (81_920, 142_000, 1_048_576):
-        a = calc.capacity(calc.CalcInput(seq=seq)).to_dict()
-        b = calc.capacity(calc.CalcInput(preset=derived, seq=seq)).to_dict()
+        a = calc.max_requests(calc.CalcInput(seq=seq)).to_dict()
+        b = calc.max_requests(calc.CalcInput(preset=derived, seq=seq)).to_dict()
         a.pop("inputs"), b.pop("inputs")
         assert a == b
     assert "184,320" in calc.explain_block_bytes(GLM_CFG)
@@ -180,21 +180,21 @@ def test_cli_bad_input(capsys, argv, needle):
 
 def test_capacity_rejects_bad_input():
     with pytest.raises(calc.CalcError):
-        calc.capacity(calc.CalcInput(seq=-1))
+        calc.max_requests(calc.CalcInput(seq=-1))
     with pytest.raises(calc.CalcError):
-        calc.capacity(replace(calc.CalcInput(), gpu="h100"))
+        calc.max_requests(replace(calc.CalcInput(), gpu="h100"))
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4, 8])
 def test_data_parallel_totals_scale_like_the_mesh_engine(dp):
     # a MeshEngine's ranks each have the per-device budgets: at a fixed per-device KV budget and host pool, DP
     # replicas run DP x one replica's requests (experiments/mesh_capacity.py measured 4.00x on 4 devices)
-    one = calc.capacity(calc.CalcInput(dp=1, kv_hbm_gib=17.8, host_gib=math.inf))
-    many = calc.capacity(calc.CalcInput(dp=dp, kv_hbm_gib=17.8, host_gib=math.inf))
+    one = calc.max_requests(calc.CalcInput(dp=1, kv_hbm_gib=17.8, host_gib=math.inf))
+    many = calc.max_requests(calc.CalcInput(dp=dp, kv_hbm_gib=17.8, host_gib=math.inf))
     assert (many.baseline_running, many.hisparse_running) == (one.baseline_running, one.hisparse_running)
     assert (many.baseline_total, many.hisparse_total) == (dp * one.baseline_running, dp * one.hisparse_running)
     # with expert parallelism the routed experts' weights divide over DP x TP: more HBM left per GPU for KV
-    free = [calc.capacity(calc.CalcInput(dp=d, ep=True)).kv_hbm_gib for d in (1, dp)]
+    free = [calc.max_requests(calc.CalcInput(dp=d, ep=True)).kv_hbm_gib for d in (1, dp)]
     assert free[1] >= free[0]
 
 
@@ -219,8 +219,8 @@ def test_indexer_row_bytes_fp8_and_int4():
 @pytest.mark.parametrize("seq, hot_rows, baseline, hisparse", [
     (81_920, 4096, 4, 39), (81_920, 10_240, 4, 22), (142_000, 4096, 2, 29), (1_048_576, 4096, 0, 5)])
 def test_fp8_index_dtype_leaves_the_published_numbers(seq, hot_rows, baseline, hisparse):
-    default = calc.capacity(calc.CalcInput(seq=seq, hot_rows=hot_rows))
-    fp8 = calc.capacity(calc.CalcInput(seq=seq, hot_rows=hot_rows, index_dtype="fp8"))
+    default = calc.max_requests(calc.CalcInput(seq=seq, hot_rows=hot_rows))
+    fp8 = calc.max_requests(calc.CalcInput(seq=seq, hot_rows=hot_rows, index_dtype="fp8"))
     assert (fp8.baseline_running, fp8.hisparse_running) == (baseline, hisparse)  # the pins of test_published_capacity
     assert fp8.block_bytes == GLM.fp8 and fp8.groups == 20 and fp8.index_dtype == "fp8"
     assert fp8.to_dict() == default.to_dict()
@@ -228,8 +228,8 @@ def test_fp8_index_dtype_leaves_the_published_numbers(seq, hot_rows, baseline, h
 
 
 def test_int4_capacity_at_1m():
-    fp8 = calc.capacity(calc.CalcInput(seq=2 ** 20))
-    int4 = calc.capacity(calc.CalcInput(seq=2 ** 20, index_dtype="int4"))
+    fp8 = calc.max_requests(calc.CalcInput(seq=2 ** 20))
+    int4 = calc.max_requests(calc.CalcInput(seq=2 ** 20, index_dtype="int4"))
     # n = 16,384 + 20 groups * (64 + 2) = 17,704 blocks per request either way; only the block shrinks:
     # floor(17.8 GiB / 184,320) = 103,692 -> 5, floor(17.8 GiB / 147,456) = 129,615 -> 7
     assert (int4.hisparse_pool_blocks, int4.hisparse_gpu_blocks_per_request) == (129_615, 17_704)
@@ -240,7 +240,7 @@ def test_int4_capacity_at_1m():
     assert int4.hisparse_pool_blocks <= 1.25 * fp8.hisparse_pool_blocks + 1
     assert (int4.baseline_running, int4.block_bytes.baseline) == (0, 2_966_784)
     for seq in calc.SWEEP_SEQS:  # never fewer requests with the smaller key
-        a, b = (calc.capacity(calc.CalcInput(seq=seq, index_dtype=d)) for d in ("fp8", "int4"))
+        a, b = (calc.max_requests(calc.CalcInput(seq=seq, index_dtype=d)) for d in ("fp8", "int4"))
         assert b.hisparse_running >= a.hisparse_running and b.baseline_running >= a.baseline_running
 
 
@@ -249,8 +249,8 @@ def test_host_tier_index_keys_at_1m():
     min / max per dimension per page) and a request's hot and tail pages, so HiSparse runs 51 requests per replica
     at 1M, >= 10x the device tier's 5, GPU-limited, with the keys beside the KV in the host pool; but every step
     reads `index_read_fraction` of each request's key history over the link (3 s per step at the exact mode's 1)."""
-    dev = calc.capacity(calc.CalcInput(seq=2 ** 20))
-    host = calc.capacity(calc.CalcInput(seq=2 ** 20, index_tier="host"))
+    dev = calc.max_requests(calc.CalcInput(seq=2 ** 20))
+    host = calc.max_requests(calc.CalcInput(seq=2 ** 20, index_tier="host"))
     n, F, row = 2 ** 20 // 64, 21, 132
     assert dev.hisparse_running == 5 and dev.index_tier == "device" and dev.index_h2d_bytes_per_request_step == 0
     assert host.hisparse_running == 51 >= 10 * dev.hisparse_running and host.limiting == "gpu"
@@ -261,13 +261,13 @@ def test_host_tier_index_keys_at_1m():
     kv_misses = (1 - host.hit_rate) * 2048 * 2_875_392 / 64
     assert host.h2d_bytes_per_request_step == pytest.approx(kv_misses + n * 64 * F * row)
     assert host.h2d_ms_per_step == pytest.approx(51 * host.h2d_bytes_per_request_step / 50e9 * 1e3)
-    part = calc.capacity(calc.CalcInput(seq=2 ** 20, index_tier="host", index_read_fraction=0.03))
+    part = calc.max_requests(calc.CalcInput(seq=2 ** 20, index_tier="host", index_read_fraction=0.03))
     assert part.index_h2d_bytes_per_request_step == pytest.approx(0.03 * n * 64 * F * row)
     assert part.hisparse_running == 51 and part.h2d_ms_per_step < 120
-    small = calc.capacity(calc.CalcInput(seq=2 ** 20, index_tier="host", index_summary_bytes=2.0))
+    small = calc.max_requests(calc.CalcInput(seq=2 ** 20, index_tier="host", index_summary_bytes=2.0))
     assert small.hisparse_running > host.hisparse_running  # a smaller summary fits more
     # the store's layout: summaries in a pool of their own (no rounding to host blocks), the bytes counted exactly
-    split = calc.capacity(calc.CalcInput(seq=2 ** 20, index_tier="host", layout="split"))
+    split = calc.max_requests(calc.CalcInput(seq=2 ** 20, index_tier="host", layout="split"))
     page = 64 * F * 8
     per_req = n + -(-66 * 2_875_392 // page)  # every summary page + the hot and tail KV pages in summary pages
     assert split.block_bytes.hisparse_gpu == page and split.hisparse_gpu_blocks_per_request == per_req
@@ -277,9 +277,9 @@ def test_host_tier_index_keys_at_1m():
                        (dict(index_read_fraction=1.5), "index_read_fraction must be in"),
                        (dict(index_summary_bytes=-1.0), "index_summary_bytes must be")):
         with pytest.raises(calc.CalcError, match=match):
-            calc.capacity(calc.CalcInput(**bad))
+            calc.max_requests(calc.CalcInput(**bad))
     with pytest.raises(calc.CalcError, match="index_tier='host' needs a preset with a KV shape"):
-        calc.capacity(calc.CalcInput(preset=replace(GLM, name="bare", kv_shape=None), index_tier="host"))
+        calc.max_requests(calc.CalcInput(preset=replace(GLM, name="bare", kv_shape=None), index_tier="host"))
 
 
 def test_calc_cli_host_tier_json(capsys):
@@ -297,8 +297,8 @@ def test_split_layout_int4_at_1m():
     """The layout of this project's store (indexer keys in a pool of their own, a hot / tail page holding every
     layer): the block is the indexer page, so int4 halves it and HiSparse runs 11 requests per replica at 1M
     against FP8's 6 (1.83x; the unified layout's 7 vs 5 is bounded by the 4-layer hot-group page)."""
-    fp8 = calc.capacity(calc.CalcInput(seq=2 ** 20, layout="split"))
-    int4 = calc.capacity(calc.CalcInput(seq=2 ** 20, index_dtype="int4", layout="split"))
+    fp8 = calc.max_requests(calc.CalcInput(seq=2 ** 20, layout="split"))
+    int4 = calc.max_requests(calc.CalcInput(seq=2 ** 20, index_dtype="int4", layout="split"))
     assert (fp8.block_bytes.hisparse_gpu, int4.block_bytes.hisparse_gpu) == (177_408, 91_392)  # 64 x 21 x 132 / 68
     # 16,384 indexer pages + the 64 hot + 2 tail KV pages of 2,875,392 bytes, in indexer pages (rounded up)
     assert fp8.hisparse_gpu_blocks_per_request == 16_384 + -(-66 * 2_875_392 // 177_408)
@@ -306,24 +306,24 @@ def test_split_layout_int4_at_1m():
     assert (fp8.hisparse_running, int4.hisparse_running) == (6, 11) and int4.limiting == "gpu"
     assert int4.hisparse_running >= 1.8 * fp8.hisparse_running
     assert fp8.layout == int4.layout == "split" and int4.to_dict()["inputs"]["layout"] == "split"
-    unified = calc.capacity(calc.CalcInput(seq=2 ** 20))
+    unified = calc.max_requests(calc.CalcInput(seq=2 ** 20))
     assert unified.layout == "unified" and unified.hisparse_running == 5  # the default is the published model
     with pytest.raises(calc.CalcError, match="layout must be one of"):
-        calc.capacity(calc.CalcInput(layout="paged"))
+        calc.max_requests(calc.CalcInput(layout="paged"))
     bare = replace(GLM, name="bare", kv_shape=None)
     with pytest.raises(calc.CalcError, match="needs a preset with a KV shape"):
-        calc.capacity(calc.CalcInput(preset=bare, layout="split"))
+        calc.max_requests(calc.CalcInput(preset=bare, layout="split"))
 
 
 def test_int4_needs_a_kv_shape():
     bare = replace(GLM, name="bare", kv_shape=None)
-    assert calc.capacity(calc.CalcInput(preset=bare)).hisparse_running == 39
-    assert calc.capacity(calc.CalcInput(preset=bare)).indexer_bytes_per_token_layer is None
+    assert calc.max_requests(calc.CalcInput(preset=bare)).hisparse_running == 39
+    assert calc.max_requests(calc.CalcInput(preset=bare)).indexer_bytes_per_token_layer is None
     with pytest.raises(calc.CalcError, match="no KV shape"):
-        calc.capacity(calc.CalcInput(preset=bare, index_dtype="int4"))
+        calc.max_requests(calc.CalcInput(preset=bare, index_dtype="int4"))
     derived = calc.preset_from_config(GLM_CFG, "glm-5.3-derived", 19.556, 684.167)
-    a = calc.capacity(calc.CalcInput(index_dtype="int4")).to_dict()
-    b = calc.capacity(calc.CalcInput(preset=derived, index_dtype="int4")).to_dict()
+    a = calc.max_requests(calc.CalcInput(index_dtype="int4")).to_dict()
+    b = calc.max_requests(calc.CalcInput(preset=derived, index_dtype="int4")).to_dict()
     a.pop("inputs"), b.pop("inputs")
     assert a == b
 
@@ -335,37 +335,38 @@ def test_a_preset_can_count_the_stores_656_byte_fp8_row():
     ds = calc.preset_from_config(GLM_CFG, "glm-ds", 19.556, 684.167, mla_fp8_layout="ds_mla")
     assert ds.fp8.host == 64 * 78 * 656 and ds.fp8.baseline == 64 * 78 * 656 + 64 * 21 * 132
     for dt, idx in (("fp8", 132), ("int4", 68)):
-        r = calc.capacity(calc.CalcInput(preset=ds, index_dtype=dt, layout="split", kv_hbm_gib=1.0, max_seqs=10 ** 6))
+        r = calc.max_requests(calc.CalcInput(preset=ds, index_dtype=dt, layout="split", kv_hbm_gib=1.0,
+                                             max_seqs=10 ** 6))
         page = 64 * 21 * idx
         assert r.block_bytes.host == 64 * 78 * 656 and r.block_bytes.hisparse_gpu == page
         per_req = 1280 + -(-(64 + 2) * 64 * 78 * 656 // page)  # 80K tokens; 4096 hot rows + 2 tail pages
         assert r.hisparse_gpu_blocks_per_request == per_req and r.hisparse_gpu_limit == (2 ** 30 // page) // per_req
-    assert calc.capacity(calc.CalcInput(preset=ds)).block_bytes.host == 64 * 78 * 656  # unified, FP8 too
+    assert calc.max_requests(calc.CalcInput(preset=ds)).block_bytes.host == 64 * 78 * 656  # unified, FP8 too
 
 
 def test_h2d_bytes_by_hand():
-    r = calc.capacity(calc.CalcInput(hit_rate=0.75))  # 80K, 39 HiSparse requests
+    r = calc.max_requests(calc.CalcInput(hit_rate=0.75))  # 80K, 39 HiSparse requests
     per_req = 0.25 * 2048 * 78 * 576                 # misses x layers x FP8 MLA row
     assert per_req == 23_003_136 and r.h2d_bytes_per_request_step == per_req
     assert r.h2d_bytes_per_step == 39 * per_req == 897_122_304
     assert r.h2d_ms_per_step == pytest.approx(897_122_304 / 50e9 * 1e3)  # 17.94 ms at 50 GB/s
     assert (r.hit_rate, r.hit_rate_source, r.top_k, r.link_gb_per_s) == (0.75, "input", 2048, 50.0)
-    r = calc.capacity(calc.CalcInput(hit_rate=0.5, top_k=1024, link_gb_per_s=25, kv_dtype="bf16"))
+    r = calc.max_requests(calc.CalcInput(hit_rate=0.5, top_k=1024, link_gb_per_s=25, kv_dtype="bf16"))
     assert r.h2d_bytes_per_request_step == 0.5 * 1024 * 78 * 1152 and r.hisparse_running == 24
     assert r.h2d_ms_per_step == pytest.approx(24 * 0.5 * 1024 * 78 * 1152 / 25e9 * 1e3)
-    assert calc.capacity(calc.CalcInput(hit_rate=1.0)).h2d_bytes_per_step == 0
+    assert calc.max_requests(calc.CalcInput(hit_rate=1.0)).h2d_bytes_per_step == 0
     # the index dtype changes how many requests copy, not what one copies
-    a, b = (calc.capacity(calc.CalcInput(seq=2 ** 20, hit_rate=0.75, index_dtype=d)) for d in ("fp8", "int4"))
+    a, b = (calc.max_requests(calc.CalcInput(seq=2 ** 20, hit_rate=0.75, index_dtype=d)) for d in ("fp8", "int4"))
     assert a.h2d_bytes_per_request_step == b.h2d_bytes_per_request_step
     assert (a.h2d_bytes_per_step, b.h2d_bytes_per_step) == (5 * per_req, 7 * per_req)
-    short = calc.capacity(calc.CalcInput(seq=1024, hot_rows=8192, hit_rate=0.5))  # all resident: nothing to copy
+    short = calc.max_requests(calc.CalcInput(seq=1024, hot_rows=8192, hit_rate=0.5))  # all resident: nothing to copy
     assert short.limiting == "baseline" and short.h2d_bytes_per_step == 0
     assert short.h2d_bytes_per_request_step == 0.5 * 1024 * 78 * 576  # min(top_k, seq) rows
 
 
 def test_default_hit_rate_is_the_measured_one():
     rate, source = calc.default_hit_rate()
-    r = calc.capacity(calc.CalcInput())
+    r = calc.max_requests(calc.CalcInput())
     assert (r.hit_rate, r.hit_rate_source) == (rate, source)
     if calc.DEMO_RESULTS.exists():
         measured = json.loads(calc.DEMO_RESULTS.read_text())["policies"]["hisparse"]["hit_rate"]
@@ -399,7 +400,7 @@ def test_cli_index_dtype_text_sweep_and_plot(capsys, tmp_path):
     assert calc_cli.main(["--index-dtype", "int4", "--hit-rate", "0.75"]) == 0
     out = capsys.readouterr().out
     # 49 requests x 23,003,136 B = 1,127,153,664 B; / 50 GB/s = 22.54 ms
-    assert calc.capacity(calc.CalcInput(index_dtype="int4")).hisparse_running == 49
+    assert calc.max_requests(calc.CalcInput(index_dtype="int4")).hisparse_running == 49
     assert "indexer int4" in out and "68 B / token" in out and "1,127.2 MB" in out and "22.54 ms" in out
     assert calc_cli.main(["--sweep", "--index-dtype", "int4"]) == 0
     out = capsys.readouterr().out
@@ -423,7 +424,7 @@ def test_cli_bad_index_dtype_and_h2d_options(capsys, monkeypatch, option, value)
     def refuse(*a, **k):
         raise AssertionError("work started despite a bad argument")
 
-    monkeypatch.setattr(calc_cli, "capacity", refuse)
+    monkeypatch.setattr(calc_cli, "max_requests", refuse)
     assert cli.main(["calc", f"{option}={value}"]) == 2
     err = capsys.readouterr().err
     assert "usage: hisparse calc" in err and f"error: argument {option}: " in err and "Traceback" not in err, err
@@ -433,4 +434,4 @@ def test_capacity_rejects_bad_h2d_inputs():
     for kw in ({"index_dtype": "int8"}, {"hit_rate": 1.5}, {"hit_rate": -0.1}, {"hit_rate": math.nan},
                {"top_k": 0}, {"link_gb_per_s": 0}, {"link_gb_per_s": math.inf}):
         with pytest.raises(calc.CalcError):
-            calc.capacity(calc.CalcInput(**kw))
+            calc.max_requests(calc.CalcInput(**kw))

@@ -72,7 +72,7 @@ def test_engine_compiles_once_per_batch_shape_across_budgets(model, prompts):
 def test_budget_inside_capacity_is_enforced_and_checked():
     tc = PageManager(model_cfg(), budget(device_pages=10, host_pages=20, max_seqs=2, hot_rows=16))
     assert (tc.spec.device_pages, tc.spec.max_seqs, tc.spec.hot_rows) == (64, 4, 64)  # shapes: the capacity's
-    assert (tc.budget.device_pages, tc.budget.max_seqs, tc.budget.hot_rows) == (10, 2, 16)
+    assert (tc.budget_spec.device_pages, tc.budget_spec.max_seqs, tc.budget_spec.hot_rows) == (10, 2, 16)
     assert tc.pool.num_free(hj.kv.pool.Tier.DEVICE) == 10 and len(tc.free_slots()) == 2
     with pytest.raises(ValueError, match=r"device_pages \(65\) exceeds the capacity's \(64\)"):
         budget(device_pages=65)
@@ -88,7 +88,7 @@ def test_every_policy_runs_inside_one_capacity(model, prompts):
     for policy in POLICIES:
         eng = Engine(model, budget(device_pages=40, host_pages=48, max_seqs=3),
                      EngineConfig(policy=policy, max_running=3, prefill="whole", min_bucket=4))
-        assert (eng.manager.spec.device_pages, eng.manager.budget.device_pages) == (64, 40)
+        assert (eng.manager.spec.device_pages, eng.manager.budget_spec.device_pages) == (64, 40)
         assert eng.manager.cache.mirror_to_host == eng.manager.cache.capacity.mirror_to_host == (policy != "preempt")
     assert [len(o) for o in eng.generate(prompts, SamplingParams(max_new_tokens=3))] == [3, 3, 3]
     spec_cache = policy_cache(budget(), "hisparse", 2, speculative_tokens=2)

@@ -1,5 +1,5 @@
 """Every bad `hisparse` argument is a usage error: exit code 2, `usage:` and `error: argument --option: ...` naming
-the value on stderr, no traceback, and no work started (`demo.run` / `calc.capacity` would raise here)."""
+the value on stderr, no traceback, and no work started (`demo.run` / `calc.max_requests` would raise here)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def no_work(monkeypatch):
         raise AssertionError("work started despite a bad argument")
 
     monkeypatch.setattr(demo, "run", refuse)
-    monkeypatch.setattr(calc_cli, "capacity", refuse)
+    monkeypatch.setattr(calc_cli, "max_requests", refuse)
 
 
 @pytest.fixture

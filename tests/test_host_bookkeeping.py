@@ -91,7 +91,7 @@ def test_coldness_is_a_plug_in_over_a_read_only_view():
         return pages
 
     cache = hj.CacheConfig(kv_dtype="float32", device_pages=20, host_pages=32, max_seqs=2, max_seq_len=1024)
-    assert PageManager(hj.get_preset("tiny-glm"), cache).budget.hot_pages == 8
+    assert PageManager(hj.get_preset("tiny-glm"), cache).budget_spec.hot_pages == 8
     for coldness, evicted in ((newest_first, [5, 6, 7, 8, 9, 10, 11, 12, 13]),
                               (least_recently_selected, [0, 1, 2, 3, 4, 5, 6, 7, 8])):  # no page selected yet: oldest
         tc = PageManager(hj.get_preset("tiny-glm"), cache, victim_order=coldness)

@@ -42,10 +42,10 @@ def test_allocation_order_lowest_free_first():
     assert pool.allocate(Tier.INDEX, 4) == [0, 1, 2, 3]
     assert pool.allocate(Tier.INDEX, 0) == []
     assert all(pool.refcount(Tier.DEVICE, p) == 1 for p in [0, 1, 2, 3, 4, 5])
-    assert pool.capacity(Tier.HOST) == 6
-    assert pool.stats() == {"device": {"capacity": 8, "used": 6, "free": 2, "prefix": 0, "cached": 0},
-                            "index": {"capacity": 4, "used": 4, "free": 0, "prefix": 0, "cached": 0},
-                            "host": {"capacity": 6, "used": 2, "free": 4, "prefix": 0, "cached": 0}}
+    assert pool.budget(Tier.HOST) == 6
+    assert pool.stats() == {"device": {"budget": 8, "used": 6, "free": 2, "prefix": 0, "cached": 0},
+                            "index": {"budget": 4, "used": 4, "free": 0, "prefix": 0, "cached": 0},
+                            "host": {"budget": 6, "used": 2, "free": 4, "prefix": 0, "cached": 0}}
     pool.check_invariants()
 
 
@@ -56,7 +56,7 @@ def test_out_of_pages_leaves_state_unchanged():
     assert pool.can_allocate(Tier.DEVICE, 1) and not pool.can_allocate(Tier.DEVICE, 2)
     with pytest.raises(OutOfPages, match=r"out of device pages: asked for 2, 1 free") as ei:
         pool.allocate(Tier.DEVICE, 2)
-    assert (ei.value.tier, ei.value.requested, ei.value.free, ei.value.capacity) == (Tier.DEVICE, 2, 1, 4)
+    assert (ei.value.tier, ei.value.requested, ei.value.free, ei.value.budget) == (Tier.DEVICE, 2, 1, 4)
     assert isinstance(ei.value, PoolError)
     assert pool.snapshot() == before
     with pytest.raises(OutOfPages, match=r"out of host pages: asked for 1, 0 free"):
@@ -314,7 +314,7 @@ class PoolMachine(RuleBasedStateMachine):
     def allocate(self, tier, n):
         rc = self.model_refcounts(tier)
         cached = self.cached[tier]
-        free = [p for p in range(self.pool.capacity(tier)) if rc[p] == 0 and p not in cached]
+        free = [p for p in range(self.pool.budget(tier)) if rc[p] == 0 and p not in cached]
         if n > len(free) + len(cached):
             before = self.pool.snapshot()
             with pytest.raises(OutOfPages):
@@ -391,7 +391,7 @@ class PoolMachine(RuleBasedStateMachine):
         for t in TIERS:
             rc = self.model_refcounts(t)
             assert self.pool.num_used(t) == len(rc)
-            assert self.pool.num_used(t) + self.pool.num_free(t) == self.pool.capacity(t)
+            assert self.pool.num_used(t) + self.pool.num_free(t) == self.pool.budget(t)
             assert self.pool.num_cached(t) == len(self.cached[t])
             for h in range(4):
                 assert self.pool.lookup_prefix(t, h) == self.registered[t].get(h)
@@ -411,9 +411,9 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.set_retain_prefix(False)  # drops the cached pages for good
         self.pool.check_invariants({t: [] for t in TIERS})
         for t in TIERS:
-            assert self.pool.num_used(t) == 0 and self.pool.num_free(t) == self.pool.capacity(t)
+            assert self.pool.num_used(t) == 0 and self.pool.num_free(t) == self.pool.budget(t)
             assert self.pool.stats()[t.value]["prefix"] == 0
-            assert self.pool.allocate(t, self.pool.capacity(t)) == list(range(self.pool.capacity(t)))
+            assert self.pool.allocate(t, self.pool.budget(t)) == list(range(self.pool.budget(t)))
 
 
 TestPoolMachine = PoolMachine.TestCase

@@ -304,7 +304,7 @@ def test_allocator_invariants_under_random_operations_with_shared_prefixes(seed)
             s = int(rng.choice(sorted(live.keys() - swapped)))
             r = tc.requests[s]
             cand = [i for i in range(max(r.num_pages - 2, 0)) if r.device[i] != INVALID and r.host[i] != INVALID]
-            if cand and (r.hot or tc.pool.num_free(Tier.DEVICE) >= tc.budget.hot_pages):
+            if cand and (r.hot or tc.pool.num_free(Tier.DEVICE) >= tc.budget_spec.hot_pages):
                 tc._ensure_hot(s)
                 k = int(rng.integers(1, len(cand) + 1))
                 tc.evict(s, sorted(rng.choice(cand, k, replace=False).tolist()))  # shared ones included

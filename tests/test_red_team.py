@@ -212,7 +212,7 @@ def test_calc_library_refuses_what_is_no_count():
     for kw, words in ((dict(seq=1e30), "seq must be a whole number"), (dict(dp=2.5), "dp must be a whole number"),
                       (dict(seq=10**12), "seq must be <= "), (dict(top_k=8192), "top_k (8192) must be <= hot_rows")):
         with pytest.raises(calc.CalcError, match=re.escape(words)):
-            calc.capacity(calc.CalcInput(**kw))
+            calc.max_requests(calc.CalcInput(**kw))
 
 
 def test_demo_devices_256_is_refused_before_any_engine():

@@ -244,7 +244,7 @@ def test_errors_are_clear_and_change_nothing():
     # budget too small for one request: needs 2 tail pages + 1 hot page
     with pytest.raises(BudgetError, match="device pages"):
         tc = StorePair(MODEL, cache_config(device_pages=2))
-        check_batch_fits(tc.budget, [64 * 5], releasable=tc.releasable)
+        check_batch_fits(tc.budget_spec, [64 * 5], releasable=tc.releasable)
     with pytest.raises(ValueError, match="hot_rows"):
         StorePair(MODEL, cache_config(hot_rows=4))
     # a full host pool: OutOfPages naming the host tier, the pool unchanged

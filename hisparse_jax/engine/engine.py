@@ -284,7 +284,7 @@ class Engine:
         prompt (`chunked=False`) arrives whole: under HiSparse its older pages land in the host tier, and HiSparse
         never preempts, so it is never written through the store (preempt, which recomputes a readmitted prompt,
         holds every page resident anyway)."""
-        c, spec = self.manager, self.manager.budget
+        c, spec = self.manager, self.manager.budget_spec
         try:
             check_batch_fits(spec, [kv_len], releasable=c.releasable)
         except BudgetError as e:

@@ -181,7 +181,7 @@ class Scheduler:
         self.admission = check_admission(admission)
         self.grows = policy != "hisparse" and admission == "vllm"  # admitted on the prompt, grown page by page
         self.swaps_keys = swaps_keys(manager.cache, policy, admission)
-        self.device_keys = manager.budget.index_pages if device_keys is None else device_keys
+        self.device_keys = manager.budget_spec.index_pages if device_keys is None else device_keys
         self.max_running, self.prefill_chunk = max_running, prefill_chunk
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []  # admitted: PREFILLING, RUNNING or SWAPPED, in admission order
@@ -224,12 +224,12 @@ class Scheduler:
             n_max = max(pages(r.max_kv_len), rp.num_pages)
             if rp.hot:  # its tail and hot buffer; a shared tail page stays with its other holders when it moves on
                 keep = tail & shared
-                need = len(keep) + TAIL_PAGES + c.budget.hot_pages
+                need = len(keep) + TAIL_PAGES + c.budget_spec.hot_pages
             else:
                 writing = r.slot in c.resident_only  # a prompt being written: all its pages resident meanwhile
                 now = max(pages(len(r.kv_tokens)), rp.num_pages) if writing else len(resident)
                 need = self._least(now if writing else 0, n_max, len(shared), len(shared & tail), len(resident))
-                whole = min_device_pages(c.budget, n_max, releasable=c.releasable) >= n_max
+                whole = min_device_pages(c.budget_spec, n_max, releasable=c.releasable) >= n_max
                 keep = set(resident) if writing or whole else shared
             held.update(keep)
             extra += max(need - len(keep), 0)
@@ -246,8 +246,8 @@ class Scheduler:
         (they pay for the buffer; before that it grows into free pages), and a shared one only after the pool has
         lent it the buffer: it needs at most its shared pages, its tail pages and a hot buffer's worth."""
         c = self.manager
-        nh = c.budget.hot_pages
-        if min_device_pages(c.budget, n_max, releasable=c.releasable) >= n_max:
+        nh = c.budget_spec.hot_pages
+        if min_device_pages(c.budget_spec, n_max, releasable=c.releasable) >= n_max:
             need = max(n_max, n_resident)
             if n_shared > n_shared_tail:
                 need = max(need, n_shared_tail + TAIL_PAGES + nh)
@@ -293,7 +293,7 @@ class Scheduler:
                 tail = sum(1 for i, x in enumerate(hits) if i >= pages(n_kv) - TAIL_PAGES
                            and x.device != INVALID and rc[x.device] > 0)
                 need = self._least(pages(n_kv), n_max, shared, tail, pages(n_kv))
-                fits = floor + need - sum(1 for x in hits if x.device in held) <= c.budget.device_pages
+                fits = floor + need - sum(1 for x in hits if x.device in held) <= c.budget_spec.device_pages
             else:  # a hit page in use costs nothing; a cached one is revived out of the free pages
                 new = prompt_pages - sum(1 for x in hits if x.device != INVALID and rc[x.device] > 0)
                 fits = c.pool.num_free(Tier.DEVICE) >= new
@@ -305,8 +305,8 @@ class Scheduler:
                 return None, short
         # whole: under HiSparse it adds its tail pages and a hot buffer (or all its pages when it never needs to
         # release one) to the floor
-        fits = (self._device_floor()[0] + min_device_pages(c.budget, n_max, releasable=c.releasable)
-                <= c.budget.device_pages if hisparse
+        fits = (self._device_floor()[0] + min_device_pages(c.budget_spec, n_max, releasable=c.releasable)
+                <= c.budget_spec.device_pages if hisparse
                 else c.pool.num_free(Tier.DEVICE) >= prompt_pages)
         return ("whole", "") if fits else (None, "device_budget")
 
@@ -326,7 +326,7 @@ class Scheduler:
                 new = prompt_pages - in_use
                 if c.pool.num_free(tier) < new or (self.swaps_keys and self._keys_on_device() + new > self.device_keys):
                     return "index_budget"
-            elif self._committed(tier) + pages(r.max_kv_len) - in_use > c.pool.capacity(tier):
+            elif self._committed(tier) + pages(r.max_kv_len) - in_use > c.pool.budget(tier):
                 return f"{field}_budget"
         return ""
 
@@ -441,7 +441,7 @@ class Scheduler:
                 return True
             victim = self._newest_running(exclude_prefilling=True)
             if victim is None:
-                raise OutOfPages(Tier.DEVICE, 1, c.pool.num_free(Tier.DEVICE), c.budget.device_pages)
+                raise OutOfPages(Tier.DEVICE, 1, c.pool.num_free(Tier.DEVICE), c.budget_spec.device_pages)
             if self.policy == "preempt":
                 self._preempt(victim, plan)
             else:

@@ -42,7 +42,7 @@ def check_batch_fits(limits: StoreSpec, num_tokens: list[int], *, releasable: bo
     `num_tokens` KV positions each at their longest (prompt + new tokens - 1: the last sampled token is never
     written) fit at once the request slots, `max_seq_len`, the indexer pool, the host pool (every page mirrored) and
     the device pool (all pages, or tail pages + a hot buffer when pages are `releasable`). A pure function of the
-    `limits` (`PageManager.budget`), checked before anything changes. Exact: every smaller budget of that tier
+    `limits` (`PageManager.budget_spec`), checked before anything changes. Exact: every smaller budget of that tier
     fails, and a batch that passes decodes to the end (pages are only ever added, and the cheapest way to hold a
     request never grows by more than the page it adds)."""
     n = [-(-t // PAGE_SIZE) for t in num_tokens]
@@ -97,7 +97,7 @@ class PrefixHit(NamedTuple):
 class PageManager:
     """The page bookkeeping of one tiered store: its `PagePool` (`.pool`), each request slot's pages (`.requests`)
     and length (`.lengths`), and the device-table `updates` not yet applied. `.spec` is the store's geometry (its
-    arrays' shapes: the `CacheConfig`'s capacity when it has one), `.budget` the limits enforced inside it (the
+    arrays' shapes: the `CacheConfig`'s capacity when it has one), `.budget_spec` the limits enforced inside it (the
     `CacheConfig`'s own numbers: pool pages, `max_seqs` slots of up to `max_pages` pages, `hot_rows`; without a
     capacity the two are equal). `victim_order(pages, stamps)`: the coldness (one of `COLDNESS`). Its own arrays are
     checked against the RAM before they exist (`kv.account`); the store's are the caller's (`check_store_memory`)."""
@@ -110,9 +110,9 @@ class PageManager:
             raise TypeError(f"cache must be a CacheConfig, got {type(cache).__name__}")
         self.model_cfg, self.cache = model, cache
         self.spec = StoreSpec.create(model, cache)
-        self.budget = StoreSpec.create(model, cache.replace(capacity=None))
+        self.budget_spec = StoreSpec.create(model, cache.replace(capacity=None))
         check_account("the host bookkeeping", bookkeeping_costs(self.spec))  # before its arrays exist
-        self.pool = PagePool(self.budget.device_pages, self.budget.index_pages, self.budget.host_pages)
+        self.pool = PagePool(self.budget_spec.device_pages, self.budget_spec.index_pages, self.budget_spec.host_pages)
         self.requests: dict[int, RequestPages] = {}
         self.lengths: dict[int, int] = {}
         self.victim_order, self.evicted_pages = victim_order, 0
@@ -143,7 +143,7 @@ class PageManager:
     @property
     def releasable(self) -> bool:
         """Whether single pages can be evicted (a host mirror, and partial eviction on): `check_batch_fits`'s rule."""
-        return self.budget.mirror_to_host and self.partial_eviction
+        return self.budget_spec.mirror_to_host and self.partial_eviction
 
     @property
     def all_layers_page_bytes(self) -> int:
@@ -151,7 +151,7 @@ class PageManager:
         return self.spec.num_layers * self.spec.page_bytes
 
     def free_slots(self) -> list[int]:
-        return [s for s in range(self.budget.max_seqs) if s not in self.requests]
+        return [s for s in range(self.budget_spec.max_seqs) if s not in self.requests]
 
     def growing(self, slot: int) -> int:
         """Pages a growth of `slot` in progress is about to add (0 outside `reserve` / `admit`)."""
@@ -163,10 +163,10 @@ class PageManager:
         (the prompt's ids) and `prefix_caching` on, the longest run of registered full pages of `tokens` is shared
         instead of allocated (`cached_tokens[slot]` tokens; the slot's length is at least that). Raises BudgetError
         (never fits), or OutOfPages / PoolError when it does not fit *now* (nothing changed)."""
-        check_batch_fits(self.budget, [max(num_tokens, 0 if tokens is None else len(tokens))],
+        check_batch_fits(self.budget_spec, [max(num_tokens, 0 if tokens is None else len(tokens))],
                          releasable=self.releasable)
         if not (slots := self.free_slots()):
-            raise PoolError(f"all {self.budget.max_seqs} request slots are in use")
+            raise PoolError(f"all {self.budget_spec.max_seqs} request slots are in use")
         slot = slots[0]
         self.requests[slot], self.lengths[slot], self.cached_tokens[slot] = RequestPages(), 0, 0
         if resident:
@@ -208,7 +208,7 @@ class PageManager:
     def reserve(self, slot: int, num_tokens: int) -> None:
         """Make positions < num_tokens writable (tail pages resident; every page when `slot` is resident-only)
         before a step writes them."""
-        check_batch_fits(self.budget, [num_tokens], releasable=self.releasable)
+        check_batch_fits(self.budget_spec, [num_tokens], releasable=self.releasable)
         self._grow(slot, num_tokens)
 
     def can_reserve(self, slot: int, num_tokens: int) -> bool:
@@ -256,7 +256,7 @@ class PageManager:
             return
         for t in (Tier.INDEX, Tier.HOST) if mirror else (Tier.INDEX,):
             if not self.pool.can_allocate(t, new):
-                raise OutOfPages(t, new, self.pool.num_free(t), self.pool.capacity(t))
+                raise OutOfPages(t, new, self.pool.num_free(t), self.pool.budget(t))
         # device pages for the new pages: at most the last TAIL_PAGES must be resident; older ones may start
         # on the host (as if written and evicted) when the device is short — unless the slot is resident-only
         must = new if slot in self.resident_only else min(new, TAIL_PAGES)
@@ -268,9 +268,9 @@ class PageManager:
         # all resident when the pool has room (a request with host-only pages already has its hot buffer); else
         # the oldest new pages start on the host and the request needs its hot buffer
         free = self.pool.num_free(Tier.DEVICE)
-        k = new if free >= new else min(new, free - (0 if r.hot else self.budget.hot_pages))
+        k = new if free >= new else min(new, free - (0 if r.hot else self.budget_spec.hot_pages))
         if k < must or (k < new and not mirror):
-            raise OutOfPages(Tier.DEVICE, new, free, self.budget.device_pages)
+            raise OutOfPages(Tier.DEVICE, new, free, self.budget_spec.device_pages)
         index = self.pool.allocate(Tier.INDEX, new)
         host = self.pool.allocate(Tier.HOST, new) if mirror else [INVALID] * new
         if k < new:
@@ -286,7 +286,7 @@ class PageManager:
         nothing, when even `must` cannot be had (or partial eviction is off and the pool is short)."""
         def need(goal):
             r = self.requests[slot]
-            hot = 0 if r.hot or len(r.resident_pages()) + goal >= n_total else self.budget.hot_pages
+            hot = 0 if r.hot or len(r.resident_pages()) + goal >= n_total else self.budget_spec.hot_pages
             return goal + hot
 
         if self.partial_eviction and self.spec.mirror_to_host:
@@ -295,11 +295,11 @@ class PageManager:
                     break
                 self.evict_until(need(goal), exclude=slot if goal == new and goal != must else None)
         if self.pool.num_free(Tier.DEVICE) < min(need(new), need(must)):
-            raise OutOfPages(Tier.DEVICE, need(must), self.pool.num_free(Tier.DEVICE), self.budget.device_pages)
+            raise OutOfPages(Tier.DEVICE, need(must), self.pool.num_free(Tier.DEVICE), self.budget_spec.device_pages)
 
     def _ensure_hot(self, slot: int) -> None:
         if not (r := self.requests[slot]).hot:
-            r.hot.extend(self.pool.allocate(Tier.DEVICE, self.budget.hot_pages))
+            r.hot.extend(self.pool.allocate(Tier.DEVICE, self.budget_spec.hot_pages))
             self.record_tables(slot)
 
     def _sealed(self, slot: int) -> list[int]:
@@ -324,7 +324,7 @@ class PageManager:
         """Evict cold pages until `free_target` device pages are free (or nothing more can be evicted).
         Requests that already have a hot buffer give first (every eviction is a net gain); one without pays
         for its hot buffer out of the pages it evicts, so it is used only when it has more than that."""
-        nh = self.budget.hot_pages
+        nh = self.budget_spec.hot_pages
         while self.pool.num_free(Tier.DEVICE) < free_target:
             cands = []
             for s, r in self.requests.items():
@@ -361,7 +361,7 @@ class PageManager:
         page of its own left to give). Holders without a hot buffer get one first, when the pool can lend
         it. Returns whether anything changed."""
         for d, holders in self.evictable_shared_pages(exclude):
-            need = self.budget.hot_pages * sum(1 for s, _ in holders if not self.requests[s].hot)
+            need = self.budget_spec.hot_pages * sum(1 for s, _ in holders if not self.requests[s].hot)
             if need > self.pool.num_free(Tier.DEVICE):
                 continue
             for s, i in holders:
@@ -389,8 +389,8 @@ class PageManager:
         if not r.hot:
             freed = sum(self.pool.refcount(Tier.DEVICE, r.device[i]) == 1 for i in logical_pages)
             free = self.pool.num_free(Tier.DEVICE)
-            if free + freed < self.budget.hot_pages:  # the hot buffer would not fit: change nothing
-                raise OutOfPages(Tier.DEVICE, self.budget.hot_pages - freed, free, self.budget.device_pages)
+            if free + freed < self.budget_spec.hot_pages:  # the hot buffer would not fit: change nothing
+                raise OutOfPages(Tier.DEVICE, self.budget_spec.hot_pages - freed, free, self.budget_spec.device_pages)
         # every evicted page has a current host copy (checked above): the device copy is dropped, nothing copied
         self.updates.append(EvictPages(pad_pow2([slot] * len(logical_pages)), pad_pow2(list(logical_pages))))
         for i in logical_pages:
@@ -426,7 +426,7 @@ class PageManager:
         rc = self.pool.refcounts(Tier.DEVICE)
         need = len(missing) + sum(1 for d in shared.values() if rc[d] == 0)
         if not self.pool.can_allocate(Tier.DEVICE, need):
-            raise OutOfPages(Tier.DEVICE, need, self.pool.num_free(Tier.DEVICE), self.budget.device_pages)
+            raise OutOfPages(Tier.DEVICE, need, self.pool.num_free(Tier.DEVICE), self.budget_spec.device_pages)
         self.swapped.discard(slot)
         for i, d in shared.items():
             self.pool.incref(Tier.DEVICE, d)
@@ -539,7 +539,7 @@ class PageManager:
             hot = self._hot_row(r.hot)
             self._synced_hot[slot] = tuple(r.hot)
         self.updates.append(SetTables(slot, table_row(r.device, mp), table_row(r.host, mp), table_row(r.index, mp),
-                                      self.lengths.get(slot, 0), hot, self.budget.hot_rows))
+                                      self.lengths.get(slot, 0), hot, self.budget_spec.hot_rows))
 
     def _hot_row(self, hot: list[int]) -> np.ndarray:
         """The device's hot-page row (the capacity's width) for lent pages `hot` (the budget's, or none): past them

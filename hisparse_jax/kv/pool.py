@@ -34,10 +34,10 @@ class PoolError(RuntimeError):
 class OutOfPages(PoolError):
     """`allocate` asked for more pages than the tier has free. Nothing was changed."""
 
-    def __init__(self, tier: "Tier", requested: int, free: int, capacity: int):
-        self.tier, self.requested, self.free, self.capacity = tier, requested, free, capacity
+    def __init__(self, tier: "Tier", requested: int, free: int, budget: int):
+        self.tier, self.requested, self.free, self.budget = tier, requested, free, budget
         super().__init__(f"out of {tier.value} pages: asked for {requested}, {free} free "
-                         f"(capacity {capacity}, {capacity - free} in use)")
+                         f"(budget {budget}, {budget - free} in use)")
 
 
 class Tier(enum.Enum):
@@ -88,12 +88,12 @@ def page_hash(prev_hash: int | None, tokens: Sequence[int]) -> int:
 class _TierState:
     """One pool. Pages >= `next_fresh` have never been handed out (all free); freed pages below it wait in the
     min-heap `returned`, or in `cached` (free pages still registered, least recently freed first). So "lowest free
-    id first" costs O(log n) and the free list grows only with the pages ever touched, not with the capacity (a host
-    pool may hold millions of pages); the refcounts are one int32 per page of capacity (`POOL_BYTES_PER_PAGE`,
+    id first" costs O(log n) and the free list grows only with the pages ever touched, not with the budget (a host
+    pool may hold millions of pages); the refcounts are one int32 per page of the pool (`POOL_BYTES_PER_PAGE`,
     checked before they exist)."""
 
-    def __init__(self, tier: Tier, capacity: int):
-        self.tier, self.capacity, self.refcount = tier, capacity, np.zeros(capacity, np.int32)
+    def __init__(self, tier: Tier, budget: int):
+        self.tier, self.budget, self.refcount = tier, budget, np.zeros(budget, np.int32)
         self.returned: list[int] = []
         self.next_fresh = self.used = 0
         self.hash_to_page: dict[int, int] = {}
@@ -102,14 +102,14 @@ class _TierState:
 
     @property
     def free(self) -> int:
-        return self.capacity - self.used
+        return self.budget - self.used
 
     def page(self, page: Any) -> int:
         """`page` as an int, refused (PoolError) outside the pool."""
         p = _as_int(page, "page id")
-        if not 0 <= p < self.capacity:
+        if not 0 <= p < self.budget:
             what = "INVALID (-1)" if p == INVALID else str(p)
-            raise PoolError(f"{self.tier.value} page {what} is out of range [0, {self.capacity})")
+            raise PoolError(f"{self.tier.value} page {what} is out of range [0, {self.budget})")
         return p
 
     def unregister(self, p: int) -> None:
@@ -127,7 +127,7 @@ class PagePool:
     """Refcounted page allocator for the three pools, after nano-vllm's `BlockManager`: `allocate` hands out pages
     with refcount 1 (lowest free id first, so runs are reproducible), `incref` / `decref` / `free` share and release
     them, and a full page registered under the hash chain of its tokens can be reused by a later request with the
-    same prefix (`lookup_prefix`, then `incref`). Capacities (`device_pages` / `index_pages` / `host_pages`) are in
+    same prefix (`lookup_prefix`, then `incref`). Budgets (`device_pages` / `index_pages` / `host_pages`) are in
     pages; the device and index pools need at least one, the host pool may be empty (a device-only store). Every
     method taking a `tier` accepts a `Tier` or its string value ("device", "index", "host").
 
@@ -160,9 +160,9 @@ class PagePool:
                 for p in list(s.cached):
                     s.drop_cached(p)
 
-    def capacity(self, tier: Tier | str) -> int:
+    def budget(self, tier: Tier | str) -> int:
         """Pages in the tier's pool."""
-        return self._s(tier).capacity
+        return self._s(tier).budget
 
     def num_used(self, tier: Tier | str) -> int:
         """Pages with refcount >= 1."""
@@ -177,13 +177,13 @@ class PagePool:
         return len(self._s(tier).cached)
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """{tier value: {"capacity", "used", "free", "prefix", "cached"}} in pages ("prefix": registered pages,
+        """{tier value: {"budget", "used", "free", "prefix", "cached"}} in pages ("prefix": registered pages,
         in use or cached; "cached": free pages kept for their prefix, part of "free")."""
-        return {t.value: {"capacity": s.capacity, "used": s.used, "free": s.free, "prefix": len(s.page_to_hash),
+        return {t.value: {"budget": s.budget, "used": s.used, "free": s.free, "prefix": len(s.page_to_hash),
                           "cached": len(s.cached)} for t, s in self._t.items()}
 
     def __repr__(self) -> str:
-        return f"PagePool(used/capacity: {', '.join(f'{t.value}={s.used}/{s.capacity}' for t, s in self._t.items())})"
+        return f"PagePool(used/budget: {', '.join(f'{t.value}={s.used}/{s.budget}' for t, s in self._t.items())})"
 
     def can_allocate(self, tier: Tier | str, n: int) -> bool:
         """Whether `allocate(tier, n)` would succeed."""
@@ -197,10 +197,10 @@ class PagePool:
         and changes nothing when fewer than `n` pages are free."""
         s = self._s(tier)
         if not self.can_allocate(s.tier, n):
-            raise OutOfPages(s.tier, int(n), s.free, s.capacity)
+            raise OutOfPages(s.tier, int(n), s.free, s.budget)
         n = int(n)
         pages = [heapq.heappop(s.returned) for _ in range(min(n, len(s.returned)))]
-        k = min(n - len(pages), s.capacity - s.next_fresh)
+        k = min(n - len(pages), s.budget - s.next_fresh)
         pages.extend(range(s.next_fresh, s.next_fresh + k))
         s.next_fresh += k
         while len(pages) < n:  # reclaim cached prefix pages, least recently freed first
@@ -217,7 +217,7 @@ class PagePool:
         return int(s.refcount[s.page(page)])
 
     def refcounts(self, tier: Tier | str) -> np.ndarray:
-        """Every page's refcount in `tier` (a read-only view: int32[capacity])."""
+        """Every page's refcount in `tier` (a read-only view: int32[budget])."""
         (rc := self._s(tier).refcount.view()).flags.writeable = False
         return rc
 
@@ -294,7 +294,7 @@ class PagePool:
     def check_invariants(self, owners: Mapping[Tier | str, Iterable[Iterable[int]]] | None = None) -> None:
         """Raise PoolError (with the tier, the page and the numbers) if the bookkeeping is inconsistent. Always
         checked, per tier: refcounts >= 0; a page is free iff its refcount is 0; the free list has no duplicates and
-        no out-of-range ids; used + free == capacity; prefix registrations are one-to-one, on in-use pages.
+        no out-of-range ids; used + free == budget; prefix registrations are one-to-one, on in-use pages.
 
         owners: for some or all tiers, an iterable of per-owner page lists (per-request block tables, hot buffers...;
         INVALID entries are skipped). For each tier given, every page's refcount must equal the number of times the
@@ -304,15 +304,15 @@ class PagePool:
             self._check_tier(s)
         for tier, lists in (owners or {}).items():
             s = self._s(tier)
-            refs = np.zeros(s.capacity, np.int64)
+            refs = np.zeros(s.budget, np.int64)
             for i, lst in enumerate(lists):
                 arr = np.asarray(lst if isinstance(lst, np.ndarray) else list(lst)).reshape(-1)
                 if arr.size and not np.issubdtype(arr.dtype, np.integer):
                     raise PoolError(f"owner {i} of tier {s.tier.value} holds non-integer page ids ({arr.dtype})")
                 arr = arr[arr != INVALID].astype(np.int64)
-                if (bad := arr[(arr < 0) | (arr >= s.capacity)]).size:
+                if (bad := arr[(arr < 0) | (arr >= s.budget)]).size:
                     raise PoolError(f"owner {i} references {s.tier.value} page {int(bad[0])}, out of range "
-                                    f"[0, {s.capacity})")
+                                    f"[0, {s.budget})")
                 np.add.at(refs, arr, 1)
             if (bad := np.flatnonzero(refs != s.refcount)).size == 0:
                 continue
@@ -325,12 +325,12 @@ class PagePool:
 
     def _check_tier(self, s: _TierState) -> None:
         name, rc, nf = s.tier.value, s.refcount, s.next_fresh
-        if rc.shape != (s.capacity,):
-            raise PoolError(f"{name}: refcount table has shape {rc.shape}, capacity is {s.capacity}")
+        if rc.shape != (s.budget,):
+            raise PoolError(f"{name}: refcount table has shape {rc.shape}, budget is {s.budget}")
         if (rc < 0).any():
             raise PoolError(f"{name}: page {(p := int(np.argmax(rc < 0)))} has negative refcount {int(rc[p])}")
-        if not 0 <= nf <= s.capacity:
-            raise PoolError(f"{name}: fresh-page watermark {nf} outside [0, {s.capacity}]")
+        if not 0 <= nf <= s.budget:
+            raise PoolError(f"{name}: fresh-page watermark {nf} outside [0, {s.budget}]")
         if (rc[nf:] != 0).any():
             raise PoolError(f"{name}: never-allocated page {(p := nf + int(np.argmax(rc[nf:] != 0)))} has refcount "
                             f"{int(rc[p])}")
@@ -347,23 +347,23 @@ class PagePool:
             raise PoolError(f"{name}: {len(s.cached)} cached free pages but retain_prefix is off")
         if unreg := [p for p in s.cached if p not in s.page_to_hash]:
             raise PoolError(f"{name}: cached free page {unreg[0]} has no prefix registration")
-        used, nfree = int(np.count_nonzero(rc)), free.size + (s.capacity - nf)
-        if used != s.used or used + nfree != s.capacity:
-            raise PoolError(f"{name}: used {used} (counter {s.used}) + free {nfree} != capacity {s.capacity}")
+        used, nfree = int(np.count_nonzero(rc)), free.size + (s.budget - nf)
+        if used != s.used or used + nfree != s.budget:
+            raise PoolError(f"{name}: used {used} (counter {s.used}) + free {nfree} != budget {s.budget}")
         if len(s.hash_to_page) != len(s.page_to_hash):
             raise PoolError(f"{name}: prefix maps disagree ({len(s.hash_to_page)} hashes, "
                             f"{len(s.page_to_hash)} pages)")
         for h, p in s.hash_to_page.items():
             if s.page_to_hash.get(p) != h:
                 raise PoolError(f"{name}: hash {h} -> page {p}, but page {p} -> hash {s.page_to_hash.get(p)}")
-            if not 0 <= p < s.capacity or (rc[p] == 0 and p not in s.cached):
+            if not 0 <= p < s.budget or (rc[p] == 0 and p not in s.cached):
                 raise PoolError(f"{name}: prefix hash {h} names page {p}, which is free (not cached) or out of range")
 
     def snapshot(self) -> dict:
-        """JSON-serializable state: capacities, in-use pages with refcounts, prefix registrations, cached free pages
+        """JSON-serializable state: budgets, in-use pages with refcounts, prefix registrations, cached free pages
         in their reclaim order. Not the free list: "every other page with refcount 0", handed out lowest first, so a
         restored pool allocates exactly as the original would have."""
-        tiers = {t.value: {"capacity": s.capacity,
+        tiers = {t.value: {"budget": s.budget,
                            "used": [[p, int(s.refcount[p])] for p in np.flatnonzero(s.refcount).tolist()],
                            "prefix": [[int(h), int(p)] for p, h in sorted(s.page_to_hash.items())],
                            "cached": [int(p) for p in s.cached]} for t, s in self._t.items()}
@@ -384,9 +384,9 @@ class PagePool:
             raise PoolError(f"snapshot tiers must be exactly {[t.value for t in Tier]}, "
                             f"got {list(tiers) if isinstance(tiers, Mapping) else tiers!r}")
         try:
-            pool = cls(*(tiers[t.value]["capacity"] for t in Tier), retain_prefix=bool(d.get("retain_prefix", False)))
+            pool = cls(*(tiers[t.value]["budget"] for t in Tier), retain_prefix=bool(d.get("retain_prefix", False)))
         except (TypeError, ValueError, KeyError) as e:
-            raise PoolError(f"bad capacities in snapshot: {e}") from e
+            raise PoolError(f"bad budgets in snapshot: {e}") from e
         for t, s in pool._t.items():
             td = tiers[t.value]
             for entry in td.get("used", []):
@@ -480,7 +480,7 @@ class RequestPages:
             for p, k in collections.Counter(owned[t]).items():
                 if not 0 <= p < rc.size or k > rc[p]:
                     raise PoolError(f"request holds {t.value} page {p} x{k}, but the pool does not agree "
-                                    f"(capacity {rc.size})")
+                                    f"(budget {rc.size})")
         for t in Tier:
             pool.free(t, owned[t])
         self.device.clear(), self.host.clear(), self.index.clear(), self.hot.clear()

@@ -50,7 +50,7 @@ class StoreSpec:
     @classmethod
     def create(cls, model: ModelConfig, cache: CacheConfig) -> "StoreSpec":
         """The geometry of `cache`'s store for `model`: its capacity's when it has one (`CacheConfig.capacity`),
-        else its own budgets'. `PageManager.budget` is `create` of the budgets alone."""
+        else its own budgets'. `PageManager.budget_spec` is `create` of the budgets alone."""
         if cache.capacity is not None:
             hr, cap = cache.hot_rows_for(model), cache.capacity.hot_rows_for(model)
             if hr > cap:
