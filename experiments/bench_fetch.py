@@ -135,7 +135,7 @@ def make_spec(args, kv_dtype: str, fetch: str, min_rows: int):
     hot_rows = 2 * K
     hot_pages = -(-hot_rows // PAGE_SIZE)
     pages = args.ctx // PAGE_SIZE
-    return StoreSpec(num_layers=L, num_index_layers=1, groups=(tuple(range(L)),), latent_dim=512, rope_dim=64,
+    return StoreSpec(num_layers=L, num_indexer_layers=1, groups=(tuple(range(L)),), latent_dim=512, rope_dim=64,
                      index_dim=128, device_pages=R * hot_pages + 1, index_pages=1, host_pages=R * pages,
                      max_seqs=R, max_pages=pages, hot_rows=hot_rows, kv_dtype=kv_dtype, fetch=fetch,
                      fetch_min_rows=min_rows, mirror_to_host=True, topk=K)

@@ -137,7 +137,7 @@ def run(a) -> dict:
     spec = {d: StoreSpec.create(cfg, base.replace(index_dtype=d, device_pages=1, index_pages=1))
             for d in ("fp8", "int4")}
     kv_page = spec["fp8"].page_bytes * spec["fp8"].num_layers
-    idx_page = {d: 64 * s.num_index_layers * s.index_row_bytes for d, s in spec.items()}
+    idx_page = {d: 64 * s.num_indexer_layers * s.index_row_bytes for d, s in spec.items()}
     device_bytes = int(glm["device_requests"] * n * (kv_page + idx_page["fp8"]))
     # the host pool: the calculator's minimum non-limiting one for the largest HiSparse case, unlimited first
     limit = max(predict(cfg, pages=n, requests=a.requests, device_bytes=device_bytes, hot_rows=hot_rows,

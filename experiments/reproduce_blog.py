@@ -89,7 +89,7 @@ def engine_run(a) -> dict:
                        host_pages=a.requests * n, device_pages=1)
     spec = StoreSpec.create(cfg, base.replace(device_pages=1, index_pages=1))
     kv_page = spec.page_bytes * spec.num_layers
-    idx_page = 64 * spec.num_index_layers * (spec.index_dim + 4 if spec.fp8 else 2 * spec.index_dim
+    idx_page = 64 * spec.num_indexer_layers * (spec.index_dim + 4 if spec.fp8 else 2 * spec.index_dim
                                              if spec.kv_dtype == "bf16" else 4 * spec.index_dim)
     dev_req = a.device_requests if a.device_requests else blog_device_requests()
     device_bytes = int(dev_req * n * (kv_page + idx_page))

@@ -84,8 +84,8 @@ def run_policies(args: argparse.Namespace, on_setup=None) -> dict:
         split[pol] = {"device_pages": cc.device_pages, "index_pages": cc.num_index_pages,
                       "host_pages": cc.host_pages if pol != "preempt" else 0,
                       "kv_pool_bytes": cc.device_pages * spec.page_bytes * spec.num_layers,
-                      "index_pool_bytes": int(cc.num_index_pages * 64 * spec.num_index_layers * spec.index_row_bytes),
-                      "index_host_bytes": cc.num_index_pages * 64 * spec.num_index_layers * spec.index_host_row_bytes}
+                      "index_pool_bytes": int(cc.num_index_pages * 64 * spec.num_indexer_layers * spec.index_row_bytes),
+                      "index_host_bytes": cc.num_index_pages * 64 * spec.num_indexer_layers * spec.index_host_row_bytes}
     setup = {
         "preset": args.preset, "model": None if args.preset else args.model, "workload": kind,
         "requests": len(prompts), "devices": n_dev, "prompt_tokens": [len(p) for p in prompts],

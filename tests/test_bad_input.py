@@ -162,7 +162,7 @@ def saved_tiered(tmp_path_factory, model):
     n = 150
     store = kv_device.write_prefill(store, tc, slot, jnp.asarray(rng.normal(size=(cfg.num_hidden_layers, n, cfg.kv_lora_rank)), jnp.float32),
                      jnp.asarray(rng.normal(size=(cfg.num_hidden_layers, n, cfg.qk_rope_head_dim)), jnp.float32),
-                                    jnp.asarray(rng.normal(size=(tc.spec.num_index_layers, n, cfg.index_head_dim)),
+                                    jnp.asarray(rng.normal(size=(tc.spec.num_indexer_layers, n, cfg.index_head_dim)),
                                                 jnp.float32), n)
     path = str(tmp_path_factory.mktemp("saved") / "c")
     save_tiered(tc, store, path)

@@ -340,7 +340,7 @@ def _store_program(name, kv, **store_kw):
 
     store = _store(kv, **store_kw)
     spec = store.spec
-    L, LI, C, R, dI, MP = (spec.num_layers, spec.num_index_layers, spec.latent_dim, spec.rope_dim, spec.index_dim,
+    L, LI, C, R, dI, MP = (spec.num_layers, spec.num_indexer_layers, spec.latent_dim, spec.rope_dim, spec.index_dim,
                            spec.max_pages)
 
     def kv_rows(T):  # latent [L, T, C], rope [L, T, R], index_k [LI, T, dI] as the model makes them

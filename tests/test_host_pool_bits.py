@@ -38,7 +38,7 @@ BF16_SPECIALS = np.array([
 
 
 def spec_for(kv_dtype: str, **over) -> StoreSpec:
-    kw = dict(num_layers=L, num_index_layers=1, groups=((0, 1),), latent_dim=C, rope_dim=R, index_dim=16,
+    kw = dict(num_layers=L, num_indexer_layers=1, groups=((0, 1),), latent_dim=C, rope_dim=R, index_dim=16,
               device_pages=8, index_pages=MP, host_pages=4, max_seqs=1, max_pages=MP, hot_rows=64,
               kv_dtype=kv_dtype, fetch="row", fetch_min_rows=4, mirror_to_host=True, topk=8)
     kw.update(over)

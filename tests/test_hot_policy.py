@@ -65,7 +65,7 @@ def test_kernel_matches_reference_on_score_keys(scenario):
 
 # ----- the store's score_ema rule against a NumPy oracle ------------------------------------------------------
 def _spec(Rq, MP, HR, K, PI):
-    return StoreSpec(num_layers=2, num_index_layers=2, groups=((0,), (1,)), latent_dim=16, rope_dim=16,
+    return StoreSpec(num_layers=2, num_indexer_layers=2, groups=((0,), (1,)), latent_dim=16, rope_dim=16,
                      index_dim=16, device_pages=1, index_pages=PI, host_pages=1, max_seqs=Rq, max_pages=MP,
                      hot_rows=HR, kv_dtype="float32", fetch="row", fetch_min_rows=8, mirror_to_host=True, topk=K,
                      hot_policy="score_ema", hot_ema_beta=BETA)

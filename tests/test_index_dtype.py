@@ -38,7 +38,7 @@ def test_index_layout_and_bytes_per_format():
         store = jax.eval_shape(lambda s=spec: init_store(s))
         per_token = store.index_k.size * store.index_k.dtype.itemsize + (
             0 if store.index_scale is None else store.index_scale.size * store.index_scale.dtype.itemsize)
-        assert per_token == row * spec.num_index_layers * spec.index_pages * 64
+        assert per_token == row * spec.num_indexer_layers * spec.index_pages * 64
     spec = StoreSpec.create(cfg, CacheConfig(kv_dtype="bf16", index_dtype="int4", device_pages=2, host_pages=2))
     store = jax.eval_shape(lambda: init_store(spec))
     assert store.index_k.shape[-1] == 64 and store.index_k.dtype == jnp.uint8

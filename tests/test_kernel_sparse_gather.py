@@ -91,7 +91,7 @@ def resolve_via_store(case, group=1, groups=2):
     Returns the plan and that group's hot state (resolve's other store updates are not this kernel's job)."""
     Rq, HR = case["hot_token"].shape
     MP = case["block_table"].shape[1]
-    spec = StoreSpec(num_layers=groups, num_index_layers=groups, groups=tuple((g,) for g in range(groups)),
+    spec = StoreSpec(num_layers=groups, num_indexer_layers=groups, groups=tuple((g,) for g in range(groups)),
                      latent_dim=16, rope_dim=16, index_dim=16, device_pages=1, index_pages=1, host_pages=1,
                      max_seqs=Rq, max_pages=MP, hot_rows=HR, kv_dtype="float32", fetch="row", fetch_min_rows=8,
                      mirror_to_host=True, topk=case["topk"].shape[1])

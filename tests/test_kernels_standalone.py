@@ -66,7 +66,7 @@ MISS = np.array([[0] * 8, [0] * 8, [1, 0, 1, 0, 0, 1, 0, 0]], bool)
 
 
 def tiny_store(fetch: str):
-    spec = StoreSpec(num_layers=1, num_index_layers=1, groups=((0,),), latent_dim=C, rope_dim=R, index_dim=16,
+    spec = StoreSpec(num_layers=1, num_indexer_layers=1, groups=((0,),), latent_dim=C, rope_dim=R, index_dim=16,
                      device_pages=4, index_pages=1, host_pages=4, max_seqs=3, max_pages=MP, hot_rows=HR,
                      kv_dtype="float32", fetch=fetch, fetch_min_rows=4, mirror_to_host=True, topk=K)
     store = init_store(spec)

@@ -46,7 +46,7 @@ def saved(tmp_path_factory):
         return jnp.asarray(rng.normal(size=shape), jnp.float32)
     store = kv_device.write_prefill(store, tc, slot, rows(cfg.num_hidden_layers, N, cfg.kv_lora_rank),
                                     rows(cfg.num_hidden_layers, N, cfg.qk_rope_head_dim),
-                                    rows(tc.spec.num_index_layers, N, cfg.index_head_dim), N)
+                                    rows(tc.spec.num_indexer_layers, N, cfg.index_head_dim), N)
     path = str(tmp_path_factory.mktemp("saved") / "store")
     save_tiered(tc, store, path)
     return tc, store, slot, path

@@ -99,7 +99,7 @@ def budgets(cfg, sz: dict) -> dict:
     base = CacheConfig(kv_dtype=sz["kv_dtype"], max_seq_len=n * 64, max_seqs=R, host_pages=R * n, device_pages=1)
     spec = StoreSpec.create(cfg, base.replace(index_pages=1))
     kv_page = spec.page_bytes * spec.num_layers
-    idx_page = 64 * spec.num_index_layers * spec.index_row_bytes
+    idx_page = 64 * spec.num_indexer_layers * spec.index_row_bytes
     need = R * n * (kv_page + idx_page)
     device_bytes = int(sz["device_fraction"] * need)
     per = {p: device_budget(cfg, base, device_bytes, p, max_running=R, max_len=max_len, prefill=sz["prefill"])

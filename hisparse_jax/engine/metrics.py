@@ -54,7 +54,7 @@ def swap_bytes(manager, kv_pages: int, key_pages: int) -> int:
     """Bytes of `kv_pages` KV pages (every layer) and `key_pages` indexer pages (every indexer layer) of
     `manager`'s store."""
     spec = manager.spec
-    key_page = int(PAGE_SIZE * spec.num_index_layers * spec.index_row_bytes)
+    key_page = int(PAGE_SIZE * spec.num_indexer_layers * spec.index_row_bytes)
     return kv_pages * manager.all_layers_page_bytes + key_pages * key_page
 
 

@@ -128,7 +128,7 @@ def device_budget(model_cfg, cache: CacheConfig, device_bytes: int, policy: str,
     """
     spec = StoreSpec.create(model_cfg, cache.replace(device_pages=1, index_pages=1, capacity=None))
     kv_page = spec.page_bytes * spec.num_layers
-    idx_page = 64 * spec.num_index_layers * spec.index_row_bytes
+    idx_page = 64 * spec.num_indexer_layers * spec.index_row_bytes
     n = pages(max_len)
     if policy != "hisparse":
         p = device_bytes // (kv_page + idx_page)

@@ -51,7 +51,7 @@ def store_layout(spec: StoreSpec) -> dict[str, tuple[tuple[int, ...], np.dtype, 
     """name -> (shape, value dtype, "device" | "host") of every array a store of geometry `spec` has (the
     `kv.state.KVStore` fields it uses, in field order): host pools (and with index_tier="host" the indexer keys)
     in pinned-host memory, which holds their values' bits (`kv.state.host_dtype`, the same width)."""
-    L, LI, P, PI = spec.num_layers, spec.num_index_layers, spec.device_pages, spec.index_pages
+    L, LI, P, PI = spec.num_layers, spec.num_indexer_layers, spec.device_pages, spec.index_pages
     # a host tier of no pages (preempt never offloads) still has one physical page, never lent: the step's miss
     # path gathers from the host pools whatever the policy, and a gather from an empty axis cannot be traced
     PH = max(1, spec.host_pages)

@@ -250,7 +250,7 @@ def check_summaries(store: KVStore, manager: PageManager, where: str, chunk_byte
     lo_all = np.asarray(jax.device_get(store.index_lo)).astype(np.float32)
     hi_all = np.asarray(jax.device_get(store.index_hi)).astype(np.float32)
     step = max(1, chunk_bytes // (PAGE_SIZE * spec.index_dim * 4))
-    for layer in range(spec.num_index_layers):
+    for layer in range(spec.num_indexer_layers):
         for at in range(0, len(pages), step):
             pp, n = pages[at:at + step], count[at:at + step]
             kv = from_host_bits(keys[layer, pp], kdt)

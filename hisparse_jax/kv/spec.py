@@ -23,7 +23,7 @@ class StoreSpec:
     """Static geometry of a store (hashable; passed to jitted functions as a static argument)."""
 
     num_layers: int
-    num_index_layers: int
+    num_indexer_layers: int
     groups: tuple[tuple[int, ...], ...]  # layers of each indexer group, leader first
     latent_dim: int
     rope_dim: int
@@ -81,7 +81,7 @@ class StoreSpec:
                              "(num_nextn_predict_layers >= 1 in its config); this one has none")
         L = model.num_hidden_layers
         groups += [(L + i,) for i in range(mtp)]
-        return cls(num_layers=L + mtp, num_index_layers=model.num_indexer_layers + mtp,
+        return cls(num_layers=L + mtp, num_indexer_layers=model.num_indexer_layers + mtp,
                    groups=tuple(groups), latent_dim=model.kv_lora_rank, rope_dim=model.qk_rope_head_dim,
                    index_dim=model.index_head_dim, device_pages=cache.device_pages,
                    index_pages=cache.num_index_pages, host_pages=cache.host_pages, max_seqs=cache.max_seqs,
