@@ -30,12 +30,16 @@ def rows_for(tokens, start, end):
 
 
 def prefill(tc, tokens, **kw):
-    """Admit `tokens` with prefix sharing and write the rows that were not shared; register its pages."""
+    """Admit `tokens` with prefix sharing and write the rows that were not shared; register its pages. The rows are
+    padded to the store's longest request with NaN, as the engine pads a prompt: every length writes through one
+    compiled program."""
     slot = tc.admit(len(tokens), tokens=tokens, **kw)
     start = tc.cached_tokens[slot]
-    lat, rope, idx = (np.zeros((a.shape[0], len(tokens), a.shape[2]), np.float32) for a in rows_for(tokens, 0, 1))
-    lat[:, start:], rope[:, start:], idx[:, start:] = rows_for(tokens, start, len(tokens))
-    tc.write_prefill(slot, jnp.asarray(lat), jnp.asarray(rope), jnp.asarray(idx), len(tokens), start=start)
+    rows = max(len(tokens), tc.spec.max_pages * 64)
+    lat, rope, idx = (np.full((a.shape[0], rows, a.shape[2]), np.nan, np.float32) for a in rows_for(tokens, 0, 1))
+    end = len(tokens)  # (the shared prefix's rows, never written, stay NaN too)
+    lat[:, start:end], rope[:, start:end], idx[:, start:end] = rows_for(tokens, start, end)
+    tc.write_prefill(slot, jnp.asarray(lat), jnp.asarray(rope), jnp.asarray(idx), end, start=start)
     tc.register_prefix(slot, tokens)
     return slot
 
