@@ -4,7 +4,6 @@ with prefix caching — with the bytes accounted, and a damaged or mismatched ex
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from flax import nnx
 

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from store_pair import StorePair
-from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.pool import OutOfPages, PoolError, Tier, page_hash
 from hisparse_jax.units import INVALID
 from test_store import DI, LI, MODEL, C, L, R, cache_config

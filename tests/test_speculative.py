@@ -12,7 +12,6 @@ import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine import Engine, EngineConfig, SamplingParams
 from hisparse_jax.engine.runner import TRACE_COUNTS
-from hisparse_jax.engine.speculative import lookahead
 from hisparse_jax.kv.state import StoreSpec
 from tiny import model_cfg
 

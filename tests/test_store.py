@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from store_pair import StorePair
 from hisparse_jax.config import CacheConfig
-from hisparse_jax.kv.manager import BudgetError, PageManager, check_batch_fits
+from hisparse_jax.kv.manager import BudgetError, check_batch_fits
 from hisparse_jax.kv.pool import OutOfPages, PoolError, Tier
 from hisparse_jax.units import INVALID
 from tiny import model_cfg
