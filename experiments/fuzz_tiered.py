@@ -32,7 +32,7 @@ the store's internals:
 * **Bookkeeping.** Allocator invariants after every step; every pool empty at the end; with the row mechanism
   the H2D bytes equal misses x row bytes.
 
-The test suite runs a fixed, derandomized profile (`tests/test_fuzz_tiered.py`); `--long` runs the deep one.
+The test suite runs a fixed, derandomized profile (`tests/e2e/test_fuzz_tiered.py`); `--long` runs the deep one.
 The model is a 2-layer tiny GLM (one full indexer layer and one shared, top-k 64) so compiles stay cheap and
 budgets of a few pages already tier.
 """

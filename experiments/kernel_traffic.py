@@ -3,7 +3,7 @@
     PYTHONPATH=. python experiments/kernel_traffic.py [--out experiments/results/kernel_traffic.json]
 
 Evaluates `pallas_kernels/traffic.py` (bytes each kernel reads and writes per call, from its grid, blocks and
-passes; checked exactly against the kernels' own loads and stores by tests/test_traffic.py) at the shapes of
+passes; checked exactly against the kernels' own loads and stores by tests/e2e/test_traffic.py) at the shapes of
 DeepSeek-V3.2 / GLM-5 decode (FACTS.md) and prints the README's table:
 
 * indexer top-k: batch 4, 64 index heads x 128, fp8 keys (128 B + one f32 scale), top-k 2048, contexts

@@ -1,4 +1,4 @@
-"""Scheduler liveness over many random workloads: the property of `tests/test_liveness.py`, at scale.
+"""Scheduler liveness over many random workloads: the property of `tests/e2e/test_liveness.py`, at scale.
 
     PYTHONPATH=. python experiments/liveness.py [--runs 10000] [--seed 0] [--jobs 1] [--admissions vllm,reserve]
                                                 [--out experiments/results/liveness.json]

@@ -4,7 +4,7 @@ XLA's *deviceless* AOT compilation: `jax.experimental.topologies.get_topology_de
 target_config=<GpuTargetConfigProto text>)` gives a compile-only CUDA device whose client runs the whole
 XLA:GPU pipeline (HLO passes incl. host offloading, Triton for the Pallas kernels, LLVM -> PTX, ptxas ->
 cubin) with no driver. Compile errors (shared memory over the limit, host-offload rewrites, ...) raise.
-`tests/test_gpu_build.py` and `experiments/bench_compile.py` use it; `gpu_targets/h100_sxm.txtpb` beside this file
+`tests/e2e/test_gpu_build.py` and `experiments/bench_compile.py` use it; `gpu_targets/h100_sxm.txtpb` beside this file
 is XLA's public H100 SXM description
 (xla/tools/hlo_opt/gpu_specs/h100_sxm.txtpb; the H200 has the same compute capability and SM count).
 

@@ -1,8 +1,8 @@
 """The whole tiered decode step built for sm_90 without a GPU, and the checks its compiled HLO must pass.
 
-`tests/test_gpu_build.py` and `experiments/bench_compile.py` build the jitted step (`engine.runner`'s, store donated)
-of GLM-5 from abstract arrays (`abstract_step_args`: nothing is allocated; the pinned-host pools carry their memory
-kind) with XLA's deviceless AOT compiler (`hisparse_jax.deviceless`) and check that
+`tests/e2e/test_gpu_build.py` and `experiments/bench_compile.py` build the jitted step (`engine.runner`'s, store
+donated) of GLM-5 from abstract arrays (`abstract_step_args`: nothing is allocated; the pinned-host pools carry
+their memory kind) with XLA's deviceless AOT compiler (`hisparse_jax.deviceless`) and check that
   (a) every store buffer is donated (`check_store_donated`: an input_output_alias from each store parameter),
   (b) the pinned-host pools stay in host memory, S(5), as parameters and results (`check_host_pools_in_host_memory`;
       which fields are host pools is the store's own `state.store_shardings`: `host_pools`),

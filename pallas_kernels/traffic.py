@@ -23,7 +23,7 @@ digit sums, the split-K merge, ...), as passes of kind "xla", estimated as one r
 write of each result per fusion; they are marked in `passes` and are small except the decode's split-K
 partials. `launches` counts `pallas_call` launches only.
 
-`tests/test_traffic.py` checks every "pallas" pass exactly: it runs each wrapper with `pl.pallas_call`
+`tests/e2e/test_traffic.py` checks every "pallas" pass exactly: it runs each wrapper with `pl.pallas_call`
 replaced by a grid loop that executes the kernel body in Python on recording refs (every element a program
 loads or stores is counted, masked lanes excluded) and compares the bytes per pass with these formulas.
 """

@@ -77,9 +77,10 @@ def child(script: str, *args: str, devices: int | None = None, timeout: float = 
 
 
 def fresh_process(module: str, call: str, timeout: float = 900):
-    """`module.call` (a test module under tests/, a call expression returning JSON-able data) run in a new Python
-    process, nothing shared with this one (no compiled program, no live array): its decoded result."""
-    code = f"import sys, json; sys.path.insert(0, 'tests'); import {module}; print(json.dumps({module}.{call}))"
+    """`module.call` (a test module under tests/unit or tests/e2e, a call expression returning JSON-able data) run in
+    a new Python process, nothing shared with this one (no compiled program, no live array): its decoded result."""
+    code = (f"import sys, json; sys.path[:0] = ['tests', 'tests/unit', 'tests/e2e']; import {module}; "
+            f"print(json.dumps({module}.{call}))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert res.returncode == 0, res.stderr[-4000:]

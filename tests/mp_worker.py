@@ -1,4 +1,4 @@
-"""One controller of a multi-process `generate(..., mesh=...)` run (tests/test_multiprocess.py starts two).
+"""One controller of a multi-process `generate(..., mesh=...)` run (tests/e2e/test_multiprocess.py starts two).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \
         python tests/mp_worker.py PROCESS_ID NUM_PROCESSES PORT

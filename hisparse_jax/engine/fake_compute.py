@@ -3,7 +3,7 @@ of (seed, position) instead of a model's, and `HostOnly` stands in for the devic
 batch and the commit are the engine's own (`Engine.begin_step` / `call_model` / `finish_step`) over the real
 `PageManager` bookkeeping; NumPy only: nothing is compiled, no device array exists.
 
-What it is for: checking the scheduler's liveness (`tests/test_liveness.py`, `experiments/liveness.py`). Each
+What it is for: checking the scheduler's liveness (`tests/e2e/test_liveness.py`, `experiments/liveness.py`). Each
 `FakeEngine.step_report` (a step, as `Engine.step`) returns which admitted requests progressed (a decode row, prompt
 rows, a whole prompt) and, for those that did not, the reason the step's plan states (`StepPlan.waits`; None: none
 stated), and counts every `OutOfPages` the manager raised inside `schedule` (caught there or not).

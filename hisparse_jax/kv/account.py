@@ -19,7 +19,7 @@ from hisparse_jax.units import PAGE_SIZE
 # sorted twice, ranked), so the step's temporaries grow as step rows x hot_rows. XLA's memory analysis (CPU) of
 # the resolver alone gives 41.1 bytes per row and slot (B 16-256, hot_rows 4096-65536); of the compiled engine
 # step 39-63 (demo-glm, two indexer groups, B 8-32, hot_rows 4096-4194304) and 40.1 (a one-layer model,
-# `tests/test_red_team.py::test_step_temporaries_formula`, which keeps the bound honest).
+# `tests/e2e/test_red_team.py::test_step_temporaries_formula`, which keeps the bound honest).
 RESOLVE_BYTES_PER_ROW_SLOT = 64
 
 # Temporaries of the step's indexer per (step row x position of its span): the reference indexer gathers each row's
@@ -99,7 +99,7 @@ def store_costs(spec: StoreSpec, *, step_rows: int = 0, index_heads: int = 0, cp
     (`RESOLVE_BYTES_PER_ROW_SLOT`), the indexer's over the longest span (`index_bytes_per_row_position`, with the
     model's `index_heads`), and on a CPU (`cpu`) the copy of the store XLA:CPU makes around the fetch's
     `lax.switch` (its memory analysis of the step: temporaries of the store's size at any batch; the sm_90 build
-    makes none, `tests/test_gpu_build_fetch.py`)."""
+    makes none, `tests/e2e/test_gpu_build_fetch.py`)."""
     layout = store_layout(spec)
     out = [Cost(f"the store's {name}", _nbytes(shape, dt), where, _sizes(spec, _SIZED_BY.get(name, ("max_seqs",
                                                                                                   "max_seq_len"))))

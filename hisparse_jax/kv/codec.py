@@ -12,7 +12,7 @@ Host pools live in `pinned_host` memory. Inside `jit` ops may not mix memory kin
 `compute_on("device_host")` (`compat.on_host`: the row fetch, the host-tier indexer), followed by one
 `device_put(Device)`. Host writes are a `device_put(Host)` row or page block `dynamic_update_slice`d into the
 pinned-host pool, which XLA does in place; a host-side scatter under `compute_on` returns a new pool (on a GPU: a copy
-of the whole host pool per call, see tests/test_gpu_build.py). On CPU these are semantic only; on a GPU they are the
+of the whole host pool per call, see tests/e2e/test_gpu_build.py). On CPU these are semantic only; on a GPU they are the
 H2D / D2H copies being measured. Host pools of bf16 / fp8 values hold their bit patterns (`state.host_dtype`): every
 write goes through `to_host_memory` (values -> bits on the device, then to host memory) and every read through
 `from_host_memory` (to the device, then bits -> values), so the host-memory ops are integer moves that XLA:CPU does

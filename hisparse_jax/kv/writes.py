@@ -94,7 +94,7 @@ def mirror_rows(store: KVStore, req, positions):
     Reads them back from the device pool so the host copy is bit-identical. Returns (store, d2h_rows).
     Each row is a `dynamic_update_slice` of a `device_put(HOST)` row into the pinned-host pool, which XLA
     does in place (a host-side scatter under `compute_on` returned a new pool: on a GPU that was a copy of
-    every host pool per step, see tests/test_gpu_build.py).
+    every host pool per step, see tests/e2e/test_gpu_build.py).
     """
     spec = store.spec
     dpage, _, hpage, row, live = tail_address(store, req, positions)

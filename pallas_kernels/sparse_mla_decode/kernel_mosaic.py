@@ -60,8 +60,8 @@ into per-chunk vectors from scalar loads (a strided column of a shared-memory bu
 a vector), and a row's scale copy moves at least SCALE_COPY values (TMA's 16-byte minimum; at C = 256 the
 next row's two come along) and is not multicast (half of it would be under that minimum).
 
-Status: equals the reference in GPU interpret mode with race detection (tests/test_kernel_mosaic.py) and
-builds for sm_90 (tests/test_gpu_build.py: H = 128 / 16, bf16 / fp8, B = 1, top-k 16384, the stacked
+Status: equals the reference in GPU interpret mode with race detection (tests/e2e/test_kernel_mosaic.py) and
+builds for sm_90 (tests/e2e/test_gpu_build.py: H = 128 / 16, bf16 / fp8, B = 1, top-k 16384, the stacked
 78-layer fp8 pools with `layer=`). On an H200 (2026-12-04, experiments/results/gpu/) it was NOT correct: relative
 error ~1 against the reference at H 16 and 128, bf16 and fp8 pools, and an illegal instruction with fp8 pools at
 H 16 (the first run also faulted on misaligned TMA destinations, fixed since: `TMA_ALIGN`). The store refuses
@@ -275,7 +275,7 @@ def tma_destinations(latent_dim: int, rope_dim: int, fp8: bool, cluster: int, st
     """Every TMA copy of the kernel into shared memory, as name -> (bytes between consecutive destinations, bytes
     one block's share starts at within one): with a cluster, a multicast copy is split in `cluster` shares along
     its slice's leading divisible dimension. Each start (buffer bases are aligned) must be a multiple of
-    TMA_ALIGN; tests/test_kernel_mosaic.py checks it for the shapes the kernel takes."""
+    TMA_ALIGN; tests/e2e/test_kernel_mosaic.py checks it for the shapes the kernel takes."""
     C, R = latent_dim, rope_dim
     # (bytes between destinations, bytes of the slice's leading divisible dimension's share when multicast): a row
     # slice [1, X] is split along X, one row block's addresses [steps, BK] along the steps when they divide

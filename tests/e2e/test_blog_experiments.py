@@ -11,7 +11,7 @@ import pytest
 from experiments import hot_buffer_sim as sim
 from experiments.hot_buffer_traces import SYNTH_DEFAULTS, synthetic_trace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _load(name):

@@ -300,7 +300,7 @@ def test_import_saved_store_and_mesh_carry_host_keys(tmp_path):
     flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
     env = dict(os.environ, XLA_FLAGS=flags)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert res.returncode == 0 and res.stdout.strip().splitlines()[-1] == "True", res.stderr[-3000:]
 
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOTEBOOK = os.path.join(ROOT, "examples", "learned_locality.ipynb")
 
 nbformat = pytest.importorskip("nbformat", reason="the notebook test needs the test extras (nbformat, nbclient)")

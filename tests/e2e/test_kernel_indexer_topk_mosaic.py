@@ -1,7 +1,7 @@
 """The Mosaic GPU indexer top-k (`indexer_topk(..., backend="mosaic")`: Mosaic scores, XLA's top-k) == its
 reference, in Mosaic GPU's interpret mode with race detection and uninitialized shared memory read as NaN.
 
-The cases of tests/test_kernel_indexer_topk.py: NaN-poisoned pools wherever no valid position reads (pages
+The cases of tests/e2e/test_kernel_indexer_topk.py: NaN-poisoned pools wherever no valid position reads (pages
 past seq_len, and the rows past it in the last page), permuted block tables with -1 entries, lengths around
 a page and the top-k, idle rows. Integer-valued data makes every score exact whatever the summation order,
 so the order is compared slot by slot under the lower-position-first tie rule; continuous data is compared

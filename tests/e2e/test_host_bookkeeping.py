@@ -18,7 +18,7 @@ from hisparse_jax.kv.manager import PageManager, least_recently_selected
 from hisparse_jax.kv.pool import Tier
 from hisparse_jax.kv.updates import ClearStamps, EvictPages, LoadPages, SetTables
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 WORKLOAD = textwrap.dedent("""
     import hisparse_jax as hj

@@ -15,7 +15,7 @@ import pytest
 from hisparse_jax import checkpoints, cli, demo, demo_run, demo_workload
 from hisparse_jax.config import get_preset
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import hisparse_jax as hj
 from hisparse_jax import checkpoints, demo, demo_workload
 from hisparse_jax.model.weights import PARAMS_MANIFEST
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # A fresh interpreter in which jax, jaxlib and flax cannot be imported (nor numpy: the calculator needs none).
 BLOCK_JAX = textwrap.dedent("""

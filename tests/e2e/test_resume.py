@@ -4,7 +4,7 @@
 process with exactly the uninterrupted run's tokens: float32, bf16 and fp8 KV, int4 indexer keys, host-tier keys.
 
 (A whole engine — requests, queues, store — is saved and resumed by `engine.snapshot`, tested in
-tests/test_engine_resume.py.) The pytest process saves every format and continues; one subprocess restores them
+tests/e2e/test_engine_resume.py.) The pytest process saves every format and continues; one subprocess restores them
 all and continues the same way."""
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def test_tiny_budget_is_lossless(model, prompts, contiguous_run, fetch):
 def test_tiered_equals_all_resident_in_compressed_formats(kv_dtype):
     """Same tokens; logits equal up to XLA:CPU compiling the step differently for different pool sizes.
 
-    The rows themselves are bit-exact (tests/test_store.py, and the attention inputs were compared directly);
+    The rows themselves are bit-exact (tests/e2e/test_store.py, and the attention inputs were compared directly);
     in float32 the logits are bit-identical too (test_tiny_budget_is_lossless)."""
     cfg = model_cfg(kv_lora_rank=128, index_head_dim=128)
     m = hj.SparseMLAModel(cfg, rngs=nnx.Rngs(1))

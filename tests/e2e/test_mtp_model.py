@@ -27,7 +27,7 @@ from hisparse_jax.model.mtp import MTPLayer, mtp_decode_step, mtp_forward, mtp_i
 from hisparse_jax.model.weights import CheckpointError, read_checkpoint_tensors
 from tiny import model_cfg
 
-TOL = dict(rtol=2e-5, atol=2e-5)  # as tests/test_decode.py's decode-vs-prefill checks
+TOL = dict(rtol=2e-5, atol=2e-5)  # as tests/unit/test_decode.py's decode-vs-prefill checks
 
 
 def mtp_cfg(preset: str, **over) -> ModelConfig:

@@ -223,7 +223,7 @@ def test_fuzz_engine(data):
 @given(st.data())
 def test_fuzz_mesh_engine(data):
     drop_programs_near_map_limit()  # many examples in one test: stay clear of the map limit
-    # this process sees one device: the mesh cases run one rank (the 8-device mesh is tests/test_mesh_engine.py;
+    # this process sees one device: the mesh cases run one rank (the 8-device mesh is tests/e2e/test_mesh_engine.py;
     # `fuzz_tiered.py --only mesh` runs 1-4 ranks)
     case = fz.draw_mesh_case(fz.HypothesisChoices(data))
     fz.run_mesh_case(case)

@@ -1,6 +1,6 @@
 """The Mosaic GPU sparse-MLA decode kernel == its reference, in Mosaic GPU's interpret mode with race detection.
 
-Same cases as tests/test_kernel_sparse_mla_decode.py (NaN-poisoned pools, permuted block tables, invalid
+Same cases as tests/e2e/test_kernel_sparse_mla_decode.py (NaN-poisoned pools, permuted block tables, invalid
 top-k slots scattered among the valid ones and addressed at poisoned rows), through the public
 `sparse_mla_decode(..., backend="mosaic")`. Interpret mode simulates both warpgroups, the TMA engine and
 the barriers; `detect_races=True` raises on any unsynchronized shared-memory access, and uninitialized

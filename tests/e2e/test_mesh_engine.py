@@ -29,7 +29,7 @@ def _checks() -> dict:
     import numpy as np
     from flax import nnx
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: tiny.py
     import hisparse_jax as hj
     from hisparse_jax import parallel
     from hisparse_jax.config import CacheConfig
@@ -146,7 +146,7 @@ def _checks() -> dict:
 def result():
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N}").strip())
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
@@ -311,7 +311,7 @@ def test_mesh_engine_refusals_and_log(small_model, tmp_path):
 
 
 def test_a_failed_mesh_call_commits_nothing_and_a_consumed_store_stops_the_mesh(small_model, monkeypatch):
-    """As `Engine` (tests/test_bad_input.py), through the same `runner.call_on_store`: a sharded call that raises
+    """As `Engine` (tests/e2e/test_bad_input.py), through the same `runner.call_on_store`: a sharded call that raises
     commits nothing and the mesh goes on to the uninterrupted run's tokens; one that consumed the donated stacked
     store stops every later step."""
     import jax

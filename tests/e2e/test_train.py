@@ -19,7 +19,7 @@ from hisparse_jax.model.mtp import mtp_forward
 from hisparse_jax.train import data, dsa
 from tiny import model_cfg
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # tiny.py's base, all-dense, at 3 layers with one MTP layer
 TINY = model_cfg(vocab_size=256, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, q_lora_rank=16,

@@ -29,7 +29,7 @@ from pallas_kernels.sparse_gather import sparse_gather, sparse_gather_reference
 from pallas_kernels.sparse_mla_decode.reference import sparse_mla_decode_rows
 from test_kernel_sparse_gather import FIELDS, assert_same, make_case, run
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 # ----- kernels stand alone ----------------------------------------------------------------------

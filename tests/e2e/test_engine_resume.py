@@ -25,9 +25,9 @@ from hisparse_jax.kv.persist import load_tiered
 from limit_harness import fresh_process
 from tiny import model_cfg
 
-# HiSparse under pressure (tests/test_engine.py's budget at four requests): three decode while the fourth waits and
+# HiSparse under pressure (tests/e2e/test_engine.py's budget at four requests): three decode while the fourth waits and
 # one is mid-prompt at the save; the continuation evicts and misses. Offload under vLLM's admission
-# (tests/test_admission.py's budget): the save comes when a request is swapped out.
+# (tests/e2e/test_admission.py's budget): the save comes when a request is swapped out.
 HISPARSE = CacheConfig(kv_dtype="float32", device_pages=29, index_pages=44, host_pages=96, max_seqs=4,
                        max_seq_len=704)
 OFFLOAD = CacheConfig(kv_dtype="float32", device_pages=12, index_pages=12, host_pages=64, max_seqs=4, max_seq_len=320)

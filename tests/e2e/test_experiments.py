@@ -21,7 +21,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.newest_leg]  # CI runs these on the newest-jax leg
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 420
 # a hang guard, not a performance claim (performance is measured by the experiments, never asserted here): the
 # smoke run took 50-60 s of CPU on earlier machines and 150-180 s on this one (the code before and after alike)

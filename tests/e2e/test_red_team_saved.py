@@ -1,6 +1,6 @@
 """Saved stores and P/D exports a careful user (or a damaged disk) hands back: each refused with one clear message,
 or (a saved store) restored exactly as a new store is made. Fast: one small host-tier store, hand-built exports;
-the resume in a fresh process is tests/test_resume.py."""
+the resume in a fresh process is tests/e2e/test_resume.py."""
 
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ def test_a_damaged_array_file_prints_nothing_else(saved, tmp_path):
             f"for p in {paths * 2!r}:\n    try:\n        load_tiered(p)\n    except CheckpointError as e:\n"
             f"        print('refused:', e)\nload_tiered({paths[0]!r})\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     err = res.stderr.split("<<load>>", 1)[1]
     assert res.returncode == 1 and res.stdout.count("refused:") == 4, res.stderr[-3000:]
     assert err.count("Traceback") == 1 and err.strip().splitlines()[-1].startswith(

@@ -68,7 +68,7 @@ def bits_of(x) -> np.ndarray:
 
 def assert_device_bits(got, want):
     """Device-pool rows `got` hold the bf16 bits `want` exactly, but for a NaN, which a bf16 scatter into a device
-    pool may canonicalize on XLA:CPU (0x7FC0 | sign; an all-float32 store is exact, tests/test_store.py)."""
+    pool may canonicalize on XLA:CPU (0x7FC0 | sign; an all-float32 store is exact, tests/e2e/test_store.py)."""
     got, want = np.asarray(got), np.asarray(want)
     nan = ((want & 0x7F80) == 0x7F80) & ((want & 0x007F) != 0)
     canon = (want & 0x8000) | 0x7FC0

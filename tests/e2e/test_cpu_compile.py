@@ -13,7 +13,7 @@ import pytest
 
 from hisparse_jax import cpu_compile
 
-REPRO = Path(__file__).resolve().parents[1] / "experiments" / "repro_xla_cpu_map_limit.py"
+REPRO = Path(__file__).resolve().parents[2] / "experiments" / "repro_xla_cpu_map_limit.py"
 
 
 def test_unknown_flags_are_left_out():

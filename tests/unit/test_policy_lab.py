@@ -41,7 +41,7 @@ def test_from_scores_ranks_like_select_topk():
 @pytest.mark.parametrize("hot_rows", [8, 12, 16, 32])
 def test_demand_policies_equal_simulate(policy, hot_rows):
     """Without prefetch, lru / clock / opt on a ranked trace are `simulate`'s on its top-k sets (whose lru is the
-    store's rule, tests/test_blog_experiments.py::test_lru_matches_ops_resolve)."""
+    store's rule, tests/e2e/test_blog_experiments.py::test_lru_matches_ops_resolve)."""
     rt = _random_rt(1)
     r = sim.simulate_ranked(rt, hot_rows, policy, return_state=True)
     if policy == "lru":

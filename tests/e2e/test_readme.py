@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 PAGES = [os.path.join(ROOT, "README.md")] + DOCS
 

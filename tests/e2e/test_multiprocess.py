@@ -28,7 +28,7 @@ def _free_port() -> int:
 
 
 def _run_workers(tmp) -> tuple[list[dict], float]:
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: mp_worker.py
     root = os.path.dirname(here)
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
