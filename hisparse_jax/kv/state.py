@@ -165,9 +165,11 @@ def filled(shape: tuple[int, ...], fill, dtype, sharding) -> jax.Array:
     one is filled by a program whose output is placed. A host pool filled on the device and then moved would hold
     its size twice while it moves: in device memory (on a GPU, where the host pool is the large tier) and on the
     host."""
-    if sharding.memory_kind == "pinned_host":
-        return jax.device_put(np.full(shape, fill, dtype) if fill else np.zeros(shape, dtype), sharding)
-    return jnp.full(shape, fill, dtype, device=sharding)
+    if sharding.memory_kind != "pinned_host":
+        return jnp.full(shape, fill, dtype, device=sharding)
+    if abstract():  # traced (`jax.eval_shape`: GLM-5's shapes on any machine): its type, nothing allocated
+        return jax.device_put(jnp.full(shape, fill, dtype), sharding)
+    return jax.device_put(np.full(shape, fill, dtype) if fill else np.zeros(shape, dtype), sharding)
 
 
 def empty_arrays(spec: StoreSpec) -> dict[str, tuple[tuple[int, ...], float, np.dtype]]:
