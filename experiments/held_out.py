@@ -28,19 +28,28 @@ def check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 def load(p: argparse.ArgumentParser, a: argparse.Namespace):
     """(checkpoint folder, held-out windows int32[sequences, seq_len + 1], corpus info); a bad --model is a usage
     error."""
-    from hisparse_jax import checkpoints
     from hisparse_jax.train import data
 
-    try:
-        folder = checkpoints.resolve(a.model)
-    except (ValueError, FileNotFoundError) as e:
-        p.error(f"--model: {e}")
+    folder = resolve(p, a.model)
     _, held, info = data.load_corpus()
     return folder, data.fixed_windows(held, a.seq_len + 1, a.sequences), info
 
 
-def model_name(a: argparse.Namespace, folder) -> str:
-    """The shipped checkpoint's name, or the folder relative to the working directory."""
+def resolve(p: argparse.ArgumentParser, name: str, option: str = "--model") -> str:
+    """The checkpoint folder of a shipped checkpoint's name or a checkpoint folder; otherwise a usage error (exit 2)
+    that names `option`."""
     from hisparse_jax import checkpoints
 
-    return a.model if a.model in checkpoints.SHIPPED else os.path.relpath(folder)
+    try:
+        return checkpoints.resolve(name)
+    except (ValueError, FileNotFoundError) as e:
+        p.error(f"{option}: {e}")
+
+
+def model_name(a: argparse.Namespace | str, folder) -> str:
+    """The shipped checkpoint's name, or the folder relative to the working directory (`a`: the parsed --model,
+    or the name or folder given)."""
+    from hisparse_jax import checkpoints
+
+    name = a if isinstance(a, str) else a.model
+    return name if name in checkpoints.SHIPPED else os.path.relpath(folder)

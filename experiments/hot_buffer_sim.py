@@ -78,7 +78,7 @@ def simulate(trace, hot_rows: int, policy: str = "lru", *, max_pos: int | None =
     return r["hits"], r["misses"]
 
 
-RANKED_POLICIES = ("lru", "clock", "score", "score_lru", "score_ema", "opt")
+RANKED_POLICIES = ("lru", "fifo", "clock", "score", "score_lru", "score_ema", "opt")
 SCORE_POLICIES = ("score", "score_lru", "score_ema")
 
 
@@ -112,6 +112,7 @@ def simulate_ranked(rt: RankedTrace, hot_rows: int, policy: str = "lru", *, pref
     the same step. Victim order (the first in the order goes first):
       lru        the store's rule (as `simulate`): lowest stamp (never used first; a fill stamps 2t, a hit
                  2t + 1), the demand victims claimed in slot order.
+      fifo       as `simulate`: lru whose hit leaves the stamp as it was (insertion order).
       clock      second chance, as `simulate` (a prefetched row gets its reference bit set, as a fill).
       score      empty slots, then the lowest value v_t(x) = s_t(x), the indexer's score of the slot's row at
                  this step (computed before the fetch: no future), ties by stamp, then slot.

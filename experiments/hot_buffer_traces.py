@@ -73,10 +73,16 @@ def synthetic_trace(steps: int = 256, *, k: int = 2048, context: int = 65_536, w
     return trace
 
 
+def step_overlaps(trace) -> np.ndarray:
+    """|T_t & T_{t-1}| / |T_t| at each step t = 1..len(trace) - 1 (float64[len(trace) - 1])."""
+    return np.array([len(np.intersect1d(a, b, assume_unique=True)) / max(len(b), 1)
+                     for a, b in zip(trace[:-1], trace[1:])], np.float64)
+
+
 def adjacent_overlap(trace) -> float:
     """Mean |T_t & T_{t-1}| / |T_t| over the trace."""
-    vals = [len(np.intersect1d(a, b, assume_unique=True)) / max(len(b), 1) for a, b in zip(trace[:-1], trace[1:])]
-    return float(np.mean(vals)) if vals else 0.0
+    vals = step_overlaps(trace)
+    return float(np.mean(vals)) if len(vals) else 0.0
 
 
 def record_demo_traces(n_requests: int = 2, prompt_len: int = 1536, start: int = 256, seed: int = 0,
@@ -169,11 +175,12 @@ class RankedTrace:
         return RankedTrace(self.order[lo:hi], self.scores[lo:hi], self.positions[lo:hi], self.k)
 
 
-def record_ranked_traces(model, sequences, start: int, margin: int, *, with_nll: bool = False):
+def record_ranked_traces(model, sequences, start: int, margin: int, *, with_nll: bool = False, progress=None):
     """`record_traces` with the indexer's ranking kept: traces[indexer][seq] is a `RankedTrace` (its `sets` are
     exactly `record_traces`' lists) with the ordered top-(k + margin) and every position's score at each step.
     Memory: steps x S float16 + steps x (k + margin) int32 per trace. With `with_nll` also returns
-    nll float32[n, L - 1]: the model's next-token loss at every position (positions with no next token: nan)."""
+    nll float32[n, L - 1]: the model's next-token loss at every position (positions with no next token: nan).
+    `progress`: as `run_decode`'s."""
     import jax.numpy as jnp
 
     from hisparse_jax.kv.dense import DenseKV, index_select_reference
@@ -202,7 +209,7 @@ def record_ranked_traces(model, sequences, start: int, margin: int, *, with_nll:
     backend = RankingKV(topk=K, index_dtype=model.index_dtype, margin=margin)
     out = run_decode(model, sequences, start, backend, {
         "rank_order": jnp.zeros((cfg.num_indexer_layers, n, W), jnp.int32),
-        "rank_scores": jnp.zeros((cfg.num_indexer_layers, n, L), jnp.float32)}, with_nll)
+        "rank_scores": jnp.zeros((cfg.num_indexer_layers, n, L), jnp.float32)}, with_nll, progress)
     LI = cfg.num_indexer_layers
     lens = np.array([len(p) for p in sequences])
     traces = []
@@ -225,10 +232,10 @@ def record_ranked_traces(model, sequences, start: int, margin: int, *, with_nll:
     return traces
 
 
-def run_decode(model, sequences, start: int, backend, extra: dict, with_nll: bool) -> dict:
+def run_decode(model, sequences, start: int, backend, extra: dict, with_nll: bool, progress=None) -> dict:
     """Teacher-force `sequences` (one batch) with `decode_step` over `backend` whose carry is `init_dense_kv`'s
     plus `extra` arrays; returns per step t >= start the host copies of the extra arrays and the top-k, and the
-    next-token loss at every position."""
+    next-token loss at every position. `progress(done, total)`, when given, is called after each position."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -266,5 +273,7 @@ def run_decode(model, sequences, start: int, backend, extra: dict, with_nll: boo
             res["topk"].append(np.asarray(topk))
             for name in extra:
                 res[name].append(np.asarray(kv[name]))
+        if progress is not None:
+            progress(t + 1, L)
     res["nll"] = nll
     return res
