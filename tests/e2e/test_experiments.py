@@ -1,8 +1,10 @@
-"""The experiment scripts keep running: `experiments/gpu_check.py --cpu-smoke` and `experiments/bench_tiered.py`.
+"""The experiment scripts keep running: `experiments/gpu_check.py --cpu-smoke` and `experiments/bench_tiered.py`,
+and `experiments/locality_long.py --quick` on the shipped checkpoint.
 
-Both run as subprocesses (as they are run on a GPU machine / by hand), one after the other. gpu_check's smoke
-must finish in under 60 s on two idle cores: its CPU time (all its processes) is held to that, and its wall
-time too, scaled up by how much more than two cores' worth of work the machine was running (load average).
+gpu_check and bench_tiered run as subprocesses (as they are run on a GPU machine / by hand), one after the
+other. gpu_check's smoke must finish in under 60 s on two idle cores: its CPU time (all its processes) is held to
+that, and its wall time too, scaled up by how much more than two cores' worth of work the machine was running (load
+average). locality_long runs as a subprocess too.
 """
 
 from __future__ import annotations
@@ -422,3 +424,44 @@ def test_bench_tiered(runs):
         assert b["miss_rows"] > 0 and b["h2d_payload_bytes"] > 0 and b["h2d_transfer_bytes"] >= b["h2d_payload_bytes"]
         assert res["generate"][mech]["tokens_match_resident"] is True
     assert res["bytes_per_step"]["resident"]["miss_rows"] == 0
+
+
+def test_locality_long_quick(tmp_path):
+    """experiments/locality_long.py --quick on the shipped checkpoint (2 windows of 576 tokens: two position
+    buckets): the JSON's shape, and what holds for any trace: Belady (OPT) hits at least as often as LRU at every
+    buffer size and bucket, LRU's and OPT's hit rates do not fall as the buffer grows, and at 1x top-k every policy
+    holds the same rows (the step's top-k fills the buffer). A model that does not exist is a usage error."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    script = os.path.join("experiments", "locality_long.py")
+    bad = subprocess.run([sys.executable, script, "--models", f"stdlib-dsa,{tmp_path / 'none'}", "--out",
+                          str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert bad.returncode == 2 and "--models" in bad.stderr, bad.stderr[-2000:]
+    proc = subprocess.run([sys.executable, script, "--quick", "--seq-len", "576", "--out", str(tmp_path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "locality_long_quick.png").exists() and "lru 2x" in proc.stdout
+    out = json.loads((tmp_path / "locality_long_quick.json").read_text())
+    assert out["date"] and out["machine"] and out["settings"]["models"] == ["stdlib-dsa"]
+    sizes = ["1x", "2x", "3x", "4x"]
+    assert out["settings"]["multiples"] == sizes
+    m = out["models"]["stdlib-dsa"]
+    assert (m["k"], m["seq_len"], m["trained_context"], m["index_layers"]) == (128, 576, 2048, 2)
+    buckets = ["0-512", "512-1K"]
+    assert list(m["buckets"]) == buckets and m["buckets"]["512-1K"]["counted"] == [512, 576]
+    assert list(m["overlap"]["buckets"]) == buckets and 0 < m["overlap"]["overall"] < 1
+    hr = m["hit_rate"]
+    assert list(hr) == ["lru", "fifo", "clock", "score_ema", "opt"]
+    for pol, by_size in hr.items():
+        assert list(by_size) == sizes, pol
+        for r in by_size.values():
+            assert list(r["buckets"]) == buckets and len(r["per_index_layer"]) == 2
+            assert all(0 <= v <= 1 for v in [r["overall"], *r["buckets"].values(), *r["per_index_layer"]])
+        assert by_size["1x"] == hr["lru"]["1x"], pol
+    for where in ["overall"] + buckets:
+        def rate(pol, size):
+            r = hr[pol][size]
+            return r["overall"] if where == "overall" else r["buckets"][where]
+        for size in sizes:
+            assert rate("opt", size) >= rate("lru", size), (where, size)
+        for pol in ("lru", "opt"):
+            assert all(rate(pol, a) <= rate(pol, b) for a, b in zip(sizes, sizes[1:])), (where, pol)
