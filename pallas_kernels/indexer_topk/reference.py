@@ -131,35 +131,250 @@ def block_score_bound(q, w, kmin, kmax):
     return terms.sum(-2) + BOUND_SLACK * (jnp.abs(wb) * mag).sum(-2)
 
 
+# ----- tighter page summaries: a ball, a box in a per-layer basis, and both (index_tier="host") ------------------
+# Each kind summarizes a page of keys with at most 2 x dI bf16 numbers (the box's cost, 512 bytes per 64-key page at
+# dI 128), bf16-exact (every value rounded outward, so a bf16 copy on the device is the summary itself), and bounds
+# every score of the page with `summary_score_bound`. Per page (dI 128, m the basis' rank):
+#   "box"      kmin, kmax [dI]                                     2 dI           = 256 bf16 (512 B)
+#   "ball"     centre c [dI], radius r                             dI + 1         = 129 bf16 (258 B)
+#   "pca_box"  box of U^T k [m] x 2, residual radius rp            2 m + 1        = 255 bf16 at m = 127 (510 B)
+#   "ball_pca" c [dI], r, box of U^T (k - c) [m] x 2, residual rp  dI + 2 m + 2   = 256 bf16 at m = 63 (512 B)
+# plus, for the last two, one basis U f32[dI, m] per layer (shared by every page: dI m 4 bytes, 65 KB at m = 127).
+SUMMARY_KINDS = ("box", "ball", "pca_box", "ball_pca")
+SUMMARY_SLACK = 2.0 ** -12  # relative slack of the non-box bounds over float32 rounding (see `summary_score_bound`)
+
+
+def summary_rank(kind: str, index_dim: int, page_values: int | None = None) -> int:
+    """The largest basis rank m whose per-page summary of `kind` fits in `page_values` bf16 numbers (default the
+    box's 2 x index_dim): "pca_box" 2 m + 1, "ball_pca" index_dim + 2 m + 2; 0 for the kinds without a basis."""
+    check_summary_kind(kind)
+    budget = 2 * index_dim if page_values is None else page_values
+    m = {"pca_box": (budget - 1) // 2, "ball_pca": (budget - index_dim - 2) // 2}.get(kind, 0)
+    return max(min(m, index_dim), 0)
+
+
+def summary_page_values(kind: str, index_dim: int, m: int = 0) -> int:
+    """bf16 numbers per page of a summary of `kind` (basis rank m): the table above."""
+    check_summary_kind(kind)
+    return {"box": 2 * index_dim, "ball": index_dim + 1, "pca_box": 2 * m + 1, "ball_pca": index_dim + 2 * m + 2}[kind]
+
+
+def check_summary_kind(kind):
+    if kind not in SUMMARY_KINDS:
+        raise ValueError(f"summary must be one of {SUMMARY_KINDS}, got {kind!r}")
+    return kind
+
+
+def round_bf16(x, up: bool):
+    """x f32 rounded to the nearest bfloat16 value above (up) or below it, as f32 (exact in bf16)."""
+    x = jnp.asarray(x, jnp.float32)
+    b = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    t = b & jnp.uint32(0xFFFF0000)  # bf16 truncation: rounds toward zero
+    away = (x > 0) if up else (x < 0)
+    r = jnp.where((t != b) & away, t + jnp.uint32(0x10000), t)
+    return jax.lax.bitcast_convert_type(r, jnp.float32)
+
+
+def pca_basis(x, m: int):
+    """A rank-m orthonormal basis of the directions x varies most in: the top-m eigenvectors of x^T x (uncentered:
+    pass keys for "pca_box", keys minus their page's centre for "ball_pca"). x [..., N, dI] (the leading axes, e.g.
+    layers, each get their own basis) -> U f32[..., dI, m]. Orthonormal to float32 rounding; `summary_score_bound`
+    accounts for the rest."""
+    x = jnp.asarray(x, jnp.float32)
+    gram = jnp.einsum("...nd,...ne->...de", x, x, precision=HIGHEST)
+    _, vecs = jnp.linalg.eigh(gram)  # ascending eigenvalues
+    return vecs[..., ::-1][..., :m]
+
+
+def _pages(k, valid, block: int):
+    *lead, S, D = k.shape
+    if S % block:
+        raise ValueError(f"{S} keys do not split into blocks of {block}")
+    kb = k.astype(jnp.float32).reshape(*lead, S // block, block, D)
+    if valid is None:
+        vb = jnp.ones((*lead, S // block, block), bool)
+    else:
+        vb = jnp.broadcast_to(valid, (*lead, S)).reshape(*lead, S // block, block)
+    return kb, vb
+
+
+def _masked_max(x, vb):
+    """max over a page's valid rows (0 for a page without one); x [..., NB, block], vb bool[..., NB, block]."""
+    return jnp.where(vb.any(-1), jnp.where(vb, x, -jnp.inf).max(-1), 0.0)
+
+
+def _centre(kb, vb):
+    n = vb.sum(-1, keepdims=True)
+    mean = (kb * vb[..., None]).sum(-2) / jnp.maximum(n, 1)
+    return mean.astype(jnp.bfloat16).astype(jnp.float32)  # the centre is whatever bf16 holds: r is measured from it
+
+
+def _coeff_box(a, vb):
+    """Outward-rounded extremes of coefficients a [..., NB, block, m] over valid rows (0 for an empty page)."""
+    any_ = vb.any(-1)[..., None]
+    lo = jnp.where(any_, jnp.where(vb[..., None], a, jnp.inf).min(-2), 0.0)
+    hi = jnp.where(any_, jnp.where(vb[..., None], a, -jnp.inf).max(-2), 0.0)
+    return round_bf16(lo, up=False), round_bf16(hi, up=True)
+
+
+def _residual_radius(x, a, basis, vb, kn):
+    """The largest |x - U a| over valid rows, raised by SUMMARY_SLACK |k|max (float32 rounding of x - U a: at most
+    (m + 2) eps |k| with |U a| <= |k| (1 + eps), far below it) and rounded up to bf16."""
+    e = x - jnp.einsum("...jm,dm->...jd", a, basis, precision=HIGHEST)
+    return round_bf16(_masked_max(jnp.sqrt((e * e).sum(-1)), vb) + SUMMARY_SLACK * kn, up=True)
+
+
+def key_block_summary(kind: str, k, block: int, valid=None, basis=None):
+    """The page summary of `kind` (`SUMMARY_KINDS`) of each block of `block` keys, from the block's valid rows only
+    (valid bool[..., S], None: all; a row not valid, e.g. the store's padding or a page's unwritten rows, takes no
+    part; a page without a valid row gets zeros and is never read).
+
+    k [..., S, dI] (the scored keys) -> a tuple of f32 arrays, each value exact in bf16:
+      "box":      (kmin, kmax) [..., NB, dI]: `key_block_bounds` over the valid rows;
+      "ball":     (c [..., NB, dI], r [..., NB]): c the rows' mean rounded to bf16, r >= max |k - c| (rounded up);
+      "pca_box":  (amin, amax [..., NB, m], rp [..., NB]): the extremes of a = U^T k (rounded outward) and
+                  rp >= max |k - U a| (rounded up), U = basis f32[dI, m] (`pca_basis` of keys);
+      "ball_pca": (c, r, amin, amax, rp): the ball, and the extremes of a = U^T (k - c) with rp >= max |k - c - U a|
+                  (U from `pca_basis` of keys minus their page's centre).
+    Appending a key to a page or reusing the page for other keys is this function of the page's new valid rows."""
+    check_summary_kind(kind)
+    kb, vb = _pages(k, valid, block)
+    if kind == "box":
+        return (round_bf16(jnp.where(vb.any(-1)[..., None], jnp.where(vb[..., None], kb, jnp.inf).min(-2), 0.0),
+                           up=False),
+                round_bf16(jnp.where(vb.any(-1)[..., None], jnp.where(vb[..., None], kb, -jnp.inf).max(-2), 0.0),
+                           up=True))
+    if kind in ("pca_box", "ball_pca") and basis is None:
+        raise ValueError(f"summary {kind!r} needs a basis (`pca_basis`)")
+    kn = _masked_max(jnp.sqrt((kb * kb).sum(-1)), vb)  # the largest key norm [..., NB]
+    if kind == "pca_box":
+        basis = jnp.asarray(basis, jnp.float32)
+        a = jnp.einsum("...jd,dm->...jm", kb, basis, precision=HIGHEST)
+        return (*_coeff_box(a, vb), _residual_radius(kb, a, basis, vb, kn))
+    c = _centre(kb, vb)
+    x = kb - c[..., None, :]
+    r = round_bf16(_masked_max(jnp.sqrt((x * x).sum(-1)), vb) * (1 + SUMMARY_SLACK), up=True)
+    if kind == "ball":
+        return c, r
+    basis = jnp.asarray(basis, jnp.float32)
+    a = jnp.einsum("...jd,dm->...jm", x, basis, precision=HIGHEST)
+    return (c, r, *_coeff_box(a, vb), _residual_radius(x, a, basis, vb, kn))
+
+
+def _box_interval(qp, lo, hi):
+    """[min, max] of qp . a over the box lo <= a <= hi, and sum |qp_j| max(|lo_j|, |hi_j|) (a bound of |qp . a|).
+    qp [..., T, I, m], lo / hi [..., NB, m] -> three [..., T, I, NB]."""
+    a = qp[..., :, :, None, :] * lo[..., None, None, :, :]
+    b = qp[..., :, :, None, :] * hi[..., None, None, :, :]
+    return jnp.minimum(a, b).sum(-1), jnp.maximum(a, b).sum(-1), jnp.maximum(jnp.abs(a), jnp.abs(b)).sum(-1)
+
+
+def _basis_parts(q, basis):
+    """(U^T q [..., T, I, m], |q - U U^T q| [..., T, I], |U^T q| [..., T, I], delta = |U^T U - I|_F)."""
+    basis = jnp.asarray(basis, jnp.float32)
+    qp = jnp.einsum("...tid,dm->...tim", q, basis, precision=HIGHEST)
+    qr = q - jnp.einsum("...tim,dm->...tid", qp, basis, precision=HIGHEST)
+    gram = jnp.einsum("dm,dn->mn", basis, basis, precision=HIGHEST) - jnp.eye(basis.shape[-1])
+    return qp, jnp.sqrt((qr * qr).sum(-1)), jnp.sqrt((qp * qp).sum(-1)), jnp.sqrt((gram * gram).sum())
+
+
+def summary_score_bound(q, w, kind: str, summary, basis=None):
+    """An upper bound of every score I(t, s) = sum_h w_h relu(q_h . k_s) over each page, from its summary.
+
+    q f32[..., T, I, dI], w f32[..., T, I], summary = `key_block_summary(kind, ...)` (basis: the same U)
+    -> f32[..., T, NB]. For each head an interval [lo_h, hi_h] holding q_h . k for every key k of the page; relu is
+    non-decreasing, so w_h relu(q_h . k) <= w_h relu(hi_h) where w_h >= 0 and <= w_h relu(lo_h) where w_h < 0.
+      "box": `block_score_bound`'s interval (per dimension the smaller / larger of q_d kmin_d, q_d kmax_d).
+      "ball": q . k = q . c + q . (k - c) and |q . (k - c)| <= |q| |k - c| <= |q| r (Cauchy-Schwarz), so
+        q . k lies in q . c -+ |q| r.
+      "pca_box": with a = U^T k as summarized and e = k - U a (exactly), q . k = (U^T q) . a + q . e; the first
+        term lies in the box interval of U^T q over [amin, amax]; q . e = (q - U U^T q) . e + (U^T q) . (U^T e)
+        where |(q - U U^T q) . e| <= |q - U U^T q| rp and U^T e = (U^T k - a) + (I - U^T U) a, the first part
+        float32 rounding of a (covered by the slack below), the second at most delta |a| with
+        delta = |U^T U - I|_F (0 for an exactly orthonormal U) and |a| <= |max(|amin|, |amax|)|: so q . k lies in
+        the box interval -+ (|q - U U^T q| rp + |U^T q| delta |a|max).
+      "ball_pca": the same with k - c for k and q . c added (a = U^T (k - c)), intersected with the ball's
+        interval (both hold, so their intersection does: the per-head minimum of the upper ends, the maximum of
+        the lower ends).
+    Float32: the box's terms are raised by BOUND_SLACK as `block_score_bound` raises them; the others by
+    SUMMARY_SLACK sum_h |w_h| |q_h| kmax, kmax >= every key's norm in the page (c's norm + r for the ball, the
+    coefficients' largest norm (1 + delta) + rp otherwise): the float32 error of any dot of q_h with a key, a centre,
+    a residual or the basis is at most n eps |q_h| |k| with n <= 2 dI terms, times sqrt(m) for the coefficient sums
+    (2^-24 x 256 x sqrt(127) < 2^-12), so that neither the exact scores' rounding nor the bound's own puts a score
+    above its page's bound."""
+    check_summary_kind(kind)
+    q = q.astype(jnp.float32)
+    w = w.astype(jnp.float32)
+    wb = w[..., None]
+    if kind == "box":
+        return block_score_bound(q, w, *summary)
+    qn = jnp.sqrt((q * q).sum(-1))[..., None]  # [..., T, I, 1]
+    if kind in ("ball", "ball_pca"):
+        c, r = summary[0], summary[1]
+        qc = jnp.einsum("...tid,...nd->...tin", q, c, precision=HIGHEST)
+        lo, hi = qc - qn * r[..., None, None, :], qc + qn * r[..., None, None, :]
+        kn = jnp.sqrt((c * c).sum(-1)) + r  # [..., NB]
+    if kind in ("pca_box", "ball_pca"):
+        amin, amax, rp = summary[-3:]
+        qp, qr, qpn, delta = _basis_parts(q, basis)
+        plo, phi, _ = _box_interval(qp, amin, amax)
+        an = jnp.sqrt(jnp.maximum(amin * amin, amax * amax).sum(-1))  # [..., NB]
+        slop = qr[..., None] * rp[..., None, None, :] + qpn[..., None] * delta * an[..., None, None, :]
+        if kind == "pca_box":
+            lo, hi = plo - slop, phi + slop
+            kn = an * (1 + delta) + rp
+        else:
+            lo, hi = jnp.maximum(lo, qc + plo - slop), jnp.minimum(hi, qc + phi + slop)
+    terms = jnp.where(wb >= 0, wb * jax.nn.relu(hi), wb * jax.nn.relu(lo))
+    return terms.sum(-2) + SUMMARY_SLACK * (jnp.abs(wb) * qn * kn[..., None, None, :]).sum(-2)
+
+
 HOST_INDEX_RANKS = ("bound", "mean")  # how budgeted mode ranks the blocks (`host_index_select_reference`)
 
 
+def host_block_ranks(q, w, k, valid, block: int, rank: str = "bound", summary: str = "box", basis=None):
+    """What `host_index_select_reference` ranks the blocks by: q f32[B, I, dI], w f32[B, I], k [B, S, dI],
+    valid bool[B, S] -> f32[B, S / block], -inf for a block without a valid position. rank "bound": the
+    `summary_score_bound` of the `summary` kind's `key_block_summary` (basis: its U), an upper bound of every score
+    of the block; "mean": the score of the block's mean valid key."""
+    if rank not in HOST_INDEX_RANKS:
+        raise ValueError(f"rank must be one of {HOST_INDEX_RANKS}, got {rank!r}")
+    check_summary_kind(summary)
+    B, S, _ = k.shape
+    nb = S // block
+    live = valid.reshape(B, nb, block).any(-1)
+    if rank == "mean":
+        kb = k.astype(jnp.float32).reshape(B, nb, block, -1)
+        vb = valid.reshape(B, nb, block, 1)
+        mean = (kb * vb).sum(-2) / jnp.maximum(vb.sum(-2), 1)
+        bound = index_scores(q[:, None], w[:, None], mean)[:, 0]
+    else:
+        summ = key_block_summary(summary, k, block, valid, basis)
+        bound = summary_score_bound(q[:, None], w[:, None], summary, summ, basis)[:, 0]  # [B, NB]
+    return jnp.where(live, bound, -jnp.inf)
+
+
 def host_index_select_reference(q, w, k, valid, topk: int, block: int, budget: int | None = None,
-                                rank: str = "bound"):
+                                rank: str = "bound", summary: str = "box", basis=None):
     """The top-k as an indexer with its key history on the host finds it, from block summaries on the device.
 
     q f32[B, I, dI], w f32[B, I], k [B, S, dI] (the scored keys), valid bool[B, S] -> (positions int32[B, K'],
     blocks_read int32[B], blocks_live int32[B]). A block with no valid position is never read.
-      budget None (exact): every block whose bound (`block_score_bound`) reaches the k-th best exact score is
+      budget None (exact): every block whose bound (`host_block_ranks`) reaches the k-th best exact score is
         read: what reading blocks in bound order until no unread bound exceeds the k-th best score read so far
         ends with. The positions are `select_topk` of all exact scores (recall 1 by construction).
       budget N (an int, or int32[B] per row, traced or not): the N best-ranked blocks are read and the top-k is
         taken among their positions only; `rank` "bound" ranks blocks by their bound, "mean" by the score of the
         block's mean key (HISA's coarse filter: no bound, one more dI-vector per block on the device).
+    `summary` is the page summary the bounds come from (`SUMMARY_KINDS`, `key_block_summary` of the block's valid
+    rows; basis: its U for "pca_box" / "ball_pca"), the box by default.
     """
     if rank not in HOST_INDEX_RANKS:
         raise ValueError(f"rank must be one of {HOST_INDEX_RANKS}, got {rank!r}")
     B, S, _ = k.shape
     nb = S // block
     live = valid.reshape(B, nb, block).any(-1)
-    if budget is not None and rank == "mean":
-        kb = k.astype(jnp.float32).reshape(B, nb, block, -1)
-        vb = valid.reshape(B, nb, block, 1)
-        mean = (kb * vb).sum(-2) / jnp.maximum(vb.sum(-2), 1)
-        bound = index_scores(q[:, None], w[:, None], mean)[:, 0]
-    else:
-        bound = block_score_bound(q[:, None], w[:, None], *key_block_bounds(k, block))[:, 0]  # [B, NB]
-    bound = jnp.where(live, bound, -jnp.inf)
+    bound = host_block_ranks(q, w, k, valid, block, rank if budget is not None else "bound", summary, basis)
     scores = index_scores(q[:, None], w[:, None], k)[:, 0]  # [B, S]
     if budget is None:
         full = select_topk(scores, valid, topk)

@@ -1,0 +1,237 @@
+"""Page summaries of the host-tier indexer keys (`reference.key_block_summary` / `summary_score_bound`: box, ball,
+box in a per-layer basis, ball + box in a basis) against float64 NumPy oracles: every valid key's score is at most
+its page's bound for every summary (random pages and adversarial ones: all keys equal, one outlier, keys along one
+axis, negative head weights, a zero query, large magnitudes, padded rows holding anything, a basis that fits the keys,
+one that does not, one not quite orthonormal); reading pages best bound first until no unread bound reaches the k-th
+score read so far finds the brute-force top-k; a summary is that of the page's valid rows only (a key appended, a
+page reused for other keys); the summaries fit the box's bytes and are exact in bf16."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels.indexer_topk.reference import (SUMMARY_KINDS, host_block_ranks, host_index_select_reference,
+                                                   index_scores, key_block_summary, pca_basis, summary_page_values,
+                                                   summary_rank, summary_score_bound)
+
+B, I, D, S, K = 2, 4, 16, 256, 16
+BLOCKS = (16, 64)
+CASES = ("normal", "drift", "equal", "outlier", "axis", "offset")
+BASES = ("fit", "random", "skewed")
+
+_summary = jax.jit(key_block_summary, static_argnames=("kind", "block"))
+_bound = jax.jit(summary_score_bound, static_argnames=("kind",))
+_ranks = jax.jit(host_block_ranks, static_argnames=("block", "rank", "summary"))
+_select = jax.jit(host_index_select_reference, static_argnames=("topk", "block", "budget", "rank", "summary"))
+_select_within = jax.jit(host_index_select_reference, static_argnames=("topk", "block", "rank", "summary"))
+
+
+def _keys(rng, case, scale):
+    if case == "normal":
+        k = rng.standard_normal((B, S, D))
+    elif case == "drift":  # slowly moving keys: what makes page summaries tight
+        k = np.cumsum(rng.standard_normal((B, S, D)) * 0.2, axis=1)
+    elif case == "equal":  # every key of a page the same
+        k = np.repeat(rng.standard_normal((B, S // 16, 1, D)), 16, axis=2).reshape(B, S, D)
+    elif case == "outlier":  # tight pages, one key far out in each
+        k = rng.standard_normal((B, S, D)) * 0.01
+        k[:, rng.integers(0, S, 8)] += rng.standard_normal((B, 8, D)) * 50
+    elif case == "axis":  # every key along one axis
+        k = np.zeros((B, S, D))
+        k[..., rng.integers(D)] = rng.standard_normal((B, S))
+    else:  # a large shared offset (trained indexer keys have one) plus small variation
+        k = rng.standard_normal(D) * 10 + rng.standard_normal((B, S, D))
+    return (k * scale).astype(np.float32)
+
+
+def _basis(rng, keys, kind, how):
+    m = summary_rank(kind, D)
+    if how == "random":  # a basis with nothing to do with the keys
+        return np.linalg.qr(rng.standard_normal((D, D)))[0][:, :m].astype(np.float32)
+    x = keys.reshape(-1, D)
+    if kind == "ball_pca":
+        x = (keys.reshape(B, S // 16, 16, D) - keys.reshape(B, S // 16, 16, D).mean(2, keepdims=True)).reshape(-1, D)
+    u = np.asarray(pca_basis(jnp.asarray(x), m))
+    if how == "skewed":  # not quite orthonormal: the bound must charge for it
+        u = u + rng.standard_normal(u.shape).astype(np.float32) * 0.05
+    return u
+
+
+def _case(seed, case, scale, neg_w, zero_q, pad, aim=False):
+    rng = np.random.default_rng(seed)
+    k = _keys(rng, case, scale)
+    q = rng.standard_normal((B, I, D)).astype(np.float32) * np.float32(scale)
+    if zero_q:
+        q[0] = 0
+    w = np.abs(rng.standard_normal((B, I))).astype(np.float32)
+    if neg_w:
+        w[:, ::2] *= -1
+    lens = rng.integers(1, S + 1, B)
+    valid = np.arange(S)[None] < lens[:, None]
+    if aim:  # heads aimed at a key's deviation from its page's mean, its opposite, the key itself: bounds' worst case
+        for b in range(B):
+            s = rng.integers(0, min(lens[b], 64), I)
+            dev = k[b, s] - k[b, :min(lens[b], 64)].mean(0)
+            q[b] = np.stack([dev[0], -dev[1], k[b, s[2]], dev[3] + 0.1 * q[b, 3]]) / np.float32(scale)
+    if pad == "zeros":  # the store's unwritten rows
+        k[~valid] = 0
+    elif pad == "junk":  # a reused page's stale rows
+        k[~valid] = rng.standard_normal(k[~valid].shape) * 1e4
+    return rng, q, w, k, valid
+
+
+def _oracle_scores(q, w, k):
+    """float64 I(t, s) = sum_h w_h relu(q_h . k_s): [B, S]."""
+    dots = np.einsum("bid,bsd->bis", q.astype(np.float64), k.astype(np.float64))
+    return np.einsum("bis,bi->bs", np.maximum(dots, 0), w.astype(np.float64))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), case=st.sampled_from(CASES), scale=st.sampled_from([1e-3, 1.0, 1e3]),
+       neg_w=st.booleans(), zero_q=st.booleans(), pad=st.sampled_from(["zeros", "junk"]),
+       aim=st.booleans(), basis=st.sampled_from(BASES), block=st.sampled_from(BLOCKS))
+def test_every_valid_score_is_at_most_its_page_bound(seed, case, scale, neg_w, zero_q, pad, aim, basis, block):
+    rng, q, w, k, valid = _case(seed, case, scale, neg_w, zero_q, pad, aim)
+    want = _oracle_scores(q, w, k).reshape(B, S // block, block)
+    got32 = np.asarray(index_scores(q[:, None], w[:, None], k)[:, 0]).reshape(B, S // block, block)
+    vb = valid.reshape(B, S // block, block)
+    for kind in SUMMARY_KINDS:
+        u = _basis(rng, k, kind, basis) if kind in ("pca_box", "ball_pca") else None
+        summ = _summary(kind, k, block, valid, u)
+        for x in summ:  # bf16-exact: the device's bf16 copy is the summary itself
+            x = np.asarray(x)
+            np.testing.assert_array_equal(x, x.astype(jnp.bfloat16).astype(np.float32))
+        bound = np.asarray(_bound(q[:, None], w[:, None], kind, summ, u)[:, 0])[..., None]  # [B, NB, 1]
+        for scores in (want, got32):  # the exact score and the float32 score the indexer computes
+            over = np.where(vb, scores - bound, -np.inf)
+            assert (over <= 0).all(), (kind, float(over.max()), float(np.abs(scores).max()))
+
+
+def _bound_ordered_read(bound, scores, valid, block, k):
+    """Reading pages best bound first until no unread page's bound reaches the k-th best score read so far
+    (numpy): -> (pages read, the k best scores read, sorted descending)."""
+    order = np.argsort(-bound, kind="stable")
+    got, read = [], 0
+    for p in order:
+        if not np.isfinite(bound[p]):
+            break
+        if len(got) >= k and bound[p] < sorted(got, reverse=True)[k - 1]:
+            break
+        got += list(scores[p * block:(p + 1) * block][valid[p * block:(p + 1) * block]])
+        read += 1
+    return read, np.sort(np.array(got))[::-1][:k]
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), case=st.sampled_from(CASES), neg_w=st.booleans(),
+       basis=st.sampled_from(BASES), block=st.sampled_from(BLOCKS))
+def test_bound_ordered_reading_finds_the_brute_force_top_k(seed, case, neg_w, basis, block):
+    rng, q, w, k, valid = _case(seed, case, 1.0, neg_w, False, "junk")
+    scores = np.asarray(index_scores(q[:, None], w[:, None], k)[:, 0])  # the indexer's float32 scores
+    for kind in SUMMARY_KINDS:
+        u = _basis(rng, k, kind, basis) if kind in ("pca_box", "ball_pca") else None
+        bound = np.asarray(_ranks(q, w, k, valid, block, "bound", kind, u))
+        pos, read, live = (np.asarray(x) for x in _select(q, w, k, valid, topk=K, block=block, summary=kind, basis=u))
+        for b in range(B):
+            brute = np.sort(scores[b][valid[b]])[::-1][:K]  # score multisets: ties cannot mislead
+            n_read, found = _bound_ordered_read(bound[b], scores[b], valid[b], block, K)
+            np.testing.assert_array_equal(found, brute, err_msg=kind)
+            np.testing.assert_array_equal(np.sort(scores[b][pos[b][pos[b] >= 0]])[::-1], brute, err_msg=kind)
+            floor = len({p // block for p in pos[b] if p >= 0})  # pages holding a top-k row
+            assert floor <= read[b] <= min(n_read, live[b]), (kind, floor, read[b], n_read, live[b])
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), case=st.sampled_from(CASES), n=st.integers(1, 63))
+def test_a_summary_is_that_of_the_page_valid_rows(seed, case, n):
+    """Appending a key to a page, or reusing a page for other keys: the summary is a function of the valid rows
+    only, the oracle's (float64) extremes, mean, radii and coefficient boxes, rounded outward to bf16."""
+    rng = np.random.default_rng(seed)
+    old = _keys(rng, case, 1.0)[0, :64] * 100  # the page's previous owner
+    new = _keys(rng, case, 1.0)[1, :64]
+    valid = np.arange(64) < n
+    for kind in SUMMARY_KINDS:
+        u = None
+        if kind in ("pca_box", "ball_pca"):
+            u = np.asarray(pca_basis(jnp.asarray(new - new.mean(0) if kind == "ball_pca" else new),
+                                     summary_rank(kind, D)))
+        page = np.where(valid[:, None], new, old)  # rows past n still hold the old owner's keys
+        got = [np.asarray(x)[0, 0] for x in _summary(kind, page[None], 64, valid[None], u)]
+        fresh = [np.asarray(x)[0, 0] for x in _summary(kind, new[None], 64, valid[None], u)]
+        for a, b in zip(got, fresh):
+            np.testing.assert_array_equal(a, b)
+        # the key appended next (row n): the page's new summary bounds every score of its rows, the new one too
+        grown = [np.asarray(x)[0, 0] for x in _summary(kind, new[None], 64, (np.arange(64) <= n)[None], u)]
+        q = rng.standard_normal((1, 1, I, D)).astype(np.float32)
+        wt = rng.standard_normal((1, 1, I)).astype(np.float32)
+        bound = float(np.asarray(_bound(q, wt, kind, [x[None, None] for x in grown], u))[0, 0, 0])
+        assert (_oracle_scores(q[0], wt[0], new[None, :n + 1])[0] <= bound).all(), kind
+        rows = new[:n].astype(np.float64)
+        ulp = 2.0 ** -7  # bf16's relative spacing
+        if kind == "box":
+            lo, hi = got
+            assert (lo <= rows.min(0)).all() and (hi >= rows.max(0)).all()
+            assert (lo >= rows.min(0) - ulp * np.abs(rows.min(0))).all()
+            assert (hi <= rows.max(0) + ulp * np.abs(rows.max(0))).all()
+            continue
+        if kind in ("ball", "ball_pca"):
+            c, r = got[0], got[1]
+            np.testing.assert_allclose(c, rows.mean(0), rtol=ulp, atol=1e-6 * np.abs(rows).max())
+            dist = np.linalg.norm(rows - c, axis=1).max()
+            assert dist <= r <= dist * (1 + 2 * ulp) + 1e-30
+            if kind == "ball":
+                continue
+            rows = rows - c
+        amin, amax, rp = got[-3:]
+        a = rows @ u.astype(np.float64)
+        tol = 2.0 ** -18 * np.linalg.norm(new[:n], axis=1).max()  # the box holds float32 coefficients
+        assert (amin <= a.min(0) + tol).all() and (amax >= a.max(0) - tol).all()
+        res = np.linalg.norm(rows - a @ u.astype(np.float64).T, axis=1).max()
+        assert res <= rp <= res * (1 + 2 * ulp) + 2.0 ** -10 * np.linalg.norm(new[:n], axis=1).max()
+
+
+def test_budgeted_recall_is_the_top_k_share_of_the_pages_read():
+    """experiments/index_tier.py's recall curve (the share of the exact top-k in the best-ranked pages) is the
+    recall of `host_index_select_reference`'s budgeted top-k, for every summary."""
+    from experiments.index_tier import budget_recall
+
+    rng, q, w, k, valid = _case(7, "drift", 1.0, True, False, "zeros")
+    full, _, live = _select(q, w, k, valid, topk=K, block=16)
+    want = np.zeros((B, S), bool)
+    for b in range(B):
+        want[b, np.asarray(full[b])[np.asarray(full[b]) >= 0]] = True
+    fractions = (0.1, 0.25, 0.5, 1.0)
+    for kind in SUMMARY_KINDS:
+        u = _basis(rng, k, kind, "fit") if kind in ("pca_box", "ball_pca") else None
+        curve = np.asarray(budget_recall(_ranks(q, w, k, valid, 16, "bound", kind, u), jnp.asarray(want), live, 16,
+                                         K, fractions))
+        for i, f in enumerate(fractions):
+            budget = np.maximum(np.ceil(f * np.asarray(live)).astype(np.int32), -(-K // 16))
+            got = np.asarray(_select_within(q, w, k, valid, topk=K, block=16, budget=jnp.asarray(budget),
+                                            summary=kind, basis=u)[0])
+            rec = [len(set(got[b][got[b] >= 0]) & set(np.flatnonzero(want[b]))) / want[b].sum() for b in range(B)]
+            np.testing.assert_allclose(curve[:, i], rec, rtol=1e-6, err_msg=f"{kind} {f}")
+
+
+def test_the_summaries_fit_the_box_bytes():
+    """At dI 128 every kind fits 2 x dI bf16 numbers per page (512 bytes per 64-key page), the basis ranks as the
+    docstring's table says."""
+    assert (summary_rank("pca_box", 128), summary_rank("ball_pca", 128)) == (127, 63)
+    assert [summary_page_values(kd, 128, summary_rank(kd, 128)) for kd in SUMMARY_KINDS] == [256, 129, 255, 256]
+    for kd in SUMMARY_KINDS:
+        assert summary_page_values(kd, D, summary_rank(kd, D)) <= 2 * D
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="summary must be one of"):
+        key_block_summary("sphere", jnp.zeros((1, 64, 8)), 16)
+    with pytest.raises(ValueError, match="needs a basis"):
+        key_block_summary("pca_box", jnp.zeros((1, 64, 8)), 16)
+    with pytest.raises(ValueError, match="summary must be one of"):
+        host_index_select_reference(jnp.zeros((1, 2, 8)), jnp.ones((1, 2)), jnp.zeros((1, 64, 8)),
+                                    jnp.ones((1, 64), bool), 4, 16, summary="sphere")
