@@ -142,6 +142,7 @@ def block_score_bound(q, w, kmin, kmax):
 # plus, for the last two, one basis U f32[dI, m] per layer (shared by every page: dI m 4 bytes, 65 KB at m = 127).
 SUMMARY_KINDS = ("box", "ball", "pca_box", "ball_pca")
 SUMMARY_SLACK = 2.0 ** -12  # relative slack of the non-box bounds over float32 rounding (see `summary_score_bound`)
+JOINT_HEADS_MAX = 10  # the ball's bound over all heads at once enumerates 2^I head subsets up to this many heads
 
 
 def summary_rank(kind: str, index_dim: int, page_values: int | None = None) -> int:
@@ -286,7 +287,12 @@ def summary_score_bound(q, w, kind: str, summary, basis=None):
     non-decreasing, so w_h relu(q_h . k) <= w_h relu(hi_h) where w_h >= 0 and <= w_h relu(lo_h) where w_h < 0.
       "box": `block_score_bound`'s interval (per dimension the smaller / larger of q_d kmin_d, q_d kmax_d).
       "ball": q . k = q . c + q . (k - c) and |q . (k - c)| <= |q| |k - c| <= |q| r (Cauchy-Schwarz), so
-        q . k lies in q . c -+ |q| r.
+        q . k lies in q . c -+ |q| r. With I <= JOINT_HEADS_MAX the heads are bounded together: for the heads
+        P with w_h >= 0, sum_P w_h relu(q_h . k) = max over subsets A of P of v_A . k, v_A = sum_A w_h q_h (A the
+        heads whose dot is positive), and the maximum of v_A . k over the ball is v_A . c + r |v_A|; so the positive
+        heads' part is at most max_A (v_A . c + r |v_A|) (the exact maximum over the ball, never above the per-head
+        sum since |v_A| <= sum_A w_h |q_h|), the negative heads' part at most sum w_h relu(lo_h) as above; the
+        bound is the smaller of this and the per-head one.
       "pca_box": with a = U^T k as summarized and e = k - U a (exactly), q . k = (U^T q) . a + q . e; the first
         term lies in the box interval of U^T q over [amin, amax]; q . e = (q - U U^T q) . e + (U^T q) . (U^T e)
         where |(q - U U^T q) . e| <= |q - U U^T q| rp and U^T e = (U^T k - a) + (I - U^T U) a, the first part
@@ -314,6 +320,7 @@ def summary_score_bound(q, w, kind: str, summary, basis=None):
         qc = jnp.einsum("...tid,...nd->...tin", q, c, precision=HIGHEST)
         lo, hi = qc - qn * r[..., None, None, :], qc + qn * r[..., None, None, :]
         kn = jnp.sqrt((c * c).sum(-1)) + r  # [..., NB]
+        joint = _ball_joint_bound(q, w, qc, lo, r)
     if kind in ("pca_box", "ball_pca"):
         amin, amax, rp = summary[-3:]
         qp, qr, qpn, delta = _basis_parts(q, basis)
@@ -325,8 +332,25 @@ def summary_score_bound(q, w, kind: str, summary, basis=None):
             kn = an * (1 + delta) + rp
         else:
             lo, hi = jnp.maximum(lo, qc + plo - slop), jnp.minimum(hi, qc + phi + slop)
-    terms = jnp.where(wb >= 0, wb * jax.nn.relu(hi), wb * jax.nn.relu(lo))
-    return terms.sum(-2) + SUMMARY_SLACK * (jnp.abs(wb) * qn * kn[..., None, None, :]).sum(-2)
+    terms = jnp.where(wb >= 0, wb * jax.nn.relu(hi), wb * jax.nn.relu(lo)).sum(-2)
+    if kind in ("ball", "ball_pca") and joint is not None:
+        terms = jnp.minimum(terms, joint)
+    return terms + SUMMARY_SLACK * (jnp.abs(wb) * qn * kn[..., None, None, :]).sum(-2)
+
+
+def _ball_joint_bound(q, w, qc, lo, r):
+    """`summary_score_bound`'s ball bound over all heads at once (None above JOINT_HEADS_MAX heads): q [..., T, I, dI],
+    w [..., T, I], qc = q . c and lo (the per-head lower ends) [..., T, I, NB], r [..., NB] -> [..., T, NB]."""
+    I = q.shape[-2]
+    if I > JOINT_HEADS_MAX:
+        return None
+    subsets = ((jnp.arange(2 ** I)[:, None] >> jnp.arange(I)[None]) & 1).astype(jnp.float32)  # [2^I, I]
+    wa = subsets * jnp.maximum(w, 0)[..., None, :]  # [..., T, 2^I, I]: the positive heads of each subset
+    v = jnp.einsum("...ai,...id->...ad", wa, q, precision=HIGHEST)
+    pos = jnp.einsum("...ai,...in->...an", wa, qc, precision=HIGHEST) + (
+        jnp.sqrt((v * v).sum(-1))[..., None] * r[..., None, None, :])  # [..., T, 2^I, NB]
+    neg = (jnp.minimum(w, 0)[..., None] * jax.nn.relu(lo)).sum(-2)
+    return pos.max(-2) + neg
 
 
 HOST_INDEX_RANKS = ("bound", "mean")  # how budgeted mode ranks the blocks (`host_index_select_reference`)

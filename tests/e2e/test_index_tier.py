@@ -89,7 +89,9 @@ def test_bad_arguments_are_refused():
 @pytest.mark.slow
 def test_index_tier_experiment_runs(tmp_path):
     """experiments/index_tier.py --quick on the shipped trained model: every step's exact mode reads at most the
-    live blocks, and a budget of every live block finds the whole top-k with either ranking."""
+    live blocks, and a budget of every live block finds the whole top-k with either ranking; with every page
+    summary exact mode reads at least the blocks holding a top-k position, and the position buckets hold every
+    step."""
     import json
 
     from experiments import index_tier
@@ -103,10 +105,17 @@ def test_index_tier_experiment_runs(tmp_path):
         for rank in ("bound", "mean"):
             rec = s[rank]["recall_by_fraction_read"]
             assert rec["1.0"] == 1.0 and all(0 <= v <= 1 for v in rec.values()), (bs, rank, rec)
+        assert set(s["summaries"]) == {"box", "ball", "pca_box", "ball_pca"}, bs
+        for kind, d in s["summaries"].items():  # every summary: exact mode reads the floor and at most the live blocks
+            assert d["floor_blocks"] <= d["exact_blocks_read"] + 1e-9 <= s["live_blocks"] + 2e-9, (bs, kind)
+            assert d["page_bytes"] <= 2 * 2 * out["index_dim"] and d["bound_excess_over_best_score"] >= 0, (bs, kind)
+            assert d["recall_by_fraction_read"]["1.0"] == 1.0 and sum(b["steps"] for b in d["by_position"].values()) \
+                == out["per_block_size"][bs]["per_index_layer"][0]["steps"], (bs, kind)
 
 
 @pytest.mark.parametrize("argv, match", [(["--blocks", "16,x"], "--blocks: positive sizes"),
                                          (["--blocks", "0"], "--blocks: positive sizes"),
+                                         (["--summaries", "box,cube"], "--summaries: some of"),
                                          (["--sequences", "0"], "need --sequences >= 1"),
                                          (["--trace-start", "4096"], "0 <= --trace-start < --seq-len")])
 def test_index_tier_refuses_bad_options(argv, match, capsys):

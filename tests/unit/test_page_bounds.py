@@ -112,6 +112,29 @@ def test_every_valid_score_is_at_most_its_page_bound(seed, case, scale, neg_w, z
             assert (over <= 0).all(), (kind, float(over.max()), float(np.abs(scores).max()))
 
 
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), neg_w=st.booleans())
+def test_the_ball_bound_is_at_most_the_per_head_one(seed, neg_w):
+    """Bounding the heads together (`JOINT_HEADS_MAX`) never loses to summing each head's q . c + |q| r (float64
+    oracle), and with every head aimed the same way it is the per-head sum."""
+    rng, q, w, k, valid = _case(seed, "offset", 1.0, neg_w, False, "zeros")
+    c, r = (np.asarray(x).astype(np.float64) for x in _summary("ball", k, 16, valid))
+    qc = np.einsum("bid,bnd->bin", q, c)
+    qn = np.linalg.norm(q.astype(np.float64), axis=-1)[..., None]
+    hi, lo = qc + qn * r[:, None], qc - qn * r[:, None]
+    per_head = np.where(w[..., None] >= 0, w[..., None] * np.maximum(hi, 0), w[..., None] * np.maximum(lo, 0)).sum(1)
+    slack = 2.0 ** -12 * (np.abs(w)[..., None] * qn * (np.linalg.norm(c, axis=-1) + r)[:, None]).sum(1)
+    got = np.asarray(_bound(q[:, None], w[:, None], "ball", (c.astype(np.float32), r.astype(np.float32)))[:, 0])
+    assert (got <= per_head + slack * 1.001 + 1e-6).all()
+    same = np.repeat(q[:, :1], I, axis=1)  # every head the same: nothing to gain
+    wp = np.abs(w)
+    got = np.asarray(_bound(same[:, None], wp[:, None], "ball", (c.astype(np.float32), r.astype(np.float32)))[:, 0])
+    qn1 = np.linalg.norm(same[:, 0].astype(np.float64), axis=-1)[:, None]
+    want = wp.sum(1)[:, None] * np.maximum(np.einsum("bd,bnd->bn", same[:, 0], c) + qn1 * r, 0)
+    want += 2.0 ** -12 * wp.sum(1)[:, None] * qn1 * (np.linalg.norm(c, axis=-1) + r)  # the float32 slack
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def _bound_ordered_read(bound, scores, valid, block, k):
     """Reading pages best bound first until no unread page's bound reaches the k-th best score read so far
     (numpy): -> (pages read, the k best scores read, sorted descending)."""
