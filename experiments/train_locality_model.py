@@ -7,6 +7,13 @@ log (JSON: every logged step, the held-out evaluation after each stage, the corp
     python experiments/train_locality_model.py --recipe smoke --out /tmp/m   # a few steps (the test's run)
     python experiments/train_locality_model.py --init hisparse_jax/checkpoints/stdlib-dsa --first-stage 5
                                        # from the shipped weights, only the MTP stages (the log keeps stages 1-4)
+    python experiments/train_locality_model.py --recipe long8k --init hisparse_jax/checkpoints/stdlib-dsa \
+        --out hisparse_jax/checkpoints/stdlib-dsa-8k --remat --resume
+                                       # the 8K-context model; the same command again continues a killed run
+
+Every stage's weights and log are written to --out as the stage ends, and inside a stage its state (parameters,
+optimizer, logged rows) is saved with Orbax every --save-every steps under <out>/.resume-stage<N>: `--resume`
+continues from --out's last finished stage and from there inside the next one (`hisparse_jax.train.resume`).
 
 Progress goes to stderr, one line per logged step.
 """
@@ -35,13 +42,31 @@ def main(argv=None) -> int:
                    "stage's seq_len)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--remat", action="store_true",
+                   help="recompute each block's forward in the backward pass: the same updates in far less memory "
+                        "(an 8K context needs it on a 24 GB machine), about a third more compute")
     p.add_argument("--init", default="", metavar="FOLDER",
                    help="start from this checkpoint's weights (its MTP layer too when it has one) instead of random ones")
     p.add_argument("--first-stage", type=int, default=1, metavar="N",
                    help="run the recipe from its stage N (1-based; default 1); needs --init, whose training_log.json "
                         "must hold stages 1..N-1 of the same recipe (they are kept in the new log)")
+    p.add_argument("--save-every", type=int, default=10, metavar="N",
+                   help="save the running stage's state every N steps (default 10; 0: never) for --resume")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run that writes --out: after the stages its training_log.json holds (as "
+                        "--init OUT --first-stage N+1), and inside the next stage from its last saved step")
     a = p.parse_args(argv)
     n_stages = len(RECIPES[a.recipe])
+    if a.save_every < 0:
+        p.error("argument --save-every: must be >= 0")
+    if a.resume and os.path.exists(os.path.join(a.out, "training_log.json")):
+        with open(os.path.join(a.out, "training_log.json")) as f:
+            done = len(json.load(f).get("stages", []))
+        if done >= n_stages:
+            print(f"{a.out}: all {n_stages} stages of recipe {a.recipe} are done", file=sys.stderr)
+            return 0
+        a.init, a.first_stage = a.out, done + 1
+        print(f"resuming {a.out} at stage {a.first_stage}", file=sys.stderr)
     if not 1 <= a.first_stage <= n_stages:
         p.error(f"argument --first-stage: must be 1..{n_stages} (recipe {a.recipe} has {n_stages} stages)")
     if a.first_stage > 1 and not a.init:
@@ -52,9 +77,10 @@ def main(argv=None) -> int:
 
     from hisparse_jax.hf_config import from_hf_config, to_hf_config
     from hisparse_jax.model.decoder import SparseMLAModel
-    from hisparse_jax.model.weights import load_pretrained, save_pretrained
+    from hisparse_jax.model.weights import load_pretrained
     from hisparse_jax.train import data, dsa
     from hisparse_jax.train.recipe import STDLIB_DSA
+    from hisparse_jax.train.resume import StageResume
 
     stages = RECIPES[a.recipe]
     skipped = stages[:a.first_stage - 1]
@@ -74,17 +100,18 @@ def main(argv=None) -> int:
     n_params = sum(int(x.size) for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
     print(f"corpus: {info.train_files} training files ({info.train_bytes:,} bytes), {info.held_out_files} held out "
           f"({info.held_out_bytes:,} bytes), Python {info.python}; model: {n_params:,} parameters", file=sys.stderr)
-    log = {"recipe": a.recipe, "seed": a.seed, "corpus": info.to_json(), "parameters": n_params,
+    log = {"name": os.path.basename(os.path.normpath(a.out)), "recipe": a.recipe, "seed": a.seed, "remat": a.remat, "corpus": info.to_json(), "parameters": n_params,
            "config": to_hf_config(STDLIB_DSA), "stages": [], "steps": [],
            "jax": jax.__version__, "python": platform.python_version(), "machine": platform.platform(),
            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     if earlier:
-        log.update(stages=earlier["stages"][:len(skipped)], init=a.init, first_stage=a.first_stage,
+        # a resumed run keeps the first run's starting weights as its `init`
+        log.update(stages=earlier["stages"][:len(skipped)], init=earlier.get("init", a.init) if skipped else a.init,
+                   first_stage=earlier.get("first_stage", a.first_stage) if skipped else a.first_stage,
                    steps=[r for rows in stage_rows(earlier["steps"])[:len(skipped)] for r in rows])
     t_all = time.perf_counter()
 
     def show(row):
-        log["steps"].append(row)
         print(f"  {row['stage']:>6} step {row['step']:>5}: loss {row['loss']:.4f} (lm {row['lm']:.4f}, "
               f"kl {row['kl']:.4f}) {row['s_per_step']:.2f} s/step", file=sys.stderr, flush=True)
 
@@ -98,7 +125,15 @@ def main(argv=None) -> int:
             dsa.init_mtp_head(model)
             fresh_mtp = False
         batches = data.random_windows(train, sc.seq_len + 1, sc.batch, seed=a.seed * 1000 + i)
-        dsa.train_stage(model, sc, batches, log=show, log_every=a.log_every)
+        resume = None
+        if a.save_every:
+            resume = StageResume(os.path.join(a.out, f".resume-stage{i + 1}"), a.save_every,
+                                 {"recipe": a.recipe, "stage": i + 1, "config": sc.__dict__, "seed": a.seed})
+            if os.path.isdir(resume.directory):
+                print(f"  continuing from the state saved in {resume.directory}", file=sys.stderr, flush=True)
+        # (a resumed stage returns the rows logged before the interruption too)
+        log["steps"] += dsa.train_stage(model, sc, batches, log=show, log_every=a.log_every, remat=a.remat,
+                                        resume=resume)
         ev = dsa.evaluate(model, windows, batch=1)
         log["stages"].append({"stage": sc.stage, "config": sc.__dict__, "wall_s": time.perf_counter() - t0,
                               "eval": ev})
@@ -109,16 +144,23 @@ def main(argv=None) -> int:
             print(f"  MTP held out: loss {ev['mtp']['loss']:.4f}, draft accuracy {ev['mtp']['draft_accuracy']:.3f}, "
                   f"agreement with the main model {ev['mtp']['draft_agreement']:.3f}, indexer recall "
                   f"{ev['mtp']['indexer_recall']:.3f}", file=sys.stderr, flush=True)
-    # the kept stages' time too
-    log["wall_s"] = time.perf_counter() - t_all + sum(st["wall_s"] for st in log["stages"][:len(skipped)])
+        # every stage's weights and log are saved as it ends: `--init OUT --first-stage N+1` resumes from there
+        log["wall_s"] = time.perf_counter() - t_all + sum(st["wall_s"] for st in log["stages"][:len(skipped)])
+        save(model, log, a)
+    return 0
+
+
+def save(model, log: dict, a) -> None:
+    """The checkpoint (config.json + model.safetensors), the training log and the model card, in `a.out`."""
+    from hisparse_jax.model.weights import save_pretrained
+
     save_pretrained(model, a.out)
     log_path = a.log or os.path.join(a.out, "training_log.json")
     with open(log_path, "w") as f:
         json.dump(log, f, indent=1)
     with open(os.path.join(a.out, "README.md"), "w") as f:
         f.write(model_card(log))
-    print(f"wrote {a.out} (checkpoint, README.md) and {log_path}", file=sys.stderr)
-    return 0
+    print(f"wrote {a.out} (checkpoint, README.md) and {log_path} after stage {len(log['stages'])}", file=sys.stderr)
 
 
 def initial_log(folder: str, recipe: str, skipped) -> dict:
@@ -154,7 +196,7 @@ def stage_rows(steps: list[dict]) -> list[list[dict]]:
 def model_card(log: dict) -> str:
     c, cfg = log["corpus"], log["config"]
     lines = [
-        "# stdlib-dsa: a small DSA model trained on the Python standard library", "",
+        f"# {log.get('name', 'stdlib-dsa')}: a small DSA model trained on the Python standard library", "",
         "A GLM-5-style DeepSeek-Sparse-Attention decoder (MLA with a 512-wide latent and 64-wide rope key, a lightning "
         "indexer with 128-wide keys, IndexShare: layers 1 and 3 reuse the top-k of layers 0 and 2), byte-level, "
         f"{log['parameters']:,} parameters, trained by `experiments/train_locality_model.py --recipe "

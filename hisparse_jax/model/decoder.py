@@ -224,8 +224,12 @@ class SparseMLAModel(nnx.Module):
         return self.head(aux["hidden"]), aux
 
 
-def scan_layers(model: SparseMLAModel, body, carry, *, index_xs=None):
+def scan_layers(model: SparseMLAModel, body, carry, *, index_xs=None, remat: bool = False):
     """Run `body` over the model's main layers in order, one `lax.scan` per run of identical blocks.
+
+    remat: rematerialize each block under differentiation (`jax.checkpoint`): its backward pass recomputes the
+    block's forward instead of keeping its activations, so training memory holds one block's attention
+    (T x T per head) at a time, not every layer's: what a long context needs (about a third more compute).
 
     body(carry, layer: DecoderLayer, ids: LayerIds, local, xs) -> (carry, local, layer_out, index_out):
       `local` is what a block's leader hands its shared-index layers (None when the leader is called);
@@ -256,10 +260,14 @@ def scan_layers(model: SparseMLAModel, body, carry, *, index_xs=None):
         if run.repeats == 1:  # one block: called as it is, its numbers static (a reshape, not a slice, drops the
             # stacking axis: XLA sees through a reshape of a prepared weight where it copies a slice of it)
             params_0, xs_0 = jax.tree.map(lambda a: a.reshape(a.shape[1:]), (params, xs))
-            carry, (outs, idx) = block(carry, (params_0, 0, xs_0))
+
+            def first(carry, params_0, xs_0, block=block):
+                return block(carry, (params_0, 0, xs_0))
+            carry, (outs, idx) = (jax.checkpoint(first) if remat else first)(carry, params_0, xs_0)
             outs, idx = jax.tree.map(lambda a: a[None], (outs, idx))
         else:
-            carry, (outs, idx) = jax.lax.scan(block, carry, (params, jnp.arange(run.repeats, dtype=jnp.int32), xs))
+            carry, (outs, idx) = jax.lax.scan(jax.checkpoint(block) if remat else block, carry,
+                                              (params, jnp.arange(run.repeats, dtype=jnp.int32), xs))
         layer_outs.append(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), outs))
         index_outs.append(idx)
 

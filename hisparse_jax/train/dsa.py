@@ -38,6 +38,7 @@ from flax import nnx
 from hisparse_jax.model.block import prefill_layer, topk_to_mask
 from hisparse_jax.model.decoder import SparseMLAModel, scan_layers
 from hisparse_jax.model.mtp import mtp_input, mtp_logits
+from hisparse_jax.train.resume import StageResume
 from pallas_kernels.indexer_topk.reference import select_topk
 
 STAGES = ("dense", "warmup", "sparse", "mtp_dense", "mtp_sparse")
@@ -56,13 +57,14 @@ def _check_stage(stage: str) -> None:
         raise ValueError(f"stage must be one of {', '.join(STAGES)}, got {stage!r}")
 
 
-def train_forward(model: SparseMLAModel, ids, *, stage: str, recall: bool = False):
+def train_forward(model: SparseMLAModel, ids, *, stage: str, recall: bool = False, remat: bool = False):
     """ids int32[B, T] (positions 0..T-1) -> (logits f32[B, T, V], aux).
 
     aux = {"kl": f32[L_I] (the indexer loss per full-indexer layer; empty in "dense"), "topk": int32[L_I, B, T, K]
     (the selection in "sparse", else an empty list)}; with `recall` (not in "dense") also "recall": f32[L_I], the
     share of the attention's top-k keys (its distribution summed over heads) that the indexer's top-k holds, over the
     queries that see more than K keys (in "warmup" the attention is dense: what the indexer is taught).
+    remat: recompute each block's forward in the backward pass (`scan_layers`), for long contexts.
     """
     _check_stage(stage)
     if stage in MTP_STAGES:
@@ -90,7 +92,7 @@ def train_forward(model: SparseMLAModel, ids, *, stage: str, recall: bool = Fals
                                             jnp.broadcast_to(causal, rows["scores"].shape), cfg.index_topk)
         return x, attend, None, out
 
-    x, _, out = scan_layers(model, body, model.embed(ids))
+    x, _, out = scan_layers(model, body, model.embed(ids), remat=remat)
     logits = model.logits(x).astype(jnp.float32)
     none = jnp.zeros((0,), jnp.float32)
     aux = {"kl": out.get("kl", none), "topk": out.get("topk", [])}
@@ -183,15 +185,15 @@ def lm_loss(logits, targets):
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
-def stage_loss(model: SparseMLAModel, batch, stage: str):
+def stage_loss(model: SparseMLAModel, batch, stage: str, *, remat: bool = False):
     """batch int32[B, T + 1] -> (loss, metrics): the LM loss in "dense"/"sparse", the mean indexer KL in "warmup",
     their sum in "sparse"; in the MTP stages the MTP loss (the token two ahead) plus its block's indexer KL, with
-    "lm" the MTP loss."""
+    "lm" the MTP loss. remat: `train_forward`'s (main stages)."""
     if stage in MTP_STAGES:
         _, logits, aux = mtp_train_forward(model, batch, stage=stage)
         ce, kl = lm_loss(logits, batch[:, 2:]), jnp.mean(aux["kl"])
         return ce + kl, {"loss": ce + kl, "lm": ce, "kl": kl}
-    logits, aux = train_forward(model, batch[:, :-1], stage=stage)
+    logits, aux = train_forward(model, batch[:, :-1], stage=stage, remat=remat)
     ce = lm_loss(logits, batch[:, 1:])
     kl = jnp.mean(aux["kl"]) if aux["kl"].size else jnp.float32(0)
     loss = {"dense": ce, "warmup": kl, "sparse": ce + kl}[stage]
@@ -241,23 +243,33 @@ class StageConfig:
 
 
 def train_stage(model: SparseMLAModel, sc: StageConfig, batches: Iterator[np.ndarray], *,
-                log: Callable[[dict], None] | None = None, log_every: int = 10) -> list[dict]:
+                log: Callable[[dict], None] | None = None, log_every: int = 10, remat: bool = False,
+                resume: StageResume | None = None) -> list[dict]:
     """Run one stage in place on `model`; `batches` yields int32[batch, seq_len + 1]. Returns the logged rows
-    ({"stage", "step", "loss", "lm", "kl", "lr", "s_per_step"}), one every `log_every` steps and at the last."""
+    ({"stage", "step", "loss", "lm", "kl", "lr", "s_per_step"}), one every `log_every` steps and at the last.
+    remat: recompute each block in the backward pass (`train_forward`): the same updates in less memory.
+    resume: save the stage's state every `resume.every` steps, and continue from a saved one (`train.resume`):
+    the batches its steps used are drawn from `batches` and skipped, the rows it logged are returned too."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = sc.optimizer(params)
     opt_state = tx.init(params)
+    done, rows, acc = 0, [], []
+    saved = resume.restore(params, opt_state) if resume is not None else None
+    if saved is not None:
+        done, params, opt_state, rows, acc = saved
+        for _ in range(done):
+            next(batches)
 
     @jax.jit
     def step(params, rest, opt_state, batch):
         def loss_fn(p):
-            return stage_loss(nnx.merge(graphdef, p, rest), batch, sc.stage)
+            return stage_loss(nnx.merge(graphdef, p, rest), batch, sc.stage, remat=remat)
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, metrics
 
-    rows, acc, t0 = [], [], time.perf_counter()
-    for i in range(sc.steps):
+    t0 = time.perf_counter()
+    for i in range(done, sc.steps):
         batch = next(batches)
         if batch.shape != (sc.batch, sc.seq_len + 1):
             raise ValueError(f"batch shape {batch.shape}, want {(sc.batch, sc.seq_len + 1)}")
@@ -273,7 +285,12 @@ def train_stage(model: SparseMLAModel, sc: StageConfig, batches: Iterator[np.nda
             if log:
                 log(row)
             acc, t0 = [], time.perf_counter()
+        if resume is not None and (i + 1) % resume.every == 0 and i + 1 < sc.steps:
+            acc = [{k: float(v) for k, v in m.items()} for m in jax.device_get(acc)]  # (steps not logged yet)
+            resume.save(i + 1, params, opt_state, rows, acc)
     nnx.update(model, params)
+    if resume is not None:
+        resume.finish()
     return rows
 
 

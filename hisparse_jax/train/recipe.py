@@ -35,12 +35,23 @@ _DEFAULT = (
     StageConfig("mtp_dense", steps=800, lr=2e-3, batch=8, seq_len=512, warmup_steps=50),
     StageConfig("mtp_sparse", steps=100, lr=5e-4, batch=2, seq_len=2048, warmup_steps=10),
 )
+# The long-context model (`stdlib-dsa-8k`): the shipped model's weights (`--init`) taught an 8K-byte context, top-k
+# 128 = 1.6 % of it (GLM-5's 2048 of 128K): the same three stages at 8192 tokens, one window per step (each holds
+# two of the 2K stages' batches of 2), fewer steps as it starts trained. Each step takes about a minute on 2 cores
+# with the blocks recomputed in the backward pass (`--remat`; 10.7 GB at 8K). No MTP stages: the model has no MTP
+# layer.
+_LONG8K = (
+    StageConfig("dense", steps=30, lr=5e-4, batch=1, seq_len=8192, warmup_steps=3),
+    StageConfig("warmup", steps=40, lr=1e-3, batch=1, seq_len=8192, warmup_steps=4),
+    StageConfig("sparse", steps=20, lr=2e-4, batch=1, seq_len=8192, warmup_steps=2),
+)
 # The smoke recipe: the default's stages but its second (long-context) dense one, with their learning rates, a few
 # steps each at a 256-token context: stage -> (steps, batch).
 _SMOKE = {"dense": (4, 2), "warmup": (3, 1), "sparse": (3, 1), "mtp_dense": (3, 2), "mtp_sparse": (2, 1)}
 
 RECIPES: dict[str, tuple[StageConfig, ...]] = {
     "default": _DEFAULT,
+    "long8k": _LONG8K,
     "smoke": tuple(dataclasses.replace(s, steps=_SMOKE[s.stage][0], batch=_SMOKE[s.stage][1], seq_len=256,
                                        warmup_steps=1) for i, s in enumerate(_DEFAULT) if i != 1),
 }

@@ -114,6 +114,68 @@ def test_each_stage_trains_only_its_parameters(corpus, stage):
         assert changed <= mtp and changed & mtp_indexer and changed - mtp_indexer and rows[-1]["kl"] > 0
 
 
+@pytest.mark.parametrize("stage", ["dense", "warmup", "sparse"])
+def test_remat_gives_the_same_loss_and_gradients(corpus, stage):
+    """`remat=True` (each block recomputed in the backward pass, for long contexts) changes memory, not the math:
+    the loss and every parameter's gradient equal those of the stored-activation pass."""
+    model = SparseMLAModel(TINY.replace(indexer_types=("full", "shared", "full")), rngs=nnx.Rngs(4))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    batch = jnp.asarray(next(data.random_windows(corpus[0], 41, 2, seed=5)))
+
+    def grads(remat):
+        def loss(p):
+            return dsa.stage_loss(nnx.merge(graphdef, p, rest), batch, stage, remat=remat)[0]
+        return jax.value_and_grad(loss)(params)
+
+    (l0, g0), (l1, g1) = grads(False), grads(True)
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
+    flat0, flat1 = jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)
+    assert len(flat0) == len(flat1) and any(np.abs(np.asarray(g)).max() > 0 for g in flat0)
+    for a, b in zip(flat0, flat1):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+
+
+class _Killed(Exception):
+    pass
+
+
+def _killed_after(batches, n):
+    """`batches`, then the process "dies" when it asks for batch n + 1."""
+    for i, b in enumerate(batches):
+        if i == n:
+            raise _Killed
+        yield b
+
+
+def test_a_killed_stage_resumes_to_the_uninterrupted_result(corpus, tmp_path):
+    """`train_stage(resume=StageResume(dir, every=2, ...))` killed at step 4 of 5 continues from its step-2 state
+    (Orbax) to the same parameters, optimizer moments and logged losses as a run never killed; another run's
+    directory is refused; a finished stage leaves none behind."""
+    from hisparse_jax.train.resume import StageResume
+
+    sc = dsa.StageConfig("sparse", steps=5, lr=1e-2, batch=2, seq_len=24, warmup_steps=1)
+    stream = lambda: data.random_windows(corpus[0], 25, 2, seed=7)  # noqa: E731
+    fresh = lambda: SparseMLAModel(TINY, rngs=nnx.Rngs(9))  # noqa: E731
+    whole = fresh()
+    rows = dsa.train_stage(whole, sc, stream(), log_every=1)
+
+    model, where = fresh(), tmp_path / "resume"
+    fingerprint = {"stage": 3, "config": sc.__dict__}
+    with pytest.raises(_Killed):
+        dsa.train_stage(model, sc, _killed_after(stream(), 3), log_every=1, resume=StageResume(where, 2, fingerprint))
+    start = _params(fresh())  # a killed stage leaves the model's weights as they were
+    assert all(np.array_equal(v, start[k]) for k, v in _params(model).items()) and (where / "stage.json").exists()
+    with pytest.raises(ValueError, match="another run"):
+        dsa.train_stage(fresh(), sc, stream(), resume=StageResume(where, 2, {**fingerprint, "stage": 4}))
+    model = fresh()  # the weights the stage started from (a new process loads them from the last stage's save)
+    again = dsa.train_stage(model, sc, stream(), log_every=1, resume=StageResume(where, 2, fingerprint))
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "s_per_step"} for r in rs]  # noqa: E731
+    assert strip(again) == strip(rows) and [r["step"] for r in again] == [1, 2, 3, 4, 5]
+    want, got = _params(whole), _params(model)
+    assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
+    assert not where.exists()
+
+
 def test_mtp_training_forward_is_the_drafting_forward(corpus):
     """The "mtp_sparse" stage trains what speculative decoding drafts with: its MTP logits are `mtp_forward`'s on
     the main model's own hidden states, its main logits the model's; the dense stage differs (dense attention)."""
@@ -192,6 +254,8 @@ def test_training_script_smoke_recipe(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "stage 5/5: mtp_sparse" in proc.stderr and "held out: ppl dense" in proc.stderr
     assert "MTP held out: loss" in proc.stderr
+    # each stage's weights and log are saved as it ends (a killed run resumes with --init OUT --first-stage N+1)
+    assert all(f"training_log.json after stage {n}" in proc.stderr for n in range(1, 6))
     log = json.loads((out / "training_log.json").read_text())
     assert [s["stage"] for s in log["stages"]] == ["dense", "warmup", "sparse", "mtp_dense", "mtp_sparse"]
     dense_steps = [r for r in log["steps"] if r["stage"] == "dense"]
@@ -219,6 +283,17 @@ def test_training_script_smoke_recipe(tmp_path):
     before, after = _params(model), _params(hj.load_pretrained(again, mtp=True))
     changed = {k for k in before if not np.array_equal(before[k], after[k])}
     assert changed and all(k[0] == "mtp" for k in changed)
+
+    # --resume: a finished run has nothing to do; one whose log ends at stage 4 runs stage 5 alone
+    proc = script("--out", str(again), "--resume")
+    assert proc.returncode == 0 and "all 5 stages of recipe smoke are done" in proc.stderr
+    log2["stages"] = log2["stages"][:4]
+    (again / "training_log.json").write_text(json.dumps(log2))
+    proc = script("--out", str(again), "--resume", "--seed", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming" in proc.stderr and "stage 4/5" not in proc.stderr and "stage 5/5: mtp_sparse" in proc.stderr
+    log3 = json.loads((again / "training_log.json").read_text())
+    assert [s["stage"] for s in log3["stages"]] == [s["stage"] for s in log["stages"]] and log3["first_stage"] == 5
 
     proc = script("--first-stage", "4", "--out", str(tmp_path / "x"))
     assert proc.returncode == 2 and "--first-stage: needs --init" in proc.stderr
