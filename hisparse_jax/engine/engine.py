@@ -554,16 +554,13 @@ class Engine:
 
     def run(self, progress=None) -> None:
         """Step until every request has finished. `progress(engine)` is called after each step."""
-        while self.has_unfinished():
-            m = self.step()
-            moved = m.running or m.prefill_tokens or m.swaps_in or m.preemptions or m.swaps_out or m.failed
-            if not moved:
-                w = self.scheduler.waiting
-                raise RuntimeError(f"no progress at step {m.step}: {len(self.scheduler.active)} admitted, "
-                                   f"{len(w)} waiting (first: {w[0].request_id if w else None}); "
-                                   f"waiting for {m.wait_reasons}; pool {self.manager.pool.stats()}")
-            if progress:
-                progress(self)
+        run_steps(self, progress)
+
+    def stall_report(self, m: StepMetrics) -> str:
+        """Why step `m` moved nothing: what is admitted and waiting, and on what (`run_steps`' error)."""
+        w = self.scheduler.waiting
+        return (f"{len(self.scheduler.active)} admitted, {len(w)} waiting (first: {w[0].request_id if w else None}); "
+                f"waiting for {m.wait_reasons}; pool {self.manager.pool.stats()}")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[list[int]]:
         """Add `prompts`, run to completion, return their outputs in order."""
@@ -582,6 +579,18 @@ class Engine:
         if self._log:
             self._log.close()
             self._log = None
+
+
+def run_steps(engine, progress=None) -> None:
+    """`run` of an `Engine` or `MeshEngine`: step until every request has finished, `progress(engine)` after each
+    step. A step in which nothing moved (no token, prompt chunk, swap, preemption or failure) would repeat forever:
+    it raises RuntimeError with the engine's `stall_report`."""
+    while engine.has_unfinished():
+        m = engine.step()
+        if not (m.running or m.prefill_tokens or m.swaps_in or m.preemptions or m.swaps_out or m.failed):
+            raise RuntimeError(f"no progress at step {m.step}: {engine.stall_report(m)}")
+        if progress:
+            progress(engine)
 
 
 def run_prompts(engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

@@ -33,7 +33,8 @@ from flax import nnx
 
 from hisparse_jax import parallel
 from hisparse_jax.config import CacheConfig
-from hisparse_jax.engine.engine import Engine, EngineConfig, UnknownRequest, check_engine_args, run_prompts
+from hisparse_jax.engine.engine import (Engine, EngineConfig, UnknownRequest, check_engine_args, run_prompts,
+                                        run_steps)
 from hisparse_jax.engine.metrics import combine_steps, summarize
 from hisparse_jax.engine.request import Request, SamplingParams
 from hisparse_jax.engine.runner import TRACE_COUNTS, MeshRunner, call_on_store
@@ -242,13 +243,11 @@ class MeshEngine:
 
     def run(self, progress=None) -> None:
         """Step until every request has finished. `progress(engine)` is called after each step."""
-        while self.has_unfinished():
-            m = self.step()
-            if not (m.running or m.prefill_tokens or m.swaps_in or m.preemptions or m.swaps_out or m.failed):
-                waiting = {r: len(e.scheduler.waiting) for r, e in enumerate(self.engines) if e.scheduler.waiting}
-                raise RuntimeError(f"no progress at step {m.step}: waiting per rank {waiting}")
-            if progress:
-                progress(self)
+        run_steps(self, progress)
+
+    def stall_report(self, m: StepMetrics) -> str:
+        """Why step `m` moved nothing on any rank: each rank's `Engine.stall_report` of its part of the step."""
+        return "; ".join(f"rank {r}: {e.stall_report(e.history[-1])}" for r, e in enumerate(self.engines))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[list[int]]:
         """Add `prompts`, run to completion, return their outputs in order."""

@@ -412,3 +412,33 @@ def test_unknown_moe_impl():
     model = tiny_model(mlp_layer_types=("dense", "sparse"))
     with pytest.raises(ValueError, match="unknown moe impl 'sorted'"):
         model.layer(1).mlp(jnp.zeros((1, 32), jnp.float32), impl="sorted")
+
+
+def test_a_step_that_moves_nothing_stops_run_with_the_engines_report():
+    """`engine.run_steps` (both engines' `run`) never loops on a step in which nothing moved: it raises, naming the
+    step and the engine's own account of what waits on what; a step that moved goes on to the next."""
+    import dataclasses
+
+    from hisparse_jax.engine.engine import run_steps
+    from hisparse_jax.results import StepMetrics
+
+    zero = {f.name: 0 for f in dataclasses.fields(StepMetrics)} | {"wait_reasons": {"kv_pages": 2}}
+
+    class Stuck:  # an engine whose second step moves nothing
+        def __init__(self):
+            self.steps, self.seen = 0, []
+
+        def has_unfinished(self):
+            return True
+
+        def step(self):
+            self.steps += 1
+            return StepMetrics(**(zero | {"step": self.steps, "running": int(self.steps == 1)}))
+
+        def stall_report(self, m):
+            return f"2 waiting for {m.wait_reasons}"
+
+    e = Stuck()
+    with pytest.raises(RuntimeError, match=r"no progress at step 2: 2 waiting for \{'kv_pages': 2\}"):
+        run_steps(e, progress=lambda eng: eng.seen.append(eng.steps))
+    assert e.seen == [1]
