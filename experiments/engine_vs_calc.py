@@ -38,7 +38,7 @@ import os
 import sys
 import time
 
-from experiments.report import finish_axes, pyplot, save_figure, save_json, stamp
+from experiments.report import finish_axes, pyplot, save_figure, save_results, stamp
 from hisparse_jax import calc
 
 SEQ = 81_920  # the calculator's published default case
@@ -262,9 +262,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     out = run(a)
     out.update(**stamp(), wall_s=time.perf_counter() - t0)
-    tag = "_quick" if a.quick else ""
-    save_json(os.path.join(a.out, f"engine_vs_calc{tag}.json"), out)
-    plot(out, os.path.join(a.out, f"engine_vs_calc{tag}.png"))
+    save_results(a.out, "engine_vs_calc", out, plot, quick=a.quick)
     print(f"{'run':>14}{'calculator':>11}{'sustained':>10}{'mean':>7}{'max':>5}{'within 1':>9}  first waits")
     for name, r in out["runs"].items():
         print(f"{name:>14}{r['predicted']:>11}{r['sustained_running']:>10.2f}{r['mean_running']:>7.2f}"

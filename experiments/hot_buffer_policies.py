@@ -30,7 +30,7 @@ import numpy as np
 from experiments.hot_buffer_sim import POLICIES, simulate
 from experiments.hot_buffer_traces import SYNTH_DEFAULTS, adjacent_overlap, record_demo_traces, synthetic_trace
 from experiments.policy_lab import LAYERS, ROW_BYTES
-from experiments.report import finish_axes, pyplot, save_figure, save_json, stamp
+from experiments.report import finish_axes, pyplot, save_figure, save_results, stamp
 
 SIZES = (1.0, 1.5, 2.0, 3.0, 4.0)
 
@@ -138,11 +138,9 @@ def main(argv=None) -> int:
                                                          "lru_hit_rate_1x": "0.66-0.83"},
                                   "results": study([tr], SYNTH_DEFAULTS["k"], warmup=32)}
     out["wall_s"] = time.perf_counter() - t0
-    tag = "_quick" if a.quick else ""
-    save_json(os.path.join(a.out, f"hot_buffer_policies{tag}.json"), out)
-    plot(out, os.path.join(a.out, f"hot_buffer_policies{tag}.png"))
+    base = save_results(a.out, "hot_buffer_policies", out, plot, quick=a.quick)
     print(_table(out))
-    print(f"wall {out['wall_s']:.1f}s -> {a.out}/hot_buffer_policies{tag}.json/.png")
+    print(f"wall {out['wall_s']:.1f}s -> {base}.json/.png")
     return 0
 
 

@@ -40,7 +40,7 @@ import time
 
 import numpy as np
 
-from experiments.report import finish_axes, pyplot, save_figure, save_json, stamp
+from experiments.report import finish_axes, pyplot, save_figure, save_results, stamp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -433,9 +433,7 @@ def main(argv=None) -> int:
         out["policy_lab"]["tuning"] = lab_tuning(model, [list(w[:-1]) for w in tw], a.trace_start, a.warmup, margin)
     out["wall_s"] = time.perf_counter() - t0
     os.makedirs(a.out, exist_ok=True)
-    tag = "_quick" if a.quick else ""
-    save_json(os.path.join(a.out, f"locality{tag}.json"), out)
-    plot(out, os.path.join(a.out, f"locality{tag}.png"))
+    base = save_results(a.out, "locality", out, plot, quick=a.quick)
     q = out["quality"]
     print(f"ppl dense {q['ppl_dense']:.3f}, sparse {q['ppl_sparse']:.3f}; indexer recall "
           f"{[round(r, 3) for r in q['recall_per_index_layer']]}")
@@ -446,7 +444,7 @@ def main(argv=None) -> int:
     if "tuning" in out["policy_lab"]:
         tu = out["policy_lab"]["tuning"]
         print(f"tuning: best {tu['best_score_ema']}, {tu['best_score_lru']}; used {tu['used']}")
-    print(f"wall {out['wall_s']:.1f}s -> {a.out}/locality{tag}.json/.png")
+    print(f"wall {out['wall_s']:.1f}s -> {base}.json/.png")
     return 0
 
 

@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 from experiments import held_out
-from experiments.report import finish_axes, pyplot, save_figure, save_json, stamp
+from experiments.report import finish_axes, pyplot, save_figure, save_results, stamp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -298,11 +298,9 @@ def main(argv=None) -> int:
                                **res}
         del model, res
     out["wall_s"] = time.perf_counter() - t0
-    tag = "_quick" if a.quick else ""
-    save_json(os.path.join(a.out, f"locality_long{tag}.json"), out)
-    plot(out, os.path.join(a.out, f"locality_long{tag}.png"))
+    base = save_results(a.out, "locality_long", out, plot, quick=a.quick)
     print(table(out))
-    print(f"wall {out['wall_s']:.1f} s -> {a.out}/locality_long{tag}.json/.png")
+    print(f"wall {out['wall_s']:.1f} s -> {base}.json/.png")
     return 0
 
 

@@ -57,6 +57,17 @@ def run_to_json(parse_args, run, argv=None) -> int:
     return 0
 
 
+def save_results(folder: str, name: str, out: dict, plot=None, *, quick: bool = False) -> str:
+    """The usual ending: `out` as `<folder>/<name>.json` and `plot(out, <folder>/<name>.png)` when given, with the
+    name tagged `_quick` for a --quick run (so a smoke run never overwrites the results); returns the path without
+    its extension."""
+    base = os.path.join(folder, f"{name}{'_quick' if quick else ''}")
+    save_json(base + ".json", out)
+    if plot is not None:
+        plot(out, base + ".png")
+    return base
+
+
 def save_figure(fig, path: str, dpi: int = 120) -> str:
     """Lay `fig` out tightly, write it to `path` and release it; returns `path`."""
     fig.tight_layout()

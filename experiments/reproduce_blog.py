@@ -25,7 +25,7 @@ import sys
 import time
 
 
-from experiments.report import finish_axes, pyplot, save_figure, save_json, stamp
+from experiments.report import finish_axes, pyplot, save_figure, save_json, save_results, stamp
 from hisparse_jax import calc
 
 SEQS = (74_160, 85_836, 142_000, 1_048_576)
@@ -178,7 +178,6 @@ def main(argv=None) -> int:
     a.new_tokens = a.new_tokens or (8 if q else 32)
     a.policies = a.policies or "offload,hisparse"
     os.makedirs(a.out, exist_ok=True)
-    tag = "_quick" if q else ""
     meta = stamp()
     rows = calculator_table()
     save_json(os.path.join(a.out, "blog_calculator.json"), {
@@ -190,8 +189,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     out = engine_run(a)
     out.update(meta, wall_s=time.perf_counter() - t0)
-    save_json(os.path.join(a.out, f"blog_engine{tag}.json"), out)
-    plot(out, os.path.join(a.out, f"blog_engine{tag}.png"))
+    save_results(a.out, "blog_engine", out, plot, quick=q)
     pr = out["prediction"]
     print(f"\n(b) engine, {out['preset']}, {out['requests']} requests of {min(out['prompt_tokens'])}-"
           f"{max(out['prompt_tokens'])} prompt + {out['new_tokens']} new tokens; device = "
