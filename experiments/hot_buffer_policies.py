@@ -137,10 +137,8 @@ def main(argv=None) -> int:
                                   "calibration_target": {"adjacent_overlap": 0.44, "lru_hit_rate_2x": 0.94,
                                                          "lru_hit_rate_1x": "0.66-0.83"},
                                   "results": study([tr], SYNTH_DEFAULTS["k"], warmup=32)}
-    out["wall_s"] = time.perf_counter() - t0
-    base = save_results(a.out, "hot_buffer_policies", out, plot, quick=a.quick)
+    save_results(a.out, "hot_buffer_policies", out, plot, quick=a.quick, started=t0)
     print(_table(out))
-    print(f"wall {out['wall_s']:.1f}s -> {base}.json/.png")
     return 0
 
 

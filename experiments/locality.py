@@ -431,9 +431,7 @@ def main(argv=None) -> int:
         print("tuning windows ...", file=sys.stderr, flush=True)
         tw = tuning_windows(held, a.seq_len + 1, a.sequences)
         out["policy_lab"]["tuning"] = lab_tuning(model, [list(w[:-1]) for w in tw], a.trace_start, a.warmup, margin)
-    out["wall_s"] = time.perf_counter() - t0
-    os.makedirs(a.out, exist_ok=True)
-    base = save_results(a.out, "locality", out, plot, quick=a.quick)
+    save_results(a.out, "locality", out, plot, quick=a.quick, started=t0)
     q = out["quality"]
     print(f"ppl dense {q['ppl_dense']:.3f}, sparse {q['ppl_sparse']:.3f}; indexer recall "
           f"{[round(r, 3) for r in q['recall_per_index_layer']]}")
@@ -444,7 +442,6 @@ def main(argv=None) -> int:
     if "tuning" in out["policy_lab"]:
         tu = out["policy_lab"]["tuning"]
         print(f"tuning: best {tu['best_score_ema']}, {tu['best_score_lru']}; used {tu['used']}")
-    print(f"wall {out['wall_s']:.1f}s -> {base}.json/.png")
     return 0
 
 

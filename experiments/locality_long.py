@@ -297,10 +297,8 @@ def main(argv=None) -> int:
                                "seq_len_from": source, "trained_context": trained, "topk_over_context": k / L,
                                **res}
         del model, res
-    out["wall_s"] = time.perf_counter() - t0
-    base = save_results(a.out, "locality_long", out, plot, quick=a.quick)
+    save_results(a.out, "locality_long", out, plot, quick=a.quick, started=t0)
     print(table(out))
-    print(f"wall {out['wall_s']:.1f} s -> {base}.json/.png")
     return 0
 
 

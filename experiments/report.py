@@ -57,14 +57,20 @@ def run_to_json(parse_args, run, argv=None) -> int:
     return 0
 
 
-def save_results(folder: str, name: str, out: dict, plot=None, *, quick: bool = False) -> str:
+def save_results(folder: str, name: str, out: dict, plot=None, *, quick: bool = False,
+                 started: float | None = None) -> str:
     """The usual ending: `out` as `<folder>/<name>.json` and `plot(out, <folder>/<name>.png)` when given, with the
-    name tagged `_quick` for a --quick run (so a smoke run never overwrites the results); returns the path without
-    its extension."""
+    name tagged `_quick` for a --quick run (so a smoke run never overwrites the results); with `started` (a
+    `time.perf_counter()` reading) the run's wall time goes into `out["wall_s"]` first and a closing line says it
+    and where the files are. Returns the path without its extension."""
     base = os.path.join(folder, f"{name}{'_quick' if quick else ''}")
+    if started is not None:
+        out["wall_s"] = time.perf_counter() - started
     save_json(base + ".json", out)
     if plot is not None:
         plot(out, base + ".png")
+    if started is not None:
+        print(f"wall {out['wall_s']:.1f} s -> {base}.json{'/.png' if plot is not None else ''}")
     return base
 
 
