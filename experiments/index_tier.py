@@ -153,6 +153,10 @@ def record(model, sequences, start: int, blocks: list[int], summaries=SUMMARIES,
                 rank = host_block_ranks(q_index, w, kp, valid, bs, "bound", kind, basis)
                 excess.append(jnp.where(has, rank - best, 0).sum(-1) / jnp.maximum(has.sum(-1), 1))
                 recs.append(budget_recall(rank, want, live, bs, self.topk, budgets))
+            for kind in summaries:  # the same summaries ranking by their centres' scores
+                basis = bases[kind, bs][ids.index] if (kind, bs) in bases else None
+                recs.append(budget_recall(host_block_ranks(q_index, w, kp, valid, bs, "centre", kind, basis), want,
+                                          live, bs, self.topk, budgets))
             recs.append(budget_recall(host_block_ranks(q_index, w, kp, valid, bs, "mean"), want, live, bs,
                                       self.topk, budgets))
             stats = jnp.concatenate([live.astype(jnp.float32)[:, None], needed[:, None], gap[:, None],
@@ -163,22 +167,22 @@ def record(model, sequences, start: int, blocks: list[int], summaries=SUMMARIES,
     TierKV = dataclasses.make_dataclass("TierKV", [], bases=(DenseKV,), frozen=True, namespace={"select": select})
     backend = TierKV(topk=K, index_dtype=model.index_dtype)
     C = 3 + 2 * ns  # stats columns before the recall curves: live, floor, gap, reads and excess per summary
-    extra = {f"tier_{bs}": jnp.zeros((LI, n, C + (ns + 1) * nf), jnp.float32) for bs in plan}
+    extra = {f"tier_{bs}": jnp.zeros((LI, n, C + (2 * ns + 1) * nf), jnp.float32) for bs in plan}
     out = run_decode(model, sequences, start, backend, extra, False)
     lens = np.array([len(p) for p in sequences])
     res = {}
     for bs, budgets in plan.items():
-        arr = np.stack(out[f"tier_{bs}"])  # [steps, LI, n, C + (ns + 1) nf]
+        arr = np.stack(out[f"tier_{bs}"])  # [steps, LI, n, C + (2 ns + 1) nf]
         steps = np.arange(arr.shape[0]) + start
         keep = steps[:, None] < lens[None, :]  # [steps, n]: the step decodes a real position of the sequence
         pos = np.broadcast_to(steps[:, None], keep.shape)[keep]
         bucket = np.searchsorted(BUCKETS, pos, side="right") - 1
         per_layer = []
         for li in range(LI):
-            a = arr[:, li][keep]  # [m, C + (ns + 1) nf]
+            a = arr[:, li][keep]  # [m, C + (2 ns + 1) nf]
             live, need, gap = a[:, 0], a[:, 1], a[:, 2]
 
-            def rec(j):  # recall columns of ranking j (summaries, then the mean key)
+            def rec(j):  # recall columns of ranking j (summaries' bounds, their centres, then the mean key)
                 return a[:, C + j * nf: C + (j + 1) * nf]
 
             def reads(read, rows=slice(None)):
@@ -195,12 +199,15 @@ def record(model, sequences, start: int, blocks: list[int], summaries=SUMMARIES,
                     "bound_excess_over_gap_median": float(np.median(a[:, 3 + ns + j] / np.maximum(gap, 1e-30))),
                     "recall_by_budget": {str(b): float(v) for b, v in zip(budgets, rec(j).mean(0))},
                     "recall_by_budget_min": {str(b): float(v) for b, v in zip(budgets, rec(j).min(0))},
+                    "recall_by_budget_centre": {str(b): float(v) for b, v in zip(budgets, rec(ns + j).mean(0))},
                     "by_position": {bucket_name(i): {"steps": int((bucket == i).sum()),
                                                      "live_blocks_mean": float(live[bucket == i].mean()),
                                                      "topk_blocks_mean": float(need[bucket == i].mean()),
                                                      **reads(read, bucket == i),
                                                      "recall_by_budget": {str(b): float(v) for b, v in zip(
-                                                         budgets, rec(j)[bucket == i].mean(0))}}
+                                                         budgets, rec(j)[bucket == i].mean(0))},
+                                                     "recall_by_budget_centre": {str(b): float(v) for b, v in zip(
+                                                         budgets, rec(ns + j)[bucket == i].mean(0))}}
                                     for i in range(len(BUCKETS)) if (bucket == i).any()}}
             entry = {"index_layer": li, "steps": int(a.shape[0]), "live_blocks_mean": float(live.mean()),
                      "topk_blocks_mean": float(need.mean()),
@@ -212,8 +219,8 @@ def record(model, sequences, start: int, blocks: list[int], summaries=SUMMARIES,
                                                   "exact_fraction_read_mean")})
                 entry["recall_by_budget_bound"], entry["recall_by_budget_bound_min"] = (
                     box["recall_by_budget"], box["recall_by_budget_min"])
-            entry["recall_by_budget_mean"] = {str(b): float(v) for b, v in zip(budgets, rec(ns).mean(0))}
-            entry["recall_by_budget_mean_min"] = {str(b): float(v) for b, v in zip(budgets, rec(ns).min(0))}
+            entry["recall_by_budget_mean"] = {str(b): float(v) for b, v in zip(budgets, rec(2 * ns).mean(0))}
+            entry["recall_by_budget_mean_min"] = {str(b): float(v) for b, v in zip(budgets, rec(2 * ns).min(0))}
             entry["per_summary"] = per_summary
             per_layer.append(entry)
         res[str(bs)] = {"block": bs, "budget_fractions": list(budgets), "summaries": list(summaries),
@@ -255,7 +262,10 @@ def summarize(res: dict, k: int, index_dim: int) -> dict:
                 buckets[b] = {"steps": bp[0]["steps"], "live_blocks": bl, "floor_blocks": bf, "exact_blocks_read": br,
                               "exact_fraction_read": br / bl, "floor_fraction": bf / bl, "read_over_floor": br / bf,
                               "recall_by_fraction_read": {f: float(np.mean([x["recall_by_budget"][f] for x in bp]))
-                                                          for f in bp[0]["recall_by_budget"]}}
+                                                          for f in bp[0]["recall_by_budget"]},
+                              "centre_recall_by_fraction_read": {
+                                  f: float(np.mean([x["recall_by_budget_centre"][f] for x in bp]))
+                                  for f in bp[0]["recall_by_budget_centre"]}}
             summ[kind] = {"basis_rank": m, "page_values_bf16": summary_page_values(kind, index_dim, m),
                           "page_bytes": 2 * summary_page_values(kind, index_dim, m),
                           "bytes_per_token": 2 * summary_page_values(kind, index_dim, m) / int(bs),
@@ -267,6 +277,7 @@ def summarize(res: dict, k: int, index_dim: int) -> dict:
                                                                          for p in ps])),
                           "exact_key_bytes_per_step_layer": read * block_bytes,
                           **_recall_table(ps, lambda x: x["recall_by_budget"], r["budget_fractions"]),
+                          "centre": _recall_table(ps, lambda x: x["recall_by_budget_centre"], r["budget_fractions"]),
                           "by_position": buckets}
         out[bs] = {"live_blocks": live, "topk_fraction_of_blocks": topk_frac,
                    "best_minus_kth_score": float(np.mean([x["best_minus_kth_score_mean"] for x in layers])),
@@ -303,6 +314,9 @@ def plot(out: dict, path: str) -> None:
         bx.set_xticks(x + 0.4 - 0.4 / len(s["summaries"]), list(d["by_position"]))
     rec = s["mean"]["recall_by_fraction_read"]
     ax.plot([float(f) for f in rec], list(rec.values()), "k--", label="by the mean key (no bound)")
+    if "box" in s["summaries"]:
+        rec = s["summaries"]["box"]["centre"]["recall_by_fraction_read"]
+        ax.plot([float(f) for f in rec], list(rec.values()), "k:", label="by the box's midpoint (no more bytes)")
     ax.plot([s["topk_fraction_of_blocks"]], [1.0], "kx", ms=9, label="floor: blocks holding a top-k position")
     ax.set_xlabel("fraction of the key history read per step and layer")
     ax.set_ylabel("recall of the exact top-k")
@@ -390,6 +404,8 @@ def main(argv=None) -> int:
                   + ", ".join(f"{b} {x['read_over_floor']:.3f}" for b, x in d["by_position"].items())
                   + "; recall at 25 / 50 % "
                   + " / ".join(f"{d['recall_by_fraction_read'][f]:.3f}" for f in ("0.25", "0.5"))
+                  + " (by its centre "
+                  + " / ".join(f"{d['centre']['recall_by_fraction_read'][f]:.3f}" for f in ("0.25", "0.5")) + ")"
                   + f"; bound - block's best score {d['bound_excess_over_best_score']:.2f} "
                   f"(best - k-th score {s['best_minus_kth_score']:.2f})")
     return 0

@@ -19,7 +19,7 @@ import functools
 import math
 from typing import Any
 
-from hisparse_jax.formats import INDEX_TIERS, QUANTIZED_INDEX_DTYPES, glm_indexer_types
+from hisparse_jax.formats import INDEX_RANKS, INDEX_TIERS, QUANTIZED_INDEX_DTYPES, glm_indexer_types
 from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.validation import check_float, check_int, check_optional_float, check_token_list
 
@@ -412,6 +412,10 @@ class CacheConfig:
     index_budget_pages: with index_tier="host", at most this many pages read per step, request and index layer
       (budgeted mode: the best-bounded pages; the top-k is taken among their positions, a fixed amount of work per
       step; at most index_pages); None (the default) is exact mode.
+    index_rank: how budgeted mode ranks the pages it reads: "bound" (the default: best summary bound first) or
+      "centre" (best score of the summary's midpoint, (min + max) / 2, first: no bound, no more bytes, a higher
+      recall of the exact top-k per page read on the trained models, `experiments/index_tier.py`). Only with
+      index_budget_pages set (exact mode reads in bound order: its exactness rests on the bounds).
     speculative_tokens: k, the draft tokens per request and step of multi-token-prediction (MTP) speculative
       decoding (0: none). The store then keeps the model's first MTP layer after its main layers (its own KV
       and indexer pages) and a step verifies k + 1 rows per request, resolved as one union of their top-k, so
@@ -424,7 +428,7 @@ class CacheConfig:
       them, so every budget within one capacity runs the same compiled programs: set one capacity for a process
       (or a sweep) and vary the budgets per experiment. Each budget must be at most the capacity's, and the
       formats (kv_dtype, index_dtype, fetch, fetch_min_rows, mirror_to_host, miss_attention, hot_policy, hot_ema_beta,
-      index_tier, index_budget_pages, speculative_tokens) must match.
+      index_tier, index_budget_pages, index_rank, speculative_tokens) must match.
     """
 
     kv_dtype: str = "auto"
@@ -443,12 +447,14 @@ class CacheConfig:
     hot_ema_beta: float = DEFAULT_HOT_EMA_BETA
     index_tier: str = "device"
     index_budget_pages: int | None = None
+    index_rank: str = "bound"
     speculative_tokens: int = 0
     capacity: "CacheConfig | None" = None
 
     # the fields that name one of a few choices, and those choices
     CHOICES = {"kv_dtype": KV_DTYPES, "index_dtype": INDEX_DTYPES, "fetch": FETCH_MECHANISMS,
-               "miss_attention": MISS_ATTENTION, "hot_policy": HOT_POLICIES, "index_tier": INDEX_TIERS}
+               "miss_attention": MISS_ATTENTION, "hot_policy": HOT_POLICIES, "index_tier": INDEX_TIERS,
+               "index_rank": INDEX_RANKS}
 
     def __post_init__(self):
         problems = [f"{name} must be one of {allowed}, got {getattr(self, name)!r}"
@@ -459,6 +465,10 @@ class CacheConfig:
         elif self.index_tier == "device" and self.index_budget_pages is not None:
             problems.append("index_budget_pages is the read budget of index_tier='host'; with index_tier='device' "
                             f"leave it None, got {self.index_budget_pages!r}")
+        if self.index_rank != "bound" and self.index_budget_pages is None:
+            problems.append(f"index_rank ranks the pages budgeted mode reads (index_tier='host' with "
+                            f"index_budget_pages set); exact mode reads in bound order, so leave it 'bound', got "
+                            f"{self.index_rank!r}")
         put = functools.partial(_checked, self, problems)
         put("hot_ema_beta", check_float, lo=0.0)
         if isinstance(self.hot_ema_beta, float) and self.hot_ema_beta >= 1:
@@ -485,7 +495,8 @@ class CacheConfig:
 
     # the fields a capacity fixes for its budgets (formats), and the budgets it bounds
     CAPACITY_FORMATS = ("kv_dtype", "index_dtype", "fetch", "fetch_min_rows", "mirror_to_host", "miss_attention",
-                        "hot_policy", "hot_ema_beta", "index_tier", "index_budget_pages", "speculative_tokens")
+                        "hot_policy", "hot_ema_beta", "index_tier", "index_budget_pages", "index_rank",
+                        "speculative_tokens")
     CAPACITY_BUDGETS = ("device_pages", "host_pages", "index_pages", "max_seqs", "max_seq_len")  # and hot_rows:
     # its default depends on the model (`hot_rows_for`), so `kv.spec.StoreSpec.create` compares it
 

@@ -38,7 +38,7 @@ from hisparse_jax.demo_run import run_policies
 from hisparse_jax.demo_workload import PROMPT_TOPKS, WORKLOADS, DemoSetupError
 from hisparse_jax.engine.request import SEED_RANGE
 from hisparse_jax.engine.scheduler import ADMISSIONS, POLICIES
-from hisparse_jax.formats import INDEX_TIERS
+from hisparse_jax.formats import INDEX_RANKS, INDEX_TIERS
 from hisparse_jax.kv.tiered import KERNELS, check_kernels
 
 
@@ -69,6 +69,10 @@ _MODES = {
         "summary per key page and each step reads the keys it needs, best bound first). "
         "--device-requests counts device keys, so host keys leave the device to the KV; outputs "
         "are the same (exact mode) unless --index-budget-pages is set"),
+    "--index-rank": ("bound", INDEX_RANKS,
+        "with --index-budget-pages: which key pages a step reads (`CacheConfig.index_rank`): those of the best "
+        "summary bounds (bound, the default) or of the best scores of the summaries' midpoints (centre: no "
+        "more bytes, a higher recall per page read on the trained models)"),
     "--admission": ("vllm", ADMISSIONS,
         "how preempt and offload admit: 'vllm' (default: on the prompt's pages, grown page by page, "
         "preempting or swapping out the newest request when one cannot grow) or 'reserve' (only "

@@ -94,7 +94,7 @@ def run_policies(args: argparse.Namespace, on_setup=None) -> dict:
         "device_requests": args.device_requests, "host_pages": b.base.host_pages, "kernels": args.kernels,
         "miss_attention": args.miss_attention, "speculative_tokens": k, "hot_rows": b.base.hot_rows_for(cfg),
         "hot_policy": args.hot_policy, "index_tier": args.index_tier,
-        "index_budget_pages": args.index_budget_pages or None,
+        "index_budget_pages": args.index_budget_pages or None, "index_rank": args.index_rank,
         "prefill": args.prefill, "backend": jax.default_backend(), "policies": split,
         "capacity": {"device_pages": b.capacity.device_pages, "index_pages": b.capacity.num_index_pages,
                      "host_pages": b.capacity.host_pages},

@@ -17,6 +17,11 @@ QUANTIZED_INDEX_DTYPES = ("fp8", "int4")
 # the KV, the device keeping a min / max summary per key page and reading the keys each step needs).
 INDEX_TIERS = ("device", "host")
 
+# How the host tier's budgeted mode ranks the key pages it reads: "bound" (each page's upper bound of its scores,
+# from the min / max summary) or "centre" (the score of the summary's midpoint, (min + max) / 2: no more bytes, and
+# on the trained models a far better guess of where the top-k is; `experiments/index_tier.py`).
+INDEX_RANKS = ("bound", "centre")
+
 
 def glm_indexer_types(num_layers: int, freq: int = 4, offset: int = 3) -> tuple[str, ...]:
     """GLM-5's IndexShare pattern (`index_topk_freq`, `index_skip_topk_offset`): layer i has a "full" indexer iff

@@ -83,8 +83,9 @@ def index_scores_host(store: KVStore, index_layer: int, req, positions, q_index,
     pinned-host pool best bound first, `spec.index_read_chunk` pages per round. Exact mode (index_budget_pages None)
     reads rounds until no unread page's bound reaches the row's k-th best score read so far: every position of the
     exact top-k has then been scored, with the same arithmetic as device keys (`_score_keys`), so `select_topk` of the
-    result is the device tier's top-k. Budgeted mode reads the index_budget_pages best-bounded pages (rounds of the
-    chunk, the last one cut), a fixed amount per step.
+    result is the device tier's top-k. Budgeted mode reads the index_budget_pages best-ranked pages (rounds of the
+    chunk, the last one cut), a fixed amount per step: best bound first, or with index_rank="centre" best score of
+    the summary's midpoint (lo + hi) / 2 first (`reference.summary_centre`).
 
     Returns (scores f32[B, S], valid bool[B, S] (only positions read are valid), pages_read int32[] (summed over the
     rows: what crossed the host link)). A page with no valid position is never read. Exact mode's loop is a
@@ -102,8 +103,12 @@ def index_scores_host(store: KVStore, index_layer: int, req, positions, q_index,
     qb, wb = scored_query(spec, q_index, w)
     pages = jnp.maximum(table, 0)
     # one gather at (layer, page) each: no copy of the layer's summaries
-    bound = block_score_bound(qb[:, None], wb[:, None], store.index_lo[index_layer, pages].astype(jnp.float32),
-                              store.index_hi[index_layer, pages].astype(jnp.float32))[:, 0]  # [B, P]
+    lo = store.index_lo[index_layer, pages].astype(jnp.float32)
+    hi = store.index_hi[index_layer, pages].astype(jnp.float32)
+    if spec.index_budget_pages is not None and spec.index_rank == "centre":
+        bound = index_scores(qb[:, None], wb[:, None], (lo + hi) / 2)[:, 0]  # a rank, not a bound: budgeted only
+    else:
+        bound = block_score_bound(qb[:, None], wb[:, None], lo, hi)[:, 0]  # [B, P]
     bound = jnp.where(live, jnp.where(jnp.isnan(bound), jnp.inf, bound), -jnp.inf)
     order = jnp.argsort(-bound, axis=-1, stable=True).astype(jnp.int32)  # best bound first
     ranked = jnp.take_along_axis(bound, order, axis=-1)

@@ -46,6 +46,7 @@ class StoreSpec:
     hot_ema_beta: float = 0.9  # score_ema's weight of the past
     index_tier: str = "device"  # where the indexer keys live: "device" or "host" (`CacheConfig.index_tier`)
     index_budget_pages: int | None = None  # index_tier="host": pages read per step, request and layer (None: exact)
+    index_rank: str = "bound"  # budgeted mode's page order: "bound" or "centre" (`CacheConfig.index_rank`)
 
     @classmethod
     def create(cls, model: ModelConfig, cache: CacheConfig) -> "StoreSpec":
@@ -89,7 +90,8 @@ class StoreSpec:
                    fetch=cache.fetch, fetch_min_rows=cache.fetch_min_rows, mirror_to_host=cache.mirror_to_host,
                    topk=model.index_topk, miss_attention=cache.miss_attention, mtp_layers=mtp,
                    index_dtype=index_dtype, hot_policy=cache.hot_policy, hot_ema_beta=cache.hot_ema_beta,
-                   index_tier=cache.index_tier, index_budget_pages=cache.index_budget_pages)
+                   index_tier=cache.index_tier, index_budget_pages=cache.index_budget_pages,
+                   index_rank=cache.index_rank)
 
     @property
     def hot_pages(self) -> int:

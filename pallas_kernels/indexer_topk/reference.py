@@ -353,14 +353,29 @@ def _ball_joint_bound(q, w, qc, lo, r):
     return pos.max(-2) + neg
 
 
-HOST_INDEX_RANKS = ("bound", "mean")  # how budgeted mode ranks the blocks (`host_index_select_reference`)
+HOST_INDEX_RANKS = ("bound", "mean", "centre")  # how budgeted mode ranks the blocks (`host_index_select_reference`)
+
+
+def summary_centre(kind: str, summary, basis=None):
+    """The point a page summary of `kind` is centred on, f32[..., NB, dI]: the box's midpoint (kmin + kmax) / 2,
+    the ball's centre c, for "pca_box" U (amin + amax) / 2, for "ball_pca" c + U (amin + amax) / 2. Scoring it
+    ranks pages with no bytes beyond the summary's (budgeted mode's rank "centre")."""
+    check_summary_kind(kind)
+    if kind == "box":
+        return (summary[0] + summary[1]) / 2
+    if kind == "ball":
+        return summary[0]
+    mid = jnp.einsum("...m,dm->...d", (summary[-3] + summary[-2]) / 2, jnp.asarray(basis, jnp.float32),
+                     precision=HIGHEST)
+    return mid if kind == "pca_box" else summary[0] + mid
 
 
 def host_block_ranks(q, w, k, valid, block: int, rank: str = "bound", summary: str = "box", basis=None):
     """What `host_index_select_reference` ranks the blocks by: q f32[B, I, dI], w f32[B, I], k [B, S, dI],
     valid bool[B, S] -> f32[B, S / block], -inf for a block without a valid position. rank "bound": the
     `summary_score_bound` of the `summary` kind's `key_block_summary` (basis: its U), an upper bound of every score
-    of the block; "mean": the score of the block's mean valid key."""
+    of the block; "mean": the score of the block's mean valid key (one more dI-vector per block); "centre": the
+    score of the summary's centre (`summary_centre`: for the box its midpoint, no more bytes)."""
     if rank not in HOST_INDEX_RANKS:
         raise ValueError(f"rank must be one of {HOST_INDEX_RANKS}, got {rank!r}")
     check_summary_kind(summary)
@@ -374,7 +389,10 @@ def host_block_ranks(q, w, k, valid, block: int, rank: str = "bound", summary: s
         bound = index_scores(q[:, None], w[:, None], mean)[:, 0]
     else:
         summ = key_block_summary(summary, k, block, valid, basis)
-        bound = summary_score_bound(q[:, None], w[:, None], summary, summ, basis)[:, 0]  # [B, NB]
+        if rank == "centre":
+            bound = index_scores(q[:, None], w[:, None], summary_centre(summary, summ, basis))[:, 0]
+        else:
+            bound = summary_score_bound(q[:, None], w[:, None], summary, summ, basis)[:, 0]  # [B, NB]
     return jnp.where(live, bound, -jnp.inf)
 
 
@@ -389,7 +407,8 @@ def host_index_select_reference(q, w, k, valid, topk: int, block: int, budget: i
         ends with. The positions are `select_topk` of all exact scores (recall 1 by construction).
       budget N (an int, or int32[B] per row, traced or not): the N best-ranked blocks are read and the top-k is
         taken among their positions only; `rank` "bound" ranks blocks by their bound, "mean" by the score of the
-        block's mean key (HISA's coarse filter: no bound, one more dI-vector per block on the device).
+        block's mean key (HISA's coarse filter: no bound, one more dI-vector per block on the device), "centre"
+        by the score of the summary's centre (`summary_centre`).
     `summary` is the page summary the bounds come from (`SUMMARY_KINDS`, `key_block_summary` of the block's valid
     rows; basis: its U for "pca_box" / "ball_pca"), the box by default.
     """

@@ -175,6 +175,30 @@ def test_budgeted_recall_grows_with_the_budget():
     assert prev == 1.0
 
 
+@pytest.mark.parametrize("rank", ["bound", "centre"])
+def test_budgeted_mode_reads_the_pages_the_reference_ranks_first(rank):
+    """Budgeted mode's top-k is `host_index_select_reference`'s over the keys written (the oracle summarizes each
+    page's valid keys itself), for either page order: by the min / max box's bound, or by its midpoint's score."""
+    from pallas_kernels.indexer_topk.reference import host_index_select_reference
+
+    rng = np.random.default_rng(11)
+    lens, appends, budget = (400, 233), 30, 3
+    keys = [_keys(rng, n + appends, "normal") for n in lens]
+    _, st_, slots = _fill(host(SMALL, index_budget_pages=budget, index_rank=rank), lens, appends, keys, 0)
+    req = jnp.asarray(slots, jnp.int32)
+    pos = jnp.asarray([n + appends - 1 for n in lens], jnp.int32)
+    S = SMALL.max_seq_len
+    valid = jnp.arange(S)[None] <= pos[:, None]
+    for li in range(LI):
+        q = jnp.asarray(rng.standard_normal((2, CFG.index_n_heads, DI)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((2, CFG.index_n_heads)), jnp.float32)
+        k = jnp.asarray(np.stack([np.pad(kk[li], ((0, S - kk.shape[1]), (0, 0))) for kk in keys]))
+        want, read, _ = host_index_select_reference(q, w, k, valid, K, 64, budget=budget, rank=rank)
+        got, n = _select(st_, li, req, pos, q, w)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert int(n) == int(read.sum()) == 2 * budget
+
+
 def test_generate_exact_mode_gives_the_device_tier_tokens():
     """Through evictions, hot-buffer hits and misses; the keys read are counted apart from the KV's bytes."""
     model = hj.SparseMLAModel(CFG, rngs=nnx.Rngs(0))
@@ -245,6 +269,10 @@ def test_what_cannot_run_is_refused():
         CacheConfig(index_budget_pages=4)
     with pytest.raises(ValueError, match="index_budget_pages"):
         CacheConfig(index_tier="host", index_budget_pages=0)
+    with pytest.raises(ValueError, match="index_rank ranks the pages budgeted mode reads"):
+        CacheConfig(index_tier="host", index_rank="centre")
+    with pytest.raises(ValueError, match="index_rank must be one of"):
+        CacheConfig(index_tier="host", index_budget_pages=2, index_rank="mean")
     with pytest.raises(ValueError, match="index_tier must be the capacity's"):
         CacheConfig(index_tier="host", capacity=CacheConfig())
     spec = StoreSpec.create(CFG, host(SMALL))

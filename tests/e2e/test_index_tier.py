@@ -67,7 +67,7 @@ def test_exact_mode_is_the_full_top_k_and_budgets_grow_to_it(seed, kind, neg_w, 
     nb = S // block
     # every block holding a top-k position was read, so exact mode reads at least that many
     assert all(read[b] >= len({p // block for p in want[b] if p >= 0}) for b in range(B))
-    for rank in ("bound", "mean"):
+    for rank in ("bound", "mean", "centre"):
         recall_prev = np.zeros(B)
         for budget in sorted({1, 2, nb // 2, nb}):
             pos = np.asarray(sel(q, w, k, valid, topk=K, block=block, budget=budget, rank=rank)[0])
@@ -111,6 +111,8 @@ def test_index_tier_experiment_runs(tmp_path):
             assert d["page_bytes"] <= 2 * 2 * out["index_dim"] and d["bound_excess_over_best_score"] >= 0, (bs, kind)
             assert d["recall_by_fraction_read"]["1.0"] == 1.0 and sum(b["steps"] for b in d["by_position"].values()) \
                 == out["per_block_size"][bs]["per_index_layer"][0]["steps"], (bs, kind)
+            rec = d["centre"]["recall_by_fraction_read"]  # ranked by the summary's centre: no bound, a curve to 1
+            assert rec["1.0"] == 1.0 and list(rec.values()) == sorted(rec.values()), (bs, kind, rec)
 
 
 @pytest.mark.parametrize("argv, match", [(["--blocks", "16,x"], "--blocks: positive sizes"),

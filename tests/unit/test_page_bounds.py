@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.indexer_topk.reference import (SUMMARY_KINDS, host_block_ranks, host_index_select_reference,
-                                                   index_scores, key_block_summary, pca_basis, summary_page_values,
-                                                   summary_rank, summary_score_bound)
+                                                   index_scores, key_block_summary, pca_basis, summary_centre,
+                                                   summary_page_values, summary_rank, summary_score_bound)
 
 B, I, D, S, K = 2, 4, 16, 256, 16
 BLOCKS = (16, 64)
@@ -239,6 +239,39 @@ def test_budgeted_recall_is_the_top_k_share_of_the_pages_read():
                                             summary=kind, basis=u)[0])
             rec = [len(set(got[b][got[b] >= 0]) & set(np.flatnonzero(want[b]))) / want[b].sum() for b in range(B)]
             np.testing.assert_allclose(curve[:, i], rec, rtol=1e-6, err_msg=f"{kind} {f}")
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), block=st.sampled_from(BLOCKS))
+def test_a_summary_centre_is_the_centre_of_its_keys(seed, block):
+    """`summary_centre` (budgeted mode's rank "centre"), against NumPy: the box's midpoint of each dimension's
+    extremes; the ball's centre, the valid keys' mean (to bf16); a page of one repeated key (exact in bf16) centred
+    on that key by every summary, the basis kinds with a basis that holds the key."""
+    rng, q, w, k, valid = _case(seed, "normal", 1.0, False, False, "junk")
+    k = np.asarray(jnp.asarray(k).astype(jnp.bfloat16).astype(jnp.float32))
+    nb = S // block
+    kb, vb = k.reshape(B, nb, block, D), valid.reshape(B, nb, block)
+    got = np.asarray(summary_centre("box", _summary(kind="box", k=jnp.asarray(k), block=block,
+                                                    valid=jnp.asarray(valid))))
+    ball = np.asarray(summary_centre("ball", _summary(kind="ball", k=jnp.asarray(k), block=block,
+                                                      valid=jnp.asarray(valid))))
+    for b in range(B):
+        for j in range(nb):
+            rows = kb[b, j][vb[b, j]]
+            if not len(rows):
+                continue
+            np.testing.assert_array_equal(got[b, j], (rows.min(0) + rows.max(0)) / 2)  # exact: bf16 extremes
+            np.testing.assert_allclose(ball[b, j], rows.astype(np.float64).mean(0), rtol=2 ** -7, atol=1e-6)
+    # each page one key, the keys in an 8-dimensional subspace that the pca_box basis holds (ball_pca's centre is
+    # the ball's, the key itself, whatever its basis)
+    basis = np.linalg.qr(rng.standard_normal((D, D)))[0].astype(np.float32)
+    one = rng.standard_normal((B, nb, 8)).astype(np.float32) @ basis[:, :8].T
+    same = np.asarray(jnp.asarray(np.repeat(one, block, axis=1)).astype(jnp.bfloat16).astype(jnp.float32))
+    for kind in SUMMARY_KINDS:
+        u = basis[:, :summary_rank(kind, D)] if kind in ("pca_box", "ball_pca") else None
+        c = np.asarray(summary_centre(kind, _summary(kind=kind, k=jnp.asarray(same), block=block, basis=u), u))
+        tol = 2 ** -7 * np.abs(same).max() if kind == "pca_box" else 0  # its coefficients' box is rounded to bf16
+        np.testing.assert_allclose(c, same[:, ::block], rtol=0, atol=tol, err_msg=kind)
 
 
 def test_the_summaries_fit_the_box_bytes():
