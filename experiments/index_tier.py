@@ -26,8 +26,9 @@ the whole key history and against the KV rows the step attends to (top-k x 656 B
         [--trace-start 512] [--blocks 16,64] [--summaries box,ball,pca_box,ball_pca] [--out experiments/results]
         [--quick]
 
-Writes index_tier.json (the `summary` section per block size as before: the box's reads and recall by bound and by
-the mean key; each summary's figures under `summary[block]["summaries"]`) and index_tier.png (recall against
+Writes index_tier.json (index_tier-<model>.json for another --model than stdlib-dsa; the `summary` section per
+block size as before: the box's reads and recall by bound and by the mean key; each summary's figures under
+`summary[block]["summaries"]`, with its ranking by its centre under "centre") and index_tier.png (recall against
 blocks read per summary, exact mode's points on it; exact mode's reads over the floor per position bucket).
 """
 
@@ -383,8 +384,9 @@ def main(argv=None) -> int:
            "record_s": time.perf_counter() - t0, "per_block_size": res,
            "summary": summarize(res, model.cfg.index_topk, model.cfg.index_head_dim)}
     os.makedirs(a.out, exist_ok=True)
-    save_json(os.path.join(a.out, "index_tier.json"), out)
-    plot(out, os.path.join(a.out, "index_tier.png"))
+    name = "index_tier" if a.model == "stdlib-dsa" else f"index_tier-{os.path.basename(os.path.normpath(a.model))}"
+    save_json(os.path.join(a.out, f"{name}.json"), out)
+    plot(out, os.path.join(a.out, f"{name}.png"))
     for bs, s in out["summary"].items():
         print(f"blocks of {bs:>3}: live {s['live_blocks']:.1f}, holding a top-k position "
               f"{100 * s['topk_fraction_of_blocks']:.0f} %; recall by the mean key at 25 / 50 % "

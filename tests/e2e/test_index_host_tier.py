@@ -349,13 +349,15 @@ def test_demo_options_are_checked_before_any_work(monkeypatch, capsys):
     for argv, msg in ((["--index-budget-pages", "3"], "index_budget_pages is the read budget of index_tier='host'"),
                       (["--index-tier", "host", "--kernels", "pallas_interpret"], "index_tier='host' needs "
                                                                                    "kernels='reference'"),
-                      (["--index-tier", "host", "--hot-policy", "score_ema"], "index_tier='host' needs hot_policy")):
+                      (["--index-tier", "host", "--hot-policy", "score_ema"], "index_tier='host' needs hot_policy"),
+                      (["--index-tier", "host", "--index-rank", "centre"], "index_rank ranks the pages budgeted")):
         assert cli.main(["demo", *argv, "--plot", ""]) == 2
         err = capsys.readouterr().err
         assert err.startswith("hisparse demo: error: ") and msg in err and "Traceback" not in err, err
     assert demo.parse_args([]).index_tier == "device" and demo.parse_args([]).index_budget_pages == 0
-    base, dev_bytes = demo_workload.budgets(CFG, 2, 500, 2.0, index_tier="host", index_budget_pages=3)
-    assert (base.index_tier, base.index_budget_pages) == ("host", 3)
+    base, dev_bytes = demo_workload.budgets(CFG, 2, 500, 2.0, index_tier="host", index_budget_pages=3,
+                                            index_rank="centre")
+    assert (base.index_tier, base.index_budget_pages, base.index_rank) == ("host", 3, "centre")
     assert demo_workload.budgets(CFG, 2, 500, 2.0)[1] == dev_bytes  # the device budget counts device keys whatever the tier
 
 
