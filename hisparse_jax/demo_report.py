@@ -91,6 +91,9 @@ def table(out: dict) -> str:
             ("swap in MiB", "swap_in_bytes", "{:.1f}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
             ("hit rate", "hit_rate", "{:.3f}"), ("H2D MiB", "h2d_bytes", "{:.1f}"), ("D2H MiB", "d2h_bytes", "{:.1f}"),
             ("device KV pages", "device_pages", "{}"), ("wall s", "wall_s", "{:.1f}")]
+    if out.get("index_tier") == "host":
+        cols[14:14] = [("key MiB read", "index_h2d_bytes", "{:.1f}"),
+                       ("key KiB / step", "index_h2d_bytes_per_step", "{:.1f}")]
     if out.get("speculative_tokens"):
         cols[11:11] = [("acceptance rate", "acceptance_rate", "{:.3f}"), ("tokens/step", "tokens_per_step", "{:.2f}")]
     pols = list(out["policies"])
@@ -100,7 +103,8 @@ def table(out: dict) -> str:
         vals = []
         for p in pols:
             v = out["policies"][p][key]
-            vals.append(fmt.format(v / 2 ** 20 if key.endswith("_bytes") else v))
+            vals.append(fmt.format(v / 2 ** 20 if key.endswith("_bytes") else v / 2 ** 10 if
+                                   key.endswith("_bytes_per_step") else v))
         lines.append(f"{name:<{w}}  " + "  ".join(f"{v:>10}" for v in vals))
     lines.append(f"outputs identical across policies: {out['outputs_identical']}")
     if "hisparse_over_offload_mean_running" in out:

@@ -121,6 +121,8 @@ def run_policies(args: argparse.Namespace, on_setup=None) -> dict:
             "swaps": m.swaps, "tokens_per_s": m.tokens_per_s, "hit_rate": m.hit_rate,
             "hits": m.hits, "misses": m.misses, "resident": m.resident,
             "h2d_bytes": m.h2d_bytes, "d2h_bytes": m.d2h_bytes, "index_h2d_bytes": m.index_h2d_bytes,
+            # index_tier="host": indexer key bytes read from the host per step (every request and index layer)
+            "index_h2d_bytes_per_step": m.index_h2d_bytes / max(m.steps, 1),
             "evicted_pages": m.evicted_pages, "steps": m.steps, "wall_s": time.perf_counter() - t0,
             # what preempt / offload cost (`EngineMetrics`): tokens prefilled again, request-steps preempted or
             # swapped out, pages and bytes swapped each way

@@ -372,3 +372,5 @@ def test_demo_host_keys_give_the_same_outputs_and_count_their_reads():
     assert hst["index_tier"] == "host" and a["outputs_sha256"] == b["outputs_sha256"]
     assert a["index_h2d_bytes"] == 0 < b["index_h2d_bytes"] and b["index_host_bytes"] > 0 == a["index_host_bytes"]
     assert b["index_pool_bytes"] < a["index_pool_bytes"]  # summaries on the device instead of keys
+    assert b["index_h2d_bytes_per_step"] == b["index_h2d_bytes"] / b["steps"]
+    assert "key KiB / step" in demo.table(hst) and "key KiB / step" not in demo.table(dev)
