@@ -22,7 +22,7 @@ from hisparse_jax.kv.state import KVStore
 from hisparse_jax.units import PAGE_SIZE
 from pallas_kernels.common import fp8_quantize, hadamard, mxfp4_dequantize, mxfp4_quantize
 from pallas_kernels.indexer_topk.reference import (block_score_bound, index_scores, index_scores_fp8,
-                                                   index_scores_int4, select_topk)
+                                                   index_scores_int4, select_topk, summary_centre)
 
 
 def index_select(store: KVStore, index_layer: int, req, positions, q_index, w, num_pages: int | None = None):
@@ -105,13 +105,13 @@ def index_scores_host(store: KVStore, index_layer: int, req, positions, q_index,
     # one gather at (layer, page) each: no copy of the layer's summaries
     lo = store.index_lo[index_layer, pages].astype(jnp.float32)
     hi = store.index_hi[index_layer, pages].astype(jnp.float32)
-    if spec.index_budget_pages is not None and spec.index_rank == "centre":
-        bound = index_scores(qb[:, None], wb[:, None], (lo + hi) / 2)[:, 0]  # a rank, not a bound: budgeted only
+    if spec.index_budget_pages is not None and spec.index_rank == "centre":  # not a bound: budgeted mode only
+        rank = index_scores(qb[:, None], wb[:, None], summary_centre("box", (lo, hi)))[:, 0]
     else:
-        bound = block_score_bound(qb[:, None], wb[:, None], lo, hi)[:, 0]  # [B, P]
-    bound = jnp.where(live, jnp.where(jnp.isnan(bound), jnp.inf, bound), -jnp.inf)
-    order = jnp.argsort(-bound, axis=-1, stable=True).astype(jnp.int32)  # best bound first
-    ranked = jnp.take_along_axis(bound, order, axis=-1)
+        rank = block_score_bound(qb[:, None], wb[:, None], lo, hi)[:, 0]  # [B, P]
+    rank = jnp.where(live, jnp.where(jnp.isnan(rank), jnp.inf, rank), -jnp.inf)
+    order = jnp.argsort(-rank, axis=-1, stable=True).astype(jnp.int32)  # best first
+    ranked = jnp.take_along_axis(rank, order, axis=-1)
     C = min(spec.index_read_chunk, P)
     limit = P if spec.index_budget_pages is None else min(spec.index_budget_pages, P)
     rounds = -(-limit // C)
