@@ -369,7 +369,7 @@ class EngineCase:
                                self.shared_capacity)
 
     def engine_config(self):
-        from hisparse_jax.engine.engine import EngineConfig
+        from hisparse_jax.engine import EngineConfig
 
         return EngineConfig(policy=self.policy, admission=self.admission, coldness=self.coldness, prefill=self.prefill,
                             prefix_caching=self.prefix_caching, max_running=self.max_running,

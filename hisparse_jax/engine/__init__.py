@@ -26,7 +26,8 @@ Glossary:
   requests and queues) and resumed in any process with the uninterrupted run's tokens.
 """
 
-from hisparse_jax.engine.engine import Engine, EngineConfig
+from hisparse_jax.engine.engine import Engine
+from hisparse_jax.engine.engine_config import EngineConfig
 from hisparse_jax.engine.mesh import MeshEngine
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
 from hisparse_jax.engine.scheduler import POLICIES, device_budget

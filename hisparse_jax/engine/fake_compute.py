@@ -29,7 +29,8 @@ import numpy as np
 
 from hisparse_jax.config import CacheConfig, ModelConfig, get_preset
 from hisparse_jax.units import PAGE_SIZE
-from hisparse_jax.engine.engine import Engine, EngineConfig
+from hisparse_jax.engine.engine import Engine
+from hisparse_jax.engine.engine_config import EngineConfig
 from hisparse_jax.engine.request import SamplingParams
 from hisparse_jax.engine.runner import StepOutput
 from hisparse_jax.engine.scheduler import ADMISSIONS, POLICIES, PREFILL_MODES, StepPlan, pages

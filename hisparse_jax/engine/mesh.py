@@ -33,8 +33,8 @@ from flax import nnx
 
 from hisparse_jax import parallel
 from hisparse_jax.config import CacheConfig
-from hisparse_jax.engine.engine import (Engine, EngineConfig, UnknownRequest, check_engine_args, run_prompts,
-                                        run_steps)
+from hisparse_jax.engine.engine import Engine, UnknownRequest, check_engine_args, run_prompts, run_steps
+from hisparse_jax.engine.engine_config import EngineConfig
 from hisparse_jax.engine.metrics import combine_steps, summarize
 from hisparse_jax.engine.request import Request, SamplingParams
 from hisparse_jax.engine.runner import TRACE_COUNTS, MeshRunner, call_on_store

@@ -25,7 +25,8 @@ from collections import deque
 
 from hisparse_jax import integrity
 from hisparse_jax.config import CacheConfig
-from hisparse_jax.engine.engine import Engine, EngineConfig
+from hisparse_jax.engine.engine import Engine
+from hisparse_jax.engine.engine_config import EngineConfig
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
 from hisparse_jax.integrity import CheckpointError
 from hisparse_jax.kv.persist import load_tiered, save_tiered

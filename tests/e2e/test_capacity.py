@@ -11,7 +11,7 @@ from flax import nnx
 import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine import runner
-from hisparse_jax.engine.engine import Engine, EngineConfig
+from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.engine.request import SamplingParams
 from hisparse_jax.engine.scheduler import POLICIES, policy_cache
 from hisparse_jax.generate import generate

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine.fake_compute import FakeEngine, Workload, fake_token, liveness_model, run_workload
 from hisparse_jax.engine.metrics import combine_steps, summarize
-from hisparse_jax.engine.engine import Engine, EngineConfig
+from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.engine.request import RequestState, SamplingParams
 from hisparse_jax.engine import scheduler
 from hisparse_jax.engine.scheduler import ADMISSIONS, POLICIES, PREFILL_MODES
