@@ -6,7 +6,8 @@
 #   TEST_EXTRAS  extras `make test` installs: `test` (with the torch + transformers references) or `test-core`
 #   CONSTRAINTS  a pip constraints file, e.g. .ci/jax-lowest.txt to pin the lowest supported jax
 #   PYTEST_ARGS  extra pytest arguments (CI: its leg's -m filter, which only shares the slow tests out between the
-#                legs, and --durations=25; without it `make test` runs every test, all of which must pass)
+#                legs, and --durations=0 --durations-min=2: every test phase of 2 s or more, where CI's time goes;
+#                without it `make test` runs every test, all of which must pass)
 #   GPU_BUILD=1  also install the deviceless sm_90 compile tools: jax-cuda13-plugin / -pjrt of exactly the
 #                installed jax version, nvidia-cuda-nvcc (ptxas) and nvidia-nvvm (libdevice); jax >= 0.11 only
 PYTHON      ?= python3
