@@ -16,6 +16,7 @@ request finished within `step_bound(workload)` and the pools are empty (allocato
 the end). Written: the number of runs and failures (each failing seed with its first broken property), per
 pressure kind the runs that met it and its events (requests admitted sharing a prefix, steps with prompt chunks,
 preemptions, swap-outs, HiSparse page releases, whole prefills), the wait reasons seen, and steps vs the bound.
+Progress (schedules done, failures so far, time left) goes to stderr about every 30 s.
 
 `demo` also schedules the demo's own workload the same way (`hisparse demo`'s defaults: the trained model's
 layout, 16 held-out-text prompts of up to 4096 tokens per device, 160 new tokens, prefill "whole", its HiSparse
@@ -29,6 +30,7 @@ change these (no eos; prefix hits come from the prompts; "oldest" coldness), so 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -146,6 +148,28 @@ def demo_schedule(devices: int, repeat: bool, policy: str = "hisparse", admissio
             "requests_sharing_a_prefix": sum(1 for e in ranks for r in e.requests.values() if r.cached_tokens)}
 
 
+def run_all(tasks: list[tuple[int, str]], jobs: int, t0: float, every_s: float = 30.0) -> list[dict]:
+    """`one` of every task, in order, on `jobs` worker processes; progress on stderr about every `every_s`
+    seconds (schedules done, failures so far, time and an estimate of what is left) and at the end."""
+    results, last = [], t0
+    with contextlib.ExitStack() as stack:
+        if jobs > 1:
+            import multiprocessing as mp
+
+            runs = stack.enter_context(mp.get_context("spawn").Pool(jobs)).imap(one, tasks, chunksize=64)
+        else:
+            runs = map(one, tasks)
+        for r in runs:
+            results.append(r)
+            now = time.perf_counter()
+            if now - last >= every_s or len(results) == len(tasks):
+                last, done = now, len(results)
+                left = (now - t0) / done * (len(tasks) - done)
+                print(f"liveness: {done:,} / {len(tasks):,} schedules, {sum(1 for x in results if x['failures'])} "
+                      f"failed, {now - t0:.0f} s, about {left:.0f} s left", file=sys.stderr, flush=True)
+    return results
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=10_000)
@@ -161,13 +185,7 @@ def main(argv=None) -> int:
         p.error(f"--admissions: comma-separated subset of {','.join(ADMISSIONS)}, got {args.admissions!r}")
     t0 = time.perf_counter()
     tasks = [(s, a) for s in range(args.seed, args.seed + args.runs) for a in rules]
-    if args.jobs > 1:
-        import multiprocessing as mp
-
-        with mp.get_context("spawn").Pool(args.jobs) as pool:
-            results = pool.map(one, tasks, chunksize=64)
-    else:
-        results = [one(t) for t in tasks]
+    results = run_all(tasks, args.jobs, t0)
     import jax
 
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.platform(), "jax": jax.__version__,
