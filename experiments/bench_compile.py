@@ -91,7 +91,7 @@ def sm90_step(layers: int, kv: str, kernels: str) -> dict:
     spec = StoreSpec.create(cfg, cache)
     return {"model": "glm-5", "layers": layers, "runs": len(layer_runs(cfg)), "kv": kv, "kernels": kernels,
             "batch": gpu_build.BATCH, "store_layers": spec.num_layers, "lower_s": round(t1 - t0, 2),
-            "compile_s": round(t2 - t1, 2), "hlo_checks": "passed"}
+            "compile_s": round(t2 - t1, 2), "xla_options": dl.XLA_OPTIONS, "hlo_checks": "passed"}
 
 
 def main(argv=None) -> dict:
