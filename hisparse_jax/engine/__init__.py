@@ -33,5 +33,5 @@ from hisparse_jax.engine.request import Request, RequestState, SamplingParams
 from hisparse_jax.engine.scheduler import POLICIES, device_budget
 from hisparse_jax.engine.snapshot import load_engine, save_engine
 
-__all__ = ["Engine", "EngineConfig", "MeshEngine", "device_budget", "Request", "RequestState", "SamplingParams", "POLICIES",
-           "load_engine", "save_engine"]
+__all__ = ["Engine", "EngineConfig", "MeshEngine", "device_budget", "Request", "RequestState", "SamplingParams",
+           "POLICIES", "load_engine", "save_engine"]

@@ -40,12 +40,13 @@ class EngineConfig:
     draft is accepted when it equals the token the request's (seed, position) draw gives: outputs identical to
     k = 0, greedy and sampled) or "rejection" (the standard rule: accepted with the target's probability of it;
     same distribution, more accepted when sampling, tokens depend on the drafts). Needs prefill="whole" and
-    prefix_caching=False (prompts whose rows go through the store in
-    chunks are not carried by the speculative step yet);
+    prefix_caching=False (prompts whose rows go through the store in chunks are not carried by the speculative
+    step yet);
     placement (a `MeshEngine` only): which rank a new request goes to — "balanced" (the rank already holding most
-    of its prompt's pages (prefix caching), then the least loaded) or "round_robin"; expert_parallel (a `MeshEngine` only):
-    split the routed experts over the mesh's devices (each holds 1/N of every MoE layer's experts; each MoE layer
-    gathers the ranks' tokens and scatters the sums back) instead of replicating every parameter."""
+    of its prompt's pages (prefix caching), then the least loaded) or "round_robin";
+    expert_parallel (a `MeshEngine` only): split the routed experts over the mesh's devices (each holds 1/N of every
+    MoE layer's experts; each MoE layer gathers the ranks' tokens and scatters the sums back) instead of
+    replicating every parameter."""
 
     policy: str = "hisparse"
     admission: str = "vllm"

@@ -171,3 +171,23 @@ def test_every_schedule_is_live(w):
         if rep.counts[kind]:
             event(kind)
     assert rep.steps <= rep.bound
+
+
+def test_the_experiment_runs_every_task_in_order_on_one_or_two_processes(capsys):
+    """`experiments/liveness.py`'s driver: the same summaries, in the tasks' order, on one process or two workers;
+    progress on stderr (each result with every_s=0; only the final line when the interval never passes)."""
+    import time
+
+    from experiments import liveness
+
+    tasks = [(seed, admission) for seed in range(3) for admission in ADMISSIONS]
+    t0 = time.perf_counter()
+    alone = liveness.run_all(tasks, jobs=1, t0=t0, every_s=0)
+    lines = capsys.readouterr().err.splitlines()
+    pooled = liveness.run_all(tasks, jobs=2, t0=t0, every_s=1e9)
+    assert [(r["seed"], r["admission"]) for r in alone] == tasks
+    assert pooled == alone and not any(r["failures"] for r in alone)
+    assert [line.split(" schedules")[0] for line in lines] == [f"liveness: {i} / {len(tasks)}"
+                                                               for i in range(1, len(tasks) + 1)]
+    last = capsys.readouterr().err.splitlines()
+    assert len(last) == 1 and last[0].startswith(f"liveness: {len(tasks)} / {len(tasks)} schedules, 0 failed"), last
