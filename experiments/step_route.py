@@ -2,8 +2,8 @@
 behind docs/architecture.md.
 
 The step batches a running request's decode row with a 64-token chunk of a newly admitted prompt (the "tiny-glm"
-preset: GLM's layer pattern in 4 layers). Jit caches are cleared first, so the device program is traced again and its Python counts too; a
-profiler (`sys.setprofile`) records every function called during that one `Engine.step`.
+preset: GLM's layer pattern in 4 layers). Jit caches are cleared first, so the device program is traced again and
+its Python counts too; a profiler (`sys.setprofile`) records every function called during that one `Engine.step`.
 
     PYTHONPATH=. python experiments/step_route.py [--out FILE]
 """
