@@ -8,6 +8,8 @@
 #   PYTEST_ARGS  extra pytest arguments (CI: its leg's -m filter, which only shares the slow tests out between the
 #                legs, and --durations=0 --durations-min=2: every test phase of 2 s or more, where CI's time goes;
 #                without it `make test` runs every test, all of which must pass)
+#   TEST_JOBS    pytest processes `make test` runs at once (2): they share the test files out between them
+#                (tests/parallel.py; 1 runs one plain pytest)
 #   GPU_BUILD=1  also install the deviceless sm_90 compile tools: jax-cuda13-plugin / -pjrt of exactly the
 #                installed jax version, nvidia-cuda-nvcc (ptxas) and nvidia-nvvm (libdevice); jax >= 0.11 only
 PYTHON      ?= python3
@@ -16,6 +18,7 @@ TEST_EXTRAS ?= test
 CONSTRAINTS ?=
 GPU_BUILD   ?=
 PYTEST_ARGS ?=
+TEST_JOBS   ?= 2
 PIP          = $(VENV)/bin/pip
 PIP_INSTALL  = $(PIP) install --quiet $(if $(CONSTRAINTS),--constraint $(CONSTRAINTS))
 
@@ -42,11 +45,11 @@ gpu-build-tools: $(VENV)/.installed-gpu-build
 demo: $(VENV)/.installed
 	$(VENV)/bin/hisparse demo
 
-# what `make test` needs installed, without running it (CI installs both legs first, then tests them side by side)
+# what `make test` needs installed, without running it (CI installs leg 2 while leg 1 runs)
 test-setup: $(VENV)/.installed-$(TEST_EXTRAS) $(if $(GPU_BUILD),$(VENV)/.installed-gpu-build)
 
 test: test-setup
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/python tests/parallel.py -j $(TEST_JOBS) -q $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

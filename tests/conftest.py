@@ -103,6 +103,14 @@ def hf_pair(request, tmp_path_factory):
     return request.param, model, hj.load_pretrained(path, dtype=jnp.float32)
 
 
+def pytest_runtestloop(session):
+    """Under `tests/parallel.py` (what `make test` runs): only the test files this worker claims from the queue it
+    shares with the other workers; otherwise pytest's own loop."""
+    from parallel import run_claimed_files
+
+    return run_claimed_files(session)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():
     """Drop every compiled program when a test module ends (the next module compiles its own anyway). Keeping

@@ -1,0 +1,114 @@
+"""`tests/parallel.py`, the runner `make test` uses: on a small generated suite, every selected test runs exactly
+once, each file whole in one worker with its module fixture built and torn down once (a session fixture once per
+worker), the work is shared, and the exit status says what pytest's would (a failure anywhere fails the run; an
+empty selection is exit 5)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+
+import pytest
+
+from parallel import exit_status
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CONFTEST = """
+import os
+import pytest
+from parallel import run_claimed_files
+
+def pytest_runtestloop(session):
+    return run_claimed_files(session)
+
+@pytest.fixture(scope="session")
+def shared():
+    with open(os.environ["RUNNER_LOG"], "a") as f:
+        f.write(f"{os.getpid()} session setup\\n")
+"""
+
+TEST_FILE = """
+import os, time
+import pytest
+
+LOG = os.environ["RUNNER_LOG"]
+
+def log(what):
+    with open(LOG, "a") as f:
+        f.write(f"{{os.getpid()}} {{__name__}} {{what}}\\n")
+
+def workers():
+    return {{line.split()[0] for line in open(LOG) if line.endswith(" session setup\\n")}}
+
+@pytest.fixture(scope="module")
+def built():
+    log("setup")
+    deadline = time.time() + 120  # each file waits for every worker to be running one: all of them take part
+    while time.time() < deadline and len(workers()) < int(os.environ["RUNNER_WORKERS"]):
+        time.sleep(0.05)
+    yield
+    log("teardown")
+
+@pytest.mark.parametrize("i", range({n}))
+def test_it(shared, built, i):
+    time.sleep(0.05)
+    log(f"test {{i}}")
+    assert not ({fail} and i == 1)
+"""
+
+
+def run(tmp_path, *args, files=6, fail=(), workers=2):
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "conftest.py").write_text(CONFTEST)
+    for k in range(files):
+        (suite / f"test_f{k}.py").write_text(TEST_FILE.format(n=3 + k % 3, fail=k in fail))
+    log = tmp_path / "log"
+    log.touch()
+    env = {**os.environ, "RUNNER_LOG": str(log), "RUNNER_WORKERS": str(workers), "PYTHONPATH": TESTS}
+    proc = subprocess.run([sys.executable, os.path.join(TESTS, "parallel.py"), *args, "-q", "-p", "no:cacheprovider",
+                           str(suite)], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    events = [line.split() for line in log.read_text().splitlines()]
+    return proc, events
+
+
+def test_every_test_once_each_file_whole_in_one_worker(tmp_path):
+    proc, events = run(tmp_path, "-j", "2")
+    assert proc.returncode == 0, proc.stdout
+    tests = collections.Counter((e[1], e[3]) for e in events if e[2] == "test")
+    assert len(tests) == sum(3 + k % 3 for k in range(6)) and set(tests.values()) == {1}
+    by_file = collections.defaultdict(list)
+    for pid, module, *what in events:
+        by_file[module].append((pid, " ".join(what)))
+    assert len(by_file) == 7 and len(by_file.pop("session")) == 2  # once per worker: kept across its files
+    for module, seen in by_file.items():
+        assert len({pid for pid, _ in seen}) == 1, (module, seen)  # the whole file in one worker
+        assert [w for _, w in seen if not w.startswith("test")] == ["setup", "teardown"]  # its fixture once
+    assert len({e[0] for e in events}) == 2  # both workers ran files
+    assert "[w1] " in proc.stdout and "[w2] " in proc.stdout and "exit [0, 0]" in proc.stdout
+
+
+def test_one_worker_is_plain_pytest(tmp_path):
+    proc, events = run(tmp_path, "-j", "1", files=2, workers=1)
+    assert proc.returncode == 0 and "[w1]" not in proc.stdout
+    assert len({e[0] for e in events}) == 1 and sum(e[2] == "test" for e in events) == 7
+
+
+def test_a_failure_fails_the_run_and_the_rest_still_runs(tmp_path):
+    proc, events = run(tmp_path, "-j", "2", fail=(2,))
+    assert proc.returncode == 1, proc.stdout
+    assert sum(e[2] == "test" for e in events) == sum(3 + k % 3 for k in range(6))
+    assert "1 failed" in proc.stdout
+
+
+def test_an_empty_selection_is_exit_5(tmp_path):
+    proc, _ = run(tmp_path, "-j", "2", "-k", "no_such_test")
+    assert proc.returncode == 5, proc.stdout
+
+
+@pytest.mark.parametrize("codes, status", [([0, 0], 0), ([0, 5], 0), ([5, 5], 5), ([5, 1], 1), ([2, 1], 2)])
+def test_exit_status(codes, status):
+    assert exit_status(codes) == status
