@@ -2,7 +2,8 @@
 tables, hot buffers and the host-side bookkeeping, so decoding continues exactly where it stopped.
 
 Layout of `path`: `store/` (an Orbax checkpoint of the `KVStore` arrays) and `manager.json` (configs, the
-`PagePool` snapshot, each request's pages and length, and a manifest of every array's dtype, shape and SHA-256).
+`PagePool`'s state (`pool_state`), each request's pages and length, and a manifest of every array's dtype, shape
+and SHA-256).
 Restored host pools are `pinned_host` arrays again.
 
 The restored arrays are what `init_store` makes: each is put in the sharding a new store's array has (memory kind
@@ -34,13 +35,82 @@ from hisparse_jax.integrity import CheckpointError
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.codec import scored_keys
-from hisparse_jax.kv.pool import PagePool, PoolError, RequestPages
+from hisparse_jax.kv.pool import PagePool, PoolError, RequestPages, Tier
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.state import KVStore, from_host_bits, init_store, store_shardings
 from hisparse_jax.units import PAGE_SIZE
 
 FORMAT = "hisparse_jax.PageManager"
 VERSION = 2  # 2: array manifest + metadata checksum
+POOL_FORMAT, POOL_VERSION = "hisparse_jax.kv.PagePool", 1
+
+
+def pool_state(pool: PagePool) -> dict:
+    """A `PagePool` as JSON-serializable data: budgets, in-use pages with refcounts, prefix registrations, cached
+    free pages in their reclaim order. Not the free list: "every other page with refcount 0", handed out lowest
+    first, so the pool `restore_pool` rebuilds allocates exactly as this one would."""
+    def tier(t: Tier) -> dict:
+        rc = pool.refcounts(t)
+        return {"budget": pool.budget(t), "used": [[p, int(rc[p])] for p in np.flatnonzero(rc).tolist()],
+                "prefix": [[h, p] for p, h in pool.registrations(t).items()], "cached": pool.cached_pages(t)}
+
+    return {"format": POOL_FORMAT, "version": POOL_VERSION, "retain_prefix": pool.retain_prefix,
+            "tiers": {t.value: tier(t) for t in Tier}}
+
+
+def restore_pool(state: dict) -> PagePool:
+    """The `PagePool` that `pool_state` described (also after a JSON round trip), rebuilt through its own methods:
+    pages 0..n-1 allocated (n: past the highest in-use or cached page), shared to their refcounts, registered, and
+    the rest freed (the cached pages last, in their reclaim order). Raises PoolError on a malformed or inconsistent
+    state, naming the tier and entry."""
+    if not isinstance(state, dict) or state.get("format") != POOL_FORMAT:
+        raise PoolError(f"not a PagePool state (format {state.get('format') if isinstance(state, dict) else state!r})")
+    if state.get("version") != POOL_VERSION:
+        raise PoolError(f"unsupported PagePool state version {state.get('version')!r}; this code reads "
+                        f"version {POOL_VERSION}")
+    tiers = state.get("tiers")
+    if not isinstance(tiers, dict) or set(tiers) != {t.value for t in Tier}:
+        raise PoolError(f"the pool state's tiers must be exactly {[t.value for t in Tier]}, got "
+                        f"{list(tiers) if isinstance(tiers, dict) else tiers!r}")
+    try:
+        pool = PagePool(*(tiers[t.value]["budget"] for t in Tier), retain_prefix=True)
+        for t in Tier:
+            _restore_tier(pool, t, tiers[t.value])
+    except (TypeError, ValueError, KeyError, IndexError) as e:
+        raise PoolError(f"bad pool state: {type(e).__name__}: {e}") from None
+    if (retain := bool(state.get("retain_prefix", False))) is False and any(pool.num_cached(t) for t in Tier):
+        raise PoolError("the pool state has cached free pages but retain_prefix is off")
+    pool.set_retain_prefix(retain)
+    pool.check_invariants()
+    return pool
+
+
+def _page(pool: PagePool, t: Tier, page) -> int:
+    pool.refcount(t, page)  # PoolError for an id outside the tier's pool, TypeError for a non-int
+    return int(page)
+
+
+def _restore_tier(pool: PagePool, t: Tier, state: dict) -> None:
+    used = {_page(pool, t, p): int(r) for p, r in state.get("used", [])}
+    cached = [_page(pool, t, p) for p in state.get("cached", [])]
+    prefix = [(int(h), _page(pool, t, p)) for h, p in state.get("prefix", [])]
+    if len(used) != len(state.get("used", [])) or min(used.values(), default=1) < 1:
+        raise PoolError(f"pool state {t.value}: in-use entries must name distinct pages with refcount >= 1")
+    if len({h for h, _ in prefix}) != len(prefix) or len(registered := {p for _, p in prefix}) != len(prefix):
+        raise PoolError(f"pool state {t.value}: repeated prefix entries in {prefix[:5]}")
+    if len(set(cached)) != len(cached) or set(cached) & set(used) or not set(cached) <= registered:
+        raise PoolError(f"pool state {t.value}: cached pages must be distinct, free and registered, got {cached[:5]}")
+    if unheld := [p for _, p in prefix if p not in used and p not in cached]:
+        raise PoolError(f"pool state {t.value}: prefix page {unheld[0]} is neither in use nor cached")
+    n = max([*used, *cached], default=-1) + 1
+    pool.allocate(t, n)  # pages 0..n-1: a new pool hands out its lowest pages first
+    for p, r in used.items():
+        for _ in range(r - 1):
+            pool.incref(t, p)
+    for h, p in prefix:
+        pool.register_prefix(t, h, p)
+    pool.free(t, [p for p in range(n) if p not in used and p not in cached])
+    pool.free(t, cached)  # in their order: the reclaim order
 
 
 def _arrays(store: KVStore) -> dict:
@@ -70,7 +140,7 @@ def _write_manager(manager: PageManager, arrays: dict, path: str) -> None:
     meta = {
         "format": FORMAT, "version": VERSION, "arrays": integrity.manifest(arrays),
         "model": dataclasses.asdict(manager.model_cfg), "cache": dataclasses.asdict(manager.cache),
-        "pool": manager.pool.snapshot(),
+        "pool": pool_state(manager.pool),
         "requests": {str(s): dataclasses.asdict(r) for s, r in manager.requests.items()},
         "lengths": {str(s): n for s, n in manager.lengths.items()},
         "evicted_pages": manager.evicted_pages, "d2h_bytes": manager.d2h_bytes, "h2d_bytes": manager.h2d_bytes,
@@ -87,7 +157,7 @@ def _read_manager(model_cfg: ModelConfig, cache: CacheConfig, meta: dict) -> Pag
     """The bookkeeping `_write_manager` saved, whose tables are already on the device: no updates pending. Raises
     PoolError when it is inconsistent."""
     c = PageManager(model_cfg, cache)
-    c.pool = PagePool.from_snapshot(meta["pool"])
+    c.pool = restore_pool(meta["pool"])
     c.requests = {int(s): RequestPages(**r) for s, r in meta["requests"].items()}
     c.lengths = {int(s): n for s, n in meta["lengths"].items()}
     c.evicted_pages, c.d2h_bytes, c.h2d_bytes = meta["evicted_pages"], meta["d2h_bytes"], meta.get("h2d_bytes", 0)
@@ -225,8 +295,8 @@ def written_rows(manager: PageManager) -> dict[int, int]:
             k = min(PAGE_SIZE, max(0, n - i * PAGE_SIZE))
             if k and page >= 0:
                 rows[page] = max(rows.get(page, 0), k)
-    for _, page in manager.pool.snapshot()["tiers"]["index"]["prefix"]:
-        rows[int(page)] = PAGE_SIZE
+    for page in manager.pool.registrations(Tier.INDEX):
+        rows[page] = PAGE_SIZE
     return rows
 
 

@@ -20,15 +20,13 @@ import numpy as np
 from hisparse_jax.memory import Cost, check_account
 from hisparse_jax.units import INVALID
 
-_SNAPSHOT_FORMAT = "hisparse_jax.kv.PagePool"
-_SNAPSHOT_VERSION = 1
 _HASH_BITS = 63   # page hashes are non-negative and fit an int64 (and JSON) exactly
 # host bytes per page of each pool: an int32 refcount, and an int64 count while the invariants are checked
 POOL_BYTES_PER_PAGE = 4 + 8
 
 
 class PoolError(RuntimeError):
-    """A page-pool bookkeeping error: double free, bad page id, broken invariant, bad snapshot."""
+    """A page-pool bookkeeping error: double free, bad page id, broken invariant, bad saved state."""
 
 
 class OutOfPages(PoolError):
@@ -286,6 +284,15 @@ class PagePool:
         the caller must `incref` it before anything is allocated."""
         return self._s(tier).hash_to_page.get(_as_int(h, "prefix hash"))
 
+    def registrations(self, tier: Tier | str) -> dict[int, int]:
+        """{page: hash} of every registered page of `tier` (in use, or cached free), by page id."""
+        return dict(sorted(self._s(tier).page_to_hash.items()))
+
+    def cached_pages(self, tier: Tier | str) -> list[int]:
+        """The cached free prefix pages of `tier`, in the order `allocate` reclaims them (least recently freed
+        first)."""
+        return list(self._s(tier).cached)
+
     def prefix_hash(self, tier: Tier | str, page: int) -> int | None:
         """The hash `page` is registered under, or None."""
         s = self._s(tier)
@@ -358,57 +365,6 @@ class PagePool:
                 raise PoolError(f"{name}: hash {h} -> page {p}, but page {p} -> hash {s.page_to_hash.get(p)}")
             if not 0 <= p < s.budget or (rc[p] == 0 and p not in s.cached):
                 raise PoolError(f"{name}: prefix hash {h} names page {p}, which is free (not cached) or out of range")
-
-    def snapshot(self) -> dict:
-        """JSON-serializable state: budgets, in-use pages with refcounts, prefix registrations, cached free pages
-        in their reclaim order. Not the free list: "every other page with refcount 0", handed out lowest first, so a
-        restored pool allocates exactly as the original would have."""
-        tiers = {t.value: {"budget": s.budget,
-                           "used": [[p, int(s.refcount[p])] for p in np.flatnonzero(s.refcount).tolist()],
-                           "prefix": [[int(h), int(p)] for p, h in sorted(s.page_to_hash.items())],
-                           "cached": [int(p) for p in s.cached]} for t, s in self._t.items()}
-        return {"format": _SNAPSHOT_FORMAT, "version": _SNAPSHOT_VERSION, "retain_prefix": self.retain_prefix,
-                "tiers": tiers}
-
-    @classmethod
-    def from_snapshot(cls, d: Mapping) -> "PagePool":
-        """Rebuild a pool from `snapshot()` output (possibly after a JSON round trip). Raises PoolError on a
-        malformed or inconsistent snapshot."""
-        if not isinstance(d, Mapping) or d.get("format") != _SNAPSHOT_FORMAT:
-            raise PoolError(f"not a PagePool snapshot (format {d.get('format') if isinstance(d, Mapping) else d!r})")
-        if d.get("version") != _SNAPSHOT_VERSION:
-            raise PoolError(f"unsupported PagePool snapshot version {d.get('version')!r}; "
-                            f"this code reads version {_SNAPSHOT_VERSION}")
-        tiers = d.get("tiers")
-        if not isinstance(tiers, Mapping) or set(tiers) != {t.value for t in Tier}:
-            raise PoolError(f"snapshot tiers must be exactly {[t.value for t in Tier]}, "
-                            f"got {list(tiers) if isinstance(tiers, Mapping) else tiers!r}")
-        try:
-            pool = cls(*(tiers[t.value]["budget"] for t in Tier), retain_prefix=bool(d.get("retain_prefix", False)))
-        except (TypeError, ValueError, KeyError) as e:
-            raise PoolError(f"bad budgets in snapshot: {e}") from e
-        for t, s in pool._t.items():
-            td = tiers[t.value]
-            for entry in td.get("used", []):
-                p, r = s.page(entry[0]), _as_int(entry[1], "refcount")
-                if r < 1 or s.refcount[p]:
-                    raise PoolError(f"snapshot {t.value}: bad or repeated used entry {entry!r}")
-                s.refcount[p] = r
-            cached = [s.page(p) for p in td.get("cached", [])]
-            if len(set(cached)) != len(cached) or any(s.refcount[p] for p in cached):
-                raise PoolError(f"snapshot {t.value}: cached pages must be distinct free pages, got {cached[:5]}")
-            used = np.flatnonzero(s.refcount)
-            s.used, s.cached = int(used.size), dict.fromkeys(cached)
-            s.next_fresh = max([int(used[-1]) if used.size else -1] + cached) + 1
-            s.returned = [p for p in np.flatnonzero(s.refcount[:s.next_fresh] == 0).tolist()
-                          if p not in s.cached]  # sorted: a valid heap
-            for h, p in td.get("prefix", []):
-                h, p = _as_int(h, "prefix hash"), s.page(p)
-                if h in s.hash_to_page or p in s.page_to_hash:
-                    raise PoolError(f"snapshot {t.value}: repeated prefix entry ({h}, {p})")
-                s.hash_to_page[h], s.page_to_hash[p] = p, h
-        pool.check_invariants()  # registrations on in-use or cached pages only, among the rest
-        return pool
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""Host-side page-pool bookkeeping (hisparse_jax.kv.pool): allocation, refcounts, prefix hashes, invariants."""
+"""Host-side page-pool bookkeeping (hisparse_jax.kv.pool): allocation, refcounts, prefix hashes, invariants; its saved
+state (kv.persist.pool_state / restore_pool)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.units import INVALID
+from hisparse_jax.kv.persist import pool_state, restore_pool
 from hisparse_jax.kv.pool import (OutOfPages, PagePool, PoolError, RequestPages, Tier,
                                   owners_of, page_hash)
 
@@ -52,13 +54,13 @@ def test_allocation_order_lowest_free_first():
 def test_out_of_pages_leaves_state_unchanged():
     pool = PagePool(4, 2, 0)
     pool.allocate(Tier.DEVICE, 3)
-    before = pool.snapshot()
+    before = pool_state(pool)
     assert pool.can_allocate(Tier.DEVICE, 1) and not pool.can_allocate(Tier.DEVICE, 2)
     with pytest.raises(OutOfPages, match=r"out of device pages: asked for 2, 1 free") as ei:
         pool.allocate(Tier.DEVICE, 2)
     assert (ei.value.tier, ei.value.requested, ei.value.free, ei.value.budget) == (Tier.DEVICE, 2, 1, 4)
     assert isinstance(ei.value, PoolError)
-    assert pool.snapshot() == before
+    assert pool_state(pool) == before
     with pytest.raises(OutOfPages, match=r"out of host pages: asked for 1, 0 free"):
         pool.allocate(Tier.HOST, 1)
     assert pool.allocate(Tier.DEVICE, 1) == [3]
@@ -184,7 +186,7 @@ def test_page_hash_chain_determinism_and_sensitivity():
         page_hash(-1, [1])
 
 
-def test_snapshot_round_trip():
+def test_saved_state_round_trip():
     pool = PagePool(6, 3, 5)
     d = pool.allocate(Tier.DEVICE, 4)
     pool.free(Tier.DEVICE, [d[1]])
@@ -194,24 +196,39 @@ def test_snapshot_round_trip():
     h = pool.allocate(Tier.HOST, 5)
     pool.free(Tier.HOST, [h[0], h[3]])
     pool.register_prefix(Tier.HOST, 99, h[4])
-    snap = pool.snapshot()
-    restored = PagePool.from_snapshot(json.loads(json.dumps(snap)))
-    assert restored.snapshot() == snap
+    snap = pool_state(pool)
+    restored = restore_pool(json.loads(json.dumps(snap)))
+    assert pool_state(restored) == snap
     assert restored.stats() == pool.stats()
     restored.check_invariants()
     # future allocations agree
     for t, n in [(Tier.DEVICE, 2), (Tier.HOST, 2), (Tier.INDEX, 1)]:
         assert restored.allocate(t, n) == pool.allocate(t, n)
-    assert restored.snapshot() == pool.snapshot()
-    # malformed snapshots are refused
+    assert pool_state(restored) == pool_state(pool)
+    # malformed states are refused
     bad = json.loads(json.dumps(snap))
     bad["tiers"]["device"]["prefix"].append([1, 1])     # page 1 is free
     with pytest.raises(PoolError):
-        PagePool.from_snapshot(bad)
+        restore_pool(bad)
     with pytest.raises(PoolError, match="version"):
-        PagePool.from_snapshot({**snap, "version": 99})
-    with pytest.raises(PoolError, match="not a PagePool snapshot"):
-        PagePool.from_snapshot({"tiers": {}})
+        restore_pool({**snap, "version": 99})
+    with pytest.raises(PoolError, match="not a PagePool state"):
+        restore_pool({"tiers": {}})
+    for tier, key, entry, match in [("device", "used", [0, 1], "distinct pages"),  # page 0 is listed already
+                                    ("host", "cached", 2, "cached pages must be"),  # page 2 is in use
+                                    ("device", "cached", 1, "cached pages must be"),  # free, but not registered
+                                    ("index", "used", [3, 1], "out of range"),  # the index budget is 3
+                                    ("device", "prefix", [2 ** 62 + 5, 3], "repeated prefix"),
+                                    ("host", "used", [True, 1], "bad pool state")]:
+        bad = json.loads(json.dumps(snap))
+        bad["tiers"][tier][key].append(entry)
+        with pytest.raises(PoolError, match=match):
+            restore_pool(bad)
+    cached = copy.deepcopy(snap)
+    cached["tiers"]["device"]["cached"], cached["tiers"]["device"]["prefix"] = [1], [[7, 1], [2 ** 62 + 5, 2]]
+    assert pool_state(restore_pool({**cached, "retain_prefix": True}))["tiers"]["device"]["cached"] == [1]
+    with pytest.raises(PoolError, match="retain_prefix is off"):
+        restore_pool(cached)
 
 
 def test_invariants_detect_owner_mismatches():
@@ -316,10 +333,10 @@ class PoolMachine(RuleBasedStateMachine):
         cached = self.cached[tier]
         free = [p for p in range(self.pool.budget(tier)) if rc[p] == 0 and p not in cached]
         if n > len(free) + len(cached):
-            before = self.pool.snapshot()
+            before = pool_state(self.pool)
             with pytest.raises(OutOfPages):
                 self.pool.allocate(tier, n)
-            assert self.pool.snapshot() == before
+            assert pool_state(self.pool) == before
         else:
             pages = self.pool.allocate(tier, n)
             reclaimed = cached[:max(0, n - len(free))]
@@ -399,9 +416,9 @@ class PoolMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "pool"):
             return
-        snap = self.pool.snapshot()
-        restored = PagePool.from_snapshot(json.loads(json.dumps(snap)))
-        assert restored.snapshot() == snap
+        snap = pool_state(self.pool)
+        restored = restore_pool(json.loads(json.dumps(snap)))
+        assert pool_state(restored) == snap
         for t in TIERS:  # the restored pool hands out the same pages in the same order
             n = self.pool.num_free(t)
             assert restored.allocate(t, n) == copy.deepcopy(self.pool).allocate(t, n)

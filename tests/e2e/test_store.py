@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from store_pair import StorePair
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.kv.manager import BudgetError, check_batch_fits
+from hisparse_jax.kv.persist import pool_state
 from hisparse_jax.kv.pool import OutOfPages, PoolError, Tier
 from hisparse_jax.units import INVALID
 from tiny import model_cfg
@@ -251,10 +252,10 @@ def test_errors_are_clear_and_change_nothing():
     tc = StorePair(MODEL, cache_config(host_pages=5, max_seqs=2))
     ref = Reference()
     admit(tc, ref, rng, 64 * 3)
-    before = tc.pool.snapshot()
+    before = pool_state(tc.pool)
     with pytest.raises(OutOfPages, match="host"):
         tc.admit(64 * 3)
-    assert tc.pool.snapshot() == before and len(tc.requests) == 1
+    assert pool_state(tc.pool) == before and len(tc.requests) == 1
     tc.check_invariants()
     # a position beyond seq_len
     s = next(iter(tc.requests))
