@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from parallel import exit_status
+from parallel import add_up, exit_status
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,7 +88,8 @@ def test_every_test_once_each_file_whole_in_one_worker(tmp_path):
         assert len({pid for pid, _ in seen}) == 1, (module, seen)  # the whole file in one worker
         assert [w for _, w in seen if not w.startswith("test")] == ["setup", "teardown"]  # its fixture once
     assert len({e[0] for e in events}) == 2  # both workers ran files
-    assert "[w1] " in proc.stdout and "[w2] " in proc.stdout and "exit [0, 0]" in proc.stdout
+    assert "[w1] " in proc.stdout and "[w2] " in proc.stdout
+    assert f"2 workers: {len(tests)} passed (exits [0, 0]) -> exit 0" in proc.stdout
 
 
 def test_one_worker_is_plain_pytest(tmp_path):
@@ -101,12 +102,20 @@ def test_a_failure_fails_the_run_and_the_rest_still_runs(tmp_path):
     proc, events = run(tmp_path, "-j", "2", fail=(2,))
     assert proc.returncode == 1, proc.stdout
     assert sum(e[2] == "test" for e in events) == sum(3 + k % 3 for k in range(6))
-    assert "1 failed" in proc.stdout
+    final = next(line for line in proc.stdout.splitlines() if line.startswith("=== 2 workers: "))
+    assert sorted(final.removeprefix("=== 2 workers: ").split(" (exits")[0].split(", ")) == ["1 failed", "23 passed"]
 
 
 def test_an_empty_selection_is_exit_5(tmp_path):
     proc, _ = run(tmp_path, "-j", "2", "-k", "no_such_test")
     assert proc.returncode == 5, proc.stdout
+
+
+def test_summaries_add_up():
+    assert add_up(["769 passed, 115 skipped, 13 deselected, 1 warning", "425 passed, 1 failed, 13 deselected"]) \
+        == "1194 passed, 115 skipped, 13 deselected, 1 warning, 1 failed"
+    assert add_up(["3 passed, 1 warning, 1 error", "2 passed, 2 warnings, 1 error"]) \
+        == "5 passed, 3 warnings, 2 errors"
 
 
 @pytest.mark.parametrize("codes, status", [([0, 0], 0), ([0, 5], 0), ([5, 5], 5), ([5, 1], 1), ([2, 1], 2)])
