@@ -43,7 +43,7 @@ from hisparse_jax import calc
 
 SEQ = 81_920  # the calculator's published default case
 NEW_TOKENS = (16, 48)  # per request, drawn uniformly (the prompt leaves room for the longest in the same pages)
-TAIL_PAGES = 2  # the calculator's "retained" pages: the store's tail pages (kv.manager.TAIL_PAGES)
+TAIL_PAGES = 2  # the calculator's "retained" pages: the store's tail pages (kv.spec.TAIL_PAGES)
 # (policy, indexer key format, where the keys live: `CacheConfig.index_tier`)
 VARIANTS = (("offload", "fp8", "device"), ("hisparse", "fp8", "device"), ("hisparse", "int4", "device"),
             ("hisparse", "fp8", "host"))

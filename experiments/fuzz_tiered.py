@@ -212,6 +212,7 @@ def draw_index_dtype(rng) -> str:
 def watch_managers():
     """Check the allocator invariants after every `PageManager.advance` (once per decode step) and record every
     `PageManager` built meanwhile, so the caller can check that its pools end empty."""
+    from hisparse_jax.kv.audit import check_manager
     from hisparse_jax.kv.manager import PageManager
 
     made: list = []
@@ -223,7 +224,7 @@ def watch_managers():
 
     def advance_watch(self, slots, n=1):
         advance(self, slots, n)
-        self.check_invariants()
+        check_manager(self)
 
     PageManager.__init__, PageManager.advance = init_watch, advance_watch
     try:
@@ -299,7 +300,7 @@ def _reference_tokens(model, case: GenerateCase):
 def run_generate_case(case: GenerateCase, model=None) -> dict:
     """Run one case and check it against the oracle; raises AssertionError on any disagreement."""
     from hisparse_jax.generate import generate
-    from hisparse_jax.kv.manager import BudgetError
+    from hisparse_jax.kv.spec import BudgetError
 
     model = model or fuzz_model()
     expect = case.expected_refusal()
@@ -455,7 +456,7 @@ def _drive(eng, case: EngineCase, admit, max_steps: int = 2000, add=None,
     refused) request indices (refusals are checked against the oracle, `case.expected_refusal` unless
     `expected_refusal` is given). `add(eng, i, params)` adds request i (default: `add_request` of its prompt)."""
     from hisparse_jax.engine.request import SamplingParams
-    from hisparse_jax.kv.manager import BudgetError
+    from hisparse_jax.kv.spec import BudgetError
 
     add = add or (lambda e, i, params: e.add_request(f"r{i}", case.prompts[i], params))
     expected_refusal = expected_refusal or case.expected_refusal

@@ -25,9 +25,10 @@ from hisparse_jax.engine.runner import (Runner, bucket_pow2, check_prefill_memor
                                         jitted_prefill, jitted_sharded_step, pad, sampler)
 from hisparse_jax.engine.sampling import prompt_seeds
 from hisparse_jax.kv import device as kv_device
-from hisparse_jax.kv.dense import DenseKV, init_dense_kv
 from hisparse_jax.kv.account import check_store_memory
-from hisparse_jax.kv.manager import PageManager, check_batch_fits
+from hisparse_jax.kv.dense import DenseKV, init_dense_kv
+from hisparse_jax.kv.manager import PageManager
+from hisparse_jax.kv.spec import check_batch_fits
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.tiered import check_backend, check_kernels, empty_stats, index_span, stats_bytes
 from hisparse_jax.model.decoder import SparseMLAModel

@@ -27,19 +27,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax.config import CacheConfig
+from hisparse_jax.engine import speculative
 from hisparse_jax.engine.engine_config import EngineConfig
 from hisparse_jax.engine.metrics import step_metrics, summarize
 from hisparse_jax.engine.pd import IMPORT_CHUNK, PrefillExport, check_export, load_export
 from hisparse_jax.engine.request import Request, RequestState, SamplingParams
+from hisparse_jax.engine.runner import SAMPLING_PAD, TRACE_COUNTS, Runner, StepRows, call_on_store, pad
 from hisparse_jax.engine.scheduler import Scheduler, pages, policy_cache
-from hisparse_jax.kv.manager import COLDNESS, BudgetError, PageManager, check_batch_fits
 from hisparse_jax.kv import device as kv_device, tiered
 from hisparse_jax.kv.account import check_store_memory
+from hisparse_jax.kv.manager import COLDNESS, PageManager
+from hisparse_jax.kv.spec import BudgetError, check_batch_fits
 from hisparse_jax.kv.state import StoreSpec
-from hisparse_jax.engine.runner import SAMPLING_PAD, TRACE_COUNTS, Runner, StepRows, call_on_store, pad
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.results import EngineMetrics, StepMetrics
-from hisparse_jax.engine import speculative
 from hisparse_jax.validation import check_eos, check_prompt
 
 

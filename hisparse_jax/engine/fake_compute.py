@@ -28,14 +28,15 @@ import math
 import numpy as np
 
 from hisparse_jax.config import CacheConfig, ModelConfig, get_preset
-from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.engine.engine import Engine
 from hisparse_jax.engine.engine_config import EngineConfig
 from hisparse_jax.engine.request import SamplingParams
 from hisparse_jax.engine.runner import StepOutput
 from hisparse_jax.engine.scheduler import ADMISSIONS, POLICIES, PREFILL_MODES, StepPlan, pages
-from hisparse_jax.kv.manager import BudgetError
+from hisparse_jax.kv.audit import check_manager
 from hisparse_jax.kv.pool import OutOfPages, Tier
+from hisparse_jax.kv.spec import BudgetError
+from hisparse_jax.units import PAGE_SIZE
 
 
 def fake_token(seed: int, position: int, vocab: int) -> int:
@@ -279,7 +280,7 @@ def run_workload(w: Workload, model: ModelConfig | None = None, check_every: int
             waits[why] = waits.get(why, 0) + 1
         if check_every and s.step % check_every == 0:
             try:
-                eng.manager.check_invariants()
+                check_manager(eng.manager)
             except Exception as e:  # noqa: BLE001
                 failures.append(f"(d) step {s.step}: allocator invariants broken: {e}")
                 break
@@ -293,7 +294,7 @@ def run_workload(w: Workload, model: ModelConfig | None = None, check_every: int
         failures.append(f"(b) {rolled_back} chunked admissions rolled back on OutOfPages")
     if not failures:
         try:
-            eng.manager.check_invariants()
+            check_manager(eng.manager)
         except Exception as e:  # noqa: BLE001
             failures.append(f"(d) allocator invariants broken at the end: {e}")
         if not eng.pool_empty():

@@ -50,11 +50,12 @@ import dataclasses
 from collections import deque
 
 from hisparse_jax.config import CacheConfig
-from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.engine.request import Request, RequestState
-from hisparse_jax.kv.manager import TAIL_PAGES, BudgetError, PageManager, min_device_pages
+from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.pool import OutOfPages, Tier
+from hisparse_jax.kv.spec import TAIL_PAGES, BudgetError, min_device_pages
 from hisparse_jax.kv.spec import StoreSpec
+from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.units import INVALID
 
 POLICIES = ("preempt", "offload", "hisparse")

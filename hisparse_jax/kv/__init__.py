@@ -1,14 +1,15 @@
 """The tiered paged KV store.
 
 Modules: `spec.py` (`StoreSpec`, the static geometry), `state.py` (`KVStore`, the arrays: device pools, pinned-host
-pools, tables), the jitted store operations the decode step uses, one idea each: `codec.py` (value formats, host memory
-moves), `writes.py` (row writes), `scoring.py` (the indexer's top-k), `resolve.py` (top-k -> `Plan`, the hot buffer's
-victim order, misses host -> device, reads); `tiered.py` (the `TieredKV` backend and the decode-step entry points),
-`pool.py` (`PagePool`: page ids, refcounts, prefix registrations); the host bookkeeping `manager.py` (`PageManager`, one
-class: admission, eviction and its coldness orders, swap, prefix sharing, checks, and whether requests fit at all)
-— NumPy only; `updates.py` (what the bookkeeping asks of the device tables) and `device.py` (carrying those updates out
-on a `KVStore`: table changes, write-back, swap-in; checked row writes and reads); `persist.py` (save / restore);
-`dense.py` (the contiguous all-resident KV arrays behind plain `generate`).
+pools, tables), the jitted store operations the decode step uses, one idea each: `codec.py` (value formats, host
+memory moves), `writes.py` (row writes), `scoring.py` (the indexer's top-k), `resolve.py` (top-k -> `Plan`, the hot
+buffer's victim order, misses host -> device, reads); `tiered.py` (the `TieredKV` backend and the decode-step entry
+points), `pool.py` (`PagePool`: page ids, refcounts, prefix registrations); the host bookkeeping `manager.py`
+(`PageManager`, one class: admission, eviction and its coldness orders, swap, prefix sharing) and its consistency
+checks `audit.py` — NumPy only (whether requests fit at all: `spec.check_batch_fits`); `updates.py` (what the
+bookkeeping asks of the device tables) and `device.py` (carrying those updates out on a `KVStore`: table changes,
+write-back, swap-in; checked row writes and reads); `persist.py` (save / restore); `dense.py` (the contiguous
+all-resident KV arrays behind plain `generate`).
 
 Glossary (one word, one thing; where the code still uses a word for two things, the second meaning is named):
 

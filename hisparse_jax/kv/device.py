@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax.kv import writes
+from hisparse_jax.kv.audit import check_manager, check_table_copies
 from hisparse_jax.kv.codec import from_host_memory, set_rows, to_host_memory
 from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.resolve import fetch_misses, gather_rows, resolve
@@ -304,10 +305,10 @@ def gather(store: KVStore, manager: PageManager, slots, topk):
 
 
 def check_tables(store: KVStore, manager: PageManager) -> None:
-    """`manager.check_invariants()`, and the store's tables equal the manager's view (pending updates must have been
-    applied). Reads the tables back: tests and debugging."""
+    """`kv.audit.check_manager`, and the store's tables equal the manager's view (`kv.audit.check_table_copies`;
+    pending updates must have been applied). Reads the tables back: tests and debugging."""
     if manager.updates:
         raise RuntimeError(f"{len(manager.updates)} table updates are not applied yet: apply_updates first")
-    manager.check_invariants()
-    manager.check_tables(*jax.device_get((store.block_table, store.host_table, store.index_table,
-                                        store.hot_pages, store.seq_lens)))
+    check_manager(manager)
+    check_table_copies(manager, *jax.device_get((store.block_table, store.host_table, store.index_table,
+                                                 store.hot_pages, store.seq_lens)))

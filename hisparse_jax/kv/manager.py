@@ -1,6 +1,6 @@
 """`PageManager`: the host-side page bookkeeping of a tiered KV store, in one class: admission, tail-page
-reservation, eviction under pressure, whole-request swap, prefix sharing, consistency checks; and `check_batch_fits`,
-whether requests fit its limits at all. NumPy only: it never calls jit and never reads a device array. It decides
+reservation, eviction under pressure, whole-request swap, prefix sharing. Whether requests fit its limits at all is
+`kv.spec.check_batch_fits`; its consistency checks are `kv.audit`'s. NumPy only: it never calls jit and never reads a device array. It decides
 which pages exist where (`PagePool`) and records what the device tables must become as ordered `updates`
 (`kv.updates`), which the owner of the `KVStore` applies (`kv.device.apply_updates`) before the next device call.
 
@@ -18,57 +18,11 @@ import numpy as np
 
 from hisparse_jax.config import CacheConfig, ModelConfig
 from hisparse_jax.kv.account import bookkeeping_costs
-from hisparse_jax.kv.pool import OutOfPages, PagePool, PoolError, RequestPages, Tier, owners_of, page_hash
-from hisparse_jax.kv.spec import StoreSpec
+from hisparse_jax.kv.pool import OutOfPages, PagePool, PoolError, RequestPages, Tier, page_hash
+from hisparse_jax.kv.spec import TAIL_PAGES, StoreSpec, check_batch_fits
 from hisparse_jax.kv.updates import ClearStamps, EvictPages, LoadPages, SetTables, Update, pad_pow2, table_row
 from hisparse_jax.memory import check_account
 from hisparse_jax.units import INVALID, PAGE_SIZE
-
-TAIL_PAGES = 2  # a request's last pages (being written) are never evicted
-
-
-class BudgetError(ValueError):
-    """A request can never fit the configured budgets (raised before anything is changed)."""
-
-
-def min_device_pages(limits: StoreSpec, num_pages: int, *, releasable: bool) -> int:
-    """Device pages a request of `num_pages` logical pages needs at the least: all of them, or (when pages
-    can be evicted to the host) its last `TAIL_PAGES` plus its hot buffer, whichever is fewer."""
-    return min(num_pages, TAIL_PAGES + limits.hot_pages) if releasable else num_pages
-
-
-def check_batch_fits(limits: StoreSpec, num_tokens: list[int], *, releasable: bool) -> None:
-    """Raise BudgetError (naming the budget, what is needed and by how much it falls short) unless requests holding
-    `num_tokens` KV positions each at their longest (prompt + new tokens - 1: the last sampled token is never
-    written) fit at once the request slots, `max_seq_len`, the indexer pool, the host pool (every page mirrored) and
-    the device pool (all pages, or tail pages + a hot buffer when pages are `releasable`). A pure function of the
-    `limits` (`PageManager.budget_spec`), checked before anything changes. Exact: every smaller budget of that tier
-    fails, and a batch that passes decodes to the end (pages are only ever added, and the cheapest way to hold a
-    request never grows by more than the page it adds)."""
-    n = [-(-t // PAGE_SIZE) for t in num_tokens]
-    if len(n) > limits.max_seqs:
-        raise BudgetError(f"max_seqs is too small: {len(n)} requests need {len(n)} request slots; max_seqs is "
-                          f"{limits.max_seqs}, {len(n) - limits.max_seqs} short")
-    if too_long := [t for t in num_tokens if t > limits.max_pages * PAGE_SIZE]:
-        raise BudgetError(f"max_seq_len is too small: a request needs {too_long[0]} KV positions; the store "
-                          f"holds {limits.max_pages * PAGE_SIZE} per request")
-    dev = [min_device_pages(limits, k, releasable=releasable) for k in n]
-    for name, have, need, how in (
-            ("index_pages", limits.index_pages, n, "indexer pages (every page's keys are kept, " +
-             ("in the host tier)" if limits.index_tier == "host" else "on the device)")),
-            ("host_pages", limits.host_pages, n if limits.mirror_to_host else [],
-             "host pages (every page is mirrored to the host)"),
-            ("device_pages", limits.device_pages, dev,
-             "device pages (no page can be released)" if dev == n and not releasable else
-             f"device pages at the least (all pages, or {TAIL_PAGES} tail pages + {limits.hot_pages} hot-buffer "
-             "pages, whichever is fewer)")):
-        if sum(need) > have:
-            what = (f"a {num_tokens[0]}-token request ({n[0]} pages)" if len(n) == 1 else
-                    f"{len(n)} requests of {num_tokens} tokens ({n} pages)")
-            parts = " + ".join(str(x) for x in need) + " = " if len(need) > 1 else ""
-            raise BudgetError(f"{name} is too small: {what} need{'s' if len(n) == 1 else ''} {parts}{sum(need)} "
-                              f"{how}; {name} is {have}, {sum(need) - have} short")
-
 
 def oldest_first(pages: list[int], stamps: np.ndarray) -> list[int]:
     """Default coldness: a request's evictable logical pages, oldest first (vLLM's eviction order)."""
@@ -549,50 +503,3 @@ class PageManager:
         if hot:
             row[len(hot):] = hot[0]
         return row
-
-    def check_invariants(self) -> None:
-        """Raise PoolError unless the bookkeeping is consistent (for tests, debugging, `EngineConfig(check_invariants=
-        True)` and restore): pool and requests agree (no leak, no double ownership); every page has a copy somewhere;
-        a request with evicted pages has a hot buffer (unless swapped out whole); tail pages resident; prefix
-        registrations name the pages' own hashes; lengths covered by pages. `check_tables` checks the device's."""
-        self.pool.check_invariants(owners_of(self.requests.values()))
-        for s, r in self.requests.items():
-            n, evicted = r.num_pages, r.host_only_pages()
-            if evicted and not r.hot and s not in self.swapped:
-                raise PoolError(f"slot {s}: pages {evicted[:8]} are released but the request has no hot buffer "
-                                "to read them through")
-            if lost := [i for i in evicted if r.host[i] == INVALID]:
-                raise PoolError(f"slot {s}: page {lost[0]} has no copy anywhere")
-            chain = self.prefix_hashes.get(s, [])
-            if len(chain) > n:
-                raise PoolError(f"slot {s}: {len(chain)} prefix hashes for {n} pages")
-            for i, h in enumerate(chain):  # a registered page holds the tokens its hash names
-                for tier, page in ((Tier.INDEX, r.index[i]), (Tier.DEVICE, r.device[i]), (Tier.HOST, r.host[i])):
-                    got = self.pool.prefix_hash(tier, page) if page != INVALID else None
-                    if got is not None and got != h:
-                        raise PoolError(f"slot {s}: {tier.value} page {page} (logical {i}) is registered under "
-                                        f"hash {got}, but the slot's page {i} has hash {h}")
-            if n < -(-(length := self.lengths[s]) // PAGE_SIZE):
-                raise PoolError(f"slot {s}: {length} tokens but only {n} pages")
-            for i in range(max(n - TAIL_PAGES, 0), n):
-                if length > i * PAGE_SIZE and r.device[i] == INVALID and s not in self.swapped:
-                    raise PoolError(f"slot {s}: tail page {i} is not resident")
-
-    def check_tables(self, block_table, host_table, index_table, hot_pages, seq_lens) -> None:
-        """Raise PoolError unless the device tables (NumPy copies read back from a `KVStore`: int32[max_seqs,
-        max_pages] page tables, int32[max_seqs, hot_pages], int32[max_seqs]) equal this bookkeeping."""
-        for s in range(self.spec.max_seqs):
-            r = self.requests.get(s, RequestPages())
-            for name, table, want in (("block", block_table, r.device), ("host", host_table, r.host),
-                                      ("index", index_table, r.index)):
-                if list(table[s, :(n := len(want))]) != want or np.any(table[s, n:] != -1):
-                    raise PoolError(f"slot {s}: device {name} table {table[s, :n + 1].tolist()} != host view {want}")
-            if s in self.requests:
-                # the row is the capacity's width: the budget's lent pages, then (slots past the hot-row budget)
-                # the first lent page again, or -1 throughout while none is lent
-                row, k = hot_pages[s].tolist(), len(r.hot)
-                past = r.hot[0] if r.hot else INVALID
-                if sorted(row[:k]) != sorted(r.hot) or any(x != past for x in row[k:]):
-                    raise PoolError(f"slot {s}: hot pages {row} != {r.hot} (then {past} past the budget's)")
-                if seq_lens[s] != self.lengths[s]:
-                    raise PoolError(f"slot {s}: store seq_len {seq_lens[s]} != {self.lengths[s]}")

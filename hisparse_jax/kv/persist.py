@@ -33,8 +33,9 @@ from hisparse_jax import integrity
 from hisparse_jax.config import CacheConfig, ModelConfig, RopeConfig
 from hisparse_jax.integrity import CheckpointError
 from hisparse_jax.kv import device as kv_device
-from hisparse_jax.kv.manager import PageManager
+from hisparse_jax.kv.audit import check_manager, check_pool
 from hisparse_jax.kv.codec import scored_keys
+from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.pool import PagePool, PoolError, RequestPages, Tier
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.state import KVStore, from_host_bits, init_store, store_shardings
@@ -52,7 +53,7 @@ def pool_state(pool: PagePool) -> dict:
     def tier(t: Tier) -> dict:
         rc = pool.refcounts(t)
         return {"budget": pool.budget(t), "used": [[p, int(rc[p])] for p in np.flatnonzero(rc).tolist()],
-                "prefix": [[h, p] for p, h in pool.registrations(t).items()], "cached": pool.cached_pages(t)}
+                "prefix": [[h, p] for p, h in pool.prefix_maps(t)[1].items()], "cached": pool.cached_pages(t)}
 
     return {"format": POOL_FORMAT, "version": POOL_VERSION, "retain_prefix": pool.retain_prefix,
             "tiers": {t.value: tier(t) for t in Tier}}
@@ -81,7 +82,7 @@ def restore_pool(state: dict) -> PagePool:
     if (retain := bool(state.get("retain_prefix", False))) is False and any(pool.num_cached(t) for t in Tier):
         raise PoolError("the pool state has cached free pages but retain_prefix is off")
     pool.set_retain_prefix(retain)
-    pool.check_invariants()
+    check_pool(pool)
     return pool
 
 
@@ -171,7 +172,7 @@ def _read_manager(model_cfg: ModelConfig, cache: CacheConfig, meta: dict) -> Pag
     for s in c.requests:  # the manager learns which hot pages the device's tables hold; the updates are dropped,
         c.record_tables(s)  # the tables being on the device already
     c.take_updates()
-    c.check_invariants()
+    check_manager(c)
     return c
 
 
@@ -295,7 +296,7 @@ def written_rows(manager: PageManager) -> dict[int, int]:
             k = min(PAGE_SIZE, max(0, n - i * PAGE_SIZE))
             if k and page >= 0:
                 rows[page] = max(rows.get(page, 0), k)
-    for page in manager.pool.registrations(Tier.INDEX):
+    for page in manager.pool.prefix_maps(Tier.INDEX)[1]:
         rows[page] = PAGE_SIZE
     return rows
 

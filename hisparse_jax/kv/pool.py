@@ -13,7 +13,7 @@ import enum
 import hashlib
 import heapq
 import operator
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -284,9 +284,17 @@ class PagePool:
         the caller must `incref` it before anything is allocated."""
         return self._s(tier).hash_to_page.get(_as_int(h, "prefix hash"))
 
-    def registrations(self, tier: Tier | str) -> dict[int, int]:
-        """{page: hash} of every registered page of `tier` (in use, or cached free), by page id."""
-        return dict(sorted(self._s(tier).page_to_hash.items()))
+    def prefix_maps(self, tier: Tier | str) -> tuple[dict[int, int], dict[int, int]]:
+        """Copies of `tier`'s registrations both ways, ({hash: page}, {page: hash} by page id): every registered
+        page, in use or cached free."""
+        s = self._s(tier)
+        return dict(s.hash_to_page), dict(sorted(s.page_to_hash.items()))
+
+    def free_list(self, tier: Tier | str) -> tuple[list[int], int]:
+        """(the freed pages below the watermark that wait for reuse, lowest id first, not counting the cached ones;
+        the watermark: pages at or above it were never handed out), for `kv.audit`."""
+        s = self._s(tier)
+        return sorted(s.returned), s.next_fresh
 
     def cached_pages(self, tier: Tier | str) -> list[int]:
         """The cached free prefix pages of `tier`, in the order `allocate` reclaims them (least recently freed
@@ -297,74 +305,6 @@ class PagePool:
         """The hash `page` is registered under, or None."""
         s = self._s(tier)
         return s.page_to_hash.get(s.page(page))
-
-    def check_invariants(self, owners: Mapping[Tier | str, Iterable[Iterable[int]]] | None = None) -> None:
-        """Raise PoolError (with the tier, the page and the numbers) if the bookkeeping is inconsistent. Always
-        checked, per tier: refcounts >= 0; a page is free iff its refcount is 0; the free list has no duplicates and
-        no out-of-range ids; used + free == budget; prefix registrations are one-to-one, on in-use pages.
-
-        owners: for some or all tiers, an iterable of per-owner page lists (per-request block tables, hot buffers...;
-        INVALID entries are skipped). For each tier given, every page's refcount must equal the number of times the
-        owners reference it (prefix sharing: k > 1): fewer is a leak, more is double ownership, and a referenced
-        page must not be free."""
-        for s in self._t.values():
-            self._check_tier(s)
-        for tier, lists in (owners or {}).items():
-            s = self._s(tier)
-            refs = np.zeros(s.budget, np.int64)
-            for i, lst in enumerate(lists):
-                arr = np.asarray(lst if isinstance(lst, np.ndarray) else list(lst)).reshape(-1)
-                if arr.size and not np.issubdtype(arr.dtype, np.integer):
-                    raise PoolError(f"owner {i} of tier {s.tier.value} holds non-integer page ids ({arr.dtype})")
-                arr = arr[arr != INVALID].astype(np.int64)
-                if (bad := arr[(arr < 0) | (arr >= s.budget)]).size:
-                    raise PoolError(f"owner {i} references {s.tier.value} page {int(bad[0])}, out of range "
-                                    f"[0, {s.budget})")
-                np.add.at(refs, arr, 1)
-            if (bad := np.flatnonzero(refs != s.refcount)).size == 0:
-                continue
-            msgs = [f"page {p} is referenced by {k} owner(s) but is free" if r == 0 else
-                    f"page {p} is referenced {k} times but has refcount {r} (double ownership)" if k > r else
-                    f"page {p} has refcount {r} but only {k} owner reference(s) (leaked)"
-                    for p, k, r in zip(bad[:5].tolist(), refs[bad[:5]].tolist(), s.refcount[bad[:5]].tolist())]
-            more = f" (+{bad.size - 5} more)" if bad.size > 5 else ""
-            raise PoolError(f"{s.tier.value} pool disagrees with its owners: " + "; ".join(msgs) + more)
-
-    def _check_tier(self, s: _TierState) -> None:
-        name, rc, nf = s.tier.value, s.refcount, s.next_fresh
-        if rc.shape != (s.budget,):
-            raise PoolError(f"{name}: refcount table has shape {rc.shape}, budget is {s.budget}")
-        if (rc < 0).any():
-            raise PoolError(f"{name}: page {(p := int(np.argmax(rc < 0)))} has negative refcount {int(rc[p])}")
-        if not 0 <= nf <= s.budget:
-            raise PoolError(f"{name}: fresh-page watermark {nf} outside [0, {s.budget}]")
-        if (rc[nf:] != 0).any():
-            raise PoolError(f"{name}: never-allocated page {(p := nf + int(np.argmax(rc[nf:] != 0)))} has refcount "
-                            f"{int(rc[p])}")
-        # the free pages below the watermark: each once in the free list, either returned or cached
-        free = np.asarray(s.returned + list(s.cached), np.int64)
-        if (out := free[(free < 0) | (free >= nf)]).size:
-            raise PoolError(f"{name}: free list holds page ids outside [0, {nf}): {sorted(out.tolist())[:5]}")
-        if (bad := np.flatnonzero((times := np.bincount(free, minlength=nf)) != (rc[:nf] == 0))).size:
-            p = int(bad[0])
-            raise PoolError(f"{name}: page {p} " + ("is in the free list more than once" if times[p] > 1 else
-                                                   f"is in the free list but has refcount {int(rc[p])}" if times[p]
-                                                   else "has refcount 0 but is not in the free list (lost page)"))
-        if s.cached and not self.retain_prefix:
-            raise PoolError(f"{name}: {len(s.cached)} cached free pages but retain_prefix is off")
-        if unreg := [p for p in s.cached if p not in s.page_to_hash]:
-            raise PoolError(f"{name}: cached free page {unreg[0]} has no prefix registration")
-        used, nfree = int(np.count_nonzero(rc)), free.size + (s.budget - nf)
-        if used != s.used or used + nfree != s.budget:
-            raise PoolError(f"{name}: used {used} (counter {s.used}) + free {nfree} != budget {s.budget}")
-        if len(s.hash_to_page) != len(s.page_to_hash):
-            raise PoolError(f"{name}: prefix maps disagree ({len(s.hash_to_page)} hashes, "
-                            f"{len(s.page_to_hash)} pages)")
-        for h, p in s.hash_to_page.items():
-            if s.page_to_hash.get(p) != h:
-                raise PoolError(f"{name}: hash {h} -> page {p}, but page {p} -> hash {s.page_to_hash.get(p)}")
-            if not 0 <= p < s.budget or (rc[p] == 0 and p not in s.cached):
-                raise PoolError(f"{name}: prefix hash {h} names page {p}, which is free (not cached) or out of range")
 
 
 @dataclasses.dataclass
@@ -440,10 +380,3 @@ class RequestPages:
         for t in Tier:
             pool.free(t, owned[t])
         self.device.clear(), self.host.clear(), self.index.clear(), self.hot.clear()
-
-
-def owners_of(requests: Iterable[RequestPages]) -> dict[Tier, list[list[int]]]:
-    """The `owners` argument of `PagePool.check_invariants` for a batch of requests: per tier, one page list
-    per request (DEVICE includes hot-buffer pages)."""
-    reqs = list(requests)
-    return {t: [r.owned(t) for r in reqs] for t in Tier}

@@ -1,5 +1,6 @@
 """`StoreSpec`: the static geometry of a tiered store (pure Python + NumPy: the host bookkeeping needs it, and
-it must not need jax). The store's arrays themselves are `kv.state.KVStore`."""
+it must not need jax), and what follows from its limits alone: `check_batch_fits` (whether requests can ever fit
+them) and `min_device_pages`. The store's arrays themselves are `kv.state.KVStore`."""
 
 from __future__ import annotations
 
@@ -173,3 +174,49 @@ class StoreSpec:
     def page_bytes(self) -> int:
         """Bytes of one KV page in one layer."""
         return PAGE_SIZE * self.row_bytes
+
+
+TAIL_PAGES = 2  # a request's last pages (being written) are never evicted
+
+
+class BudgetError(ValueError):
+    """A request can never fit the configured budgets (raised before anything is changed)."""
+
+
+def min_device_pages(limits: StoreSpec, num_pages: int, *, releasable: bool) -> int:
+    """Device pages a request of `num_pages` logical pages needs at the least: all of them, or (when pages
+    can be evicted to the host) its last `TAIL_PAGES` plus its hot buffer, whichever is fewer."""
+    return min(num_pages, TAIL_PAGES + limits.hot_pages) if releasable else num_pages
+
+
+def check_batch_fits(limits: StoreSpec, num_tokens: list[int], *, releasable: bool) -> None:
+    """Raise BudgetError (naming the budget, what is needed and by how much it falls short) unless requests holding
+    `num_tokens` KV positions each at their longest (prompt + new tokens - 1: the last sampled token is never
+    written) fit at once the request slots, `max_seq_len`, the indexer pool, the host pool (every page mirrored) and
+    the device pool (all pages, or tail pages + a hot buffer when pages are `releasable`). A pure function of the
+    `limits` (`PageManager.budget_spec`), checked before anything changes. Exact: every smaller budget of that tier
+    fails, and a batch that passes decodes to the end (pages are only ever added, and the cheapest way to hold a
+    request never grows by more than the page it adds)."""
+    n = [-(-t // PAGE_SIZE) for t in num_tokens]
+    if len(n) > limits.max_seqs:
+        raise BudgetError(f"max_seqs is too small: {len(n)} requests need {len(n)} request slots; max_seqs is "
+                          f"{limits.max_seqs}, {len(n) - limits.max_seqs} short")
+    if too_long := [t for t in num_tokens if t > limits.max_pages * PAGE_SIZE]:
+        raise BudgetError(f"max_seq_len is too small: a request needs {too_long[0]} KV positions; the store "
+                          f"holds {limits.max_pages * PAGE_SIZE} per request")
+    dev = [min_device_pages(limits, k, releasable=releasable) for k in n]
+    for name, have, need, how in (
+            ("index_pages", limits.index_pages, n, "indexer pages (every page's keys are kept, " +
+             ("in the host tier)" if limits.index_tier == "host" else "on the device)")),
+            ("host_pages", limits.host_pages, n if limits.mirror_to_host else [],
+             "host pages (every page is mirrored to the host)"),
+            ("device_pages", limits.device_pages, dev,
+             "device pages (no page can be released)" if dev == n and not releasable else
+             f"device pages at the least (all pages, or {TAIL_PAGES} tail pages + {limits.hot_pages} hot-buffer "
+             "pages, whichever is fewer)")):
+        if sum(need) > have:
+            what = (f"a {num_tokens[0]}-token request ({n[0]} pages)" if len(n) == 1 else
+                    f"{len(n)} requests of {num_tokens} tokens ({n} pages)")
+            parts = " + ".join(str(x) for x in need) + " = " if len(need) > 1 else ""
+            raise BudgetError(f"{name} is too small: {what} need{'s' if len(n) == 1 else ''} {parts}{sum(need)} "
+                              f"{how}; {name} is {have}, {sum(need) - have} short")

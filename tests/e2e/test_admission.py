@@ -16,9 +16,9 @@ from hisparse_jax.engine import Engine, EngineConfig, SamplingParams
 from hisparse_jax.engine.fake_compute import FakeEngine, liveness_model, random_workload, run_workload
 from hisparse_jax.engine.scheduler import ADMISSIONS, Scheduler
 from hisparse_jax.generate import generate
-from hisparse_jax.kv.manager import BudgetError
 from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.pool import Tier
+from hisparse_jax.kv.spec import BudgetError
 from tiny import model_cfg
 
 NEW = 130  # prompts of 3 pages (130 tokens) grow to 5 pages (259 positions): two pages added while decoding

@@ -23,9 +23,9 @@ from hisparse_jax.generate import generate, validate_prompts
 from hisparse_jax.hf_config import from_hf_config, to_hf_config
 from hisparse_jax.integrity import CheckpointError
 from hisparse_jax.kv import device as kv_device
-from hisparse_jax.kv.manager import BudgetError
 from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.persist import load_tiered, save_tiered
+from hisparse_jax.kv.spec import BudgetError
 from hisparse_jax.model.weights import restore_params, save_params
 from tiny import model_cfg
 

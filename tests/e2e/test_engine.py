@@ -10,8 +10,9 @@ import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine import Engine, EngineConfig, RequestState, SamplingParams, device_budget
 from hisparse_jax.generate import generate
-from hisparse_jax.kv.manager import BudgetError
+from hisparse_jax.kv.audit import check_manager
 from hisparse_jax.kv.pool import Tier
+from hisparse_jax.kv.spec import BudgetError
 from tiny import model_cfg
 
 NEW = 24
@@ -98,7 +99,7 @@ def test_the_fake_engine_schedules_as_the_engine(model, prompts, runs):
 def test_pools_empty_after_the_run(runs):
     for pol, (_, _, eng) in runs.items():
         assert all(eng.manager.pool.num_used(t) == 0 for t in Tier), pol
-        eng.manager.check_invariants()
+        check_manager(eng.manager)
 
 
 @pytest.mark.slow

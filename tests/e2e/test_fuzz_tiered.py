@@ -20,7 +20,7 @@ import hisparse_jax as hj
 from experiments import fuzz_tiered as fz
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.cpu_compile import drop_programs_near_map_limit
-from hisparse_jax.kv.manager import BudgetError
+from hisparse_jax.kv.spec import BudgetError
 
 EXAMPLES = int(os.environ.get("HISPARSE_FUZZ_EXAMPLES", "0"))
 

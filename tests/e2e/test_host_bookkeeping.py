@@ -14,6 +14,7 @@ import pytest
 
 import hisparse_jax as hj
 from hisparse_jax.kv import device as kv_device
+from hisparse_jax.kv.audit import check_table_copies
 from hisparse_jax.kv.manager import PageManager, least_recently_selected
 from hisparse_jax.kv.pool import Tier
 from hisparse_jax.kv.updates import ClearStamps, EvictPages, LoadPages, SetTables
@@ -22,8 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 WORKLOAD = textwrap.dedent("""
     import hisparse_jax as hj
-    from hisparse_jax.kv.manager import PageManager
-    from hisparse_jax.kv.manager import least_recently_selected
+    from hisparse_jax.kv.audit import check_manager
+    from hisparse_jax.kv.manager import PageManager, least_recently_selected
     cfg = hj.get_preset("tiny-glm")
     tc = PageManager(cfg, hj.CacheConfig(kv_dtype="float32", device_pages=34, host_pages=96, max_seqs=4,
                                          max_seq_len=1536), victim_order=least_recently_selected)
@@ -35,7 +36,7 @@ WORKLOAD = textwrap.dedent("""
             tc.reserve(s, tc.lengths[s] + 1)
         tc.advance(slots)
     tc.swap_out(slots[0]); tc.release(slots[1]); tc.swap_in(slots[0])
-    tc.check_invariants()
+    check_manager(tc)
 """)
 
 
@@ -61,7 +62,7 @@ def test_bookkeeping_runs_without_jax():
 
 def test_updates_applied_give_the_tables_the_manager_describes():
     ns: dict = {}
-    exec(WORKLOAD.replace("tc.check_invariants()", ""), ns)
+    exec(WORKLOAD.replace("check_manager(tc)", ""), ns)
     tc: PageManager = ns["tc"]
     updates = list(tc.updates)
     assert {type(u) for u in updates} == {SetTables, ClearStamps, EvictPages, LoadPages}
@@ -74,7 +75,7 @@ def test_updates_applied_give_the_tables_the_manager_describes():
     lengths = np.zeros(tc.spec.max_seqs, np.int32)
     lengths[list(tc.lengths)] = list(tc.lengths.values())
     tables = jax.device_get((store.block_table, store.host_table, store.index_table, store.hot_pages))
-    tc.check_tables(*tables, lengths)
+    check_table_copies(tc, *tables, lengths)
 
 
 def test_coldness_is_a_plug_in_over_a_read_only_view():

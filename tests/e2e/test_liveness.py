@@ -13,12 +13,13 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from hisparse_jax.config import CacheConfig
+from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.engine import scheduler
 from hisparse_jax.engine.fake_compute import FakeEngine, Workload, fake_token, liveness_model, run_workload
 from hisparse_jax.engine.metrics import combine_steps, summarize
-from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.engine.request import RequestState, SamplingParams
-from hisparse_jax.engine import scheduler
 from hisparse_jax.engine.scheduler import ADMISSIONS, POLICIES, PREFILL_MODES
+from hisparse_jax.kv.audit import check_manager
 from hisparse_jax.results import StepMetrics
 
 P = 64
@@ -58,7 +59,7 @@ def test_a_prompt_written_through_the_store_is_never_starved():
             # admitted to write its prompt: it gets rows every step until written (it is the only such prompt)
             assert s.progressed.get("shares") == "prefill", (s.step, s.stalled.get("shares"))
             chunks += 1
-        eng.manager.check_invariants()
+        check_manager(eng.manager)
     assert shares.cached_tokens == 4 * P and chunks == -(-(700 - 4 * P) // 64)  # 7 steps of 64 rows
     assert eng.scheduler.admission_out_of_pages == 0 and eng.out_of_pages == 0
     assert eng.pool_empty()

@@ -62,7 +62,7 @@ def test_a_chunked_engine_imports_a_prompt_larger_than_its_device(model, exports
     has more pages than the device, by the rule for prompts written through the store (resident meanwhile). An
     import arrives whole (its older pages land in the host tier) and HiSparse never preempts: it runs. The same
     prompt prefilled locally is still refused."""
-    from hisparse_jax.kv.manager import BudgetError
+    from hisparse_jax.kv.spec import BudgetError
 
     eng = engine(model, "hisparse", 16, prefill="chunked")
     eng.import_request("long", exports["long"][1], SamplingParams(max_new_tokens=NEW))

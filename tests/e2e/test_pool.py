@@ -14,11 +14,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from hisparse_jax.kv.audit import check_pool, owners_of
+from hisparse_jax.kv.persist import pool_state, restore_pool
+from hisparse_jax.kv.pool import OutOfPages, PagePool, PoolError, RequestPages, Tier, page_hash
 from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.units import INVALID
-from hisparse_jax.kv.persist import pool_state, restore_pool
-from hisparse_jax.kv.pool import (OutOfPages, PagePool, PoolError, RequestPages, Tier,
-                                  owners_of, page_hash)
 
 
 def test_constructor_validation():
@@ -48,7 +48,7 @@ def test_allocation_order_lowest_free_first():
     assert pool.stats() == {"device": {"budget": 8, "used": 6, "free": 2, "prefix": 0, "cached": 0},
                             "index": {"budget": 4, "used": 4, "free": 0, "prefix": 0, "cached": 0},
                             "host": {"budget": 6, "used": 2, "free": 4, "prefix": 0, "cached": 0}}
-    pool.check_invariants()
+    check_pool(pool)
 
 
 def test_out_of_pages_leaves_state_unchanged():
@@ -94,7 +94,7 @@ def test_double_free_and_bad_ids_raise():
     with pytest.raises(PoolError, match="out of range"):
         pool.free(Tier.HOST, [a, 7])
     assert pool.num_used(Tier.HOST) == 2
-    pool.check_invariants()
+    check_pool(pool)
 
 
 def test_refcounts_with_prefix_sharing():
@@ -117,11 +117,11 @@ def test_refcounts_with_prefix_sharing():
     b += pool.allocate(Tier.DEVICE, 1)
     assert b == [0, 1, 3]
     assert [pool.refcount(Tier.DEVICE, p) for p in range(4)] == [2, 2, 1, 1]
-    pool.check_invariants({Tier.DEVICE: [a, b]})
+    check_pool(pool, {Tier.DEVICE: [a, b]})
     pool.free(Tier.DEVICE, a)                    # A finishes: shared pages survive, still registered
     assert [pool.refcount(Tier.DEVICE, p) for p in range(4)] == [1, 1, 0, 1]
     assert pool.lookup_prefix(Tier.DEVICE, h0) == 0 and pool.prefix_hash(Tier.DEVICE, 1) == h1
-    pool.check_invariants({Tier.DEVICE: [b]})
+    check_pool(pool, {Tier.DEVICE: [b]})
     assert pool.lookup_prefix(Tier.DEVICE, page_hash(None, toks[PAGE_SIZE:])) is None
 
 
@@ -139,7 +139,7 @@ def test_prefix_registration_dropped_on_free():
     assert pool.allocate(Tier.HOST, 1) == [p]
     assert pool.prefix_hash(Tier.HOST, p) is None
     pool.register_prefix(Tier.HOST, 456, p)
-    pool.check_invariants()
+    check_pool(pool)
 
 
 def test_prefix_registration_errors_and_rebinding():
@@ -157,7 +157,7 @@ def test_prefix_registration_errors_and_rebinding():
     assert pool.lookup_prefix(Tier.DEVICE, 7) == y and pool.prefix_hash(Tier.DEVICE, x) is None
     pool.free(Tier.DEVICE, [x])
     assert pool.lookup_prefix(Tier.DEVICE, 7) == y
-    pool.check_invariants()
+    check_pool(pool)
 
 
 def test_page_hash_chain_determinism_and_sensitivity():
@@ -200,7 +200,7 @@ def test_saved_state_round_trip():
     restored = restore_pool(json.loads(json.dumps(snap)))
     assert pool_state(restored) == snap
     assert restored.stats() == pool.stats()
-    restored.check_invariants()
+    check_pool(restored)
     # future allocations agree
     for t, n in [(Tier.DEVICE, 2), (Tier.HOST, 2), (Tier.INDEX, 1)]:
         assert restored.allocate(t, n) == pool.allocate(t, n)
@@ -235,22 +235,22 @@ def test_invariants_detect_owner_mismatches():
     pool = PagePool(8, 4, 4)
     a = pool.allocate(Tier.DEVICE, 2)
     b = pool.allocate(Tier.DEVICE, 2)
-    pool.check_invariants({Tier.DEVICE: [a, b]})
-    pool.check_invariants({Tier.DEVICE: [a + [INVALID], [INVALID] + b]})  # INVALID entries are skipped
-    pool.check_invariants({Tier.DEVICE: np.array([a, b], np.int32)})     # a block table as an array
+    check_pool(pool, {Tier.DEVICE: [a, b]})
+    check_pool(pool, {Tier.DEVICE: [a + [INVALID], [INVALID] + b]})  # INVALID entries are skipped
+    check_pool(pool, {Tier.DEVICE: np.array([a, b], np.int32)})     # a block table as an array
     with pytest.raises(PoolError, match=r"page 3 has refcount 1 but only 0 owner reference\(s\) \(leaked\)"):
-        pool.check_invariants({Tier.DEVICE: [a, b[:1]]})
+        check_pool(pool, {Tier.DEVICE: [a, b[:1]]})
     with pytest.raises(PoolError, match=r"page 1 is referenced 2 times but has refcount 1 \(double ownership\)"):
-        pool.check_invariants({Tier.DEVICE: [a, b, [a[1]]]})
+        check_pool(pool, {Tier.DEVICE: [a, b, [a[1]]]})
     with pytest.raises(PoolError, match="page 5 is referenced by 1 owner.* but is free"):
-        pool.check_invariants({Tier.DEVICE: [a, b, [5]]})
+        check_pool(pool, {Tier.DEVICE: [a, b, [5]]})
     with pytest.raises(PoolError, match="out of range"):
-        pool.check_invariants({Tier.DEVICE: [a, b, [8]]})
+        check_pool(pool, {Tier.DEVICE: [a, b, [8]]})
     with pytest.raises(PoolError, match="host pool disagrees"):
-        pool.check_invariants({Tier.HOST: [[0]]})
+        check_pool(pool, {Tier.HOST: [[0]]})
     # tiers absent from owners are not owner-checked
     pool.allocate(Tier.INDEX, 1)
-    pool.check_invariants({Tier.DEVICE: [a, b]})
+    check_pool(pool, {Tier.DEVICE: [a, b]})
 
 
 def test_invariants_detect_internal_corruption():
@@ -260,21 +260,21 @@ def test_invariants_detect_internal_corruption():
     s = pool._t[Tier.DEVICE]
     s.returned.append(0)
     with pytest.raises(PoolError, match="more than once"):
-        pool.check_invariants()
+        check_pool(pool)
     s.returned.pop()
     s.refcount[1] = 0                       # page 1 free by refcount but not in the free list
     with pytest.raises(PoolError, match="page 1 has refcount 0 but is not in the free list"):
-        pool.check_invariants()
+        check_pool(pool)
     s.refcount[1] = 1
     s.refcount[0] = 2                       # in the free list with a refcount
     with pytest.raises(PoolError, match="page 0 is in the free list but has refcount 2"):
-        pool.check_invariants()
+        check_pool(pool)
     s.refcount[0] = 0
     s.used += 1
     with pytest.raises(PoolError, match="used 2 .counter 3."):
-        pool.check_invariants()
+        check_pool(pool)
     s.used -= 1
-    pool.check_invariants()
+    check_pool(pool)
 
 
 def test_request_pages():
@@ -291,7 +291,7 @@ def test_request_pages():
     assert r.num_pages == 3
     assert r.resident_pages() == [0, 2] and r.host_only_pages() == [1]
     assert r.owned(Tier.DEVICE) == [0, 2, 1, 3] and r.owned(Tier.HOST) == [0] and r.owned(Tier.INDEX) == [0, 1, 2]
-    pool.check_invariants(owners_of([r]))
+    check_pool(pool, owners_of([r]))
     with pytest.raises(PoolError, match="no indexer page"):
         r.append(index=INVALID, device=5)
     with pytest.raises(PoolError, match="neither a device nor a host"):
@@ -302,7 +302,7 @@ def test_request_pages():
     r.release(pool)
     assert r.num_pages == 0 and r.hot == []
     assert all(pool.num_used(t) == 0 for t in Tier)
-    pool.check_invariants(owners_of([r]))
+    check_pool(pool, owners_of([r]))
 
 
 # ----------------------------------------------------------------------------------- property tests
@@ -404,7 +404,7 @@ class PoolMachine(RuleBasedStateMachine):
     def consistent(self):
         if not hasattr(self, "pool"):
             return
-        self.pool.check_invariants({t: [pages for u, pages in self.owners if u is t] for t in TIERS})
+        check_pool(self.pool, {t: [pages for u, pages in self.owners if u is t] for t in TIERS})
         for t in TIERS:
             rc = self.model_refcounts(t)
             assert self.pool.num_used(t) == len(rc)
@@ -424,9 +424,9 @@ class PoolMachine(RuleBasedStateMachine):
             assert restored.allocate(t, n) == copy.deepcopy(self.pool).allocate(t, n)
         for tier, pages in self.owners:
             self.pool.free(tier, pages)
-        self.pool.check_invariants({t: [] for t in TIERS})
+        check_pool(self.pool, {t: [] for t in TIERS})
         self.pool.set_retain_prefix(False)  # drops the cached pages for good
-        self.pool.check_invariants({t: [] for t in TIERS})
+        check_pool(self.pool, {t: [] for t in TIERS})
         for t in TIERS:
             assert self.pool.num_used(t) == 0 and self.pool.num_free(t) == self.pool.budget(t)
             assert self.pool.stats()[t.value]["prefix"] == 0
@@ -453,7 +453,7 @@ def test_alloc_free_sequence_returns_to_empty(cap, ops):
         elif live:
             pool.free(Tier.DEVICE, live.pop(n % len(live)))
         assert pool.num_used(Tier.DEVICE) == sum(map(len, live))
-        pool.check_invariants({Tier.DEVICE: live})
+        check_pool(pool, {Tier.DEVICE: live})
     for pages in live:
         pool.free(Tier.DEVICE, pages)
     assert pool.num_used(Tier.DEVICE) == 0

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from store_pair import StorePair
+from hisparse_jax.kv.audit import check_manager
 from hisparse_jax.kv.persist import pool_state
 from hisparse_jax.kv.pool import OutOfPages, PoolError, Tier, page_hash
 from hisparse_jax.units import INVALID
@@ -96,7 +97,7 @@ def test_shared_pages_refcounts_release_and_registration_lifetime():
         assert la[:2] == lb[:2] and la[2] != lb[2]
         assert [tc.pool.refcount(tier, p) for p in la[:3]] == [2, 2, 1]
     assert tc.h2d_bytes == 0  # shared in place: nothing copied
-    tc.check_invariants()
+    check_manager(tc)
     check_rows(tc, b, b_toks, range(len(b_toks)))
     # the last token's page is never shared, even when all of it is cached: its logits must be computed
     c_toks = DOC[:128]
@@ -106,22 +107,22 @@ def test_shared_pages_refcounts_release_and_registration_lifetime():
     # a release drops only that request's references
     shared, ra_device = ra.device[:2], list(ra.device)
     tc.release(a)
-    tc.check_invariants()
+    check_manager(tc)
     assert [tc.pool.refcount(Tier.DEVICE, p) for p in shared] == [1, 1]
     assert tc.pool.lookup_prefix(Tier.DEVICE, page_hash(None, DOC[:64])) == shared[0]
     check_rows(tc, b, b_toks, range(len(b_toks)))
     tc.release(b)
-    tc.check_invariants()
+    check_manager(tc)
     assert_all_free(tc.pool)
     # a's three full pages stay cached on every tier: a later request revives them, copying nothing
     assert tc.pool.num_cached(Tier.DEVICE) == tc.pool.num_cached(Tier.HOST) == tc.pool.num_cached(Tier.INDEX) == 3
     d = prefill(tc, DOC[:250])
     assert tc.cached_tokens[d] == 192 and tc.requests[d].device[:3] == ra_device[:3] and tc.h2d_bytes == 0
     check_rows(tc, d, DOC[:250], range(0, 250, 3))
-    tc.check_invariants()
+    check_manager(tc)
     tc.release(d)
     tc.prefix_caching = False  # switching it off frees the cached pages for good
-    tc.check_invariants()
+    check_manager(tc)
     assert all(v["prefix"] == v["cached"] == 0 for v in tc.pool.stats().values())
 
 
@@ -137,7 +138,7 @@ def test_prefix_caching_off_shares_nothing_and_different_prefix_misses():
     assert tc.cached_tokens[c] == 0
     d = prefill(tc, DOC[:64] + [5] + DOC[65:200])  # second page differs
     assert tc.cached_tokens[d] == 64
-    tc.check_invariants()
+    check_manager(tc)
 
 
 def test_admit_prefilled_registers_pages_for_later_requests():
@@ -147,7 +148,7 @@ def test_admit_prefilled_registers_pages_for_later_requests():
     b = prefill(tc, DOC[:200])
     assert tc.cached_tokens[b] == 192 and tc.requests[b].device[:3] == tc.requests[a].device[:3]
     check_rows(tc, b, DOC[:200], range(0, 200, 7))
-    tc.check_invariants()
+    check_manager(tc)
 
 
 def test_host_only_prefix_page_is_loaded_and_shared_pages_are_not_release_candidates():
@@ -176,7 +177,7 @@ def test_host_only_prefix_page_is_loaded_and_shared_pages_are_not_release_candid
     # the loaded pages are registered on the device now: a third request shares them without a copy
     c = prefill(tc, DOC[:200])
     assert tc.requests[c].device[:2] == rb.device[:2] and tc.h2d_bytes - h2d == 2 * P * L * (C + R) * 4
-    tc.check_invariants()
+    check_manager(tc)
     check_rows(tc, b, b_toks, [0, 1, 63, 64, 127, 128, 200, 255, 256, 260])
     check_rows(tc, a, a_toks, [0, 64, 130, 299])  # a reads its evicted pages from host through its hot buffer
     # pages shared by several requests are not release candidates; a's own ones (4 = the last full page) are
@@ -188,7 +189,7 @@ def test_host_only_prefix_page_is_loaded_and_shared_pages_are_not_release_candid
     tc.evict(b, [2])
     assert rb.device[2] == INVALID and ra.device[2] == page and tc.pool.refcount(Tier.DEVICE, page) == 1
     assert 2 in tc.evictable_pages(a)  # a is its last holder: an ordinary cold page again
-    tc.check_invariants()
+    check_manager(tc)
     check_rows(tc, b, b_toks, [128, 129, 190])
     for s in (a, b):
         tc.release(s)
@@ -214,7 +215,7 @@ def test_pressure_releases_shared_pages_from_every_holder():
     released = [d for d in shared if d not in ra.device]
     assert released and all(d not in rb.device for d in released)
     assert all(tc.pool.refcount(Tier.DEVICE, d) == 0 for d in released) and tc.pool.num_cached(Tier.DEVICE) >= 1
-    tc.check_invariants()
+    check_manager(tc)
     check_rows(tc, a, a_toks, range(0, 300, 9))
     check_rows(tc, b, b_toks, range(0, 291, 9))
 
@@ -232,11 +233,11 @@ def test_swap_in_reshares_resident_prefix_pages():
     tc.swap_in(b)
     assert tc.requests[b].device[:4] == shared  # taken from a, not copied
     assert tc.h2d_bytes - h2d == 1 * P * L * (C + R) * 4  # only b's own page 4 came back from host
-    tc.check_invariants()
+    check_manager(tc)
     check_rows(tc, b, b_toks, range(0, 281, 7))
     tc.release(a)
     tc.release(b)
-    tc.check_invariants()
+    check_manager(tc)
 
 
 def test_write_prefill_never_touches_shared_pages():
@@ -265,7 +266,7 @@ def test_save_restore_keeps_the_prefix_cache(tmp_path):
     assert tc2.cached_tokens[c] == 256 and tc2.h2d_bytes == 0
     check_rows(tc2, c, DOC[:300], range(0, 300, 5))
     check_rows(tc2, b, DOC[:200] + [1], range(0, 201, 5))
-    tc2.check_invariants()
+    check_manager(tc2)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -333,12 +334,12 @@ def test_allocator_invariants_under_random_operations_with_shared_prefixes(seed)
             tc.release(s)  # finished or aborted, mid-way or not
             live.pop(s)
             swapped.discard(s)
-        tc.check_invariants()
+        check_manager(tc)
         check_sharing(tc, live)
     assert shared_seen > 0
     for s in list(live):
         tc.release(s)
-    tc.check_invariants()
+    check_manager(tc)
     assert_all_free(tc.pool)
 
 
@@ -435,7 +436,7 @@ def test_engine_aborts_with_prefix_shared_pages(engine_model, shared_prompts, sh
     shared = eng.manager.requests[r1.slot].device[:4]
     assert all(eng.manager.pool.refcount(Tier.DEVICE, d) == 2 for d in shared)
     eng.abort("r0")  # the prefix's first owner, mid-decode: r1 keeps the pages
-    eng.manager.check_invariants()
+    check_manager(eng.manager)
     assert all(eng.manager.pool.refcount(Tier.DEVICE, d) == 1 for d in shared)
     eng.step()
     assert r1.state is RequestState.PREFILLING

@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 from store_pair import StorePair
 from hisparse_jax.config import CacheConfig
-from hisparse_jax.kv.manager import BudgetError, check_batch_fits
+from hisparse_jax.kv.audit import check_manager
 from hisparse_jax.kv.persist import pool_state
 from hisparse_jax.kv.pool import OutOfPages, PoolError, Tier
+from hisparse_jax.kv.spec import BudgetError, check_batch_fits
 from hisparse_jax.units import INVALID
 from tiny import model_cfg
 
@@ -89,7 +90,7 @@ def test_lossless_under_random_operations(fetch, data):
     tc = StorePair(MODEL, cache_config(fetch=fetch))
     ref = Reference()
     slots = [admit(tc, ref, rng, data.draw(st.integers(1, 200))) for _ in range(2)]
-    tc.check_invariants()
+    check_manager(tc)
     topk = None
     for _ in range(data.draw(st.integers(4, 14))):
         op = data.draw(st.sampled_from(["append", "evict", "evict", "resolve", "resolve", "again"]))
@@ -118,10 +119,10 @@ def test_lossless_under_random_operations(fetch, data):
             np.testing.assert_array_equal(np.asarray(valid), topk >= 0)
             np.testing.assert_array_equal(np.asarray(lat), want_lat)
             np.testing.assert_array_equal(np.asarray(rope), want_rope)
-        tc.check_invariants()
+        check_manager(tc)
     for s in slots:
         tc.release(s)
-    tc.check_invariants()
+    check_manager(tc)
     assert all(tc.pool.num_used(t) == 0 for t in Tier)
 
 
@@ -256,7 +257,7 @@ def test_errors_are_clear_and_change_nothing():
     with pytest.raises(OutOfPages, match="host"):
         tc.admit(64 * 3)
     assert pool_state(tc.pool) == before and len(tc.requests) == 1
-    tc.check_invariants()
+    check_manager(tc)
     # a position beyond seq_len
     s = next(iter(tc.requests))
     with pytest.raises(ValueError, match="outside"):
@@ -270,9 +271,9 @@ def test_errors_are_clear_and_change_nothing():
     good = r.device[0]
     r.device[0] = freed
     with pytest.raises(PoolError):
-        tc.check_invariants()
+        check_manager(tc)
     r.device[0] = good
-    tc.check_invariants()
+    check_manager(tc)
     # the last two pages are never evicted
     with pytest.raises(PoolError, match="last 2"):
         tc.evict(s, [r.num_pages - 1])
@@ -286,7 +287,7 @@ def test_lone_request_grows_under_pressure():
     ref = Reference()
     s = admit(tc, ref, rng, 64 * 3)
     append_tokens(tc, ref, rng, [s], 64 * 4)  # crosses four page boundaries
-    tc.check_invariants()
+    check_manager(tc)
     assert tc.evicted_pages >= 4
     topk = np.array([[0, 70, 130, 200, 260, 300, 400, 447]], np.int32)
     lat, rope, _, _ = tc.gather([s], topk)

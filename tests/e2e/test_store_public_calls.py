@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from store_pair import StorePair
+from hisparse_jax.kv.audit import check_manager
 from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.pool import OutOfPages, Tier
 from test_store import DI, LI, MODEL, C, L, R, cache_config
@@ -125,15 +126,15 @@ def test_random_public_calls_keep_every_request_reading_its_own_rows(seed):
             tc.release(s)
             del oracle.lat[s], oracle.rope[s]
         counts[op] = counts.get(op, 0) + 1
-        tc.check_invariants()
+        check_manager(tc)
         for s in sorted(tc.requests):
             if s not in tc.swapped:
                 read_back(tc, oracle, s)
-        tc.check_invariants()
+        check_manager(tc)
     assert counts.get("evict", 0) >= 3 and counts.get("admit", 0) >= 3, counts
     for s in list(tc.requests):
         tc.release(s)
-    tc.check_invariants()
+    check_manager(tc)
     assert all(tc.pool.num_used(t) == 0 for t in Tier)
 
 
@@ -146,8 +147,8 @@ def test_invariants_reject_released_pages_without_a_hot_buffer():
     assert not tc.requests[slot].hot
     tc.evict(slot, [0, 1])
     assert tc.requests[slot].hot  # the public call gave it the buffer its released pages are read through
-    tc.check_invariants()
+    check_manager(tc)
     tc.pool.free(Tier.DEVICE, tc.requests[slot].hot)  # break it by hand: what a buggy path would leave
     tc.requests[slot].hot.clear()
     with pytest.raises(Exception, match=r"released but the request has no hot buffer"):
-        tc.check_invariants()
+        check_manager(tc)
