@@ -45,7 +45,7 @@ gpu-build-tools: $(VENV)/.installed-gpu-build
 demo: $(VENV)/.installed
 	$(VENV)/bin/hisparse demo
 
-# what `make test` needs installed, without running it (CI installs leg 2 while leg 1 runs)
+# what `make test` needs installed, without running it (CI installs both legs at once)
 test-setup: $(VENV)/.installed-$(TEST_EXTRAS) $(if $(GPU_BUILD),$(VENV)/.installed-gpu-build)
 
 test: test-setup

@@ -10,6 +10,12 @@ import tempfile
 
 import pytest
 
+import parallel
+
+# the runner's hooks (tests/parallel.py): `make test`'s workers share the files out; --list-deselected
+pytest_addoption, pytest_deselected = parallel.pytest_addoption, parallel.pytest_deselected
+pytest_runtestloop, pytest_terminal_summary = parallel.pytest_runtestloop, parallel.pytest_terminal_summary
+
 
 def _synchronous_cpu_dispatch() -> None:
     """XLA:CPU runs each program on the calling thread (no asynchronous dispatch), set before jax's CPU client
@@ -101,14 +107,6 @@ def hf_pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return request.param, model, hj.load_pretrained(path, dtype=jnp.float32)
-
-
-def pytest_runtestloop(session):
-    """Under `tests/parallel.py` (what `make test` runs): only the test files this worker claims from the queue it
-    shares with the other workers; otherwise pytest's own loop."""
-    from parallel import run_claimed_files
-
-    return run_claimed_files(session)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -15,6 +15,10 @@ failing worker's (pytest's: 1 tests failed, 2 interrupted, 3 internal error, 4 u
 collected a test (an empty run never passes), else 0. `-j 1` runs plain pytest, with no queue. Each worker keeps
 its own compilation cache (the suite's, `conftest._share_compiled_programs`) unless JAX_COMPILATION_CACHE_DIR
 names one: one cache shared by both workers saved nothing (four e2e files on jax 0.12.1: 217 s vs 210 s apart).
+
+It is also the suite's pytest plugin (tests/conftest.py imports its hooks): the run loop over claimed files, and
+`--list-deselected`, which ends the run with the tests -m / -k left out, listed by one worker (CI's legs list what
+they leave to each other this way, from the collection the run makes anyway).
 """
 
 from __future__ import annotations
@@ -43,7 +47,36 @@ def _claim(queue: str, path: str) -> bool:
     return True
 
 
-def run_claimed_files(session) -> bool | None:
+def once(name: str) -> bool:
+    """Whether this worker does `name`, which the run does once (True in exactly one of the workers sharing a queue;
+    always True outside one)."""
+    queue = os.environ.get(QUEUE_ENV)
+    return not queue or _claim(queue, f"once {name}")
+
+
+# ----- the pytest hooks (tests/conftest.py imports them) ----------------------------------------
+def pytest_addoption(parser):
+    parser.addoption("--list-deselected", action="store_true",
+                     help="end with the node ids of the tests -m / -k deselected (CI: what a leg leaves to the other)")
+
+
+_DESELECTED: list[str] = []
+
+
+def pytest_deselected(items):
+    _DESELECTED.extend(item.nodeid for item in items)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """--list-deselected: the deselected tests, once per run (under a queue, by one worker); not after a usage error
+    or an interrupted run."""
+    if config.getoption("list_deselected") and exitstatus in (0, 1, 5) and once("list deselected"):
+        terminalreporter.section(f"{len(_DESELECTED)} deselected")
+        for nodeid in _DESELECTED or ["(none)"]:
+            terminalreporter.write_line(nodeid)
+
+
+def pytest_runtestloop(session) -> bool | None:
     """pytest's run loop over the files this worker claims (None outside a queue: pytest's own loop runs). The
     next item a test is told of (for fixture teardown) is the next one this worker will run: the following file is
     claimed before the last test of the current one runs."""

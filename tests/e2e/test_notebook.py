@@ -19,7 +19,7 @@ def test_notebook_is_committed_without_outputs():
     assert code and all(not c.outputs and c.execution_count is None for c in code)
 
 
-@pytest.mark.slow  # CI: on the lowest-jax leg, whose unit of work is the cheaper (it passes on jax 0.12 too)
+@pytest.mark.slow  # CI: on the lowest-jax leg, the shorter one (it passes on jax 0.12 too)
 def test_notebook_runs_top_to_bottom():
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(NOTEBOOK, as_version=4)

@@ -19,10 +19,9 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFTEST = """
 import os
 import pytest
-from parallel import run_claimed_files
-
-def pytest_runtestloop(session):
-    return run_claimed_files(session)
+import parallel
+pytest_addoption, pytest_deselected = parallel.pytest_addoption, parallel.pytest_deselected
+pytest_runtestloop, pytest_terminal_summary = parallel.pytest_runtestloop, parallel.pytest_terminal_summary
 
 @pytest.fixture(scope="session")
 def shared():
@@ -109,6 +108,21 @@ def test_a_failure_fails_the_run_and_the_rest_still_runs(tmp_path):
 def test_an_empty_selection_is_exit_5(tmp_path):
     proc, _ = run(tmp_path, "-j", "2", "-k", "no_such_test")
     assert proc.returncode == 5, proc.stdout
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_list_deselected_once(tmp_path, jobs):
+    """--list-deselected ends the run with the tests -k / -m left out, listed once (by one worker)."""
+    proc, events = run(tmp_path, "-j", jobs, "--list-deselected", "-k", "not test_f1.py and not it[2]", files=3,
+                       workers=int(jobs))
+    assert proc.returncode == 0, proc.stdout
+    lines = [line.removeprefix("[w1] ").removeprefix("[w2] ") for line in proc.stdout.splitlines()]
+    heads = [i for i, line in enumerate(lines) if line.startswith("=") and " 6 deselected =" in line]
+    assert len(heads) == 1, proc.stdout
+    listed = {line.split("/")[-1] for line in lines[heads[0] + 1:heads[0] + 7]}
+    assert listed == {"test_f0.py::test_it[2]", "test_f2.py::test_it[2]"} | {f"test_f1.py::test_it[{i}]"
+                                                                            for i in range(4)}, proc.stdout
+    assert sum(e[2] == "test" for e in events) == 3 + 4 + 5 - 6
 
 
 def test_summaries_add_up():
