@@ -132,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     command = [sys.executable, "-m", "pytest", *pytest_args]
-    if args.jobs == 1:
-        return subprocess.call(command)
+    if args.jobs == 1:  # plain pytest, even inside a worker of another run (a test of this runner, say)
+        return subprocess.call(command, env={k: v for k, v in os.environ.items() if k != QUEUE_ENV})
     lock, summaries, procs, threads = threading.Lock(), [], [], []
     with tempfile.TemporaryDirectory(prefix="hisparse-test-queue-") as queue:
         try:

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from parallel import add_up, exit_status
+from parallel import QUEUE_ENV, add_up, exit_status
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,10 +67,15 @@ def run(tmp_path, *args, files=6, fail=(), workers=2):
         (suite / f"test_f{k}.py").write_text(TEST_FILE.format(n=3 + k % 3, fail=k in fail))
     log = tmp_path / "log"
     log.touch()
-    env = {**os.environ, "RUNNER_LOG": str(log), "RUNNER_WORKERS": str(workers), "PYTHONPATH": TESTS}
+    # as under `make test`: inside a worker of an outer run, whose queue the runner must leave alone
+    outer = tmp_path / "outer-queue"
+    outer.mkdir()
+    env = {**os.environ, "RUNNER_LOG": str(log), "RUNNER_WORKERS": str(workers), "PYTHONPATH": TESTS,
+           QUEUE_ENV: str(outer)}
     proc = subprocess.run([sys.executable, os.path.join(TESTS, "parallel.py"), *args, "-q", "-p", "no:cacheprovider",
                            str(suite)], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     events = [line.split() for line in log.read_text().splitlines()]
+    assert not os.listdir(outer), f"the runner claimed {os.listdir(outer)} in the outer run's queue"
     return proc, events
 
 
