@@ -2,11 +2,14 @@
 
 An indexer whose keys live in host memory keeps on the device only a summary per block of keys, from which
 `reference.summary_score_bound` bounds every score of the block (`reference.SUMMARY_KINDS`, each at most the box's
-2 x dI bf16 numbers per block): "box" each dimension's min and max; "ball" the mean key and a radius; "pca_box" the
-box of the keys' coefficients in a per-layer basis plus the largest residual norm; "ball_pca" the ball and the box
-of the deviations from its centre in a per-layer basis plus their residual. The bases are `reference.pca_basis` of
-index keys of training text (the keys, or their deviations from their block's mean), fitted once per layer and
-block size. Per decode step the indexer ranks the blocks and reads exact keys of the best ones from the host:
+2 x dI bf16 numbers per 64-key page): "box" each dimension's min and max; "ball" the mean key and a radius;
+"pca_box" the box of the keys' coefficients in a per-layer basis plus the largest residual norm; "ball_pca" the ball
+and the box of the deviations from its centre in a per-layer basis plus their residual; "rvq" per key, 7 one-byte
+codes of the key before its RoPE (residual vector quantization, 256 centroids a stage) and an e4m3 residual radius,
+bounded key by key. The bases are `reference.pca_basis` of index keys of training text (the keys, or their
+deviations from their block's mean), fitted once per layer and block size; the codebooks `reference.rvq_fit` of
+the un-rotated keys of RVQ_WINDOWS x RVQ_TOKENS tokens of training text, once per layer. Per decode step the
+indexer ranks the blocks and reads exact keys of the best ones from the host:
 
 * exact mode reads blocks in bound order until no unread bound reaches the k-th best score read so far: the
   top-k is exact (recall 1), at the cost of the blocks whose bound reaches the true k-th score; the floor of any
@@ -23,7 +26,7 @@ decoding position (`BUCKETS`). Bytes are those of fp8 keys (dI + 4 per key) fetc
 the whole key history and against the KV rows the step attends to (top-k x 656 B, DeepSeek's fp8 row).
 
     PYTHONPATH=. python experiments/index_tier.py [--model stdlib-dsa] [--sequences 4] [--seq-len 2048]
-        [--trace-start 512] [--blocks 16,64] [--summaries box,ball,pca_box,ball_pca] [--out experiments/results]
+        [--trace-start 512] [--blocks 16,64] [--summaries box,ball,pca_box,ball_pca,rvq] [--out experiments/results]
         [--quick]
 
 Writes index_tier.json (index_tier-<model>.json for another --model than stdlib-dsa; the `summary` section per
@@ -46,8 +49,9 @@ from experiments.report import finish_axes, pyplot, save_figure, save_json, stam
 
 FP8_ROW = 656  # bytes of one DeepSeek fp8 KV row (512 e4m3 + 4 scales + 64 bf16 rope)
 RANKS = ("bound", "mean")  # budgeted mode's block ranking (`reference.HOST_INDEX_RANKS`)
-SUMMARIES = ("box", "ball", "pca_box", "ball_pca")  # the page summaries (`reference.SUMMARY_KINDS`)
+SUMMARIES = ("box", "ball", "pca_box", "ball_pca", "rvq")  # the page summaries (`reference.SUMMARY_KINDS`)
 BASIS_WINDOWS, BASIS_TOKENS = 2, 1024  # the per-layer bases: PCA of the keys of these training-text windows
+RVQ_WINDOWS, RVQ_TOKENS = 4, 2048  # the per-layer RVQ codebooks: k-means of these windows' un-rotated keys
 BUCKETS = (0, 512, 1024, 2048, 4096, 8192)  # decoding-position buckets [a, b) of the per-position tables (and >= 8192)
 
 
@@ -77,15 +81,12 @@ def budget_recall(rank, want, live, block: int, topk: int, fractions):
     return jnp.stack(out, -1)
 
 
-def fit_bases(model, windows, blocks: list[int], summaries) -> dict:
-    """Per (summary, block size) of the kinds with a basis: U f32[LI, dI, m] (`reference.pca_basis`, m the
-    largest rank fitting the box's bytes, `reference.summary_rank`) from the index keys of every full indexer over
-    `windows` (teacher-forced): "pca_box" from the keys, "ball_pca" from the keys minus their block's mean."""
+def index_keys(model, windows):
+    """The index keys of every full indexer over `windows` (teacher-forced) -> f32[LI, n, L, dI]."""
     import jax.numpy as jnp
 
     from experiments.hot_buffer_traces import run_decode
     from hisparse_jax.kv.dense import DenseKV
-    from pallas_kernels.indexer_topk.reference import pca_basis, summary_rank
 
     cfg = model.cfg
     n, L = len(windows), len(windows[0])
@@ -96,7 +97,31 @@ def fit_bases(model, windows, blocks: list[int], summaries) -> dict:
 
     KeysKV = dataclasses.make_dataclass("KeysKV", [], bases=(DenseKV,), frozen=True, namespace={"select": select})
     extra = {"basis_keys": jnp.zeros((cfg.num_indexer_layers, n, L, cfg.index_head_dim), jnp.float32)}
-    keys = jnp.asarray(run_decode(model, windows, L - 1, KeysKV(topk=cfg.index_topk), extra, False)["basis_keys"][-1])
+    return jnp.asarray(run_decode(model, windows, L - 1, KeysKV(topk=cfg.index_topk), extra, False)["basis_keys"][-1])
+
+
+def fit_codebooks(model, windows) -> object:
+    """The "rvq" codebooks of every full indexer: `reference.rvq_fit` (m stages fitting the box's bytes,
+    `reference.summary_rank`) of its keys over `windows`, un-rotated (`reference.rope_unrotate`) -> f32[LI, m, 256,
+    dI]."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.indexer_topk.reference import rope_unrotate, rvq_fit, summary_rank
+
+    keys = index_keys(model, windows)  # [LI, n, L, dI]
+    cos, sin = model.rope(jnp.arange(keys.shape[2]))
+    m = summary_rank("rvq", keys.shape[-1])
+    return jnp.stack([rvq_fit(rope_unrotate(x, cos, sin).reshape(-1, x.shape[-1]), m) for x in keys])
+
+
+def fit_bases(model, windows, blocks: list[int], summaries) -> dict:
+    """Per (summary, block size) of the kinds with a basis: U f32[LI, dI, m] (`reference.pca_basis`, m the
+    largest rank fitting the box's bytes, `reference.summary_rank`) from the index keys of every full indexer over
+    `windows` (teacher-forced): "pca_box" from the keys, "ball_pca" from the keys minus their block's mean."""
+    from pallas_kernels.indexer_topk.reference import pca_basis, summary_rank
+
+    keys = index_keys(model, windows)
+    n, L = len(windows), len(windows[0])
     LI, D = keys.shape[0], keys.shape[-1]
     out = {}
     for bs in blocks:
@@ -128,6 +153,13 @@ def record(model, sequences, start: int, blocks: list[int], summaries=SUMMARIES,
     Sp = -(-L // max(blocks)) * max(blocks)
     plan = {bs: FRACTIONS for bs in blocks}
     ns, nf = len(summaries), len(FRACTIONS)
+    cos, sin = model.rope(jnp.arange(Sp))  # "rvq": the rope tables of the key positions
+
+    def layer_basis(kind, bs, li):
+        """The basis `reference.key_block_summary` takes for `kind` at index layer li (None without one)."""
+        if (kind, bs) not in bases:
+            return None
+        return (bases[kind, bs][li], cos, sin) if kind == "rvq" else bases[kind, bs][li]
 
     def select(self, kv, ids, positions, q_index, w):
         keys = kv["index_k"][ids.index]  # [n, L, dI]
@@ -148,14 +180,14 @@ def record(model, sequences, start: int, blocks: list[int], summaries=SUMMARIES,
             gap = scores.max(-1) - kth
             reads, excess, recs = [], [], []
             for kind in summaries:
-                basis = bases[kind, bs][ids.index] if (kind, bs) in bases else None
+                basis = layer_basis(kind, bs, ids.index)
                 reads.append(host_index_select_reference(q_index, w, kp, valid, self.topk, bs, summary=kind,
                                                          basis=basis)[1].astype(jnp.float32))
                 rank = host_block_ranks(q_index, w, kp, valid, bs, "bound", kind, basis)
                 excess.append(jnp.where(has, rank - best, 0).sum(-1) / jnp.maximum(has.sum(-1), 1))
                 recs.append(budget_recall(rank, want, live, bs, self.topk, budgets))
             for kind in summaries:  # the same summaries ranking by their centres' scores
-                basis = bases[kind, bs][ids.index] if (kind, bs) in bases else None
+                basis = layer_basis(kind, bs, ids.index)
                 recs.append(budget_recall(host_block_ranks(q_index, w, kp, valid, bs, "centre", kind, basis), want,
                                           live, bs, self.topk, budgets))
             recs.append(budget_recall(host_block_ranks(q_index, w, kp, valid, bs, "mean"), want, live, bs,
@@ -240,7 +272,7 @@ def summarize(res: dict, k: int, index_dim: int) -> dict:
     """Bytes per step and layer (fp8 keys) and the smallest budget reaching recall 0.99 / 0.999, per block size;
     per summary its device bytes, exact mode's reads against the floor (the blocks holding a top-k position),
     overall and per decoding-position bucket, and its budgeted recall (layers averaged)."""
-    from pallas_kernels.indexer_topk.reference import summary_page_values, summary_rank
+    from pallas_kernels.indexer_topk.reference import RVQ_SIZE, summary_page_values, summary_rank
 
     key_bytes = index_dim + 4
     out = {}
@@ -267,10 +299,12 @@ def summarize(res: dict, k: int, index_dim: int) -> dict:
                               "centre_recall_by_fraction_read": {
                                   f: float(np.mean([x["recall_by_budget_centre"][f] for x in bp]))
                                   for f in bp[0]["recall_by_budget_centre"]}}
-            summ[kind] = {"basis_rank": m, "page_values_bf16": summary_page_values(kind, index_dim, m),
-                          "page_bytes": 2 * summary_page_values(kind, index_dim, m),
-                          "bytes_per_token": 2 * summary_page_values(kind, index_dim, m) / int(bs),
-                          "basis_bytes_per_layer": 4 * index_dim * m,
+            if kind == "rvq":  # per key: m codes and a radius, a byte each; m bf16 codebooks of RVQ_SIZE centroids
+                page_bytes, basis_bytes = (m + 1) * int(bs), 2 * m * RVQ_SIZE * index_dim
+            else:
+                page_bytes, basis_bytes = 2 * summary_page_values(kind, index_dim, m), 4 * index_dim * m
+            summ[kind] = {"basis_rank": m, "page_values_bf16": page_bytes // 2, "page_bytes": page_bytes,
+                          "bytes_per_token": page_bytes / int(bs), "basis_bytes_per_layer": basis_bytes,
                           "exact_blocks_read": read, "exact_fraction_read": read / live, "floor_blocks": floor,
                           "read_over_floor": read / floor,
                           "bound_excess_over_best_score": float(np.mean([p["bound_excess_mean"] for p in ps])),
@@ -361,15 +395,22 @@ def main(argv=None) -> int:
     model = hj.load_pretrained(folder)
     t0 = time.perf_counter()
     basis_len = min(a.seq_len, BASIS_TOKENS)
+    rvq_len = min(a.seq_len, RVQ_TOKENS)
     bases = {}
-    if {"pca_box", "ball_pca"} & set(summaries):
+    if {"pca_box", "ball_pca", "rvq"} & set(summaries):
         from hisparse_jax.train import data
 
+        train = data.load_corpus()[0]
+    if {"pca_box", "ball_pca"} & set(summaries):
         print(f"fitting the bases on {BASIS_WINDOWS} x {basis_len} tokens of training text ...", file=sys.stderr,
               flush=True)
-        train = data.load_corpus()[0]
         bases = fit_bases(model, [list(w) for w in data.fixed_windows(train, basis_len, BASIS_WINDOWS)], blocks,
                           summaries)
+    if "rvq" in summaries:
+        print(f"fitting the RVQ codebooks on {RVQ_WINDOWS} x {rvq_len} tokens of training text ...", file=sys.stderr,
+              flush=True)
+        books = fit_codebooks(model, [list(w) for w in data.fixed_windows(train, rvq_len, RVQ_WINDOWS)])
+        bases.update({("rvq", bs): books for bs in blocks})
     print(f"recording {a.sequences} x {a.seq_len} tokens from position {a.trace_start}, blocks {blocks}, "
           f"summaries {summaries} ...", file=sys.stderr, flush=True)
     res = record(model, [list(w) for w in windows], a.trace_start, blocks, summaries, bases)
@@ -379,7 +420,9 @@ def main(argv=None) -> int:
            "settings": {"sequences": a.sequences, "seq_len": a.seq_len, "trace_start": a.trace_start,
                         "blocks": blocks, "summaries": summaries,
                         "basis": {"from": "training text (pca_basis of the keys of every full indexer)",
-                                  "windows": BASIS_WINDOWS, "tokens": basis_len}},
+                                  "windows": BASIS_WINDOWS, "tokens": basis_len},
+                        "rvq_codebooks": {"from": "training text (rvq_fit of the un-rotated keys of every full "
+                                                  "indexer)", "windows": RVQ_WINDOWS, "tokens": rvq_len}},
            "bytes": {"fp8_key": model.cfg.index_head_dim + 4, "fp8_kv_row": FP8_ROW},
            "record_s": time.perf_counter() - t0, "per_block_size": res,
            "summary": summarize(res, model.cfg.index_topk, model.cfg.index_head_dim)}

@@ -139,8 +139,11 @@ def block_score_bound(q, w, kmin, kmax):
 #   "ball"     centre c [dI], radius r                             dI + 1         = 129 bf16 (258 B)
 #   "pca_box"  box of U^T k [m] x 2, residual radius rp            2 m + 1        = 255 bf16 at m = 127 (510 B)
 #   "ball_pca" c [dI], r, box of U^T (k - c) [m] x 2, residual rp  dI + 2 m + 2   = 256 bf16 at m = 63 (512 B)
-# plus, for the last two, one basis U f32[dI, m] per layer (shared by every page: dI m 4 bytes, 65 KB at m = 127).
-SUMMARY_KINDS = ("box", "ball", "pca_box", "ball_pca")
+#   "rvq"      per key: m one-byte codes, an e4m3 residual radius   64 (m + 1) B  = 256 bf16 at m = 7 (512 B)
+# plus, for "pca_box" / "ball_pca", one basis U f32[dI, m] per layer (shared by every page: dI m 4 bytes, 65 KB at
+# m = 127), and for "rvq" m codebooks of RVQ_SIZE centroids per layer (m x 256 x dI bf16: 448 KB at m = 7, dI 128)
+# with the rope tables of the keys' positions (`rvq_fit`, `rvq_encode`: the key is coded before its RoPE).
+SUMMARY_KINDS = ("box", "ball", "pca_box", "ball_pca", "rvq")
 SUMMARY_SLACK = 2.0 ** -12  # relative slack of the non-box bounds over float32 rounding (see `summary_score_bound`)
 JOINT_HEADS_MAX = 10  # the ball's bound over all heads at once enumerates 2^I head subsets up to this many heads
 
@@ -150,14 +153,18 @@ def summary_rank(kind: str, index_dim: int, page_values: int | None = None) -> i
     box's 2 x index_dim): "pca_box" 2 m + 1, "ball_pca" index_dim + 2 m + 2; 0 for the kinds without a basis."""
     check_summary_kind(kind)
     budget = 2 * index_dim if page_values is None else page_values
+    if kind == "rvq":  # per 64-key page: 64 (m + 1) bytes = 32 (m + 1) bf16 numbers' worth
+        return max(budget // 32 - 1, 0)
     m = {"pca_box": (budget - 1) // 2, "ball_pca": (budget - index_dim - 2) // 2}.get(kind, 0)
     return max(min(m, index_dim), 0)
 
 
 def summary_page_values(kind: str, index_dim: int, m: int = 0) -> int:
-    """bf16 numbers per page of a summary of `kind` (basis rank m): the table above."""
+    """bf16 numbers per 64-key page of a summary of `kind` (basis rank, or for "rvq" stages, m): the table above
+    ("rvq" in bytes / 2)."""
     check_summary_kind(kind)
-    return {"box": 2 * index_dim, "ball": index_dim + 1, "pca_box": 2 * m + 1, "ball_pca": index_dim + 2 * m + 2}[kind]
+    return {"box": 2 * index_dim, "ball": index_dim + 1, "pca_box": 2 * m + 1, "ball_pca": index_dim + 2 * m + 2,
+            "rvq": 32 * (m + 1)}[kind]
 
 
 def check_summary_kind(kind):
@@ -225,6 +232,131 @@ def _residual_radius(x, a, basis, vb, kn):
     return round_bf16(_masked_max(jnp.sqrt((e * e).sum(-1)), vb) + SUMMARY_SLACK * kn, up=True)
 
 
+# ----- "rvq": each key coded before its RoPE by residual vector quantization ------------------------------------
+# A trained indexer's keys are LayerNorm outputs of a few kinds of token, but RoPE turns each kind by its position,
+# so no page-level shape holds them tightly. Un-rotated, they cluster: m stages of RVQ_SIZE centroids code a key in
+# m bytes to a small residual. The bound rotates each key's reconstruction back by its position and widens every dot
+# by |q_h| times the key's residual radius, so it is a bound key by key; a page's bound is its keys' largest.
+RVQ_SIZE = 256  # centroids per stage: one byte per code
+
+
+def rope_unrotate(k, cos, sin):
+    """A key as it was before RoPE: k [..., S, dI] whose first R = 2 x cos.shape[-1] dimensions hold the rotated
+    pairs as the model lays them out, [a cos - b sin | b cos + a sin] (either pairing: the output layout is the
+    same), cos / sin f32[S, R/2] of the keys' positions -> f32[..., S, dI] with [a | b] there, the rest unchanged."""
+    k = k.astype(jnp.float32)
+    h = cos.shape[-1]
+    y1, y2 = k[..., :h], k[..., h:2 * h]
+    return jnp.concatenate([y1 * cos + y2 * sin, y2 * cos - y1 * sin, k[..., 2 * h:]], axis=-1)
+
+
+def rope_rotate(u, cos, sin):
+    """`rope_unrotate`'s inverse: [a | b | rest] -> [a cos - b sin | b cos + a sin | rest]."""
+    h = cos.shape[-1]
+    a, b = u[..., :h], u[..., h:2 * h]
+    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin, u[..., 2 * h:]], axis=-1)
+
+
+def _nearest(x, centroids):
+    """Index of the nearest centroid of each row: x f32[..., dI], centroids f32[C, dI] -> int32[...]."""
+    d = (centroids * centroids).sum(-1) - 2 * jnp.einsum("...d,cd->...c", x, centroids, precision=HIGHEST)
+    return jnp.argmin(d, axis=-1).astype(jnp.int32)
+
+
+def _kmeans_init(key, x, size: int):
+    """k-means++ seeding: the first centroid a random row, each next one a row drawn with probability proportional
+    to its squared distance from the nearest centroid so far (uniformly once every row is a centroid)."""
+    k0, key = jax.random.split(key)
+    first = x[jax.random.randint(k0, (), 0, x.shape[0])]
+    c = jnp.zeros((size, x.shape[1]), jnp.float32).at[0].set(first)
+
+    def pick(i, carry):
+        c, d, key = carry
+        key, sub = jax.random.split(key)
+        j = jax.random.categorical(sub, jnp.log(jnp.maximum(d, 1e-30)))
+        return c.at[i].set(x[j]), jnp.minimum(d, ((x - x[j]) ** 2).sum(-1)), key
+
+    return jax.lax.fori_loop(1, size, pick, (c, ((x - first) ** 2).sum(-1), key))[0]
+
+
+def rvq_fit(x, stages: int, size: int = RVQ_SIZE, iters: int = 10, seed: int = 0):
+    """Codebooks of `stages`-stage residual vector quantization of the rows x f32[N, dI] (un-rotated keys,
+    `rope_unrotate`): each stage is `iters` Lloyd (k-means) iterations on what the earlier stages left, seeded by
+    k-means++ (`seed`); a centroid that loses every row stays where it was. -> f32[stages, size, dI], each value
+    exact in bf16 (the device's bf16 copy is the codebook itself). Any codebook gives true bounds (the radius is
+    measured from it); a good one gives tight ones."""
+    x = jnp.asarray(x, jnp.float32)
+    keys = jax.random.split(jax.random.PRNGKey(seed), stages)
+    books = []
+    for g in range(stages):
+        c = _kmeans_init(keys[g], x, size)
+
+        def lloyd(_, c):
+            one = jax.nn.one_hot(_nearest(x, c), size, dtype=jnp.float32)  # [N, C]
+            count = one.sum(0)[:, None]
+            mean = jnp.einsum("nc,nd->cd", one, x, precision=HIGHEST) / jnp.maximum(count, 1)
+            return jnp.where(count > 0, mean, c)
+
+        c = jax.lax.fori_loop(0, iters, lloyd, c).astype(jnp.bfloat16).astype(jnp.float32)
+        x = x - c[_nearest(x, c)]
+        books.append(c)
+    return jnp.stack(books)
+
+
+def rvq_decode(codes, codebooks, cos, sin):
+    """The keys' reconstructions: codes int[..., S, m] (stage g's centroid of each key), codebooks f32[m, C, dI],
+    cos / sin of the keys' positions [S, R/2] -> f32[..., S, dI], the sum of the codes' centroids rotated by RoPE."""
+    codes = jnp.asarray(codes).astype(jnp.int32)
+    u = jnp.zeros((*codes.shape[:-1], codebooks.shape[-1]), jnp.float32)
+    for g in range(codebooks.shape[0]):
+        u = u + codebooks[g][codes[..., g]]
+    return rope_rotate(u, cos, sin)
+
+
+def round_e4m3_up(x):
+    """x f32 (>= 0) rounded up to a float8_e4m3fn value, as f32 (exact in e4m3 and bf16); above e4m3's largest
+    (448) +inf, which bounds nothing (the page is read)."""
+    x = jnp.asarray(x, jnp.float32)
+    f = x.astype(jnp.float8_e4m3fn)
+    up = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(f, jnp.uint8) + jnp.uint8(1), jnp.float8_e4m3fn)
+    y = jnp.where(f.astype(jnp.float32) < x, up.astype(jnp.float32), f.astype(jnp.float32))
+    return jnp.where(x > 448.0, jnp.inf, y)
+
+
+def rvq_encode(k, codebooks, cos, sin):
+    """Each key's codes and residual radius: k [..., S, dI] (the scored keys, rotated), codebooks f32[m, C, dI]
+    (`rvq_fit` of un-rotated keys), cos / sin [S, R/2] of their positions -> (codes int32[..., S, m], radius
+    f32[..., S]): greedily the nearest centroid of what each stage leaves of the un-rotated key; radius >=
+    |k - rvq_decode(codes)| (raised by SUMMARY_SLACK |k| for float32 rounding, then rounded up to e4m3)."""
+    k = k.astype(jnp.float32)
+    x = rope_unrotate(k, cos, sin)
+    codes = []
+    for g in range(codebooks.shape[0]):
+        c = _nearest(x, codebooks[g])
+        x = x - codebooks[g][c]
+        codes.append(c)
+    codes = jnp.stack(codes, -1) if codes else jnp.zeros((*k.shape[:-1], 0), jnp.int32)
+    e = k - rvq_decode(codes, codebooks, cos, sin)
+    norm = jnp.sqrt((k * k).sum(-1))
+    return codes, round_e4m3_up(jnp.sqrt((e * e).sum(-1)) + SUMMARY_SLACK * norm)
+
+
+def _rvq_codec(basis):
+    if basis is None or len(basis) != 3:
+        raise ValueError('summary "rvq" needs basis=(codebooks, cos, sin) (`rvq_fit`; the rope tables of the keys)')
+    return tuple(jnp.asarray(b, jnp.float32) for b in basis)
+
+
+def _rvq_page_dots(q, summary, basis):
+    """For "rvq": (q_h . k_hat [..., T, I, NB, block], |q_h| [..., T, I, 1, 1], |k_hat| [..., NB, block])."""
+    codes, radius = summary
+    books, cos, sin = _rvq_codec(basis)
+    nb, block = radius.shape[-2:]
+    kh = rvq_decode(codes, books, cos.reshape(nb, block, -1), sin.reshape(nb, block, -1))  # [..., NB, block, dI]
+    dots = jnp.einsum("...tid,...njd->...tinj", q, kh, precision=HIGHEST)
+    return dots, jnp.sqrt((q * q).sum(-1))[..., None, None], jnp.sqrt((kh * kh).sum(-1))
+
+
 def key_block_summary(kind: str, k, block: int, valid=None, basis=None):
     """The page summary of `kind` (`SUMMARY_KINDS`) of each block of `block` keys, from the block's valid rows only
     (valid bool[..., S], None: all; a row not valid, e.g. the store's padding or a page's unwritten rows, takes no
@@ -236,10 +368,18 @@ def key_block_summary(kind: str, k, block: int, valid=None, basis=None):
       "pca_box":  (amin, amax [..., NB, m], rp [..., NB]): the extremes of a = U^T k (rounded outward) and
                   rp >= max |k - U a| (rounded up), U = basis f32[dI, m] (`pca_basis` of keys);
       "ball_pca": (c, r, amin, amax, rp): the ball, and the extremes of a = U^T (k - c) with rp >= max |k - c - U a|
-                  (U from `pca_basis` of keys minus their page's centre).
+                  (U from `pca_basis` of keys minus their page's centre);
+      "rvq":      (codes [..., NB, block, m], radius [..., NB, block]): each key's `rvq_encode` (basis = (codebooks,
+                  cos, sin), the rope tables [S, R/2] of the keys' positions); a row not valid has codes 0 and
+                  radius -1.
     Appending a key to a page or reusing the page for other keys is this function of the page's new valid rows."""
     check_summary_kind(kind)
     kb, vb = _pages(k, valid, block)
+    if kind == "rvq":
+        books, cos, sin = _rvq_codec(basis)
+        codes, radius = rvq_encode(k, books, cos, sin)
+        codes = jnp.where(vb[..., None], codes.reshape(*vb.shape, -1), 0).astype(jnp.float32)
+        return codes, jnp.where(vb, radius.reshape(vb.shape), -1.0)
     if kind == "box":
         return (round_bf16(jnp.where(vb.any(-1)[..., None], jnp.where(vb[..., None], kb, jnp.inf).min(-2), 0.0),
                            up=False),
@@ -302,6 +442,9 @@ def summary_score_bound(q, w, kind: str, summary, basis=None):
       "ball_pca": the same with k - c for k and q . c added (a = U^T (k - c)), intersected with the ball's
         interval (both hold, so their intersection does: the per-head minimum of the upper ends, the maximum of
         the lower ends).
+      "rvq": key by key, q_h . k = q_h . k_hat + q_h . (k - k_hat) with k_hat the key's `rvq_decode` and
+        |k - k_hat| <= its radius, so q_h . k lies in q_h . k_hat -+ |q_h| radius (Cauchy-Schwarz); the page's bound
+        is the largest of its valid keys' (0 for a page without one).
     Float32: the box's terms are raised by BOUND_SLACK as `block_score_bound` raises them; the others by
     SUMMARY_SLACK sum_h |w_h| |q_h| kmax, kmax >= every key's norm in the page (c's norm + r for the ball, the
     coefficients' largest norm (1 + delta) + rp otherwise): the float32 error of any dot of q_h with a key, a centre,
@@ -314,6 +457,15 @@ def summary_score_bound(q, w, kind: str, summary, basis=None):
     wb = w[..., None]
     if kind == "box":
         return block_score_bound(q, w, *summary)
+    if kind == "rvq":
+        dots, qn, kn = _rvq_page_dots(q, summary, basis)
+        unbounded = jnp.isinf(summary[1])[..., None, :, :]  # a residual beyond e4m3's range: no bound
+        r = jnp.where(jnp.isinf(summary[1]), 0.0, jnp.maximum(summary[1], 0))[..., None, None, :, :]
+        wk = w[..., None, None]
+        terms = jnp.where(wk >= 0, wk * jax.nn.relu(dots + qn * r), wk * jax.nn.relu(dots - qn * r)).sum(-3)
+        each = terms + SUMMARY_SLACK * (jnp.abs(wk) * qn * (kn[..., None, None, :, :] + r)).sum(-3)
+        each = jnp.where(unbounded, jnp.inf, each)  # [..., T, NB, block]
+        return _masked_max(each, jnp.broadcast_to((summary[1] >= 0)[..., None, :, :], each.shape))
     qn = jnp.sqrt((q * q).sum(-1))[..., None]  # [..., T, I, 1]
     if kind in ("ball", "ball_pca"):
         c, r = summary[0], summary[1]
@@ -361,6 +513,9 @@ def summary_centre(kind: str, summary, basis=None):
     the ball's centre c, for "pca_box" U (amin + amax) / 2, for "ball_pca" c + U (amin + amax) / 2. Scoring it
     ranks pages with no bytes beyond the summary's (budgeted mode's rank "centre")."""
     check_summary_kind(kind)
+    if kind == "rvq":
+        raise ValueError('summary "rvq" codes each key: it has no page centre (rank "centre" scores the keys\' '
+                         'reconstructions, `host_block_ranks`)')
     if kind == "box":
         return (summary[0] + summary[1]) / 2
     if kind == "ball":
@@ -375,7 +530,8 @@ def host_block_ranks(q, w, k, valid, block: int, rank: str = "bound", summary: s
     valid bool[B, S] -> f32[B, S / block], -inf for a block without a valid position. rank "bound": the
     `summary_score_bound` of the `summary` kind's `key_block_summary` (basis: its U), an upper bound of every score
     of the block; "mean": the score of the block's mean valid key (one more dI-vector per block); "centre": the
-    score of the summary's centre (`summary_centre`: for the box its midpoint, no more bytes)."""
+    score of the summary's centre (`summary_centre`: for the box its midpoint, no more bytes; for "rvq" the best
+    score of the block's reconstructed keys)."""
     if rank not in HOST_INDEX_RANKS:
         raise ValueError(f"rank must be one of {HOST_INDEX_RANKS}, got {rank!r}")
     check_summary_kind(summary)
@@ -389,7 +545,11 @@ def host_block_ranks(q, w, k, valid, block: int, rank: str = "bound", summary: s
         bound = index_scores(q[:, None], w[:, None], mean)[:, 0]
     else:
         summ = key_block_summary(summary, k, block, valid, basis)
-        if rank == "centre":
+        if rank == "centre" and summary == "rvq":  # the best score of the block's reconstructed keys
+            dots = _rvq_page_dots(q[:, None].astype(jnp.float32), summ, basis)[0]  # [B, 1, I, NB, block]
+            each = (w.astype(jnp.float32)[:, None, :, None, None] * jax.nn.relu(dots)).sum(-3)[:, 0]
+            bound = _masked_max(each, summ[1] >= 0)
+        elif rank == "centre":
             bound = index_scores(q[:, None], w[:, None], summary_centre(summary, summ, basis))[:, 0]
         else:
             bound = summary_score_bound(q[:, None], w[:, None], summary, summ, basis)[:, 0]  # [B, NB]

@@ -105,7 +105,7 @@ def test_index_tier_experiment_runs(tmp_path):
         for rank in ("bound", "mean"):
             rec = s[rank]["recall_by_fraction_read"]
             assert rec["1.0"] == 1.0 and all(0 <= v <= 1 for v in rec.values()), (bs, rank, rec)
-        assert set(s["summaries"]) == {"box", "ball", "pca_box", "ball_pca"}, bs
+        assert set(s["summaries"]) == {"box", "ball", "pca_box", "ball_pca", "rvq"}, bs
         for kind, d in s["summaries"].items():  # every summary: exact mode reads the floor and at most the live blocks
             assert d["floor_blocks"] <= d["exact_blocks_read"] + 1e-9 <= s["live_blocks"] + 2e-9, (bs, kind)
             assert d["page_bytes"] <= 2 * 2 * out["index_dim"] and d["bound_excess_over_best_score"] >= 0, (bs, kind)

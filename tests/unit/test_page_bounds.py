@@ -1,10 +1,12 @@
 """Page summaries of the host-tier indexer keys (`reference.key_block_summary` / `summary_score_bound`: box, ball,
-box in a per-layer basis, ball + box in a basis) against float64 NumPy oracles: every valid key's score is at most
-its page's bound for every summary (random pages and adversarial ones: all keys equal, one outlier, keys along one
-axis, negative head weights, a zero query, large magnitudes, padded rows holding anything, a basis that fits the keys,
-one that does not, one not quite orthonormal); reading pages best bound first until no unread bound reaches the k-th
-score read so far finds the brute-force top-k; a summary is that of the page's valid rows only (a key appended, a
-page reused for other keys); the summaries fit the box's bytes and are exact in bf16."""
+box in a per-layer basis, ball + box in a basis, per-key RVQ codes of the key before RoPE) against float64 NumPy
+oracles: every valid key's score is at most its page's bound for every summary (random pages and adversarial ones:
+all keys equal, one outlier, keys along one axis, negative head weights, a zero query, large magnitudes, padded rows
+holding anything, a basis or codebook that fits the keys, one that does not, one not quite orthonormal or perturbed);
+reading pages best bound first until no unread bound reaches the k-th score read so far finds the brute-force top-k;
+a summary is that of the page's valid rows only (a key appended, a page reused for other keys); the summaries fit
+the box's bytes and are exact in bf16; RVQ's pieces (the RoPE it undoes is the model's, codebooks, codes, radii
+rounded up to e4m3) against NumPy."""
 
 from __future__ import annotations
 
@@ -16,10 +18,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.indexer_topk.reference import (SUMMARY_KINDS, host_block_ranks, host_index_select_reference,
-                                                   index_scores, key_block_summary, pca_basis, summary_centre,
-                                                   summary_page_values, summary_rank, summary_score_bound)
+                                                   index_scores, key_block_summary, pca_basis, rope_rotate,
+                                                   rope_unrotate, round_e4m3_up, rvq_decode, rvq_encode, rvq_fit,
+                                                   summary_centre, summary_page_values, summary_rank,
+                                                   summary_score_bound)
 
 B, I, D, S, K = 2, 4, 16, 256, 16
+R = 8  # the keys' rotated dimensions ("rvq" undoes RoPE on them)
+STAGES, SIZE = 3, 32  # "rvq" in these tests: more stages than the box's bytes buy at D = 16 (the bound holds for any)
+_ANGLES = np.arange(S)[:, None] * 10000.0 ** (-np.arange(R // 2) * 2 / R)[None]
+COS, SIN = np.cos(_ANGLES).astype(np.float32), np.sin(_ANGLES).astype(np.float32)
 BLOCKS = (16, 64)
 CASES = ("normal", "drift", "equal", "outlier", "axis", "offset")
 BASES = ("fit", "random", "skewed")
@@ -49,7 +57,21 @@ def _keys(rng, case, scale):
     return (k * scale).astype(np.float32)
 
 
+def _codec(rng, keys, how):
+    """"rvq"'s basis: (codebooks fitted to the keys, random ones, or fitted ones perturbed; COS, SIN)."""
+    if how == "random":
+        return rng.standard_normal((STAGES, SIZE, D)).astype(np.float32), COS, SIN
+    n = keys.shape[-2]
+    books = np.asarray(rvq_fit(rope_unrotate(jnp.asarray(keys), COS[:n], SIN[:n]).reshape(-1, D), STAGES, SIZE,
+                               iters=4))
+    if how == "skewed":
+        books = books + rng.standard_normal(books.shape).astype(np.float32) * 0.05
+    return books, COS, SIN
+
+
 def _basis(rng, keys, kind, how):
+    if kind == "rvq":
+        return _codec(rng, keys, how)
     m = summary_rank(kind, D)
     if how == "random":  # a basis with nothing to do with the keys
         return np.linalg.qr(rng.standard_normal((D, D)))[0][:, :m].astype(np.float32)
@@ -101,7 +123,7 @@ def test_every_valid_score_is_at_most_its_page_bound(seed, case, scale, neg_w, z
     got32 = np.asarray(index_scores(q[:, None], w[:, None], k)[:, 0]).reshape(B, S // block, block)
     vb = valid.reshape(B, S // block, block)
     for kind in SUMMARY_KINDS:
-        u = _basis(rng, k, kind, basis) if kind in ("pca_box", "ball_pca") else None
+        u = _basis(rng, k, kind, basis) if kind in ("pca_box", "ball_pca", "rvq") else None
         summ = _summary(kind, k, block, valid, u)
         for x in summ:  # bf16-exact: the device's bf16 copy is the summary itself
             x = np.asarray(x)
@@ -141,7 +163,7 @@ def _bound_ordered_read(bound, scores, valid, block, k):
     order = np.argsort(-bound, kind="stable")
     got, read = [], 0
     for p in order:
-        if not np.isfinite(bound[p]):
+        if bound[p] == -np.inf:  # no valid row (+inf: a bound that bounds nothing, read)
             break
         if len(got) >= k and bound[p] < sorted(got, reverse=True)[k - 1]:
             break
@@ -157,7 +179,7 @@ def test_bound_ordered_reading_finds_the_brute_force_top_k(seed, case, neg_w, ba
     rng, q, w, k, valid = _case(seed, case, 1.0, neg_w, False, "junk")
     scores = np.asarray(index_scores(q[:, None], w[:, None], k)[:, 0])  # the indexer's float32 scores
     for kind in SUMMARY_KINDS:
-        u = _basis(rng, k, kind, basis) if kind in ("pca_box", "ball_pca") else None
+        u = _basis(rng, k, kind, basis) if kind in ("pca_box", "ball_pca", "rvq") else None
         bound = np.asarray(_ranks(q, w, k, valid, block, "bound", kind, u))
         pos, read, live = (np.asarray(x) for x in _select(q, w, k, valid, topk=K, block=block, summary=kind, basis=u))
         for b in range(B):
@@ -183,6 +205,8 @@ def test_a_summary_is_that_of_the_page_valid_rows(seed, case, n):
         if kind in ("pca_box", "ball_pca"):
             u = np.asarray(pca_basis(jnp.asarray(new - new.mean(0) if kind == "ball_pca" else new),
                                      summary_rank(kind, D)))
+        elif kind == "rvq":  # the page's rows sit at positions 0..63
+            u = (_codec(rng, new[None], "fit")[0], COS[:64], SIN[:64])
         page = np.where(valid[:, None], new, old)  # rows past n still hold the old owner's keys
         got = [np.asarray(x)[0, 0] for x in _summary(kind, page[None], 64, valid[None], u)]
         fresh = [np.asarray(x)[0, 0] for x in _summary(kind, new[None], 64, valid[None], u)]
@@ -196,6 +220,19 @@ def test_a_summary_is_that_of_the_page_valid_rows(seed, case, n):
         assert (_oracle_scores(q[0], wt[0], new[None, :n + 1])[0] <= bound).all(), kind
         rows = new[:n].astype(np.float64)
         ulp = 2.0 ** -7  # bf16's relative spacing
+        if kind == "rvq":  # each valid row's nearest-centroid codes and its residual rounded up to e4m3
+            codes, radius = got
+            assert (codes[n:] == 0).all() and (radius[n:] == -1).all()
+            x = np.asarray(rope_unrotate(jnp.asarray(new[:n]), COS[:n], SIN[:n])).astype(np.float64)
+            for g, book in enumerate(u[0].astype(np.float64)):
+                d = ((x[:, None] - book[None]) ** 2).sum(-1)
+                chosen = d[np.arange(n), codes[:n, g].astype(int)]
+                assert (chosen <= d.min(1) * (1 + 1e-5) + 1e-9).all()  # the nearest (ties within float32)
+                x = x - book[codes[:n, g].astype(int)]
+            res = np.linalg.norm(x, axis=1)
+            slack = 2.0 ** -12 * np.linalg.norm(rows, axis=1)  # `reference.SUMMARY_SLACK` |k| for float32 rounding
+            assert (radius[:n] >= res).all() and (radius[:n] <= (res + slack) * 1.125 + 2.0 ** -9).all()
+            continue
         if kind == "box":
             lo, hi = got
             assert (lo <= rows.min(0)).all() and (hi >= rows.max(0)).all()
@@ -230,7 +267,7 @@ def test_budgeted_recall_is_the_top_k_share_of_the_pages_read():
         want[b, np.asarray(full[b])[np.asarray(full[b]) >= 0]] = True
     fractions = (0.1, 0.25, 0.5, 1.0)
     for kind in SUMMARY_KINDS:
-        u = _basis(rng, k, kind, "fit") if kind in ("pca_box", "ball_pca") else None
+        u = _basis(rng, k, kind, "fit") if kind in ("pca_box", "ball_pca", "rvq") else None
         curve = np.asarray(budget_recall(_ranks(q, w, k, valid, 16, "bound", kind, u), jnp.asarray(want), live, 16,
                                          K, fractions))
         for i, f in enumerate(fractions):
@@ -267,7 +304,7 @@ def test_a_summary_centre_is_the_centre_of_its_keys(seed, block):
     basis = np.linalg.qr(rng.standard_normal((D, D)))[0].astype(np.float32)
     one = rng.standard_normal((B, nb, 8)).astype(np.float32) @ basis[:, :8].T
     same = np.asarray(jnp.asarray(np.repeat(one, block, axis=1)).astype(jnp.bfloat16).astype(jnp.float32))
-    for kind in SUMMARY_KINDS:
+    for kind in [kd for kd in SUMMARY_KINDS if kd != "rvq"]:  # "rvq" has no page centre (below)
         u = basis[:, :summary_rank(kind, D)] if kind in ("pca_box", "ball_pca") else None
         c = np.asarray(summary_centre(kind, _summary(kind=kind, k=jnp.asarray(same), block=block, basis=u), u))
         tol = 2 ** -7 * np.abs(same).max() if kind == "pca_box" else 0  # its coefficients' box is rounded to bf16
@@ -278,7 +315,8 @@ def test_the_summaries_fit_the_box_bytes():
     """At dI 128 every kind fits 2 x dI bf16 numbers per page (512 bytes per 64-key page), the basis ranks as the
     docstring's table says."""
     assert (summary_rank("pca_box", 128), summary_rank("ball_pca", 128)) == (127, 63)
-    assert [summary_page_values(kd, 128, summary_rank(kd, 128)) for kd in SUMMARY_KINDS] == [256, 129, 255, 256]
+    assert summary_rank("rvq", 128) == 7  # 7 one-byte codes and a one-byte radius per key
+    assert [summary_page_values(kd, 128, summary_rank(kd, 128)) for kd in SUMMARY_KINDS] == [256, 129, 255, 256, 256]
     for kd in SUMMARY_KINDS:
         assert summary_page_values(kd, D, summary_rank(kd, D)) <= 2 * D
 
@@ -291,3 +329,73 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="summary must be one of"):
         host_index_select_reference(jnp.zeros((1, 2, 8)), jnp.ones((1, 2)), jnp.zeros((1, 64, 8)),
                                     jnp.ones((1, 64), bool), 4, 16, summary="sphere")
+    with pytest.raises(ValueError, match="needs basis"):
+        key_block_summary("rvq", jnp.zeros((1, 64, 8)), 16)
+    with pytest.raises(ValueError, match="no page centre"):
+        summary_centre("rvq", (jnp.zeros((1, 4, 16, 1)), jnp.zeros((1, 4, 16))))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_unrotate_undoes_the_model_rope(interleaved):
+    """`rope_unrotate` of a key rotated by the model's `apply_rope` (either pairing) gives back its pairs [a | b];
+    `rope_rotate` of those is the rotated key again."""
+    from hisparse_jax.model.rope import apply_rope
+
+    x = np.random.default_rng(3).standard_normal((S, D)).astype(np.float32)
+    y = np.concatenate([np.asarray(apply_rope(jnp.asarray(x[:, :R]), COS, SIN, interleaved=interleaved)), x[:, R:]],
+                       axis=-1)
+    pairs = (x[:, 0:R:2], x[:, 1:R:2]) if interleaved else (x[:, :R // 2], x[:, R // 2:R])
+    u = np.asarray(rope_unrotate(jnp.asarray(y), COS, SIN))
+    np.testing.assert_allclose(u, np.concatenate([*pairs, x[:, R:]], axis=-1), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(rope_rotate(jnp.asarray(u), COS, SIN)), y, atol=1e-5)
+
+
+def test_round_e4m3_up_is_the_least_e4m3_value_not_below():
+    """Every float32 >= 0 (zero, e4m3's subnormals, its largest 448, above it) -> the least e4m3 value >= it (+inf
+    above 448)."""
+    rng = np.random.default_rng(4)
+    x = np.concatenate([[0.0, 2.0 ** -9, 2.0 ** -10, 1.0, 448.0, 448.5, 1e4],
+                        np.exp(rng.uniform(np.log(1e-4), np.log(500), 2000))]).astype(np.float32)
+    y = np.asarray(round_e4m3_up(jnp.asarray(x)))
+    finite = x <= 448
+    assert (y >= x).all() and np.isinf(y[~finite]).all()
+    e4m3 = np.asarray(jnp.asarray(y[finite]).astype(jnp.float8_e4m3fn).astype(jnp.float32))
+    np.testing.assert_array_equal(e4m3, y[finite])  # an e4m3 value
+    below = np.asarray(jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(jnp.asarray(y[finite]).astype(jnp.float8_e4m3fn), jnp.uint8) - 1,
+        jnp.float8_e4m3fn).astype(jnp.float32))
+    assert ((below < x[finite]) | (y[finite] == 0)).all()  # the e4m3 value below it is below x: the least one
+
+
+def test_rvq_codes_clustered_keys_tightly():
+    """Keys that are 16 kinds of key, each turned by RoPE at its position (what a trained indexer's look like): one
+    stage of codes fitted to them leaves residuals near zero, so each page's bound sits near its best score (the box
+    of the same pages bounds nothing of use), and the codes' reconstruction is the key."""
+    rng = np.random.default_rng(5)
+    kinds = rng.standard_normal((16, D)).astype(np.float32) * 3
+    u = kinds[rng.integers(0, 16, (B, S))] + rng.standard_normal((B, S, D)).astype(np.float32) * 1e-3
+    k = np.asarray(rope_rotate(jnp.asarray(u), COS, SIN))
+    books = rvq_fit(rope_unrotate(jnp.asarray(k), COS, SIN).reshape(-1, D), 1, 16, iters=10)
+    codes, radius = rvq_encode(jnp.asarray(k), books, COS, SIN)
+    assert float(radius.max()) < 0.02 * float(np.linalg.norm(kinds, axis=-1).min())
+    np.testing.assert_allclose(np.asarray(rvq_decode(codes, books, COS, SIN)), k, atol=0.02)
+    rng, q, w, _, valid = _case(5, "normal", 1.0, False, False, "zeros")
+    scores = np.where(valid, _oracle_scores(q, w, k), -np.inf).reshape(B, S // 16, 16).max(-1)
+    live = valid.reshape(B, S // 16, 16).any(-1)
+    tight = np.asarray(_ranks(q, w, k, valid, 16, "bound", "rvq", (books, COS, SIN)))
+    box = np.asarray(_ranks(q, w, k, valid, 16, "bound", "box"))
+    qn = np.abs(w).sum(-1)[:, None] * np.linalg.norm(q, axis=-1).max(-1)[:, None]  # sum_h |w_h| |q|max
+    over, box_over = tight[live] - scores[live], box[live] - scores[live]
+    assert (over >= 0).all()
+    assert over.max() < 0.1 * qn.max(), over.max()
+    assert box_over.mean() > 10 * over.mean()
+
+
+def test_rvq_centre_rank_is_the_best_reconstructed_score():
+    """Budgeted mode's rank "centre" with "rvq": each block's best score of its valid keys' reconstructions."""
+    rng, q, w, k, valid = _case(6, "offset", 1.0, True, False, "junk")
+    codec = _codec(rng, k, "fit")
+    got = np.asarray(_ranks(q, w, k, valid, 16, "centre", "rvq", codec))
+    codes, _ = rvq_encode(jnp.asarray(k), *codec)
+    rec = np.where(valid, _oracle_scores(q, w, np.asarray(rvq_decode(codes, *codec))), -np.inf)
+    np.testing.assert_allclose(got, rec.reshape(B, S // 16, 16).max(-1), rtol=1e-5, atol=1e-5)
