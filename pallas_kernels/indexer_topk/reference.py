@@ -233,9 +233,9 @@ def _residual_radius(x, a, basis, vb, kn):
 
 
 # ----- "rvq": each key coded before its RoPE by residual vector quantization ------------------------------------
-# A trained indexer's keys are LayerNorm outputs of a few kinds of token, but RoPE turns each kind by its position,
-# so no page-level shape holds them tightly. Un-rotated, they cluster: m stages of RVQ_SIZE centroids code a key in
-# m bytes to a small residual. The bound rotates each key's reconstruction back by its position and widens every dot
+# An indexer key is a LayerNorm output that RoPE turns by its position, so no page-level shape holds a page of them
+# tightly. Before RoPE the trained models' keys cluster: m stages of RVQ_SIZE centroids code a key in m bytes to a
+# small residual. The bound rotates each key's reconstruction back by its position and widens every dot
 # by |q_h| times the key's residual radius, so it is a bound key by key; a page's bound is its keys' largest.
 RVQ_SIZE = 256  # centroids per stage: one byte per code
 
@@ -347,14 +347,19 @@ def _rvq_codec(basis):
     return tuple(jnp.asarray(b, jnp.float32) for b in basis)
 
 
-def _rvq_page_dots(q, summary, basis):
-    """For "rvq": (q_h . k_hat [..., T, I, NB, block], |q_h| [..., T, I, 1, 1], |k_hat| [..., NB, block])."""
-    codes, radius = summary
+def _rvq_keys(summary, basis):
+    """For "rvq": the page keys' reconstructions f32[..., NB x block, dI] (`rvq_decode` of the summary's codes)."""
+    codes = summary[0]
     books, cos, sin = _rvq_codec(basis)
+    return rvq_decode(codes.reshape(*codes.shape[:-3], -1, codes.shape[-1]), books, cos, sin)
+
+
+def _rvq_page_max(each, radius):
+    """Each page's largest of its valid keys' values: each [..., T, NB x block], radius [..., NB, block] (-1: the
+    row is not valid) -> [..., T, NB] (0 for a page without a valid key)."""
     nb, block = radius.shape[-2:]
-    kh = rvq_decode(codes, books, cos.reshape(nb, block, -1), sin.reshape(nb, block, -1))  # [..., NB, block, dI]
-    dots = jnp.einsum("...tid,...njd->...tinj", q, kh, precision=HIGHEST)
-    return dots, jnp.sqrt((q * q).sum(-1))[..., None, None], jnp.sqrt((kh * kh).sum(-1))
+    each = each.reshape(*each.shape[:-1], nb, block)
+    return _masked_max(each, jnp.broadcast_to((radius >= 0)[..., None, :, :], each.shape))
 
 
 def key_block_summary(kind: str, k, block: int, valid=None, basis=None):
@@ -457,16 +462,14 @@ def summary_score_bound(q, w, kind: str, summary, basis=None):
     wb = w[..., None]
     if kind == "box":
         return block_score_bound(q, w, *summary)
-    if kind == "rvq":
-        dots, qn, kn = _rvq_page_dots(q, summary, basis)
-        unbounded = jnp.isinf(summary[1])[..., None, :, :]  # a residual beyond e4m3's range: no bound
-        r = jnp.where(jnp.isinf(summary[1]), 0.0, jnp.maximum(summary[1], 0))[..., None, None, :, :]
-        wk = w[..., None, None]
-        terms = jnp.where(wk >= 0, wk * jax.nn.relu(dots + qn * r), wk * jax.nn.relu(dots - qn * r)).sum(-3)
-        each = terms + SUMMARY_SLACK * (jnp.abs(wk) * qn * (kn[..., None, None, :, :] + r)).sum(-3)
-        each = jnp.where(unbounded, jnp.inf, each)  # [..., T, NB, block]
-        return _masked_max(each, jnp.broadcast_to((summary[1] >= 0)[..., None, :, :], each.shape))
     qn = jnp.sqrt((q * q).sum(-1))[..., None]  # [..., T, I, 1]
+    if kind == "rvq":  # every key its own interval: [..., T, I, NB x block]
+        kh = _rvq_keys(summary, basis)
+        radius = summary[1].reshape(*summary[1].shape[:-2], -1)
+        r = jnp.where(jnp.isinf(radius), 0.0, jnp.maximum(radius, 0))[..., None, None, :]  # inf: made +inf below
+        dots = jnp.einsum("...tid,...sd->...tis", q, kh, precision=HIGHEST)
+        lo, hi = dots - qn * r, dots + qn * r
+        kn = jnp.sqrt((kh * kh).sum(-1)) + r[..., 0, 0, :]
     if kind in ("ball", "ball_pca"):
         c, r = summary[0], summary[1]
         qc = jnp.einsum("...tid,...nd->...tin", q, c, precision=HIGHEST)
@@ -487,7 +490,11 @@ def summary_score_bound(q, w, kind: str, summary, basis=None):
     terms = jnp.where(wb >= 0, wb * jax.nn.relu(hi), wb * jax.nn.relu(lo)).sum(-2)
     if kind in ("ball", "ball_pca") and joint is not None:
         terms = jnp.minimum(terms, joint)
-    return terms + SUMMARY_SLACK * (jnp.abs(wb) * qn * kn[..., None, None, :]).sum(-2)
+    bound = terms + SUMMARY_SLACK * (jnp.abs(wb) * qn * kn[..., None, None, :]).sum(-2)
+    if kind != "rvq":
+        return bound
+    unbounded = jnp.isinf(summary[1]).reshape(*summary[1].shape[:-2], 1, -1)  # a residual beyond e4m3's range
+    return _rvq_page_max(jnp.where(unbounded, jnp.inf, bound), summary[1])
 
 
 def _ball_joint_bound(q, w, qc, lo, r):
@@ -546,9 +553,8 @@ def host_block_ranks(q, w, k, valid, block: int, rank: str = "bound", summary: s
     else:
         summ = key_block_summary(summary, k, block, valid, basis)
         if rank == "centre" and summary == "rvq":  # the best score of the block's reconstructed keys
-            dots = _rvq_page_dots(q[:, None].astype(jnp.float32), summ, basis)[0]  # [B, 1, I, NB, block]
-            each = (w.astype(jnp.float32)[:, None, :, None, None] * jax.nn.relu(dots)).sum(-3)[:, 0]
-            bound = _masked_max(each, summ[1] >= 0)
+            each = index_scores(q[:, None], w[:, None], _rvq_keys(summ, basis))  # [B, 1, S]
+            bound = _rvq_page_max(each, summ[1])[:, 0]
         elif rank == "centre":
             bound = index_scores(q[:, None], w[:, None], summary_centre(summary, summ, basis))[:, 0]
         else:
