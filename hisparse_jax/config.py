@@ -19,7 +19,7 @@ import functools
 import math
 from typing import Any
 
-from hisparse_jax.formats import INDEX_RANKS, INDEX_TIERS, QUANTIZED_INDEX_DTYPES, glm_indexer_types
+from hisparse_jax.formats import INDEX_RANKS, INDEX_SUMMARIES, INDEX_TIERS, QUANTIZED_INDEX_DTYPES, glm_indexer_types
 from hisparse_jax.units import PAGE_SIZE
 from hisparse_jax.validation import check_float, check_int, check_optional_float, check_token_list
 
@@ -409,6 +409,15 @@ class CacheConfig:
       bounded, and each step reads exact keys from the host in bound order, `kv.scoring.index_scores_host`). Exact
       mode (`index_budget_pages` None) reads pages until no unread page's bound reaches the k-th best score read:
       the same top-k as device keys, bit for bit. Needs kernels="reference" and hot_policy="lru".
+    index_summary: with index_tier="host", what the device keeps to bound each key page's scores: "box" (the
+      default: the per-dimension min / max above) or "rvq" (each key coded before its RoPE by residual vector
+      quantization: index_head_dim / 16 - 1 one-byte codes per key and an e4m3 radius of what they leave, the box's
+      bytes per token, plus per index layer the codebooks, bf16 [stages, 256, index_head_dim], that the store is
+      given when it is made: `index_codebooks.fit_index_codebooks` on calibration text; `Engine(...,
+      index_codebooks=...)`). A key's score is bounded by its reconstruction's score widened by |q| x its radius,
+      so the bound holds for any codebook and is tight for one fitted to the model's keys: on the trained 8K model
+      exact mode reads 60 % of the live pages where the box reads all of them (`experiments/index_tier.py`). Not
+      with speculative_tokens (the MTP layer's keys have no codebooks).
     index_budget_pages: with index_tier="host", at most this many pages read per step, request and index layer
       (budgeted mode: the best-bounded pages; the top-k is taken among their positions, a fixed amount of work per
       step; at most index_pages); None (the default) is exact mode.
@@ -428,7 +437,7 @@ class CacheConfig:
       them, so every budget within one capacity runs the same compiled programs: set one capacity for a process
       (or a sweep) and vary the budgets per experiment. Each budget must be at most the capacity's, and the
       formats (kv_dtype, index_dtype, fetch, fetch_min_rows, mirror_to_host, miss_attention, hot_policy, hot_ema_beta,
-      index_tier, index_budget_pages, index_rank, speculative_tokens) must match.
+      index_tier, index_budget_pages, index_rank, index_summary, speculative_tokens) must match.
     """
 
     kv_dtype: str = "auto"
@@ -448,13 +457,14 @@ class CacheConfig:
     index_tier: str = "device"
     index_budget_pages: int | None = None
     index_rank: str = "bound"
+    index_summary: str = "box"
     speculative_tokens: int = 0
     capacity: "CacheConfig | None" = None
 
     # the fields that name one of a few choices, and those choices
     CHOICES = {"kv_dtype": KV_DTYPES, "index_dtype": INDEX_DTYPES, "fetch": FETCH_MECHANISMS,
                "miss_attention": MISS_ATTENTION, "hot_policy": HOT_POLICIES, "index_tier": INDEX_TIERS,
-               "index_rank": INDEX_RANKS}
+               "index_rank": INDEX_RANKS, "index_summary": INDEX_SUMMARIES}
 
     def __post_init__(self):
         problems = [f"{name} must be one of {allowed}, got {getattr(self, name)!r}"
@@ -465,6 +475,12 @@ class CacheConfig:
         elif self.index_tier == "device" and self.index_budget_pages is not None:
             problems.append("index_budget_pages is the read budget of index_tier='host'; with index_tier='device' "
                             f"leave it None, got {self.index_budget_pages!r}")
+        if self.index_summary != "box" and self.index_tier != "host":
+            problems.append(f"index_summary is what the device keeps of index_tier='host''s key pages; with "
+                            f"index_tier={self.index_tier!r} leave it 'box', got {self.index_summary!r}")
+        elif self.index_summary == "rvq" and self.speculative_tokens:
+            problems.append("index_summary='rvq' does not run with speculative_tokens: the MTP layer's keys have no "
+                            "codebooks (`index_codebooks.fit_index_codebooks` fits the main layers')")
         if self.index_rank != "bound" and self.index_budget_pages is None:
             problems.append(f"index_rank ranks the pages budgeted mode reads (index_tier='host' with "
                             f"index_budget_pages set); exact mode reads in bound order, so leave it 'bound', got "
@@ -495,7 +511,7 @@ class CacheConfig:
 
     # the fields a capacity fixes for its budgets (formats), and the budgets it bounds
     CAPACITY_FORMATS = ("kv_dtype", "index_dtype", "fetch", "fetch_min_rows", "mirror_to_host", "miss_attention",
-                        "hot_policy", "hot_ema_beta", "index_tier", "index_budget_pages", "index_rank",
+                        "hot_policy", "hot_ema_beta", "index_tier", "index_budget_pages", "index_rank", "index_summary",
                         "speculative_tokens")
     CAPACITY_BUDGETS = ("device_pages", "host_pages", "index_pages", "max_seqs", "max_seq_len")  # and hot_rows:
     # its default depends on the model (`hot_rows_for`), so `kv.spec.StoreSpec.create` compares it

@@ -38,7 +38,7 @@ from hisparse_jax.demo_run import run_policies
 from hisparse_jax.demo_workload import PROMPT_TOPKS, WORKLOADS, DemoSetupError
 from hisparse_jax.engine.request import SEED_RANGE
 from hisparse_jax.engine.scheduler import ADMISSIONS, POLICIES
-from hisparse_jax.formats import INDEX_RANKS, INDEX_TIERS
+from hisparse_jax.formats import INDEX_RANKS, INDEX_SUMMARIES, INDEX_TIERS
 from hisparse_jax.kv.tiered import KERNELS, check_kernels
 
 
@@ -69,6 +69,12 @@ _MODES = {
         "summary per key page and each step reads the keys it needs, best bound first). "
         "--device-requests counts device keys, so host keys leave the device to the KV; outputs "
         "are the same (exact mode) unless --index-budget-pages is set"),
+    "--index-summary": ("box", INDEX_SUMMARIES,
+        "with --index-tier host: what the device keeps to bound each key page's scores "
+        "(`CacheConfig.index_summary`): box (the default: each dimension's min / max per page) or rvq "
+        "(each key's codes before its RoPE and a residual radius, the same bytes per token; codebooks "
+        "fitted on calibration text first: the training text's for a byte-level checkpoint, random "
+        "token walks for a preset); rvq reads fewer pages on the trained models"),
     "--index-rank": ("bound", INDEX_RANKS,
         "with --index-budget-pages: which key pages a step reads (`CacheConfig.index_rank`): those of the best "
         "summary bounds (bound, the default) or of the best scores of the summaries' midpoints (centre: no "

@@ -35,6 +35,9 @@ def check_workload(args: argparse.Namespace, cfg: ModelConfig, kind: str, longes
         raise DemoSetupError(f"--workload text: the prompts are bytes (256 token ids); this model's vocabulary has "
                              f"{cfg.vocab_size} (use --workload random)")
     n_dev, new, extra = args.devices, args.new_tokens, lookahead(args.speculative_tokens)
+    if args.index_summary == "rvq" and n_dev > 1:
+        raise DemoSetupError(f"--index-summary rvq runs on one device (--devices {n_dev}): a MeshEngine's stores are "
+                             "not given codebooks yet")
     if n_dev > len(jax.devices()):
         raise DemoSetupError(f"--devices {n_dev}: jax sees {len(jax.devices())} device(s) "
                              f"({jax.default_backend()}); on a CPU start the process with "

@@ -13,6 +13,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import time
 
 import jax
@@ -23,10 +24,11 @@ from hisparse_jax.config import CacheConfig
 from hisparse_jax.demo_checks import check_workload
 from hisparse_jax.demo_progress import Progress
 from hisparse_jax.demo_report import plot
-from hisparse_jax.demo_workload import (PROMPT_TOPKS, model_config, policy_budgets, text_workload, too_small,
-                                        workload, workload_kind)
+from hisparse_jax.demo_workload import (PROMPT_TOPKS, calibration_ids, model_config, policy_budgets, text_workload,
+                                        too_small, workload, workload_kind)
 from hisparse_jax.engine import Engine, EngineConfig, MeshEngine, SamplingParams
 from hisparse_jax.engine.speculative import lookahead
+from hisparse_jax.index_codebooks import fit_index_codebooks
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.model.decoder import SparseMLAModel
 
@@ -42,6 +44,7 @@ def run_policies(args: argparse.Namespace, on_setup=None) -> dict:
     any policy runs, with the workload and budgets (`setup`: the keys of the result that describe them). Raises
     DemoSetupError, before the model is made, for a workload that cannot run."""
     k = args.speculative_tokens
+    quiet = args.json
     cfg, folder = model_config(args)
     kind = workload_kind(args, cfg)
     longest = args.prompt_len or PROMPT_TOPKS * cfg.index_topk
@@ -57,8 +60,14 @@ def run_policies(args: argparse.Namespace, on_setup=None) -> dict:
     else:
         prompts = workload(cfg.vocab_size, args.requests * n_dev, longest, args.seed)
     b = policy_budgets(args, cfg, max(len(p) for p in prompts) + args.new_tokens + lookahead(k))
+    books, fit_s = None, 0.0
+    if args.index_summary == "rvq":  # the store's codebooks, fitted once for every policy's store
+        t0 = time.perf_counter()
+        if not quiet:
+            print("fitting the rvq codebooks of the indexer keys on calibration text ...", file=sys.stderr, flush=True)
+        books = fit_index_codebooks(model, calibration_ids(kind, cfg, longest, args.seed))
+        fit_s = time.perf_counter() - t0
     params = SamplingParams(max_new_tokens=args.new_tokens)
-    quiet = args.json
     results, outputs = {}, {}
     policies = list(args.policies)
 
@@ -68,7 +77,8 @@ def run_policies(args: argparse.Namespace, on_setup=None) -> dict:
             ec = EngineConfig(policy=pol, admission=args.admission, max_running=args.requests, prefill=args.prefill,
                               prefill_chunk=args.prefill_chunk, log_path=log_path, kernels=args.kernels,
                               speculative_tokens=k, prefix_caching=not k)
-            eng = Engine(model, cc, ec) if mesh is None else MeshEngine(model, cc, ec, mesh=mesh)
+            eng = (Engine(model, cc, ec, index_codebooks=books) if mesh is None
+                   else MeshEngine(model, cc, ec, mesh=mesh))
             for i, p in enumerate(prompts):
                 eng.add_request(f"r{i}", p, params)
         except ValueError as e:
@@ -95,6 +105,7 @@ def run_policies(args: argparse.Namespace, on_setup=None) -> dict:
         "miss_attention": args.miss_attention, "speculative_tokens": k, "hot_rows": b.base.hot_rows_for(cfg),
         "hot_policy": args.hot_policy, "index_tier": args.index_tier,
         "index_budget_pages": args.index_budget_pages or None, "index_rank": args.index_rank,
+        "index_summary": args.index_summary, "index_codebooks_fit_s": fit_s,
         "prefill": args.prefill, "backend": jax.default_backend(), "policies": split,
         "capacity": {"device_pages": b.capacity.device_pages, "index_pages": b.capacity.num_index_pages,
                      "host_pages": b.capacity.host_pages},

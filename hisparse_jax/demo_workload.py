@@ -63,6 +63,19 @@ def text_workload(n: int, longest: int, seed: int, low: float = 0.55) -> list[li
     return text_data.document_prompts(text_data.load_corpus()[1], lens, seed)
 
 
+CALIBRATION_WINDOWS, CALIBRATION_TOKENS = 4, 2048  # --index-summary rvq: the text its codebooks are fitted on
+
+
+def calibration_ids(kind: str, cfg: ModelConfig, longest: int, seed: int) -> np.ndarray:
+    """int[4, T] token ids the "rvq" codebooks are fitted on (`index_codebooks.fit_index_codebooks`), T the
+    prompts' longest length up to 2048: for the text workload, windows of the training text (the prompts are
+    held out), else random walks drawn apart from the prompts' (another seed)."""
+    T = min(longest, CALIBRATION_TOKENS)
+    if kind == "text":
+        return text_data.fixed_windows(text_data.load_corpus()[0], T, CALIBRATION_WINDOWS)
+    return np.asarray(workload(cfg.vocab_size, CALIBRATION_WINDOWS, T, seed + 1, low=1.0))
+
+
 def workload(vocab: int, n: int, longest: int, seed: int, low: float = 0.55) -> list[list[int]]:
     """n prompts of low..100 % of `longest` tokens with a little repeated structure (random walks over a
     few dozen token ids plus noise), generated locally."""
@@ -81,21 +94,22 @@ def workload(vocab: int, n: int, longest: int, seed: int, low: float = 0.55) -> 
 def budgets(cfg, requests: int, max_len: int, device_requests: float, kv_dtype: str = "float32",
             miss_attention: str = "single", speculative_tokens: int = 0, index_dtype: str = "auto",
             hot_rows: int | None = None, hot_policy: str = "lru", index_tier: str = "device",
-            index_budget_pages: int | None = None, index_rank: str = "bound"):
+            index_budget_pages: int | None = None, index_rank: str = "bound", index_summary: str = "box"):
     """The demo's budgets for `requests` requests of up to `max_len` tokens: (a base CacheConfig whose host pool
     holds all of them, the device bytes of `device_requests` whole longest requests' KV + indexer keys, the keys
     counted in kv_dtype's own format whatever `index_dtype`: one device budget for every key format). Pass both
     to `device_budget` to get each policy's split. With speculative tokens, `max_len` must include the positions
     a speculative step writes past a request's last token (`speculative.lookahead`). `hot_rows`: the base's
-    `CacheConfig.hot_rows` (None: the store's default), `hot_policy`, `index_tier`, `index_budget_pages` and
-    `index_rank` its `CacheConfig` fields; the device bytes depend on none of them (they count device keys whatever the tier)."""
+    `CacheConfig.hot_rows` (None: the store's default), `hot_policy`, `index_tier`, `index_budget_pages`,
+    `index_rank` and `index_summary` its `CacheConfig` fields; the device bytes depend on none of them (they count
+    device keys whatever the tier)."""
     base = CacheConfig(kv_dtype=kv_dtype, max_seq_len=pages(max_len) * 64, max_seqs=requests,
                        host_pages=requests * pages(max_len), device_pages=1, miss_attention=miss_attention,
                        speculative_tokens=speculative_tokens, hot_rows=hot_rows, hot_policy=hot_policy)
     probe = device_budget(cfg, base, 1 << 40, "preempt", max_running=requests, max_len=max_len)
     per_page = (1 << 40) / probe.device_pages  # bytes of one KV page + one indexer page
     return (base.replace(index_dtype=index_dtype, index_tier=index_tier, index_budget_pages=index_budget_pages,
-                         index_rank=index_rank),
+                         index_rank=index_rank, index_summary=index_summary),
             int(device_requests * pages(max_len) * per_page))
 
 
@@ -105,7 +119,7 @@ def option_budgets(args: argparse.Namespace, cfg: ModelConfig, max_len: int) -> 
     bytes); the CacheConfig's own checks refuse a combination of store options it does not take (ValueError)."""
     return budgets(cfg, args.requests, max_len, args.device_requests, args.kv_dtype, args.miss_attention,
                    args.speculative_tokens, args.index_dtype, args.hot_rows or None, args.hot_policy,
-                   args.index_tier, args.index_budget_pages or None, args.index_rank)
+                   args.index_tier, args.index_budget_pages or None, args.index_rank, args.index_summary)
 
 
 @dataclasses.dataclass(frozen=True)

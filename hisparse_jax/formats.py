@@ -22,6 +22,19 @@ INDEX_TIERS = ("device", "host")
 # on the trained models a far better guess of where the top-k is; `experiments/index_tier.py`).
 INDEX_RANKS = ("bound", "centre")
 
+# What the device keeps of the host tier's key pages to bound their scores: "box" (per page and dimension the
+# min / max of its keys, bf16: dI / 16 bytes per token) or "rvq" (per key, the key before its RoPE coded by
+# residual vector quantization, m = dI / 16 - 1 one-byte codes and an e4m3 residual radius: the same dI / 16 bytes
+# per token, plus m codebooks of RVQ_SIZE centroids per index layer, bf16; pruned pages on the trained models,
+# `experiments/index_tier.py`).
+INDEX_SUMMARIES = ("box", "rvq")
+RVQ_SIZE = 256  # centroids per stage: one byte per code (`reference.RVQ_SIZE`, which imports only jax)
+
+
+def rvq_stages(index_dim: int) -> int:
+    """The "rvq" summary's stages (codes per key) at the box's bytes per token: index_dim / 16 - 1 (7 at 128)."""
+    return max(index_dim // 16 - 1, 0)
+
 
 def glm_indexer_types(num_layers: int, freq: int = 4, offset: int = 3) -> tuple[str, ...]:
     """GLM-5's IndexShare pattern (`index_topk_freq`, `index_skip_topk_offset`): layer i has a "full" indexer iff

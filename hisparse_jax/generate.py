@@ -56,7 +56,7 @@ def validate_prompts(model: SparseMLAModel, prompts, max_new_tokens: int) -> lis
 def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, key: jax.Array | None = None, eos_token_id: int | Sequence[int] | None = None,
              cache: CacheConfig | None = None, return_stats: bool = False, return_logits: bool = False,
-             kernels: str = "reference", mesh: jax.sharding.Mesh | None = None):
+             kernels: str = "reference", mesh: jax.sharding.Mesh | None = None, index_codebooks=None):
     """Generate `max_new_tokens` tokens for each prompt; returns the new tokens (list per prompt).
 
     Greedy by default. temperature > 0 samples (optionally with nucleus `top_p`) and needs an explicit
@@ -91,6 +91,9 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     are those of the one-device run (sampled ones included: a prompt's seed does not depend on its rank);
     stats are summed over ranks. Multi-process (`jax.distributed.initialize`): the mesh may span every process's
     devices; every process calls `generate` with the same arguments and returns all the tokens.
+
+    index_codebooks (tiered, one device): the store's codebooks with CacheConfig(index_summary="rvq")
+    (`index_codebooks.fit_index_codebooks`).
     """
     if not isinstance(model, SparseMLAModel):
         raise TypeError(f"generate: model must be a SparseMLAModel, got {type(model).__name__}")
@@ -114,9 +117,11 @@ def generate(model: SparseMLAModel, prompts: list[list[int]], max_new_tokens: in
     if mesh is not None:
         if cache is None:
             raise ValueError("mesh needs the tiered store: pass cache=CacheConfig(...) (its budgets are per device)")
+        if cache.index_summary == "rvq":
+            raise ValueError("index_summary='rvq' runs on one device: a mesh's stores are not given codebooks")
         return _generate_mesh(model, prompts, cache, check_kernels(kernels), mesh, run, return_stats)
     if cache is not None:
-        return _generate_tiered(model, prompts, cache, check_kernels(kernels), run, return_stats)
+        return _generate_tiered(model, prompts, cache, check_kernels(kernels), run, return_stats, index_codebooks)
     if return_stats or kernels != "reference":
         raise ValueError("return_stats and kernels need the tiered store: pass cache=CacheConfig(...)")
     cfg = model.cfg
@@ -190,7 +195,7 @@ def _truncate_at_eos(toks: np.ndarray, eos) -> list[list[int]]:
     return result
 
 
-def _generate_tiered(model, prompts, cache, kernels, run, return_stats):
+def _generate_tiered(model, prompts, cache, kernels, run, return_stats, index_codebooks=None):
     cfg = model.cfg
     runner = Runner(model, kernels=kernels)  # the model split once for the whole run
     n, max_new_tokens = len(prompts), run.max_new_tokens
@@ -200,7 +205,7 @@ def _generate_tiered(model, prompts, cache, kernels, run, return_stats):
     check_backend(manager.spec, kernels)
     # the last new token is sampled, never written: the store holds prompt + max_new_tokens - 1 positions
     check_batch_fits(manager.budget_spec, [len(p) + max_new_tokens - 1 for p in prompts], releasable=manager.releasable)
-    store = kv_device.new_store(manager)
+    store = kv_device.new_store(manager, index_codebooks=index_codebooks)
     store, slots, first = runner.admit_prompts(store, manager, prompts)
     B = bucket_pow2(n)
     req = jnp.asarray(pad({"req": slots}, B)["req"])  # idle rows past the n prompts

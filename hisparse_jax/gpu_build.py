@@ -23,7 +23,7 @@ from hisparse_jax import deviceless as dl
 BATCH = 32
 # The store's per-page arrays (pool-sized: [L or LI, pages, ...]), device or pinned-host (`host_pools` says which).
 POOLS = ("latent", "rope", "latent_scale", "h_latent", "h_rope", "h_latent_scale", "index_k", "index_scale",
-         "index_ema", "index_lo", "index_hi")
+         "index_ema", "index_lo", "index_hi", "index_codes", "index_radius")
 sds = dl.abstract_on_cpu
 
 

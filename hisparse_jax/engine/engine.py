@@ -19,6 +19,7 @@ rank's batch in one sharded call. Everything that touches the KV store goes thro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -39,6 +40,7 @@ from hisparse_jax.kv.account import check_store_memory
 from hisparse_jax.kv.manager import COLDNESS, PageManager
 from hisparse_jax.kv.spec import BudgetError, check_batch_fits
 from hisparse_jax.kv.state import StoreSpec
+from hisparse_jax.kv.summary import IndexCodebooks
 from hisparse_jax.model.decoder import SparseMLAModel
 from hisparse_jax.results import EngineMetrics, StepMetrics
 from hisparse_jax.validation import check_eos, check_prompt
@@ -55,9 +57,10 @@ class OneStore:
     """The engine's store seam on one device: owns the `KVStore` and applies the engine's host decisions to it
     (`kv.device`). `engine.mesh` puts a rank of a stacked store behind the same four methods."""
 
-    def __init__(self, manager: PageManager, store=None):
-        # the manager's KVStore (device pools + pinned-host pools): a new one, or a restored one (`engine.snapshot`)
-        self.store = kv_device.new_store(manager) if store is None else store
+    def __init__(self, manager: PageManager, store=None, index_codebooks=None):
+        # the manager's KVStore (device pools + pinned-host pools): a new one (with index_summary="rvq"'s codebooks),
+        # or a restored one (`engine.snapshot`)
+        self.store = kv_device.new_store(manager, index_codebooks=index_codebooks) if store is None else store
 
     def apply_updates(self, manager: PageManager) -> None:
         self.store = kv_device.apply_updates(self.store, manager)
@@ -108,10 +111,11 @@ def check_engine_args(model, cache, config) -> None:
 
 class Engine:
     def __init__(self, model: SparseMLAModel, cache: CacheConfig, config: EngineConfig = EngineConfig(), *,
-                 store_owner=OneStore, restored=None):
+                 store_owner=OneStore, restored=None, index_codebooks: IndexCodebooks | None = None):
         """store_owner(manager) -> the object that holds this engine's KVStore (`OneStore`, or a rank of a
         `MeshEngine`'s stacked store); restored: a saved engine's (PageManager, KVStore) in place of new ones
-        (`engine.snapshot.load_engine`)."""
+        (`engine.snapshot.load_engine`); index_codebooks: the store's codebooks with
+        CacheConfig(index_summary="rvq") (`index_codebooks.fit_index_codebooks`; a restored store has its own)."""
         check_engine_args(model, cache, config)
         # the device side: the model split once, the kernels ("pallas" needs a GPU backend: refused here, never a
         # silent fallback), one jitted decode-and-sample call per step
@@ -125,6 +129,10 @@ class Engine:
         check_store_memory(StoreSpec.create(model.cfg, shape), step_rows=config.max_step_rows,
                            index_heads=model.cfg.index_n_heads)
         self.model = model
+        if index_codebooks is not None and restored is not None:
+            raise ValueError("a restored store keeps the codebooks it was made with: leave index_codebooks None")
+        if index_codebooks is not None:
+            store_owner = functools.partial(store_owner, index_codebooks=index_codebooks)
         self._build(runner, cache, config, store_owner, restored)
 
     def _build(self, runner, cache: CacheConfig, config: EngineConfig, store_owner, restored=None) -> None:

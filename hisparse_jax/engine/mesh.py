@@ -93,6 +93,9 @@ class MeshEngine:
         if config.speculative_tokens:
             raise ValueError(f"speculative_tokens={config.speculative_tokens}: MeshEngine does not carry speculative "
                              "decoding yet (use Engine on one device)")
+        if isinstance(cache, CacheConfig) and cache.index_summary == "rvq":
+            raise ValueError("index_summary='rvq': MeshEngine does not give its stores codebooks yet (use Engine on "
+                             "one device)")
         check_engine_args(model, cache, config)
         self.model, self.config, self.mesh = model, config, mesh
         self.n = parallel.num_ranks(mesh)

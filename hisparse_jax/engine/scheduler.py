@@ -125,9 +125,11 @@ def device_budget(model_cfg, cache: CacheConfig, device_bytes: int, policy: str,
     hisparse keeps every request's indexer keys resident, plus two tail pages and a hot buffer per running
     request, plus (chunked prefill) one prompt resident while it is prefilled: the indexer pool is sized for
     as many requests
-    as that leaves room for (at most `max_running`), the KV pool gets the rest.
+    as that leaves room for (at most `max_running`), the KV pool gets the rest. With index_summary="rvq" its
+    codebooks (`StoreSpec.index_codebook_bytes`) come off the budget first, whatever the policy.
     """
     spec = StoreSpec.create(model_cfg, cache.replace(device_pages=1, index_pages=1, capacity=None))
+    device_bytes = max(device_bytes - spec.index_codebook_bytes, 0)
     kv_page = spec.page_bytes * spec.num_layers
     idx_page = 64 * spec.num_indexer_layers * spec.index_row_bytes
     n = pages(max_len)

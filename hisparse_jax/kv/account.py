@@ -9,6 +9,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from hisparse_jax.formats import RVQ_SIZE
 from hisparse_jax.kv.pool import POOL_BYTES_PER_PAGE
 from hisparse_jax.kv.spec import FP8_BLOCK, MXFP4_BLOCK, SUMMARY_DTYPE, StoreSpec
 from hisparse_jax.memory import Cost, check_account
@@ -41,7 +42,8 @@ def index_bytes_per_row_position(index_dim: int, index_heads: int) -> int:
 # the CacheConfig sizes each array's size follows (named when an account does not fit)
 _SIZED_BY = {"latent": ("device_pages",), "rope": ("device_pages",), "latent_scale": ("device_pages",),
              "index_k": ("index_pages",), "index_scale": ("index_pages",), "index_ema": ("index_pages",),
-             "index_lo": ("index_pages",), "index_hi": ("index_pages",),
+             "index_lo": ("index_pages",), "index_hi": ("index_pages",), "index_codes": ("index_pages",),
+             "index_radius": ("index_pages",), "index_codebooks": (), "index_rope_freq": (),
              "h_latent": ("host_pages",), "h_rope": ("host_pages",), "h_latent_scale": ("host_pages",),
              "hot_token": ("hot_rows", "max_seqs"), "hot_stamp": ("hot_rows", "max_seqs"),
              "hot_pages": ("hot_rows", "max_seqs")}
@@ -81,9 +83,15 @@ def store_layout(spec: StoreSpec) -> dict[str, tuple[tuple[int, ...], np.dtype, 
         out["h_latent_scale"] = ((L, PH, PAGE_SIZE, C // FP8_BLOCK), f32, "host")
     if spec.hot_policy == "score_ema":
         out["index_ema"] = ((LI, PI, PAGE_SIZE), f32, "device")
-    if spec.index_tier == "host":
+    if spec.index_tier == "host" and spec.index_summary == "box":
         out["index_lo"] = ((LI, PI, dI), SUMMARY_DTYPE, "device")
         out["index_hi"] = ((LI, PI, dI), SUMMARY_DTYPE, "device")
+    if spec.index_tier == "host" and spec.index_summary == "rvq":
+        m = spec.index_stages
+        out["index_codes"] = ((LI, PI, PAGE_SIZE, m), np.dtype(np.uint8), "device")
+        out["index_radius"] = ((LI, PI, PAGE_SIZE), np.dtype(ml_dtypes.float8_e4m3fn), "device")
+        out["index_codebooks"] = ((LI, m, RVQ_SIZE, dI), np.dtype(ml_dtypes.bfloat16), "device")
+        out["index_rope_freq"] = ((R // 2,), f32, "device")
     return out
 
 

@@ -3,7 +3,7 @@ memory.
 
 * `encode_latent` / `decode_latent`   the KV pools' latent (fp8 e4m3 + a scale per 128 values, or bf16 / f32)
 * `encode_index` / `scored_keys`      the indexer keys' stored format (`StoreSpec.index_dtype`) and the f32 keys the
-                                      indexer scores; `summary_bounds` rounds those outward to `SUMMARY_DTYPE`
+                                      indexer scores
 * `set_rows`                          a pool write (a scatter with out-of-range rows dropped), in place
 * `to_host_memory` / `from_host_memory`  values in and out of a host pool, as their bits
 
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from hisparse_jax.compat import DEVICE, HOST
-from hisparse_jax.kv.spec import FP8_BLOCK, SUMMARY_DTYPE, StoreSpec
+from hisparse_jax.kv.spec import FP8_BLOCK, StoreSpec
 from hisparse_jax.kv.state import from_host_bits, to_host_bits
 from pallas_kernels.common import fp8_quantize, mxfp4_dequantize
 from pallas_kernels.indexer_topk.reference import quantize_index_keys, quantize_index_keys_int4
@@ -58,22 +58,13 @@ def encode_index(spec: StoreSpec, k):
 
 def scored_keys(spec: StoreSpec, kv, ks):
     """Stored keys (`encode_index`'s) -> f32[..., dI], the keys as the indexer scores them: fp8 e4m3 x its scale
-    (a power of two: exact), int4 MXFP4 dequantized, bf16 / f32 as they are. `index_lo` / `index_hi` summarize
-    these."""
+    (a power of two: exact), int4 MXFP4 dequantized, bf16 / f32 as they are. The page summaries
+    (`kv.summary`) summarize these."""
     if spec.index_dtype == "fp8":
         return kv.astype(jnp.float32) * ks[..., None]
     if spec.index_dtype == "int4":
         return mxfp4_dequantize(kv, ks)
     return kv.astype(jnp.float32)
-
-
-def summary_bounds(k):
-    """f32 keys -> (lo, hi) in the summaries' dtype (`SUMMARY_DTYPE`), rounded outward (lo <= k <= hi exactly), so
-    a page's summary still bounds every key written to it."""
-    lo, hi = k.astype(SUMMARY_DTYPE), k.astype(SUMMARY_DTYPE)
-    lo = jnp.where(lo.astype(jnp.float32) > k, jnp.nextafter(lo, jnp.asarray(-jnp.inf, SUMMARY_DTYPE)), lo)
-    hi = jnp.where(hi.astype(jnp.float32) < k, jnp.nextafter(hi, jnp.asarray(jnp.inf, SUMMARY_DTYPE)), hi)
-    return lo, hi
 
 
 def set_rows(pool, index, vals):

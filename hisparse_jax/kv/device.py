@@ -33,14 +33,26 @@ from hisparse_jax.kv.codec import from_host_memory, set_rows, to_host_memory
 from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.resolve import fetch_misses, gather_rows, resolve
 from hisparse_jax.kv.state import KVStore, init_store
+from hisparse_jax.kv.summary import IndexCodebooks, with_index_codebooks
 from hisparse_jax.kv.updates import ClearStamps, EvictPages, LoadPages, SetTables
 from hisparse_jax.units import PAGE_SIZE
 from pallas_kernels.sparse_gather.reference import UNUSED_STAMP
 
 
-def new_store(manager: PageManager, device=None) -> KVStore:
-    """An empty `KVStore` for `manager` (host pools in pinned_host memory), with its pending updates applied."""
-    return apply_updates(init_store(manager.spec, device), manager)
+def new_store(manager: PageManager, device=None, index_codebooks: IndexCodebooks | None = None) -> KVStore:
+    """An empty `KVStore` for `manager` (host pools in pinned_host memory), with its pending updates applied.
+    index_codebooks: the codebooks of index_summary="rvq" (needed there, refused otherwise)."""
+    spec = manager.spec
+    store = init_store(spec, device)
+    if spec.index_summary == "rvq":
+        if index_codebooks is None:
+            raise ValueError("index_summary='rvq' needs the store's codebooks: index_codebooks="
+                             "index_codebooks.fit_index_codebooks(model, calibration_ids)")
+        store = with_index_codebooks(store, index_codebooks)
+    elif index_codebooks is not None:
+        raise ValueError(f"index_codebooks are index_summary='rvq''s; this store's summary is "
+                         f"{spec.index_summary!r} (index_tier {spec.index_tier!r})")
+    return apply_updates(store, manager)
 
 
 # ----- table updates: the host's decisions on the device ------------------------------------------

@@ -39,6 +39,7 @@ from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.pool import PagePool, PoolError, RequestPages, Tier
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.state import KVStore, from_host_bits, init_store, store_shardings
+from hisparse_jax.kv.summary import rvq_residuals
 from hisparse_jax.units import PAGE_SIZE
 
 FORMAT = "hisparse_jax.PageManager"
@@ -286,60 +287,98 @@ def _stderr_held(settle_s: float = 0.2, max_wait_s: float = 5.0):
                 sys.stderr.write(tmp.read().decode(errors="replace"))
 
 
-def written_rows(manager: PageManager) -> dict[int, int]:
-    """{indexer page: rows of it written} over the manager's requests (a logical page i of a request of length n
-    holds min(64, n - 64 i) rows) and its registered prefix pages (full)."""
-    rows: dict[int, int] = {}
+def written_rows(manager: PageManager) -> dict[int, tuple[int, int | None]]:
+    """{indexer page: (rows of it written, its first position or None)} over the manager's requests (a logical
+    page i of a request of length n holds min(64, n - 64 i) rows from position 64 i) and its registered prefix
+    pages (full; a cached one no request holds has no position the bookkeeping knows)."""
+    rows: dict[int, tuple[int, int | None]] = {}
+    for page in manager.pool.prefix_maps(Tier.INDEX)[1]:
+        rows[page] = (PAGE_SIZE, None)
     for s, r in manager.requests.items():
         n = manager.lengths[s]
         for i, page in enumerate(r.index):
             k = min(PAGE_SIZE, max(0, n - i * PAGE_SIZE))
             if k and page >= 0:
-                rows[page] = max(rows.get(page, 0), k)
-    for page in manager.pool.prefix_maps(Tier.INDEX)[1]:
-        rows[page] = PAGE_SIZE
+                rows[page] = (max(rows.get(page, (0, None))[0], k), i * PAGE_SIZE)
     return rows
 
 
 def check_summaries(store: KVStore, manager: PageManager, where: str, chunk_bytes: int = 64 << 20) -> None:
     """Refuse (`CheckpointError`, naming the first (layer, page)) a host-tier store whose page summaries
     (`index_lo` / `index_hi`, bf16[LI, PI, dI]) do not bound, in every dimension, the scored keys (`codec.scored_keys`)
-    of the rows written to the page (`written_rows`): exact mode would skip a page holding a top-k key. A NaN
-    summary bound is accepted (the reader treats it as unbounded: the page is always read). No-op for device keys.
-    Reads the key pool once, `chunk_bytes` of scored keys at a time."""
+    of the rows written to the page (`written_rows`), or with index_summary="rvq" whose radii (`index_radius`) are
+    below a written key's distance from its codes' reconstruction (`summary.rvq_residuals`; a page's position is
+    needed for that, so a cached prefix page no request holds is not checked): exact mode would skip a page
+    holding a top-k key. A NaN summary bound or radius is accepted (the reader treats it as unbounded: the page is
+    always read). No-op for device keys. Reads the key pool once, `chunk_bytes` of scored keys at a time."""
     spec = store.spec
-    if store.index_lo is None:
+    if spec.index_tier != "host":
         return
     rows = written_rows(manager)
+    if spec.index_summary == "rvq":
+        rows = {p: v for p, v in rows.items() if v[1] is not None}
     if not rows:
         return
     pages = np.array(sorted(rows), np.int64)
-    count = np.array([rows[p] for p in pages.tolist()])
+    count = np.array([rows[p][0] for p in pages.tolist()])
+    first = np.array([rows[p][1] or 0 for p in pages.tolist()])
+    if spec.index_summary == "rvq":
+        _check_radii(store, pages, count, first, where, chunk_bytes)
+        return
+    lo_all = np.asarray(jax.device_get(store.index_lo)).astype(np.float32)
+    hi_all = np.asarray(jax.device_get(store.index_hi)).astype(np.float32)
+    for layer, at, pp, k in _scored_key_chunks(store, pages, chunk_bytes):
+        n = count[at:at + len(pp)]
+        written = (np.arange(PAGE_SIZE)[None, :] < n[:, None])[..., None]
+        kmin = np.where(written, k, np.inf).min(axis=1)
+        kmax = np.where(written, k, -np.inf).max(axis=1)
+        lo, hi = lo_all[layer, pp], hi_all[layer, pp]
+        ok = ((lo <= kmin) | np.isnan(lo)) & ((kmax <= hi) | np.isnan(hi))
+        bad = np.flatnonzero(~ok.all(axis=-1))
+        if bad.size:
+            j = int(bad[0])
+            d = int(np.flatnonzero(~ok[j])[0])
+            raise CheckpointError(
+                f"{where}: the summary of indexer layer {layer}, page {int(pp[j])} does not bound its keys "
+                f"(dimension {d}: keys in [{kmin[j, d]}, {kmax[j, d]}] over {int(n[j])} written rows, summary "
+                f"[{lo[j, d]}, {hi[j, d]}]; {bad.size} page(s) of this layer wrong) — exact top-k would skip it")
+
+
+def _scored_key_chunks(store: KVStore, pages, chunk_bytes: int):
+    """(index layer, offset into `pages`, a chunk of `pages`, their scored keys f32[c, 64, dI]) over every index
+    layer, `chunk_bytes` of keys at a time, reading the key pool once."""
+    spec = store.spec
     kdt, sdt = spec.index_dtypes
     keys = np.asarray(jax.device_get(store.index_k))
     scales = None if store.index_scale is None else np.asarray(jax.device_get(store.index_scale))
-    lo_all = np.asarray(jax.device_get(store.index_lo)).astype(np.float32)
-    hi_all = np.asarray(jax.device_get(store.index_hi)).astype(np.float32)
     step = max(1, chunk_bytes // (PAGE_SIZE * spec.index_dim * 4))
     for layer in range(spec.num_indexer_layers):
         for at in range(0, len(pages), step):
-            pp, n = pages[at:at + step], count[at:at + step]
+            pp = pages[at:at + step]
             kv = from_host_bits(keys[layer, pp], kdt)
             ks = None if scales is None else from_host_bits(scales[layer, pp], sdt)
-            k = np.asarray(scored_keys(spec, kv, ks), np.float32)  # [c, 64, dI]
-            written = (np.arange(PAGE_SIZE)[None, :] < n[:, None])[..., None]
-            kmin = np.where(written, k, np.inf).min(axis=1)
-            kmax = np.where(written, k, -np.inf).max(axis=1)
-            lo, hi = lo_all[layer, pp], hi_all[layer, pp]
-            ok = ((lo <= kmin) | np.isnan(lo)) & ((kmax <= hi) | np.isnan(hi))
-            bad = np.flatnonzero(~ok.all(axis=-1))
-            if bad.size:
-                j = int(bad[0])
-                d = int(np.flatnonzero(~ok[j])[0])
-                raise CheckpointError(
-                    f"{where}: the summary of indexer layer {layer}, page {int(pp[j])} does not bound its keys "
-                    f"(dimension {d}: keys in [{kmin[j, d]}, {kmax[j, d]}] over {int(n[j])} written rows, summary "
-                    f"[{lo[j, d]}, {hi[j, d]}]; {bad.size} page(s) of this layer wrong) — exact top-k would skip it")
+            yield layer, at, pp, np.asarray(scored_keys(spec, kv, ks), np.float32)
+
+
+def _check_radii(store: KVStore, pages, count, first, where: str, chunk_bytes: int) -> None:
+    """`check_summaries` for index_summary="rvq": pages int[N] whose first `count` rows are written, from positions
+    `first` on."""
+    spec = store.spec
+    codes_all = np.asarray(jax.device_get(store.index_codes))
+    radius_all = np.asarray(jax.device_get(store.index_radius)).astype(np.float32)
+    for layer, at, pp, k in _scored_key_chunks(store, pages, chunk_bytes):
+        n = count[at:at + len(pp)]
+        pos = first[at:at + len(pp), None] + np.arange(PAGE_SIZE)[None]
+        e = np.asarray(rvq_residuals(store, layer, k.reshape(-1, spec.index_dim), pos.reshape(-1),
+                                     codes_all[layer, pp].reshape(-1, spec.index_stages))).reshape(pos.shape)
+        r = radius_all[layer, pp]
+        bad = (np.arange(PAGE_SIZE)[None] < n[:, None]) & ~((e <= r) | np.isnan(r))
+        if bad.any():
+            j, row = (int(x) for x in np.argwhere(bad)[0])
+            raise CheckpointError(
+                f"{where}: the rvq radius of indexer layer {layer}, page {int(pp[j])}, row {row} is below its "
+                f"key's distance from its codes' reconstruction ({r[j, row]} < {e[j, row]}; {int(bad.sum())} "
+                f"row(s) of this layer wrong) — exact top-k would skip its page")
 
 
 def _cache_from_dict(d: dict) -> CacheConfig:

@@ -19,10 +19,10 @@ from hisparse_jax.compat import HOST, on_host
 from hisparse_jax.kv.codec import from_host_memory
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.state import KVStore
+from hisparse_jax.kv.summary import page_ranks
 from hisparse_jax.units import PAGE_SIZE
 from pallas_kernels.common import fp8_quantize, hadamard, mxfp4_dequantize, mxfp4_quantize
-from pallas_kernels.indexer_topk.reference import (block_score_bound, index_scores, index_scores_fp8,
-                                                   index_scores_int4, select_topk, summary_centre)
+from pallas_kernels.indexer_topk.reference import index_scores, index_scores_fp8, index_scores_int4, select_topk
 
 
 def index_select(store: KVStore, index_layer: int, req, positions, q_index, w, num_pages: int | None = None):
@@ -79,13 +79,13 @@ def index_scores_paged(store: KVStore, index_layer: int, req, positions, q_index
 # ----- index_tier="host": the keys in pinned-host memory, page summaries on the device --------------------------
 def index_scores_host(store: KVStore, index_layer: int, req, positions, q_index, w, num_pages: int | None = None):
     """`index_scores_paged` with index_tier="host": each row's pages ranked by their summary's bound
-    (`block_score_bound` of `index_lo` / `index_hi`, an upper bound of every score in the page) and read from the
-    pinned-host pool best bound first, `spec.index_read_chunk` pages per round. Exact mode (index_budget_pages None)
-    reads rounds until no unread page's bound reaches the row's k-th best score read so far: every position of the
-    exact top-k has then been scored, with the same arithmetic as device keys (`_score_keys`), so `select_topk` of the
-    result is the device tier's top-k. Budgeted mode reads the index_budget_pages best-ranked pages (rounds of the
+    (`summary.page_ranks`: an upper bound of every score in the page, from `StoreSpec.index_summary`'s kind) and
+    read from the pinned-host pool best bound first, `spec.index_read_chunk` pages per round. Exact mode
+    (index_budget_pages None) reads rounds until no unread page's bound reaches the row's k-th best score read so
+    far: every position of the exact top-k has then been scored, with the same arithmetic as device keys
+    (`_score_keys`), so `select_topk` of the result is the device tier's top-k. Budgeted mode reads the index_budget_pages best-ranked pages (rounds of the
     chunk, the last one cut), a fixed amount per step: best bound first, or with index_rank="centre" best score of
-    the summary's midpoint (lo + hi) / 2 first (`reference.summary_centre`).
+    the summary's centre first (the box's midpoint; "rvq": the page's best reconstructed key).
 
     Returns (scores f32[B, S], valid bool[B, S] (only positions read are valid), pages_read int32[] (summed over the
     rows: what crossed the host link)). A page with no valid position is never read. Exact mode's loop is a
@@ -102,13 +102,9 @@ def index_scores_host(store: KVStore, index_layer: int, req, positions, q_index,
     live = valid.reshape(B, P, PAGE_SIZE).any(-1) & (table >= 0)
     qb, wb = scored_query(spec, q_index, w)
     pages = jnp.maximum(table, 0)
-    # one gather at (layer, page) each: no copy of the layer's summaries
-    lo = store.index_lo[index_layer, pages].astype(jnp.float32)
-    hi = store.index_hi[index_layer, pages].astype(jnp.float32)
-    if spec.index_budget_pages is not None and spec.index_rank == "centre":  # not a bound: budgeted mode only
-        rank = index_scores(qb[:, None], wb[:, None], summary_centre("box", (lo, hi)))[:, 0]
-    else:
-        rank = block_score_bound(qb[:, None], wb[:, None], lo, hi)[:, 0]  # [B, P]
+    # "centre" is no bound: budgeted mode only
+    rank = page_ranks(store, index_layer, pages, valid, qb, wb,
+                      centre=spec.index_budget_pages is not None and spec.index_rank == "centre")  # [B, P]
     rank = jnp.where(live, jnp.where(jnp.isnan(rank), jnp.inf, rank), -jnp.inf)
     order = jnp.argsort(-rank, axis=-1, stable=True).astype(jnp.int32)  # best first
     ranked = jnp.take_along_axis(rank, order, axis=-1)

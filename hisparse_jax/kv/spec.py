@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 
 from hisparse_jax.config import CacheConfig, ModelConfig
+from hisparse_jax.formats import RVQ_SIZE, rvq_stages
 from hisparse_jax.units import PAGE_SIZE
 
 FP8_BLOCK = 128  # latent values per fp8 scale
@@ -48,6 +49,7 @@ class StoreSpec:
     index_tier: str = "device"  # where the indexer keys live: "device" or "host" (`CacheConfig.index_tier`)
     index_budget_pages: int | None = None  # index_tier="host": pages read per step, request and layer (None: exact)
     index_rank: str = "bound"  # budgeted mode's page order: "bound" or "centre" (`CacheConfig.index_rank`)
+    index_summary: str = "box"  # index_tier="host": the device's bound of a key page, "box" or "rvq" (`CacheConfig`)
 
     @classmethod
     def create(cls, model: ModelConfig, cache: CacheConfig) -> "StoreSpec":
@@ -68,6 +70,9 @@ class StoreSpec:
             raise ValueError(f"index_dtype={index_dtype!r} needs index_head_dim a power of two (the Hadamard "
                              f"rotation){f' and a multiple of {MXFP4_BLOCK}' if index_dtype == 'int4' else ''} "
                              f"(got {dI})")
+        if cache.index_summary == "rvq" and (rvq_stages(dI) < 1 or model.qk_rope_head_dim > dI):
+            raise ValueError(f"index_summary='rvq' needs index_head_dim >= 32 (one code per 16 dimensions, less one "
+                             f"for the radius) holding the {model.qk_rope_head_dim} rope dimensions (got {dI})")
         groups, cur = [], []
         for i, t in enumerate(model.indexer_types):
             if t == "full" and cur:
@@ -92,7 +97,7 @@ class StoreSpec:
                    topk=model.index_topk, miss_attention=cache.miss_attention, mtp_layers=mtp,
                    index_dtype=index_dtype, hot_policy=cache.hot_policy, hot_ema_beta=cache.hot_ema_beta,
                    index_tier=cache.index_tier, index_budget_pages=cache.index_budget_pages,
-                   index_rank=cache.index_rank)
+                   index_rank=cache.index_rank, index_summary=cache.index_summary)
 
     @property
     def hot_pages(self) -> int:
@@ -123,10 +128,27 @@ class StoreSpec:
     def index_row_bytes(self) -> float:
         """Device bytes of one token in one index layer: its indexer key (`index_key_bytes`) and with
         hot_policy="score_ema" the 4-byte average of its scores (`KVStore.index_ema`); with index_tier="host" only
-        its share of its page's summary (`KVStore.index_lo` / `index_hi`: 2 x dI bf16 per 64 tokens)."""
+        its summary: its share of its page's box (`KVStore.index_lo` / `index_hi`: 2 x dI bf16 per 64 tokens) or its
+        "rvq" codes and radius (`KVStore.index_codes` / `index_radius`: one byte each), dI / 16 bytes either way (the
+        "rvq" codebooks are a fixed cost per index layer, `kv.account.store_layout`)."""
+        if self.index_tier == "host" and self.index_summary == "rvq":
+            return self.index_stages + 1
         if self.index_tier == "host":
             return 2 * SUMMARY_DTYPE.itemsize * self.index_dim / PAGE_SIZE
         return self.index_key_bytes + (4 if self.hot_policy == "score_ema" else 0)
+
+    @property
+    def index_stages(self) -> int:
+        """index_summary="rvq": the codes per key (`formats.rvq_stages`: dI / 16 - 1); 0 otherwise."""
+        return rvq_stages(self.index_dim) if self.index_summary == "rvq" else 0
+
+    @property
+    def index_codebook_bytes(self) -> int:
+        """index_summary="rvq": the device bytes of its codebooks (bf16 [LI, m, 256, dI]) and rope frequencies
+        (f32[R/2]), a fixed cost whatever the pools' sizes; 0 otherwise."""
+        if self.index_summary != "rvq":
+            return 0
+        return self.num_indexer_layers * self.index_stages * RVQ_SIZE * self.index_dim * 2 + self.rope_dim // 2 * 4
 
     @property
     def index_dtypes(self) -> tuple[np.dtype, np.dtype | None]:

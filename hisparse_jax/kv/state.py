@@ -29,7 +29,13 @@ MP pages per request, G indexer groups, HR hot rows):
     index_hi    bf16[LI, PI, dI] memory (as host-pool bits, `host_dtype`), and the device keeps per indexer page
                                each dimension's min / max of the scored keys written to it (`codec.scored_keys`,
                                rounded outward to `SUMMARY_DTYPE`), the summary `index_scores_host` bounds the
-                               page's scores with
+                               page's scores with (index_summary="box")
+    index_codes uint8[LI, PI, 64, m]  index_summary="rvq" in place of index_lo / index_hi: each key's m codes (m =
+    index_radius e4m3[LI, PI, 64]     `StoreSpec.index_stages`) and residual radius (`reference.rvq_encode` of the
+                               scored key in the model's frame, `codec.model_frame_keys`), from
+    index_codebooks bf16[LI, m, 256, dI]  the index layer's codebooks and the rope frequencies the key is un-rotated
+    index_rope_freq f32[R/2]   with (given to the store when it is made, `kv.device.new_store`; zeros in an empty
+                               store: true bounds, none tight)
 
 One page id means the same page in every layer. A hot page serves every indexer group at once: layer l
 stores the rows of *its* group's slots in it, so G groups cost one set of pages. Hot slot j of a request
@@ -109,6 +115,10 @@ class KVStore:
     index_ema: jax.Array | None = None
     index_lo: jax.Array | None = None
     index_hi: jax.Array | None = None
+    index_codes: jax.Array | None = None
+    index_radius: jax.Array | None = None
+    index_codebooks: jax.Array | None = None
+    index_rope_freq: jax.Array | None = None
     spec: StoreSpec | None = dataclasses.field(default=None, metadata={"static": True})
 
     def replace(self, **fields) -> "KVStore":

@@ -5,7 +5,7 @@ Shapes: B decode rows (`req` int32[B] names each row's request slot, -1 = idle r
 T prompt rows, C latent, R rope, dI indexer dim, 64 tokens per page.
 
 * `append_rows`    one layer's new rows into the device pools (tail pages must be resident) and, for an indexer
-                   layer, its keys (with index_tier="host": into pinned-host memory, widening the page summaries)
+                   layer, its keys (with index_tier="host": into pinned-host memory, and into the page summaries)
 * `mirror_rows`    the step's new rows of every layer into their host pages (the eager mirror)
 * `end_step`       a decode step's last writes to the store: the mirror (if any), the new lengths, the clock
 * `write_prefill`  a prompt's rows (a chunk at a time), to every page they have: device, host, indexer
@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from hisparse_jax.compat import DEVICE, HOST
-from hisparse_jax.kv.codec import (drop_unless, encode_index, encode_latent, scored_keys, set_rows, summary_bounds,
-                                   to_host_memory)
+from hisparse_jax.kv.codec import drop_unless, encode_index, encode_latent, scored_keys, set_rows, to_host_memory
 from hisparse_jax.kv.state import KVStore, to_host_bits
+from hisparse_jax.kv.summary import append_summaries, prefill_summaries
 from hisparse_jax.units import PAGE_SIZE
 
 
@@ -56,7 +56,7 @@ def append_rows(store: KVStore, layer: int, index_layer: int | None, req, positi
         ip = drop_unless(ipage, iok, spec.index_pages)
         kv, ks = encode_index(spec, k_index)
         if spec.index_tier == "host":
-            upd.update(_append_host_keys(store, index_layer, ipage, row, iok, kv, ks))
+            upd.update(_append_host_keys(store, index_layer, ipage, row, iok, kv, ks, positions))
         else:
             upd["index_k"] = set_rows(store.index_k, (index_layer, ip, row), kv)
             if ks is not None:
@@ -67,10 +67,10 @@ def append_rows(store: KVStore, layer: int, index_layer: int | None, req, positi
     return store.replace(**upd), dropped.astype(jnp.int32)
 
 
-def _append_host_keys(store: KVStore, index_layer, ipage, row, ok, kv, ks) -> dict:
+def _append_host_keys(store: KVStore, index_layer, ipage, row, ok, kv, ks, positions) -> dict:
     """`append_rows`' key writes with index_tier="host": each row's key (and scale) into its page of the pinned-host
-    pool (in place, a row at a time) and its page's summary widened by it (a page's first row resets it: a page
-    freed and lent again forgets its last owner). Returns the store fields to replace."""
+    pool (in place, a row at a time) and into its page's summary (`summary.append_summaries`). Returns the store
+    fields to replace."""
     spec = store.spec
     order = jnp.argsort(~ok, stable=True)
     n = jnp.sum(ok).astype(jnp.int32)
@@ -78,13 +78,7 @@ def _append_host_keys(store: KVStore, index_layer, ipage, row, ok, kv, ks) -> di
     upd = {"index_k": _write_host_rows(store.index_k, kv[None], ip, row, order, n, index_layer)}
     if ks is not None:
         upd["index_scale"] = _write_host_rows(store.index_scale, ks[None], ip, row, order, n, index_layer)
-    lo_k, hi_k = summary_bounds(scored_keys(spec, kv, ks))
-    page = drop_unless(ipage, ok, spec.index_pages)
-    fresh = drop_unless(ipage, ok & (row == 0), spec.index_pages)
-    lo = store.index_lo.at[index_layer, fresh].set(jnp.inf, mode="drop")
-    hi = store.index_hi.at[index_layer, fresh].set(-jnp.inf, mode="drop")
-    upd["index_lo"] = lo.at[index_layer, page].min(lo_k, mode="drop")
-    upd["index_hi"] = hi.at[index_layer, page].max(hi_k, mode="drop")
+    upd.update(append_summaries(store, index_layer, ipage, row, ok, scored_keys(spec, kv, ks), positions))
     return upd
 
 
@@ -163,7 +157,7 @@ def write_prefill(store: KVStore, req, latent, rope, index_k, length, start=0, o
         keys = _write_host_pages(spec, (store.index_k, store.index_scale), store.index_table[req], (kv, ks), start,
                                  end, offset)
         upd.update(index_k=keys[0], index_scale=keys[1] if ks is not None else None,
-                   **_prefill_summaries(store, req, scored_keys(spec, kv, ks), pos, ok, start))
+                   **prefill_summaries(store, req, scored_keys(spec, kv, ks), pos, ok, start))
     else:
         upd["index_k"] = set_rows(store.index_k, (slice(None), ip, row), kv)
         if ks is not None:
@@ -221,27 +215,3 @@ def _write_host_pages(spec, pools, host_row, values, start, end, offset=0):
 
     hosts = page_loop(full, False, tuple(p for p in pools if p is not None))
     return page_loop(partial, True, hosts)
-
-
-def _prefill_summaries(store: KVStore, req, keys, pos, ok, start) -> dict:
-    """`write_prefill`'s summaries with index_tier="host": keys f32[LI, T, dI] (scored) at positions `pos` [T], rows
-    `ok` written. A page whose first position is at or past `start` is summarized anew from its written rows; the
-    page of `start` (a shared prefix ends inside it) is widened."""
-    spec = store.spec
-    LI, T, dI = keys.shape
-    NP = -(-T // PAGE_SIZE)
-    pad = NP * PAGE_SIZE - T
-    kb = jnp.pad(keys, ((0, 0), (0, pad), (0, 0))).reshape(LI, NP, PAGE_SIZE, dI)
-    okb = jnp.pad(ok, (0, pad)).reshape(NP, PAGE_SIZE)[None, :, :, None]
-    lo, hi = summary_bounds(kb)
-    lo = jnp.where(okb, lo, jnp.inf).min(axis=2)  # [LI, NP, dI]
-    hi = jnp.where(okb, hi, -jnp.inf).max(axis=2)
-    first = jnp.pad(pos, (0, pad)).reshape(NP, PAGE_SIZE)[:, 0]  # each block's first position (page-aligned)
-    lp = jnp.minimum(first // PAGE_SIZE, spec.max_pages - 1)
-    ipage = store.index_table[req, lp]
-    any_ok = okb[0, :, :, 0].any(-1) & (ipage >= 0)
-    page = drop_unless(ipage, any_ok, spec.index_pages)
-    anew = drop_unless(ipage, any_ok & (first >= start), spec.index_pages)
-    idx_lo = store.index_lo.at[:, anew].set(jnp.inf, mode="drop")
-    idx_hi = store.index_hi.at[:, anew].set(-jnp.inf, mode="drop")
-    return {"index_lo": idx_lo.at[:, page].min(lo, mode="drop"), "index_hi": idx_hi.at[:, page].max(hi, mode="drop")}

@@ -532,6 +532,15 @@ def summary_centre(kind: str, summary, basis=None):
     return mid if kind == "pca_box" else summary[0] + mid
 
 
+def summary_centre_score(q, w, kind: str, summary, basis=None):
+    """What budgeted mode's rank "centre" orders pages by: q f32[..., T, I, dI], w f32[..., T, I], summary =
+    `key_block_summary(kind, ...)` -> f32[..., T, NB], the score of the summary's centre (`summary_centre`), or for
+    "rvq" (no page centre) the best score of the page's valid reconstructed keys (`rvq_decode`)."""
+    if check_summary_kind(kind) == "rvq":
+        return _rvq_page_max(index_scores(q, w, _rvq_keys(summary, basis)), summary[1])
+    return index_scores(q, w, summary_centre(kind, summary, basis))
+
+
 def host_block_ranks(q, w, k, valid, block: int, rank: str = "bound", summary: str = "box", basis=None):
     """What `host_index_select_reference` ranks the blocks by: q f32[B, I, dI], w f32[B, I], k [B, S, dI],
     valid bool[B, S] -> f32[B, S / block], -inf for a block without a valid position. rank "bound": the
@@ -552,11 +561,8 @@ def host_block_ranks(q, w, k, valid, block: int, rank: str = "bound", summary: s
         bound = index_scores(q[:, None], w[:, None], mean)[:, 0]
     else:
         summ = key_block_summary(summary, k, block, valid, basis)
-        if rank == "centre" and summary == "rvq":  # the best score of the block's reconstructed keys
-            each = index_scores(q[:, None], w[:, None], _rvq_keys(summ, basis))  # [B, 1, S]
-            bound = _rvq_page_max(each, summ[1])[:, 0]
-        elif rank == "centre":
-            bound = index_scores(q[:, None], w[:, None], summary_centre(summary, summ, basis))[:, 0]
+        if rank == "centre":
+            bound = summary_centre_score(q[:, None], w[:, None], summary, summ, basis)[:, 0]
         else:
             bound = summary_score_bound(q[:, None], w[:, None], summary, summ, basis)[:, 0]  # [B, NB]
     return jnp.where(live, bound, -jnp.inf)

@@ -59,7 +59,7 @@ def test_demo_kernels_flag(monkeypatch, capsys):
     class Reached(Exception):
         pass
 
-    def engine(model, cache, config):
+    def engine(model, cache, config, index_codebooks=None):
         seen["kernels"] = config.kernels
         raise Reached
 

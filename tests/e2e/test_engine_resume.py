@@ -1,9 +1,9 @@
-"""An engine saved between steps resumes in a fresh process with the uninterrupted run's tokens
-(`engine.snapshot`): float32 HiSparse with misses and evictions, bf16 KV with host-tier keys, fp8 KV with int4
-host-tier keys, and offload with a request swapped out at the save. Each is saved mid-run with requests in every
-state (prefilling in chunks, running, waiting in the queue, sampled at temperature > 0), continued here, and
-restored and run to the end in one subprocess. Plus the refusals: a MeshEngine, a changed model, an edited
-description, a store restored under other limits than its engine's."""
+"""An engine saved between steps resumes in a fresh process with the uninterrupted run's tokens (`engine.snapshot`):
+float32 HiSparse with misses and evictions, bf16 KV with host-tier keys (bounded by the box, and by "rvq" codes: the
+codebooks travel with the store), fp8 KV with int4 host-tier keys, and offload with a request swapped out at the
+save. Each is saved mid-run with requests in every state (prefilling in chunks, running, waiting in the queue,
+sampled at temperature > 0), continued here, and restored and run to the end in one subprocess. Plus the refusals: a
+MeshEngine, a changed model, an edited description, a store restored under other limits than its engine's."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine import Engine, EngineConfig, SamplingParams
 from hisparse_jax.engine.request import RequestState
 from hisparse_jax.engine.snapshot import load_engine, save_engine
+from hisparse_jax.index_codebooks import fit_index_codebooks
 from hisparse_jax.integrity import CheckpointError
 from hisparse_jax.kv.persist import load_tiered
 from limit_harness import fresh_process
@@ -40,6 +41,8 @@ RUNS = {
     "float32-hisparse": ({}, HISPARSE, EngineConfig(max_running=4), LONG, 12),
     "bf16-host-keys": ({}, HISPARSE.replace(kv_dtype="bf16", index_tier="host"), EngineConfig(max_running=4), LONG,
                        12),
+    "bf16-rvq-host-keys": ({}, HISPARSE.replace(kv_dtype="bf16", index_tier="host", index_summary="rvq"),
+                           EngineConfig(max_running=4), LONG, 12),
     "fp8-int4-host-keys": ({"kv_lora_rank": 128, "index_head_dim": 128},
                            HISPARSE.replace(kv_dtype="fp8", index_dtype="int4", index_tier="host"),
                            EngineConfig(max_running=4), LONG, 12),
@@ -56,7 +59,9 @@ def build(name):
 
 def started(name) -> Engine:
     model, cc, ec = build(name)
-    eng = Engine(model, cc, ec)
+    # "rvq" codebooks fitted here only: the restored store carries them
+    books = fit_index_codebooks(model, np.asarray(SHORT)) if cc.index_summary == "rvq" else None
+    eng = Engine(model, cc, ec, index_codebooks=books)
     _, _, _, prompts, new = RUNS[name]
     for i, p in enumerate(prompts):  # every other request sampled (its draws follow (seed, position))
         eng.add_request(f"r{i}", p, SamplingParams(max_new_tokens=new, seed=i, **(SAMPLED if i % 2 else {})))
@@ -91,7 +96,7 @@ def test_an_engine_resumes_in_a_fresh_process(tmp_path):
         eng.run()
         want[name] = [eng.outputs(), sum(m.misses for m in eng.history[before:])]
     # the saves caught requests mid-prompt, decoding and queued; offload's caught one swapped out
-    for name in ("float32-hisparse", "bf16-host-keys", "fp8-int4-host-keys"):
+    for name in ("float32-hisparse", "bf16-host-keys", "bf16-rvq-host-keys", "fp8-int4-host-keys"):
         assert "waiting" in states[name] and "prefilling" in states[name], states
     assert "swapped" in states["float32-offload"], states
     assert all(want[name][1] > 0 for name in RUNS if name != "float32-offload"), want  # the continuations miss

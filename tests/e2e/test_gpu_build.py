@@ -199,15 +199,17 @@ def step_layers(case) -> int:
 # A pairwise covering set of (kv, fetch, kernels, hot_policy, index_tier): every pair of values of the first three
 # axes is built once, the score-aware hot policy (its slot scores and the Pallas resolver on its keys) in one of
 # them, and the indexer keys in the host tier (index_tier="host", exact mode: pinned-host key pools read a page at a
-# time in a while loop, written a row at a time) in one. Each build takes 20-50 s on a 2-core machine;
+# time in a while loop, written a row at a time) in two: bounded by the min / max box, and (fp8 keys, "host-rvq") by
+# each key's rvq codes rebuilt on the device. Each build takes 20-50 s on a 2-core machine;
 # HISPARSE_GPU_BUILD_ALL=1 builds all 8 combinations of the first three axes.
 STEP_CASES = [("bf16", "row", "reference", "lru", "device"), ("fp8", "page", "reference", "lru", "device"),
               ("bf16", "page", "pallas", "score_ema", "device"), ("fp8", "row", "pallas", "lru", "device"),
-              ("bf16", "row", "reference", "lru", "host")]
+              ("bf16", "row", "reference", "lru", "host"), ("fp8", "row", "reference", "lru", "host-rvq")]
 if os.environ.get("HISPARSE_GPU_BUILD_ALL"):
     STEP_CASES = [(kv, fetch, kernels, "lru", "device") for kernels in ("reference", "pallas")
                   for kv in ("bf16", "fp8") for fetch in ("row", "page")] + [
-        ("bf16", "page", "pallas", "score_ema", "device"), ("bf16", "row", "reference", "lru", "host")]
+        ("bf16", "page", "pallas", "score_ema", "device"), ("bf16", "row", "reference", "lru", "host"),
+        ("fp8", "row", "reference", "lru", "host-rvq")]
 if MOSAIC:  # the Mosaic decode inside the step (GLM-5: 64 heads, one block each; bf16 queries, so bf16 output)
     STEP_CASES.append(("fp8", "row", "pallas_mosaic", "lru", "device"))
 
@@ -219,15 +221,17 @@ def built_step(request, build_log):
     from hisparse_jax.engine import runner
 
     kv, fetch, kernels, hot_policy, index_tier = request.param
+    index_tier, _, summary = index_tier.partition("-")  # "host-rvq": host-tier keys bounded by their rvq codes
     cfg = glm5_layers(step_layers(request.param))
     cache = CacheConfig(kv_dtype=kv, device_pages=4096, host_pages=16384, max_seqs=32, max_seq_len=131072,
-                        fetch=fetch, hot_policy=hot_policy, index_tier=index_tier)
+                        fetch=fetch, hot_policy=hot_policy, index_tier=index_tier, index_summary=summary or "box")
     graphdef, params, store, batch = abstract_step_args(cfg, cache)
     # The jitted function store_decode_step / Runner.decode call (donate_argnums=(1,): the store). Taken from the
     # cache directly because kv.tiered.check_kernels refuses kernels="pallas" on a CPU backend, rightly.
     step = runner._jitted_step(graphdef, kernels)
     case = (f"tiered store_decode_step glm-5[{cfg.num_hidden_layers} layers] kv={kv} fetch={fetch} kernels={kernels} "
-            f"hot_policy={hot_policy} index_tier={index_tier} (B={BATCH})")
+            f"hot_policy={hot_policy} index_tier={index_tier}{f' index_summary={summary}' if summary else ''} "
+            f"(B={BATCH})")
     exe = timed_build(build_log, case, lambda: dl.compile_lowered(dl.lower_for_gpu(step, params, store, batch)))
     text = dl.hlo_text(exe)
     return request.param, store, text, exe.get_compiled_memory_stats()
@@ -321,12 +325,12 @@ PREFILL_T = 8192  # the prompt bucket (rows per layer) written by write_prefill
 NPAGES = 64  # pages per evict_pages / load_pages call (the bookkeeping pads the list to a power of two)
 
 
-def _store(kv, *, mirror=True, fetch="row", index_tier="device"):
+def _store(kv, *, mirror=True, fetch="row", index_tier="device", index_summary="box"):
     from hisparse_jax.config import CacheConfig
     from hisparse_jax.kv.state import StoreSpec
 
     cache = CacheConfig(kv_dtype=kv, device_pages=4096, host_pages=16384, max_seqs=32, max_seq_len=131072,
-                        fetch=fetch, mirror_to_host=mirror, index_tier=index_tier)
+                        fetch=fetch, mirror_to_host=mirror, index_tier=index_tier, index_summary=index_summary)
     return abstract_store(StoreSpec.create(glm5_layers(SLICE_LAYERS), cache))
 
 
@@ -376,6 +380,9 @@ STORE_CASES = {
     # host-tier keys: each new key row written in place into its pinned-host page, prompt pages as whole blocks
     f"write_prefill kv=fp8 index_tier=host (T={PREFILL_T})": ("write_prefill", "fp8", dict(index_tier="host")),
     f"append_all (+ mirror_rows) kv=fp8 index_tier=host (B={BATCH})": ("append_all", "fp8", dict(index_tier="host")),
+    # ... and their rvq codes and radii written beside them on the device
+    f"append_all (+ mirror_rows) kv=fp8 index_tier=host index_summary=rvq (B={BATCH})": (
+        "append_all", "fp8", dict(index_tier="host", index_summary="rvq")),
 }
 # gather_all (PageManager.gather: trace replays and tests, not the engine) takes ~20 s to build on 2 cores.
 GATHER_CASE = f"gather_all kv=bf16 fetch=page (B={BATCH} K=2048)"

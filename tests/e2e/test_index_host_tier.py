@@ -22,12 +22,15 @@ from hypothesis import strategies as st
 
 import hisparse_jax as hj
 from hisparse_jax.config import CacheConfig
+from hisparse_jax.index_codebooks import fit_index_codebooks
 from hisparse_jax.kv import device as kv_device
 from hisparse_jax.kv.scoring import index_select_read
 from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.spec import StoreSpec
 from hisparse_jax.kv.state import host_sharding, init_store
+from hisparse_jax.kv.summary import IndexCodebooks, with_index_codebooks
 from hisparse_jax.kv.tiered import check_backend
+from pallas_kernels.indexer_topk.reference import rope_rotate
 from tiny import BIG, model_cfg
 
 CFG = model_cfg()
@@ -66,10 +69,25 @@ def test_layout_memory_kinds_and_bytes():
     assert np.isposinf(np.asarray(real.index_lo)).all() and np.isneginf(np.asarray(real.index_hi)).all()
 
 
+# "rvq" codebooks for the tiny model (1 stage at dI 32; rope over the first 16 dimensions): any codebooks give true
+# bounds. Their first 8 centroids are CENTRES, the keys `_keys(..., "rotated")` are drawn around.
+_rng = np.random.default_rng(7)
+CENTRES = (_rng.standard_normal((8, DI)) * 2).astype(np.float32)
+FREQ = (1.0 / 10000.0 ** (np.arange(0, R, 2) / R)).astype(np.float32)
+BOOKS = IndexCodebooks(books=np.concatenate([np.broadcast_to(CENTRES, (LI, 1, 8, DI)),
+                                             _rng.standard_normal((LI, 1, 248, DI)).astype(np.float32)], axis=2),
+                       rope_freq=FREQ)
+
+
 def _poisoned(spec):
     """An empty store whose indexer pools (host keys, or device keys) and summaries are NaN everywhere: a page
-    the tables do not name must never reach a score."""
+    the tables do not name must never reach a score ("rvq": its radii NaN, which bound nothing, and its codes
+    the last centroid's)."""
     store = init_store(spec)
+    if spec.index_summary == "rvq":
+        store = with_index_codebooks(store, BOOKS).replace(
+            index_codes=jnp.full(store.index_codes.shape, 255, jnp.uint8),
+            index_radius=jnp.full(store.index_radius.shape, jnp.nan, store.index_radius.dtype))
     kdt, sdt = spec.index_dtypes
     nan_bits = {jnp.dtype(jnp.float32): None, jnp.dtype(jnp.float8_e4m3fn): 0x7F}
     upd = {}
@@ -114,6 +132,10 @@ def _select(store, index_layer, req, positions, q, w):
 
 
 def _keys(rng, n, kind):
+    if kind == "rotated":  # pages of keys near one of CENTRES each, turned by RoPE: "rvq" codes them tightly
+        u = CENTRES[(np.arange(n) // 64 + rng.integers(0, 8, (LI, 1))) % 8] + rng.standard_normal((LI, n, DI)) * 0.05
+        cos, sin = np.cos(np.arange(n)[:, None] * FREQ), np.sin(np.arange(n)[:, None] * FREQ)
+        return np.asarray(rope_rotate(jnp.asarray(u, jnp.float32), cos, sin), np.float32)
     if kind == "clustered":  # keys drifting with position: tight page bounds, pages pruned
         return np.cumsum(rng.standard_normal((LI, n, DI)) * 0.3, axis=1).astype(np.float32)
     if kind == "ties":
@@ -123,15 +145,18 @@ def _keys(rng, n, kind):
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), fmt=st.sampled_from(["auto", "fp8", "int4"]),
-       kind=st.sampled_from(["normal", "clustered", "ties"]), lens=st.tuples(st.integers(1, 300), st.integers(1, 300)),
-       appends=st.integers(0, 70), budget=st.sampled_from([1, 3]))  # a budget is static: each value compiles
-def test_exact_mode_selects_the_device_keys_top_k(seed, fmt, kind, lens, appends, budget):
+       kind=st.sampled_from(["normal", "clustered", "ties", "rotated"]),
+       lens=st.tuples(st.integers(1, 300), st.integers(1, 300)), appends=st.integers(0, 70),
+       budget=st.sampled_from([1, 3]), summary=st.sampled_from(["box", "rvq"]))  # static: each value compiles
+def test_exact_mode_selects_the_device_keys_top_k(seed, fmt, kind, lens, appends, budget, summary):
     rng = np.random.default_rng(seed)
     keys = [_keys(rng, n + appends, kind) for n in lens]
     dev_tc, dev, slots = _fill(SMALL.replace(index_dtype=fmt), lens, appends, keys, seed)
-    host_tc, hst, _ = _fill(host(SMALL, index_dtype=fmt), lens, appends, keys, seed)
-    bud_tc, bud, _ = _fill(host(SMALL, index_dtype=fmt, index_budget_pages=budget), lens, appends, keys, seed)
-    full_tc, full, _ = _fill(host(SMALL, index_dtype=fmt, index_budget_pages=8), lens, appends, keys, seed)
+    host_tc, hst, _ = _fill(host(SMALL, index_dtype=fmt, index_summary=summary), lens, appends, keys, seed)
+    bud_tc, bud, _ = _fill(host(SMALL, index_dtype=fmt, index_budget_pages=budget, index_summary=summary), lens,
+                           appends, keys, seed)
+    full_tc, full, _ = _fill(host(SMALL, index_dtype=fmt, index_budget_pages=8, index_summary=summary), lens,
+                             appends, keys, seed)
     req = jnp.asarray(slots, jnp.int32)
     pos = jnp.asarray([n + appends - 1 for n in lens], jnp.int32)
     live_pages = sum(-(-(n + appends) // 64) for n in lens)
@@ -225,9 +250,9 @@ def test_generate_exact_mode_per_key_format(fmt):
 @pytest.mark.slow
 def test_engine_exact_mode_gives_the_device_tier_tokens_without_recompiling():
     """HiSparse with a shared prompt prefix (its pages written once, the second prompt's tail page merged into the
-    summaries) under a tight device pool: the host tier's tokens are the device tier's, the step compiles as often
-    as with device keys (the reads are a loop inside the step, whatever their number), and its key reads are in the
-    metrics."""
+    summaries) under a tight device pool: the host tier's tokens (the box's and "rvq"'s) are the device tier's, the
+    step compiles as often as with device keys (the reads are a loop inside the step, whatever their number), and
+    its key reads are in the metrics."""
     from hisparse_jax.engine import Engine, EngineConfig, SamplingParams
     from hisparse_jax.engine import runner
 
@@ -236,10 +261,12 @@ def test_engine_exact_mode_gives_the_device_tier_tokens_without_recompiling():
     prompts = [PROMPTS[1], shared + PROMPTS[0][:90], PROMPTS[2]]
     params = SamplingParams(max_new_tokens=NEW)
     out, metrics, traces = {}, {}, {}
-    for tier in ("device", "host"):
+    books = fit_index_codebooks(model, np.asarray([PROMPTS[0][:256], PROMPTS[1][:256]]))
+    for tier in ("device", "host", "rvq"):
         cc = BIG.replace(device_pages=11)
-        cc = host(cc) if tier == "host" else cc
-        eng = Engine(model, cc, EngineConfig(policy="hisparse", max_running=3, check_invariants=True))
+        cc = cc if tier == "device" else host(cc, index_summary="rvq" if tier == "rvq" else "box")
+        eng = Engine(model, cc, EngineConfig(policy="hisparse", max_running=3, check_invariants=True),
+                     index_codebooks=books if tier == "rvq" else None)
         before = runner.TRACE_COUNTS["store_decode_step"]
         eng.add_request("r0", prompts[0], params)
         while not eng.requests["r0"].output:  # the others arrive once it decodes (its prefix pages are cached)
@@ -250,10 +277,11 @@ def test_engine_exact_mode_gives_the_device_tier_tokens_without_recompiling():
         traces[tier] = runner.TRACE_COUNTS["store_decode_step"] - before
         out[tier], metrics[tier] = eng.outputs(), eng.metrics()
         eng.close()
-    assert out["host"] == out["device"]
+    assert out["host"] == out["device"] == out["rvq"]
     # the same compiles as device keys: one per batch bucket and index span the schedule meets, none per step
-    assert traces["host"] == traces["device"] <= 1 + len({(h.bucket, h.scored_pages) for h in metrics["host"].history
-                                                          if h.running})
+    assert traces["host"] == traces["device"] == traces["rvq"] <= 1 + len(
+        {(h.bucket, h.scored_pages) for h in metrics["host"].history if h.running})
+    assert metrics["rvq"].index_h2d_bytes > 0
     assert len(metrics["host"].history) > 2 * traces["host"]
     assert metrics["device"].cached_tokens > 0
     assert metrics["host"].index_h2d_bytes > 0 == metrics["device"].index_h2d_bytes
@@ -275,6 +303,35 @@ def test_what_cannot_run_is_refused():
         CacheConfig(index_tier="host", index_budget_pages=2, index_rank="mean")
     with pytest.raises(ValueError, match="index_tier must be the capacity's"):
         CacheConfig(index_tier="host", capacity=CacheConfig())
+    with pytest.raises(ValueError, match="index_summary must be one of"):
+        CacheConfig(index_tier="host", index_summary="ball")
+    with pytest.raises(ValueError, match="with index_tier='device' leave it 'box'"):
+        CacheConfig(index_summary="rvq")
+    with pytest.raises(ValueError, match="index_summary='rvq' does not run with speculative_tokens"):
+        CacheConfig(index_tier="host", index_summary="rvq", speculative_tokens=1)
+    with pytest.raises(ValueError, match="index_summary='rvq' needs index_head_dim >= 32"):
+        StoreSpec.create(model_cfg(index_head_dim=16), host(SMALL, index_summary="rvq"))
+    rvq = PageManager(CFG, host(SMALL, index_summary="rvq"))
+    with pytest.raises(ValueError, match="index_summary='rvq' needs the store's codebooks"):
+        kv_device.new_store(rvq)
+    with pytest.raises(ValueError, match=r"index_codebooks.books has shape \(2, 1, 256, 16\); this store's is"):
+        kv_device.new_store(rvq, index_codebooks=BOOKS._replace(books=BOOKS.books[..., :16]))
+    with pytest.raises(ValueError, match="not finite"):
+        kv_device.new_store(rvq, index_codebooks=BOOKS._replace(rope_freq=FREQ * np.nan))
+    with pytest.raises(TypeError, match="index_codebooks must be an IndexCodebooks"):
+        kv_device.new_store(rvq, index_codebooks=(BOOKS.books, FREQ))
+    with pytest.raises(ValueError, match="index_codebooks are index_summary='rvq''s"):
+        kv_device.new_store(PageManager(CFG, host(SMALL)), index_codebooks=BOOKS)
+    model = hj.SparseMLAModel(CFG, rngs=nnx.Rngs(0))
+    for ids, msg in (([[1, 2], [3]], "must be a non-empty int array"), (np.ones((2, 4)), "must be a non-empty int"),
+                     (np.zeros((0, 4), int), "non-empty"), ([[1, 97]], r"token ids in \[0, 97\)")):
+        with pytest.raises(ValueError, match=msg):
+            fit_index_codebooks(model, ids)
+    with pytest.raises(ValueError, match="rvq codebooks need index_head_dim >= 32"):
+        fit_index_codebooks(hj.SparseMLAModel(model_cfg(index_head_dim=16), rngs=nnx.Rngs(0)), [[1, 2]])
+    with pytest.raises(ValueError, match="runs on one device"):
+        hj.generate(hj.SparseMLAModel(CFG, rngs=nnx.Rngs(0)), PROMPTS[:1], 2, mesh=object(),
+                    cache=host(SMALL, index_summary="rvq"))
     spec = StoreSpec.create(CFG, host(SMALL))
     with pytest.raises(ValueError, match="index_tier='host' needs kernels='reference'"):
         check_backend(spec, "pallas_interpret")
@@ -350,7 +407,10 @@ def test_demo_options_are_checked_before_any_work(monkeypatch, capsys):
                       (["--index-tier", "host", "--kernels", "pallas_interpret"], "index_tier='host' needs "
                                                                                    "kernels='reference'"),
                       (["--index-tier", "host", "--hot-policy", "score_ema"], "index_tier='host' needs hot_policy"),
-                      (["--index-tier", "host", "--index-rank", "centre"], "index_rank ranks the pages budgeted")):
+                      (["--index-tier", "host", "--index-rank", "centre"], "index_rank ranks the pages budgeted"),
+                      (["--index-summary", "rvq"], "with index_tier='device' leave it 'box'"),
+                      (["--index-tier", "host", "--index-summary", "rvq", "--devices", "2"],
+                       "--index-summary rvq runs on one device")):
         assert cli.main(["demo", *argv, "--plot", ""]) == 2
         err = capsys.readouterr().err
         assert err.startswith("hisparse demo: error: ") and msg in err and "Traceback" not in err, err
@@ -368,9 +428,87 @@ def test_demo_host_keys_give_the_same_outputs_and_count_their_reads():
     kw = dict(requests=4, prompt_len=384, new_tokens=4, policies=("hisparse",), plot="", device_requests=2.5,
               preset="demo-glm")
     dev, hst = demo.run(**kw), demo.run(index_tier="host", **kw)
-    a, b = dev["policies"]["hisparse"], hst["policies"]["hisparse"]
-    assert hst["index_tier"] == "host" and a["outputs_sha256"] == b["outputs_sha256"]
+    rvq = demo.run(index_tier="host", index_summary="rvq", **kw)
+    a, b, c = dev["policies"]["hisparse"], hst["policies"]["hisparse"], rvq["policies"]["hisparse"]
+    assert hst["index_tier"] == "host" and a["outputs_sha256"] == b["outputs_sha256"] == c["outputs_sha256"]
+    assert rvq["index_summary"] == "rvq" and rvq["index_codebooks_fit_s"] > 0 and c["index_h2d_bytes"] > 0
     assert a["index_h2d_bytes"] == 0 < b["index_h2d_bytes"] and b["index_host_bytes"] > 0 == a["index_host_bytes"]
     assert b["index_pool_bytes"] < a["index_pool_bytes"]  # summaries on the device instead of keys
     assert b["index_h2d_bytes_per_step"] == b["index_h2d_bytes"] / b["steps"]
     assert "key KiB / step" in demo.table(hst) and "key KiB / step" not in demo.table(dev)
+
+
+# ----- index_summary="rvq": each key's codes and radius bound its page ------------------------------------------
+def test_rvq_layout_costs_the_box_bytes_per_token():
+    spec = StoreSpec.create(CFG, host(SMALL, index_summary="rvq"))
+    box = StoreSpec.create(CFG, host(SMALL))
+    assert spec.index_stages == 1 and spec.index_row_bytes == box.index_row_bytes == DI / 16
+    store = jax.eval_shape(lambda: init_store(spec))
+    assert store.index_lo is None and store.index_codes.shape == (LI, spec.index_pages, 64, 1)
+    assert store.index_radius.shape == (LI, spec.index_pages, 64) and store.index_radius.dtype == jnp.float8_e4m3fn
+    assert store.index_codebooks.shape == (LI, 1, 256, DI) and store.index_rope_freq.shape == (R // 2,)
+
+
+@pytest.mark.parametrize("kind", ["normal", "clustered", "ties"])
+def test_rvq_is_exact_with_codebooks_that_do_not_fit_the_keys(kind):
+    """Keys far from every centroid (BOOKS is random where the keys are not near CENTRES): each key's radius is
+    most of its norm, and the bound must still hold, key by key, on every index layer and row (negative head
+    weights too)."""
+    rng = np.random.default_rng({"normal": 1, "clustered": 2, "ties": 3}[kind])
+    lens, appends = (400, 270), 41
+    keys = [_keys(rng, n + appends, kind) for n in lens]
+    _, dev, slots = _fill(SMALL, lens, appends, keys, 0)
+    _, rvq, _ = _fill(host(SMALL, index_summary="rvq"), lens, appends, keys, 0)
+    req = jnp.asarray(slots, jnp.int32)
+    for pos in ([n + appends - 1 for n in lens], [n - 1 for n in lens], [130, 64]):
+        pos = jnp.asarray(pos, jnp.int32)
+        for li in range(LI):
+            for _ in range(4):
+                q = jnp.asarray(rng.standard_normal((2, CFG.index_n_heads, DI)), jnp.float32)
+                w = jnp.asarray(rng.standard_normal((2, CFG.index_n_heads)), jnp.float32)
+                np.testing.assert_array_equal(np.asarray(_select(rvq, li, req, pos, q, w)[0]),
+                                              np.asarray(_select(dev, li, req, pos, q, w)[0]))
+
+
+@pytest.mark.parametrize("fmt", ["auto", "fp8"])
+def test_rvq_reads_fewer_pages_than_the_box_on_keys_it_codes(fmt):
+    """Keys near the codebooks' centroids before their RoPE: each key's bound sits within its small radius of its
+    score, so exact mode reads fewer pages than the min / max box (whose every page is widened by the rotation)
+    and still selects the device keys' top-k."""
+    rng = np.random.default_rng(5)
+    lens, appends = (400, 333), 10
+    keys = [_keys(rng, n + appends, "rotated") for n in lens]
+    _, dev, slots = _fill(SMALL.replace(index_dtype=fmt), lens, appends, keys, 0)
+    _, box, _ = _fill(host(SMALL, index_dtype=fmt), lens, appends, keys, 0)
+    _, rvq, _ = _fill(host(SMALL, index_dtype=fmt, index_summary="rvq"), lens, appends, keys, 0)
+    req = jnp.asarray(slots, jnp.int32)
+    pos = jnp.asarray([n + appends - 1 for n in lens], jnp.int32)
+    reads = {"box": 0, "rvq": 0}
+    for li in range(LI):
+        q = jnp.asarray(rng.standard_normal((2, CFG.index_n_heads, DI)), jnp.float32)
+        w = jnp.asarray(np.abs(rng.standard_normal((2, CFG.index_n_heads))), jnp.float32)
+        want = np.asarray(_select(dev, li, req, pos, q, w)[0])
+        for name, st_ in (("box", box), ("rvq", rvq)):
+            got, n = _select(st_, li, req, pos, q, w)
+            np.testing.assert_array_equal(np.asarray(got), want)
+            reads[name] += int(n)
+    live = LI * sum(-(-(n + appends) // 64) for n in lens)
+    assert reads["rvq"] < reads["box"] and reads["rvq"] <= 0.6 * live, (reads, live)  # 14 of 26 (the box: 26)
+
+
+def test_rvq_codebooks_come_off_the_device_budget():
+    """The codebooks are a fixed device cost (`StoreSpec.index_codebook_bytes`, the store's own arrays' bytes):
+    `engine.device_budget` takes them off before it splits the budget into pages."""
+    from hisparse_jax.engine import device_budget
+    from hisparse_jax.kv.account import store_layout
+
+    cc = host(SMALL, index_summary="rvq")
+    spec = StoreSpec.create(CFG, cc)
+    layout = store_layout(spec)
+    fixed = sum(int(np.prod(layout[n][0])) * layout[n][1].itemsize for n in ("index_codebooks", "index_rope_freq"))
+    assert spec.index_codebook_bytes == fixed == LI * 1 * 256 * DI * 2 + R // 2 * 4
+    assert StoreSpec.create(CFG, host(SMALL)).index_codebook_bytes == 0
+    for pol in ("hisparse", "offload"):
+        got = device_budget(CFG, cc, 10 ** 7 + fixed, pol, max_running=2, max_len=400)
+        want = device_budget(CFG, host(SMALL), 10 ** 7, pol, max_running=2, max_len=400)
+        assert (got.device_pages, got.index_pages) == (want.device_pages, want.index_pages)

@@ -124,6 +124,46 @@ def test_a_key_outside_its_summary_is_refused(saved, tmp_path):
         load_tiered(_save_with(tc, store, tmp_path, "key", index_k=keys))
 
 
+# ----- index_summary="rvq": each written row's radius checked against its key ------------------------------------
+@pytest.fixture(scope="module")
+def saved_rvq(tmp_path_factory):
+    """`saved`'s store with "rvq" summaries (random codebooks: any give true bounds)."""
+    from hisparse_jax.kv.summary import IndexCodebooks
+
+    cfg = model_cfg()
+    tc = PageManager(cfg, HOST_KEYS.replace(index_summary="rvq"))
+    rng = np.random.default_rng(1)
+    books = IndexCodebooks(rng.normal(size=(tc.spec.num_indexer_layers, 1, 256, cfg.index_head_dim)),
+                           1.0 / 10000.0 ** (np.arange(0, cfg.qk_rope_head_dim, 2) / cfg.qk_rope_head_dim))
+    store = kv_device.new_store(tc, index_codebooks=books)
+    slot = tc.admit(N)
+    store = kv_device.write_prefill(store, tc, slot, jnp.zeros((cfg.num_hidden_layers, N, cfg.kv_lora_rank)),
+                                    jnp.zeros((cfg.num_hidden_layers, N, cfg.qk_rope_head_dim)),
+                                    jnp.asarray(rng.normal(size=(tc.spec.num_indexer_layers, N, cfg.index_head_dim)),
+                                                jnp.float32), N)
+    path = str(tmp_path_factory.mktemp("saved_rvq") / "store")
+    save_tiered(tc, store, path)
+    return tc, store, slot, path
+
+
+def test_rvq_store_restores_its_codebooks_and_refuses_a_radius_below_its_key(saved_rvq, tmp_path):
+    """The codebooks come back with the store; a written row's radius lowered below its key's distance from its
+    codes' reconstruction is refused naming layer, page and row; a NaN radius (unbounded: the page is read) and
+    rows past the written ones are accepted."""
+    tc, store, slot, path = saved_rvq
+    _, back = load_tiered(path)
+    for name in ("index_codebooks", "index_rope_freq", "index_codes", "index_radius"):
+        np.testing.assert_array_equal(np.asarray(getattr(back, name)).view(np.uint8),
+                                      np.asarray(getattr(store, name)).view(np.uint8))
+    page = tc.requests[slot].index[2]  # rows 0..21 written
+    r = store.index_radius
+    low = _edited(r, (1, page, 21), np.asarray(r[1, page, 21], np.float32) / 2)
+    with pytest.raises(CheckpointError, match=rf"rvq radius of indexer layer 1, page {page}, row 21 is below"):
+        load_tiered(_save_with(tc, store, tmp_path, "low", index_radius=low))
+    fine = _edited(_edited(r, (0, page, 3), np.nan), (0, page, 30), 0.0)
+    load_tiered(_save_with(tc, store, tmp_path, "fine", index_radius=fine))
+
+
 # ----- a damaged Orbax file: one message, nothing else on stderr ------------------------------------------------
 
 def _damaged(path, tmp_path, how):

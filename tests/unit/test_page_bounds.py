@@ -399,3 +399,14 @@ def test_rvq_centre_rank_is_the_best_reconstructed_score():
     codes, _ = rvq_encode(jnp.asarray(k), *codec)
     rec = np.where(valid, _oracle_scores(q, w, np.asarray(rvq_decode(codes, *codec))), -np.inf)
     np.testing.assert_allclose(got, rec.reshape(B, S // 16, 16).max(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_the_store_sizes_rvq_as_the_reference_does():
+    """`formats` (imported where jax is not) restates the "rvq" sizes the reference (imported where only jax is)
+    defines: the codebooks' size and the stages at the box's bytes."""
+    from hisparse_jax.formats import RVQ_SIZE, rvq_stages
+    from pallas_kernels.indexer_topk import reference
+
+    assert RVQ_SIZE == reference.RVQ_SIZE
+    for d in (16, 32, 48, 64, 128, 256, 576):
+        assert rvq_stages(d) == reference.summary_rank("rvq", d), d
