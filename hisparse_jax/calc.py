@@ -62,12 +62,17 @@ keeps a summary per token and full layer (default a bf16 min and max per dimensi
 `index_summary_bytes`: 8 B at d = 128, 168 B per token for GLM-5.3's 21 full layers against 2,772 for the fp8
 keys, as the store keeps them: `CacheConfig(index_tier="host")`) and a request's hot and tail KV pages; with the
 "unified" layout HiSparse's GPU blocks are then host blocks, the summaries of a request counted in them rounded up;
-with "split" (this project's store: the summaries in the indexer pool) the blocks are one page's summaries. Each step reads `index_read_fraction` of every full layer's keys of each request from
-the host (default 1: on the trained model an exact top-k from min / max page bounds read every page, and ranking
-pages by their mean key still needs ~60 % of them for recall 0.9; `experiments/index_tier.py`), added to the H2D
-bytes. At 1M tokens that gives 51 running requests per replica (10x the device tier's 5, GPU-limited) with 2,376
-GiB of host pool, but 2.9 GB of keys to read per request and step: 3 s per step at 50 GB/s; the read fraction
-would have to fall to ~3 % for 100 ms.
+with "split" (this project's store: the summaries in the indexer pool) the blocks are one page's summaries.
+`index_summary="rvq"` (CLI `--index-summary rvq`, the store's `CacheConfig(index_summary="rvq")`) keeps per key
+m = d / 16 - 1 one-byte residual-VQ codes and an e4m3 radius instead (the same 8 B at d = 128), plus m codebooks of
+256 bf16 centroids of d per full layer on every GPU, like the rest of the pool: 448 KiB at d = 128, 9,633,792 B for
+GLM-5.3, taken off HiSparse's GPU pool (`index_codebook_bytes`). Each step reads `index_read_fraction` of every full
+layer's keys of each request from the host (default 1: on the trained model an exact top-k from min / max page
+bounds read every page, and ranking pages by their mean key still needs ~60 % of them for recall 0.9; with "rvq"
+exact mode read 60 % of the pages on the 8K model, `--index-read-fraction 0.6`; `experiments/index_tier.py`),
+added to the H2D bytes. At 1M tokens that gives 51 running requests per replica (10x
+the device tier's 5, GPU-limited) with 2,376 GiB of host pool, but 2.9 GB of keys to read per request and step: 3 s
+per step at 50 GB/s; the read fraction would have to fall to ~3 % for 100 ms.
 
 Every TP rank holds the whole latent KV (the calculator's per-GPU pool is the replica's), so each rank copies all of
 it over its own host link: copy time per step = bytes / link_gb_per_s (1 GB = 1e9 B), ranks in parallel. The
@@ -88,7 +93,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Sequence
 
-from hisparse_jax.formats import INDEX_TIERS, QUANTIZED_INDEX_DTYPES, glm_indexer_types
+from hisparse_jax.formats import (INDEX_SUMMARIES, INDEX_TIERS, QUANTIZED_INDEX_DTYPES, RVQ_SIZE, glm_indexer_types,
+                                  rvq_stages)
 from hisparse_jax.units import PAGE_SIZE
 GPU_MEMORY_GB = {"h200": 141, "b200": 180, "b300": 288}  # decimal GB per GPU, as published
 HOST_SLIDER_GIB = (16, 4096)  # the calculator's host-pool slider range (GiB per DP replica)
@@ -339,6 +345,7 @@ class CalcInput:
     index_tier: str = "device"
     index_read_fraction: float = 1.0
     index_summary_bytes: float | None = None
+    index_summary: str = "box"  # index_tier "host": the GPU's summary, "box" (min / max per page) or "rvq" (codes)
 
 
 @dataclass(frozen=True)
@@ -380,6 +387,7 @@ class CalcResult:
     index_read_fraction: float = 1.0  # index_tier "host": the part of a request's key history read per step
     index_summary_bytes_per_token: float = 0.0  # index_tier "host": the GPU's summary, all full layers
     index_h2d_bytes_per_request_step: float = 0.0  # index_tier "host": the keys read per request and step
+    index_codebook_bytes: int = 0    # index_summary "rvq": the codebooks of every full layer per GPU, off the GPU pool
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -462,6 +470,11 @@ def _check(inp: CalcInput, model: ModelPreset) -> None:
         raise CalcError(f"index_read_fraction must be in [0, 1], got {inp.index_read_fraction}")
     if inp.index_summary_bytes is not None and not 0 <= inp.index_summary_bytes < math.inf:
         raise CalcError(f"index_summary_bytes must be finite and >= 0, got {inp.index_summary_bytes}")
+    if inp.index_summary not in INDEX_SUMMARIES:
+        raise CalcError(f"index_summary must be one of {', '.join(INDEX_SUMMARIES)}, got {inp.index_summary!r}")
+    if inp.index_summary != "box" and inp.index_tier != "host":
+        raise CalcError(f"index_summary={inp.index_summary!r} is what the GPU keeps of index_tier='host''s keys; with "
+                        f"index_tier={inp.index_tier!r} leave it 'box'")
 
 
 def weights_per_gpu_gib(model: ModelPreset, dp: int, tp: int, ep: bool) -> float:
@@ -488,10 +501,11 @@ def max_requests(inp: CalcInput) -> CalcResult:
     base_pool = math.floor(kv * 2 ** 30 / bb.baseline)
     baseline = min(inp.max_seqs, base_pool // n)
     summary = idx_h2d = 0.0
-    host_block = bb.host
+    host_block, codebooks = bb.host, 0
     if inp.index_tier == "host":  # the keys move to the host tier; the GPU holds their summaries
-        summary = lay.full_layers * (index_summary_bytes(lay) if inp.index_summary_bytes is None
+        summary = lay.full_layers * (index_summary_bytes(lay, inp.index_summary) if inp.index_summary_bytes is None
                                      else inp.index_summary_bytes)  # per token, all full layers
+        codebooks = index_codebook_bytes(lay, inp.index_summary)
         kv_pages = -(-inp.hot_rows // PAGE_SIZE) + inp.retained + inp.other
         if inp.layout == "split":  # blocks = summary pages (one 64-token page's summaries) beside the KV pages
             page = max(1, round(PAGE_SIZE * summary))
@@ -508,7 +522,7 @@ def max_requests(inp: CalcInput) -> CalcResult:
         per_req = n + -(-kv_pages * bb.host // lay.indexer_page)
     else:
         per_req = n + groups * -(-inp.hot_rows // PAGE_SIZE) + groups * inp.retained + inp.other
-    gpu_pool = math.floor(kv * 2 ** 30 / bb.hisparse_gpu)
+    gpu_pool = max(0, math.floor((kv * 2 ** 30 - codebooks) / bb.hisparse_gpu))  # the codebooks: HiSparse's alone
     gpu_limit = gpu_pool // per_req
     target = min(inp.max_seqs, gpu_limit)
     min_host = target * n * host_block / 2 ** 30 if target > baseline else 0.0
@@ -541,13 +555,25 @@ def max_requests(inp: CalcInput) -> CalcResult:
                       h2d_bytes_per_request_step=per_req_h2d, h2d_bytes_per_step=h2d,
                       h2d_ms_per_step=h2d / (inp.link_gb_per_s * 1e9) * 1e3, inputs=inp, layout=inp.layout,
                       index_tier=inp.index_tier, index_read_fraction=inp.index_read_fraction,
-                      index_summary_bytes_per_token=summary, index_h2d_bytes_per_request_step=idx_h2d)
+                      index_summary_bytes_per_token=summary, index_h2d_bytes_per_request_step=idx_h2d,
+                      index_codebook_bytes=codebooks)
 
 
-def index_summary_bytes(lay: BlockLayout) -> float:
-    """The GPU's summary of one token's indexer key in one full layer with the keys in the host tier: a bf16 min and
-    max per dimension per 64-token page (`reference.key_block_bounds`), 2 * 2 * d / 64 bytes (8 at d = 128)."""
+def index_summary_bytes(lay: BlockLayout, summary: str = "box") -> float:
+    """The GPU's summary of one token's indexer key in one full layer with the keys in the host tier: "box", a bf16
+    min and max per dimension per 64-token page (`reference.key_block_bounds`), 2 * 2 * d / 64 bytes (8 at d = 128);
+    "rvq", `rvq_stages(d)` one-byte codes and an e4m3 radius, d / 16 bytes (8 at d = 128)."""
+    if summary == "rvq":
+        return rvq_stages(lay.index_dim) + 1
     return 2 * 2 * lay.index_dim / PAGE_SIZE
+
+
+def index_codebook_bytes(lay: BlockLayout, summary: str = "box") -> int:
+    """The GPU's fixed bytes of the "rvq" summary per GPU: `rvq_stages(d)` codebooks of RVQ_SIZE bf16 centroids of d
+    per full layer (448 KiB at d = 128), every full layer's on each GPU like the KV pool; 0 for "box"."""
+    if summary != "rvq":
+        return 0
+    return lay.full_layers * rvq_stages(lay.index_dim) * RVQ_SIZE * lay.index_dim * 2
 
 
 def h2d_bytes_per_request_step(hit_rate: float, rows: int, bytes_per_token: int) -> float:

@@ -14,7 +14,7 @@ from hisparse_jax import calc
 from hisparse_jax.calc import (DEFAULT_HIT_RATE, DEFAULT_LINK_GB_PER_S, DEFAULT_TOP_K, GPU_MEMORY_GB, LAYOUTS,
                                LIMITS, PRESETS, CalcError, CalcInput, CalcResult, get_preset, max_requests, sweep)
 from hisparse_jax.cli_args import bounded_float, check_output_file, choice, int_at_least
-from hisparse_jax.formats import INDEX_TIERS, QUANTIZED_INDEX_DTYPES
+from hisparse_jax.formats import INDEX_SUMMARIES, INDEX_TIERS, QUANTIZED_INDEX_DTYPES
 
 
 def plot_sweep(rows: Sequence[dict[str, Any]], path: str,
@@ -73,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int_at_least(1, "tp", high=LIMITS["tp"]), default=8)
     p.add_argument("--ep", action=argparse.BooleanOptionalAction, default=True, help="expert parallel over DP*TP")
     p.add_argument("--kv-dtype", choices=("fp8", "bf16"), default="fp8")
-    p.add_argument("--index-dtype", type=choice(QUANTIZED_INDEX_DTYPES, "index dtype"), default="fp8", metavar="{fp8,int4}",
+    p.add_argument("--index-dtype", type=choice(QUANTIZED_INDEX_DTYPES, "index dtype"), default="fp8",
+                   metavar="{fp8,int4}",
                    help="indexer key storage: fp8 (128 B + fp32 scale = 132 B/token/layer) or int4 (4-bit values "
                         "+ UE8M0 block-32 scales = 68 B, the MXFP4 layout of vLLM #48558 / SGLang #30546)")
     p.add_argument("--layout", type=choice(LAYOUTS, "layout"), default="unified", metavar="{unified,split}",
@@ -88,16 +89,25 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --index-tier host: the part of a request's key history read per step and layer "
                         "(default 1: an exact top-k from min / max page bounds read every page on the trained model, "
                         "docs/results.md)")
-    p.add_argument("--index-summary-bytes", type=bounded_float(0, name="index_summary_bytes", high=LIMITS["index_summary_bytes"]), default=None,
+    p.add_argument("--index-summary", type=choice(INDEX_SUMMARIES, "index summary"), default="box",
+                   metavar="{box,rvq}",
+                   help="with --index-tier host: what the GPU keeps of the keys: box (bf16 min and max per dimension "
+                        "per 64-token page) or rvq (per key d / 16 - 1 one-byte residual-VQ codes and an e4m3 radius, "
+                        "plus their bf16 codebooks, 256 centroids per code and full layer, off the GPU pool)")
+    p.add_argument("--index-summary-bytes", type=bounded_float(0, name="index_summary_bytes",
+                                                               high=LIMITS["index_summary_bytes"]), default=None,
                    help="with --index-tier host: GPU bytes per token and full layer of the key summary (default: "
-                        "bf16 min and max per dimension per 64-token page, 4 d / 64 = 8 at d 128)")
+                        "the --index-summary's, box 4 d / 64, rvq d / 16: 8 at d 128)")
     p.add_argument("--hot-rows", type=int_at_least(1, "hot_rows", high=LIMITS["hot_rows"]), default=4096,
                    help="hot-buffer rows per group (10240 with MTP3)")
     p.add_argument("--groups", type=int_at_least(1, "groups", high=LIMITS["groups"]), default=None,
                    help="hot/resident groups (default: the preset's)")
-    p.add_argument("--retained", type=int_at_least(0, "retained", high=LIMITS["retained"]), default=2, help="retained resident pages per group")
-    p.add_argument("--other", type=int_at_least(0, "other", high=LIMITS["other"]), default=0, help="other GPU blocks per request")
-    p.add_argument("--host-gib", type=bounded_float(0, allow_inf=True, name="host_gib", high=LIMITS["host_gib"]), default=None,
+    p.add_argument("--retained", type=int_at_least(0, "retained", high=LIMITS["retained"]), default=2,
+                   help="retained resident pages per group")
+    p.add_argument("--other", type=int_at_least(0, "other", high=LIMITS["other"]), default=0,
+                   help="other GPU blocks per request")
+    p.add_argument("--host-gib", type=bounded_float(0, allow_inf=True, name="host_gib", high=LIMITS["host_gib"]),
+                   default=None,
                    help="host pool per DP replica (default: minimum; inf = unlimited)")
     p.add_argument("--max-seqs", type=int_at_least(1, "max_seqs", high=LIMITS["max_seqs"]), default=1024)
     p.add_argument("--gpu-memory-utilization", type=bounded_float(0, 1, low_inclusive=False,
@@ -110,7 +120,8 @@ def _parser() -> argparse.ArgumentParser:
                         f"experiments/results/demo.json, else {DEFAULT_HIT_RATE})")
     p.add_argument("--top-k", type=int_at_least(1, "top_k", high=LIMITS["top_k"]), default=DEFAULT_TOP_K,
                    help="rows the indexer selects per layer and step")
-    p.add_argument("--link-gb-per-s", type=bounded_float(0, low_inclusive=False, name="link_gb_per_s", high=LIMITS["link_gb_per_s"]),
+    p.add_argument("--link-gb-per-s", type=bounded_float(0, low_inclusive=False, name="link_gb_per_s",
+                                                         high=LIMITS["link_gb_per_s"]),
                    default=DEFAULT_LINK_GB_PER_S, help="host->GPU link bandwidth per GPU, GB/s (1e9 B/s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--sweep", action="store_true", help="tabulate capacity vs sequence length (8K..1M)")
@@ -125,6 +136,8 @@ def _table(r: CalcResult) -> str:
     idx = f"{r.index_dtype}" + ("" if per_layer is None else f": {per_layer} B / token / full layer")
     if r.index_tier == "host":
         idx = f"host tier ({idx}); GPU summary {r.index_summary_bytes_per_token:g} B / token"
+        if i.index_summary != "box":
+            idx += f" ({i.index_summary}) + codebooks {r.index_codebook_bytes:,} B / GPU"
     h2d = (f"{r.h2d_bytes_per_step / 1e6:,.1f} MB ({r.h2d_bytes_per_request_step / 1e6:,.2f} MB / request), "
            f"{r.h2d_ms_per_step:,.2f} ms at {r.link_gb_per_s:g} GB/s")
     rows = [("", "baseline", "HiSparse"),
@@ -164,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                     reserve_gib=a.reserve_gib, kv_hbm_gib=a.kv_hbm_gib, index_dtype=a.index_dtype,
                     hit_rate=a.hit_rate, top_k=a.top_k, link_gb_per_s=a.link_gb_per_s, layout=a.layout,
                     index_tier=a.index_tier, index_read_fraction=a.index_read_fraction,
-                    index_summary_bytes=a.index_summary_bytes)
+                    index_summary_bytes=a.index_summary_bytes, index_summary=a.index_summary)
     try:
         result = max_requests(inp)
         rows = sweep(inp) if a.sweep or a.plot else None

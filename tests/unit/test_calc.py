@@ -293,6 +293,60 @@ def test_calc_cli_host_tier_json(capsys):
     assert calc_cli.main(["--index-read-fraction", "-0.5"]) == 2
 
 
+
+def test_host_tier_rvq_summary():
+    """index_summary="rvq": per key d / 16 - 1 one-byte codes and an e4m3 radius, the box's bytes per token (8 at
+    d = 128), plus a fixed 7 codebooks x 256 centroids x 128 bf16 per full layer on every GPU, off HiSparse's pool."""
+    for cfg in (GLM_CFG, DEMO_CFG):  # d = 128 (7 codes + radius) and d = 64 (3 + 1): 4 d / 64 = d / 16
+        lay = calc.block_layout(cfg)
+        assert calc.index_summary_bytes(lay, "rvq") == calc.index_summary_bytes(lay) == cfg.index_head_dim / 16
+    codebooks = 7 * 256 * 128 * 2 * 21  # stages x centroids x d x bf16 x GLM-5.3's full layers, per GPU
+    assert codebooks == 9_633_792
+    n, host_block = 2 ** 20 // 64, 2_875_392
+    box, rvq = (calc.max_requests(calc.CalcInput(seq=2 ** 20, index_tier="host", index_summary=k))
+                for k in ("box", "rvq"))
+    assert rvq.index_summary_bytes_per_token == box.index_summary_bytes_per_token == 21 * 8
+    assert (box.index_codebook_bytes, rvq.index_codebook_bytes) == (0, codebooks)
+    assert rvq.kv_hbm_gib == box.kv_hbm_gib and rvq.baseline_running == box.baseline_running  # HiSparse's alone
+    per_req = 66 + -(-n * 64 * 168 // host_block)  # hot and tail pages + the summaries in host blocks
+    assert rvq.hisparse_gpu_blocks_per_request == box.hisparse_gpu_blocks_per_request == per_req
+    assert box.hisparse_pool_blocks == math.floor(box.kv_hbm_gib * 2 ** 30 / host_block)
+    assert rvq.hisparse_pool_blocks == math.floor((box.kv_hbm_gib * 2 ** 30 - codebooks) / host_block)
+    assert rvq.hisparse_pool_blocks < box.hisparse_pool_blocks
+    assert rvq.hisparse_gpu_limit == rvq.hisparse_pool_blocks // rvq.hisparse_gpu_blocks_per_request
+    # split: the block is one page's summaries (64 * 168 B), the codebooks exactly 896 of them; a pool of exactly
+    # two requests' blocks holds two with box and one with rvq
+    page = 64 * 21 * 8
+    per_req = n + -(-66 * host_block // page)
+    kv = 2 * per_req * page / 2 ** 30
+    box, rvq = (calc.max_requests(calc.CalcInput(seq=2 ** 20, index_tier="host", layout="split", index_summary=k,
+                                                 kv_hbm_gib=kv)) for k in ("box", "rvq"))
+    assert (box.hisparse_pool_blocks, rvq.hisparse_pool_blocks) == (2 * per_req, 2 * per_req - codebooks // page)
+    assert codebooks // page * page == codebooks and codebooks // page == 896
+    assert (box.hisparse_gpu_limit, rvq.hisparse_gpu_limit) == (2, 1)
+    over = calc.max_requests(calc.CalcInput(seq=2 ** 20, index_tier="host", index_summary="rvq",
+                                            index_summary_bytes=2.0))  # the override is per token only
+    assert over.index_summary_bytes_per_token == 21 * 2.0 and over.index_codebook_bytes == codebooks
+    with pytest.raises(calc.CalcError, match="index_summary='rvq' is what the GPU keeps of index_tier='host'"):
+        calc.max_requests(calc.CalcInput(index_summary="rvq"))
+    with pytest.raises(calc.CalcError, match="index_summary must be one of box, rvq, got 'pq'"):
+        calc.max_requests(calc.CalcInput(index_tier="host", index_summary="pq"))
+
+
+def test_calc_cli_rvq_summary(capsys):
+    assert calc_cli.main(["--seq", "1m", "--index-tier", "host", "--index-summary", "rvq"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU summary 168 B / token (rvq) + codebooks 9,633,792 B / GPU" in out
+    assert calc_cli.main(["--seq", "1m", "--index-tier", "host", "--index-summary", "rvq", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["index_codebook_bytes"], d["inputs"]["index_summary"]) == (7 * 256 * 128 * 2 * 21, "rvq")
+    assert calc_cli._parser().parse_args([]).index_summary == "box"
+    assert calc_cli.main(["--index-summary", "rvq"]) == 2  # the device tier keeps the keys themselves
+    assert "index_tier='device' leave it 'box'" in capsys.readouterr().err
+    assert calc_cli.main(["--index-summary", "pq"]) == 2
+    assert "argument --index-summary: unknown index summary 'pq'" in capsys.readouterr().err
+
+
 def test_split_layout_int4_at_1m():
     """The layout of this project's store (indexer keys in a pool of their own, a hot / tail page holding every
     layer): the block is the indexer page, so int4 halves it and HiSparse runs 11 requests per replica at 1M
