@@ -141,6 +141,8 @@ class GenerateCase:
     index_tier: str = "device"  # "host": indexer keys in pinned host memory, exact mode (`CacheConfig.index_tier`):
     # the device keys' top-k bit for bit, so the oracle (device keys) is unchanged. It needs kernels="reference",
     # the only kernels the fuzzer runs (`generate`'s and `EngineConfig`'s default: no case draws Pallas kernels)
+    index_summary: str = "box"  # index_tier="host": the page bound (`CacheConfig.index_summary`; "rvq" codebooks:
+    # `fuzz_codebooks`)
 
     def cache_config(self):
         from hisparse_jax.config import CacheConfig
@@ -149,7 +151,8 @@ class GenerateCase:
                                            host_pages=self.host_pages, index_pages=self.index_pages,
                                            hot_rows=self.hot_rows, max_seqs=self.max_seqs,
                                            max_seq_len=self.max_seq_len, index_dtype=self.index_dtype,
-                                           hot_policy=self.hot_policy, index_tier=self.index_tier),
+                                           hot_policy=self.hot_policy, index_tier=self.index_tier,
+                                           index_summary=self.index_summary),
                                self.shared_capacity)
 
     def kv_lengths(self) -> list[int]:
@@ -292,9 +295,25 @@ def _reference_tokens(model, case: GenerateCase):
         toks, logits = generate(model, case.prompts, case.max_new_tokens, return_logits=True)
         return toks, [np.asarray(x) for x in logits]
     need = sum(pages(t) for t in case.kv_lengths())
-    roomy = dataclasses.replace(case, index_tier="device").cache_config().replace(
+    roomy = dataclasses.replace(case, index_tier="device", index_summary="box").cache_config().replace(
         device_pages=need + 2, host_pages=need, index_pages=None, max_seqs=max(case.max_seqs, len(case.prompts)))
     return generate(model, case.prompts, case.max_new_tokens, cache=roomy), None
+
+
+_CODEBOOKS: dict = {}
+
+
+def fuzz_codebooks(model, case):
+    """The "rvq" codebooks of a case with index_summary="rvq" (else None): fitted once per model on fixed random
+    token windows (`index_codebooks.fit_index_codebooks`; any codebooks keep exact mode exact, fitted ones prune)."""
+    if case.index_summary != "rvq":
+        return None
+    if id(model) not in _CODEBOOKS:
+        from hisparse_jax.index_codebooks import fit_index_codebooks
+
+        ids = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, 256))
+        _CODEBOOKS[id(model)] = (model, fit_index_codebooks(model, ids))
+    return _CODEBOOKS[id(model)][1]
 
 
 def run_generate_case(case: GenerateCase, model=None) -> dict:
@@ -307,7 +326,7 @@ def run_generate_case(case: GenerateCase, model=None) -> dict:
     with watch_managers() as managers:
         try:
             toks, stats = generate(model, case.prompts, case.max_new_tokens, cache=case.cache_config(),
-                                   return_stats=True)
+                                   return_stats=True, index_codebooks=fuzz_codebooks(model, case))
         except BudgetError as e:
             assert expect is not None, f"refused although the budgets suffice: {e}"
             assert str(e).startswith(expect), f"refused for the wrong reason (expected {expect}): {e}"
@@ -350,6 +369,7 @@ class EngineCase:
     index_dtype: str = "auto"  # "int4": MXFP4 indexer keys (the oracle is then the same case all resident)
     hot_policy: str = "lru"  # the hot buffer's victim order (`CacheConfig.hot_policy`): never changes the tokens
     index_tier: str = "device"  # "host": indexer keys in pinned host memory, exact mode (see `GenerateCase`)
+    index_summary: str = "box"  # index_tier="host": the page bound (see `GenerateCase`)
     admission: str = "vllm"  # preempt / offload's admission rule (`EngineConfig.admission`; `admission_rng`)
 
     @property
@@ -366,7 +386,7 @@ class EngineCase:
                                            host_pages=self.host_pages, hot_rows=self.hot_rows,
                                            max_seq_len=pages(longest) * PAGE, index_dtype=self.index_dtype,
                                            speculative_tokens=self.speculative_tokens, hot_policy=self.hot_policy,
-                                           index_tier=self.index_tier),
+                                           index_tier=self.index_tier, index_summary=self.index_summary),
                                self.shared_capacity)
 
     def engine_config(self):
@@ -495,7 +515,7 @@ def run_engine_case(case: EngineCase, model=None, max_steps: int = 2000) -> dict
     from hisparse_jax.engine.engine import Engine
 
     model = model or fuzz_model()
-    eng = Engine(model, case.cache_config(), case.engine_config())
+    eng = Engine(model, case.cache_config(), case.engine_config(), index_codebooks=fuzz_codebooks(model, case))
     accepted, refused = _drive(eng, case, lambda i: True, max_steps)
     done, exact = _check_end(model, case, eng, [eng.manager], accepted, lambda i: f"request {i}")
     met = eng.metrics()
@@ -541,7 +561,8 @@ def _engine_reference(model, case: EngineCase, idx: list[int], accepted: list[in
         toks, logits = generate(model, prompts, max(case.max_new[i] for i in idx), return_logits=True)
         return {i: (t[:case.max_new[i]], np.asarray(lg)) for i, t, lg in zip(idx, toks, logits)}
     need = sum(pages(len(case.prompts[i]) + case.max_new[i]) for i in accepted)
-    roomy = dataclasses.replace(case, policy="hisparse", device_pages=need + 2, host_pages=need, index_tier="device")
+    roomy = dataclasses.replace(case, policy="hisparse", device_pages=need + 2, host_pages=need, index_tier="device",
+                                index_summary="box")
     cc = roomy.cache_config().replace(index_pages=need + 2)
     eng = Engine(model, cc, roomy.engine_config())
     _drive(eng, roomy, lambda i: i in accepted)
@@ -731,13 +752,14 @@ INDEX_DTYPE_KINDS = ("generate", "engine")  # the kinds whose cases may store in
 
 
 def run_cases(kind: str, first: int, count: int, seed: int, model, log=print, index_dtype: str = "drawn",
-              hot_policy: str = "lru", index_tier: str = "device") -> dict:
+              hot_policy: str = "lru", index_tier: str = "device", index_summary: str = "box") -> dict:
     """Cases first .. first + count - 1 of a kind, in this process: their outcomes, the sums of their counters
     (how much pressure they exercised), how many had each counter > 0, and every failure with its case.
     index_dtype: "drawn" (as the case draws it) or a format every case gets ("int4"; generate and engine only).
     hot_policy: every case's hot buffer policy (generate and engine only; the oracle's tokens do not depend on it).
     index_tier: where every case keeps its indexer keys (generate and engine only; "host": exact mode, held to the
-    oracle's device-key tokens)."""
+    oracle's device-key tokens); index_summary: with index_tier "host", every case's page bound ("rvq": an engine
+    case drawn with speculative decoding runs without it, which "rvq" does not take)."""
     from hisparse_jax.cpu_compile import drop_programs_near_map_limit, memory_maps
 
     draw = {"generate": draw_generate_case, "engine": draw_engine_case, "mesh": draw_mesh_case,
@@ -753,7 +775,9 @@ def run_cases(kind: str, first: int, count: int, seed: int, model, log=print, in
         if hot_policy != "lru":
             case = dataclasses.replace(case, hot_policy=hot_policy)
         if index_tier != "device":
-            case = dataclasses.replace(case, index_tier=index_tier)
+            case = dataclasses.replace(case, index_tier=index_tier, index_summary=index_summary)
+        if index_summary == "rvq" and kind == "engine":
+            case = dataclasses.replace(case, speculative_tokens=0)
         if kind == "engine":
             from hisparse_jax.engine.scheduler import ADMISSIONS
 
@@ -800,7 +824,7 @@ def merge(into: dict, part: dict) -> dict:
 
 
 def run_group(kind: str, first: int, count: int, seed: int, index_dtype: str = "drawn", hot_policy: str = "lru",
-              index_tier: str = "device") -> dict:
+              index_tier: str = "device", index_summary: str = "box") -> dict:
     """Cases first .. first + count - 1 of a kind in a process of their own: a crash of the process (a segfault
     inside XLA, the kernel's OOM killer) is recorded with the cases it ran, how to rerun them and the end of its
     output, and does not end the run."""
@@ -811,7 +835,7 @@ def run_group(kind: str, first: int, count: int, seed: int, index_dtype: str = "
         part_path = os.path.join(tmp, "part.json")
         argv = [sys.executable, os.path.abspath(__file__), "--only", kind, "--first", str(first), "--examples",
                 str(count), "--seed", str(seed), "--group-size", "0", "--index-dtype", index_dtype, "--hot-policy",
-                hot_policy, "--index-tier", index_tier, "--out", part_path]
+                hot_policy, "--index-tier", index_tier, "--index-summary", index_summary, "--out", part_path]
         t0 = time.time()
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -836,7 +860,7 @@ def run_group(kind: str, first: int, count: int, seed: int, index_dtype: str = "
 
 def main(argv=None) -> int:
     from hisparse_jax.config import HOT_POLICIES
-    from hisparse_jax.formats import INDEX_TIERS
+    from hisparse_jax.formats import INDEX_SUMMARIES, INDEX_TIERS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--long", action="store_true",
@@ -858,6 +882,9 @@ def main(argv=None) -> int:
     ap.add_argument("--index-tier", choices=INDEX_TIERS, default="device",
                     help="where every case keeps its indexer keys (`CacheConfig.index_tier`; kinds "
                          f"{', '.join(INDEX_DTYPE_KINDS)} only): host is exact mode, held to the device keys' tokens")
+    ap.add_argument("--index-summary", choices=INDEX_SUMMARIES, default="box",
+                    help="with --index-tier host, every case's page bound (`CacheConfig.index_summary`; rvq codebooks "
+                         "fitted to the fuzz model once)")
     ap.add_argument("--out", default="experiments/results/fuzz_tiered.json")
     ap.add_argument("--xla-defaults", action="store_true",
                     help="compile with XLA's default optimisation (by default the fuzzer compiles as the tests do, "
@@ -879,6 +906,8 @@ def main(argv=None) -> int:
                  "P/D cases keep the contiguous path as their oracle)")
     if a.index_tier != "device" and set(kinds) - set(INDEX_DTYPE_KINDS):
         ap.error(f"--index-tier {a.index_tier} applies to --only {' or '.join(INDEX_DTYPE_KINDS)}")
+    if a.index_summary != "box" and a.index_tier != "host":
+        ap.error(f"--index-summary {a.index_summary} needs --index-tier host")
     if a.index_tier == "host" and a.hot_policy != "lru":
         ap.error(f"--index-tier host needs --hot-policy lru (got {a.hot_policy}): score_ema averages every "
                  "position's score each step, which host-tier keys do not compute")
@@ -893,7 +922,7 @@ def main(argv=None) -> int:
     out = {**stamp(), "seed": a.seed,
            "profile": "long" if a.long else "default", "first": a.first, "group_size": a.group_size,
            "index_dtype": a.index_dtype, "hot_policy": a.hot_policy, "index_tier": a.index_tier,
-           "xla_flags": os.environ.get("XLA_FLAGS", ""), "kinds": {}}
+           "index_summary": a.index_summary, "xla_flags": os.environ.get("XLA_FLAGS", ""), "kinds": {}}
     model = fuzz_model() if a.group_size == 0 else None
 
     def write(complete: bool) -> None:  # after every group too: a long run stopped midway keeps what it ran
@@ -905,12 +934,14 @@ def main(argv=None) -> int:
         if a.group_size == 0:
             out["kinds"][kind] = run_cases(kind, a.first, counts[kind], a.seed, model,
                                            log=lambda m: print(m, flush=True), index_dtype=a.index_dtype,
-                                           hot_policy=a.hot_policy, index_tier=a.index_tier)
+                                           hot_policy=a.hot_policy, index_tier=a.index_tier,
+                                           index_summary=a.index_summary)
             continue
         total: dict = {}
         for start in range(a.first, a.first + counts[kind], a.group_size):
             n = min(a.group_size, a.first + counts[kind] - start)
-            merge(total, run_group(kind, start, n, a.seed, a.index_dtype, a.hot_policy, a.index_tier))
+            merge(total, run_group(kind, start, n, a.seed, a.index_dtype, a.hot_policy, a.index_tier,
+                                   a.index_summary))
             out["kinds"][kind] = total
             write(complete=False)
             print(f"{kind}: {total['cases']} cases run, {total['outcomes']}, {len(total['failures'])} failures, "

@@ -237,3 +237,13 @@ def test_fuzz_pd_import(data):
     # one device here (the mesh's P/D cases run under `fuzz_tiered.py --only pd`, on 4 host devices)
     case = fz.draw_pd_case(fz.HypothesisChoices(data))
     fz.run_pd_case(case)
+
+
+def test_rvq_host_tier_cases_give_the_device_keys_tokens():
+    """`--index-tier host --index-summary rvq`: the same generate case, and an engine case, with each key's "rvq"
+    codes and radius as the page bound (codebooks fitted to the fuzz model once): the device keys' tokens."""
+    model = fz.fuzz_model()
+    for kind, k in (("generate", 2), ("engine", 3)):
+        out = fz.run_cases(kind, k, 1, 2026, model, log=lambda m: None, index_tier="host", index_summary="rvq")
+        assert not out["failures"] and not out["crashes"], out["failures"]
+        assert out["totals"]["host_index"] == 1 and out["totals"]["index_h2d_bytes"] > 0, (kind, out["totals"])
