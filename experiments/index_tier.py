@@ -101,17 +101,18 @@ def index_keys(model, windows):
 
 
 def fit_codebooks(model, windows) -> object:
-    """The "rvq" codebooks of every full indexer: `reference.rvq_fit` (m stages fitting the box's bytes,
-    `reference.summary_rank`) of its keys over `windows`, un-rotated (`reference.rope_unrotate`) -> f32[LI, m, 256,
+    """The "rvq" codebooks of every full indexer, as the store takes them (`index_codebooks.fit_codebooks`: m stages
+    fitting the box's bytes, `reference.summary_rank`) of its keys over `windows` (teacher-forced) -> f32[LI, m, 256,
     dI]."""
     import jax.numpy as jnp
 
-    from pallas_kernels.indexer_topk.reference import rope_unrotate, rvq_fit, summary_rank
+    from hisparse_jax.index_codebooks import fit_codebooks
+    from hisparse_jax.model.rope import rope_frequencies
+    from pallas_kernels.indexer_topk.reference import summary_rank
 
     keys = index_keys(model, windows)  # [LI, n, L, dI]
-    cos, sin = model.rope(jnp.arange(keys.shape[2]))
-    m = summary_rank("rvq", keys.shape[-1])
-    return jnp.stack([rvq_fit(rope_unrotate(x, cos, sin).reshape(-1, x.shape[-1]), m) for x in keys])
+    freq, _ = rope_frequencies(model.cfg.rope, model.cfg.qk_rope_head_dim)
+    return jnp.asarray(fit_codebooks(keys, freq, summary_rank("rvq", keys.shape[-1])).books)
 
 
 def fit_bases(model, windows, blocks: list[int], summaries) -> dict:
@@ -144,6 +145,8 @@ def record(model, sequences, start: int, blocks: list[int], summaries=SUMMARIES,
     from experiments.hot_buffer_traces import run_decode
     from hisparse_jax.kv.dense import DenseKV
     from hisparse_jax.kv.dense import index_select_reference
+    from hisparse_jax.kv.summary import rope_tables
+    from hisparse_jax.model.rope import rope_frequencies
     from pallas_kernels.indexer_topk.reference import host_block_ranks, host_index_select_reference, index_scores
 
     cfg = model.cfg
@@ -153,7 +156,8 @@ def record(model, sequences, start: int, blocks: list[int], summaries=SUMMARIES,
     Sp = -(-L // max(blocks)) * max(blocks)
     plan = {bs: FRACTIONS for bs in blocks}
     ns, nf = len(summaries), len(FRACTIONS)
-    cos, sin = model.rope(jnp.arange(Sp))  # "rvq": the rope tables of the key positions
+    # "rvq": the rope tables of the key positions, as the store turns keys (`kv.summary.rope_tables`)
+    cos, sin = rope_tables(jnp.asarray(rope_frequencies(cfg.rope, cfg.qk_rope_head_dim)[0]), jnp.arange(Sp))
 
     def layer_basis(kind, bs, li):
         """The basis `reference.key_block_summary` takes for `kind` at index layer li (None without one)."""
