@@ -145,7 +145,10 @@ def record(model, sequences, start: int, blocks: list[int], summaries=SUMMARIES,
     from experiments.hot_buffer_traces import run_decode
     from hisparse_jax.kv.dense import DenseKV
     from hisparse_jax.kv.dense import index_select_reference
+    from hisparse_jax.config import CacheConfig
+    from hisparse_jax.kv.spec import StoreSpec
     from hisparse_jax.kv.summary import rope_tables
+    from hisparse_jax.units import PAGE_SIZE
     from hisparse_jax.model.rope import rope_frequencies
     from pallas_kernels.indexer_topk.reference import host_block_ranks, host_index_select_reference, index_scores
 
@@ -204,6 +207,8 @@ def record(model, sequences, start: int, blocks: list[int], summaries=SUMMARIES,
     TierKV = dataclasses.make_dataclass("TierKV", [], bases=(DenseKV,), frozen=True, namespace={"select": select})
     backend = TierKV(topk=K, index_dtype=model.index_dtype)
     C = 3 + 2 * ns  # stats columns before the recall curves: live, floor, gap, reads and excess per summary
+    # the store's exact mode reads the same pages rounded up to its rounds (tests/e2e/test_index_host_tier.py)
+    chunk = StoreSpec.create(cfg, CacheConfig(index_tier="host")).index_read_chunk
     extra = {f"tier_{bs}": jnp.zeros((LI, n, C + (2 * ns + 1) * nf), jnp.float32) for bs in plan}
     out = run_decode(model, sequences, start, backend, extra, False)
     lens = np.array([len(p) for p in sequences])
@@ -223,9 +228,14 @@ def record(model, sequences, start: int, blocks: list[int], summaries=SUMMARIES,
                 return a[:, C + j * nf: C + (j + 1) * nf]
 
             def reads(read, rows=slice(None)):
-                return {"exact_blocks_read_mean": float(read[rows].mean()),
-                        "exact_fraction_read_mean": float((read[rows] / live[rows]).mean()),
-                        "exact_read_over_floor_mean": float((read[rows] / need[rows]).mean())}
+                out = {"exact_blocks_read_mean": float(read[rows].mean()),
+                       "exact_fraction_read_mean": float((read[rows] / live[rows]).mean()),
+                       "exact_read_over_floor_mean": float((read[rows] / need[rows]).mean())}
+                if int(bs) == PAGE_SIZE:  # the store's exact mode: these pages, in whole rounds of `chunk` pages
+                    store = np.minimum(live, np.ceil(read / chunk) * chunk)[rows]
+                    out.update({"store_blocks_read_mean": float(store.mean()),
+                                "store_read_over_floor_mean": float((store / need[rows]).mean())})
+                return out
 
             per_summary = {}
             for j, kind in enumerate(summaries):
@@ -265,6 +275,15 @@ def record(model, sequences, start: int, blocks: list[int], summaries=SUMMARIES,
     return res
 
 
+def _store_reads(entries, floor: float) -> dict:
+    """The store's exact-mode pages read (64-key pages only: the reference's in whole rounds) over layers' entries,
+    and over the floor (ratio of means, as `read_over_floor`)."""
+    if "store_blocks_read_mean" not in entries[0]:
+        return {}
+    read = float(np.mean([x["store_blocks_read_mean"] for x in entries]))
+    return {"store_blocks_read": read, "store_read_over_floor": read / floor}
+
+
 def _recall_table(layers, key, fractions) -> dict:
     rec = {f: float(np.mean([key(x)[str(f)] for x in layers])) for f in fractions}
     need = {t: next((f for f in fractions if rec[f] >= t), None) for t in (0.9, 0.99, 0.999)}
@@ -298,6 +317,7 @@ def summarize(res: dict, k: int, index_dim: int) -> dict:
                     "live_blocks_mean", "topk_blocks_mean", "exact_blocks_read_mean"))
                 buckets[b] = {"steps": bp[0]["steps"], "live_blocks": bl, "floor_blocks": bf, "exact_blocks_read": br,
                               "exact_fraction_read": br / bl, "floor_fraction": bf / bl, "read_over_floor": br / bf,
+                              **_store_reads(bp, bf),
                               "recall_by_fraction_read": {f: float(np.mean([x["recall_by_budget"][f] for x in bp]))
                                                           for f in bp[0]["recall_by_budget"]},
                               "centre_recall_by_fraction_read": {
@@ -310,7 +330,7 @@ def summarize(res: dict, k: int, index_dim: int) -> dict:
             summ[kind] = {"basis_rank": m, "page_values_bf16": page_bytes // 2, "page_bytes": page_bytes,
                           "bytes_per_token": page_bytes / int(bs), "basis_bytes_per_layer": basis_bytes,
                           "exact_blocks_read": read, "exact_fraction_read": read / live, "floor_blocks": floor,
-                          "read_over_floor": read / floor,
+                          "read_over_floor": read / floor, **_store_reads(ps, floor),
                           "bound_excess_over_best_score": float(np.mean([p["bound_excess_mean"] for p in ps])),
                           "bound_excess_over_gap_median": float(np.mean([p["bound_excess_over_gap_median"]
                                                                          for p in ps])),
@@ -456,7 +476,9 @@ def main(argv=None) -> int:
                   + " (by its centre "
                   + " / ".join(f"{d['centre']['recall_by_fraction_read'][f]:.3f}" for f in ("0.25", "0.5")) + ")"
                   + f"; bound - block's best score {d['bound_excess_over_best_score']:.2f} "
-                  f"(best - k-th score {s['best_minus_kth_score']:.2f})")
+                  f"(best - k-th score {s['best_minus_kth_score']:.2f})"
+                  + (f"; the store reads {d['store_read_over_floor']:.3f} x the floor (whole rounds)"
+                     if "store_read_over_floor" in d else ""))
     return 0
 
 
