@@ -75,7 +75,8 @@ _rng = np.random.default_rng(7)
 CENTRES = (_rng.standard_normal((8, DI)) * 2).astype(np.float32)
 FREQ = (1.0 / 10000.0 ** (np.arange(0, R, 2) / R)).astype(np.float32)
 BOOKS = IndexCodebooks(books=np.concatenate([np.broadcast_to(CENTRES, (LI, 1, 8, DI)),
-                                             _rng.standard_normal((LI, 1, 248, DI)).astype(np.float32)], axis=2),
+                                             _rng.standard_normal((LI, 1, 248, DI)).astype(np.float32)], axis=2
+                                            ).astype(jnp.bfloat16).astype(np.float32),  # as the store holds them
                        rope_freq=FREQ)
 
 
@@ -494,6 +495,36 @@ def test_rvq_reads_fewer_pages_than_the_box_on_keys_it_codes(fmt):
             reads[name] += int(n)
     live = LI * sum(-(-(n + appends) // 64) for n in lens)
     assert reads["rvq"] < reads["box"] and reads["rvq"] <= 0.6 * live, (reads, live)  # 14 of 26 (the box: 26)
+
+
+def test_rvq_exact_mode_reads_the_reference_pages_in_whole_rounds():
+    """The store reads what `host_index_select_reference(summary="rvq")` (the selection experiments/index_tier.py
+    measures) reads, rounded up to its rounds of `index_read_chunk` pages: every page whose bound reaches the k-th
+    best score and no round past them (the same codes, radii and bounds, computed in the store)."""
+    from hisparse_jax.kv.summary import rope_tables
+    from pallas_kernels.indexer_topk.reference import host_index_select_reference
+
+    rng = np.random.default_rng(9)
+    lens, appends = (450, 381), 7
+    keys = [_keys(rng, n + appends, "rotated") for n in lens]
+    _, rvq, slots = _fill(host(SMALL, index_summary="rvq"), lens, appends, keys, 0)
+    C = StoreSpec.create(CFG, host(SMALL, index_summary="rvq")).index_read_chunk
+    req = jnp.asarray(slots, jnp.int32)
+    pos = jnp.asarray([n + appends - 1 for n in lens], jnp.int32)
+    S = SMALL.max_seq_len
+    valid = jnp.arange(S)[None] <= pos[:, None]
+    cos, sin = rope_tables(jnp.asarray(FREQ), jnp.arange(S))
+    for li in range(LI):
+        k = jnp.asarray(np.stack([np.pad(kk[li], ((0, S - kk.shape[1]), (0, 0))) for kk in keys]))
+        for _ in range(3):
+            q = jnp.asarray(rng.standard_normal((2, CFG.index_n_heads, DI)), jnp.float32)
+            w = jnp.asarray(rng.standard_normal((2, CFG.index_n_heads)), jnp.float32)
+            want, read, live = host_index_select_reference(q, w, k, valid, K, 64, summary="rvq",
+                                                            basis=(BOOKS.books[li], cos, sin))
+            got, n = _select(rvq, li, req, pos, q, w)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            rounds = [min(int(lv), -(-int(r) // C) * C) for r, lv in zip(read, live)]
+            assert int(n) == sum(rounds) and sum(rounds) < int(live.sum()), (int(n), read, live)
 
 
 def test_rvq_codebooks_come_off_the_device_budget():
