@@ -2,7 +2,8 @@
 
 Modules: `spec.py` (`StoreSpec`, the static geometry), `state.py` (`KVStore`, the arrays: device pools, pinned-host
 pools, tables), the jitted store operations the decode step uses, one idea each: `codec.py` (value formats, host
-memory moves), `writes.py` (row writes), `scoring.py` (the indexer's top-k), `resolve.py` (top-k -> `Plan`, the hot
+memory moves), `writes.py` (row writes), `scoring.py` (the indexer's top-k), `summary.py` (the host key tier's
+page summaries: written with the keys, ranked for the reads), `resolve.py` (top-k -> `Plan`, the hot
 buffer's victim order, misses host -> device, reads); `tiered.py` (the `TieredKV` backend and the decode-step entry
 points), `pool.py` (`PagePool`: page ids, refcounts, prefix registrations); the host bookkeeping `manager.py`
 (`PageManager`, one class: admission, eviction and its coldness orders, swap, prefix sharing) and its consistency
