@@ -58,6 +58,8 @@ def with_index_codebooks(store: KVStore, codebooks: IndexCodebooks) -> KVStore:
                              f"= index_head_dim / 16 - 1, 256 centroids, index_head_dim; rope dimensions / 2)")
     if not (np.isfinite(books).all() and np.isfinite(freq).all()):
         raise ValueError("index_codebooks hold a value that is not finite")
+    if np.asarray(jax.device_get(store.seq_lens)).any():
+        raise ValueError("index_codebooks are given to an empty store: this one holds keys coded with its own")
     return store.replace(
         index_codebooks=jax.device_put(books.astype(store.index_codebooks.dtype), store.index_codebooks.sharding),
         index_rope_freq=jax.device_put(freq, store.index_rope_freq.sharding))

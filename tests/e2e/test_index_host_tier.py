@@ -321,6 +321,9 @@ def test_what_cannot_run_is_refused():
         kv_device.new_store(rvq, index_codebooks=BOOKS._replace(rope_freq=FREQ * np.nan))
     with pytest.raises(TypeError, match="index_codebooks must be an IndexCodebooks"):
         kv_device.new_store(rvq, index_codebooks=(BOOKS.books, FREQ))
+    with pytest.raises(ValueError, match="given to an empty store"):
+        with_index_codebooks(_fill(host(SMALL, index_summary="rvq"), (70, 5), 0, [np.ones((LI, 80, DI))] * 2, 0)[1],
+                             BOOKS)
     with pytest.raises(ValueError, match="index_codebooks are index_summary='rvq''s"):
         kv_device.new_store(PageManager(CFG, host(SMALL)), index_codebooks=BOOKS)
     model = hj.SparseMLAModel(CFG, rngs=nnx.Rngs(0))
