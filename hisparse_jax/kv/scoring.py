@@ -81,11 +81,11 @@ def index_scores_host(store: KVStore, index_layer: int, req, positions, q_index,
     """`index_scores_paged` with index_tier="host": each row's pages ranked by their summary's bound
     (`summary.page_ranks`: an upper bound of every score in the page, from `StoreSpec.index_summary`'s kind) and
     read from the pinned-host pool best bound first, `spec.index_read_chunk` pages per round. Exact mode
-    (index_budget_pages None) reads rounds until no unread page's bound reaches the row's k-th best score read so
-    far: every position of the exact top-k has then been scored, with the same arithmetic as device keys
-    (`_score_keys`), so `select_topk` of the result is the device tier's top-k. Budgeted mode reads the index_budget_pages best-ranked pages (rounds of the
-    chunk, the last one cut), a fixed amount per step: best bound first, or with index_rank="centre" best score of
-    the summary's centre first (the box's midpoint; "rvq": the page's best reconstructed key).
+    (index_budget_pages None) reads rounds until no unread page's bound reaches the row's k-th best score read so far:
+    every position of the exact top-k has then been scored, with the same arithmetic as device keys (`_score_keys`), so
+    `select_topk` of the result is the device tier's top-k. Budgeted mode reads the index_budget_pages best-ranked pages
+    (rounds of the chunk, the last one cut), a fixed amount per step: best bound first, or with index_rank="centre" best
+    score of the summary's centre first (the box's midpoint; "rvq": the page's best reconstructed key).
 
     Returns (scores f32[B, S], valid bool[B, S] (only positions read are valid), pages_read int32[] (summed over the
     rows: what crossed the host link)). A page with no valid position is never read. Exact mode's loop is a
