@@ -51,6 +51,7 @@ from collections import deque
 
 from hisparse_jax.config import CacheConfig
 from hisparse_jax.engine.request import Request, RequestState
+from hisparse_jax.kv.account import index_codebook_bytes
 from hisparse_jax.kv.manager import PageManager
 from hisparse_jax.kv.pool import OutOfPages, Tier
 from hisparse_jax.kv.spec import TAIL_PAGES, BudgetError, min_device_pages
@@ -126,10 +127,10 @@ def device_budget(model_cfg, cache: CacheConfig, device_bytes: int, policy: str,
     request, plus (chunked prefill) one prompt resident while it is prefilled: the indexer pool is sized for
     as many requests
     as that leaves room for (at most `max_running`), the KV pool gets the rest. With index_summary="rvq" its
-    codebooks (`StoreSpec.index_codebook_bytes`) come off the budget first, whatever the policy.
+    codebooks (`kv.account.index_codebook_bytes`) come off the budget first, whatever the policy.
     """
     spec = StoreSpec.create(model_cfg, cache.replace(device_pages=1, index_pages=1, capacity=None))
-    device_bytes = max(device_bytes - spec.index_codebook_bytes, 0)
+    device_bytes = max(device_bytes - index_codebook_bytes(spec), 0)
     kv_page = spec.page_bytes * spec.num_layers
     idx_page = 64 * spec.num_indexer_layers * spec.index_row_bytes
     n = pages(max_len)

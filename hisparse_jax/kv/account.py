@@ -95,6 +95,13 @@ def store_layout(spec: StoreSpec) -> dict[str, tuple[tuple[int, ...], np.dtype, 
     return out
 
 
+def index_codebook_bytes(spec: StoreSpec) -> int:
+    """index_summary="rvq": the device bytes of its codebooks and rope frequencies (`store_layout`'s
+    `index_codebooks`, `index_rope_freq`), a fixed cost whatever the pools' sizes; 0 otherwise."""
+    layout = store_layout(spec)
+    return sum(_nbytes(*layout[n][:2]) for n in ("index_codebooks", "index_rope_freq") if n in layout)
+
+
 def _sizes(spec: StoreSpec, names: tuple[str, ...]) -> str:
     values = {"max_seqs": spec.max_seqs, "max_seq_len": spec.max_pages * PAGE_SIZE}
     return " x ".join(f"{n}={values.get(n, getattr(spec, n, None)):,}" for n in names)

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 
 from hisparse_jax.config import CacheConfig, ModelConfig
-from hisparse_jax.formats import RVQ_SIZE, rvq_stages
+from hisparse_jax.formats import rvq_stages
 from hisparse_jax.units import PAGE_SIZE
 
 FP8_BLOCK = 128  # latent values per fp8 scale
@@ -141,14 +141,6 @@ class StoreSpec:
     def index_stages(self) -> int:
         """index_summary="rvq": the codes per key (`formats.rvq_stages`: dI / 16 - 1); 0 otherwise."""
         return rvq_stages(self.index_dim) if self.index_summary == "rvq" else 0
-
-    @property
-    def index_codebook_bytes(self) -> int:
-        """index_summary="rvq": the device bytes of its codebooks (bf16 [LI, m, 256, dI]) and rope frequencies
-        (f32[R/2]), a fixed cost whatever the pools' sizes; 0 otherwise."""
-        if self.index_summary != "rvq":
-            return 0
-        return self.num_indexer_layers * self.index_stages * RVQ_SIZE * self.index_dim * 2 + self.rope_dim // 2 * 4
 
     @property
     def index_dtypes(self) -> tuple[np.dtype, np.dtype | None]:

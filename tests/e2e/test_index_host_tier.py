@@ -531,17 +531,17 @@ def test_rvq_exact_mode_reads_the_reference_pages_in_whole_rounds():
 
 
 def test_rvq_codebooks_come_off_the_device_budget():
-    """The codebooks are a fixed device cost (`StoreSpec.index_codebook_bytes`, the store's own arrays' bytes):
+    """The codebooks are a fixed device cost (`kv.account.index_codebook_bytes`, the store's own arrays' bytes):
     `engine.device_budget` takes them off before it splits the budget into pages."""
     from hisparse_jax.engine import device_budget
-    from hisparse_jax.kv.account import store_layout
+    from hisparse_jax.kv.account import index_codebook_bytes, store_layout
 
     cc = host(SMALL, index_summary="rvq")
     spec = StoreSpec.create(CFG, cc)
     layout = store_layout(spec)
     fixed = sum(int(np.prod(layout[n][0])) * layout[n][1].itemsize for n in ("index_codebooks", "index_rope_freq"))
-    assert spec.index_codebook_bytes == fixed == LI * 1 * 256 * DI * 2 + R // 2 * 4
-    assert StoreSpec.create(CFG, host(SMALL)).index_codebook_bytes == 0
+    assert index_codebook_bytes(spec) == fixed == LI * 1 * 256 * DI * 2 + R // 2 * 4
+    assert index_codebook_bytes(StoreSpec.create(CFG, host(SMALL))) == 0
     for pol in ("hisparse", "offload"):
         got = device_budget(CFG, cc, 10 ** 7 + fixed, pol, max_running=2, max_len=400)
         want = device_budget(CFG, host(SMALL), 10 ** 7, pol, max_running=2, max_len=400)
