@@ -249,6 +249,16 @@ def model_card(log: dict) -> str:
         f"holds, over queries that see more than {cfg['index_topk']} keys.", "",
         f"Evaluation: {ev['windows']} held-out windows of {ev['tokens_per_window']} bytes; sparse = the model's own "
         "forward (`model(ids)`, what prefill runs), dense = full causal attention.", "",
+    ]
+    if ev.get("by_position"):  # (logs written before `evaluate` reported it have none)
+        lines += [
+            "Where the sparse model's loss comes from, after the last stage: the held-out loss by query position "
+            f"(below {cfg['index_topk']} every query sees at most top-k keys, so sparse attention is dense there).", "",
+            "| positions | loss dense | loss sparse | sparse/dense perplexity |", "|---|---:|---:|---:|",
+            *(f"| {b['positions'][0]}-{b['positions'][1] - 1} | {b['loss_dense']:.4f} | {b['loss_sparse']:.4f} | "
+              f"{b['sparse_over_dense_ppl']:.4f} |" for b in ev["by_position"]), "",
+        ]
+    lines += [
         (f"Stages {log['first_stage']}.. ran from the weights of {log['init']} (`--init`, `--first-stage`). "
          if "init" in log else "") +
         f"Trained in {log['wall_s'] / 60:.1f} min on {log['machine']} (CPU), jax {log['jax']}, Python "

@@ -181,8 +181,23 @@ def indexer_kl(probs, scores, attend):
 
 def lm_loss(logits, targets):
     """Mean next-token cross entropy (nats): logits f32[B, T, V], targets int32[B, T]."""
+    return jnp.mean(token_nll(logits, targets))
+
+
+def token_nll(logits, targets):
+    """Next-token cross entropy (nats) per position, averaged over the batch: logits f32[B, T, V], targets
+    int32[B, T] -> f32[T]."""
     logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], axis=0)
+
+
+def position_buckets(T: int, K: int) -> list[tuple[int, int]]:
+    """The query positions [lo, hi) `evaluate` reports apart, for windows of T tokens and top-k K: [0, K) (every
+    query sees at most K keys, so sparse attention is dense there), [K, 4K), then doubling ([4K, 8K), ...) to T."""
+    edges = [0] + [e for e in (K, 4 * K) if e < T]
+    while edges[-1] >= 4 * K and 2 * edges[-1] < T:
+        edges.append(2 * edges[-1])
+    return list(zip(edges, edges[1:] + [T]))
 
 
 def stage_loss(model: SparseMLAModel, batch, stage: str, *, remat: bool = False):
@@ -301,7 +316,8 @@ def evaluate(model: SparseMLAModel, windows: np.ndarray, *, batch: int = 1) -> d
     queries that see more than top-k keys. With an MTP layer also "mtp": its loss on the token two ahead (its block
     sparse, as it drafts), the share of greedy drafts that are the data's token ("draft_accuracy") and the main
     model's greedy token ("draft_agreement", `draft_agreement`: one speculative token's acceptance rate,
-    teacher-forced), its indexer's recall."""
+    teacher-forced), its indexer's recall. "by_position": the dense and sparse losses over the query positions of
+    each `position_buckets` range, where the sparse model's loss comes from."""
     graphdef, state = nnx.split(model)
     has_mtp = bool(len(getattr(model, "mtp", ())))
 
@@ -312,7 +328,7 @@ def evaluate(model: SparseMLAModel, windows: np.ndarray, *, batch: int = 1) -> d
         dense_logits, aux = train_forward(m, x, stage="warmup", recall=True)
         sparse_logits, main = m.forward(x)
         sparse_logits = sparse_logits.astype(jnp.float32)
-        out = {"dense": lm_loss(dense_logits, y), "sparse": lm_loss(sparse_logits, y), "recall": aux["recall"],
+        out = {"dense": token_nll(dense_logits, y), "sparse": token_nll(sparse_logits, y), "recall": aux["recall"],
                "kl": aux["kl"]}
         if has_mtp:  # on the same main forward: sparse, as it drafts, and dense for its indexer's recall (under
             # "select" its attention sees only the indexer's own top-k)
@@ -324,13 +340,19 @@ def evaluate(model: SparseMLAModel, windows: np.ndarray, *, batch: int = 1) -> d
         return out
 
     rows = [jax.device_get(one(state, jnp.asarray(windows[i:i + batch]))) for i in range(0, len(windows), batch)]
-    mean = {k: np.mean([r[k] for r in rows], axis=0) for k in rows[0]}
-    dense, sparse = float(mean["dense"]), float(mean["sparse"])
-    out = {"windows": int(len(windows)), "tokens_per_window": int(windows.shape[1] - 1),
+    mean = {k: np.mean([r[k] for r in rows], axis=0) for k in rows[0]}  # (per position for "dense", "sparse")
+    dense, sparse = float(np.mean(mean["dense"])), float(np.mean(mean["sparse"]))
+    T = int(windows.shape[1] - 1)
+    out = {"windows": int(len(windows)), "tokens_per_window": T,
            "loss_dense": dense, "loss_sparse": sparse, "ppl_dense": math.exp(dense), "ppl_sparse": math.exp(sparse),
            "sparse_over_dense_ppl": math.exp(sparse - dense),
            "recall_per_index_layer": [float(v) for v in mean["recall"]],
-           "kl_per_index_layer": [float(v) for v in mean["kl"]]}
+           "kl_per_index_layer": [float(v) for v in mean["kl"]],
+           "by_position": []}
+    for lo, hi in position_buckets(T, model.cfg.index_topk):
+        d, s = float(np.mean(mean["dense"][lo:hi])), float(np.mean(mean["sparse"][lo:hi]))
+        out["by_position"].append({"positions": [lo, hi], "loss_dense": d, "loss_sparse": s,
+                                   "sparse_over_dense_ppl": math.exp(s - d)})
     if has_mtp:
         out["mtp"] = {"loss": float(mean["mtp_loss"]), "draft_accuracy": float(mean["mtp_accuracy"]),
                       "draft_agreement": float(mean["mtp_agreement"]), "indexer_recall": float(mean["mtp_recall"])}

@@ -69,6 +69,27 @@ def test_sparse_training_forward_is_the_models_forward(corpus, indexer_types):
     assert waux["kl"].shape == aux["kl"].shape and not waux["topk"] and (np.asarray(waux["kl"]) > 0).all()
 
 
+def test_evaluate_reports_where_the_sparse_loss_comes_from(corpus):
+    model = SparseMLAModel(TINY, rngs=nnx.Rngs(5))
+    K = TINY.index_topk
+    assert dsa.position_buckets(8192, 128) == [(0, 128), (128, 512), (512, 1024), (1024, 2048), (2048, 4096),
+                                               (4096, 8192)]
+    assert dsa.position_buckets(100, 8) == [(0, 8), (8, 32), (32, 64), (64, 100)]
+    assert dsa.position_buckets(6, 8) == [(0, 6)]
+    windows = data.fixed_windows(corpus[1], 101, 3)
+    ev = dsa.evaluate(model, windows)
+    buckets = ev["by_position"]
+    assert [b["positions"] for b in buckets] == [list(b) for b in dsa.position_buckets(100, K)]
+    # below top-k every query attends to all its keys: sparse is dense there (up to the programs' rounding), not past it
+    assert abs(buckets[0]["loss_sparse"] - buckets[0]["loss_dense"]) < 1e-5
+    assert max(abs(b["loss_sparse"] - b["loss_dense"]) for b in buckets[1:]) > 1e-4
+    # the buckets split the positions: their losses weighted by width are the window's
+    for kind in ("dense", "sparse"):
+        whole = sum(b[f"loss_{kind}"] * (b["positions"][1] - b["positions"][0]) for b in buckets) / 100
+        np.testing.assert_allclose(whole, ev[f"loss_{kind}"], rtol=1e-5)
+        np.testing.assert_allclose(np.exp(ev["loss_sparse"] - ev["loss_dense"]), ev["sparse_over_dense_ppl"])
+
+
 def test_indexer_kl():
     rng = np.random.default_rng(0)
     B, H, T = 2, 3, 6
@@ -263,6 +284,7 @@ def test_training_script_smoke_recipe(tmp_path):
     assert 0 <= log["stages"][-1]["eval"]["mtp"]["draft_agreement"] <= 1
     card = (out / "README.md").read_text()
     assert "| sparse |" in card and "| mtp_sparse |" in card and log["corpus"]["sha256"] in card
+    assert "| 0-127 |" in card and "| 128-255 |" in card  # the last evaluation by query position
     import hisparse_jax as hj
 
     model = hj.load_pretrained(out, mtp=True)
