@@ -11,11 +11,11 @@ buckets the traces reach), and the step-to-step top-k overlap |T_t & T_(t-1)| / 
 index layers, the windows and the steps of a bucket (hits / top-k rows), the first --warmup steps of each trace
 not counted.
 
-Context per model (--seq-len 0, the default): the context it was trained at, i.e. the last training stage's
-seq_len in the checkpoint's training_log.json (the stage that left the weights as they are; stdlib-dsa: 2048),
-else config.json's max_position_embeddings (only the reach of its position table: stdlib-dsa's is 8192 though it
-was trained at 2048, hence the log first). The windows are `data.fixed_windows` of the held-out text at the
-longest context of the run, each model reading the first seq_len tokens of each: the models see the same text,
+Context per model (--seq-len 0, the default): the context it was trained at, i.e. the longest training stage's
+seq_len in the checkpoint's training_log.json (stdlib-dsa: 2048; stdlib-dsa-8k: 8192, though its last stage took 2K
+windows), else config.json's max_position_embeddings (only the reach of its position table: stdlib-dsa's is 8192
+though it was trained at 2048, hence the log first). The windows are `data.fixed_windows` of the held-out text at
+the longest context of the run, each model reading the first seq_len tokens of each: the models see the same text,
 so a bucket they share compares the models, not the text.
 
 Memory while recording, per model: about 6 x LI x sequences x seq_len^2 bytes (every position's score at every
@@ -71,14 +71,16 @@ def bucket_label(lo: int, hi: int) -> str:
 
 
 def training_context(folder: str, cfg) -> tuple[int, str]:
-    """(the context `folder`'s model was trained at, where that was read): the last stage's seq_len of its
+    """(the context `folder`'s model was trained at, where that was read): the longest stage's seq_len of its
     training_log.json, else config.json's max_position_embeddings."""
     path = os.path.join(folder, "training_log.json")
     if os.path.isfile(path):
         with open(path) as f:
             stages = json.load(f).get("stages") or []
-        if stages and isinstance(stages[-1].get("config"), dict) and stages[-1]["config"].get("seq_len"):
-            return int(stages[-1]["config"]["seq_len"]), "training_log.json: the last stage's seq_len"
+        lens = [st["config"]["seq_len"] for st in stages if isinstance(st.get("config"), dict)
+                and st["config"].get("seq_len")]
+        if lens:
+            return int(max(lens)), "training_log.json: the longest stage's seq_len"
     return int(cfg.max_position_embeddings), "config.json: max_position_embeddings (no training log)"
 
 

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=DEFAULT_OUT, help=f"checkpoint folder (default {DEFAULT_OUT})")
     p.add_argument("--log", default="", help="training log JSON (default <out>/training_log.json)")
     p.add_argument("--eval-windows", type=int, default=16, help="held-out windows per evaluation (default 16)")
-    p.add_argument("--eval-len", type=int, default=0, help="tokens per evaluation window (default: the last "
+    p.add_argument("--eval-len", type=int, default=0, help="tokens per evaluation window (default: the longest "
                    "stage's seq_len)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=20)
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     if earlier and earlier["corpus"]["sha256"] != info.sha256:
         sys.exit(f"--init {a.init}: its stages were trained on another corpus (SHA-256 {earlier['corpus']['sha256']}"
                  f", this interpreter's is {info.sha256})")
-    eval_len = a.eval_len or stages[-1].seq_len
+    eval_len = a.eval_len or max(sc.seq_len for sc in stages)
     windows = data.fixed_windows(held, eval_len + 1, a.eval_windows)
     with_mtp = any(sc.stage in dsa.MTP_STAGES for sc in stages)
     model = SparseMLAModel(STDLIB_DSA, rngs=nnx.Rngs(a.seed), mtp=with_mtp)
