@@ -137,9 +137,10 @@ def fit_bases(model, windows, blocks: list[int], summaries) -> dict:
     return out
 
 
-def record(model, sequences, start: int, blocks: list[int], summaries=SUMMARIES, bases=None) -> dict:
+def record(model, sequences, start: int, blocks: list[int], summaries=SUMMARIES, bases=None, progress=None) -> dict:
     """Per block size: live, the blocks holding a top-k position, and per summary exact-mode reads and budgeted
-    recall at every traced step, per index layer; budgeted recall by the mean key too."""
+    recall at every traced step, per index layer; budgeted recall by the mean key too. `progress(done, total)`,
+    when given, is called after each decoded position."""
     import jax.numpy as jnp
 
     from experiments.hot_buffer_traces import run_decode
@@ -210,7 +211,7 @@ def record(model, sequences, start: int, blocks: list[int], summaries=SUMMARIES,
     # the store's exact mode reads the same pages rounded up to its rounds (tests/e2e/test_index_host_tier.py)
     chunk = StoreSpec.create(cfg, CacheConfig(index_tier="host")).index_read_chunk
     extra = {f"tier_{bs}": jnp.zeros((LI, n, C + (2 * ns + 1) * nf), jnp.float32) for bs in plan}
-    out = run_decode(model, sequences, start, backend, extra, False)
+    out = run_decode(model, sequences, start, backend, extra, False, progress)
     lens = np.array([len(p) for p in sequences])
     res = {}
     for bs, budgets in plan.items():
@@ -437,7 +438,13 @@ def main(argv=None) -> int:
         bases.update({("rvq", bs): books for bs in blocks})
     print(f"recording {a.sequences} x {a.seq_len} tokens from position {a.trace_start}, blocks {blocks}, "
           f"summaries {summaries} ...", file=sys.stderr, flush=True)
-    res = record(model, [list(w) for w in windows], a.trace_start, blocks, summaries, bases)
+    t1 = time.perf_counter()
+
+    def progress(done, total):
+        if done % max(total // 16, 1) == 0 or done == total:
+            print(f"  decoded {done}/{total} positions ({time.perf_counter() - t1:.0f} s)", file=sys.stderr,
+                  flush=True)
+    res = record(model, [list(w) for w in windows], a.trace_start, blocks, summaries, bases, progress)
     out = {**stamp(), "jax": jax.__version__,
            "model": held_out.model_name(a, folder), "corpus": info.to_json(),
            "k": model.cfg.index_topk, "index_heads": model.cfg.index_n_heads, "index_dim": model.cfg.index_head_dim,

@@ -87,16 +87,18 @@ def test_bad_arguments_are_refused():
 
 
 @pytest.mark.slow
-def test_index_tier_experiment_runs(tmp_path):
+def test_index_tier_experiment_runs(tmp_path, capsys):
     """experiments/index_tier.py --quick on the shipped trained model: every step's exact mode reads at most the
     live blocks, and a budget of every live block finds the whole top-k with either ranking; with every page
     summary exact mode reads at least the blocks holding a top-k position, and the position buckets hold every
-    step."""
+    step. The recording shows its progress, to the last position."""
     import json
+    import re
 
     from experiments import index_tier
 
     assert index_tier.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert re.search(r"decoded (\d+)/\1 positions", capsys.readouterr().err)  # to the last position
     out = json.loads((tmp_path / "index_tier.json").read_text())
     assert (tmp_path / "index_tier.png").exists()
     for bs, s in out["summary"].items():
