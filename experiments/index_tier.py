@@ -7,9 +7,9 @@ An indexer whose keys live in host memory keeps on the device only a summary per
 and the box of the deviations from its centre in a per-layer basis plus their residual; "rvq" per key, 7 one-byte
 codes of the key before its RoPE (residual vector quantization, 256 centroids a stage) and an e4m3 residual radius,
 bounded key by key. The bases are `reference.pca_basis` of index keys of training text (the keys, or their
-deviations from their block's mean), fitted once per layer and block size; the codebooks `reference.rvq_fit` of
-the un-rotated keys of RVQ_WINDOWS x RVQ_TOKENS tokens of training text, once per layer. Per decode step the
-indexer ranks the blocks and reads exact keys of the best ones from the host:
+deviations from their block's mean), fitted once per layer and block size; the codebooks fitted as `hisparse demo
+--index-summary rvq` fits them (`index_codebooks.fit_index_codebooks` of `demo_workload.calibration_ids`' training
+text). Per decode step the indexer ranks the blocks and reads exact keys of the best ones from the host:
 
 * exact mode reads blocks in bound order until no unread bound reaches the k-th best score read so far: the
   top-k is exact (recall 1), at the cost of the blocks whose bound reaches the true k-th score; the floor of any
@@ -51,7 +51,6 @@ FP8_ROW = 656  # bytes of one DeepSeek fp8 KV row (512 e4m3 + 4 scales + 64 bf16
 RANKS = ("bound", "mean")  # budgeted mode's block ranking (`reference.HOST_INDEX_RANKS`)
 SUMMARIES = ("box", "ball", "pca_box", "ball_pca", "rvq")  # the page summaries (`reference.SUMMARY_KINDS`)
 BASIS_WINDOWS, BASIS_TOKENS = 2, 1024  # the per-layer bases: PCA of the keys of these training-text windows
-RVQ_WINDOWS, RVQ_TOKENS = 4, 2048  # the per-layer RVQ codebooks: k-means of these windows' un-rotated keys
 BUCKETS = (0, 512, 1024, 2048, 4096, 8192)  # decoding-position buckets [a, b) of the per-position tables (and >= 8192)
 
 
@@ -98,21 +97,6 @@ def index_keys(model, windows):
     KeysKV = dataclasses.make_dataclass("KeysKV", [], bases=(DenseKV,), frozen=True, namespace={"select": select})
     extra = {"basis_keys": jnp.zeros((cfg.num_indexer_layers, n, L, cfg.index_head_dim), jnp.float32)}
     return jnp.asarray(run_decode(model, windows, L - 1, KeysKV(topk=cfg.index_topk), extra, False)["basis_keys"][-1])
-
-
-def fit_codebooks(model, windows) -> object:
-    """The "rvq" codebooks of every full indexer, as the store takes them (`index_codebooks.fit_codebooks`: m stages
-    fitting the box's bytes, `reference.summary_rank`) of its keys over `windows` (teacher-forced) -> f32[LI, m, 256,
-    dI]."""
-    import jax.numpy as jnp
-
-    from hisparse_jax.index_codebooks import fit_codebooks
-    from hisparse_jax.model.rope import rope_frequencies
-    from pallas_kernels.indexer_topk.reference import summary_rank
-
-    keys = index_keys(model, windows)  # [LI, n, L, dI]
-    freq, _ = rope_frequencies(model.cfg.rope, model.cfg.qk_rope_head_dim)
-    return jnp.asarray(fit_codebooks(keys, freq, summary_rank("rvq", keys.shape[-1])).books)
 
 
 def fit_bases(model, windows, blocks: list[int], summaries) -> dict:
@@ -413,28 +397,30 @@ def main(argv=None) -> int:
         p.error(f"--summaries: some of {','.join(SUMMARIES)}, comma-separated, got {a.summaries!r}")
 
     import jax
+    import jax.numpy as jnp
 
     import hisparse_jax as hj
+    from hisparse_jax.demo_workload import calibration_ids
+    from hisparse_jax.index_codebooks import fit_index_codebooks
 
     folder, windows, info = held_out.load(p, a)
     model = hj.load_pretrained(folder)
     t0 = time.perf_counter()
     basis_len = min(a.seq_len, BASIS_TOKENS)
-    rvq_len = min(a.seq_len, RVQ_TOKENS)
     bases = {}
-    if {"pca_box", "ball_pca", "rvq"} & set(summaries):
+    if {"pca_box", "ball_pca"} & set(summaries):
         from hisparse_jax.train import data
 
         train = data.load_corpus()[0]
-    if {"pca_box", "ball_pca"} & set(summaries):
         print(f"fitting the bases on {BASIS_WINDOWS} x {basis_len} tokens of training text ...", file=sys.stderr,
               flush=True)
         bases = fit_bases(model, [list(w) for w in data.fixed_windows(train, basis_len, BASIS_WINDOWS)], blocks,
                           summaries)
     if "rvq" in summaries:
-        print(f"fitting the RVQ codebooks on {RVQ_WINDOWS} x {rvq_len} tokens of training text ...", file=sys.stderr,
-              flush=True)
-        books = fit_codebooks(model, [list(w) for w in data.fixed_windows(train, rvq_len, RVQ_WINDOWS)])
+        calibration = np.asarray(calibration_ids("text", model.cfg, a.seq_len, 0))
+        print(f"fitting the RVQ codebooks on {len(calibration)} x {calibration.shape[1]} tokens of training text ...",
+              file=sys.stderr, flush=True)
+        books = jnp.asarray(fit_index_codebooks(model, calibration).books)
         bases.update({("rvq", bs): books for bs in blocks})
     print(f"recording {a.sequences} x {a.seq_len} tokens from position {a.trace_start}, blocks {blocks}, "
           f"summaries {summaries} ...", file=sys.stderr, flush=True)
@@ -452,8 +438,10 @@ def main(argv=None) -> int:
                         "blocks": blocks, "summaries": summaries,
                         "basis": {"from": "training text (pca_basis of the keys of every full indexer)",
                                   "windows": BASIS_WINDOWS, "tokens": basis_len},
-                        "rvq_codebooks": {"from": "training text (rvq_fit of the un-rotated keys of every full "
-                                                  "indexer)", "windows": RVQ_WINDOWS, "tokens": rvq_len}},
+                        "rvq_codebooks": {"from": "training text (demo_workload.calibration_ids, "
+                                                  "index_codebooks.fit_index_codebooks)",
+                                          "windows": len(calibration), "tokens": calibration.shape[1]}
+                        if "rvq" in summaries else None},
            "bytes": {"fp8_key": model.cfg.index_head_dim + 4, "fp8_kv_row": FP8_ROW},
            "record_s": time.perf_counter() - t0, "per_block_size": res,
            "summary": summarize(res, model.cfg.index_topk, model.cfg.index_head_dim)}

@@ -69,8 +69,8 @@ m = d / 16 - 1 one-byte residual-VQ codes and an e4m3 radius instead (the same 8
 GLM-5.3, taken off HiSparse's GPU pool (`index_codebook_bytes`). Each step reads `index_read_fraction` of every full
 layer's keys of each request from the host (default 1: on the trained model an exact top-k from min / max page bounds
 read every page, and ranking pages by their mean key still needs ~60 % of them for recall 0.9; with "rvq" the store's
-exact mode read 66 % of the pages on the 8K model, `--index-read-fraction 0.66`; `experiments/index_tier.py`), added
-to the H2D bytes. At 1M tokens that gives 51 running requests per replica (10x the device tier's 5, GPU-limited) with
+exact mode read 60 % of the pages on the 8K model, `--index-read-fraction 0.6`; `experiments/index_tier.py`), added to
+the H2D bytes. At 1M tokens that gives 51 running requests per replica (10x the device tier's 5, GPU-limited) with
 2,376 GiB of host pool, but 2.9 GB of keys to read per request and step: 3 s per step at 50 GB/s; the read fraction
 would have to fall to ~3 % for 100 ms.
 

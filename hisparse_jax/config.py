@@ -416,7 +416,7 @@ class CacheConfig:
       given when it is made: `index_codebooks.fit_index_codebooks` on calibration text; `Engine(...,
       index_codebooks=...)`). A key's score is bounded by its reconstruction's score widened by |q| x its radius,
       so the bound holds for any codebook and is tight for one fitted to the model's keys: on the trained 8K model
-      exact mode reads 66 % of the live pages where the box reads all of them (`experiments/index_tier.py`). Not
+      exact mode reads 60 % of the live pages where the box reads all of them (`experiments/index_tier.py`). Not
       with speculative_tokens (the MTP layer's keys have no codebooks).
     index_budget_pages: with index_tier="host", at most this many pages read per step, request and index layer
       (budgeted mode: the best-bounded pages; the top-k is taken among their positions, a fixed amount of work per

@@ -63,13 +63,15 @@ def text_workload(n: int, longest: int, seed: int, low: float = 0.55) -> list[li
     return text_data.document_prompts(text_data.load_corpus()[1], lens, seed)
 
 
-CALIBRATION_WINDOWS, CALIBRATION_TOKENS = 4, 2048  # --index-summary rvq: the text its codebooks are fitted on
+CALIBRATION_WINDOWS, CALIBRATION_TOKENS = 32, 2048  # --index-summary rvq: the text its codebooks are fitted on
 
 
 def calibration_ids(kind: str, cfg: ModelConfig, longest: int, seed: int) -> np.ndarray:
-    """int[4, T] token ids the "rvq" codebooks are fitted on (`index_codebooks.fit_index_codebooks`), T the
-    prompts' longest length up to 2048: for the text workload, windows of the training text (the prompts are
-    held out), else random walks drawn apart from the prompts' (another seed)."""
+    """int[CALIBRATION_WINDOWS, T] token ids the "rvq" codebooks are fitted on (`index_codebooks.fit_index_codebooks`),
+    T the prompts' longest length up to CALIBRATION_TOKENS: for the text workload, windows of the training text (the
+    prompts are held out), else random walks drawn apart from the prompts' (another seed). 32 windows of 2048 bytes
+    hold nearly every byte an index layer-0 key can be (those keys depend on the byte alone): with 4 the held-out
+    text's rarer bytes coded far from their keys and exact mode read more pages (docs/results.md)."""
     T = min(longest, CALIBRATION_TOKENS)
     if kind == "text":
         return text_data.fixed_windows(text_data.load_corpus()[0], T, CALIBRATION_WINDOWS)

@@ -1,7 +1,7 @@
 """Codebooks for the host key tier's "rvq" summary (`CacheConfig(index_tier="host", index_summary="rvq")`), fitted
 to a model's indexer keys on calibration text:
 
-    books = fit_index_codebooks(model, calibration_ids)      # int[n, T] token ids, e.g. 4 windows of 2048
+    books = fit_index_codebooks(model, calibration_ids)      # int[n, T] token ids, e.g. 32 windows of 2048
     engine = Engine(model, CacheConfig(index_tier="host", index_summary="rvq"), index_codebooks=books)
 
 Any codebooks give exact top-k (each key's radius is measured from its own reconstruction); codebooks fitted to the
